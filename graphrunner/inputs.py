@@ -1,0 +1,41 @@
+"""What a runner needs from a batch: named device tensors plus host mirrors.
+
+The runner never depends on :class:`graphrunner.batch.DecodeBatch`; an engine
+can pass its own batch object as long as it has these attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class DecodeInputs(Protocol):
+    """The inputs of one decode step, ``bs`` live requests, one token each.
+
+    Device tensors (int64, shape ``[bs]``):
+        input_ids: the token fed to each request this step.
+        req_pool_indices: each request's row in ``req_to_token`` (never 0).
+        seq_lens: tokens in the cache per request, the new token included.
+        out_cache_loc: the KV slot the new token is written to (never 0).
+        positions: the new token's position, ``seq_lens - 1``.
+
+    Host mirrors (CPU int64, shape ``[bs]``), equal to their device twins and
+    kept in step by the scheduler so no step reads a device value back:
+        req_pool_indices_cpu, seq_lens_cpu.
+    """
+
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        """Live requests in the batch (from the host mirror, never a sync)."""
+        ...
