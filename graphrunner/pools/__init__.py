@@ -1,0 +1,22 @@
+"""Pools of request rows, KV token slots and Mamba state; slot 0 of each is padding."""
+
+from __future__ import annotations
+
+from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
+from graphrunner.pools.kv import KVCache, TokenToKVPoolAllocator
+from graphrunner.pools.mamba import MambaStatePool
+from graphrunner.pools.req_to_token import DecodeReqToTokenPool, ReqToTokenPool
+from graphrunner.pools.slots import SlotAllocator
+
+__all__ = [
+    "DecodeReqToTokenPool",
+    "DoubleFree",
+    "InvalidSlot",
+    "KVCache",
+    "MambaStatePool",
+    "PoolError",
+    "PoolExhausted",
+    "ReqToTokenPool",
+    "SlotAllocator",
+    "TokenToKVPoolAllocator",
+]

@@ -1,0 +1,283 @@
+"""The decode batch: device tensors plus the host mirrors that keep every step sync-free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphrunner.pools.kv import TokenToKVPoolAllocator
+from graphrunner.pools.req_to_token import ReqToTokenPool
+from graphrunner.pools.slots import DeviceLike, check_count
+
+__all__ = ["BatchError", "DecodeBatch"]
+
+
+class BatchError(ValueError):
+    """Inconsistent batch input; the batch (and any pool) is left exactly as it was."""
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" and "cuda:0" name the same device; an index is only compared when both have one.
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _host(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _int_list(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        raise BatchError(f"{name} is on {values.device}; expected host ints (no device read)")
+    out = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise BatchError(f"{name}[{i}] = {v!r}; expected an int")
+    return out
+
+
+class DecodeBatch:
+    """``bs`` live requests decoding one token each; satisfies :class:`DecodeInputs`.
+
+    Device tensors (int64 ``[bs]`` on ``device``):
+        input_ids: the token each request feeds this step.
+        req_pool_indices: each request's row in ``req_to_token`` (never 0).
+        seq_lens: tokens in the KV cache per request; after :meth:`prepare_decode`
+            this includes the new token.
+        out_cache_loc: the KV slot of the new token (never 0 once prepared).
+        positions: the new token's position, ``seq_lens - 1`` once prepared.
+    Host mirrors (CPU int64 ``[bs]``), always equal to their device twins:
+        req_pool_indices_cpu, seq_lens_cpu.
+
+    NOTE: a batch made by :meth:`from_requests` holds zeros in ``out_cache_loc``
+    and ``positions`` (placeholders meaning "not prepared yet") and its
+    ``seq_lens`` do not yet count the new token; call :meth:`prepare_decode`
+    before running a step with it.
+
+    No method reads a device tensor back: host facts come from the mirrors,
+    device tensors are built from host tensors (``non_blocking``) or from other
+    device tensors. Every failing call leaves the batch (and pools) unchanged.
+    """
+
+    __slots__ = (
+        "device",
+        "input_ids",
+        "max_context_len",
+        "out_cache_loc",
+        "positions",
+        "req_pool_indices",
+        "req_pool_indices_cpu",
+        "seq_lens",
+        "seq_lens_cpu",
+    )
+
+    def __init__(self, device: DeviceLike, max_context_len: int) -> None:
+        """An empty (idle) batch; see :meth:`empty`."""
+        self.device = torch.device(device)
+        self.max_context_len = check_count("max_context_len", max_context_len, minimum=1)
+        self.req_pool_indices_cpu = _host([])
+        self.seq_lens_cpu = _host([])
+        self.req_pool_indices = self._to_device(self.req_pool_indices_cpu)
+        self.seq_lens = self._to_device(self.seq_lens_cpu)
+        self.input_ids = self._zeros(0)
+        self.out_cache_loc = self._zeros(0)
+        self.positions = self._zeros(0)
+
+    @classmethod
+    def empty(cls, device: DeviceLike, max_context_len: int) -> DecodeBatch:
+        """The idle batch: ``bs == 0``, every tensor ``[0]``."""
+        return cls(device, max_context_len)
+
+    @classmethod
+    def from_requests(
+        cls,
+        req_pool_indices: Sequence[int],
+        seq_lens: Sequence[int],
+        input_ids: torch.Tensor,
+        *,
+        device: DeviceLike,
+        max_context_len: int,
+    ) -> DecodeBatch:
+        """A batch of already-prefilled requests.
+
+        Args:
+            req_pool_indices: host ints, each request's (allocated, non-zero) pool row.
+            seq_lens: host ints, tokens already in the cache per request,
+                ``0..max_context_len``.
+            input_ids: int64 ``[bs]`` on ``device``: the next token each request feeds.
+        """
+        batch = cls(device, max_context_len)
+        reqs = _int_list("req_pool_indices", req_pool_indices)
+        lens = _int_list("seq_lens", seq_lens)
+        if len(reqs) != len(lens):
+            raise BatchError(
+                f"{len(reqs)} req_pool_indices but {len(lens)} seq_lens; expected equal lengths"
+            )
+        batch._check_requests(reqs, lens)
+        batch._check_input_ids(input_ids, len(reqs))
+        batch.req_pool_indices_cpu = _host(reqs)
+        batch.seq_lens_cpu = _host(lens)
+        batch.req_pool_indices = batch._to_device(batch.req_pool_indices_cpu)
+        batch.seq_lens = batch._to_device(batch.seq_lens_cpu)
+        batch.input_ids = input_ids
+        batch.out_cache_loc = batch._zeros(len(reqs))
+        batch.positions = batch._zeros(len(reqs))
+        return batch
+
+    @property
+    def batch_size(self) -> int:
+        """Live requests (from the host mirror, never a sync)."""
+        return int(self.req_pool_indices_cpu.shape[0])
+
+    def is_empty(self) -> bool:
+        return self.batch_size == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeBatch(bs={self.batch_size}, device={self.device}, "
+            f"req_pool_indices={self.req_pool_indices_cpu.tolist()}, "
+            f"seq_lens={self.seq_lens_cpu.tolist()})"
+        )
+
+    def prepare_decode(
+        self,
+        req_pool: ReqToTokenPool,
+        kv_alloc: TokenToKVPoolAllocator,
+        input_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Advance every request by one token.
+
+        Per row: allocate one KV slot, ``positions = seq_lens`` (old),
+        ``req_to_token[req, position] = slot`` (one vectorised device write),
+        ``seq_lens += 1``, ``out_cache_loc = slot``. ``input_ids`` (int64 ``[bs]``
+        on ``device``, e.g. last step's sampled tokens) replaces the batch's if
+        given. Everything is validated before the KV slots are allocated.
+        """
+        reqs = self.req_pool_indices_cpu.tolist()
+        lens = self.seq_lens_cpu.tolist()
+        self._check_prepare(req_pool, kv_alloc, reqs, lens)
+        if input_ids is not None:
+            self._check_input_ids(input_ids, len(reqs))
+        slots = kv_alloc.alloc(len(reqs))
+        out_cache_loc = self._to_device(_host(slots))
+        try:
+            req_pool.write_tokens(reqs, lens, out_cache_loc)
+        except BaseException:
+            kv_alloc.free(slots)
+            raise
+        self.positions = self.seq_lens
+        self.seq_lens = self.seq_lens + 1
+        self.seq_lens_cpu = self.seq_lens_cpu + 1
+        self.out_cache_loc = out_cache_loc
+        if input_ids is not None:
+            self.input_ids = input_ids
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (host ints, unique, ``0..bs-1``), in that order."""
+        rows = _int_list("keep", keep)
+        bs = self.batch_size
+        if len(set(rows)) != len(rows):
+            raise BatchError(f"keep lists a row twice: {rows}")
+        for row in rows:
+            if not 0 <= row < bs:
+                raise BatchError(f"keep row {row} is out of range: expected 0..{bs - 1}")
+        host_rows = _host(rows)
+        dev_rows = self._to_device(host_rows)
+        req_cpu = self.req_pool_indices_cpu.index_select(0, host_rows)
+        seq_cpu = self.seq_lens_cpu.index_select(0, host_rows)
+        fields = [self.input_ids, self.req_pool_indices, self.seq_lens]
+        fields += [self.out_cache_loc, self.positions]
+        picked = [t.index_select(0, dev_rows) for t in fields]
+        self.req_pool_indices_cpu, self.seq_lens_cpu = req_cpu, seq_cpu
+        self._assign_device(picked)
+
+    def merge(self, other: DecodeBatch) -> None:
+        """Append ``other``'s rows (``other`` is left as it was; it may be empty)."""
+        if not _same_device(self.device, other.device):
+            raise BatchError(f"cannot merge a batch on {other.device} into one on {self.device}")
+        if other.max_context_len != self.max_context_len:
+            raise BatchError(
+                f"cannot merge a batch with max_context_len {other.max_context_len} into one "
+                f"with {self.max_context_len}"
+            )
+        shared = set(self.req_pool_indices_cpu.tolist()) & set(other.req_pool_indices_cpu.tolist())
+        if shared:
+            raise BatchError(f"both batches hold requests at pool rows {sorted(shared)}")
+        pairs = [
+            (self.input_ids, other.input_ids),
+            (self.req_pool_indices, other.req_pool_indices),
+            (self.seq_lens, other.seq_lens),
+            (self.out_cache_loc, other.out_cache_loc),
+            (self.positions, other.positions),
+        ]
+        merged = [torch.cat(pair) for pair in pairs]
+        req_cpu = torch.cat([self.req_pool_indices_cpu, other.req_pool_indices_cpu])
+        seq_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
+        self.req_pool_indices_cpu, self.seq_lens_cpu = req_cpu, seq_cpu
+        self._assign_device(merged)
+
+    def _assign_device(self, fields: list[torch.Tensor]) -> None:
+        (
+            self.input_ids,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.out_cache_loc,
+            self.positions,
+        ) = fields
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # copy=True: on a CPU batch the device tensor must not alias its host mirror.
+        return host.to(self.device, non_blocking=True, copy=True)
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int64, device=self.device)
+
+    def _check_requests(self, reqs: list[int], lens: list[int]) -> None:
+        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+            if req <= 0:
+                raise BatchError(
+                    f"row {i}: req_pool_indices = {req}; expected >= 1 (0 is the padding row)"
+                )
+            if not 0 <= n <= self.max_context_len:
+                raise BatchError(
+                    f"row {i}: seq_len = {n}; expected 0..max_context_len {self.max_context_len}"
+                )
+        if len(set(reqs)) != len(reqs):
+            raise BatchError(f"req_pool_indices lists a pool row twice: {reqs}")
+
+    def _check_input_ids(self, input_ids: torch.Tensor, bs: int) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise BatchError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype != torch.int64 or tuple(input_ids.shape) != (bs,):
+            raise BatchError(
+                f"input_ids is {input_ids.dtype} {tuple(input_ids.shape)}; "
+                f"expected torch.int64 ({bs},)"
+            )
+        if not _same_device(input_ids.device, self.device):
+            raise BatchError(f"input_ids is on {input_ids.device}; expected {self.device}")
+
+    def _check_prepare(
+        self,
+        req_pool: ReqToTokenPool,
+        kv_alloc: TokenToKVPoolAllocator,
+        reqs: list[int],
+        lens: list[int],
+    ) -> None:
+        if not _same_device(req_pool.device, self.device):
+            raise BatchError(f"req_pool is on {req_pool.device}; expected {self.device}")
+        if req_pool.max_context_len < self.max_context_len:
+            raise BatchError(
+                f"req_pool.max_context_len {req_pool.max_context_len} is below the batch's "
+                f"{self.max_context_len}"
+            )
+        if kv_alloc.page_size != 1:
+            # Paged decode would need each request's last slot, which lives on the device.
+            raise BatchError(f"kv_alloc.page_size is {kv_alloc.page_size}; expected 1")
+        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
+            if n + 1 > self.max_context_len:
+                raise BatchError(
+                    f"row {i} (request {req}): seq_len {n} + 1 exceeds max_context_len "
+                    f"{self.max_context_len}"
+                )
+            if not req_pool.is_allocated(req):
+                raise BatchError(f"row {i}: request {req} is not allocated in req_pool")
