@@ -1,0 +1,90 @@
+"""Capture-size policy: which batch sizes get a graph, and padding to them.
+
+Pure functions on host integers, testable without a device.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "BatchSizeError",
+    "PaddingWaste",
+    "default_capture_sizes",
+    "pad_to",
+    "padding_waste",
+    "validate_capture_sizes",
+]
+
+
+class BatchSizeError(ValueError):
+    """A batch size no captured graph can serve (below 1 or above the largest)."""
+
+
+def default_capture_sizes(max_bs: int) -> list[int]:
+    """Dense at small sizes where most decode batches live, coarser above.
+
+    ``1, 2, 4, 8, 12, 16, 24, 32, 40, ... 256`` (step 8), then step 16 up to
+    512 and step 32 beyond; capped at ``max_bs``, which is always included.
+    """
+    if not isinstance(max_bs, int) or max_bs < 1:
+        raise ValueError(f"max_bs must be a positive int, got {max_bs!r}")
+    sizes = [1, 2, 4, 8, 12]
+    sizes += list(range(16, 257, 8)) + list(range(272, 513, 16))
+    bs = 544
+    while bs <= max_bs:
+        sizes.append(bs)
+        bs += 32
+    capped = [s for s in sizes if s < max_bs]
+    return [*capped, max_bs]
+
+
+def validate_capture_sizes(sizes: Sequence[int]) -> list[int]:
+    """Return ``sizes`` as a list if positive, strictly increasing ints; else raise."""
+    if len(sizes) == 0:
+        raise ValueError("capture_sizes must not be empty")
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"capture_sizes[{i}] must be an int, got {s!r}")
+        if s < 1:
+            raise ValueError(f"capture_sizes[{i}] must be positive, got {s}")
+        if i and s <= sizes[i - 1]:
+            raise ValueError(
+                f"capture_sizes must be sorted and unique: capture_sizes[{i}]={s} "
+                f"follows {sizes[i - 1]}"
+            )
+    return list(sizes)
+
+
+def pad_to(sizes: Sequence[int], raw_bs: int) -> int:
+    """The smallest captured size ``>= raw_bs`` (``sizes`` sorted ascending)."""
+    if raw_bs < 1:
+        raise BatchSizeError(f"batch size must be >= 1, got {raw_bs}")
+    i = bisect.bisect_left(sizes, raw_bs)
+    if i == len(sizes):
+        raise BatchSizeError(f"batch size {raw_bs} exceeds the largest captured size {sizes[-1]}")
+    return sizes[i]
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingWaste:
+    """Padded rows over a workload: ``padded / (live + padded)``."""
+
+    live_rows: int
+    padded_rows: int
+
+    @property
+    def fraction(self) -> float:
+        total = self.live_rows + self.padded_rows
+        return self.padded_rows / total if total else 0.0
+
+
+def padding_waste(sizes: Sequence[int], batch_sizes: Iterable[int]) -> PaddingWaste:
+    """Rows wasted on padding if each of ``batch_sizes`` replays a graph of ``sizes``."""
+    live = padded = 0
+    for raw_bs in batch_sizes:
+        live += raw_bs
+        padded += pad_to(sizes, raw_bs) - raw_bs
+    return PaddingWaste(live, padded)
