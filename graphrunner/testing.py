@@ -1,0 +1,134 @@
+"""A toy decode model with exactly the shape of the padding bug class, and a
+world of pools around it. Used by graphrunner's tests and benchmarks; handy in
+an engine's own tests too.
+
+The toy forward gathers ``req_to_token[req_pool_indices, :]``, reads K/V at
+those slots masked by ``seq_lens``, and writes K/V at ``out_cache_loc``: a
+padded row with a stale index reads or writes another request's state.
+K/V values are elementwise functions of the token and position, so the state a
+step writes is bit-exact whatever the batch shape.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from graphrunner.batch import DecodeBatch
+from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+
+__all__ = ["ToyDecodeModel", "ToyWorld", "ToyWorldConfig"]
+
+
+class ToyDecodeModel:
+    """One attention layer over a paged KV cache; returns logits ``[bs, vocab]`` float32.
+
+    Args:
+        req_pool: ``req_to_token`` int32 ``[num_reqs + 1, max_ctx]``.
+        kv: one layer, ``[slots + 1, num_kv_heads, head_dim]``.
+        vocab: vocabulary size of ``input_ids`` and of the logits.
+    """
+
+    def __init__(self, req_pool: ReqToTokenPool, kv: KVCache, vocab: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        dim = kv.num_kv_heads * kv.head_dim
+        self.req_pool, self.kv, self.vocab = req_pool, kv, vocab
+        self.embed = torch.randn(vocab, dim, generator=gen).to(kv.device)
+        self.unembed = torch.randn(dim, vocab, generator=gen).to(kv.device)
+        self.context = torch.arange(req_pool.max_context_len, device=kv.device)
+
+    def kv_of(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """K (and V = -K) of tokens at positions: ``[n, heads, head_dim]``."""
+        x = self.embed[input_ids] + 0.01 * positions[:, None].to(self.embed.dtype)
+        return x.view(-1, self.kv.num_kv_heads, self.kv.head_dim)
+
+    def forward(self, b: object) -> torch.Tensor:
+        ids, pos = b.input_ids, b.positions  # type: ignore[attr-defined]
+        q = self.kv_of(ids, pos)
+        self.kv.set_kv(0, b.out_cache_loc, q, -q)  # type: ignore[attr-defined]
+        k_cache, v_cache = self.kv.get_kv(0)
+        slots = self.req_pool.req_to_token[b.req_pool_indices].long()  # type: ignore[attr-defined]
+        k, v = k_cache[slots], v_cache[slots]  # [bs, ctx, H, D]
+        scores = (k * q[:, None]).sum(-1) / q.shape[-1] ** 0.5  # [bs, ctx, H]
+        valid = self.context[None, :] < b.seq_lens[:, None]  # type: ignore[attr-defined]
+        scores = scores.masked_fill(~valid[..., None], float("-inf"))
+        attn = (scores.softmax(dim=1)[..., None] * v).sum(1)  # [bs, H, D]
+        return attn.flatten(1) @ self.unembed
+
+    __call__ = forward
+
+
+@dataclass(frozen=True, slots=True)
+class ToyWorldConfig:
+    """Sizes of a toy world: request rows, KV slots, context, vocab, heads."""
+
+    num_reqs: int = 24
+    kv_slots: int = 2048
+    max_context_len: int = 64
+    vocab: int = 97
+    num_kv_heads: int = 2
+    head_dim: int = 8
+
+
+class ToyWorld:
+    """Pools plus a toy model, reset in place (stable addresses for graphs).
+
+    :meth:`make_batch` fills the pools with live requests and bystanders (other
+    requests with cached tokens that the batch must never touch) and returns a
+    prepared :class:`DecodeBatch` of the live ones.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", cfg: ToyWorldConfig | None = None):
+        self.cfg = cfg = cfg or ToyWorldConfig()
+        self.device = torch.device(device)
+        self.req_pool = ReqToTokenPool(cfg.num_reqs, cfg.max_context_len, device)
+        self.kv_alloc = TokenToKVPoolAllocator(cfg.kv_slots, device)
+        self.kv = KVCache(cfg.kv_slots, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+        self.model = ToyDecodeModel(self.req_pool, self.kv, cfg.vocab)
+
+    def reset(self) -> None:
+        self.req_pool.clear()
+        self.kv_alloc.clear()
+        for t in (*self.kv.k_buffers, *self.kv.v_buffers):
+            t.zero_()
+
+    def _add_request(self, rng: random.Random, seq_len: int) -> int:
+        (req,) = self.req_pool.alloc(1)
+        slots = self.kv_alloc.alloc(seq_len)
+        self.req_pool.write(req, 0, slots)
+        loc = torch.tensor(slots, device=self.device)
+        ids = torch.tensor([rng.randrange(self.cfg.vocab) for _ in slots], device=self.device)
+        k = self.model.kv_of(ids, torch.arange(seq_len, device=self.device))
+        self.kv.set_kv(0, loc, k, -k)
+        return req
+
+    def make_batch(self, raw_bs: int, seed: int, bystanders: int = 4) -> DecodeBatch:
+        """Reset, add ``bystanders`` idle requests and ``raw_bs`` live ones; prepare a step."""
+        rng = random.Random(seed)
+        self.reset()
+        max_len = self.cfg.max_context_len - 1
+        for _ in range(bystanders):
+            self._add_request(rng, rng.randint(1, max_len))
+        lens = [rng.randint(1, max_len) for _ in range(raw_bs)]
+        reqs = [self._add_request(rng, n) for n in lens]
+        ids = torch.tensor([rng.randrange(self.cfg.vocab) for _ in reqs], device=self.device)
+        batch = DecodeBatch.from_requests(
+            reqs, lens, ids, device=self.device, max_context_len=self.cfg.max_context_len
+        )
+        batch.prepare_decode(self.req_pool, self.kv_alloc)
+        return batch
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Clones of every pool tensor, for before/after comparisons."""
+        return {
+            "req_to_token": self.req_pool.req_to_token.clone(),
+            "k": self.kv.k_buffers[0].clone(),
+            "v": self.kv.v_buffers[0].clone(),
+        }
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        self.req_pool.req_to_token.copy_(state["req_to_token"])
+        self.kv.k_buffers[0].copy_(state["k"])
+        self.kv.v_buffers[0].copy_(state["v"])

@@ -1,0 +1,59 @@
+"""Shared fixtures: one captured runner per kind over a toy world, per session.
+
+torch.compile costs seconds per size on the CPU, so runners are captured once
+and shared; the capture list is short (1, 2, 4, 8) yet every raw size 1..8 is
+exercised, most of them padded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from graphrunner import GraphRunner, create_runner, decode_buffer_specs
+from graphrunner.testing import ToyWorld
+
+TEST_CAPTURE_SIZES = [1, 2, 4, 8]
+HAS_CUDA = torch.cuda.is_available()
+RUNNER_KINDS = ["eager", "cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+def runner_device(kind: str) -> str:
+    return "cuda" if kind == "cuda" else "cpu"
+
+
+class CapturedToy:
+    """A toy world and a runner captured over it."""
+
+    def __init__(self, kind: str, capture_sizes: list[int]) -> None:
+        self.kind = kind
+        self.world = ToyWorld(runner_device(kind))
+        self.runner: GraphRunner = create_runner(
+            kind,
+            self.world.model,
+            decode_buffer_specs(),
+            device=self.world.device,
+            capture_sizes=capture_sizes,
+            show_progress=False,
+        )
+        self.runner.capture()
+
+
+@pytest.fixture(scope="session", params=RUNNER_KINDS)
+def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
+    yield CapturedToy(request.param, TEST_CAPTURE_SIZES)
+
+
+@pytest.fixture(scope="session")
+def slow() -> bool:
+    return os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"

@@ -1,0 +1,111 @@
+"""Buffer declarations and the capture-size policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrunner import (
+    BatchSizeError,
+    BufferSpec,
+    EagerRunner,
+    PadRule,
+    StaticBuffers,
+    decode_buffer_specs,
+    default_capture_sizes,
+    pad_to,
+    padding_waste,
+)
+from graphrunner.sizes import validate_capture_sizes
+
+
+def test_buffer_without_a_rule_is_an_error():
+    with pytest.raises(ValueError, match="'seq_lens' declared without a pad rule"):
+        BufferSpec("seq_lens", torch.int64, None)  # type: ignore[arg-type]
+
+
+def test_fill_value_only_with_fill_rule():
+    with pytest.raises(ValueError, match="fill_value is required"):
+        BufferSpec("x", torch.int64, PadRule.FILL)
+    with pytest.raises(ValueError, match="rule=ZERO, fill_value=3"):
+        BufferSpec("x", torch.int64, PadRule.ZERO, fill_value=3)
+
+
+def test_duplicate_names_and_bad_sizes_rejected():
+    spec = BufferSpec("x", torch.int64, PadRule.ZERO)
+    with pytest.raises(ValueError, match=r"more than once: \['x'\]"):
+        StaticBuffers([spec, spec], 4, "cpu")
+    with pytest.raises(ValueError, match="max_bs and tokens_per_row"):
+        StaticBuffers([spec], 0, "cpu")
+
+
+def test_buffers_allocated_once_at_max_size():
+    specs = [*decode_buffer_specs(), BufferSpec("h", torch.float16, PadRule.ZERO, True, (5,))]
+    bufs = StaticBuffers(specs, 16, "cpu", tokens_per_row=3)
+    assert bufs.tensors["seq_lens"].shape == (16,)
+    assert bufs.tensors["h"].shape == (48, 5) and bufs.tensors["h"].dtype == torch.float16
+    view = bufs.view(4)
+    assert view.h.data_ptr() == bufs.tensors["h"].data_ptr() and view.h.shape == (12, 5)
+    assert bufs.view(4) is view
+
+
+def test_decode_specs_follow_the_design_table():
+    rules = {s.name: (s.rule, s.pad_value(1)) for s in decode_buffer_specs(seq_len_fill_value=2)}
+    assert rules == {
+        "input_ids": (PadRule.ZERO, 0),
+        "req_pool_indices": (PadRule.ZERO, 0),
+        "seq_lens": (PadRule.FILL, 2),
+        "out_cache_loc": (PadRule.ZERO, 0),
+        "positions": (PadRule.ZERO, 0),
+    }
+
+
+def test_backend_fill_value_must_match_spec():
+    class Backend:
+        seq_len_fill_value = 2
+
+        def init_graph_state(self, max_bs: int) -> None: ...
+
+    with pytest.raises(ValueError, match="fill_value 1 differs from the backend's"):
+        EagerRunner(lambda v: v, decode_buffer_specs(), device="cpu", max_bs=4, backend=Backend())  # type: ignore[arg-type]
+
+
+def test_default_sizes_dense_then_coarse_and_capped():
+    sizes = default_capture_sizes(256)
+    assert sizes[:8] == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[5:], sizes[6:], strict=False))
+    assert default_capture_sizes(10) == [1, 2, 4, 8, 10]
+    assert default_capture_sizes(1) == [1]
+    big = default_capture_sizes(1000)
+    assert big[-1] == 1000 and big == sorted(set(big)) and 512 in big
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ([], "empty"),
+        ([0, 1], r"\[0\] must be positive"),
+        ([2, 1], "sorted and unique"),
+        ([1, 1], "sorted and unique"),
+        ([1, 2.0], r"\[1\] must be an int"),
+        ([True], "must be an int"),
+    ],
+)
+def test_bad_size_lists(sizes: list, match: str):
+    with pytest.raises(ValueError, match=match):
+        validate_capture_sizes(sizes)
+
+
+def test_pad_to_bisects_and_rejects_out_of_range():
+    sizes = [1, 2, 4, 8]
+    assert [pad_to(sizes, b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(BatchSizeError, match="exceeds the largest captured size 8"):
+        pad_to(sizes, 9)
+    with pytest.raises(BatchSizeError, match="must be >= 1, got 0"):
+        pad_to(sizes, 0)
+
+
+def test_padding_waste():
+    waste = padding_waste([1, 2, 4, 8], [3, 5, 8])
+    assert (waste.live_rows, waste.padded_rows) == (16, 4)
+    assert waste.fraction == pytest.approx(0.2)

@@ -1,0 +1,151 @@
+"""populate: every pad rule writes exactly its value, only on the tail; every
+bad input is a named error; nothing else in the library writes pad values."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import graphrunner.replay
+from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, populate
+from graphrunner.testing import ToyWorld
+
+POISON = -99
+WIDTH = 3
+
+
+def all_rule_specs() -> list[BufferSpec]:
+    return [
+        BufferSpec("zero_i64", torch.int64, PadRule.ZERO),
+        BufferSpec("fill_i32", torch.int32, PadRule.FILL, fill_value=5),
+        BufferSpec("width_i64", torch.int64, PadRule.WIDTH),
+        BufferSpec("keep_f32", torch.float32, PadRule.KEEP),
+        BufferSpec("hidden", torch.float32, PadRule.ZERO, per_token=True, extra_shape=(4,)),
+        BufferSpec("fill_f32", torch.float32, PadRule.FILL, fill_value=0.5, per_token=True),
+    ]
+
+
+def inputs_for(bufs: StaticBuffers, raw_bs: int) -> SimpleNamespace:
+    fields = {}
+    for spec in bufs.specs:
+        shape = (bufs.rows(spec, raw_bs), *spec.extra_shape)
+        fields[spec.name] = (
+            (torch.arange(torch.Size(shape).numel()) + 100).view(shape).to(spec.dtype)
+        )
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize(("raw_bs", "bs"), [(0, 4), (1, 1), (1, 4), (3, 4), (4, 4), (2, 8), (8, 8)])
+def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
+    for t in bufs.tensors.values():
+        t.fill_(POISON)
+    inputs = inputs_for(bufs, raw_bs) if raw_bs else None
+    populate(bufs, inputs, raw_bs, bs)
+    for spec in bufs.specs:
+        buf = bufs.tensors[spec.name]
+        live, total = bufs.rows(spec, raw_bs), bufs.rows(spec, bs)
+        if raw_bs:
+            assert torch.equal(buf[:live], getattr(inputs, spec.name)), spec.name
+        value = spec.pad_value(WIDTH)
+        tail = buf[live:total]
+        expected = POISON if value is None else value
+        assert torch.equal(tail, torch.full_like(tail, expected)), spec.name
+        rest = buf[total:]
+        assert torch.equal(rest, torch.full_like(rest, POISON)), f"{spec.name} past bs touched"
+
+
+def test_device_ops_are_grouped_by_dtype():
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
+    # copies: int64, int32, float32 -> 3; zeros: int64, float32 -> 2; fills: 3
+    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3 + 2 + 3
+    assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 3  # no tail, no tail ops
+    assert populate(bufs, None, 0, 4) == 2 + 3
+
+
+@pytest.fixture
+def bufs() -> StaticBuffers:
+    return StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
+
+
+def test_missing_input_names_the_field(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 2)
+    del inputs.fill_i32
+    with pytest.raises(PopulateError, match="'fill_i32' is missing"):
+        populate(bufs, inputs, 2, 4)
+
+
+def test_wrong_dtype_names_the_field(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 2)
+    inputs.width_i64 = inputs.width_i64.to(torch.int32)
+    with pytest.raises(
+        PopulateError, match=r"'width_i64' has dtype torch.int32, expected torch.int64"
+    ):
+        populate(bufs, inputs, 2, 4)
+
+
+def test_wrong_device_names_the_field(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 2)
+    inputs.zero_i64 = inputs.zero_i64.to("meta")
+    with pytest.raises(PopulateError, match="'zero_i64' is on meta, expected cpu"):
+        populate(bufs, inputs, 2, 4)
+
+
+@pytest.mark.parametrize("field", ["zero_i64", "hidden"])
+def test_wrong_length_names_the_field(bufs: StaticBuffers, field: str):
+    inputs = inputs_for(bufs, 2)
+    setattr(inputs, field, getattr(inputs, field)[:-1])
+    with pytest.raises(PopulateError, match=f"'{field}' has shape"):
+        populate(bufs, inputs, 2, 4)
+
+
+def test_not_a_tensor_and_bad_sizes(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 2)
+    inputs.keep_f32 = [1.0, 2.0]
+    with pytest.raises(PopulateError, match="'keep_f32' must be a torch.Tensor"):
+        populate(bufs, inputs, 2, 4)
+    with pytest.raises(PopulateError, match="raw_bs=5, bs=4"):
+        populate(bufs, inputs_for(bufs, 5), 5, 4)
+    with pytest.raises(PopulateError, match="bs=11"):
+        populate(bufs, inputs_for(bufs, 2), 2, 11)
+    with pytest.raises(PopulateError, match="inputs are required"):
+        populate(bufs, None, 2, 4)
+
+
+def test_failed_populate_writes_nothing(bufs: StaticBuffers):
+    for t in bufs.tensors.values():
+        t.fill_(POISON)
+    inputs = inputs_for(bufs, 2)
+    inputs.fill_f32 = inputs.fill_f32.double()  # the last field is the bad one
+    with pytest.raises(PopulateError):
+        populate(bufs, inputs, 2, 4)
+    for name, t in bufs.tensors.items():
+        assert torch.equal(t, torch.full_like(t, POISON)), name
+
+
+def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
+    """Replace populate by a copy-only version: if any other code (runner,
+    replay, backend hook) wrote a pad value, the sentinel tail would change."""
+    from graphrunner import EagerRunner, decode_buffer_specs
+
+    world = ToyWorld()
+    runner = EagerRunner(
+        world.model, decode_buffer_specs(), device="cpu", capture_sizes=[8], show_progress=False
+    )
+    runner.capture()
+    sentinel = 1  # a valid index everywhere, so the forward still runs
+
+    def copy_live_rows_only(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int) -> int:
+        for spec in bufs.specs:
+            bufs.tensors[spec.name][:raw_bs].copy_(getattr(inputs, spec.name))
+        return 0
+
+    monkeypatch.setattr(graphrunner.replay, "populate", copy_live_rows_only)
+    batch = world.make_batch(3, seed=0)
+    for t in runner.buffers.tensors.values():
+        t[3:].fill_(sentinel)
+    runner.replay(batch)
+    for name, t in runner.buffers.tensors.items():
+        assert torch.equal(t[3:], torch.full_like(t[3:], sentinel)), f"{name} tail written"
