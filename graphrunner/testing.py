@@ -87,16 +87,21 @@ class ToyWorld:
         self.kv_alloc = TokenToKVPoolAllocator(cfg.kv_slots, device)
         self.kv = KVCache(cfg.kv_slots, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
         self.model = ToyDecodeModel(self.req_pool, self.kv, cfg.vocab)
+        #: KV slots each live request owns (host side, as a scheduler keeps them).
+        self.slots_of: dict[int, list[int]] = {}
 
     def reset(self) -> None:
+        self.slots_of.clear()
         self.req_pool.clear()
         self.kv_alloc.clear()
         for t in (*self.kv.k_buffers, *self.kv.v_buffers):
             t.zero_()
 
-    def _add_request(self, rng: random.Random, seq_len: int) -> int:
+    def add_request(self, rng: random.Random, seq_len: int) -> int:
+        """Allocate a request with ``seq_len`` cached tokens of random ids; its pool row."""
         (req,) = self.req_pool.alloc(1)
         slots = self.kv_alloc.alloc(seq_len)
+        self.slots_of[req] = slots
         self.req_pool.write(req, 0, slots)
         loc = torch.tensor(slots, device=self.device)
         ids = torch.tensor([rng.randrange(self.cfg.vocab) for _ in slots], device=self.device)
@@ -104,15 +109,27 @@ class ToyWorld:
         self.kv.set_kv(0, loc, k, -k)
         return req
 
+    def release(self, req: int) -> None:
+        """Free a finished request's row and KV slots (they get reused)."""
+        self.kv_alloc.free(self.slots_of.pop(req))
+        self.req_pool.free([req])
+
+    def record_step(self, batch: DecodeBatch) -> None:
+        """Note the KV slots a prepared step gave each request (reads host values)."""
+        for req, slot in zip(
+            batch.req_pool_indices_cpu.tolist(), batch.out_cache_loc.tolist(), strict=True
+        ):
+            self.slots_of[req].append(slot)
+
     def make_batch(self, raw_bs: int, seed: int, bystanders: int = 4) -> DecodeBatch:
         """Reset, add ``bystanders`` idle requests and ``raw_bs`` live ones; prepare a step."""
         rng = random.Random(seed)
         self.reset()
         max_len = self.cfg.max_context_len - 1
         for _ in range(bystanders):
-            self._add_request(rng, rng.randint(1, max_len))
+            self.add_request(rng, rng.randint(1, max_len))
         lens = [rng.randint(1, max_len) for _ in range(raw_bs)]
-        reqs = [self._add_request(rng, n) for n in lens]
+        reqs = [self.add_request(rng, n) for n in lens]
         ids = torch.tensor([rng.randrange(self.cfg.vocab) for _ in reqs], device=self.device)
         batch = DecodeBatch.from_requests(
             reqs, lens, ids, device=self.device, max_context_len=self.cfg.max_context_len

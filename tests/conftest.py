@@ -57,3 +57,16 @@ def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
 @pytest.fixture(scope="session")
 def slow() -> bool:
     return os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
+
+
+#: Distinct (runner, captured size, raw size) cases replayed by the padded suite.
+PADDED_CASES: set[tuple[str, int, int]] = set()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if PADDED_CASES:
+        runners = sorted({kind for kind, _, _ in PADDED_CASES})
+        terminalreporter.write_line(
+            f"padded suite: {len(PADDED_CASES)} distinct (runner, captured size, raw size) "
+            f"cases replayed across runners {runners}"
+        )

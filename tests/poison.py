@@ -10,17 +10,17 @@ from graphrunner.testing import ToyWorld
 def stale_values(world: ToyWorld, batch: DecodeBatch) -> dict[str, int]:
     """What a previous, larger batch leaves in the tail: indices of live state.
 
-    ``out_cache_loc`` points at a bystander's cached token and
+    ``out_cache_loc`` points at a live request's first cached token and
     ``req_pool_indices`` at a live request, so a padded row that keeps them
-    writes over another request's KV and reads a live row.
+    writes over live KV and reads a live row.
     """
-    bystander = min(world.req_pool.allocated() - set(batch.req_pool_indices_cpu.tolist()))
-    bystander_slot = int(world.req_pool.req_to_token[bystander, 0])
+    first_req = int(batch.req_pool_indices_cpu[0])
+    cached_slot = int(world.req_pool.req_to_token[first_req, 0])
     return {
         "input_ids": (int(batch.input_ids[0]) + 1) % world.cfg.vocab,
-        "req_pool_indices": int(batch.req_pool_indices_cpu[0]),
+        "req_pool_indices": first_req,
         "seq_lens": world.cfg.max_context_len,
-        "out_cache_loc": bystander_slot,
+        "out_cache_loc": cached_slot,
         "positions": world.cfg.max_context_len - 1,
     }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TEST_CAPTURE_SIZES, CapturedToy
+from conftest import PADDED_CASES, TEST_CAPTURE_SIZES, CapturedToy
 from poison import poison_tails, stale_values
 
 
@@ -14,6 +14,7 @@ def changed_kv_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
     return set(torch.nonzero((before != after).flatten(1).any(1)).flatten().tolist())
 
 
+@pytest.mark.padded
 @pytest.mark.parametrize("raw_bs", range(1, TEST_CAPTURE_SIZES[-1] + 1))
 def test_padded_replay_matches_eager_and_spares_state(captured_toy: CapturedToy, raw_bs: int):
     world, runner = captured_toy.world, captured_toy.runner
@@ -26,6 +27,7 @@ def test_padded_replay_matches_eager_and_spares_state(captured_toy: CapturedToy,
     poison_tails(runner, raw_bs, stale_values(world, batch))
     out = runner.replay(batch).clone()
     after = world.state()
+    PADDED_CASES.add((runner.kind, runner.graph_size_for(raw_bs), raw_bs))
 
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected)

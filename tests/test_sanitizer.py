@@ -1,0 +1,133 @@
+"""Planted bugs: each disabled pad rule, and each way a padded row can touch
+live state, is caught by the sanitizer on every runner."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import CapturedToy
+from poison import stale_values
+
+import graphrunner.replay
+from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
+from graphrunner.populate import populate
+from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
+from graphrunner.testing import ToyWorld
+
+RAW_BS = 5  # padded to 8
+
+
+@pytest.fixture
+def sanitized(captured_toy: CapturedToy) -> Iterator[CapturedToy]:
+    world = captured_toy.world
+    captured_toy.runner.sanitizer = PaddingSanitizer.for_pools(
+        world.req_pool, world.kv, kv_allocator=world.kv_alloc
+    )
+    yield captured_toy
+    captured_toy.runner.sanitizer = None
+
+
+def test_correct_replay_passes_and_reports_cost(sanitized: CapturedToy):
+    sanitized.runner.replay(sanitized.world.make_batch(RAW_BS, seed=0))
+    stats = sanitized.runner.sanitizer.stats  # type: ignore[union-attr]
+    assert stats.replays_checked == 1 and stats.seconds > 0
+
+
+@pytest.mark.parametrize("field", [s.name for s in decode_buffer_specs()])
+def test_disabled_pad_rule_is_caught(
+    sanitized: CapturedToy, field: str, monkeypatch: pytest.MonkeyPatch
+):
+    world = sanitized.world
+    batch = world.make_batch(RAW_BS, seed=1)
+    stale = stale_values(world, batch)[field]
+
+    def populate_forgetting_one_rule(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int):
+        ops = populate(bufs, inputs, raw_bs, bs)
+        bufs.tensors[field][raw_bs:bs].fill_(stale)  # the rule "was never applied"
+        return ops
+
+    monkeypatch.setattr(graphrunner.replay, "populate", populate_forgetting_one_rule)
+    with pytest.raises(PaddingViolation, match=f"buffer '{field}' padded row {RAW_BS} .* holds"):
+        sanitized.runner.replay(batch)
+
+
+def test_pad_value_pointing_at_live_kv_is_caught():
+    """A wrongly declared rule passes the tail check; the state check catches
+    the padded row writing a live request's KV slot."""
+    world = ToyWorld()
+    batch = world.make_batch(RAW_BS, seed=2)
+    live_slot = stale_values(world, batch)["out_cache_loc"]
+    specs = [
+        BufferSpec("out_cache_loc", torch.int64, PadRule.FILL, fill_value=live_slot)
+        if s.name == "out_cache_loc"
+        else s
+        for s in decode_buffer_specs()
+    ]
+    runner = EagerRunner(
+        world.model,
+        specs,
+        device="cpu",
+        capture_sizes=[8],
+        show_progress=False,
+        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
+    )
+    runner.capture()
+    batch = world.make_batch(RAW_BS, seed=2)  # fresh state after capture's dummy writes
+    with pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] row {live_slot} changed"):
+        runner.replay(batch)
+
+
+def test_write_to_padding_row_of_req_to_token_is_caught():
+    world = ToyWorld()
+
+    def forward_that_writes_row_zero(b: object) -> torch.Tensor:
+        world.req_pool.req_to_token[b.req_pool_indices] = 3  # type: ignore[attr-defined]
+        return world.model(b)
+
+    runner = EagerRunner(
+        forward_that_writes_row_zero,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[8],
+        show_progress=False,
+        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
+    )
+    runner.capture()
+    with pytest.raises(PaddingViolation, match="req_to_token row 0 changed during replay"):
+        runner.replay(world.make_batch(RAW_BS, seed=3))
+    batch = world.make_batch(RAW_BS, seed=3)
+    world.req_pool.req_to_token[0, 5] = 9  # and a dirty row 0 is caught before launch
+    with pytest.raises(PaddingViolation, match="row 0 .* column 5 holds 9"):
+        runner.replay(batch)
+
+
+def test_pool_handing_out_slot_zero_is_caught(
+    sanitized: CapturedToy, monkeypatch: pytest.MonkeyPatch
+):
+    alloc = sanitized.world.kv_alloc
+    batch = sanitized.world.make_batch(RAW_BS, seed=4)
+    monkeypatch.setattr(alloc, "is_allocated", lambda slot: True)
+    with pytest.raises(PaddingViolation, match="TokenToKVPoolAllocator handed out .* slot 0"):
+        sanitized.runner.replay(batch)
+
+
+def test_non_finite_live_output_is_caught():
+    world = ToyWorld()
+
+    def forward_with_nan(b: object) -> torch.Tensor:
+        out = world.model(b)
+        return torch.where(b.input_ids[:, None] == b.input_ids[1], torch.nan, out)  # type: ignore[attr-defined]
+
+    runner = EagerRunner(
+        forward_with_nan,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[8],
+        show_progress=False,
+        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
+    )
+    runner.capture()
+    with pytest.raises(PaddingViolation, match="live row 1 is not finite"):
+        runner.replay(world.make_batch(RAW_BS, seed=5))
