@@ -1,0 +1,28 @@
+"""populate: host time per call and device operations per call, per batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.conftest import FACTS, record
+from graphrunner import StaticBuffers, decode_buffer_specs, pad_to, populate
+from graphrunner.testing import ToyWorld, ToyWorldConfig
+
+SIZES = [1, 2, 4, 8, 16, 32, 64]
+CAPTURED = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.fixture(scope="module")
+def world() -> ToyWorld:
+    return ToyWorld(cfg=ToyWorldConfig(num_reqs=80, kv_slots=8192))
+
+
+@pytest.mark.parametrize("raw_bs", SIZES)
+def bench_populate(benchmark: object, world: ToyWorld, raw_bs: int) -> None:
+    bufs = StaticBuffers(decode_buffer_specs(), CAPTURED[-1], world.device)
+    batch = world.make_batch(raw_bs - 1 if raw_bs > 1 else 1, seed=raw_bs)
+    raw = batch.batch_size
+    bs = pad_to(CAPTURED, raw)
+    ops = benchmark(populate, bufs, batch, raw, bs)  # type: ignore[operator]
+    FACTS[("populate", raw)] = {"padded_to": bs, "device_ops": ops}
+    record(benchmark, "populate", raw, "populate")

@@ -1,0 +1,64 @@
+"""Benchmark plumbing: collect medians, print ratios against the baseline
+measured in the same run, and write them with the machine to bench/results/."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+#: (group, batch size) -> {variant: median seconds}; baselines are named "eager".
+MEDIANS: dict[tuple[str, int], dict[str, float]] = {}
+#: Extra per-row facts (e.g. device ops per populate), by (group, batch size).
+FACTS: dict[tuple[str, int], dict[str, object]] = {}
+
+
+def record(benchmark: object, group: str, bs: int, variant: str) -> None:
+    """Remember the median of a finished pytest-benchmark run (no-op when disabled)."""
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None:
+        MEDIANS.setdefault((group, bs), {})[variant] = stats.stats.median
+
+
+def machine() -> dict[str, str]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    return {
+        "device": device or platform.machine(),
+        "cpus": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def table() -> list[str]:
+    lines = ["| group | bs | variant | median (µs) | vs eager | facts |", "|---|---|---|---|---|---|"]
+    for (group, bs), variants in sorted(MEDIANS.items()):
+        base = variants.get("eager")
+        for variant, median in sorted(variants.items()):
+            ratio = f"{base / median:.2f}x" if base and variant != "eager" else ""
+            facts = json.dumps(FACTS.get((group, bs), {})) if variant == min(variants) else ""
+            lines.append(f"| {group} | {bs} | {variant} | {median * 1e6:.1f} | {ratio} | {facts} |")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not MEDIANS:
+        return
+    info = machine()
+    lines = table()
+    for line in lines:
+        terminalreporter.write_line(line)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    tag = "cuda" if torch.cuda.is_available() else "cpu"
+    out = RESULTS_DIR / f"{tag}-{info['date']}.md"
+    header = [f"# Benchmarks ({tag})", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
+    out.write_text("\n".join(header + lines) + "\n")
+    terminalreporter.write_line(f"results written to {out}")
