@@ -19,6 +19,20 @@ from graphrunner.testing import ToyWorld
 RAW_BS = 5  # padded to 8
 
 
+def sanitized_eager(world: ToyWorld, forward: object, specs: list[BufferSpec] | None = None):
+    """A captured eager runner over ``world`` with the sanitizer on."""
+    runner = EagerRunner(
+        forward,  # type: ignore[arg-type]
+        specs or decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[8],
+        show_progress=False,
+        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
+    )
+    runner.capture()
+    return runner
+
+
 @pytest.fixture
 def sanitized(captured_toy: CapturedToy) -> Iterator[CapturedToy]:
     world = captured_toy.world
@@ -65,15 +79,7 @@ def test_pad_value_pointing_at_live_kv_is_caught():
         else s
         for s in decode_buffer_specs()
     ]
-    runner = EagerRunner(
-        world.model,
-        specs,
-        device="cpu",
-        capture_sizes=[8],
-        show_progress=False,
-        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
-    )
-    runner.capture()
+    runner = sanitized_eager(world, world.model, specs)
     batch = world.make_batch(RAW_BS, seed=2)  # fresh state after capture's dummy writes
     with pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] row {live_slot} changed"):
         runner.replay(batch)
@@ -86,15 +92,7 @@ def test_write_to_padding_row_of_req_to_token_is_caught():
         world.req_pool.req_to_token[b.req_pool_indices] = 3  # type: ignore[attr-defined]
         return world.model(b)
 
-    runner = EagerRunner(
-        forward_that_writes_row_zero,
-        decode_buffer_specs(),
-        device="cpu",
-        capture_sizes=[8],
-        show_progress=False,
-        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
-    )
-    runner.capture()
+    runner = sanitized_eager(world, forward_that_writes_row_zero)
     with pytest.raises(PaddingViolation, match="req_to_token row 0 changed during replay"):
         runner.replay(world.make_batch(RAW_BS, seed=3))
     batch = world.make_batch(RAW_BS, seed=3)
@@ -120,14 +118,6 @@ def test_non_finite_live_output_is_caught():
         out = world.model(b)
         return torch.where(b.input_ids[:, None] == b.input_ids[1], torch.nan, out)  # type: ignore[attr-defined]
 
-    runner = EagerRunner(
-        forward_with_nan,
-        decode_buffer_specs(),
-        device="cpu",
-        capture_sizes=[8],
-        show_progress=False,
-        sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
-    )
-    runner.capture()
+    runner = sanitized_eager(world, forward_with_nan)
     with pytest.raises(PaddingViolation, match="live row 1 is not finite"):
         runner.replay(world.make_batch(RAW_BS, seed=5))

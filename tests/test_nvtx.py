@@ -1,0 +1,43 @@
+"""NVTX ranges: named per phase and size, visible in a torch profiler trace,
+and a shared no-op when disabled."""
+
+from __future__ import annotations
+
+import pytest
+from torch.profiler import profile
+
+from conftest import CapturedToy
+from graphrunner import nvtx
+
+
+def test_replay_ranges_appear_in_a_torch_profiler_trace(captured_toy: CapturedToy):
+    batch = captured_toy.world.make_batch(3, seed=0)
+    with profile() as prof:
+        captured_toy.runner.replay(batch)
+    names = {e.name for e in prof.events()}
+    for expected in ("replay bs=4", "populate bs=4", "launch bs=4"):
+        assert f"graphrunner::{expected}" in names
+
+
+def test_capture_ranges_per_size():
+    from graphrunner import EagerRunner, decode_buffer_specs
+    from graphrunner.testing import ToyWorld
+
+    world = ToyWorld()
+    runner = EagerRunner(
+        world.model, decode_buffer_specs(), device="cpu", capture_sizes=[2, 4], show_progress=False
+    )
+    with profile() as prof:
+        runner.capture()
+    names = [e.name for e in prof.events() if e.name.startswith("graphrunner::capture")]
+    assert names[:3] == ["graphrunner::capture eager", "graphrunner::capture bs=4", "graphrunner::capture bs=2"] or set(
+        names
+    ) >= {"graphrunner::capture eager", "graphrunner::capture bs=4", "graphrunner::capture bs=2"}
+
+
+def test_disabled_ranges_are_a_shared_noop(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(nvtx, "_enabled", False)
+    assert nvtx.range("a") is nvtx.range("b")
+    with profile() as prof, nvtx.range("hidden"):
+        pass
+    assert not any("hidden" in e.name for e in prof.events())
