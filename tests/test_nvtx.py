@@ -30,9 +30,8 @@ def test_capture_ranges_per_size():
     with profile() as prof:
         runner.capture()
     names = [e.name for e in prof.events() if e.name.startswith("graphrunner::capture")]
-    assert names[:3] == ["graphrunner::capture eager", "graphrunner::capture bs=4", "graphrunner::capture bs=2"] or set(
-        names
-    ) >= {"graphrunner::capture eager", "graphrunner::capture bs=4", "graphrunner::capture bs=2"}
+    assert "graphrunner::capture eager" in names
+    assert names.index("graphrunner::capture bs=4") < names.index("graphrunner::capture bs=2")
 
 
 def test_disabled_ranges_are_a_shared_noop(monkeypatch: pytest.MonkeyPatch):
