@@ -22,8 +22,12 @@ def _world(kind: str) -> ToyWorld:
 def captured(request: pytest.FixtureRequest) -> tuple[ToyWorld, GraphRunner]:
     world = _world(request.param)
     runner = create_runner(
-        request.param, world.model, decode_buffer_specs(), device=world.device,
-        capture_sizes=SIZES, show_progress=False,
+        request.param,
+        world.model,
+        decode_buffer_specs(),
+        device=world.device,
+        capture_sizes=SIZES,
+        show_progress=False,
     )
     runner.capture()
     return world, runner

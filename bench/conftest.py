@@ -39,7 +39,10 @@ def machine() -> dict[str, str]:
 
 
 def table() -> list[str]:
-    lines = ["| group | bs | variant | median (µs) | vs eager | facts |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| group | bs | variant | median (µs) | vs eager | facts |",
+        "|---|---|---|---|---|---|",
+    ]
     for (group, bs), variants in sorted(MEDIANS.items()):
         base = variants.get("eager")
         for variant, median in sorted(variants.items()):

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import PADDED_CASES, RUNNER_KINDS, runner_device
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from poison import poison_tails, stale_values
 
+from conftest import PADDED_CASES, RUNNER_KINDS, runner_device
 from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.batch import DecodeBatch
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.testing import ToyWorld
+from poison import poison_tails, stale_values
 
 pytestmark = pytest.mark.padded
 

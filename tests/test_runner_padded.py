@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import PADDED_CASES, TEST_CAPTURE_SIZES, CapturedToy
 from poison import poison_tails, stale_values
 

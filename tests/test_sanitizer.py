@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import CapturedToy
-from poison import stale_values
 
 import graphrunner.replay
+from conftest import CapturedToy
 from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
 from graphrunner.populate import populate
 from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
+from poison import stale_values
 
 RAW_BS = 5  # padded to 8
 
