@@ -1,0 +1,185 @@
+"""Paged attention in plain torch, with static shapes so it can be graph-captured.
+
+Every request's tokens live at scattered KV slots listed in its row of
+``req_to_token``. Decode gathers that whole row (``max_context_len`` wide, the
+same width for every batch) and masks the columns at or past ``seq_lens``: no
+shape depends on the data, nothing reads back to the host, so one capture per
+batch size serves every step. Padded rows (``req_pool_indices`` 0, ``seq_lens``
+1) read row 0 of ``req_to_token`` (all zeros), so they attend to KV slot 0 only,
+the sink their own writes land in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from graphrunner.buffers import BufferView
+from graphrunner.inputs import DecodeInputs
+from graphrunner.model.config import ModelConfig
+from graphrunner.model.layers import RotaryEmbedding
+
+
+class StepInputs(Protocol):
+    """The device tensors of a decode step: a DecodeBatch, or a runner's BufferView."""
+
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+
+
+class KVStore(Protocol):
+    """What attention needs of :class:`graphrunner.pools.KVCache`."""
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AttnMetadata:
+    """Which KV slots each query reads, shared by all layers of one forward.
+
+    slots: int64 ``[B, T]``, KV slot of each key column (``B`` is ``bs`` in decode,
+        1 in extend, where every query reads the same prompt row).
+    mask: bool ``[B, 1, R, T]``, True where a query row may read a key column
+        (``R`` = query heads per KV head in decode, ``tokens * that`` in extend).
+    """
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata,
+           scale: float) -> torch.Tensor:
+    """Grouped-query attention over gathered KV slots.
+
+    q: ``[B, H_kv, R, D]``, the query rows that share each KV head.
+    k_buf, v_buf: the layer's KV pool, ``[num_slots + 1, H_kv, D]``.
+    Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32 as in transformers.
+    """
+    k = k_buf[meta.slots].transpose(1, 2)  # [B, H_kv, T, D]
+    v = v_buf[meta.slots].transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~meta.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class PagedAttention(nn.Module):
+    """Llama self-attention over a paged KV cache (q/k/v/o projections, no biases).
+
+    ``forward(x [n, hidden], positions [n], out_loc [n], kv, meta, rotary)``
+    writes the new tokens' K/V for layer ``layer_id`` at ``out_loc`` *before*
+    reading, so a token attends to itself, then returns ``[n, hidden]``.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, *,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+                kv: KVStore, meta: AttnMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv.set_kv(self.layer_id, out_loc, k, v)
+        k_buf, v_buf = kv.get_kv(self.layer_id)
+        out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale)
+        return self.o_proj(self._unrows(out, n))
+
+    def _rows(self, q: torch.Tensor, b: int) -> torch.Tensor:
+        """``[n, H, D]`` to ``[b, H_kv, R, D]``: in decode (b == n) the rows of a KV
+        head are its group's query heads; in extend (b == 1) they are every
+        (token, group head) pair of the prompt, all reading one key row."""
+        n = q.shape[0]
+        q = q.view(n, self.num_kv_heads, -1, self.head_dim)
+        if b == n:
+            return q
+        return q.transpose(0, 1).reshape(1, self.num_kv_heads, -1, self.head_dim)
+
+    def _unrows(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        if out.shape[0] == n:
+            return out.reshape(n, -1)
+        out = out.view(self.num_kv_heads, n, -1, self.head_dim)
+        return out.transpose(0, 1).reshape(n, -1)
+
+
+class TorchPagedBackend:
+    """The :class:`graphrunner.backend.GraphBackend` of the torch paged attention.
+
+    Plan/run split, made as small as this backend allows: the per-step metadata
+    (slot gather + length mask, :meth:`decode_metadata`) is two fused ops that
+    read only the batch tensors, so it runs inside the graph and the very same
+    forward is the eager reference. What the hooks own is the host side:
+
+    - ``init_graph_state``: checks once, before any capture, that row 0 of
+      ``req_to_token`` is all zeros (padded rows gather it; it may sync here).
+    - ``init_capture_metadata``: checks the capture view's width against
+      ``max_bs`` (host shapes only).
+    - ``init_replay_metadata``: checks the live ``seq_lens_cpu`` host mirror
+      against ``max_context_len``. A longer sequence would be silently
+      truncated by the fixed-width gather; a 0 would attend to nothing (NaN).
+      Reads host memory only, never the device.
+
+    ``seq_len_fill_value`` is 1: a padded row attends to exactly one key, slot 0.
+    """
+
+    seq_len_fill_value: int = 1
+
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token  # int32 [num_reqs + 1, max_context_len]
+        self.max_context_len = req_to_token.shape[1]
+        self.kv_columns = torch.arange(self.max_context_len, device=req_to_token.device)
+        self.max_bs = 0
+
+    def decode_metadata(self, inputs: StepInputs, group: int) -> AttnMetadata:
+        """Slots ``[bs, max_context_len]`` and mask ``[bs, 1, group, max_context_len]``."""
+        slots = self.req_to_token[inputs.req_pool_indices].long()
+        mask = self.kv_columns < inputs.seq_lens[:, None]
+        return AttnMetadata(slots, mask[:, None, None, :].expand(-1, 1, group, -1))
+
+    def extend_metadata(self, req_pool_index: int, positions: torch.Tensor, width: int,
+                        group: int) -> AttnMetadata:
+        """Causal metadata for one request whose new tokens sit at ``positions [n]``
+        (the last one is ``width - 1``): slots ``[1, width]``, mask
+        ``[1, 1, n * group, width]``."""
+        slots = self.req_to_token[req_pool_index, :width].long()[None, :]
+        mask = self.kv_columns[:width] <= positions[:, None]  # [n, width]
+        mask = mask[:, None, :].expand(-1, group, -1).reshape(1, 1, -1, width)
+        return AttnMetadata(slots, mask)
+
+    def init_graph_state(self, max_bs: int) -> None:
+        if int(self.req_to_token[0].abs().sum()) != 0:
+            raise ValueError("req_to_token row 0 is not all zeros; padded rows would read "
+                             "live KV slots (row 0 is reserved for padding)")
+        self.max_bs = max_bs
+
+    def init_capture_metadata(self, bs: int, view: BufferView) -> None:
+        if not 1 <= bs <= self.max_bs or view.bs != bs:
+            raise ValueError(f"capture bs={bs} (view of {view.bs} rows): "
+                             f"expected 1..max_bs={self.max_bs} rows; call init_graph_state first")
+
+    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView,
+                             inputs: object) -> None:
+        seq_lens = cast(DecodeInputs, inputs).seq_lens_cpu
+        if raw_bs and (int(seq_lens.max()) > self.max_context_len or int(seq_lens.min()) < 1):
+            bad = int(((seq_lens < 1) | (seq_lens > self.max_context_len)).nonzero()[0, 0])
+            raise ValueError(f"seq_lens_cpu[{bad}]={int(seq_lens[bad])}: expected "
+                             f"1..max_context_len={self.max_context_len}")

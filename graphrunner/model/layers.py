@@ -1,0 +1,77 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, rotary embedding, SwiGLU MLP.
+
+Each follows the Hugging Face Llama arithmetic op for op, so logits agree with
+``transformers`` to float32 rounding, not just approximately.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32.
+
+    Input ``[..., hidden]`` of any float dtype; output has the input's dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table.
+
+    The table is ``[max_positions, head_dim]`` float32, built with the same ops as
+    transformers (``position * inv_freq`` in float32, then cos/sin), so a table
+    lookup equals computing it on the fly bit for bit, and costs one gather.
+    Positions must lie in ``[0, max_positions)``; padded rows use position 0.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [n, H, D]`` and ``k [n, H_kv, D]`` at ``positions [n]`` (int64)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, no biases. ``[..., hidden] -> [..., hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,170 @@
+"""A Llama-style decoder over paged KV pools: the reference executor of graphrunner."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrunner.model.attention import (
+    AttnMetadata,
+    KVStore,
+    PagedAttention,
+    StepInputs,
+    TorchPagedBackend,
+)
+from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+
+class ReqToToken(Protocol):
+    req_to_token: torch.Tensor
+
+
+class KVBuffers(KVStore, Protocol):
+    k_buffers: list[torch.Tensor]
+
+
+class WeightError(CheckpointError):
+    """A checkpoint's tensors do not match the model: missing, unexpected or misshapen."""
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+                kv: KVStore, meta: AttnMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class LlamaDecoder(nn.Module):
+    """Llama decoder reading and writing paged KV pools; parameter names match
+    transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj.weight``...).
+
+    Args:
+        config: the model shape.
+        req_to_token_pool: owns ``req_to_token``, int32 ``[num_reqs + 1, max_context_len]``.
+        kv_cache: a :class:`graphrunner.pools.KVCache` with ``num_layers`` layers of
+            ``[num_slots + 1, H_kv, D]``; slot 0 is the padding sink.
+        dtype: parameter and activation dtype; logits are always float32.
+
+    The model is built on the KV cache's device, with gradients off.
+    ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to.
+    """
+
+    def __init__(self, config: ModelConfig, req_to_token_pool: ReqToToken, kv_cache: KVBuffers,
+                 *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        req_to_token = req_to_token_pool.req_to_token
+        if req_to_token.shape[1] > config.max_position_embeddings:
+            raise ValueError(f"req_to_token has max_context_len={req_to_token.shape[1]}: expected "
+                             f"<= max_position_embeddings={config.max_position_embeddings}")
+        if len(kv_cache.k_buffers) != config.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache.k_buffers)} layers: expected "
+                             f"num_layers={config.num_layers}")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.attn_backend = TorchPagedBackend(req_to_token)
+        self.model = LlamaBody(config, dtype)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta)
+        self.to(req_to_token.device).requires_grad_(False)
+
+    def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
+        """One decode step: logits float32 ``[bs, vocab]`` for the ``bs`` rows of ``inputs``.
+
+        Writes each row's new K/V at ``out_cache_loc``, then attends over
+        ``req_to_token[req_pool_indices, :seq_lens]``. Static shapes, no host
+        reads: safe to capture as a CUDA graph or ``torch.compile(dynamic=False)``.
+        """
+        meta = self.attn_backend.decode_metadata(inputs, self.config.num_kv_groups)
+        h = self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
+        return self._logits(h)
+
+    @torch.no_grad()
+    def forward_extend(self, req_pool_index: int, token_ids: torch.Tensor,
+                       kv_slots: torch.Tensor, *, prefix_len: int = 0) -> torch.Tensor:
+        """Eager prefill of one request: logits float32 ``[vocab]`` of its last token.
+
+        token_ids, kv_slots: int64 ``[n]`` on the model's device; token ``i`` sits at
+        position ``prefix_len + i`` and its K/V are written to ``kv_slots[i]``, which
+        this call also records in ``req_to_token[req_pool_index, prefix_len:]``.
+        The first ``prefix_len`` positions must already be cached.
+        """
+        n, width = token_ids.shape[0], prefix_len + token_ids.shape[0]
+        if n < 1 or kv_slots.shape != token_ids.shape:
+            raise ValueError(f"forward_extend: token_ids {tuple(token_ids.shape)} and kv_slots "
+                             f"{tuple(kv_slots.shape)}: expected the same non-empty [n]")
+        if req_pool_index < 1 or width > self.attn_backend.max_context_len:
+            raise ValueError(f"forward_extend: req_pool_index={req_pool_index}, "
+                             f"prefix_len + n={width}: expected index >= 1 (0 is padding) and "
+                             f"length <= max_context_len={self.attn_backend.max_context_len}")
+        self.attn_backend.req_to_token[req_pool_index, prefix_len:width] = kv_slots
+        positions = torch.arange(prefix_len, width, device=token_ids.device)
+        meta = self.attn_backend.extend_metadata(req_pool_index, positions, width,
+                                                 self.config.num_kv_groups)
+        h = self._hidden(token_ids, positions, kv_slots, meta)
+        return self._logits(h[-1])
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+                meta: AttnMetadata) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, out_loc, self.kv_cache, meta, self.rotary)
+        return self.model.norm(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(h, head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy a transformers-named state dict in, cast to the model's dtype.
+
+        Raises :class:`WeightError` naming the first missing, unexpected or
+        misshapen tensor. Ignored: ``*.rotary_emb.inv_freq`` (older transformers
+        saved it; it is derived from ``rope_theta``) and, for tied embeddings, an
+        ``lm_head.weight`` equal to ``model.embed_tokens.weight``.
+        """
+        params = dict(self.named_parameters())
+        given = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.lm_head is None and "lm_head.weight" in given:
+            head = given.pop("lm_head.weight")
+            embed = given.get("model.embed_tokens.weight")
+            if embed is None or not torch.equal(head, embed):
+                raise WeightError("unexpected tensor 'lm_head.weight': the config ties word "
+                                  "embeddings, and it differs from model.embed_tokens.weight")
+        missing = sorted(set(params) - set(given))
+        unexpected = sorted(set(given) - set(params))
+        if missing:
+            raise WeightError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        if unexpected:
+            raise WeightError(f"unexpected tensor {unexpected[0]!r} "
+                              f"({len(unexpected)} unexpected in all)")
+        for name, param in params.items():
+            if given[name].shape != param.shape:
+                raise WeightError(f"tensor {name!r} has shape {tuple(given[name].shape)}: "
+                                  f"expected {tuple(param.shape)}")
+        for name, param in params.items():
+            param.copy_(given[name].to(param.dtype))
