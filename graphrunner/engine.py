@@ -1,0 +1,284 @@
+"""A small engine loop: continuous batching over a request trace, every decode step
+through a runner, optionally checked against the eager forward.
+
+Per engine step: admit the requests that have arrived (while rows, request
+slots and KV room last), prefill each eagerly; run one decode step of the
+running batch through the runner; sample greedily on the device; read the
+step's tokens (and new KV slots) back to the host in ONE ``.tolist()``; retire
+finished requests (token budget or end token) via ``filter``, freeing their
+pool rows and KV slots; merge the prefilled ones in for the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from graphrunner.batch import DecodeBatch
+from graphrunner.buffers import decode_buffer_specs
+from graphrunner.model.build import ModelBundle
+from graphrunner.runner import GraphRunner
+from graphrunner.runners import create_runner
+from graphrunner.trace import Request
+
+
+def create_model_runner(bundle: ModelBundle, kind: str, *,
+                        capture_sizes: Sequence[int] | None = None, max_bs: int | None = None,
+                        show_progress: bool = False) -> GraphRunner:
+    """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
+    step, with its attention backend's hooks and pad value. Not yet captured."""
+    model = bundle.model
+    specs = decode_buffer_specs(seq_len_fill_value=model.attn_backend.seq_len_fill_value)
+    return create_runner(kind, model.forward_decode, specs, device=bundle.device,
+                         capture_sizes=capture_sizes, max_bs=max_bs, backend=model.attn_backend,
+                         show_progress=show_progress)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a run did. Seconds are wall time around the forward calls only,
+    with a device sync on CUDA so they measure the work, not the launch."""
+
+    steps: int = 0  # decode steps
+    prefills: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0  # live rows over all decode steps
+    decode_seconds: float = 0.0  # in runner.replay
+    eager_seconds: float = 0.0  # in the eager reference (check mode)
+    live_rows: int = 0
+    padded_rows: int = 0
+    checked_steps: int = 0
+    mismatches: int = 0  # checked steps outside tolerance
+    token_flips: int = 0  # rows whose greedy token differs (near-ties, inside tolerance)
+    max_logit_diff: float = 0.0
+    max_kv_diff: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode steps per live bs
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def eager_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.eager_seconds if self.eager_seconds else 0.0
+
+    @property
+    def padded_fraction(self) -> float:
+        total = self.live_rows + self.padded_rows
+        return self.padded_rows / total if total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """Generated tokens per request id (prompt excluded); ``finished``: the ids
+    that reached their budget or the end token (others were cut by max_steps)."""
+
+    outputs: dict[int, list[int]]
+    finished: frozenset[int]
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class _Live:
+    request: Request
+    req_index: int
+    slots: list[int]  # its KV slots, host ints, in position order
+    tokens: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Runs request traces on ``bundle``'s model with decode steps through ``runner``.
+
+    Args:
+        bundle: the model and its pools (pools must be empty between runs).
+        runner: a captured runner over ``bundle.model.forward_decode``.
+        check: run the eager forward on every decode step and compare (see
+            :meth:`_checked_replay`); counts go to ``stats``.
+        end_token: a token that finishes its request (it is kept in the output).
+        atol: tolerance on logits and KV values in check mode.
+    """
+
+    def __init__(self, bundle: ModelBundle, runner: GraphRunner, *, check: bool = False,
+                 end_token: int | None = None, atol: float = 1e-4) -> None:
+        self.bundle, self.runner = bundle, runner
+        self.check, self.end_token, self.atol = check, end_token, atol
+        self.device = bundle.device
+        self._sync: Callable[[], None] = (torch.cuda.synchronize if self.device.type == "cuda"
+                                          else lambda: None)
+
+    def run(self, trace: Sequence[Request], *, max_steps: int | None = None,
+            progress: bool = False) -> EngineResult:
+        """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran."""
+        self._validate(trace)
+        pending = deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid)))
+        stats = EngineStats()
+        outputs: dict[int, list[int]] = {r.rid: [] for r in trace}
+        finished: set[int] = set()
+        live: list[_Live] = []
+        batch = DecodeBatch.empty(self.device, self.bundle.max_context_len)
+        start_live, start_pad, clock = self.runner.stats.live_rows, self.runner.stats.padded_rows, 0
+        bar = tqdm(total=max_steps, desc="decode", unit="step", disable=not progress)
+        while (pending or live) and (max_steps is None or stats.steps < max_steps):
+            if not live:  # idle: jump to the next arrival
+                clock = max(clock, pending[0].arrival_step)
+            joining = self._admit(pending, live, clock, stats)
+            bs = len(live)
+            first_ids = torch.stack([ids for _, ids in joining]) if joining else self._empty()
+            next_ids, new_slots = self._decode(batch, stats) if bs else (self._empty(),) * 2
+            host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
+            keep = []
+            for i, req in enumerate(live):
+                req.slots.append(host[bs + i])
+                if not self._advance(req, host[i], outputs, finished):
+                    keep.append(i)
+            batch.input_ids = next_ids  # what each row feeds next step
+            if len(keep) < bs:
+                batch.filter(keep)
+                live[:] = [live[i] for i in keep]
+            stay = [j for j, (req, _) in enumerate(joining)
+                    if not self._advance(req, host[2 * bs + j], outputs, finished)]
+            if stay:
+                self._join(batch, live, [joining[j][0] for j in stay], first_ids[stay])
+            clock += 1
+            bar.update(1 if bs else 0)
+        bar.close()
+        for req in live:  # cut by max_steps
+            outputs[req.request.rid] = req.tokens
+            self._free(req)
+        stats.live_rows = self.runner.stats.live_rows - start_live
+        stats.padded_rows = self.runner.stats.padded_rows - start_pad
+        return EngineResult(outputs, frozenset(finished), stats)
+
+    def _validate(self, trace: Sequence[Request]) -> None:
+        cfg, ctx = self.bundle.config, self.bundle.max_context_len
+        kv_room = self.bundle.kv_alloc.size
+        if len({r.rid for r in trace}) != len(trace):
+            raise ValueError("request ids must be unique")
+        for r in trace:
+            bad = [t for t in r.prompt if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"request {r.rid}: token id {bad[0]} outside the vocabulary "
+                                 f"0..{cfg.vocab_size - 1}")
+            if r.max_len > min(ctx, kv_room):
+                raise ValueError(f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
+                                 f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
+                                 f"max_context_len {ctx} and <= KV slots {kv_room}")
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _admit(self, pending: deque[Request], live: list[_Live], clock: int,
+               stats: EngineStats) -> list[tuple[_Live, torch.Tensor]]:
+        """Prefill arrived requests in order while they fit; returns each with its
+        first token (a 0-d device tensor)."""
+        b = self.bundle
+        joining: list[tuple[_Live, torch.Tensor]] = []
+        # KV tokens promised to running requests but not yet allocated.
+        reserved = sum(r.request.max_len - len(r.slots) for r in live)
+        while pending and pending[0].arrival_step <= clock:
+            req = pending[0]
+            room = b.kv_alloc.available_size() - reserved
+            if (len(live) + len(joining) >= self.runner.max_bs or req.max_len > room
+                    or b.req_pool.available_size() == 0):
+                break  # FIFO: later arrivals wait behind it
+            pending.popleft()
+            live_req = _Live(req, b.req_pool.alloc(1)[0], b.kv_alloc.alloc(len(req.prompt)))
+            reserved += req.max_len - len(req.prompt)
+            ids = torch.tensor(req.prompt, dtype=torch.int64).to(self.device, non_blocking=True)
+            slots = torch.tensor(live_req.slots, dtype=torch.int64).to(self.device,
+                                                                       non_blocking=True)
+            logits = b.model.forward_extend(live_req.req_index, ids, slots)
+            joining.append((live_req, logits.argmax()))
+            stats.prefills += 1
+            stats.prefill_tokens += len(req.prompt)
+        return joining
+
+    def _decode(self, batch: DecodeBatch,
+                stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
+        batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
+        if self.check:
+            logits = self._checked_replay(batch, stats)
+        else:
+            logits, seconds = self._timed(lambda: self._replay(batch))
+            stats.decode_seconds += seconds
+        stats.steps += 1
+        stats.decode_tokens += batch.batch_size
+        stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
+        return logits.argmax(-1), batch.out_cache_loc
+
+    def _checked_replay(self, batch: DecodeBatch, stats: EngineStats) -> torch.Tensor:
+        """Eager reference first, then the runner, on the same prepared batch.
+
+        Both write the new tokens' K/V at ``out_cache_loc`` before reading, so
+        the second run overwrites the first's writes and reads nothing else of
+        it. The reference goes first because it touches live rows only: every
+        value it reads is the true state. A snapshot of the KV cache between
+        the two then shows any write of the runner outside the live rows'
+        ``out_cache_loc`` (slot 0, the padding sink, excepted). The runner's
+        outputs drive the engine; this check syncs, it is not the hot path.
+        """
+        with torch.no_grad():
+            ref, eager_seconds = self._timed(lambda: self.bundle.model.forward_decode(batch))
+        kv = self.bundle.kv_cache
+        before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
+        out, seconds = self._timed(lambda: self._replay(batch))
+        stats.eager_seconds += eager_seconds
+        stats.decode_seconds += seconds
+        after = (*kv.k_buffers, *kv.v_buffers)
+        kv_diff = torch.stack([(a[1:] - b[1:]).abs().max()
+                               for a, b in zip(after, before, strict=True)]).max()
+        flips = (out.argmax(-1) != ref.argmax(-1)).sum()
+        logit_diff, kv_diff_f, n_flips = torch.stack(
+            [(out - ref).abs().max(), kv_diff.float(), flips.float()]).tolist()
+        stats.checked_steps += 1
+        stats.max_logit_diff = max(stats.max_logit_diff, logit_diff)
+        stats.max_kv_diff = max(stats.max_kv_diff, kv_diff_f)
+        stats.token_flips += int(n_flips)
+        # A token flip with logits inside atol is a near-tie (the two logits differ
+        # by at most 2 * atol), not a divergence.
+        if not (logit_diff <= self.atol and kv_diff_f <= self.atol):
+            stats.mismatches += 1
+        return out
+
+    def _replay(self, batch: DecodeBatch) -> torch.Tensor:
+        logits = self.runner.replay(batch)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"runner.replay returned {type(logits).__name__}; expected the "
+                            "logits tensor [bs, vocab] of forward_decode")
+        return logits
+
+    def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        self._sync()
+        start = time.perf_counter()
+        out = fn()
+        self._sync()
+        return out, time.perf_counter() - start
+
+    def _advance(self, req: _Live, token: int, outputs: dict[int, list[int]],
+                 finished: set[int]) -> bool:
+        """Record ``token``; retire the request if it is done. Returns whether it was."""
+        req.tokens.append(token)
+        if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
+            return False
+        outputs[req.request.rid] = req.tokens
+        finished.add(req.request.rid)
+        self._free(req)
+        return True
+
+    def _free(self, req: _Live) -> None:
+        self.bundle.req_pool.free([req.req_index])
+        self.bundle.kv_alloc.free(req.slots)
+
+    def _join(self, batch: DecodeBatch, live: list[_Live], joining: list[_Live],
+              first_ids: torch.Tensor) -> None:
+        new = DecodeBatch.from_requests(
+            [r.req_index for r in joining], [len(r.request.prompt) for r in joining], first_ids,
+            device=self.device, max_context_len=self.bundle.max_context_len)
+        batch.merge(new)
+        live.extend(joining)

@@ -1,0 +1,89 @@
+"""The external oracle: greedy tokens served by the engine through padded replay
+equal transformers' ``generate(do_sample=False)`` of each prompt alone.
+
+A tiny random ``LlamaForCausalLM`` is saved with ``save_pretrained`` and loaded
+by graphrunner's loader. Requests of different lengths and budgets arrive at
+staggered steps and finish at different ones, so decode steps see every batch
+size from 1 to 8, most of them padded up to a captured size (1, 2, 4, 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphrunner.engine import Engine, EngineResult, create_model_runner
+from graphrunner.model import load_model
+from graphrunner.trace import Request
+
+transformers = pytest.importorskip("transformers")
+
+CAPTURE_SIZES = [1, 2, 4, 8]
+CONTEXT = 64
+
+
+def _trace() -> list[Request]:
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 3, 5, 8, 13, 21, 34, 2, 9, 17, 4, 40, 6, 11]
+    requests, step = [], 0
+    for rid, n in enumerate(lengths):
+        prompt = tuple(torch.randint(256, (n,), generator=gen).tolist())
+        budget = int(torch.randint(4, 17, (), generator=gen))
+        requests.append(Request(rid, prompt, budget, arrival_step=step))
+        step += int(torch.randint(0, 3, (), generator=gen))
+    return requests
+
+
+TRACE = _trace()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[int]]]:
+    """The checkpoint directory and transformers' greedy tokens per request."""
+    torch.manual_seed(0)
+    # initializer_range 0.1 (not 0.02) spreads the logits, keeping greedy
+    # choices clear of float-rounding ties.
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.1)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("oracle")
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # run every request to its budget
+    expected = {}
+    for req in TRACE:
+        ids = torch.tensor([req.prompt])
+        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=req.max_new_tokens, pad_token_id=0)
+        expected[req.rid] = out[0, len(req.prompt):].tolist()
+    return path, expected
+
+
+def _serve(path: Path, kind: str) -> EngineResult:
+    device = "cuda" if kind == "cuda" else "cpu"
+    bundle = load_model(path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT,
+                        device=device)
+    runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES)
+    runner.capture()
+    return Engine(bundle, runner, check=True).run(TRACE)
+
+
+@pytest.mark.parametrize("kind", ["eager", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_greedy_tokens_equal_transformers_generate(
+    oracle: tuple[Path, dict[int, list[int]]], kind: str
+) -> None:
+    path, expected = oracle
+    result = _serve(path, kind)
+    assert result.finished == {r.rid for r in TRACE}
+    for req in TRACE:
+        assert result.outputs[req.rid] == expected[req.rid], f"request {req.rid} ({kind})"
+    stats = result.stats
+    assert stats.mismatches == 0 and stats.checked_steps == stats.steps
+    # The trace must exercise padding: many batch sizes, most of them not captured.
+    assert set(stats.batch_sizes) == set(range(1, 9)), stats.batch_sizes
+    padded_steps = sum(n for bs, n in stats.batch_sizes.items() if bs not in CAPTURE_SIZES)
+    assert padded_steps > stats.steps / 3 and stats.padded_rows > 0
