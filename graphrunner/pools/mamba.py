@@ -12,7 +12,7 @@ from graphrunner.pools.errors import DoubleFree, InvalidSlot
 from graphrunner.pools.slots import (
     DeviceLike,
     SlotAllocator,
-    SlotIndices,
+    SlotPool,
     as_index_list,
     check_count,
 )
@@ -27,7 +27,7 @@ class _StateOp:
     dst: tuple[int, ...]
 
 
-class MambaStatePool:
+class MambaStatePool(SlotPool):
     """Conv and SSM state of each request's Mamba layers, one slot per request.
 
     Tensors (``dtype``, on ``device``, zero-initialised):
@@ -61,21 +61,6 @@ class MambaStatePool:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros((self.size + 1, *shape), dtype=self.dtype, device=self.device)
-
-    def alloc(self, n: int) -> list[int]:
-        return self._slots.alloc(n)
-
-    def free(self, indices: SlotIndices) -> None:
-        self._slots.free(indices)
-
-    def available_size(self) -> int:
-        return self._slots.available_size()
-
-    def is_allocated(self, index: int) -> bool:
-        return self._slots.is_allocated(index)
-
-    def allocated(self) -> frozenset[int]:
-        return self._slots.allocated()
 
     @property
     def num_pending(self) -> int:

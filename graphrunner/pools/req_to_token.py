@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.pools.errors import InvalidSlot, PoolError
-from graphrunner.pools.slots import DeviceLike, SlotAllocator, SlotIndices, check_count
+from graphrunner.pools.slots import DeviceLike, SlotAllocator, SlotPool, check_count
 
 __all__ = ["DecodeReqToTokenPool", "ReqToTokenPool"]
 
 
-class ReqToTokenPool:
+class ReqToTokenPool(SlotPool):
     """Maps each request (a pool row) to the KV slots of its tokens.
 
     Tensors:
@@ -40,22 +40,8 @@ class ReqToTokenPool:
         """Rows that can be handed out (``1..num_slots``)."""
         return self.size
 
-    def alloc(self, n: int) -> list[int]:
-        return self._slots.alloc(n)
-
-    def free(self, indices: SlotIndices) -> None:
-        # Rows keep stale token slots after free: a row is only read for positions its
-        # next owner has written, and padded rows read row 0, never a freed row.
-        self._slots.free(indices)
-
-    def available_size(self) -> int:
-        return self._slots.available_size()
-
-    def is_allocated(self, index: int) -> bool:
-        return self._slots.is_allocated(index)
-
-    def allocated(self) -> frozenset[int]:
-        return self._slots.allocated()
+    # NOTE: free() leaves a row's stale token slots in place: a row is only read
+    # at positions its next owner has written, and padded rows read row 0.
 
     def clear(self) -> None:
         """Back to the initial state: every row free, ``req_to_token`` all zeros."""

@@ -126,3 +126,27 @@ class SlotAllocator:
                 f"{self.name} {slot} is out of range: expected 1..{self.size} "
                 f"(0 is the reserved padding {self.name})"
             )
+
+
+class SlotPool:
+    """The slot-handling half of a pool whose slots are whole rows: it hands
+    out rows ``1..n`` of its tensors through one :class:`SlotAllocator`."""
+
+    _slots: SlotAllocator
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` free rows, lowest first (never 0); ``PoolExhausted`` if too few."""
+        return self._slots.alloc(n)
+
+    def free(self, indices: SlotIndices) -> None:
+        """Return rows; all-or-nothing (``InvalidSlot`` / ``DoubleFree``)."""
+        self._slots.free(indices)
+
+    def available_size(self) -> int:
+        return self._slots.available_size()
+
+    def is_allocated(self, index: int) -> bool:
+        return self._slots.is_allocated(index)
+
+    def allocated(self) -> frozenset[int]:
+        return self._slots.allocated()
