@@ -1,0 +1,96 @@
+"""One decode step of the embedded Llama model: eager forward vs the CPU runner
+(and the CUDA runner on a GPU), measured in the same run.
+
+The ratio table (``vs eager``) is printed at the end of the run by
+``bench/conftest.py`` and written to ``bench/results/``. Run:
+``.venv/bin/python -m pytest bench/bench_model_step.py --benchmark-enable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from bench.conftest import record
+from graphrunner import GraphRunner
+from graphrunner.batch import DecodeBatch
+from graphrunner.engine import create_model_runner
+from graphrunner.model import ModelBundle, default_model
+
+SIZES = [1, 4, 8, 16]
+KINDS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+PROMPT_LENS = [24 + 7 * i for i in range(max(SIZES))]  # 24..129 cached tokens, context 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    # The model's ops are tiny: intra-op threads only add synchronisation (and on a
+    # busy 2-core machine their spin-waits slow eager 10x, flattering the ratio).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def captured(request: pytest.FixtureRequest) -> tuple[ModelBundle, GraphRunner]:
+    device = "cuda" if request.param == "cuda" else "cpu"
+    bundle = default_model(max_requests=max(SIZES), device=device)
+    runner = create_model_runner(bundle, request.param, capture_sizes=SIZES)
+    runner.capture()
+    return bundle, runner
+
+
+def _batch(bundle: ModelBundle, bs: int) -> DecodeBatch:
+    """``bs`` prefilled requests of different lengths, prepared for one decode step."""
+    bundle.req_pool.clear()
+    bundle.kv_alloc.clear()
+    gen = torch.Generator().manual_seed(bs)
+    reqs, firsts = [], []
+    for n in PROMPT_LENS[:bs]:
+        req = bundle.req_pool.alloc(1)[0]
+        prompt = torch.randint(256, (n,), generator=gen).to(bundle.device)
+        slots = torch.tensor(bundle.kv_alloc.alloc(n), device=bundle.device)
+        reqs.append(req)
+        firsts.append(bundle.model.forward_extend(req, prompt, slots).argmax())
+    batch = DecodeBatch.from_requests(reqs, PROMPT_LENS[:bs], torch.stack(firsts),
+                                      device=bundle.device,
+                                      max_context_len=bundle.max_context_len)
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    return batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def bench_model_step_eager(benchmark: object, captured: tuple[ModelBundle, GraphRunner],
+                           bs: int) -> None:
+    bundle, runner = captured
+    batch = _batch(bundle, bs)
+
+    def step() -> None:
+        with torch.no_grad():
+            bundle.model.forward_decode(batch)
+        _sync(bundle.device)
+
+    benchmark(step)  # type: ignore[operator]
+    record(benchmark, f"model step ({runner.kind})", bs, "eager")
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def bench_model_step_runner(benchmark: object, captured: tuple[ModelBundle, GraphRunner],
+                            bs: int) -> None:
+    bundle, runner = captured
+    batch = _batch(bundle, bs)
+
+    def step() -> None:
+        runner.replay(batch)
+        _sync(bundle.device)
+
+    benchmark(step)  # type: ignore[operator]
+    record(benchmark, f"model step ({runner.kind})", bs, runner.kind)
