@@ -115,7 +115,7 @@ def test_invalid_requests_fail_before_any_work(request_: Request, match: str) ->
     assert engine.runner.stats.replays == 0
 
 
-class _StrayWriter:
+class StrayWriter:
     """A runner that, after each replay, writes into a live KV slot it does not own."""
 
     def __init__(self, inner: Any, bundle: ModelBundle) -> None:
@@ -133,7 +133,7 @@ class _StrayWriter:
 
 def test_check_catches_a_runner_that_corrupts_live_kv() -> None:
     engine = _engine(check=True)
-    engine.runner = _StrayWriter(engine.runner, engine.bundle)  # type: ignore[assignment]
+    engine.runner = StrayWriter(engine.runner, engine.bundle)  # type: ignore[assignment]
     result: EngineResult = engine.run(_trace(n=4))
     assert result.stats.mismatches == result.stats.steps > 0
     assert result.stats.max_kv_diff >= 1.0
