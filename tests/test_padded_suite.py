@@ -31,6 +31,8 @@ pytestmark = pytest.mark.padded
 SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
 # Compiled runners pay seconds per captured size, so they get fewer examples.
 EXAMPLES = {"eager": 2000 if SLOW else 60, "cpu": 200 if SLOW else 4, "cuda": 2000 if SLOW else 30}
+if "GRAPHRUNNER_PADDED_EXAMPLES" in os.environ:  # one budget for every runner
+    EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["GRAPHRUNNER_PADDED_EXAMPLES"]))
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ def run(kind: str, sizes: list[int], ops: list[object], seed: int) -> Scenario:
 def test_random_lifecycles_match_eager_with_sanitizer_on(kind: str):
     @settings(
         max_examples=EXAMPLES[kind],
+        print_blob=True,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
