@@ -191,7 +191,8 @@ class TorchPagedBackend:
     def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView,
                              inputs: object) -> None:
         seq_lens = cast(DecodeInputs, inputs).seq_lens_cpu
-        if raw_bs and (int(seq_lens.max()) > self.max_context_len or int(seq_lens.min()) < 1):
+        lo, hi = seq_lens.aminmax() if raw_bs else (1, 1)
+        if int(hi) > self.max_context_len or int(lo) < 1:
             bad = int(((seq_lens < 1) | (seq_lens > self.max_context_len)).nonzero()[0, 0])
             raise ValueError(f"seq_lens_cpu[{bad}]={int(seq_lens[bad])}: expected "
                              f"1..max_context_len={self.max_context_len}")
