@@ -91,11 +91,24 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Run:
+    """The state of one :meth:`Engine.run`; ``live[i]`` is row ``i`` of ``batch``."""
+
+    pending: deque[Request]
+    batch: DecodeBatch
+    outputs: dict[int, list[int]]
+    live: list[_Live] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+    stats: EngineStats = field(default_factory=EngineStats)
+    clock: int = 0  # engine steps, idle ones included: what arrival_step counts
+
+
 class Engine:
     """Runs request traces on ``bundle``'s model with decode steps through ``runner``.
 
     Args:
-        bundle: the model and its pools (pools must be empty between runs).
+        bundle: the model and its pools; a run frees everything it allocated.
         runner: a captured runner over ``bundle.model.forward_decode``.
         check: run the eager forward on every decode step and compare (see
             :meth:`_checked_replay`); counts go to ``stats``.
@@ -115,44 +128,45 @@ class Engine:
             progress: bool = False) -> EngineResult:
         """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran."""
         self._validate(trace)
-        pending = deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid)))
-        stats = EngineStats()
-        outputs: dict[int, list[int]] = {r.rid: [] for r in trace}
-        finished: set[int] = set()
-        live: list[_Live] = []
-        batch = DecodeBatch.empty(self.device, self.bundle.max_context_len)
-        start_live, start_pad, clock = self.runner.stats.live_rows, self.runner.stats.padded_rows, 0
-        bar = tqdm(total=max_steps, desc="decode", unit="step", disable=not progress)
-        while (pending or live) and (max_steps is None or stats.steps < max_steps):
-            if not live:  # idle: jump to the next arrival
-                clock = max(clock, pending[0].arrival_step)
-            joining = self._admit(pending, live, clock, stats)
-            bs = len(live)
-            first_ids = torch.stack([ids for _, ids in joining]) if joining else self._empty()
-            next_ids, new_slots = self._decode(batch, stats) if bs else (self._empty(),) * 2
-            host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
-            keep = []
-            for i, req in enumerate(live):
-                req.slots.append(host[bs + i])
-                if not self._advance(req, host[i], outputs, finished):
-                    keep.append(i)
-            batch.input_ids = next_ids  # what each row feeds next step
-            if len(keep) < bs:
-                batch.filter(keep)
-                live[:] = [live[i] for i in keep]
-            stay = [j for j, (req, _) in enumerate(joining)
-                    if not self._advance(req, host[2 * bs + j], outputs, finished)]
-            if stay:
-                self._join(batch, live, [joining[j][0] for j in stay], first_ids[stay])
-            clock += 1
-            bar.update(1 if bs else 0)
-        bar.close()
-        for req in live:  # cut by max_steps
-            outputs[req.request.rid] = req.tokens
+        run = _Run(deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
+                   DecodeBatch.empty(self.device, self.bundle.max_context_len),
+                   {r.rid: [] for r in trace})
+        start_live, start_pad = self.runner.stats.live_rows, self.runner.stats.padded_rows
+        with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
+            while (run.pending or run.live) and (max_steps is None
+                                                 or run.stats.steps < max_steps):
+                if not run.live:  # idle: jump to the next arrival
+                    run.clock = max(run.clock, run.pending[0].arrival_step)
+                bar.update(self._step(run))
+                run.clock += 1
+        for req in run.live:  # cut by max_steps
+            run.outputs[req.request.rid] = req.tokens
             self._free(req)
-        stats.live_rows = self.runner.stats.live_rows - start_live
-        stats.padded_rows = self.runner.stats.padded_rows - start_pad
-        return EngineResult(outputs, frozenset(finished), stats)
+        run.stats.live_rows = self.runner.stats.live_rows - start_live
+        run.stats.padded_rows = self.runner.stats.padded_rows - start_pad
+        return EngineResult(run.outputs, frozenset(run.finished), run.stats)
+
+    def _step(self, run: _Run) -> int:
+        """Admit, decode the running batch, read back, retire, merge. Returns decode steps run."""
+        joining = self._admit(run)
+        bs = len(run.live)
+        first_ids = torch.stack([ids for _, ids in joining]) if joining else self._empty()
+        next_ids, new_slots = self._decode(run.batch, run.stats) if bs else (self._empty(),) * 2
+        host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
+        keep = []
+        for i, req in enumerate(run.live):
+            req.slots.append(host[bs + i])
+            if not self._advance(run, req, host[i]):
+                keep.append(i)
+        run.batch.input_ids = next_ids  # what each row feeds next step
+        if len(keep) < bs:
+            run.batch.filter(keep)
+            run.live[:] = [run.live[i] for i in keep]
+        stay = [j for j, (req, _) in enumerate(joining)
+                if not self._advance(run, req, host[2 * bs + j])]
+        if stay:
+            self._join(run, [joining[j][0] for j in stay], first_ids[stay])
+        return 1 if bs else 0
 
     def _validate(self, trace: Sequence[Request]) -> None:
         cfg, ctx = self.bundle.config, self.bundle.max_context_len
@@ -172,18 +186,17 @@ class Engine:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def _admit(self, pending: deque[Request], live: list[_Live], clock: int,
-               stats: EngineStats) -> list[tuple[_Live, torch.Tensor]]:
+    def _admit(self, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
         """Prefill arrived requests in order while they fit; returns each with its
         first token (a 0-d device tensor)."""
-        b = self.bundle
+        b, pending = self.bundle, run.pending
         joining: list[tuple[_Live, torch.Tensor]] = []
         # KV tokens promised to running requests but not yet allocated.
-        reserved = sum(r.request.max_len - len(r.slots) for r in live)
-        while pending and pending[0].arrival_step <= clock:
+        reserved = sum(r.request.max_len - len(r.slots) for r in run.live)
+        while pending and pending[0].arrival_step <= run.clock:
             req = pending[0]
             room = b.kv_alloc.available_size() - reserved
-            if (len(live) + len(joining) >= self.runner.max_bs or req.max_len > room
+            if (len(run.live) + len(joining) >= self.runner.max_bs or req.max_len > room
                     or b.req_pool.available_size() == 0):
                 break  # FIFO: later arrivals wait behind it
             pending.popleft()
@@ -194,8 +207,8 @@ class Engine:
                                                                        non_blocking=True)
             logits = b.model.forward_extend(live_req.req_index, ids, slots)
             joining.append((live_req, logits.argmax()))
-            stats.prefills += 1
-            stats.prefill_tokens += len(req.prompt)
+            run.stats.prefills += 1
+            run.stats.prefill_tokens += len(req.prompt)
         return joining
 
     def _decode(self, batch: DecodeBatch,
@@ -260,14 +273,13 @@ class Engine:
         self._sync()
         return out, time.perf_counter() - start
 
-    def _advance(self, req: _Live, token: int, outputs: dict[int, list[int]],
-                 finished: set[int]) -> bool:
+    def _advance(self, run: _Run, req: _Live, token: int) -> bool:
         """Record ``token``; retire the request if it is done. Returns whether it was."""
         req.tokens.append(token)
         if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
             return False
-        outputs[req.request.rid] = req.tokens
-        finished.add(req.request.rid)
+        run.outputs[req.request.rid] = req.tokens
+        run.finished.add(req.request.rid)
         self._free(req)
         return True
 
@@ -275,10 +287,9 @@ class Engine:
         self.bundle.req_pool.free([req.req_index])
         self.bundle.kv_alloc.free(req.slots)
 
-    def _join(self, batch: DecodeBatch, live: list[_Live], joining: list[_Live],
-              first_ids: torch.Tensor) -> None:
+    def _join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
         new = DecodeBatch.from_requests(
             [r.req_index for r in joining], [len(r.request.prompt) for r in joining], first_ids,
             device=self.device, max_context_len=self.bundle.max_context_len)
-        batch.merge(new)
-        live.extend(joining)
+        run.batch.merge(new)
+        run.live.extend(joining)

@@ -2,11 +2,12 @@
 
 Every request's tokens live at scattered KV slots listed in its row of
 ``req_to_token``. Decode gathers that whole row (``max_context_len`` wide, the
-same width for every batch) and masks the columns at or past ``seq_lens``: no
-shape depends on the data, nothing reads back to the host, so one capture per
-batch size serves every step. Padded rows (``req_pool_indices`` 0, ``seq_lens``
-1) read row 0 of ``req_to_token`` (all zeros), so they attend to KV slot 0 only,
-the sink their own writes land in.
+same width for every batch) and masks the columns at or past ``seq_lens``
+(which read KV slot 0 instead of the row's stale entries): no shape depends on
+the data, nothing reads back to the host, so one capture per batch size serves
+every step. Padded rows (``req_pool_indices`` 0, ``seq_lens`` 1) read row 0 of
+``req_to_token`` (all zeros), so they attend to KV slot 0 only, the sink their
+own writes land in.
 """
 
 from __future__ import annotations
