@@ -73,7 +73,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: cuda on a CUDA device, else cpu")
     p.add_argument("--checkpoint", type=Path, help="Hugging Face-layout directory "
                    "(default: the embedded random model)")
-    p.add_argument("--max-bs", type=int, help="largest captured batch size (16)")
+    p.add_argument("--max-bs", type=int, help="largest captured batch size (default 16; "
+                   "generate: at most the number of prompts)")
     p.add_argument("--capture-sizes", help="comma-separated, e.g. 1,2,4,8 "
                    "(default: graphrunner's policy up to --max-bs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model / trace")
@@ -81,9 +82,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (1: the small models here gain nothing from more)")
 
 
-def _capture_sizes(args: argparse.Namespace) -> list[int]:
+def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
     if args.capture_sizes is None:
-        max_bs = 16 if args.max_bs is None else args.max_bs
+        max_bs = default_max_bs if args.max_bs is None else args.max_bs
         if max_bs < 1:
             raise UsageError(f"--max-bs {max_bs}: expected >= 1")
         return default_capture_sizes(max_bs)
@@ -174,11 +175,13 @@ def _report(result: EngineResult) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    sizes, kind, config = _capture_sizes(args), _runner_kind(args), _model_config(args)
+    kind, config = _runner_kind(args), _model_config(args)
     if args.max_new_tokens < 1 or args.arrive_every < 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}, --arrive-every "
                          f"{args.arrive_every}: expected >= 1 and >= 0")
     prompts = read_prompts(args.prompts, config, args.max_new_tokens)
+    # No graph larger than the prompt count: each size costs a compile on the CPU.
+    sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))
     trace = requests_from_prompts(prompts, max_new_tokens=args.max_new_tokens,
                                   arrive_every=args.arrive_every)
     context = max(r.max_len for r in trace)
