@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import torch
 from tqdm.auto import tqdm
 
 from graphrunner import nvtx
@@ -61,7 +62,7 @@ def capture_graphs(runner: GraphRunner) -> CaptureReport:
     runner.backend.init_graph_state(runner.max_bs)
     sizes = sorted(runner.capture_sizes, reverse=True)
     bar = tqdm(sizes, desc=f"capture ({runner.kind})", disable=not runner.show_progress)
-    with _frozen_gc(), nvtx.range(f"capture {runner.kind}"):
+    with _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {runner.kind}"):
         for bs in bar:
             bar.set_postfix(bs=bs)
             with nvtx.range(f"capture bs={bs}"):

@@ -3,12 +3,15 @@ set by each buffer's declared :class:`~graphrunner.buffers.PadRule`.
 
 No other code in graphrunner writes a pad value. Populate is graph-safe host
 code: it allocates no device memory, reads nothing back from the device, and
-walks the declared fields once.
+walks the declared fields once. The views it writes through are planned once
+per ``(raw_bs, bs)`` and cached, so a call costs the input checks plus the
+device operations (slicing a tensor costs about as much as launching a copy).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +24,71 @@ class PopulateError(ValueError):
     """An input does not match its declared buffer (names the field)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _CopyGroup:
+    """Live-row destinations of one dtype, filled by one ``_foreach_copy_``."""
+
+    specs: tuple[BufferSpec, ...]
+    rows: tuple[int, ...]
+    dsts: list[torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    copies: tuple[_CopyGroup, ...]
+    zeros: tuple[list[torch.Tensor], ...]  # padded tails by dtype, one _foreach_zero_ each
+    fills: tuple[tuple[torch.Tensor, int | float], ...]
+
+    @property
+    def device_ops(self) -> int:
+        return len(self.copies) + len(self.zeros) + len(self.fills)
+
+
+_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int], _Plan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
+    copies: dict[torch.dtype, list[BufferSpec]] = {}
+    zeros: dict[torch.dtype, list[torch.Tensor]] = {}
+    fills: list[tuple[torch.Tensor, int | float]] = []
+    for spec in buffers.specs:
+        buf = buffers.tensors[spec.name]
+        live, total = buffers.rows(spec, raw_bs), buffers.rows(spec, bs)
+        if live:
+            copies.setdefault(spec.dtype, []).append(spec)
+        value = spec.pad_value(buffers.tokens_per_row)
+        if total == live or value is None:
+            continue
+        if value == 0:
+            zeros.setdefault(spec.dtype, []).append(buf[live:total])
+        else:
+            fills.append((buf[live:total], value))
+    groups = tuple(
+        _CopyGroup(
+            tuple(specs),
+            tuple(buffers.rows(s, raw_bs) for s in specs),
+            [buffers.tensors[s.name][: buffers.rows(s, raw_bs)] for s in specs],
+        )
+        for specs in copies.values()
+    )
+    return _Plan(groups, tuple(zeros.values()), tuple(fills))
+
+
+def _plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
+    if not 0 <= raw_bs <= bs <= buffers.max_bs:
+        raise PopulateError(
+            f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
+            f"max_bs={buffers.max_bs}"
+        )
+    per_buffers = _plans.setdefault(buffers, {})
+    plan = per_buffers.get((raw_bs, bs))
+    if plan is None:
+        plan = per_buffers[(raw_bs, bs)] = _make_plan(buffers, raw_bs, bs)
+    return plan
+
+
 def _source(spec: BufferSpec, inputs: object, rows: int, device: torch.device) -> torch.Tensor:
     src = getattr(inputs, spec.name, None)
     if src is None:
@@ -31,11 +99,10 @@ def _source(spec: BufferSpec, inputs: object, rows: int, device: torch.device) -
         raise PopulateError(f"input {spec.name!r} has dtype {src.dtype}, expected {spec.dtype}")
     if src.device != device:
         raise PopulateError(f"input {spec.name!r} is on {src.device}, expected {device}")
-    expected = (rows, *spec.extra_shape)
-    if tuple(src.shape) != expected:
+    if src.shape[0] != rows or src.shape[1:] != spec.extra_shape:
         raise PopulateError(
-            f"input {spec.name!r} has shape {tuple(src.shape)}, expected {expected} "
-            f"(length must be the live rows)"
+            f"input {spec.name!r} has shape {tuple(src.shape)}, expected "
+            f"{(rows, *spec.extra_shape)} (length must be the live rows)"
         )
     return src
 
@@ -54,40 +121,23 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
         bs: the captured size replayed, ``raw_bs <= bs <= max_bs``.
 
     Returns:
-        The number of device operations issued (copies are grouped by dtype
-        into one ``torch._foreach_copy_`` each; zero tails into one
-        ``torch._foreach_zero_`` per dtype; fills one per buffer).
+        The number of device operations issued: one ``torch._foreach_copy_``
+        per dtype for the live rows, one ``torch._foreach_zero_`` per dtype for
+        zero tails, one ``fill_`` per filled tail. Every input is validated
+        before anything is written.
     """
-    if not 0 <= raw_bs <= bs <= buffers.max_bs:
-        raise PopulateError(
-            f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
-            f"max_bs={buffers.max_bs}"
-        )
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
-    copies: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
-        lambda: ([], [])
-    )
-    zeros: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    fills: list[tuple[torch.Tensor, int | float]] = []
-    for spec in buffers.specs:
-        buf = buffers.tensors[spec.name]
-        live, total = buffers.rows(spec, raw_bs), buffers.rows(spec, bs)
-        if raw_bs:
-            dsts, srcs = copies[spec.dtype]
-            dsts.append(buf[:live])
-            srcs.append(_source(spec, inputs, live, buffers.device))
-        value = spec.pad_value(buffers.tokens_per_row)
-        if total == live or value is None:
-            continue
-        if value == 0:
-            zeros[spec.dtype].append(buf[live:total])
-        else:
-            fills.append((buf[live:total], value))
-    for dsts, srcs in copies.values():
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
-    for tails in zeros.values():
+    plan = _plan(buffers, raw_bs, bs)
+    device = buffers.device
+    sources = [
+        [_source(spec, inputs, rows, device) for spec, rows in zip(g.specs, g.rows, strict=True)]
+        for g in plan.copies
+    ]
+    for group, srcs in zip(plan.copies, sources, strict=True):
+        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+    for tails in plan.zeros:
         torch._foreach_zero_(tails)
-    for tail, value in fills:
+    for tail, value in plan.fills:
         tail.fill_(value)
-    return len(copies) + len(zeros) + len(fills)
+    return plan.device_ops

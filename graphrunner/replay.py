@@ -69,7 +69,7 @@ def replay(runner: GraphRunner, inputs: Any) -> Outputs:
         check = (
             runner.sanitizer.before_launch(runner, inputs, raw_bs, bs) if runner.sanitizer else None
         )
-        with nvtx.range(f"launch bs={bs}"):
+        with nvtx.range(f"launch bs={bs}"), torch.no_grad():
             out = live_rows(launcher(), raw_bs, bs)
         if check is not None:
             check.after_launch(out)
