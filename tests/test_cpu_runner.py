@@ -1,0 +1,77 @@
+"""The CPU runner replays its compiled programs directly (no dynamo guards),
+and falls back to the dynamo path, counted and warned, where it cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from conftest import CapturedToy
+from graphrunner import CpuGraphRunner, decode_buffer_specs
+from graphrunner.testing import ToyWorld
+
+
+def test_toy_programs_are_called_directly(captured_toy: CapturedToy):
+    if captured_toy.kind != "cpu":
+        pytest.skip("CPU runner only")
+    runner = captured_toy.runner
+    assert isinstance(runner, CpuGraphRunner)
+    assert runner.direct_fallbacks == 0
+    batch = captured_toy.world.make_batch(3, seed=0)
+    with profile() as prof:
+        runner.replay(batch)
+    names = {e.name for e in prof.events()}
+    assert any(name.startswith("## Call CompiledFxGraph") for name in names)
+    assert "TorchDynamo Cache Lookup" not in names  # no guard evaluation
+    assert not any(name.startswith("Torch-Compiled Region") for name in names)
+
+
+def test_graph_break_falls_back_to_dynamo_with_a_warning():
+    world = ToyWorld()
+
+    def forward_with_graph_break(b: object) -> dict[str, torch.Tensor]:
+        logits = world.model(b)
+        torch._dynamo.graph_break()
+        return {"logits": logits, "twice": logits * 2}
+
+    runner = CpuGraphRunner(
+        forward_with_graph_break,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[4],
+        show_progress=False,
+    )
+    with pytest.warns(RuntimeWarning, match="size 4: the compiled program cannot be called"):
+        runner.capture()
+    assert runner.direct_fallbacks == 1
+    batch = world.make_batch(3, seed=1)
+    before = world.state()
+    expected = world.model(batch).clone()
+    world.restore(before)
+    out = runner.replay(batch)
+    assert isinstance(out, dict)
+    torch.testing.assert_close(out["logits"], expected)
+    torch.testing.assert_close(out["twice"], expected * 2)
+
+
+def test_dict_outputs_replay_directly():
+    world = ToyWorld()
+
+    def forward_dict(b: object) -> dict[str, torch.Tensor]:
+        logits = world.model(b)
+        return {"logits": logits, "top": logits.argmax(-1)}
+
+    runner = CpuGraphRunner(
+        forward_dict, decode_buffer_specs(), device="cpu", capture_sizes=[4], show_progress=False
+    )
+    runner.capture()
+    assert runner.direct_fallbacks == 0
+    batch = world.make_batch(3, seed=2)
+    before = world.state()
+    expected = world.model(batch).clone()
+    world.restore(before)
+    out = runner.replay(batch)
+    assert isinstance(out, dict) and out["logits"].shape == (3, world.cfg.vocab)
+    torch.testing.assert_close(out["logits"], expected)
+    assert torch.equal(out["top"], expected.argmax(-1))
