@@ -8,8 +8,6 @@ The ratio table (``vs eager``) is printed at the end of the run by
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -22,16 +20,6 @@ from graphrunner.model import ModelBundle, default_model
 SIZES = [1, 4, 8, 16]
 KINDS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPT_LENS = [24 + 7 * i for i in range(max(SIZES))]  # 24..129 cached tokens, context 256
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The model's ops are tiny: intra-op threads only add synchronisation (and on a
-    # busy 2-core machine their spin-waits slow eager 10x, flattering the ratio).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,16 @@ RESULTS_DIR = Path(__file__).parent / "results"
 MEDIANS: dict[tuple[str, int], dict[str, float]] = {}
 #: Extra per-row facts (e.g. device ops per populate), by (group, batch size).
 FACTS: dict[tuple[str, int], dict[str, object]] = {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> Iterator[None]:
+    # Tiny ops: intra-op threads only add synchronisation (and on a busy 2-core
+    # machine their spin-waits slow eager 10x, flattering any ratio).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def record(benchmark: object, group: str, bs: int, variant: str) -> None:

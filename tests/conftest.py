@@ -49,6 +49,16 @@ class CapturedToy:
         self.runner.capture()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> Iterator[None]:
+    # The test models' ops are tiny: intra-op threads only add synchronisation,
+    # and on a busy 2-core machine their spin-waits make a step 10-40x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", params=RUNNER_KINDS)
 def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
     yield CapturedToy(request.param, TEST_CAPTURE_SIZES)

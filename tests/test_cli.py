@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine import StrayWriter
 
 import graphrunner.cli as cli
 from graphrunner.engine import Engine, create_model_runner
 from graphrunner.model import default_model, save_checkpoint
 from graphrunner.trace import requests_from_prompts
+from test_engine import StrayWriter
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4"]

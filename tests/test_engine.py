@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,16 +13,6 @@ from graphrunner.model import ModelBundle, default_model
 from graphrunner.trace import Request, requests_from_prompts, synthetic_trace
 
 MAX_BS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The model's ops are tiny: intra-op threads only add synchronisation, and on
-    # a busy 2-core machine their spin-waits make a step 10-40x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(*, check: bool = False, end_token: int | None = None,

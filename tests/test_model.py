@@ -4,7 +4,7 @@ equal to transformers' LlamaForCausalLM (eager decode and prefill)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,16 +28,6 @@ from graphrunner.model import (
 transformers = pytest.importorskip("transformers")
 
 CTX = 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The model's ops are tiny: intra-op threads only add synchronisation, and on
-    # a busy 2-core machine their spin-waits make a step 10-40x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _save_hf(path: Path, *, tie: bool = False, seed: int = 0) -> torch.nn.Module:

@@ -9,7 +9,6 @@ size from 1 to 8, most of them padded up to a captured size (1, 2, 4, 8).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 CAPTURE_SIZES = [1, 2, 4, 8]
 CONTEXT = 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The model's ops are tiny: intra-op threads only add synchronisation, and on
-    # a busy 2-core machine their spin-waits make a step 10-40x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _trace() -> list[Request]:
