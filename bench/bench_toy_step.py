@@ -15,7 +15,7 @@ KINDS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _world(kind: str) -> ToyWorld:
     device = "cuda" if kind == "cuda" else "cpu"
-    return ToyWorld(device, ToyWorldConfig(num_reqs=40, kv_slots=4096, max_context_len=256))
+    return ToyWorld(device, ToyWorldConfig(num_reqs=40, kv_slots=16384, max_context_len=256))
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,12 +50,11 @@ def machine() -> dict[str, str]:
     }
 
 
-def table() -> list[str]:
-    lines = [
-        "| group | bs | variant | median (µs) | vs eager | facts |",
-        "|---|---|---|---|---|---|",
-    ]
+def table(groups: list[str]) -> list[str]:
+    lines = ["| group | bs | variant | median (µs) | vs eager | facts |", "|---|---|---|---|---|---|"]
     for (group, bs), variants in sorted(MEDIANS.items()):
+        if group not in groups:
+            continue
         base = variants.get("eager")
         for variant, median in sorted(variants.items()):
             ratio = f"{base / median:.2f}x" if base and variant != "eager" else ""
@@ -63,16 +63,22 @@ def table() -> list[str]:
     return lines
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print every group's table; write each to its own file, so a run of one
+    benchmark module never erases another's results."""
     if not MEDIANS:
         return
     info = machine()
-    lines = table()
-    for line in lines:
-        terminalreporter.write_line(line)
     RESULTS_DIR.mkdir(exist_ok=True)
-    tag = "cuda" if torch.cuda.is_available() else "cpu"
-    out = RESULTS_DIR / f"{tag}-{info['date']}.md"
-    header = [f"# Benchmarks ({tag})", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
-    out.write_text("\n".join(header + lines) + "\n")
-    terminalreporter.write_line(f"results written to {out}")
+    for group in sorted({g for g, _ in MEDIANS}):
+        lines = table([group])
+        for line in lines:
+            terminalreporter.write_line(line)
+        out = RESULTS_DIR / f"{_slug(group)}.md"
+        header = [f"# {group}", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
+        out.write_text("\n".join(header + lines) + "\n")
+        terminalreporter.write_line(f"results written to {out}")
