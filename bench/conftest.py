@@ -39,10 +39,20 @@ def record(benchmark: object, group: str, bs: int, variant: str) -> None:
         MEDIANS.setdefault((group, bs), {})[variant] = stats.stats.median
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, str]:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
     return {
-        "device": device or platform.machine(),
+        "device": device,
         "cpus": str(os.cpu_count()),
         "torch": torch.__version__,
         "python": platform.python_version(),
