@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphrunner.testing import torch_threads
+
 RESULTS_DIR = Path(__file__).parent / "results"
 
 #: (group, batch size) -> {variant: median seconds}; baselines are named "eager".
@@ -24,12 +26,8 @@ FACTS: dict[tuple[str, int], dict[str, object]] = {}
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
-    # Tiny ops: intra-op threads only add synchronisation (and on a busy 2-core
-    # machine their spin-waits slow eager 10x, flattering any ratio).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def record(benchmark: object, group: str, bs: int, variant: str) -> None:
@@ -61,7 +59,10 @@ def machine() -> dict[str, str]:
 
 
 def table(groups: list[str]) -> list[str]:
-    lines = ["| group | bs | variant | median (µs) | vs eager | facts |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| group | bs | variant | median (µs) | vs eager | facts |",
+        "|---|---|---|---|---|---|",
+    ]
     for (group, bs), variants in sorted(MEDIANS.items()):
         if group not in groups:
             continue

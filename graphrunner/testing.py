@@ -11,7 +11,9 @@ step writes is bit-exact whatever the batch shape.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,22 @@ import torch
 from graphrunner.batch import DecodeBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 
-__all__ = ["ToyDecodeModel", "ToyWorld", "ToyWorldConfig"]
+__all__ = ["ToyDecodeModel", "ToyWorld", "ToyWorldConfig", "torch_threads"]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads, then restore the previous count.
+
+    Small models' ops are tiny: extra threads only add synchronisation, and on
+    a busy 2-core machine their spin-waits make a step 10-40x slower.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class ToyDecodeModel:
@@ -144,6 +161,16 @@ class ToyWorld:
             "k": self.kv.k_buffers[0].clone(),
             "v": self.kv.v_buffers[0].clone(),
         }
+
+    def eager_reference(self, batch: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The eager forward of the unpadded ``batch``: its logits and the pool
+        state it leaves. The pools are put back as they were before it, so the
+        runner under test sees the same state."""
+        before = self.state()
+        expected = self.model(batch).clone()
+        expected_state = self.state()
+        self.restore(before)
+        return expected, expected_state
 
     def restore(self, state: dict[str, torch.Tensor]) -> None:
         self.req_pool.req_to_token.copy_(state["req_to_token"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphrunner import GraphRunner, create_runner, decode_buffer_specs
-from graphrunner.testing import ToyWorld
+from graphrunner.testing import ToyWorld, torch_threads
 
 TEST_CAPTURE_SIZES = [1, 2, 4, 8]
 HAS_CUDA = torch.cuda.is_available()
@@ -51,12 +51,8 @@ class CapturedToy:
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
-    # The test models' ops are tiny: intra-op threads only add synchronisation,
-    # and on a busy 2-core machine their spin-waits make a step 10-40x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session", params=RUNNER_KINDS)

@@ -21,9 +21,7 @@ def test_padded_replay_matches_eager_and_spares_state(captured_toy: CapturedToy,
     world, runner = captured_toy.world, captured_toy.runner
     batch = world.make_batch(raw_bs, seed=raw_bs)
     before = world.state()
-    expected = world.model(batch).clone()  # eager, unpadded
-    expected_state = world.state()
-    world.restore(before)
+    expected, expected_state = world.eager_reference(batch)  # eager, unpadded
 
     poison_tails(runner, raw_bs, stale_values(world, batch))
     out = runner.replay(batch).clone()
@@ -57,9 +55,7 @@ def test_oversized_batch_runs_eagerly_and_warns_once(captured_toy: CapturedToy):
     fallbacks = runner.stats.eager_fallbacks
     big = TEST_CAPTURE_SIZES[-1] + 3
     batch = world.make_batch(big, seed=1)
-    before = world.state()
-    expected = world.model(batch).clone()
-    world.restore(before)
+    expected, _ = world.eager_reference(batch)
     with pytest.warns(RuntimeWarning, match=f"batch size {big}"):
         out = runner.replay(batch)
     torch.testing.assert_close(out, expected)
