@@ -55,7 +55,12 @@ def _eager_fallback(runner: GraphRunner, inputs: Any, raw_bs: int) -> Outputs:
 
 def replay(runner: GraphRunner, inputs: Any) -> Outputs:
     """See :meth:`graphrunner.runner.GraphRunner.replay`."""
-    raw_bs = int(inputs.batch_size)
+    raw_bs = getattr(inputs, "batch_size", None)
+    if not isinstance(raw_bs, int):
+        raise TypeError(
+            f"{type(inputs).__name__} has no int batch_size (got {raw_bs!r}); replay takes "
+            f"a graphrunner.DecodeInputs"
+        )
     if not 1 <= raw_bs <= runner.max_bs:
         return _eager_fallback(runner, inputs, raw_bs)
     bs = runner.graph_size_for(raw_bs)

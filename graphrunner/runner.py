@@ -89,6 +89,10 @@ class GraphRunner(abc.ABC):
         sanitizer: PaddingSanitizer | None = None,
         show_progress: bool = True,
     ) -> None:
+        if not callable(forward):
+            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+        if not specs:
+            raise ValueError("specs must declare at least one static buffer")
         self.forward = forward
         self.backend: GraphBackend = backend if backend is not None else NullBackend()
         _check_fill_matches_backend(specs, self.backend)
@@ -122,10 +126,20 @@ class GraphRunner(abc.ABC):
         return pad_to(self._sizes, raw_bs)
 
     def capture(self) -> CaptureReport:
-        """Capture every size, largest first, sharing one memory pool."""
+        """Capture every size, largest first, sharing one memory pool.
+
+        All or nothing: if any size fails, every size captured so far is
+        dropped and the error propagates. Capturing twice is an error.
+        """
         from graphrunner.capture import capture_graphs
 
-        self.capture_report = capture_graphs(self)
+        if self._launchers:
+            raise RuntimeError(f"{type(self).__name__} is already captured; build a new runner")
+        try:
+            self.capture_report = capture_graphs(self)
+        except BaseException:
+            self._drop_captures()
+            raise
         return self.capture_report
 
     def replay(self, inputs: Any) -> Outputs:
@@ -150,6 +164,10 @@ class GraphRunner(abc.ABC):
     @abc.abstractmethod
     def _capture(self, bs: int, fn: Launcher) -> Launcher:
         """Capture ``fn`` for size ``bs``; return what replays it."""
+
+    def _drop_captures(self) -> None:
+        """Forget every captured size (a subclass also frees what it holds)."""
+        self._launchers.clear()
 
     def _memory_in_use(self) -> int | None:
         """Device bytes in use now, or None where it cannot be measured."""

@@ -69,6 +69,10 @@ class CpuGraphRunner(GraphRunner):
         self.direct_fallbacks = 0
         self._programs: dict[int, list[_Program]] = {}
 
+    def _drop_captures(self) -> None:
+        super()._drop_captures()
+        self._programs.clear()
+
     def _recording_backend(self, bs: int) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 

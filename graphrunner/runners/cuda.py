@@ -53,6 +53,10 @@ class CudaGraphRunner(GraphRunner):
 
         return launch
 
+    def _drop_captures(self) -> None:
+        super()._drop_captures()
+        self.graphs.clear()
+
     def _memory_in_use(self) -> int | None:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
