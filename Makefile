@@ -28,8 +28,7 @@ test-slow: install
 
 bench: install
 	$(BIN)/python -m pytest bench -q --benchmark-enable --benchmark-only \
-		--benchmark-warmup=on --benchmark-min-rounds=50 --benchmark-disable-gc \
-		--benchmark-json=bench/results/raw-$$(.venv/bin/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").json
+		--benchmark-warmup=on --benchmark-min-rounds=50 --benchmark-disable-gc
 
 lint: install
 	$(BIN)/ruff check graphrunner tests bench

@@ -20,6 +20,9 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 #: (group, batch size) -> {variant: median seconds}; baselines are named "eager".
 MEDIANS: dict[tuple[str, int], dict[str, float]] = {}
+#: (group, batch size) -> {variant: summary statistics in seconds, and rounds}.
+STATS: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+_STAT_FIELDS = ("min", "median", "mean", "stddev", "iqr", "max", "rounds")
 #: Extra per-row facts (e.g. device ops per populate), by (group, batch size).
 FACTS: dict[tuple[str, int], dict[str, object]] = {}
 
@@ -35,6 +38,8 @@ def record(benchmark: object, group: str, bs: int, variant: str) -> None:
     stats = getattr(benchmark, "stats", None)
     if stats is not None:
         MEDIANS.setdefault((group, bs), {})[variant] = stats.stats.median
+        summary = {f: float(getattr(stats.stats, f)) for f in _STAT_FIELDS}
+        STATS.setdefault((group, bs), {})[variant] = summary
 
 
 def _cpu_name() -> str:
@@ -92,4 +97,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         out = RESULTS_DIR / f"{_slug(group)}.md"
         header = [f"# {group}", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
         out.write_text("\n".join(header + lines) + "\n")
-        terminalreporter.write_line(f"results written to {out}")
+        raw = {
+            "machine": info,
+            "seconds": {str(bs): v for (g, bs), v in sorted(STATS.items()) if g == group},
+            "facts": {str(bs): v for (g, bs), v in sorted(FACTS.items()) if g == group},
+        }
+        out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+        terminalreporter.write_line(f"results written to {out} and {out.with_suffix('.json')}")
