@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -162,20 +162,18 @@ class PaddingSanitizer:
         start = time.perf_counter()
         check_tails(runner.buffers, raw_bs, bs)
         self.check_pools()
-        check = _ReplayCheck(self, inputs, start)
+        check = _ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])
         self.stats.seconds += time.perf_counter() - start
         return check
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _ReplayCheck:
+    """One replay's snapshot of the guarded state, taken before launch."""
+
     sanitizer: PaddingSanitizer
     inputs: Any
-    started: float
-    snapshots: list[torch.Tensor] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.snapshots = [g.tensor.clone() for g in self.sanitizer.guarded]
+    snapshots: list[torch.Tensor]
 
     def after_launch(self, outputs: Outputs) -> None:
         resumed = time.perf_counter()
