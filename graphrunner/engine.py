@@ -24,6 +24,7 @@ from graphrunner.buffers import decode_buffer_specs
 from graphrunner.model.build import ModelBundle
 from graphrunner.runner import GraphRunner
 from graphrunner.runners import create_runner
+from graphrunner.sizes import PaddingWaste
 from graphrunner.trace import Request
 
 
@@ -69,8 +70,7 @@ class EngineStats:
 
     @property
     def padded_fraction(self) -> float:
-        total = self.live_rows + self.padded_rows
-        return self.padded_rows / total if total else 0.0
+        return PaddingWaste(self.live_rows, self.padded_rows).fraction
 
 
 @dataclass(frozen=True, slots=True)

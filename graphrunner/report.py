@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graphrunner.sizes import PaddingWaste
+
 __all__ = ["CaptureReport", "RunnerStats", "SizeReport"]
 
 
@@ -57,5 +59,4 @@ class RunnerStats:
 
     @property
     def padded_fraction(self) -> float:
-        total = self.live_rows + self.padded_rows
-        return self.padded_rows / total if total else 0.0
+        return PaddingWaste(self.live_rows, self.padded_rows).fraction
