@@ -32,6 +32,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check graphrunner tests bench
+	$(BIN)/ruff format --check graphrunner tests bench
 	$(BIN)/mypy
 
 clean:

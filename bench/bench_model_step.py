@@ -43,9 +43,13 @@ def _batch(bundle: ModelBundle, bs: int) -> DecodeBatch:
         slots = torch.tensor(bundle.kv_alloc.alloc(n), device=bundle.device)
         reqs.append(req)
         firsts.append(bundle.model.forward_extend(req, prompt, slots).argmax())
-    batch = DecodeBatch.from_requests(reqs, PROMPT_LENS[:bs], torch.stack(firsts),
-                                      device=bundle.device,
-                                      max_context_len=bundle.max_context_len)
+    batch = DecodeBatch.from_requests(
+        reqs,
+        PROMPT_LENS[:bs],
+        torch.stack(firsts),
+        device=bundle.device,
+        max_context_len=bundle.max_context_len,
+    )
     batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
     return batch
 
@@ -56,8 +60,9 @@ def _sync(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("bs", SIZES)
-def bench_model_step_eager(benchmark: object, captured: tuple[ModelBundle, GraphRunner],
-                           bs: int) -> None:
+def bench_model_step_eager(
+    benchmark: object, captured: tuple[ModelBundle, GraphRunner], bs: int
+) -> None:
     bundle, runner = captured
     batch = _batch(bundle, bs)
 
@@ -71,8 +76,9 @@ def bench_model_step_eager(benchmark: object, captured: tuple[ModelBundle, Graph
 
 
 @pytest.mark.parametrize("bs", SIZES)
-def bench_model_step_runner(benchmark: object, captured: tuple[ModelBundle, GraphRunner],
-                            bs: int) -> None:
+def bench_model_step_runner(
+    benchmark: object, captured: tuple[ModelBundle, GraphRunner], bs: int
+) -> None:
     bundle, runner = captured
     batch = _batch(bundle, bs)
 

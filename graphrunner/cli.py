@@ -54,12 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     gen = sub.add_parser("generate", help="greedy tokens for the prompts of a file")
     _common(gen)
-    gen.add_argument("--prompts", type=Path, required=True,
-                     help="file with one JSON list of token ids per line")
+    gen.add_argument(
+        "--prompts", type=Path, required=True, help="file with one JSON list of token ids per line"
+    )
     gen.add_argument("--output", type=Path, help="write JSON lines here (default stdout)")
     gen.add_argument("--max-new-tokens", type=int, default=16)
-    gen.add_argument("--arrive-every", type=int, default=0, metavar="K",
-                     help="prompt i arrives at engine step i*K (0: all at once)")
+    gen.add_argument(
+        "--arrive-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="prompt i arrives at engine step i*K (0: all at once)",
+    )
     gen.add_argument("--end-token", type=int, help="a token id that ends a request")
     gen.add_argument("--check", action="store_true", help="check each step against eager")
     gen.set_defaults(func=_generate)
@@ -69,17 +75,32 @@ def _parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--runner", choices=["cuda", "cpu", "eager"],
-                   help="default: cuda on a CUDA device, else cpu")
-    p.add_argument("--checkpoint", type=Path, help="Hugging Face-layout directory "
-                   "(default: the embedded random model)")
-    p.add_argument("--max-bs", type=int, help="largest captured batch size (default 16; "
-                   "generate: at most the number of prompts)")
-    p.add_argument("--capture-sizes", help="comma-separated, e.g. 1,2,4,8 "
-                   "(default: graphrunner's policy up to --max-bs)")
+    p.add_argument(
+        "--runner",
+        choices=["cuda", "cpu", "eager"],
+        help="default: cuda on a CUDA device, else cpu",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="Hugging Face-layout directory (default: the embedded random model)",
+    )
+    p.add_argument(
+        "--max-bs",
+        type=int,
+        help="largest captured batch size (default 16; generate: at most the number of prompts)",
+    )
+    p.add_argument(
+        "--capture-sizes",
+        help="comma-separated, e.g. 1,2,4,8 (default: graphrunner's policy up to --max-bs)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model / trace")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1: the small models here gain nothing from more)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: the small models here gain nothing from more)",
+    )
 
 
 def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
@@ -91,11 +112,14 @@ def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[i
     try:
         sizes = sorted({int(s) for s in args.capture_sizes.split(",")})
     except ValueError:
-        raise UsageError(f"--capture-sizes {args.capture_sizes!r}: expected comma-separated "
-                         "ints") from None
+        raise UsageError(
+            f"--capture-sizes {args.capture_sizes!r}: expected comma-separated ints"
+        ) from None
     if sizes[0] < 1 or (args.max_bs is not None and args.max_bs != sizes[-1]):
-        raise UsageError(f"--capture-sizes {args.capture_sizes!r}: expected sizes >= 1 whose "
-                         f"largest equals --max-bs {args.max_bs}")
+        raise UsageError(
+            f"--capture-sizes {args.capture_sizes!r}: expected sizes >= 1 whose "
+            f"largest equals --max-bs {args.max_bs}"
+        )
     return sizes
 
 
@@ -122,8 +146,9 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
     if args.checkpoint is None:
         return default_model(max_requests=max_requests, device=args.device, seed=args.seed)
     try:
-        return load_model(args.checkpoint, max_requests=max_requests, max_context_len=context,
-                          device=args.device)
+        return load_model(
+            args.checkpoint, max_requests=max_requests, max_context_len=context, device=args.device
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -142,17 +167,27 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: expected >= 1")
     torch.set_num_threads(args.threads)
     # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
-    trace = synthetic_trace(num_requests=args.steps, vocab_size=config.vocab_size,
-                            max_context_len=config.max_position_embeddings, seed=args.seed,
-                            prompt_len=(4, 48), new_tokens=(8, 64), mean_gap=4.0)
+    trace = synthetic_trace(
+        num_requests=args.steps,
+        vocab_size=config.vocab_size,
+        max_context_len=config.max_position_embeddings,
+        seed=args.seed,
+        prompt_len=(4, 48),
+        new_tokens=(8, 64),
+        mean_gap=4.0,
+    )
     context = max(r.max_len for r in trace)  # the cache sized to the workload
     bundle = _build(args, sizes[-1], context)
     source = args.checkpoint or f"embedded default (random, seed {args.seed})"
-    print(f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s)")
-    print(f"model: {source}: {config.num_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
-          f"context {context}")
+    print(
+        f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    print(
+        f"model: {source}: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
+        f"context {context}"
+    )
     runner = _capture(bundle, kind, sizes)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
@@ -162,36 +197,47 @@ def _demo(args: argparse.Namespace) -> int:
 def _report(result: EngineResult) -> None:
     s = result.stats
     ratio = s.tokens_per_second / s.eager_tokens_per_second if s.eager_seconds else 0.0
-    print(f"decode: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
-          f"requests, {s.prefill_tokens} tokens; finished {len(result.finished)} requests")
+    print(
+        f"decode: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
+        f"requests, {s.prefill_tokens} tokens; finished {len(result.finished)} requests"
+    )
     print(f"batch sizes (live bs: steps): {dict(sorted(s.batch_sizes.items()))}")
-    print(f"tokens/s: graphs {s.tokens_per_second:,.0f}, eager {s.eager_tokens_per_second:,.0f}"
-          f", ratio {ratio:.2f}x")
-    print(f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of "
-          f"{s.padded_rows + s.live_rows})")
-    print(f"checked steps: {s.checked_steps}, max |logit diff| {s.max_logit_diff:.2e}, "
-          f"max |kv diff| {s.max_kv_diff:.2e}, near-tie token flips {s.token_flips}")
+    print(
+        f"tokens/s: graphs {s.tokens_per_second:,.0f}, eager {s.eager_tokens_per_second:,.0f}"
+        f", ratio {ratio:.2f}x"
+    )
+    print(
+        f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of {s.padded_rows + s.live_rows})"
+    )
+    print(
+        f"checked steps: {s.checked_steps}, max |logit diff| {s.max_logit_diff:.2e}, "
+        f"max |kv diff| {s.max_kv_diff:.2e}, near-tie token flips {s.token_flips}"
+    )
     print(f"mismatches: {s.mismatches}")
 
 
 def _generate(args: argparse.Namespace) -> int:
     kind, config = _runner_kind(args), _model_config(args)
     if args.max_new_tokens < 1 or args.arrive_every < 0:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}, --arrive-every "
-                         f"{args.arrive_every}: expected >= 1 and >= 0")
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens}, --arrive-every "
+            f"{args.arrive_every}: expected >= 1 and >= 0"
+        )
     prompts = read_prompts(args.prompts, config, args.max_new_tokens)
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))
-    trace = requests_from_prompts(prompts, max_new_tokens=args.max_new_tokens,
-                                  arrive_every=args.arrive_every)
+    trace = requests_from_prompts(
+        prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+    )
     context = max(r.max_len for r in trace)
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
     runner = create_model_runner(bundle, kind, capture_sizes=sizes)
     runner.capture()
     result = Engine(bundle, runner, check=args.check, end_token=args.end_token).run(trace)
-    text = "".join(json.dumps({"prompt": r.rid, "tokens": result.outputs[r.rid]}) + "\n"
-                   for r in trace)
+    text = "".join(
+        json.dumps({"prompt": r.rid, "tokens": result.outputs[r.rid]}) + "\n" for r in trace
+    )
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -215,18 +261,22 @@ def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[l
         except json.JSONDecodeError as e:
             raise UsageError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:60]!r}") from None
         if not isinstance(prompt, list) or not prompt:
-            raise UsageError(f"{where}: expected a non-empty JSON list of token ids, got "
-                             f"{line.strip()[:60]!r}")
+            raise UsageError(
+                f"{where}: expected a non-empty JSON list of token ids, got {line.strip()[:60]!r}"
+            )
         for i, tok in enumerate(prompt):
             is_id = isinstance(tok, int) and not isinstance(tok, bool)
             if not is_id or not 0 <= tok < config.vocab_size:
-                raise UsageError(f"{where}: token {i} = {tok!r} is not a token id in "
-                                 f"0..{config.vocab_size - 1}")
+                raise UsageError(
+                    f"{where}: token {i} = {tok!r} is not a token id in 0..{config.vocab_size - 1}"
+                )
         needed = len(prompt) + max_new_tokens - 1
         if needed > config.max_position_embeddings:
-            raise UsageError(f"{where}: prompt of {len(prompt)} tokens + {max_new_tokens} new "
-                             f"tokens needs a context of {needed}, longer than the model's "
-                             f"{config.max_position_embeddings}")
+            raise UsageError(
+                f"{where}: prompt of {len(prompt)} tokens + {max_new_tokens} new "
+                f"tokens needs a context of {needed}, longer than the model's "
+                f"{config.max_position_embeddings}"
+            )
         prompts.append(prompt)
     if not prompts:
         raise UsageError(f"prompts file {str(path)!r} has no prompts")

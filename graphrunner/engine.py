@@ -28,16 +28,28 @@ from graphrunner.sizes import PaddingWaste
 from graphrunner.trace import Request
 
 
-def create_model_runner(bundle: ModelBundle, kind: str, *,
-                        capture_sizes: Sequence[int] | None = None, max_bs: int | None = None,
-                        show_progress: bool = False) -> GraphRunner:
+def create_model_runner(
+    bundle: ModelBundle,
+    kind: str,
+    *,
+    capture_sizes: Sequence[int] | None = None,
+    max_bs: int | None = None,
+    show_progress: bool = False,
+) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
     step, with its attention backend's hooks and pad value. Not yet captured."""
     model = bundle.model
     specs = decode_buffer_specs(seq_len_fill_value=model.attn_backend.seq_len_fill_value)
-    return create_runner(kind, model.forward_decode, specs, device=bundle.device,
-                         capture_sizes=capture_sizes, max_bs=max_bs, backend=model.attn_backend,
-                         show_progress=show_progress)
+    return create_runner(
+        kind,
+        model.forward_decode,
+        specs,
+        device=bundle.device,
+        capture_sizes=capture_sizes,
+        max_bs=max_bs,
+        backend=model.attn_backend,
+        show_progress=show_progress,
+    )
 
 
 @dataclass(slots=True)
@@ -116,25 +128,35 @@ class Engine:
         atol: tolerance on logits and KV values in check mode.
     """
 
-    def __init__(self, bundle: ModelBundle, runner: GraphRunner, *, check: bool = False,
-                 end_token: int | None = None, atol: float = 1e-4) -> None:
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        runner: GraphRunner,
+        *,
+        check: bool = False,
+        end_token: int | None = None,
+        atol: float = 1e-4,
+    ) -> None:
         self.bundle, self.runner = bundle, runner
         self.check, self.end_token, self.atol = check, end_token, atol
         self.device = bundle.device
-        self._sync: Callable[[], None] = (torch.cuda.synchronize if self.device.type == "cuda"
-                                          else lambda: None)
+        self._sync: Callable[[], None] = (
+            torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
+        )
 
-    def run(self, trace: Sequence[Request], *, max_steps: int | None = None,
-            progress: bool = False) -> EngineResult:
+    def run(
+        self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
+    ) -> EngineResult:
         """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran."""
         self._validate(trace)
-        run = _Run(deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
-                   DecodeBatch.empty(self.device, self.bundle.max_context_len),
-                   {r.rid: [] for r in trace})
+        run = _Run(
+            deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
+            DecodeBatch.empty(self.device, self.bundle.max_context_len),
+            {r.rid: [] for r in trace},
+        )
         start_live, start_pad = self.runner.stats.live_rows, self.runner.stats.padded_rows
         with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
-            while (run.pending or run.live) and (max_steps is None
-                                                 or run.stats.steps < max_steps):
+            while (run.pending or run.live) and (max_steps is None or run.stats.steps < max_steps):
                 if not run.live:  # idle: jump to the next arrival
                     run.clock = max(run.clock, run.pending[0].arrival_step)
                 bar.update(self._step(run))
@@ -162,8 +184,9 @@ class Engine:
         if len(keep) < bs:
             run.batch.filter(keep)
             run.live[:] = [run.live[i] for i in keep]
-        stay = [j for j, (req, _) in enumerate(joining)
-                if not self._advance(run, req, host[2 * bs + j])]
+        stay = [
+            j for j, (req, _) in enumerate(joining) if not self._advance(run, req, host[2 * bs + j])
+        ]
         if stay:
             self._join(run, [joining[j][0] for j in stay], first_ids[stay])
         return 1 if bs else 0
@@ -176,12 +199,16 @@ class Engine:
         for r in trace:
             bad = [t for t in r.prompt if not 0 <= t < cfg.vocab_size]
             if bad:
-                raise ValueError(f"request {r.rid}: token id {bad[0]} outside the vocabulary "
-                                 f"0..{cfg.vocab_size - 1}")
+                raise ValueError(
+                    f"request {r.rid}: token id {bad[0]} outside the vocabulary "
+                    f"0..{cfg.vocab_size - 1}"
+                )
             if r.max_len > min(ctx, kv_room):
-                raise ValueError(f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
-                                 f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
-                                 f"max_context_len {ctx} and <= KV slots {kv_room}")
+                raise ValueError(
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
+                    f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
+                    f"max_context_len {ctx} and <= KV slots {kv_room}"
+                )
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -196,23 +223,26 @@ class Engine:
         while pending and pending[0].arrival_step <= run.clock:
             req = pending[0]
             room = b.kv_alloc.available_size() - reserved
-            if (len(run.live) + len(joining) >= self.runner.max_bs or req.max_len > room
-                    or b.req_pool.available_size() == 0):
+            if (
+                len(run.live) + len(joining) >= self.runner.max_bs
+                or req.max_len > room
+                or b.req_pool.available_size() == 0
+            ):
                 break  # FIFO: later arrivals wait behind it
             pending.popleft()
             live_req = _Live(req, b.req_pool.alloc(1)[0], b.kv_alloc.alloc(len(req.prompt)))
             reserved += req.max_len - len(req.prompt)
             ids = torch.tensor(req.prompt, dtype=torch.int64).to(self.device, non_blocking=True)
-            slots = torch.tensor(live_req.slots, dtype=torch.int64).to(self.device,
-                                                                       non_blocking=True)
+            slots = torch.tensor(live_req.slots, dtype=torch.int64).to(
+                self.device, non_blocking=True
+            )
             logits = b.model.forward_extend(live_req.req_index, ids, slots)
             joining.append((live_req, logits.argmax()))
             run.stats.prefills += 1
             run.stats.prefill_tokens += len(req.prompt)
         return joining
 
-    def _decode(self, batch: DecodeBatch,
-                stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
         if self.check:
@@ -244,11 +274,13 @@ class Engine:
         stats.eager_seconds += eager_seconds
         stats.decode_seconds += seconds
         after = (*kv.k_buffers, *kv.v_buffers)
-        kv_diff = torch.stack([(a[1:] - b[1:]).abs().max()
-                               for a, b in zip(after, before, strict=True)]).max()
+        kv_diff = torch.stack(
+            [(a[1:] - b[1:]).abs().max() for a, b in zip(after, before, strict=True)]
+        ).max()
         flips = (out.argmax(-1) != ref.argmax(-1)).sum()
         logit_diff, kv_diff_f, n_flips = torch.stack(
-            [(out - ref).abs().max(), kv_diff.float(), flips.float()]).tolist()
+            [(out - ref).abs().max(), kv_diff.float(), flips.float()]
+        ).tolist()
         stats.checked_steps += 1
         stats.max_logit_diff = max(stats.max_logit_diff, logit_diff)
         stats.max_kv_diff = max(stats.max_kv_diff, kv_diff_f)
@@ -262,8 +294,10 @@ class Engine:
     def _replay(self, batch: DecodeBatch) -> torch.Tensor:
         logits = self.runner.replay(batch)
         if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"runner.replay returned {type(logits).__name__}; expected the "
-                            "logits tensor [bs, vocab] of forward_decode")
+            raise TypeError(
+                f"runner.replay returned {type(logits).__name__}; expected the "
+                "logits tensor [bs, vocab] of forward_decode"
+            )
         return logits
 
     def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
@@ -289,7 +323,11 @@ class Engine:
 
     def _join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
         new = DecodeBatch.from_requests(
-            [r.req_index for r in joining], [len(r.request.prompt) for r in joining], first_ids,
-            device=self.device, max_context_len=self.bundle.max_context_len)
+            [r.req_index for r in joining],
+            [len(r.request.prompt) for r in joining],
+            first_ids,
+            device=self.device,
+            max_context_len=self.bundle.max_context_len,
+        )
         run.batch.merge(new)
         run.live.extend(joining)

@@ -26,11 +26,11 @@ class Request:
         if not self.prompt:
             raise ValueError(f"request {self.rid}: empty prompt; expected at least one token")
         if self.max_new_tokens < 1:
-            raise ValueError(f"request {self.rid}: max_new_tokens={self.max_new_tokens}; "
-                             "expected >= 1")
+            raise ValueError(
+                f"request {self.rid}: max_new_tokens={self.max_new_tokens}; expected >= 1"
+            )
         if self.arrival_step < 0:
-            raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; "
-                             "expected >= 0")
+            raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; expected >= 0")
 
     @property
     def max_len(self) -> int:
@@ -38,22 +38,32 @@ class Request:
         return len(self.prompt) + self.max_new_tokens - 1
 
 
-def requests_from_prompts(prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                          arrive_every: int = 0) -> list[Request]:
+def requests_from_prompts(
+    prompts: Sequence[Sequence[int]], *, max_new_tokens: int, arrive_every: int = 0
+) -> list[Request]:
     """Prompt ``i`` becomes request ``i``, arriving at step ``i * arrive_every``."""
     return [Request(i, tuple(p), max_new_tokens, i * arrive_every) for i, p in enumerate(prompts)]
 
 
-def synthetic_trace(*, num_requests: int, vocab_size: int, max_context_len: int, seed: int = 0,
-                    prompt_len: tuple[int, int] = (4, 64), new_tokens: tuple[int, int] = (8, 64),
-                    mean_gap: float = 1.0) -> list[Request]:
+def synthetic_trace(
+    *,
+    num_requests: int,
+    vocab_size: int,
+    max_context_len: int,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (4, 64),
+    new_tokens: tuple[int, int] = (8, 64),
+    mean_gap: float = 1.0,
+) -> list[Request]:
     """A seeded trace: uniform prompt lengths and budgets (inclusive ranges,
     clipped so every request fits ``max_context_len``), random token ids, and
     arrivals separated by gaps drawn uniformly from ``0..2 * mean_gap`` steps.
     """
     if num_requests < 1 or vocab_size < 1 or mean_gap < 0:
-        raise ValueError(f"num_requests={num_requests}, vocab_size={vocab_size}, "
-                         f"mean_gap={mean_gap}: expected >= 1, >= 1, >= 0")
+        raise ValueError(
+            f"num_requests={num_requests}, vocab_size={vocab_size}, "
+            f"mean_gap={mean_gap}: expected >= 1, >= 1, >= 0"
+        )
     gen = torch.Generator().manual_seed(seed)
 
     def draw(lo: int, hi: int) -> int:

@@ -53,8 +53,18 @@ def _expected(max_new_tokens: int) -> list[list[int]]:
 def test_generate_prints_greedy_tokens_in_prompt_order(
     prompts_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rc = cli.main(["generate", "--prompts", str(prompts_file), "--max-new-tokens", "6",
-                   "--arrive-every", "2", *EAGER])
+    rc = cli.main(
+        [
+            "generate",
+            "--prompts",
+            str(prompts_file),
+            "--max-new-tokens",
+            "6",
+            "--arrive-every",
+            "2",
+            *EAGER,
+        ]
+    )
     assert rc == 0
     lines = _lines(capsys.readouterr().out)
     assert [line["prompt"] for line in lines] == [0, 1, 2, 3]
@@ -66,27 +76,51 @@ def test_generate_from_a_checkpoint_and_the_cpu_runner_writes_output(
 ) -> None:
     save_checkpoint(default_model(max_requests=1).model, tmp_path / "ckpt")
     out = tmp_path / "out.jsonl"
-    rc = cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompts",
-                   str(prompts_file), "--max-new-tokens", "5", "--output", str(out),
-                   "--runner", "cpu", "--capture-sizes", "2,4", "--check"])
+    rc = cli.main(
+        [
+            "generate",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--prompts",
+            str(prompts_file),
+            "--max-new-tokens",
+            "5",
+            "--output",
+            str(out),
+            "--runner",
+            "cpu",
+            "--capture-sizes",
+            "2,4",
+            "--check",
+        ]
+    )
     assert rc == 0
     assert [line["tokens"] for line in _lines(out.read_text())] == _expected(5)
 
 
-@pytest.mark.parametrize("content, match", [
-    ('[1, 2]\n[3, 4\n', r"prompts.jsonl:2: not valid JSON"),
-    ('[1, 2]\n\n[3, 256]\n', r"prompts.jsonl:3: token 1 = 256 is not a token id in 0..255"),
-    ('[1, -1]\n', r"prompts.jsonl:1: token 1 = -1"),
-    ('[1, "a"]\n', r"prompts.jsonl:1: token 1 = 'a'"),
-    ('{"ids": [1]}\n', r"prompts.jsonl:1: expected a non-empty JSON list"),
-    ('[]\n', r"prompts.jsonl:1: expected a non-empty JSON list"),
-    ('[1]\n' + json.dumps([5] * 250) + "\n", r"prompts.jsonl:2: prompt of 250 tokens \+ 16 new "
-     r"tokens needs a context of 265, longer than the model's 256"),
-    ('\n', r"has no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("[1, 2]\n[3, 4\n", r"prompts.jsonl:2: not valid JSON"),
+        ("[1, 2]\n\n[3, 256]\n", r"prompts.jsonl:3: token 1 = 256 is not a token id in 0..255"),
+        ("[1, -1]\n", r"prompts.jsonl:1: token 1 = -1"),
+        ('[1, "a"]\n', r"prompts.jsonl:1: token 1 = 'a'"),
+        ('{"ids": [1]}\n', r"prompts.jsonl:1: expected a non-empty JSON list"),
+        ("[]\n", r"prompts.jsonl:1: expected a non-empty JSON list"),
+        (
+            "[1]\n" + json.dumps([5] * 250) + "\n",
+            r"prompts.jsonl:2: prompt of 250 tokens \+ 16 new "
+            r"tokens needs a context of 265, longer than the model's 256",
+        ),
+        ("\n", r"has no prompts"),
+    ],
+)
 def test_generate_rejects_bad_prompts_before_any_work(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    content: str, match: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    content: str,
+    match: str,
 ) -> None:
     monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
     path = tmp_path / "prompts.jsonl"
@@ -97,16 +131,21 @@ def test_generate_rejects_bad_prompts_before_any_work(
     assert re.search(match, captured.err), captured.err
 
 
-@pytest.mark.parametrize("args, match", [
-    (["generate", "--prompts", "nowhere.jsonl"], "prompts file 'nowhere.jsonl' not found"),
-    (["demo", "--capture-sizes", "1,x"], "--capture-sizes '1,x'"),
-    (["demo", "--capture-sizes", "1,2", "--max-bs", "4"], "--max-bs 4"),
-    (["demo", "--runner", "cuda", "--device", "cpu"], "--runner cuda does not run on"),
-    (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
-    (["demo", "--steps", "0"], "--steps 0"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["generate", "--prompts", "nowhere.jsonl"], "prompts file 'nowhere.jsonl' not found"),
+        (["demo", "--capture-sizes", "1,x"], "--capture-sizes '1,x'"),
+        (["demo", "--capture-sizes", "1,2", "--max-bs", "4"], "--max-bs 4"),
+        (["demo", "--runner", "cuda", "--device", "cpu"], "--runner cuda does not run on"),
+        (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
+        (["demo", "--steps", "0"], "--steps 0"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_value(
-    args: list[str], match: str, capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    match: str,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
@@ -117,14 +156,23 @@ def test_bad_arguments_exit_2_naming_the_value(
 def test_demo_reports_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--steps", "25", "--max-bs", "4", "--runner", "eager"]) == 0
     out = capsys.readouterr().out
-    for needle in ["device: cpu", "runner: eager", "capture (eager): sizes [1, 2, 4]",
-                   "bs=4", "decode: 25 steps", "tokens/s: graphs", "ratio", "padded rows:",
-                   "mismatches: 0"]:
+    for needle in [
+        "device: cpu",
+        "runner: eager",
+        "capture (eager): sizes [1, 2, 4]",
+        "bs=4",
+        "decode: 25 steps",
+        "tokens/s: graphs",
+        "ratio",
+        "padded rows:",
+        "mismatches: 0",
+    ]:
         assert needle in out, needle
 
 
-def test_demo_exits_1_on_a_mismatch(monkeypatch: pytest.MonkeyPatch,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_exits_1_on_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     real = cli._capture
     monkeypatch.setattr(cli, "_capture", lambda bundle, *a: StrayWriter(real(bundle, *a), bundle))
     assert cli.main(["demo", "--steps", "10", "--max-bs", "2", "--runner", "eager"]) == 1
@@ -134,7 +182,22 @@ def test_demo_exits_1_on_a_mismatch(monkeypatch: pytest.MonkeyPatch,
 
 def test_python_dash_m_runs_the_demo() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "graphrunner", "demo", "--steps", "8", "--max-bs", "2",
-         "--runner", "eager"], capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "graphrunner",
+            "demo",
+            "--steps",
+            "8",
+            "--max-bs",
+            "2",
+            "--runner",
+            "eager",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "mismatches: 0" in proc.stdout

@@ -15,8 +15,9 @@ from graphrunner.trace import Request, requests_from_prompts, synthetic_trace
 MAX_BS = 4
 
 
-def _engine(*, check: bool = False, end_token: int | None = None,
-            max_requests: int = MAX_BS) -> Engine:
+def _engine(
+    *, check: bool = False, end_token: int | None = None, max_requests: int = MAX_BS
+) -> Engine:
     bundle = default_model(max_requests=max_requests)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
@@ -24,8 +25,15 @@ def _engine(*, check: bool = False, end_token: int | None = None,
 
 
 def _trace(n: int = 10, seed: int = 3) -> list[Request]:
-    return synthetic_trace(num_requests=n, vocab_size=256, max_context_len=256, seed=seed,
-                           prompt_len=(1, 20), new_tokens=(1, 12), mean_gap=1.0)
+    return synthetic_trace(
+        num_requests=n,
+        vocab_size=256,
+        max_context_len=256,
+        seed=seed,
+        prompt_len=(1, 20),
+        new_tokens=(1, 12),
+        mean_gap=1.0,
+    )
 
 
 def _solo_greedy(bundle: ModelBundle, req: Request) -> list[int]:
@@ -34,10 +42,20 @@ def _solo_greedy(bundle: ModelBundle, req: Request) -> list[int]:
 
     index = bundle.req_pool.alloc(1)[0]
     slots = bundle.kv_alloc.alloc(len(req.prompt))
-    tokens = [int(bundle.model.forward_extend(index, torch.tensor(req.prompt),
-                                              torch.tensor(slots)).argmax())]
-    batch = DecodeBatch.from_requests([index], [len(req.prompt)], torch.tensor(tokens),
-                                      device="cpu", max_context_len=bundle.max_context_len)
+    tokens = [
+        int(
+            bundle.model.forward_extend(
+                index, torch.tensor(req.prompt), torch.tensor(slots)
+            ).argmax()
+        )
+    ]
+    batch = DecodeBatch.from_requests(
+        [index],
+        [len(req.prompt)],
+        torch.tensor(tokens),
+        device="cpu",
+        max_context_len=bundle.max_context_len,
+    )
     while len(tokens) < req.max_new_tokens:
         batch.prepare_decode(bundle.req_pool, bundle.kv_alloc, torch.tensor(tokens[-1:]))
         with torch.no_grad():
@@ -72,8 +90,9 @@ def test_pools_are_free_after_a_run_and_after_a_cut_run() -> None:
 
 
 def test_end_token_finishes_a_request_and_is_kept() -> None:
-    trace = requests_from_prompts([[1, 2, 3], [7], [40, 41, 42, 43]], max_new_tokens=10,
-                                  arrive_every=1)
+    trace = requests_from_prompts(
+        [[1, 2, 3], [7], [40, 41, 42, 43]], max_new_tokens=10, arrive_every=1
+    )
     baseline = _engine().run(trace).outputs
     end = baseline[0][3]
     result = _engine(end_token=end).run(trace)
@@ -93,10 +112,13 @@ def test_admission_waits_for_rows_and_kv_room() -> None:
     assert result.finished == {0, 1, 2} and result.stats.batch_sizes == {1: 12}
 
 
-@pytest.mark.parametrize("request_, match", [
-    (Request(0, (1, 256), 4), "token id 256 outside the vocabulary"),
-    (Request(0, (1,) * 250, 8), "257 tokens"),
-])
+@pytest.mark.parametrize(
+    "request_, match",
+    [
+        (Request(0, (1, 256), 4), "token id 256 outside the vocabulary"),
+        (Request(0, (1,) * 250, 8), "257 tokens"),
+    ],
+)
 def test_invalid_requests_fail_before_any_work(request_: Request, match: str) -> None:
     engine = _engine()
     with pytest.raises(ValueError, match=match):

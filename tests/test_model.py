@@ -33,9 +33,16 @@ CTX = 64
 def _save_hf(path: Path, *, tie: bool = False, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=tie, initializer_range=0.1)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(path)
     return hf
@@ -47,9 +54,13 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, P
     return _save_hf(path), path
 
 
-def _copy_ckpt(src: Path, dst: Path, *,
-               edit_tensors: Callable[[dict[str, torch.Tensor]], object] | None = None,
-               edit_config: Callable[[dict[str, object]], object] | None = None) -> Path:
+def _copy_ckpt(
+    src: Path,
+    dst: Path,
+    *,
+    edit_tensors: Callable[[dict[str, torch.Tensor]], object] | None = None,
+    edit_config: Callable[[dict[str, object]], object] | None = None,
+) -> Path:
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
     tensors = load_file(src / "model.safetensors")
@@ -75,9 +86,15 @@ def _prefill(bundle: ModelBundle, prompt: list[int]) -> tuple[int, torch.Tensor]
 
 # -- config ------------------------------------------------------------------
 
+
 def test_config_reads_transformers_layout(hf_dir: tuple[torch.nn.Module, Path]) -> None:
     config = read_config(hf_dir[1])
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        2,
+        4,
+        2,
+        16,
+    )
     assert config.rope_theta == 10000.0 and not config.tie_word_embeddings
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
@@ -89,16 +106,27 @@ def test_config_accepts_transformers_4_rope_theta() -> None:
     assert ModelConfig.from_hf_dict(hf).rope_theta == 500000.0
 
 
-@pytest.mark.parametrize("edit, named", [
-    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
-    ({"model_type": "gemma"}, "gemma"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                          "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-])
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+        ({"model_type": "gemma"}, "gemma"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor",
+        ),
+    ],
+)
 def test_config_rejects_what_it_cannot_honour(edit: dict, named: str) -> None:
     hf = default_model(max_requests=1).config.to_hf_dict() | edit
     with pytest.raises(UnsupportedConfigError, match=named):
@@ -107,14 +135,27 @@ def test_config_rejects_what_it_cannot_honour(edit: dict, named: str) -> None:
 
 def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="num_kv_heads=3"):
-        ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
-                    num_heads=4, num_kv_heads=3)
+        ModelConfig(
+            vocab_size=8,
+            hidden_size=64,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=3,
+        )
     with pytest.raises(ValueError, match="vocab_size=0"):
-        ModelConfig(vocab_size=0, hidden_size=64, intermediate_size=8, num_layers=1,
-                    num_heads=4, num_kv_heads=2)
+        ModelConfig(
+            vocab_size=0,
+            hidden_size=64,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+        )
 
 
 # -- loader errors -------------------------------------------------------------
+
 
 def test_loader_names_missing_tensor(hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     name = "model.layers.1.mlp.up_proj.weight"
@@ -123,27 +164,34 @@ def test_loader_names_missing_tensor(hf_dir: tuple[torch.nn.Module, Path], tmp_p
         load_model(path, max_requests=2, max_context_len=CTX)
 
 
-def test_loader_names_unexpected_tensor(hf_dir: tuple[torch.nn.Module, Path],
-                                        tmp_path: Path) -> None:
+def test_loader_names_unexpected_tensor(
+    hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path
+) -> None:
     name = "model.layers.0.self_attn.q_norm.weight"
-    path = _copy_ckpt(hf_dir[1], tmp_path / "c",
-                      edit_tensors=lambda t: t.__setitem__(name, torch.ones(16)))
+    path = _copy_ckpt(
+        hf_dir[1], tmp_path / "c", edit_tensors=lambda t: t.__setitem__(name, torch.ones(16))
+    )
     with pytest.raises(WeightError, match=f"unexpected tensor '{name}'"):
         load_model(path, max_requests=2, max_context_len=CTX)
 
 
 def test_loader_names_shape_mismatch(hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     name = "model.layers.0.self_attn.k_proj.weight"
-    path = _copy_ckpt(hf_dir[1], tmp_path / "c",
-                      edit_tensors=lambda t: t.__setitem__(name, torch.zeros(64, 64)))
+    path = _copy_ckpt(
+        hf_dir[1], tmp_path / "c", edit_tensors=lambda t: t.__setitem__(name, torch.zeros(64, 64))
+    )
     with pytest.raises(WeightError, match=rf"'{name}' has shape \(64, 64\): expected \(32, 64\)"):
         load_model(path, max_requests=2, max_context_len=CTX)
 
 
-def test_loader_names_unsupported_architecture(hf_dir: tuple[torch.nn.Module, Path],
-                                               tmp_path: Path) -> None:
-    path = _copy_ckpt(hf_dir[1], tmp_path / "c",
-                      edit_config=lambda c: c.update(architectures=["Qwen2ForCausalLM"]))
+def test_loader_names_unsupported_architecture(
+    hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    path = _copy_ckpt(
+        hf_dir[1],
+        tmp_path / "c",
+        edit_config=lambda c: c.update(architectures=["Qwen2ForCausalLM"]),
+    )
     with pytest.raises(UnsupportedConfigError, match="Qwen2ForCausalLM"):
         load_model(path, max_requests=2, max_context_len=CTX)
 
@@ -151,8 +199,9 @@ def test_loader_names_unsupported_architecture(hf_dir: tuple[torch.nn.Module, Pa
 def test_loader_names_missing_files(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="config.json"):
         load_model(tmp_path, max_requests=2)
-    (tmp_path / "config.json").write_text(json.dumps(default_model(max_requests=1)
-                                                     .config.to_hf_dict()))
+    (tmp_path / "config.json").write_text(
+        json.dumps(default_model(max_requests=1).config.to_hf_dict())
+    )
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(tmp_path, max_requests=2)
 
@@ -168,16 +217,18 @@ def test_loader_reads_sharded_index(hf_dir: tuple[torch.nn.Module, Path], tmp_pa
     (tmp_path / "config.json").write_text((hf_dir[1] / "config.json").read_text())
     bundle = load_model(tmp_path, max_requests=2, max_context_len=CTX)
     _, logits = _prefill(bundle, [3, 1, 4, 1, 5])
-    torch.testing.assert_close(logits, _hf_last_logits(hf_dir[0], [3, 1, 4, 1, 5]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logits, _hf_last_logits(hf_dir[0], [3, 1, 4, 1, 5]), atol=1e-5, rtol=0
+    )
 
 
 def test_save_checkpoint_round_trips(tmp_path: Path) -> None:
     bundle = default_model(max_requests=2)
     save_checkpoint(bundle.model, tmp_path)
     loaded = load_model(tmp_path, max_requests=2)
-    for (name, a), (_, b) in zip(bundle.model.state_dict().items(),
-                                 loaded.model.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        bundle.model.state_dict().items(), loaded.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -197,8 +248,9 @@ def test_eager_logits_equal_transformers(tmp_path: Path, tie: bool) -> None:
         reqs.append(req)
         firsts.append(int(logits.argmax()))
         seqs.append(prompt + firsts[-1:])
-    batch = DecodeBatch.from_requests(reqs, [len(p) for p in PROMPTS], torch.tensor(firsts),
-                                      device="cpu", max_context_len=CTX)
+    batch = DecodeBatch.from_requests(
+        reqs, [len(p) for p in PROMPTS], torch.tensor(firsts), device="cpu", max_context_len=CTX
+    )
     for _ in range(4):
         batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
         with torch.no_grad():
@@ -216,18 +268,26 @@ def test_padded_rows_leave_live_rows_and_live_kv_alone() -> None:
     bundle = default_model(max_requests=4)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
     reqs = [_prefill(bundle, p)[0] for p in prompts]
-    batch = DecodeBatch.from_requests(reqs, [3, 5], torch.tensor([4, 4]), device="cpu",
-                                      max_context_len=bundle.max_context_len)
+    batch = DecodeBatch.from_requests(
+        reqs, [3, 5], torch.tensor([4, 4]), device="cpu", max_context_len=bundle.max_context_len
+    )
     batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
     with torch.no_grad():
         live = bundle.model.forward_decode(batch).clone()
     kv_before = [t[1:].clone() for t in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers]
     pad = 3  # padded rows as populate writes them: all indices 0, seq_len fill value 1
-    padded = SimpleNamespace(**{
-        name: torch.cat([getattr(batch, name), torch.full((pad,), fill, dtype=torch.int64)])
-        for name, fill in [("input_ids", 0), ("req_pool_indices", 0), ("out_cache_loc", 0),
-                           ("positions", 0), ("seq_lens", bundle.model.attn_backend
-                                              .seq_len_fill_value)]})
+    padded = SimpleNamespace(
+        **{
+            name: torch.cat([getattr(batch, name), torch.full((pad,), fill, dtype=torch.int64)])
+            for name, fill in [
+                ("input_ids", 0),
+                ("req_pool_indices", 0),
+                ("out_cache_loc", 0),
+                ("positions", 0),
+                ("seq_lens", bundle.model.attn_backend.seq_len_fill_value),
+            ]
+        }
+    )
     with torch.no_grad():
         out = bundle.model.forward_decode(padded)
     torch.testing.assert_close(out[:2], live, atol=1e-5, rtol=0)  # bs changes BLAS blocking

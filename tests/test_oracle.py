@@ -46,9 +46,15 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, li
     # initializer_range 0.1 (not 0.02) spreads the logits, keeping greedy
     # choices clear of float-rounding ties.
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.1)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
     hf = transformers.LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("oracle")
     hf.save_pretrained(path)
@@ -57,16 +63,22 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, li
     for req in TRACE:
         ids = torch.tensor([req.prompt])
         with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=req.max_new_tokens, pad_token_id=0)
-        expected[req.rid] = out[0, len(req.prompt):].tolist()
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=req.max_new_tokens,
+                pad_token_id=0,
+            )
+        expected[req.rid] = out[0, len(req.prompt) :].tolist()
     return path, expected
 
 
 def _serve(path: Path, kind: str) -> EngineResult:
     device = "cuda" if kind == "cuda" else "cpu"
-    bundle = load_model(path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT,
-                        device=device)
+    bundle = load_model(
+        path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT, device=device
+    )
     runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES)
     runner.capture()
     return Engine(bundle, runner, check=True).run(TRACE)

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import PADDED_CASES, RUNNER_KINDS, runner_device
+from conftest import PADDED_CASES, RUNNER_KINDS, SLOW, runner_device
 from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.batch import DecodeBatch
 from graphrunner.sanitizer import PaddingSanitizer
@@ -28,7 +28,6 @@ from poison import poison_tails, stale_values
 
 pytestmark = pytest.mark.padded
 
-SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
 # Compiled runners pay seconds per captured size, so they get fewer examples.
 EXAMPLES = {"eager": 2000 if SLOW else 60, "cpu": 200 if SLOW else 4, "cuda": 2000 if SLOW else 30}
 if "GRAPHRUNNER_PADDED_EXAMPLES" in os.environ:  # one budget for every runner
@@ -147,9 +146,6 @@ def test_random_lifecycles_match_eager_with_sanitizer_on(kind: str):
     @settings(
         max_examples=EXAMPLES[kind],
         print_blob=True,
-        # The default run is the same every time, so CI cannot flake; the slow
-        # run explores fresh examples.
-        derandomize=not SLOW,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

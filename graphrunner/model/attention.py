@@ -59,8 +59,9 @@ class AttnMetadata:
     decode: bool
 
 
-def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata,
-           scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata, scale: float
+) -> torch.Tensor:
     """Grouped-query attention over gathered KV slots.
 
     q: ``[B, H_kv, R, D]``, the query rows that share each KV head.
@@ -90,8 +91,9 @@ class PagedAttention(nn.Module):
     reading, so a token attends to itself, then returns ``[n, hidden]``.
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int, *,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, *, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         c = config
         self.layer_id = layer_id
@@ -102,8 +104,15 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                kv: KVStore, meta: AttnMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv: KVStore,
+        meta: AttnMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -168,8 +177,9 @@ class TorchPagedBackend:
         slots = torch.where(mask, self.req_to_token[inputs.req_pool_indices], 0).long()
         return AttnMetadata(slots, mask[:, None, None, :].expand(-1, 1, group, -1), decode=True)
 
-    def extend_metadata(self, req_pool_index: int, positions: torch.Tensor, width: int,
-                        group: int) -> AttnMetadata:
+    def extend_metadata(
+        self, req_pool_index: int, positions: torch.Tensor, width: int, group: int
+    ) -> AttnMetadata:
         """Causal metadata for one request whose new tokens sit at ``positions [n]``
         (the last one is ``width - 1``): slots ``[1, width]``, mask
         ``[1, 1, n * group, width]``."""
@@ -180,20 +190,25 @@ class TorchPagedBackend:
 
     def init_graph_state(self, max_bs: int) -> None:
         if int(self.req_to_token[0].abs().sum()) != 0:
-            raise ValueError("req_to_token row 0 is not all zeros; padded rows would read "
-                             "live KV slots (row 0 is reserved for padding)")
+            raise ValueError(
+                "req_to_token row 0 is not all zeros; padded rows would read "
+                "live KV slots (row 0 is reserved for padding)"
+            )
         self.max_bs = max_bs
 
     def init_capture_metadata(self, bs: int, view: BufferView) -> None:
         if not 1 <= bs <= self.max_bs or view.bs != bs:
-            raise ValueError(f"capture bs={bs} (view of {view.bs} rows): "
-                             f"expected 1..max_bs={self.max_bs} rows; call init_graph_state first")
+            raise ValueError(
+                f"capture bs={bs} (view of {view.bs} rows): "
+                f"expected 1..max_bs={self.max_bs} rows; call init_graph_state first"
+            )
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView,
-                             inputs: object) -> None:
+    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
         seq_lens = cast(DecodeInputs, inputs).seq_lens_cpu
         lo, hi = seq_lens.aminmax() if raw_bs else (1, 1)
         if int(hi) > self.max_context_len or int(lo) < 1:
             bad = int(((seq_lens < 1) | (seq_lens > self.max_context_len)).nonzero()[0, 0])
-            raise ValueError(f"seq_lens_cpu[{bad}]={int(seq_lens[bad])}: expected "
-                             f"1..max_context_len={self.max_context_len}")
+            raise ValueError(
+                f"seq_lens_cpu[{bad}]={int(seq_lens[bad])}: expected "
+                f"1..max_context_len={self.max_context_len}"
+            )

@@ -37,9 +37,15 @@ class ModelBundle:
         return self.kv_cache.device
 
 
-def build_model(config: ModelConfig, *, max_requests: int, max_context_len: int | None = None,
-                kv_slots: int | None = None, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> ModelBundle:
+def build_model(
+    config: ModelConfig,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    kv_slots: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ModelBundle:
     """Allocate pools and an (uninitialised) model over them.
 
     ``max_context_len`` defaults to ``config.max_position_embeddings``;
@@ -48,12 +54,15 @@ def build_model(config: ModelConfig, *, max_requests: int, max_context_len: int 
     """
     ctx = config.max_position_embeddings if max_context_len is None else max_context_len
     if not 1 <= ctx <= config.max_position_embeddings:
-        raise ValueError(f"max_context_len={ctx}: expected 1..max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+        raise ValueError(
+            f"max_context_len={ctx}: expected 1..max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
     slots = max_requests * ctx if kv_slots is None else kv_slots
     req_pool = ReqToTokenPool(max_requests, ctx, device)
     kv_alloc = TokenToKVPoolAllocator(slots, device)
-    kv_cache = KVCache(slots, config.num_layers, config.num_kv_heads, config.head_dim, dtype,
-                       device)
+    kv_cache = KVCache(
+        slots, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
+    )
     model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype)
     return ModelBundle(model, req_pool, kv_alloc, kv_cache)

@@ -46,8 +46,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r}: expected a positive int")
@@ -64,8 +71,10 @@ class ModelConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim={self.head_dim}: expected an even int >= 2 "
-                             "(rotary embedding rotates pairs)")
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim}: expected an even int >= 2 "
+                "(rotary embedding rotates pairs)"
+            )
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps}: expected > 0")
         if not self.rope_theta > 0:

@@ -20,8 +20,15 @@ DEFAULT_SEED = 0
 
 def default_config() -> ModelConfig:
     """2 layers, hidden 64, 4 query / 2 KV heads, vocab 256, context 256."""
-    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+    )
 
 
 @torch.no_grad()
@@ -39,8 +46,13 @@ def init_random_weights(bundle: ModelBundle, seed: int = DEFAULT_SEED) -> None:
         param.copy_(value)
 
 
-def default_model(*, max_requests: int, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> ModelBundle:
+def default_model(
+    *,
+    max_requests: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = DEFAULT_SEED,
+) -> ModelBundle:
     """The default config over fresh pools, weights from ``seed``."""
     bundle = build_model(default_config(), max_requests=max_requests, device=device, dtype=dtype)
     init_random_weights(bundle, seed)

@@ -66,8 +66,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``, no biases. ``[..., hidden] -> [..., hidden]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)

@@ -38,11 +38,19 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                kv: KVStore, meta: AttnMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv: KVStore,
+        meta: AttnMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -51,8 +59,9 @@ class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
@@ -71,24 +80,38 @@ class LlamaDecoder(nn.Module):
     ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to.
     """
 
-    def __init__(self, config: ModelConfig, req_to_token_pool: ReqToToken, kv_cache: KVBuffers,
-                 *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        req_to_token_pool: ReqToToken,
+        kv_cache: KVBuffers,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         req_to_token = req_to_token_pool.req_to_token
         if req_to_token.shape[1] > config.max_position_embeddings:
-            raise ValueError(f"req_to_token has max_context_len={req_to_token.shape[1]}: expected "
-                             f"<= max_position_embeddings={config.max_position_embeddings}")
+            raise ValueError(
+                f"req_to_token has max_context_len={req_to_token.shape[1]}: expected "
+                f"<= max_position_embeddings={config.max_position_embeddings}"
+            )
         if len(kv_cache.k_buffers) != config.num_layers:
-            raise ValueError(f"kv_cache has {len(kv_cache.k_buffers)} layers: expected "
-                             f"num_layers={config.num_layers}")
+            raise ValueError(
+                f"kv_cache has {len(kv_cache.k_buffers)} layers: expected "
+                f"num_layers={config.num_layers}"
+            )
         self.config = config
         self.kv_cache = kv_cache
         self.attn_backend = TorchPagedBackend(req_to_token)
         self.model = LlamaBody(config, dtype)
-        self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
         self.to(req_to_token.device).requires_grad_(False)
 
     def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
@@ -103,8 +126,14 @@ class LlamaDecoder(nn.Module):
         return self._logits(h)
 
     @torch.no_grad()
-    def forward_extend(self, req_pool_index: int, token_ids: torch.Tensor,
-                       kv_slots: torch.Tensor, *, prefix_len: int = 0) -> torch.Tensor:
+    def forward_extend(
+        self,
+        req_pool_index: int,
+        token_ids: torch.Tensor,
+        kv_slots: torch.Tensor,
+        *,
+        prefix_len: int = 0,
+    ) -> torch.Tensor:
         """Eager prefill of one request: logits float32 ``[vocab]`` of its last token.
 
         token_ids, kv_slots: int64 ``[n]`` on the model's device; token ``i`` sits at
@@ -114,21 +143,27 @@ class LlamaDecoder(nn.Module):
         """
         n, width = token_ids.shape[0], prefix_len + token_ids.shape[0]
         if n < 1 or kv_slots.shape != token_ids.shape:
-            raise ValueError(f"forward_extend: token_ids {tuple(token_ids.shape)} and kv_slots "
-                             f"{tuple(kv_slots.shape)}: expected the same non-empty [n]")
+            raise ValueError(
+                f"forward_extend: token_ids {tuple(token_ids.shape)} and kv_slots "
+                f"{tuple(kv_slots.shape)}: expected the same non-empty [n]"
+            )
         if req_pool_index < 1 or width > self.attn_backend.max_context_len:
-            raise ValueError(f"forward_extend: req_pool_index={req_pool_index}, "
-                             f"prefix_len + n={width}: expected index >= 1 (0 is padding) and "
-                             f"length <= max_context_len={self.attn_backend.max_context_len}")
+            raise ValueError(
+                f"forward_extend: req_pool_index={req_pool_index}, "
+                f"prefix_len + n={width}: expected index >= 1 (0 is padding) and "
+                f"length <= max_context_len={self.attn_backend.max_context_len}"
+            )
         self.attn_backend.req_to_token[req_pool_index, prefix_len:width] = kv_slots
         positions = torch.arange(prefix_len, width, device=token_ids.device)
-        meta = self.attn_backend.extend_metadata(req_pool_index, positions, width,
-                                                 self.config.num_kv_groups)
+        meta = self.attn_backend.extend_metadata(
+            req_pool_index, positions, width, self.config.num_kv_groups
+        )
         h = self._hidden(token_ids, positions, kv_slots, meta)
         return self._logits(h[-1])
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
+    def _hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, meta: AttnMetadata
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             h = layer(h, positions, out_loc, self.kv_cache, meta, self.rotary)
@@ -153,18 +188,23 @@ class LlamaDecoder(nn.Module):
             head = given.pop("lm_head.weight")
             embed = given.get("model.embed_tokens.weight")
             if embed is None or not torch.equal(head, embed):
-                raise WeightError("unexpected tensor 'lm_head.weight': the config ties word "
-                                  "embeddings, and it differs from model.embed_tokens.weight")
+                raise WeightError(
+                    "unexpected tensor 'lm_head.weight': the config ties word "
+                    "embeddings, and it differs from model.embed_tokens.weight"
+                )
         missing = sorted(set(params) - set(given))
         unexpected = sorted(set(given) - set(params))
         if missing:
             raise WeightError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
         if unexpected:
-            raise WeightError(f"unexpected tensor {unexpected[0]!r} "
-                              f"({len(unexpected)} unexpected in all)")
+            raise WeightError(
+                f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
+            )
         for name, param in params.items():
             if given[name].shape != param.shape:
-                raise WeightError(f"tensor {name!r} has shape {tuple(given[name].shape)}: "
-                                  f"expected {tuple(param.shape)}")
+                raise WeightError(
+                    f"tensor {name!r} has shape {tuple(given[name].shape)}: "
+                    f"expected {tuple(param.shape)}"
+                )
         for name, param in params.items():
             param.copy_(given[name].to(param.dtype))

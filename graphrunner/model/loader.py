@@ -45,14 +45,20 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         tensors.update(load_file(root / shard))
     listed_missing = sorted(set(weight_map) - set(tensors))
     if listed_missing:
-        raise CheckpointError(f"tensor {listed_missing[0]!r} is listed in {INDEX_FILE} but in no "
-                              "shard")
+        raise CheckpointError(
+            f"tensor {listed_missing[0]!r} is listed in {INDEX_FILE} but in no shard"
+        )
     return tensors
 
 
-def load_model(path: str | Path, *, max_requests: int, max_context_len: int | None = None,
-               device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> ModelBundle:
+def load_model(
+    path: str | Path,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ModelBundle:
     """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
 
     Raises :class:`CheckpointError` (or a subclass) naming the missing file,
@@ -60,8 +66,13 @@ def load_model(path: str | Path, *, max_requests: int, max_context_len: int | No
     """
     config = read_config(path)
     weights = read_weights(path)  # before allocating anything: fail fast on a bad file
-    bundle = build_model(config, max_requests=max_requests, max_context_len=max_context_len,
-                         device=device, dtype=dtype)
+    bundle = build_model(
+        config,
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        device=device,
+        dtype=dtype,
+    )
     bundle.model.load_weights(weights)
     return bundle
 
