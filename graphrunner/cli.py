@@ -2,7 +2,8 @@
 
 ``demo`` serves a seeded synthetic trace on the embedded default model (or a
 checkpoint), every decode step through a captured runner and checked against
-the eager forward; exits 1 on any mismatch. ``generate`` serves the prompts of
+the eager forward; exits 1 on any mismatch (or, with ``--check-padding``, on
+any padding violation). ``generate`` serves the prompts of
 a file (one JSON list of token ids per line) and prints the greedy tokens.
 """
 
@@ -26,6 +27,7 @@ from graphrunner.model import (
     read_config,
 )
 from graphrunner.runner import GraphRunner
+from graphrunner.sanitizer import PaddingViolation
 from graphrunner.sizes import default_capture_sizes
 from graphrunner.trace import requests_from_prompts, synthetic_trace
 
@@ -43,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"graphrunner {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except PaddingViolation as e:
+        print(f"graphrunner {args.command}: padding violation: {e}", file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,6 +100,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="comma-separated, e.g. 1,2,4,8 (default: graphrunner's policy up to --max-bs)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model / trace")
+    p.add_argument(
+        "--check-padding",
+        action="store_true",
+        help="run the padding sanitizer around every replay (debug mode, slower)",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -153,8 +163,12 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
         raise UsageError(str(e)) from None
 
 
-def _capture(bundle: ModelBundle, kind: str, sizes: list[int]) -> GraphRunner:
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes, show_progress=True)
+def _capture(
+    bundle: ModelBundle, kind: str, sizes: list[int], *, check_padding: bool = False
+) -> GraphRunner:
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=sizes, show_progress=True, check_padding=check_padding
+    )
     report = runner.capture()
     print(f"capture ({kind}): sizes {sizes}, {report.total_seconds:.1f} s")
     print(report.format())
@@ -188,9 +202,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
-    runner = _capture(bundle, kind, sizes)
+    runner = _capture(bundle, kind, sizes, check_padding=args.check_padding)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
+    _report_sanitizer(runner)
     return 1 if result.stats.mismatches else 0
 
 
@@ -216,6 +231,15 @@ def _report(result: EngineResult) -> None:
     print(f"mismatches: {s.mismatches}")
 
 
+def _report_sanitizer(runner: GraphRunner) -> None:
+    if runner.sanitizer is not None:
+        s = runner.sanitizer.stats
+        print(
+            f"padding sanitizer: {s.replays_checked} replays checked, no violation "
+            f"({s.seconds:.2f} s of checks)"
+        )
+
+
 def _generate(args: argparse.Namespace) -> int:
     kind, config = _runner_kind(args), _model_config(args)
     if args.max_new_tokens < 1 or args.arrive_every < 0:
@@ -232,7 +256,9 @@ def _generate(args: argparse.Namespace) -> int:
     context = max(r.max_len for r in trace)
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes)
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding
+    )
     runner.capture()
     result = Engine(bundle, runner, check=args.check, end_token=args.end_token).run(trace)
     text = "".join(

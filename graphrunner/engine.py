@@ -24,6 +24,7 @@ from graphrunner.buffers import decode_buffer_specs
 from graphrunner.model.build import ModelBundle
 from graphrunner.runner import GraphRunner
 from graphrunner.runners import create_runner
+from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import PaddingWaste
 from graphrunner.trace import Request
 
@@ -35,11 +36,22 @@ def create_model_runner(
     capture_sizes: Sequence[int] | None = None,
     max_bs: int | None = None,
     show_progress: bool = False,
+    check_padding: bool = False,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
-    step, with its attention backend's hooks and pad value. Not yet captured."""
+    step, with its attention backend's hooks and pad value. Not yet captured.
+
+    ``check_padding=True`` guards the bundle's pools with a
+    :class:`~graphrunner.sanitizer.PaddingSanitizer` around every replay (a
+    debug mode: it copies the KV cache per step).
+    """
     model = bundle.model
     specs = decode_buffer_specs(seq_len_fill_value=model.attn_backend.seq_len_fill_value)
+    sanitizer = None
+    if check_padding:
+        sanitizer = PaddingSanitizer.for_pools(
+            bundle.req_pool, bundle.kv_cache, kv_allocator=bundle.kv_alloc
+        )
     return create_runner(
         kind,
         model.forward_decode,
@@ -49,6 +61,7 @@ def create_model_runner(
         max_bs=max_bs,
         backend=model.attn_backend,
         show_progress=show_progress,
+        sanitizer=sanitizer,
     )
 
 

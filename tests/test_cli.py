@@ -15,7 +15,7 @@ import torch
 
 import graphrunner.cli as cli
 from graphrunner.engine import Engine, create_model_runner
-from graphrunner.model import default_model, save_checkpoint
+from graphrunner.model import ModelBundle, default_model, save_checkpoint
 from graphrunner.trace import requests_from_prompts
 from test_engine import StrayWriter
 
@@ -174,10 +174,42 @@ def test_demo_exits_1_on_a_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     real = cli._capture
-    monkeypatch.setattr(cli, "_capture", lambda bundle, *a: StrayWriter(real(bundle, *a), bundle))
+    monkeypatch.setattr(
+        cli, "_capture", lambda bundle, *a, **k: StrayWriter(real(bundle, *a, **k), bundle)
+    )
     assert cli.main(["demo", "--steps", "10", "--max-bs", "2", "--runner", "eager"]) == 1
     out = capsys.readouterr().out
     assert "mismatches: 10" in out
+
+
+def test_demo_check_padding_checks_every_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--steps", "12", "--max-bs", "4", "--runner", "eager", "--check-padding"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "padding sanitizer: 12 replays checked, no violation" in out
+
+
+def test_demo_check_padding_exits_1_on_a_stray_write(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_build = cli._build
+
+    def build_with_stray_forward(*a: Any) -> ModelBundle:
+        bundle = real_build(*a)
+        forward, k_last = bundle.model.forward_decode, bundle.kv_cache.k_buffers[0][-1]
+
+        def stray(*args: Any, **kwargs: Any) -> torch.Tensor:
+            k_last.add_(1.0)  # a KV slot no live row owns
+            return forward(*args, **kwargs)
+
+        bundle.model.forward_decode = stray  # type: ignore[method-assign]
+        return bundle
+
+    monkeypatch.setattr(cli, "_build", build_with_stray_forward)
+    args = ["demo", "--steps", "4", "--max-bs", "2", "--runner", "eager", "--check-padding"]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "padding violation" in err and "k_cache[0]" in err
 
 
 def test_python_dash_m_runs_the_demo() -> None:

@@ -79,9 +79,13 @@ def _serve(path: Path, kind: str) -> EngineResult:
     bundle = load_model(
         path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT, device=device
     )
-    runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES)
+    # The sanitizer guards a real model's pools too: every replay is checked.
+    runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES, check_padding=True)
     runner.capture()
-    return Engine(bundle, runner, check=True).run(TRACE)
+    result = Engine(bundle, runner, check=True).run(TRACE)
+    assert runner.sanitizer is not None
+    assert runner.sanitizer.stats.replays_checked == runner.stats.replays == result.stats.steps
+    return result
 
 
 @pytest.mark.parametrize("kind", ["eager", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
