@@ -60,31 +60,20 @@ def _sync(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("bs", SIZES)
-def bench_model_step_eager(
-    benchmark: object, captured: tuple[ModelBundle, GraphRunner], bs: int
+@pytest.mark.parametrize("path", ["eager", "runner"])
+def bench_model_step(
+    benchmark: object, captured: tuple[ModelBundle, GraphRunner], bs: int, path: str
 ) -> None:
+    """One decode step of the same batch: the model's eager forward, or the runner's replay."""
     bundle, runner = captured
     batch = _batch(bundle, bs)
+    forward = bundle.model.forward_decode if path == "eager" else runner.replay
 
     def step() -> None:
         with torch.no_grad():
-            bundle.model.forward_decode(batch)
+            forward(batch)
         _sync(bundle.device)
 
     benchmark(step)  # type: ignore[operator]
-    record(benchmark, f"model step ({runner.kind})", bs, "eager")
-
-
-@pytest.mark.parametrize("bs", SIZES)
-def bench_model_step_runner(
-    benchmark: object, captured: tuple[ModelBundle, GraphRunner], bs: int
-) -> None:
-    bundle, runner = captured
-    batch = _batch(bundle, bs)
-
-    def step() -> None:
-        runner.replay(batch)
-        _sync(bundle.device)
-
-    benchmark(step)  # type: ignore[operator]
-    record(benchmark, f"model step ({runner.kind})", bs, runner.kind)
+    label = "eager" if path == "eager" else runner.kind
+    record(benchmark, f"model step ({runner.kind})", bs, label)

@@ -24,34 +24,17 @@ from graphrunner.model import (
     read_config,
     save_checkpoint,
 )
+from hf_tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 CTX = 64
 
 
-def _save_hf(path: Path, *, tie: bool = False, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        initializer_range=0.1,
-    )
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(path)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     path = tmp_path_factory.mktemp("hf_llama")
-    return _save_hf(path), path
+    return save_tiny_llama(path), path
 
 
 def _copy_ckpt(
@@ -239,7 +222,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 20, 30, 40, 50, 60, 70, 80, 90, 11,
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_eager_logits_equal_transformers(tmp_path: Path, tie: bool) -> None:
-    hf = _save_hf(tmp_path, tie=tie, seed=1)
+    hf = save_tiny_llama(tmp_path, tie=tie, seed=1)
     bundle = load_model(tmp_path, max_requests=8, max_context_len=CTX)
     seqs, reqs, firsts = [], [], []
     for prompt in PROMPTS:

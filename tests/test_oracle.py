@@ -17,6 +17,7 @@ import torch
 from graphrunner.engine import Engine, EngineResult, create_model_runner
 from graphrunner.model import load_model
 from graphrunner.trace import Request
+from hf_tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,22 +43,8 @@ TRACE = _trace()
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[int]]]:
     """The checkpoint directory and transformers' greedy tokens per request."""
-    torch.manual_seed(0)
-    # initializer_range 0.1 (not 0.02) spreads the logits, keeping greedy
-    # choices clear of float-rounding ties.
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-    )
-    hf = transformers.LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("oracle")
-    hf.save_pretrained(path)
+    hf = save_tiny_llama(path)
     hf.generation_config.eos_token_id = None  # run every request to its budget
     expected = {}
     for req in TRACE:
