@@ -180,7 +180,7 @@ class DecodeBatch:
             raise BatchError(f"keep lists a row twice: {rows}")
         for row in rows:
             if not 0 <= row < bs:
-                raise BatchError(f"keep row {row} is out of range: expected 0..{bs - 1}")
+                raise BatchError(f"keep row {row} is out of range for a batch of {bs} rows")
         host_rows = _host(rows)
         dev_rows = self._to_device(host_rows)
         req_cpu = self.req_pool_indices_cpu.index_select(0, host_rows)

@@ -87,6 +87,9 @@ def bad_frees(case: Case, live: set[int]) -> list[tuple[Any, type[Exception]]]:
             (torch.tensor(g, dtype=torch.float32), InvalidSlot),
             (torch.tensor(g, device="meta"), InvalidSlot),
             (torch.tensor([g]), InvalidSlot),
+            # Tensors inside a list are not host ints: refused, never read.
+            ([torch.tensor(g[0])], InvalidSlot),
+            ([torch.tensor(g[0], device="meta")], InvalidSlot),
         ]
     free = [s for s in range(case.unit, case.first_bad) if s not in live]
     if free:
@@ -186,6 +189,8 @@ def test_exhaustion_reports_requested_and_available(case: Case) -> None:
     assert isinstance(err.value, PoolError) and isinstance(err.value, ValueError)
     with pytest.raises(ValueError):
         pool.alloc(-1)
+    with pytest.raises(TypeError, match="got tensor"):
+        pool.alloc(torch.tensor(1))
     assert_same(pool, before)
 
 
@@ -233,6 +238,29 @@ def test_bad_writes_raise_and_change_nothing(case: Case) -> None:
             pool.write(*args)
         assert_same(pool, before)
     assert pool.req_to_token[row, :2].tolist() == [3, 4] and not pool.req_to_token[0].any()
+
+
+@pytest.mark.parametrize("case", REQ_CASES, ids=lambda c: c.name)
+def test_bad_token_writes_raise_and_change_nothing(case: Case) -> None:
+    pool = case.make()
+    a, b = pool.alloc(2)
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (([a], [6.9], torch.tensor([5])), TypeError, "position of request .* got 6.9"),
+        (([a], [True], torch.tensor([5])), TypeError, "got True"),
+        (([a], [-1], torch.tensor([5])), ValueError, "got -1"),
+        (([a], [CTX], torch.tensor([5])), PoolError, f"position {CTX}"),
+        (([a, b], [0], [7]), PoolError, "2 rows, 1 positions and 1 locs"),
+        (([a, b], [0, 1], torch.tensor(7)), PoolError, r"shape \(\)"),
+        (([a], [1], [2**40]), PoolError, "outside 0..2\\*\\*31-1"),
+        (([0], [1], [3]), InvalidSlot, "request slot 0"),
+    ]
+    for args, error, match in bad:
+        before = snapshot(pool)
+        with pytest.raises(error, match=match):
+            pool.write_tokens(*args)
+        assert_same(pool, before)
+    pool.write_tokens([a, b], [0, 3], [7, 9])  # host ints are fine
+    assert pool.req_to_token[a, 0] == 7 and pool.req_to_token[b, 3] == 9
 
 
 def test_decode_req_pool_has_pre_alloc_rows() -> None:

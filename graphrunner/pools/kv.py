@@ -38,7 +38,9 @@ class TokenToKVPoolAllocator:
     def __init__(self, size: int, device: DeviceLike, page_size: int = 1) -> None:
         self.size, self.page_size = _check_page_geometry(size, page_size)
         self.device = torch.device(device)
-        self._pages = SlotAllocator(self.size // self.page_size, name="page")
+        # Errors speak the caller's unit: slots when a page is one slot.
+        unit = "KV slot" if self.page_size == 1 else "KV page"
+        self._pages = SlotAllocator(self.size // self.page_size, name=unit)
 
     @property
     def num_pages(self) -> int:

@@ -65,25 +65,32 @@ class ReqToTokenPool(SlotPool):
             )
         if n == 0:
             return
-        src = locs if isinstance(locs, torch.Tensor) else torch.tensor(locs, dtype=torch.int32)
-        self.req_to_token[req_index, start : start + n].copy_(src, non_blocking=True)
+        self.req_to_token[req_index, start : start + n].copy_(
+            self._locs_tensor(locs), non_blocking=True
+        )
 
     def write_tokens(
-        self, req_indices: Sequence[int], positions: Sequence[int], locs: torch.Tensor
+        self,
+        req_indices: Sequence[int],
+        positions: Sequence[int],
+        locs: torch.Tensor | Sequence[int],
     ) -> None:
         """One token per entry: ``req_to_token[req_indices[i], positions[i]] = locs[i]``.
 
         One vectorised device write (index_put_) of index tensors built on the host.
-        ``locs``: 1-D integer tensor ``[len(req_indices)]`` on the CPU or ``device``.
+        ``locs``: 1-D integer tensor ``[len(req_indices)]`` on the CPU or ``device``,
+        or host ints.
         """
-        if not len(req_indices) == len(positions) == self._check_locs(locs):
+        n_locs = self._check_locs(locs)
+        if not len(req_indices) == len(positions) == n_locs:
             raise PoolError(
                 f"write_tokens got {len(req_indices)} rows, {len(positions)} positions and "
-                f"{locs.shape[0]} locs; expected equal lengths"
+                f"{n_locs} locs; expected equal lengths"
             )
         for row, pos in zip(req_indices, positions, strict=True):
             self._check_row(row)
-            if not 0 <= pos < self.max_context_len:
+            pos = check_count(f"position of request {row}", pos)
+            if pos >= self.max_context_len:
                 raise PoolError(
                     f"position {pos} of request {row} is outside 0..{self.max_context_len - 1}"
                 )
@@ -91,8 +98,14 @@ class ReqToTokenPool(SlotPool):
             return
         rows = torch.tensor(list(req_indices), dtype=torch.int64).to(self.device, non_blocking=True)
         cols = torch.tensor(list(positions), dtype=torch.int64).to(self.device, non_blocking=True)
-        vals = locs.to(self.device, torch.int32, non_blocking=True)
+        vals = self._locs_tensor(locs).to(self.device, non_blocking=True)
         self.req_to_token.index_put_((rows, cols), vals)
+
+    @staticmethod
+    def _locs_tensor(locs: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        if isinstance(locs, torch.Tensor):
+            return locs.to(torch.int32)
+        return torch.tensor(list(locs), dtype=torch.int32)
 
     def _check_row(self, req_index: int) -> None:
         if isinstance(req_index, bool) or not isinstance(req_index, int):
@@ -105,6 +118,9 @@ class ReqToTokenPool(SlotPool):
         if not isinstance(locs, torch.Tensor):
             if any(isinstance(x, bool) or not isinstance(x, int) for x in locs):
                 raise PoolError(f"locs must be ints, got {list(locs)!r}")
+            bad = [x for x in locs if not 0 <= x < 2**31]
+            if bad:  # req_to_token is int32: a larger value would wrap silently
+                raise PoolError(f"locs {bad} are outside 0..2**31-1 (req_to_token is int32)")
             return len(locs)
         if locs.dim() != 1:
             raise PoolError(f"locs has shape {tuple(locs.shape)}; expected 1-D")

@@ -17,9 +17,15 @@ DeviceLike: TypeAlias = "torch.device | str"
 SlotIndices: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
+def _is_host_int(value: object) -> bool:
+    # A tensor has __index__ too, but reading it is a device→host sync on a GPU:
+    # host indices come as Python (or NumPy) ints only.
+    return not isinstance(value, (bool, torch.Tensor)) and hasattr(value, "__index__")
+
+
 def check_count(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as an int ``>= minimum``; TypeError / ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    if not _is_host_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
     n = operator.index(value)
     if n < minimum:
@@ -40,7 +46,7 @@ def as_index_list(indices: SlotIndices, name: str = "slot") -> list[int]:
         raise InvalidSlot(f"{name} indices must be ints, got {indices!r}")
     out: list[int] = []
     for value in indices:
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
+        if not _is_host_int(value):
             raise InvalidSlot(f"{name} index must be an int, got {value!r}")
         out.append(operator.index(value))
     return out
