@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import operator
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import SupportsIndex, TypeAlias, TypeGuard
 
 import torch
 
@@ -17,7 +17,7 @@ DeviceLike: TypeAlias = "torch.device | str"
 SlotIndices: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
-def _is_host_int(value: object) -> bool:
+def _is_host_int(value: object) -> TypeGuard[SupportsIndex]:
     # A tensor has __index__ too, but reading it is a device→host sync on a GPU:
     # host indices come as Python (or NumPy) ints only.
     return not isinstance(value, (bool, torch.Tensor)) and hasattr(value, "__index__")
