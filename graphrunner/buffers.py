@@ -9,8 +9,10 @@ buffer holds is data here (a :class:`PadRule`), applied by
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -61,8 +63,15 @@ class BufferSpec:
                 f"buffer {self.name!r}: fill_value is required with PadRule.FILL and only "
                 f"with it (rule={self.rule.name}, fill_value={self.fill_value!r})"
             )
+        if self.name in _VIEW_ATTRIBUTES:
+            raise ValueError(
+                f"buffer name {self.name!r} is taken by BufferView itself "
+                f"({sorted(_VIEW_ATTRIBUTES)}); the model could not read it"
+            )
         if any(d < 1 for d in self.extra_shape):
             raise ValueError(f"buffer {self.name!r}: bad extra_shape {self.extra_shape}")
+        if self.fill_value is not None:
+            _check_fill_value(self.name, self.dtype, self.fill_value)
 
     def pad_value(self, width: int) -> int | float | None:
         """The value of every padded element, or None for :attr:`PadRule.KEEP`."""
@@ -71,6 +80,27 @@ class BufferSpec:
         if self.rule is PadRule.WIDTH:
             return width
         return self.fill_value
+
+
+_VIEW_ATTRIBUTES = frozenset({"bs", "tensors"})
+
+
+def _check_fill_value(name: str, dtype: torch.dtype, value: int | float) -> None:
+    """The buffer must hold exactly ``value``, or the sanitizer would flag
+    populate's own (converted) write."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        ok = dtype == torch.bool and isinstance(value, bool)
+    elif dtype == torch.bool:
+        ok = value in (0, 1)
+    elif dtype.is_floating_point:
+        ok = not math.isnan(value)
+    else:
+        info = torch.iinfo(dtype)
+        ok = isinstance(value, int) and info.min <= value <= info.max
+    if not ok:
+        raise ValueError(
+            f"buffer {name!r}: fill_value {value!r} is not exactly representable as {dtype}"
+        )
 
 
 def decode_buffer_specs(*, seq_len_fill_value: int = 1) -> list[BufferSpec]:
@@ -98,7 +128,7 @@ class BufferView:
 
     bs: int
 
-    def __init__(self, bs: int, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, bs: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self.__dict__.update(tensors)
         self.bs = bs
 
@@ -129,22 +159,26 @@ class StaticBuffers:
             raise ValueError(
                 f"max_bs and tokens_per_row must be >= 1, got {max_bs}, {tokens_per_row}"
             )
+        for s in specs:
+            if not isinstance(s, BufferSpec):
+                raise TypeError(f"expected BufferSpec, got {type(s).__name__}: {s!r}")
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"buffer names declared more than once: {dupes}")
-        for s in specs:
-            if not isinstance(s, BufferSpec):
-                raise TypeError(f"expected BufferSpec, got {type(s).__name__}: {s!r}")
         self.specs: tuple[BufferSpec, ...] = tuple(specs)
         self.max_bs = max_bs
         self.tokens_per_row = tokens_per_row
-        self.tensors: dict[str, torch.Tensor] = {
-            s.name: torch.zeros(
-                (self.rows(s, max_bs), *s.extra_shape), dtype=s.dtype, device=device
-            )
-            for s in self.specs
-        }
+        # Read-only: populate's cached plans and the captured graphs hold these
+        # exact tensors, so a buffer is never swapped for another.
+        self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(
+            {
+                s.name: torch.zeros(
+                    (self.rows(s, max_bs), *s.extra_shape), dtype=s.dtype, device=device
+                )
+                for s in self.specs
+            }
+        )
         # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
         self.device = (
             next(iter(self.tensors.values())).device if self.tensors else torch.device(device)

@@ -27,14 +27,20 @@ WARMUP_RUNS = 2
 
 @contextlib.contextmanager
 def _frozen_gc() -> Iterator[None]:
-    # Objects alive now are never collected mid-capture, and a collection
-    # cannot run (and free graph-pool tensors) while a graph records.
+    """Collect once, then freeze what is alive, so the collections that still
+    run during capture scan only what capture creates, not the whole heap.
+
+    ``gc.unfreeze`` cannot tell our frozen objects from the application's: an
+    application that froze its own heap before capture keeps everything frozen.
+    """
+    app_froze = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not app_froze:
+            gc.unfreeze()
 
 
 def _capture_one(runner: GraphRunner, bs: int) -> SizeReport:
@@ -62,7 +68,7 @@ def capture_graphs(runner: GraphRunner) -> CaptureReport:
     runner.backend.init_graph_state(runner.max_bs)
     sizes = sorted(runner.capture_sizes, reverse=True)
     bar = tqdm(sizes, desc=f"capture ({runner.kind})", disable=not runner.show_progress)
-    with _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {runner.kind}"):
+    with bar, _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {runner.kind}"):
         for bs in bar:
             bar.set_postfix(bs=bs)
             with nvtx.range(f"capture bs={bs}"):

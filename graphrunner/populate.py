@@ -17,7 +17,7 @@ import torch
 
 from graphrunner.buffers import BufferSpec, StaticBuffers
 
-__all__ = ["PopulateError", "populate"]
+__all__ = ["PopulateError", "check_inputs", "populate"]
 
 
 class PopulateError(ValueError):
@@ -99,7 +99,7 @@ def _source(spec: BufferSpec, inputs: object, rows: int, device: torch.device) -
         raise PopulateError(f"input {spec.name!r} has dtype {src.dtype}, expected {spec.dtype}")
     if src.device != device:
         raise PopulateError(f"input {spec.name!r} is on {src.device}, expected {device}")
-    if src.shape[0] != rows or src.shape[1:] != spec.extra_shape:
+    if src.dim() == 0 or src.shape[0] != rows or src.shape[1:] != spec.extra_shape:
         raise PopulateError(
             f"input {spec.name!r} has shape {tuple(src.shape)}, expected "
             f"{(rows, *spec.extra_shape)} (length must be the live rows)"
@@ -134,10 +134,21 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
         [_source(spec, inputs, rows, device) for spec, rows in zip(g.specs, g.rows, strict=True)]
         for g in plan.copies
     ]
-    for group, srcs in zip(plan.copies, sources, strict=True):
-        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
-    for tails in plan.zeros:
-        torch._foreach_zero_(tails)
-    for tail, value in plan.fills:
-        tail.fill_(value)
+    # no_grad: an input with autograd history (hidden states from a grad-enabled
+    # forward) is copied as data instead of failing halfway through the writes.
+    with torch.no_grad():
+        for group, srcs in zip(plan.copies, sources, strict=True):
+            torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+        for tails in plan.zeros:
+            torch._foreach_zero_(tails)
+        for tail, value in plan.fills:
+            tail.fill_(value)
     return plan.device_ops
+
+
+def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:
+    """Validate ``inputs`` for ``raw_bs`` live rows as :func:`populate` would,
+    without writing anything: the eager fallback, whose batch is larger than
+    the buffers, runs the same checks."""
+    for spec in buffers.specs:
+        _source(spec, inputs, buffers.rows(spec, raw_bs), buffers.device)

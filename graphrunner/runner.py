@@ -147,6 +147,11 @@ class GraphRunner(abc.ABC):
 
         Returns the outputs of the live rows: views ``[:raw_bs]`` into static
         memory that the next replay overwrites. Copy what must outlive it.
+
+        A batch larger than the largest captured size runs the eager forward
+        on the same checks (and sanitizer), warned once and counted in
+        ``stats.eager_fallbacks``; a batch of no rows raises
+        :class:`~graphrunner.sizes.BatchSizeError`. Runs under ``no_grad``.
         """
         from graphrunner.replay import replay
 

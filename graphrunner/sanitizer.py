@@ -161,10 +161,25 @@ class PaddingSanitizer:
         """Check tails and pools; snapshot guarded state for :meth:`_ReplayCheck.after_launch`."""
         start = time.perf_counter()
         check_tails(runner.buffers, raw_bs, bs)
+        self.stats.seconds += time.perf_counter() - start
+        return self.snapshot(inputs)
+
+    def snapshot(self, inputs: Any) -> _ReplayCheck:
+        """Check the pools and snapshot the guarded state. The eager fallback,
+        which has no padded tails, starts its check here."""
+        start = time.perf_counter()
         self.check_pools()
         check = _ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])
         self.stats.seconds += time.perf_counter() - start
         return check
+
+
+def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Elementwise "was written": a NaN that stayed a NaN did not change."""
+    changed = now != before
+    if now.is_floating_point():
+        changed &= ~(now.isnan() & before.isnan())
+    return changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,14 +199,19 @@ class _ReplayCheck:
         self.sanitizer.stats.seconds += time.perf_counter() - resumed
 
     def _check_unchanged_outside_live(self, guard: GuardedTensor, before: torch.Tensor) -> None:
-        changed = (guard.tensor != before).reshape(before.shape[0], -1).any(1)
+        changed = _changed(guard.tensor, before)
+        changed_rows = changed.reshape(before.shape[0], -1).any(1)
         writers = getattr(self.inputs, guard.writer, None)
         if writers is not None:
-            changed[writers.to(changed.device)] = False
-        changed[: guard.sink_rows] = False
-        if changed.any():
-            row = int(torch.nonzero(changed)[0])
+            changed_rows[writers.to(changed_rows.device)] = False
+        changed_rows[: guard.sink_rows] = False
+        if changed_rows.any():
+            row = int(torch.nonzero(changed_rows)[0])
+            col = int(torch.nonzero(changed[row].reshape(-1))[0])
+            old = before[row].reshape(-1)[col].item()
+            new = guard.tensor[row].reshape(-1)[col].item()
             raise PaddingViolation(
-                f"{guard.name} row {row} changed during replay but is not a live row of "
-                f"{guard.writer!r} nor a sink: a padded row wrote live state"
+                f"{guard.name} row {row} changed during replay (element {col}: {old!r} -> "
+                f"{new!r}) but is neither a live row of {guard.writer!r} nor a sink: a padded "
+                f"row, or a stray write, changed state no live request owns"
             )

@@ -31,6 +31,45 @@ def test_fill_value_only_with_fill_rule():
         BufferSpec("x", torch.int64, PadRule.ZERO, fill_value=3)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [
+        (torch.int64, 1.5),
+        (torch.uint8, -1),
+        (torch.int32, 2**31),
+        (torch.bool, 2),
+        (torch.float32, float("nan")),
+        (torch.int64, "1"),
+    ],
+)
+def test_fill_value_must_be_exact_in_the_dtype(dtype: torch.dtype, value: object):
+    """populate would write a converted value the sanitizer then flags."""
+    with pytest.raises(ValueError, match=f"fill_value {value!r} is not exactly representable"):
+        BufferSpec("x", dtype, PadRule.FILL, fill_value=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(torch.int64, -1), (torch.uint8, 255), (torch.bool, True), (torch.float32, float("-inf"))],
+)
+def test_fill_values_that_fit_are_accepted(dtype: torch.dtype, value: int | float):
+    BufferSpec("x", dtype, PadRule.FILL, fill_value=value)
+
+
+@pytest.mark.parametrize("name", ["bs", "tensors"])
+def test_names_the_view_itself_uses_are_refused(name: str):
+    with pytest.raises(ValueError, match=f"buffer name '{name}' is taken by BufferView"):
+        BufferSpec(name, torch.int64, PadRule.ZERO)
+
+
+def test_specs_must_be_buffer_specs_and_buffers_stay_put():
+    with pytest.raises(TypeError, match="expected BufferSpec, got tuple"):
+        StaticBuffers([("input_ids", torch.int64)], 4, "cpu")  # type: ignore[list-item]
+    bufs = StaticBuffers(decode_buffer_specs(), 4, "cpu")
+    with pytest.raises(TypeError):  # populate's plans and the graphs hold these tensors
+        bufs.tensors["seq_lens"] = torch.zeros(4, dtype=torch.int64)  # type: ignore[index]
+
+
 def test_duplicate_names_and_bad_sizes_rejected():
     spec = BufferSpec("x", torch.int64, PadRule.ZERO)
     with pytest.raises(ValueError, match=r"more than once: \['x'\]"):

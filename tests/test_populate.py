@@ -114,6 +114,22 @@ def test_not_a_tensor_and_bad_sizes(bufs: StaticBuffers):
         populate(bufs, None, 2, 4)
 
 
+def test_a_0d_input_names_the_field(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 1)
+    inputs.width_i64 = torch.tensor(3)
+    with pytest.raises(PopulateError, match=r"'width_i64' has shape \(\)"):
+        populate(bufs, inputs, 1, 4)
+
+
+def test_an_input_with_autograd_history_is_copied_as_data(bufs: StaticBuffers):
+    inputs = inputs_for(bufs, 2)
+    inputs.hidden = inputs.hidden * torch.ones(4, requires_grad=True)
+    populate(bufs, inputs, 2, 4)
+    assert torch.equal(bufs.tensors["hidden"][: 2 * WIDTH], inputs.hidden.detach())
+    assert all(not t.requires_grad for t in bufs.tensors.values())
+    populate(bufs, inputs_for(bufs, 3), 3, 4)  # the buffers are still plain data
+
+
 def test_failed_populate_writes_nothing(bufs: StaticBuffers):
     for t in bufs.tensors.values():
         t.fill_(POISON)

@@ -3,12 +3,18 @@ leave nothing half-captured."""
 
 from __future__ import annotations
 
+import gc
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from graphrunner import EagerRunner, NotCapturedError, decode_buffer_specs
+from graphrunner.batch import DecodeBatch
+from graphrunner.populate import PopulateError
+from graphrunner.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
 
 
@@ -62,3 +68,45 @@ def test_replay_of_something_that_is_not_a_batch():
     runner.capture()
     with pytest.raises(TypeError, match="SimpleNamespace has no int batch_size"):
         runner.replay(SimpleNamespace(input_ids=torch.zeros(1, dtype=torch.int64)))
+
+
+def test_a_batch_of_no_rows_is_an_error_not_a_fallback():
+    world = ToyWorld()
+    runner = make(world.model, [1, 2])
+    runner.capture()
+    empty = DecodeBatch.empty("cpu", world.cfg.max_context_len)
+    with pytest.raises(BatchSizeError, match="batch_size 0: replay needs at least one live row"):
+        runner.replay(empty)
+    with pytest.raises(TypeError, match="batch_size"):
+        runner.replay(SimpleNamespace(batch_size=True))
+    assert runner.stats.eager_fallbacks == 0 and runner.stats.replays == 0
+
+
+def test_fallback_warns_at_the_caller_and_checks_inputs():
+    world = ToyWorld()
+    runner = make(world.model, [1, 2])
+    runner.capture()
+    batch = world.make_batch(3, seed=0)
+    fields = {s.name: getattr(batch, s.name) for s in decode_buffer_specs()}
+    bad = SimpleNamespace(**fields, batch_size=3)
+    bad.seq_lens = batch.seq_lens.to(torch.int32)
+    with pytest.raises(PopulateError, match="'seq_lens' has dtype torch.int32"):
+        runner.replay(bad)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.replay(batch)
+        runner.replay(batch)
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+
+
+def test_capture_leaves_the_applications_gc_freeze_alone():
+    world = ToyWorld()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        make(world.model, [1, 2]).capture()
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
+    make(world.model, [1]).capture()
+    assert gc.get_freeze_count() == 0  # ours is undone when the application froze nothing

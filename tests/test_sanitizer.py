@@ -121,3 +121,49 @@ def test_non_finite_live_output_is_caught():
     runner = sanitized_eager(world, forward_with_nan)
     with pytest.raises(PaddingViolation, match="live row 1 is not finite"):
         runner.replay(world.make_batch(RAW_BS, seed=5))
+
+
+def test_eager_fallback_is_checked_too():
+    """A batch above the largest graph runs eagerly, under the same state and
+    output checks."""
+    world = ToyWorld()
+
+    def forward_with_stray_write(b: object) -> torch.Tensor:
+        world.kv.k_buffers[0][world.kv_alloc.size] += 1.0  # a slot no live row owns
+        return world.model(b)
+
+    runner = sanitized_eager(world, forward_with_stray_write)
+    batch = world.make_batch(10, seed=6)  # above the one captured size, 8
+    with (
+        pytest.warns(RuntimeWarning, match="batch size 10 is above the largest captured size 8"),
+        pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] row {world.kv_alloc.size} changed"),
+    ):
+        runner.replay(batch)
+    assert runner.stats.eager_fallbacks == 1
+
+
+def test_violation_names_the_old_and_new_value():
+    world = ToyWorld()
+    slot = world.kv_alloc.size
+
+    def forward_with_stray_write(b: object) -> torch.Tensor:
+        world.kv.v_buffers[0][slot, 0, 1] = 2.5
+        return world.model(b)
+
+    runner = sanitized_eager(world, forward_with_stray_write)
+    batch = world.make_batch(RAW_BS, seed=7)
+    world.kv.v_buffers[0][slot] = 0.0
+    with pytest.raises(
+        PaddingViolation, match=r"v_cache\[0\] row \d+ changed .*element 1: 0.0 -> 2.5"
+    ):
+        runner.replay(batch)
+
+
+def test_a_nan_nothing_wrote_is_not_a_change():
+    """NaN != NaN: state that holds a NaN before and after replay is unchanged."""
+    world = ToyWorld()
+    runner = sanitized_eager(world, world.model)
+    batch = world.make_batch(RAW_BS, seed=8)
+    world.kv.k_buffers[0][world.kv_alloc.size, 0, 0] = float("nan")  # nobody's slot
+    runner.replay(batch)
+    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked == 1
