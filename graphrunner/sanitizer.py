@@ -44,13 +44,13 @@ class GuardedTensor:
 
     ``tensor`` is indexed by slot along dim 0; ``writer`` names the input field
     whose live values are the rows a step may write (e.g. ``out_cache_loc`` for
-    KV, ``req_pool_indices`` for ``req_to_token``); rows ``0..sink_rows-1`` are
-    padding sinks any padded row may write.
+    KV), or is None for state a step only reads (``req_to_token`` in decode);
+    rows ``0..sink_rows-1`` are padding sinks any padded row may write.
     """
 
     name: str
     tensor: torch.Tensor
-    writer: str
+    writer: str | None
     sink_rows: int = 1
 
 
@@ -126,9 +126,17 @@ class PaddingSanitizer:
         kv_allocator: Any = None,
         mamba_pool: MambaStatePool | None = None,
         mamba_writer: str = "mamba_track_indices",
+        req_to_token_writer: str | None = None,
     ) -> PaddingSanitizer:
-        """Guard ``req_to_token``, every KV layer and (optionally) Mamba state."""
-        guarded = [GuardedTensor("req_to_token", req_pool.req_to_token, "req_pool_indices", 0)]
+        """Guard ``req_to_token``, every KV layer and (optionally) Mamba state.
+
+        A decode step reads ``req_to_token`` and never writes it, so by default
+        no row of it may change; a forward that assigns its live rows' slots
+        itself passes ``req_to_token_writer="req_pool_indices"``.
+        """
+        guarded = [
+            GuardedTensor("req_to_token", req_pool.req_to_token, req_to_token_writer, sink_rows=0)
+        ]
         if kv_cache is not None:
             for layer in range(kv_cache.num_layers):
                 k, v = kv_cache.get_kv(layer)
@@ -174,6 +182,12 @@ class PaddingSanitizer:
         return check
 
 
+def _owner(guard: GuardedTensor) -> str:
+    if guard.writer is None:
+        return "state the step only reads"
+    return f"neither a live row of {guard.writer!r} nor a sink"
+
+
 def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     """Elementwise "was written": a NaN that stayed a NaN did not change."""
     changed = now != before
@@ -201,7 +215,7 @@ class _ReplayCheck:
     def _check_unchanged_outside_live(self, guard: GuardedTensor, before: torch.Tensor) -> None:
         changed = _changed(guard.tensor, before)
         changed_rows = changed.reshape(before.shape[0], -1).any(1)
-        writers = getattr(self.inputs, guard.writer, None)
+        writers = None if guard.writer is None else getattr(self.inputs, guard.writer, None)
         if writers is not None:
             changed_rows[writers.to(changed_rows.device)] = False
         changed_rows[: guard.sink_rows] = False
@@ -212,6 +226,6 @@ class _ReplayCheck:
             new = guard.tensor[row].reshape(-1)[col].item()
             raise PaddingViolation(
                 f"{guard.name} row {row} changed during replay (element {col}: {old!r} -> "
-                f"{new!r}) but is neither a live row of {guard.writer!r} nor a sink: a padded "
-                f"row, or a stray write, changed state no live request owns"
+                f"{new!r}) but is {_owner(guard)}: a padded row, or a stray write, changed "
+                f"state the step does not own"
             )

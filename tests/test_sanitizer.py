@@ -167,3 +167,25 @@ def test_a_nan_nothing_wrote_is_not_a_change():
     world.kv.k_buffers[0][world.kv_alloc.size, 0, 0] = float("nan")  # nobody's slot
     runner.replay(batch)
     assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked == 1
+
+
+def test_req_to_token_is_read_only_unless_a_writer_is_declared():
+    """A decode step never writes req_to_token: a live row rewriting its own
+    history is caught, unless the forward declares it assigns slots itself."""
+    world = ToyWorld()
+
+    def forward_rewriting_history(b: object) -> torch.Tensor:
+        world.req_pool.req_to_token[b.req_pool_indices[:1], 0] += 1  # type: ignore[attr-defined]
+        return world.model(b)
+
+    runner = sanitized_eager(world, forward_rewriting_history)
+    batch = world.make_batch(RAW_BS, seed=9)
+    row = int(batch.req_pool_indices_cpu[0])
+    with pytest.raises(
+        PaddingViolation, match=f"req_to_token row {row} changed .* the step only reads"
+    ):
+        runner.replay(batch)
+    runner.sanitizer = PaddingSanitizer.for_pools(
+        world.req_pool, world.kv, req_to_token_writer="req_pool_indices"
+    )
+    runner.replay(world.make_batch(RAW_BS, seed=9))
