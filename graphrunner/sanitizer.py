@@ -8,8 +8,9 @@ checks, and raises :class:`PaddingViolation` naming the buffer, row and value:
   declared pad value (a forgotten rule or a stale value is caught here);
   ``req_to_token`` row 0 is all zeros and no pool handed out slot 0;
 * after launch: no guarded state row changed except the live rows' own
-  (e.g. the KV slots in the live ``out_cache_loc``) and the sink rows;
-  live outputs are finite.
+  (e.g. the KV slots in the live ``out_cache_loc``) and the sink rows, and
+  ``req_to_token`` not at all (a decode step only reads it); live outputs
+  are finite.
 
 It works for every runner through the same buffer declarations. Its cost is
 a copy of the guarded state and a device sync per replay; the seconds it
