@@ -134,16 +134,24 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
         [_source(spec, inputs, rows, device) for spec, rows in zip(g.specs, g.rows, strict=True)]
         for g in plan.copies
     ]
-    # no_grad: an input with autograd history (hidden states from a grad-enabled
-    # forward) is copied as data instead of failing halfway through the writes.
-    with torch.no_grad():
-        for group, srcs in zip(plan.copies, sources, strict=True):
-            torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
-        for tails in plan.zeros:
-            torch._foreach_zero_(tails)
-        for tail, value in plan.fills:
-            tail.fill_(value)
+    # Without grad, an input with autograd history (hidden states from a
+    # grad-enabled forward) is copied as data instead of failing halfway through
+    # the writes. Replay already runs under no_grad: skip the ~2 us context then.
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _write(plan, sources)
+    else:
+        _write(plan, sources)
     return plan.device_ops
+
+
+def _write(plan: _Plan, sources: list[list[torch.Tensor]]) -> None:
+    for group, srcs in zip(plan.copies, sources, strict=True):
+        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+    for tails in plan.zeros:
+        torch._foreach_zero_(tails)
+    for tail, value in plan.fills:
+        tail.fill_(value)
 
 
 def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:
