@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,7 +82,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _common(p: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument(
+        "--device",
+        default="cuda" if cuda else "cpu",
+        help="cpu or cuda[:N] (default: cuda when available, else cpu)",
+    )
     p.add_argument(
         "--runner",
         choices=["cuda", "cpu", "eager"],
@@ -99,7 +106,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--capture-sizes",
         help="comma-separated, e.g. 1,2,4,8 (default: graphrunner's policy up to --max-bs)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the embedded model / trace")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the embedded model's weights and of the demo's synthetic trace "
+        "(no effect on a --checkpoint's weights or on generate's prompts)",
+    )
     p.add_argument(
         "--check-padding",
         action="store_true",
@@ -109,8 +122,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (1: the small models here gain nothing from more)",
+        help="torch CPU threads, >= 1 (1: the small models here gain nothing from more)",
     )
+
+
+def _check_common(args: argparse.Namespace) -> str:
+    """Validate the arguments every command shares; returns the runner kind."""
+    if args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: expected >= 1")
+    return _runner_kind(args)
 
 
 def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
@@ -134,12 +154,19 @@ def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[i
 
 
 def _runner_kind(args: argparse.Namespace) -> str:
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", args.device)
+    if match is None:
+        raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
     device = torch.device(args.device)
     kind = args.runner or ("cuda" if device.type == "cuda" else "cpu")
     if (kind == "cuda") != (device.type == "cuda"):
         raise UsageError(f"--runner {kind} does not run on --device {args.device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device is available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: no CUDA device is available")
+        count = torch.cuda.device_count()
+        if match.group(1) is not None and int(match.group(1)) >= count:
+            raise UsageError(f"--device {args.device}: there are {count} CUDA device(s)")
     return kind
 
 
@@ -154,7 +181,9 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
 def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
     if args.checkpoint is None:
-        return default_model(max_requests=max_requests, device=args.device, seed=args.seed)
+        return default_model(
+            max_requests=max_requests, max_context_len=context, device=args.device, seed=args.seed
+        )
     try:
         return load_model(
             args.checkpoint, max_requests=max_requests, max_context_len=context, device=args.device
@@ -176,7 +205,7 @@ def _capture(
 
 
 def _demo(args: argparse.Namespace) -> int:
-    sizes, kind, config = _capture_sizes(args), _runner_kind(args), _model_config(args)
+    sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected >= 1")
     torch.set_num_threads(args.threads)
@@ -241,12 +270,18 @@ def _report_sanitizer(runner: GraphRunner) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    kind, config = _runner_kind(args), _model_config(args)
+    kind, config = _check_common(args), _model_config(args)
     if args.max_new_tokens < 1 or args.arrive_every < 0:
         raise UsageError(
             f"--max-new-tokens {args.max_new_tokens}, --arrive-every "
             f"{args.arrive_every}: expected >= 1 and >= 0"
         )
+    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
+        raise UsageError(
+            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
+        )
+    if args.output is not None:
+        _check_output(args.output)
     prompts = read_prompts(args.prompts, config, args.max_new_tokens)
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))
@@ -267,18 +302,52 @@ def _generate(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
     else:
-        args.output.write_text(text)
+        try:
+            _write_atomically(args.output, text)
+        except OSError as e:
+            print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
+            return 1
     if args.check:
         print(f"mismatches: {result.stats.mismatches}", file=sys.stderr)
     return 1 if result.stats.mismatches else 0
+
+
+def _check_output(path: Path) -> None:
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"--output {path}: directory {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise UsageError(f"--output {path}: is a directory")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``path``, then rename it over ``path``:
+    ``path`` is either untouched or complete, never half-written."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
     """Parse and validate a prompts file; :class:`UsageError` names the line and value."""
     if not path.is_file():
         raise UsageError(f"prompts file {str(path)!r} not found")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Lines counted as below: the valid text before the bad byte, split the same way.
+        lineno = len((data[: e.start].decode("utf-8") + "x").splitlines())
+        raise UsageError(f"{path}:{lineno}: not valid UTF-8") from None
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"

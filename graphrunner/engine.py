@@ -29,6 +29,11 @@ from graphrunner.sizes import PaddingWaste
 from graphrunner.trace import Request
 
 
+class AdmissionError(RuntimeError):
+    """An arrived request can never be admitted: nothing is running that could
+    free the rows or KV slots it needs (they are held outside the run)."""
+
+
 def create_model_runner(
     bundle: ModelBundle,
     kind: str,
@@ -124,6 +129,7 @@ class _Run:
     batch: DecodeBatch
     outputs: dict[int, list[int]]
     live: list[_Live] = field(default_factory=list)
+    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV slots to free
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
     clock: int = 0  # engine steps, idle ones included: what arrival_step counts
@@ -133,7 +139,8 @@ class Engine:
     """Runs request traces on ``bundle``'s model with decode steps through ``runner``.
 
     Args:
-        bundle: the model and its pools; a run frees everything it allocated.
+        bundle: the model and its pools; a run frees everything it allocated,
+            also when it raises.
         runner: a captured runner over ``bundle.model.forward_decode``.
         check: run the eager forward on every decode step and compare (see
             :meth:`_checked_replay`); counts go to ``stats``.
@@ -160,7 +167,12 @@ class Engine:
     def run(
         self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
     ) -> EngineResult:
-        """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran."""
+        """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran.
+
+        Raises :class:`AdmissionError` when nothing is running and the next
+        arrived request does not fit in the free request rows and KV slots
+        (held outside this run): waiting would never end.
+        """
         self._validate(trace)
         run = _Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
@@ -168,15 +180,20 @@ class Engine:
             {r.rid: [] for r in trace},
         )
         start_live, start_pad = self.runner.stats.live_rows, self.runner.stats.padded_rows
-        with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
-            while (run.pending or run.live) and (max_steps is None or run.stats.steps < max_steps):
-                if not run.live:  # idle: jump to the next arrival
-                    run.clock = max(run.clock, run.pending[0].arrival_step)
-                bar.update(self._step(run))
-                run.clock += 1
-        for req in run.live:  # cut by max_steps
-            run.outputs[req.request.rid] = req.tokens
-            self._free(req)
+        try:
+            with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
+                while (run.pending or run.live) and (
+                    max_steps is None or run.stats.steps < max_steps
+                ):
+                    if not run.live:  # idle: jump to the next arrival
+                        run.clock = max(run.clock, run.pending[0].arrival_step)
+                    bar.update(self._step(run))
+                    run.clock += 1
+            for req in run.live:  # cut by max_steps
+                run.outputs[req.request.rid] = req.tokens
+        finally:  # on an error too: a failed run leaks no pool row or KV slot
+            for req in list(run.held.values()):
+                self._free(run, req)
         run.stats.live_rows = self.runner.stats.live_rows - start_live
         run.stats.padded_rows = self.runner.stats.padded_rows - start_pad
         return EngineResult(run.outputs, frozenset(run.finished), run.stats)
@@ -236,14 +253,19 @@ class Engine:
         while pending and pending[0].arrival_step <= run.clock:
             req = pending[0]
             room = b.kv_alloc.available_size() - reserved
-            if (
-                len(run.live) + len(joining) >= self.runner.max_bs
-                or req.max_len > room
-                or b.req_pool.available_size() == 0
-            ):
+            rows = b.req_pool.available_size()
+            if len(run.live) + len(joining) >= self.runner.max_bs or req.max_len > room or not rows:
+                if not run.live and not joining:  # nothing running will ever free room
+                    raise AdmissionError(
+                        f"request {req.rid} can never be admitted: it needs 1 request row "
+                        f"and {req.max_len} KV slots, nothing is running, and "
+                        f"{rows} request rows and {room} KV slots are free"
+                    )
                 break  # FIFO: later arrivals wait behind it
             pending.popleft()
-            live_req = _Live(req, b.req_pool.alloc(1)[0], b.kv_alloc.alloc(len(req.prompt)))
+            live_req = _Live(req, b.req_pool.alloc(1)[0], [])
+            run.held[req.rid] = live_req
+            live_req.slots = b.kv_alloc.alloc(len(req.prompt))
             reserved += req.max_len - len(req.prompt)
             ids = torch.tensor(req.prompt, dtype=torch.int64).to(self.device, non_blocking=True)
             slots = torch.tensor(live_req.slots, dtype=torch.int64).to(
@@ -258,11 +280,15 @@ class Engine:
     def _decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
-        if self.check:
-            logits = self._checked_replay(batch, stats)
-        else:
-            logits, seconds = self._timed(lambda: self._replay(batch))
-            stats.decode_seconds += seconds
+        try:
+            if self.check:
+                logits = self._checked_replay(batch, stats)
+            else:
+                logits, seconds = self._timed(lambda: self._replay(batch))
+                stats.decode_seconds += seconds
+        except BaseException:  # the step's new slots are no request's yet: free them here
+            self.bundle.kv_alloc.free(batch.out_cache_loc.tolist())
+            raise
         stats.steps += 1
         stats.decode_tokens += batch.batch_size
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
@@ -327,10 +353,11 @@ class Engine:
             return False
         run.outputs[req.request.rid] = req.tokens
         run.finished.add(req.request.rid)
-        self._free(req)
+        self._free(run, req)
         return True
 
-    def _free(self, req: _Live) -> None:
+    def _free(self, run: _Run, req: _Live) -> None:
+        del run.held[req.request.rid]
         self.bundle.req_pool.free([req.req_index])
         self.bundle.kv_alloc.free(req.slots)
 

@@ -140,6 +140,8 @@ def test_generate_rejects_bad_prompts_before_any_work(
         (["demo", "--runner", "cuda", "--device", "cpu"], "--runner cuda does not run on"),
         (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
         (["demo", "--steps", "0"], "--steps 0"),
+        (["demo", "--threads", "0"], "--threads 0: expected >= 1"),
+        (["demo", "--device", "meta"], "--device 'meta': expected cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_value(
@@ -233,3 +235,172 @@ def test_python_dash_m_runs_the_demo() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "mismatches: 0" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--end-token", "256"], "--end-token 256: expected a token id in 0..255"),
+        (["--end-token", "-1"], "--end-token -1: expected a token id in 0..255"),
+        (
+            ["--output", "{tmp}/nodir/out.jsonl"],
+            "--output {tmp}/nodir/out.jsonl: directory '{tmp}/nodir' does not exist",
+        ),
+        (["--output", "{tmp}"], "--output {tmp}: is a directory"),
+        (["--device", "foo"], "--device 'foo': expected cpu, cuda or cuda:N"),
+        (["--device", "meta"], "--device 'meta': expected cpu, cuda or cuda:N"),
+        (["--device", "mps"], "--device 'mps': expected cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda or cuda:N"),
+        (["--threads", "0"], "--threads 0: expected >= 1"),
+        (["--threads", "-2"], "--threads -2: expected >= 1"),
+    ],
+)
+def test_generate_rejects_bad_arguments_before_any_work(
+    prompts_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert cli.main(["generate", "--prompts", str(prompts_file), *EAGER, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err == f"graphrunner generate: error: {message.replace('{tmp}', str(tmp_path))}\n"
+    )
+
+
+def test_generate_names_the_line_of_a_non_utf8_prompt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"[1, 2]\n\n[3, \xff]\n[4]\n")
+    assert cli.main(["generate", "--prompts", str(path), *EAGER]) == 2
+    assert capsys.readouterr().err == f"graphrunner generate: error: {path}:3: not valid UTF-8\n"
+
+
+def test_generate_replaces_the_output_file_whole(prompts_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("old contents, longer than nothing\n" * 100)
+    args = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "3", *EAGER]
+    assert cli.main([*args, "--output", str(out)]) == 0
+    assert [line["tokens"] for line in _lines(out.read_text())] == _expected(3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+
+
+def test_a_failed_output_write_leaves_the_old_file_and_no_temp_file(
+    prompts_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+
+    def replace(src: Any, dst: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.os, "replace", replace)
+    args = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "2", *EAGER]
+    assert cli.main([*args, "--output", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"graphrunner generate: error: --output {out}: [Errno 28] No space left on device\n"
+    )
+    assert out.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+
+
+def _checkpoint(tmp_path: Path, **config_edit: Any) -> Path:
+    path = tmp_path / "ckpt"
+    save_checkpoint(default_model(max_requests=1).model, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | config_edit))
+    return path
+
+
+def test_generate_exits_2_on_a_corrupt_weights_file(
+    prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _checkpoint(tmp_path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    args = ["generate", "--prompts", str(prompts_file), "--checkpoint", str(path), *EAGER]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"graphrunner generate: error: {weights} is not a valid safetensors file: "
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"head_dim": 16.0}, "config field head_dim=16.0: expected a positive int"),
+        (
+            {"rms_norm_eps": None},
+            "config field rms_norm_eps=None: expected a positive finite number",
+        ),
+    ],
+)
+def test_generate_exits_2_on_a_bad_config_value(
+    prompts_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    edit: dict[str, Any],
+    message: str,
+) -> None:
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    path = _checkpoint(tmp_path, **edit)
+    args = ["generate", "--prompts", str(prompts_file), "--checkpoint", str(path), *EAGER]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == f"graphrunner generate: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"rope_scaling": {"rope_type": "default"}},
+        {"rope_scaling": {"type": "default"}},
+        {"architectures": None},
+    ],
+)
+def test_generate_runs_a_plain_rope_checkpoint_however_it_says_so(
+    prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: dict[str, Any]
+) -> None:
+    path = _checkpoint(tmp_path, **edit)
+    args = ["generate", "--prompts", str(prompts_file), "--checkpoint", str(path), *EAGER]
+    assert cli.main([*args, "--max-new-tokens", "3"]) == 0
+    assert [line["tokens"] for line in _lines(capsys.readouterr().out)] == _expected(3)
+
+
+def test_demo_builds_the_embedded_model_at_the_context_it_reports(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built: list[int] = []
+    real = cli._capture
+
+    def capture(bundle: ModelBundle, *a: Any, **k: Any) -> Any:
+        built.append(bundle.max_context_len)
+        return real(bundle, *a, **k)
+
+    monkeypatch.setattr(cli, "_capture", capture)
+    assert cli.main(["demo", "--steps", "6", "--max-bs", "2", "--runner", "eager"]) == 0
+    reported = re.search(r"vocab 256, context (\d+)\n", capsys.readouterr().out)
+    assert reported is not None
+    assert built == [int(reported.group(1))] and built[0] < 256
+
+
+def test_seed_help_says_what_it_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--seed SEED seed of the embedded model's weights and of the demo's synthetic "
+        "trace (no effect on a --checkpoint's weights or on generate's prompts)"
+    ) in help_text

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 
-from graphrunner.engine import Engine, EngineResult, create_model_runner
+from graphrunner.engine import AdmissionError, Engine, EngineResult, create_model_runner
 from graphrunner.model import ModelBundle, default_model
 from graphrunner.trace import Request, requests_from_prompts, synthetic_trace
 
@@ -148,3 +151,100 @@ def test_check_catches_a_runner_that_corrupts_live_kv() -> None:
     result: EngineResult = engine.run(_trace(n=4))
     assert result.stats.mismatches == result.stats.steps > 0
     assert result.stats.max_kv_diff >= 1.0
+
+
+@contextmanager
+def _deadline(seconds: int) -> Iterator[None]:
+    """Fail (instead of hanging the suite) if the block runs longer than ``seconds``."""
+
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_request_that_can_never_be_admitted_is_an_error_not_a_hang() -> None:
+    # KV slots held outside the run: 6 of 256 stay free, the request needs 3 + 8 - 1.
+    engine = _engine(max_requests=1)
+    b = engine.bundle
+    held = b.kv_alloc.alloc(250)
+    with _deadline(60), pytest.raises(AdmissionError) as err:
+        engine.run([Request(0, (1, 2, 3), 8)], max_steps=5)
+    assert str(err.value) == (
+        "request 0 can never be admitted: it needs 1 request row and 10 KV slots, "
+        "nothing is running, and 1 request rows and 6 KV slots are free"
+    )
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (6, 1)
+    assert engine.runner.stats.replays == 0
+    b.kv_alloc.free(held)
+
+
+def test_a_request_too_big_for_the_kv_left_is_an_error_once_the_run_drains() -> None:
+    engine = _engine(max_requests=2)
+    b = engine.bundle
+    held = b.kv_alloc.alloc(500)  # 12 of 512 KV slots stay free
+    trace = requests_from_prompts([[1, 2], [3] * 15], max_new_tokens=6)  # 7 and 20 slots
+    with _deadline(60), pytest.raises(AdmissionError) as err:
+        engine.run(trace)
+    assert str(err.value) == (
+        "request 1 can never be admitted: it needs 1 request row and 20 KV slots, "
+        "nothing is running, and 2 request rows and 12 KV slots are free"
+    )
+    # Request 0 ran to its end first (5 decode steps); nothing of it is left allocated.
+    assert engine.runner.stats.replays == 5
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (12, 2)
+    b.kv_alloc.free(held)
+
+
+class FailingReplay:
+    """A runner whose ``fail_at``-th replay raises (after its batch was prepared)."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def replay(self, batch: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("replay failed")
+        return self.inner.replay(batch)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_failed_run_frees_every_row_and_slot_it_allocated(check: bool) -> None:
+    engine = _engine(check=check)
+    b = engine.bundle
+    full = (b.kv_alloc.available_size(), b.req_pool.available_size())
+    engine.runner = FailingReplay(engine.runner, fail_at=6)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="replay failed"):
+        engine.run(_trace())
+    assert engine.runner.calls == 6  # type: ignore[attr-defined]
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full
+    assert b.kv_alloc.allocated() == frozenset() and b.req_pool.allocated() == frozenset()
+
+
+def test_a_failed_prefill_frees_the_requests_admitted_with_it() -> None:
+    engine = _engine()
+    b = engine.bundle
+    full = (b.kv_alloc.available_size(), b.req_pool.available_size())
+    real, calls = b.model.forward_extend, []
+
+    def extend(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("prefill failed")
+        return real(*args, **kwargs)
+
+    b.model.forward_extend = extend  # type: ignore[method-assign]
+    trace = requests_from_prompts([[1, 2], [3, 4], [5]], max_new_tokens=3)  # all arrive at 0
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        engine.run(trace)
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full

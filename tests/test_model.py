@@ -3,6 +3,7 @@ equal to transformers' LlamaForCausalLM (eager decode and prefill)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,10 @@ def test_config_accepts_transformers_4_rope_theta() -> None:
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_scaling": {"type": "dynamic"}}, r"rope_scaling.type='dynamic'"),
+        ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, r"keys \['factor'\]"),
+        ({"architectures": None, "model_type": "mistral"}, "mistral"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3"),
         (
             {
@@ -114,6 +119,88 @@ def test_config_rejects_what_it_cannot_honour(edit: dict, named: str) -> None:
     hf = default_model(max_requests=1).config.to_hf_dict() | edit
     with pytest.raises(UnsupportedConfigError, match=named):
         ModelConfig.from_hf_dict(hf)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            {"rms_norm_eps": None},
+            "config field rms_norm_eps=None: expected a positive finite number",
+        ),
+        (
+            {"rms_norm_eps": "1e-6"},
+            "config field rms_norm_eps='1e-6': expected a positive finite number",
+        ),
+        ({"rms_norm_eps": 0}, "config field rms_norm_eps=0: expected a positive finite number"),
+        ({"head_dim": 16.0}, "config field head_dim=16.0: expected a positive int"),
+        ({"hidden_size": 64.0}, "config field hidden_size=64.0: expected a positive int"),
+        ({"vocab_size": None}, "config field vocab_size=None: expected a positive int"),
+        ({"num_hidden_layers": "2"}, "config field num_hidden_layers='2': expected a positive int"),
+        ({"num_key_value_heads": 0}, "config field num_key_value_heads=0: expected a positive int"),
+        ({"intermediate_size": -1}, "config field intermediate_size=-1: expected a positive int"),
+        (
+            {"max_position_embeddings": True},
+            "config field max_position_embeddings=True: expected a positive int",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+            "config field rope_parameters.rope_theta=None: expected a positive finite number",
+        ),
+        (
+            {"rope_parameters": None, "rope_theta": float("inf")},
+            "config field rope_theta=inf: expected a positive finite number",
+        ),
+        (
+            {"tie_word_embeddings": "false"},
+            "config field tie_word_embeddings='false': expected true or false",
+        ),
+        (
+            {"num_key_value_heads": 3},
+            "ModelConfig.num_heads=4 is not a multiple of num_kv_heads=3",
+        ),
+        (
+            {"head_dim": 15},
+            "ModelConfig.head_dim=15: expected an even int >= 2 (rotary embedding rotates pairs)",
+        ),
+    ],
+)
+def test_config_names_a_bad_field_value(edit: dict, message: str) -> None:
+    hf = default_model(max_requests=1).config.to_hf_dict() | edit
+    with pytest.raises(UnsupportedConfigError) as err:
+        ModelConfig.from_hf_dict(hf)
+    assert str(err.value) == message
+    assert isinstance(err.value, ValueError)  # the CLI turns it into exit 2
+
+
+@pytest.mark.parametrize(
+    "edit, theta",
+    [
+        ({"rope_scaling": {"rope_type": "default"}}, 10000.0),
+        ({"rope_scaling": {"type": "default"}}, 10000.0),
+        ({"rope_scaling": None}, 10000.0),
+        ({"rope_scaling": {"type": "default"}, "rope_parameters": None, "rope_theta": 5e5}, 5e5),
+        ({"rope_scaling": {"rope_type": "default", "rope_theta": 2e4}}, 2e4),
+        ({"architectures": None}, 10000.0),
+        ({"architectures": []}, 10000.0),
+        ({"head_dim": None, "num_key_value_heads": None}, 10000.0),
+    ],
+)
+def test_config_accepts_what_transformers_loads_as_plain_llama(edit: dict, theta: float) -> None:
+    base = default_model(max_requests=1).config.to_hf_dict()
+    hf = base | edit
+    config = ModelConfig.from_hf_dict(hf)
+    hf_config = transformers.LlamaConfig.from_dict(hf)
+    assert hf_config.rope_parameters["rope_type"] == "default"
+    assert config.rope_theta == hf_config.rope_parameters["rope_theta"] == theta
+    assert (config.head_dim, config.num_kv_heads) == (
+        hf_config.head_dim,
+        hf_config.num_key_value_heads,
+    )
+    expected = ModelConfig.from_hf_dict(base)
+    if "num_key_value_heads" in edit:
+        expected = ModelConfig.from_hf_dict(base | {"num_key_value_heads": 4})
+    assert config == dataclasses.replace(expected, rope_theta=theta)
 
 
 def test_config_validation_names_the_field() -> None:
@@ -135,6 +222,16 @@ def test_config_validation_names_the_field() -> None:
             num_heads=4,
             num_kv_heads=2,
         )
+    shape = {"vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_layers": 1}
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**shape, **heads, head_dim=16.0)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "ModelConfig.head_dim=16.0: expected an even int >= 2 (rotary embedding rotates pairs)"
+    )
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**shape, **heads, rms_norm_eps=None)  # type: ignore[arg-type]
+    assert str(err.value) == "ModelConfig.rms_norm_eps=None: expected a finite number > 0"
 
 
 # -- loader errors -------------------------------------------------------------
@@ -187,6 +284,24 @@ def test_loader_names_missing_files(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(tmp_path, max_requests=2)
+
+
+def test_loader_names_a_corrupt_weights_file(
+    hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    path = _copy_ckpt(hf_dir[1], tmp_path / "c")
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:300])
+    with pytest.raises(CheckpointError) as err:
+        load_model(path, max_requests=2, max_context_len=CTX)
+    assert str(err.value).startswith(f"{file} is not a valid safetensors file: ")
+    # A shard the index lists is read the same way.
+    file.rename(path / "a.safetensors")
+    weight_map = {n: "a.safetensors" for n in load_file(hf_dir[1] / "model.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError) as err:
+        load_model(path, max_requests=2, max_context_len=CTX)
+    assert str(err.value).startswith(f"{path / 'a.safetensors'} is not a valid safetensors file: ")
 
 
 def test_loader_reads_sharded_index(hf_dir: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
@@ -302,3 +417,14 @@ def test_forward_extend_validates_arguments() -> None:
         bundle.model.forward_extend(0, ids, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="kv_slots"):
         bundle.model.forward_extend(1, ids, torch.tensor([1, 2]))
+
+
+def test_default_model_sizes_its_pools_to_a_given_context() -> None:
+    small, full = default_model(max_requests=2, max_context_len=64), default_model(max_requests=2)
+    assert (small.max_context_len, full.max_context_len) == (64, 256)
+    assert tuple(small.req_pool.req_to_token.shape) == (3, 64)
+    assert (small.kv_alloc.size, full.kv_alloc.size) == (128, 512)
+    for (name, a), (_, b) in zip(
+        small.model.state_dict().items(), full.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

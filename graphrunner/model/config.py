@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ _REQUIRED_VALUES: dict[str, object] = {
     "hidden_act": "silu",
     "attention_bias": False,
     "mlp_bias": False,
-    "rope_scaling": None,
+    "pretraining_tp": 1,
 }
 
 
@@ -70,15 +71,29 @@ class ModelConfig:
                     f"num_heads={self.num_heads}; give head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim < 2 or self.head_dim % 2:
+        head_dim = self.head_dim
+        if (
+            not isinstance(head_dim, int)
+            or isinstance(head_dim, bool)
+            or head_dim < 2
+            or head_dim % 2
+        ):
             raise ValueError(
-                f"ModelConfig.head_dim={self.head_dim}: expected an even int >= 2 "
+                f"ModelConfig.head_dim={head_dim!r}: expected an even int >= 2 "
                 "(rotary embedding rotates pairs)"
             )
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps}: expected > 0")
-        if not self.rope_theta > 0:
-            raise ValueError(f"ModelConfig.rope_theta={self.rope_theta}: expected > 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(f"ModelConfig.{name}={value!r}: expected a finite number > 0")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r}: expected a bool"
+            )
 
     @property
     def num_kv_groups(self) -> int:
@@ -90,44 +105,57 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout).
 
         Raises :class:`UnsupportedConfigError` naming the architecture or field
-        when the checkpoint needs maths this executor does not implement.
+        when the checkpoint needs maths this executor does not implement, or
+        naming the field and value when a field is missing or not a valid value
+        (``head_dim`` 16.0, ``rms_norm_eps`` null).
         """
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type", "llama")
-        unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if model_type != "llama" or not archs or unknown:
-            raise UnsupportedConfigError(
-                f"unsupported architecture {archs or None!r} (model_type={model_type!r}); "
-                f"expected one of {SUPPORTED_ARCHITECTURES}"
-            )
+        _check_architecture(hf)
         for name, wanted in _REQUIRED_VALUES.items():
             if hf.get(name, wanted) != wanted:
                 raise UnsupportedConfigError(
                     f"config field {name}={hf[name]!r} is not supported; expected {wanted!r}"
                 )
-        if hf.get("pretraining_tp", 1) != 1:
+        if hf.get("partial_rotary_factor") not in (None, 1.0):
             raise UnsupportedConfigError(
-                f"config field pretraining_tp={hf['pretraining_tp']!r} is not supported; expected 1"
+                f"config field partial_rotary_factor={hf['partial_rotary_factor']!r} is not "
+                "supported; expected 1.0"
             )
         rope_theta = _rope_theta(hf)
-        try:
-            kwargs: dict[str, Any] = {
-                "vocab_size": hf["vocab_size"],
-                "hidden_size": hf["hidden_size"],
-                "intermediate_size": hf["intermediate_size"],
-                "num_layers": hf["num_hidden_layers"],
-                "num_heads": hf["num_attention_heads"],
-            }
-        except KeyError as e:
-            msg = f"config is missing required field {e.args[0]!r}"
-            raise UnsupportedConfigError(msg) from None
-        kwargs["num_kv_heads"] = hf.get("num_key_value_heads") or kwargs["num_heads"]
-        kwargs["head_dim"] = hf.get("head_dim") or 0
-        kwargs["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
+        kwargs: dict[str, Any] = {}
+        for ours, theirs in (
+            ("vocab_size", "vocab_size"),
+            ("hidden_size", "hidden_size"),
+            ("intermediate_size", "intermediate_size"),
+            ("num_layers", "num_hidden_layers"),
+            ("num_heads", "num_attention_heads"),
+        ):
+            if theirs not in hf:
+                raise UnsupportedConfigError(f"config is missing required field {theirs!r}")
+            kwargs[ours] = _positive_int(theirs, hf[theirs])
+        # transformers derives both from the other fields when they are null or absent.
+        num_kv_heads = hf.get("num_key_value_heads")
+        kwargs["num_kv_heads"] = (
+            kwargs["num_heads"]
+            if num_kv_heads is None
+            else _positive_int("num_key_value_heads", num_kv_heads)
+        )
+        head_dim = hf.get("head_dim")
+        kwargs["head_dim"] = 0 if head_dim is None else _positive_int("head_dim", head_dim)
+        kwargs["rms_norm_eps"] = _positive_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
         kwargs["rope_theta"] = rope_theta
-        kwargs["max_position_embeddings"] = hf.get("max_position_embeddings", 2048)
-        kwargs["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-        return cls(**kwargs)
+        kwargs["max_position_embeddings"] = _positive_int(
+            "max_position_embeddings", hf.get("max_position_embeddings", 2048)
+        )
+        tie = hf.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise UnsupportedConfigError(
+                f"config field tie_word_embeddings={tie!r}: expected true or false"
+            )
+        kwargs["tie_word_embeddings"] = tie
+        try:
+            return cls(**kwargs)
+        except ValueError as e:  # a combination of valid fields, e.g. heads vs KV heads
+            raise UnsupportedConfigError(str(e)) from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` transformers would write for this model (round-trips)."""
@@ -151,21 +179,70 @@ class ModelConfig:
         }
 
 
+def _check_architecture(hf: dict[str, Any]) -> None:
+    """Llama by ``architectures`` or, when that is null or absent (transformers then
+    goes by ``model_type``), by ``model_type``; nothing else."""
+    archs = hf.get("architectures")
+    model_type = hf.get("model_type")
+    if archs is None:
+        archs = []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UnsupportedConfigError(
+            f"config field architectures={archs!r}: expected a list of class names"
+        )
+    unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    named = bool(archs) or model_type is not None
+    if unknown or not named or model_type not in (None, "llama"):
+        raise UnsupportedConfigError(
+            f"unsupported architecture {archs or None!r} (model_type={model_type!r}); "
+            f"expected one of {SUPPORTED_ARCHITECTURES} or model_type 'llama'"
+        )
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedConfigError(f"config field {name}={value!r}: expected a positive int")
+    return value
+
+
+def _positive_float(name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise UnsupportedConfigError(
+            f"config field {name}={value!r}: expected a positive finite number"
+        )
+    return float(value)
+
+
 def _rope_theta(hf: dict[str, Any]) -> float:
-    """transformers 5 nests RoPE settings in ``rope_parameters``; 4.x had ``rope_theta``."""
-    params = hf.get("rope_parameters")
+    """Plain RoPE only, as transformers reads it: the parameters are ``rope_scaling``
+    when set (the 4.x name), else ``rope_parameters`` (5.x); the type is their
+    ``rope_type`` (or 4.x ``type``), default ``default``; the base is their
+    ``rope_theta``, else the top-level ``rope_theta``, else 10000."""
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(field)
     if params is None:
-        return float(hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", "default")
+        params = {}
+    if not isinstance(params, dict):
+        raise UnsupportedConfigError(
+            f"config field {field}={params!r} is not supported; expected an object"
+        )
+    key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(key, "default")
     if rope_type != "default":
         raise UnsupportedConfigError(
-            f"config field rope_parameters.rope_type={rope_type!r} is not supported; "
+            f"config field {field}.{key}={rope_type!r} is not supported; "
             "expected 'default' (no RoPE scaling)"
         )
-    extra = sorted(set(params) - {"rope_type", "rope_theta"})
+    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
     if extra:
         raise UnsupportedConfigError(
-            f"config field rope_parameters has unsupported keys {extra}; "
-            "expected only rope_type and rope_theta"
+            f"config field {field} has unsupported keys {extra}; "
+            "expected only rope_type (or type) and rope_theta"
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        return _positive_float(f"{field}.rope_theta", params["rope_theta"])
+    return _positive_float("rope_theta", hf.get("rope_theta", 10000.0))

@@ -49,11 +49,22 @@ def init_random_weights(bundle: ModelBundle, seed: int = DEFAULT_SEED) -> None:
 def default_model(
     *,
     max_requests: int,
+    max_context_len: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = DEFAULT_SEED,
 ) -> ModelBundle:
-    """The default config over fresh pools, weights from ``seed``."""
-    bundle = build_model(default_config(), max_requests=max_requests, device=device, dtype=dtype)
+    """The default config over fresh pools, weights from ``seed``.
+
+    ``max_context_len`` (default: the config's 256) sizes the request rows and
+    the KV pool, as in :func:`build_model`; the weights do not depend on it.
+    """
+    bundle = build_model(
+        default_config(),
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        device=device,
+        dtype=dtype,
+    )
     init_random_weights(bundle, seed)
     return bundle

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from graphrunner.model.build import ModelBundle, build_model
@@ -32,7 +33,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint directory ``path``, on the CPU, by name."""
     root = Path(path)
     if (root / WEIGHTS_FILE).is_file():
-        return load_file(root / WEIGHTS_FILE)
+        return _load_file(root / WEIGHTS_FILE)
     if not (root / INDEX_FILE).is_file():
         raise CheckpointError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {root}")
     weight_map = _read_json(root / INDEX_FILE).get("weight_map")
@@ -42,7 +43,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     for shard in sorted(set(weight_map.values())):
         if not (root / shard).is_file():
             raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {root}")
-        tensors.update(load_file(root / shard))
+        tensors.update(_load_file(root / shard))
     listed_missing = sorted(set(weight_map) - set(tensors))
     if listed_missing:
         raise CheckpointError(
@@ -86,11 +87,20 @@ def save_checkpoint(model: LlamaDecoder, path: str | Path) -> None:
     save_file(tensors, root / WEIGHTS_FILE, metadata={"format": "pt"})
 
 
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except SafetensorError as e:  # truncated or corrupt: not a ValueError of its own
+        raise CheckpointError(f"{file} is not a valid safetensors file: {e}") from None
+
+
 def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"missing {file}")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not valid UTF-8: {e}") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
