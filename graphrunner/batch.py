@@ -147,23 +147,32 @@ class DecodeBatch:
     ) -> None:
         """Advance every request by one token.
 
-        Per row: allocate one KV slot, ``positions = seq_lens`` (old),
+        Per row: take the next KV slot, ``positions = seq_lens`` (old),
         ``req_to_token[req, position] = slot`` (one vectorised device write),
         ``seq_lens += 1``, ``out_cache_loc = slot``. ``input_ids`` (int64 ``[bs]``
         on ``device``, e.g. last step's sampled tokens) replaces the batch's if
-        given. Everything is validated before the KV slots are allocated.
+        given. Everything is validated before any KV is allocated.
+
+        The next slot: with ``kv_alloc.page_size == 1``, a fresh one per row. With
+        pages of ``P`` slots, a row whose length is a multiple of ``P`` starts a
+        fresh page (the host knows which rows, from ``seq_lens_cpu``); any other
+        row takes the slot after its last token, gathered from ``req_to_token``
+        on the device, never read back. So a request's tokens must sit in its
+        pages in order, as a paged prefill writes them.
         """
         reqs = self.req_pool_indices_cpu.tolist()
         lens = self.seq_lens_cpu.tolist()
         self._check_prepare(req_pool, kv_alloc, reqs, lens)
         if input_ids is not None:
             self._check_input_ids(input_ids, len(reqs))
-        slots = kv_alloc.alloc(len(reqs))
-        out_cache_loc = self._to_device(_host(slots))
+        page = kv_alloc.page_size
+        starting = [i for i, n in enumerate(lens) if n % page == 0]
+        fresh = kv_alloc.alloc(len(starting) * page)
         try:
+            out_cache_loc = self._next_slots(req_pool, starting, fresh[::page])
             req_pool.write_tokens(reqs, lens, out_cache_loc)
         except BaseException:
-            kv_alloc.free(slots)
+            kv_alloc.free(fresh)
             raise
         self.positions = self.seq_lens
         self.seq_lens = self.seq_lens + 1
@@ -171,6 +180,22 @@ class DecodeBatch:
         self.out_cache_loc = out_cache_loc
         if input_ids is not None:
             self.input_ids = input_ids
+
+    def _next_slots(
+        self, req_pool: ReqToTokenPool, starting: list[int], first_slots: list[int]
+    ) -> torch.Tensor:
+        """int64 ``[bs]`` on the device: ``first_slots`` for the ``starting`` rows,
+        the slot after the last token for the others."""
+        bs = self.batch_size
+        if len(starting) == bs:  # page size 1, or every row at a page boundary
+            return self._to_device(_host(first_slots))
+        last = (self.seq_lens - 1).clamp_(min=0)
+        after_last = req_pool.req_to_token[self.req_pool_indices, last].to(torch.int64) + 1
+        is_starting = torch.zeros(bs, dtype=torch.bool)
+        is_starting[starting] = True
+        fresh = torch.zeros(bs, dtype=torch.int64)
+        fresh[starting] = _host(first_slots)
+        return torch.where(self._to_device(is_starting), self._to_device(fresh), after_last)
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (host ints, unique, ``0..bs-1``), in that order."""
@@ -270,9 +295,6 @@ class DecodeBatch:
                 f"req_pool.max_context_len {req_pool.max_context_len} is below the batch's "
                 f"{self.max_context_len}"
             )
-        if kv_alloc.page_size != 1:
-            # Paged decode would need each request's last slot, which lives on the device.
-            raise BatchError(f"kv_alloc.page_size is {kv_alloc.page_size}; expected 1")
         for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
             if n + 1 > self.max_context_len:
                 raise BatchError(

@@ -35,8 +35,14 @@ class Req:
     row: int
     slots: list[int]  # KV slots of the cached tokens, by position
     input_id: int
+    owned: list[int]  # KV slots it holds: whole pages, freed together
     loc: int = 0  # out_cache_loc; 0 until prepared
     pos: int = 0
+
+
+def whole_pages(n: int, page: int) -> int:
+    """Slots that hold ``n`` tokens in whole pages."""
+    return -(-n // page) * page
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Sim:
     """A batch and its pools on one device, next to a host model of the requests."""
 
     device: torch.device
+    page: int = 1
     req_pool: ReqToTokenPool = field(init=False)
     kv: TokenToKVPoolAllocator = field(init=False)
     batch: DecodeBatch = field(init=False)
@@ -51,7 +58,8 @@ class Sim:
 
     def __post_init__(self) -> None:
         self.req_pool = ReqToTokenPool(5, L, self.device)
-        self.kv = TokenToKVPoolAllocator(16, self.device)
+        pages = 16 if self.page == 1 else 5  # paged: few enough pages to run out
+        self.kv = TokenToKVPoolAllocator(pages * self.page, self.device, page_size=self.page)
         self.batch = DecodeBatch.empty(self.device, L)
 
     @contextmanager
@@ -71,7 +79,8 @@ class Sim:
     def add(self, lens: list[int], ids: list[int], replace_if_idle: bool) -> None:
         with self.no_sync():
             rows = self.req_pool.alloc(len(lens))
-            slots = [self.kv.alloc(n) for n in lens]
+            owned = [self.kv.alloc(whole_pages(n, self.page)) for n in lens]
+            slots = [o[:n] for o, n in zip(owned, lens, strict=True)]
             for row, s in zip(rows, slots, strict=True):
                 self.req_pool.write(row, 0, s)
             new = DecodeBatch.from_requests(
@@ -81,13 +90,14 @@ class Sim:
                 self.batch = new
             else:
                 self.batch.merge(new)
-        self.model += [Req(r, s, i) for r, s, i in zip(rows, slots, ids, strict=True)]
+        self.model += [Req(r, s, i, o) for r, s, i, o in zip(rows, slots, ids, owned, strict=True)]
 
     def prepare(self, ids: list[int] | None) -> None:
         error: type[Exception] | None = None
+        starting = [r for r in self.model if len(r.slots) % self.page == 0]
         if any(len(r.slots) + 1 > L for r in self.model):
             error = BatchError
-        elif self.kv.available_size() < len(self.model):
+        elif self.kv.available_size() < len(starting) * self.page:
             error = PoolExhausted
         call = lambda: self.batch.prepare_decode(  # noqa: E731
             self.req_pool, self.kv, None if ids is None else self.ids(ids)
@@ -99,9 +109,16 @@ class Sim:
         before = self.kv.allocated()
         with self.no_sync():
             call()
-        # Lowest-first allocation, handed to rows in order.
-        new = sorted(self.kv.allocated() - before)
-        for i, (req, slot) in enumerate(zip(self.model, new, strict=True)):
+        # Lowest-first pages, handed in row order to the rows that start one;
+        # the others continue after their last token.
+        fresh = iter(sorted(self.kv.allocated() - before))
+        for i, req in enumerate(self.model):
+            if len(req.slots) % self.page == 0:
+                page = [next(fresh) for _ in range(self.page)]
+                req.owned += page
+                slot = page[0]
+            else:
+                slot = req.slots[-1] + 1
             req.pos, req.loc = len(req.slots), slot
             req.slots.append(slot)
             req.input_id = req.input_id if ids is None else ids[i]
@@ -112,7 +129,7 @@ class Sim:
             self.batch.filter(keep)
             for req in gone:  # the finished requests give their slots back
                 self.req_pool.free([req.row])
-                self.kv.free(req.slots)
+                self.kv.free(req.owned)
         self.model = [self.model[i] for i in keep]
 
     def merge_empty(self) -> None:
@@ -188,7 +205,7 @@ class Sim:
             assert t.device.type == self.device.type and t.dtype == torch.int64, name
             assert tuple(t.shape) == (len(m),), name
         assert self.req_pool.allocated() == {r.row for r in m}
-        assert self.kv.allocated() == {s for r in m for s in r.slots}
+        assert self.kv.allocated() == {s for r in m for s in r.owned}
         if self.device.type != "meta":
             self.check_values()
 
@@ -214,7 +231,7 @@ def draw_op(data: Any, sim: Sim) -> tuple[str, tuple[Any, ...]]:
     if op == "add":
         k = data.draw(st.integers(0, min(3, sim.req_pool.available_size())))
         lens = data.draw(st.lists(st.integers(0, L), min_size=k, max_size=k))
-        if sum(lens) > sim.kv.available_size():
+        if sum(whole_pages(n, sim.page) for n in lens) > sim.kv.available_size():
             return "idle", ()
         ids = data.draw(st.lists(st.integers(0, 999), min_size=k, max_size=k))
         return "add", (lens, ids, data.draw(st.booleans()))
@@ -229,8 +246,8 @@ def draw_op(data: Any, sim: Sim) -> tuple[str, tuple[Any, ...]]:
     return op, ()
 
 
-def run_random_ops(data: Any, devices: list[str]) -> None:
-    sims = [Sim(torch.device(d)) for d in devices]
+def run_random_ops(data: Any, devices: list[str], page: int = 1) -> None:
+    sims = [Sim(torch.device(d), page) for d in devices]
     for _ in range(data.draw(st.integers(1, 20))):
         op, args = draw_op(data, sims[0])
         for sim in sims:
@@ -238,18 +255,20 @@ def run_random_ops(data: Any, devices: list[str]) -> None:
             sim.check()
 
 
+@pytest.mark.parametrize("page", [1, 4])
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_random_ops_keep_mirrors_exact_and_never_read_the_device(data: Any) -> None:
-    run_random_ops(data, ["cpu", "meta"])
+def test_random_ops_keep_mirrors_exact_and_never_read_the_device(page: int, data: Any) -> None:
+    run_random_ops(data, ["cpu", "meta"], page)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page", [1, 4])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_random_ops_on_cuda_under_sync_debug_error(data: Any) -> None:
-    run_random_ops(data, ["cpu", "cuda"])
+def test_random_ops_on_cuda_under_sync_debug_error(page: int, data: Any) -> None:
+    run_random_ops(data, ["cpu", "cuda"], page)
 
 
 # --- explicit cases ------------------------------------------------------------
@@ -274,6 +293,22 @@ def test_from_requests_placeholders_then_prepare() -> None:
     assert req_pool.req_to_token[[1, 2], 2].tolist() == [5, 6]
 
 
+def test_paged_prepare_continues_a_page_or_starts_one() -> None:
+    req_pool, kv = ReqToTokenPool(4, L, "cpu"), TokenToKVPoolAllocator(16, "cpu", page_size=4)
+    rows = req_pool.alloc(2)
+    first, second = kv.alloc(4), kv.alloc(4)  # pages 1 and 2: slots 4..7, 8..11
+    req_pool.write(rows[0], 0, first[:3])  # 3 tokens: room left in its page
+    req_pool.write(rows[1], 0, second)  # 4 tokens: its page is full
+    ids = torch.tensor([7, 8])
+    batch = DecodeBatch.from_requests(rows, [3, 4], ids, device="cpu", max_context_len=L)
+    batch.prepare_decode(req_pool, kv)
+    assert batch.out_cache_loc.tolist() == [7, 12]  # after slot 6; page 3 starts at 12
+    assert req_pool.req_to_token[rows, [3, 4]].tolist() == [7, 12]
+    assert kv.allocated() == set(range(4, 16))
+    batch.prepare_decode(req_pool, kv)  # now the first row starts a page, the second continues
+    assert batch.out_cache_loc.tolist() == [16, 13] and batch.positions.tolist() == [4, 5]
+
+
 def test_empty_batch() -> None:
     batch = DecodeBatch.empty("meta", L)
     assert batch.is_empty() and batch.batch_size == 0 and isinstance(batch, DecodeInputs)
@@ -294,10 +329,9 @@ def test_cpu_batch_never_aliases_its_host_mirrors() -> None:
     [
         lambda: (ReqToTokenPool(4, L, "meta"), TokenToKVPoolAllocator(16, "cpu")),  # device
         lambda: (ReqToTokenPool(4, L - 1, "cpu"), TokenToKVPoolAllocator(16, "cpu")),  # narrow
-        lambda: (ReqToTokenPool(4, L, "cpu"), TokenToKVPoolAllocator(16, "cpu", page_size=4)),
         lambda: (ReqToTokenPool(4, L, "cpu"), TokenToKVPoolAllocator(16, "cpu")),  # rows free
     ],
-    ids=["pool_device", "pool_narrower", "paged_kv", "rows_not_allocated"],
+    ids=["pool_device", "pool_narrower", "rows_not_allocated"],
 )
 def test_prepare_with_wrong_pools_changes_nothing(
     make: Callable[[], tuple[ReqToTokenPool, TokenToKVPoolAllocator]],
