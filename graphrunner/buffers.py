@@ -87,16 +87,15 @@ _VIEW_ATTRIBUTES = frozenset({"bs", "tensors"})
 
 def _check_fill_value(name: str, dtype: torch.dtype, value: int | float) -> None:
     """The buffer must hold exactly ``value``, or the sanitizer would flag
-    populate's own (converted) write."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        ok = dtype == torch.bool and isinstance(value, bool)
-    elif dtype == torch.bool:
-        ok = value in (0, 1)
-    elif dtype.is_floating_point:
-        ok = not math.isnan(value)
-    else:
-        info = torch.iinfo(dtype)
-        ok = isinstance(value, int) and info.min <= value <= info.max
+    populate's own (converted) write: ``value`` must survive a round trip
+    through ``dtype`` (no truncation, wrap-around, rounding or overflow)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = (number and not math.isnan(value)) or (isinstance(value, bool) and dtype == torch.bool)
+    if ok:
+        try:
+            ok = torch.tensor(value, dtype=dtype).item() == value
+        except (RuntimeError, OverflowError):  # e.g. -1 into uint8
+            ok = False
     if not ok:
         raise ValueError(
             f"buffer {name!r}: fill_value {value!r} is not exactly representable as {dtype}"

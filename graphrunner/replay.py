@@ -63,6 +63,7 @@ def _eager_fallback(runner: GraphRunner, inputs: Any, raw_bs: int) -> Outputs:
     check_inputs(runner.buffers, inputs, raw_bs)
     _warn_fallback_once(runner, raw_bs)
     runner.stats.eager_fallbacks += 1
+    runner.stats.live_rows += raw_bs
     check = runner.sanitizer.snapshot(inputs) if runner.sanitizer else None
     with nvtx.range(f"eager bs={raw_bs}"):
         out = runner.forward(inputs)

@@ -48,7 +48,12 @@ class CaptureReport:
 
 @dataclass(slots=True)
 class RunnerStats:
-    """Counters a runner keeps across replays (host integers only)."""
+    """Counters a runner keeps across replays (host integers only).
+
+    ``replays`` counts graph replays and ``eager_fallbacks`` the batches above
+    the largest graph; ``live_rows`` counts the rows of both, ``padded_rows``
+    the padding the graphs ran.
+    """
 
     replays: int = 0
     eager_fallbacks: int = 0

@@ -39,6 +39,8 @@ def test_fill_value_only_with_fill_rule():
         (torch.int32, 2**31),
         (torch.bool, 2),
         (torch.float32, float("nan")),
+        (torch.float32, 2**25 + 1),  # rounds to 2**25
+        (torch.float16, 1e6),  # overflows to inf
         (torch.int64, "1"),
     ],
 )

@@ -52,7 +52,11 @@ def test_replay_counts_padding(captured_toy: CapturedToy):
 def test_oversized_batch_runs_eagerly_and_warns_once(captured_toy: CapturedToy):
     world, runner = captured_toy.world, captured_toy.runner
     runner._warned_fallback = False
-    fallbacks = runner.stats.eager_fallbacks
+    fallbacks, live, padded = (
+        runner.stats.eager_fallbacks,
+        runner.stats.live_rows,
+        runner.stats.padded_rows,
+    )
     big = TEST_CAPTURE_SIZES[-1] + 3
     batch = world.make_batch(big, seed=1)
     expected, _ = world.eager_reference(batch)
@@ -61,6 +65,7 @@ def test_oversized_batch_runs_eagerly_and_warns_once(captured_toy: CapturedToy):
     torch.testing.assert_close(out, expected)
     runner.replay(world.make_batch(big, seed=2))  # second time: no warning, still counted
     assert runner.stats.eager_fallbacks == fallbacks + 2
+    assert (runner.stats.live_rows, runner.stats.padded_rows) == (live + 2 * big, padded)
 
 
 def test_capture_is_largest_first_and_reported(captured_toy: CapturedToy):
