@@ -2,19 +2,24 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch is pinned first so that pip does not pull CUDA wheels;
-# override it, e.g. `make install TORCH=torch==2.13.0`.
+# torch is installed first, pinned, so the package's own `torch>=2.4` is
+# already met and pip pulls nothing more. Where the index holds the CPU build
+# under that pin (as CI's does) no CUDA wheels are fetched; elsewhere pass the
+# index too, e.g. TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'.
 TORCH  ?= torch==2.13.0
+# One stamp per TORCH value: changing it reinstalls into the existing .venv.
+STAMP  := $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | tr -c 'A-Za-z0-9.=+-' '_')
 
 .PHONY: install demo test test-slow bench lint clean
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
-$(VENV)/.installed: pyproject.toml
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
 	touch $@
 
 demo: install
