@@ -119,6 +119,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="run the padding sanitizer around every replay (debug mode, slower)",
     )
     p.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="KV page size in token slots, >= 1 (1: one slot per token)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -130,6 +136,8 @@ def _check_common(args: argparse.Namespace) -> str:
     """Validate the arguments every command shares; returns the runner kind."""
     if args.threads < 1:
         raise UsageError(f"--threads {args.threads}: expected >= 1")
+    if args.page_size < 1:
+        raise UsageError(f"--page-size {args.page_size}: expected >= 1")
     return _runner_kind(args)
 
 
@@ -182,11 +190,19 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
     if args.checkpoint is None:
         return default_model(
-            max_requests=max_requests, max_context_len=context, device=args.device, seed=args.seed
+            max_requests=max_requests,
+            max_context_len=context,
+            device=args.device,
+            seed=args.seed,
+            page_size=args.page_size,
         )
     try:
         return load_model(
-            args.checkpoint, max_requests=max_requests, max_context_len=context, device=args.device
+            args.checkpoint,
+            max_requests=max_requests,
+            max_context_len=context,
+            device=args.device,
+            page_size=args.page_size,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -225,6 +241,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s)"
+        + (f"   KV pages of {args.page_size} slots" if args.page_size > 1 else "")
     )
     print(
         f"model: {source}: {config.num_layers} layers, hidden {config.hidden_size}, "

@@ -6,7 +6,14 @@ slots and KV room last), prefill each eagerly; run one decode step of the
 running batch through the runner; sample greedily on the device; read the
 step's tokens (and new KV slots) back to the host in ONE ``.tolist()``; retire
 finished requests (token budget or end token) via ``filter``, freeing their
-pool rows and KV slots; merge the prefilled ones in for the next step.
+pool rows and KV pages; merge the prefilled ones in for the next step.
+
+KV is allocated in whole pages of ``bundle.page_size`` slots (1: one slot per
+token). A prefill takes the prompt's pages, its tokens in the first slots in
+order; a decode step gives a row a fresh page when its length is a multiple of
+the page size, else the slot after its last token (see
+:meth:`DecodeBatch.prepare_decode`). Each request owns the pages it was given
+and frees them whole.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from graphrunner.trace import Request
 
 class AdmissionError(RuntimeError):
     """An arrived request can never be admitted: nothing is running that could
-    free the rows or KV slots it needs (they are held outside the run)."""
+    free the rows or KV pages it needs (they are held outside the run)."""
 
 
 def create_model_runner(
@@ -117,7 +124,8 @@ class EngineResult:
 class _Live:
     request: Request
     req_index: int
-    slots: list[int]  # its KV slots, host ints, in position order
+    slots: list[int] = field(default_factory=list)  # KV slot per position, host ints
+    pages: list[int] = field(default_factory=list)  # every slot of its whole pages: to free
     tokens: list[int] = field(default_factory=list)
 
 
@@ -129,7 +137,7 @@ class _Run:
     batch: DecodeBatch
     outputs: dict[int, list[int]]
     live: list[_Live] = field(default_factory=list)
-    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV slots to free
+    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV pages to free
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
     clock: int = 0  # engine steps, idle ones included: what arrival_step counts
@@ -170,7 +178,7 @@ class Engine:
         """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran.
 
         Raises :class:`AdmissionError` when nothing is running and the next
-        arrived request does not fit in the free request rows and KV slots
+        arrived request does not fit in the free request rows and KV pages
         (held outside this run): waiting would never end.
         """
         self._validate(trace)
@@ -191,7 +199,7 @@ class Engine:
                     run.clock += 1
             for req in run.live:  # cut by max_steps
                 run.outputs[req.request.rid] = req.tokens
-        finally:  # on an error too: a failed run leaks no pool row or KV slot
+        finally:  # on an error too: a failed run leaks no pool row or KV page
             for req in list(run.held.values()):
                 self._free(run, req)
         run.stats.live_rows = self.runner.stats.live_rows - start_live
@@ -205,9 +213,13 @@ class Engine:
         first_ids = torch.stack([ids for _, ids in joining]) if joining else self._empty()
         next_ids, new_slots = self._decode(run.batch, run.stats) if bs else (self._empty(),) * 2
         host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
+        page = self.bundle.page_size
         keep = []
         for i, req in enumerate(run.live):
-            req.slots.append(host[bs + i])
+            slot = host[bs + i]
+            if len(req.slots) % page == 0:  # the row started a fresh page: slot is its first
+                req.pages.extend(range(slot, slot + page))
+            req.slots.append(slot)
             if not self._advance(run, req, host[i]):
                 keep.append(i)
         run.batch.input_ids = next_ids  # what each row feeds next step
@@ -240,6 +252,11 @@ class Engine:
                     f"max_context_len {ctx} and <= KV slots {kv_room}"
                 )
 
+    def _kv_need(self, tokens: int) -> int:
+        """KV slots that ``tokens`` tokens take: whole pages."""
+        page = self.bundle.page_size
+        return -(-tokens // page) * page
+
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
@@ -248,25 +265,27 @@ class Engine:
         first token (a 0-d device tensor)."""
         b, pending = self.bundle, run.pending
         joining: list[tuple[_Live, torch.Tensor]] = []
-        # KV tokens promised to running requests but not yet allocated.
-        reserved = sum(r.request.max_len - len(r.slots) for r in run.live)
+        # KV slots (whole pages) promised to running requests but not yet allocated.
+        reserved = sum(self._kv_need(r.request.max_len) - len(r.pages) for r in run.live)
         while pending and pending[0].arrival_step <= run.clock:
             req = pending[0]
             room = b.kv_alloc.available_size() - reserved
             rows = b.req_pool.available_size()
-            if len(run.live) + len(joining) >= self.runner.max_bs or req.max_len > room or not rows:
+            need = self._kv_need(req.max_len)
+            if len(run.live) + len(joining) >= self.runner.max_bs or need > room or not rows:
                 if not run.live and not joining:  # nothing running will ever free room
                     raise AdmissionError(
                         f"request {req.rid} can never be admitted: it needs 1 request row "
-                        f"and {req.max_len} KV slots, nothing is running, and "
-                        f"{rows} request rows and {room} KV slots are free"
+                        f"and {self._kv_amount(need)}, nothing is running, and "
+                        f"{rows} request rows and {self._kv_amount(room)} are free"
                     )
                 break  # FIFO: later arrivals wait behind it
             pending.popleft()
-            live_req = _Live(req, b.req_pool.alloc(1)[0], [])
+            live_req = _Live(req, b.req_pool.alloc(1)[0])
             run.held[req.rid] = live_req
-            live_req.slots = b.kv_alloc.alloc(len(req.prompt))
-            reserved += req.max_len - len(req.prompt)
+            live_req.pages = b.kv_alloc.alloc(self._kv_need(len(req.prompt)))
+            live_req.slots = live_req.pages[: len(req.prompt)]  # decode continues in the last page
+            reserved += need - len(live_req.pages)
             ids = torch.tensor(req.prompt, dtype=torch.int64).to(self.device, non_blocking=True)
             slots = torch.tensor(live_req.slots, dtype=torch.int64).to(
                 self.device, non_blocking=True
@@ -277,6 +296,10 @@ class Engine:
             run.stats.prefill_tokens += len(req.prompt)
         return joining
 
+    def _kv_amount(self, slots: int) -> str:
+        page = self.bundle.page_size
+        return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
+
     def _decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
@@ -286,13 +309,27 @@ class Engine:
             else:
                 logits, seconds = self._timed(lambda: self._replay(batch))
                 stats.decode_seconds += seconds
-        except BaseException:  # the step's new slots are no request's yet: free them here
-            self.bundle.kv_alloc.free(batch.out_cache_loc.tolist())
+        except BaseException:  # the step's fresh pages are no request's yet: free them here
+            self._free_fresh_pages(batch)
             raise
         stats.steps += 1
         stats.decode_tokens += batch.batch_size
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
         return logits.argmax(-1), batch.out_cache_loc
+
+    def _free_fresh_pages(self, batch: DecodeBatch) -> None:
+        """Free the pages :meth:`DecodeBatch.prepare_decode` just handed out: those of
+        the rows that started a page (the others wrote inside a page they own)."""
+        page = self.bundle.page_size
+        first_slots = batch.out_cache_loc.tolist()  # a failure path: a read back is fine
+        lens = (batch.seq_lens_cpu - 1).tolist()  # lengths before the step
+        fresh = [
+            s + o
+            for s, n in zip(first_slots, lens, strict=True)
+            if n % page == 0
+            for o in range(page)
+        ]
+        self.bundle.kv_alloc.free(fresh)
 
     def _checked_replay(self, batch: DecodeBatch, stats: EngineStats) -> torch.Tensor:
         """Eager reference first, then the runner, on the same prepared batch.
@@ -359,7 +396,7 @@ class Engine:
     def _free(self, run: _Run, req: _Live) -> None:
         del run.held[req.request.rid]
         self.bundle.req_pool.free([req.req_index])
-        self.bundle.kv_alloc.free(req.slots)
+        self.bundle.kv_alloc.free(req.pages)
 
     def _join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
         new = DecodeBatch.from_requests(

@@ -141,6 +141,7 @@ def test_generate_rejects_bad_prompts_before_any_work(
         (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
         (["demo", "--steps", "0"], "--steps 0"),
         (["demo", "--threads", "0"], "--threads 0: expected >= 1"),
+        (["demo", "--page-size", "0"], "--page-size 0: expected >= 1"),
         (["demo", "--device", "meta"], "--device 'meta': expected cpu, cuda or cuda:N"),
     ],
 )
@@ -170,6 +171,49 @@ def test_demo_reports_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
         "mismatches: 0",
     ]:
         assert needle in out, needle
+
+
+@pytest.fixture
+def built_page_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The KV page size of every bundle the CLI builds."""
+    sizes: list[int] = []
+    real = cli._build
+
+    def build(*a: Any) -> ModelBundle:
+        bundle = real(*a)
+        sizes.append(bundle.kv_alloc.page_size)
+        return bundle
+
+    monkeypatch.setattr(cli, "_build", build)
+    return sizes
+
+
+def test_demo_with_kv_pages_checks_every_step_and_passes(
+    capsys: pytest.CaptureFixture[str], built_page_sizes: list[int]
+) -> None:
+    args = ["demo", "--steps", "16", "--max-bs", "4", "--runner", "eager", "--page-size", "4"]
+    assert cli.main([*args, "--check-padding"]) == 0
+    assert built_page_sizes == [4]
+    out = capsys.readouterr().out
+    for needle in [
+        "1 thread(s)   KV pages of 4 slots\n",
+        "decode: 16 steps",
+        "checked steps: 16,",
+        "mismatches: 0\n",
+        "padding sanitizer: 16 replays checked, no violation",
+    ]:
+        assert needle in out, needle
+
+
+def test_generate_with_kv_pages_prints_the_same_tokens(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str], built_page_sizes: list[int]
+) -> None:
+    args = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "7", *EAGER]
+    assert cli.main([*args, "--page-size", "4", "--check"]) == 0
+    assert built_page_sizes == [4]
+    captured = capsys.readouterr()
+    assert [line["tokens"] for line in _lines(captured.out)] == _expected(7)
+    assert captured.err.endswith("mismatches: 0\n")
 
 
 def test_demo_exits_1_on_a_mismatch(
@@ -253,6 +297,8 @@ def test_python_dash_m_runs_the_demo() -> None:
         (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda or cuda:N"),
         (["--threads", "0"], "--threads 0: expected >= 1"),
         (["--threads", "-2"], "--threads -2: expected >= 1"),
+        (["--page-size", "0"], "--page-size 0: expected >= 1"),
+        (["--page-size", "-4"], "--page-size -4: expected >= 1"),
     ],
 )
 def test_generate_rejects_bad_arguments_before_any_work(

@@ -19,9 +19,13 @@ MAX_BS = 4
 
 
 def _engine(
-    *, check: bool = False, end_token: int | None = None, max_requests: int = MAX_BS
+    *,
+    check: bool = False,
+    end_token: int | None = None,
+    max_requests: int = MAX_BS,
+    page_size: int = 1,
 ) -> Engine:
-    bundle = default_model(max_requests=max_requests)
+    bundle = default_model(max_requests=max_requests, page_size=page_size)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     return Engine(bundle, runner, check=check, end_token=end_token)
@@ -248,3 +252,109 @@ def test_a_failed_prefill_frees_the_requests_admitted_with_it() -> None:
     with pytest.raises(RuntimeError, match="prefill failed"):
         engine.run(trace)
     assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full
+
+
+# Paged KV (pages of 4 slots): prefill takes whole pages, decode continues in
+# the last one and starts a fresh page at every 4th token.
+PAGE = 4
+
+
+def test_paged_outputs_equal_unpaged_outputs_on_the_same_trace() -> None:
+    trace = _trace(n=12, seed=5)
+    unpaged = _engine().run(trace)
+    paged = _engine(check=True, page_size=PAGE).run(trace)
+    assert paged.finished == unpaged.finished == {r.rid for r in trace}
+    assert paged.outputs == unpaged.outputs
+    assert paged.stats.mismatches == 0 and paged.stats.checked_steps == paged.stats.steps
+    # The trace crosses page boundaries mid-decode, and prompts end mid-page.
+    assert any(r.max_len > len(r.prompt) + PAGE for r in trace)
+    assert any(len(r.prompt) % PAGE for r in trace)
+
+
+def test_paged_pools_are_free_after_a_run_and_after_a_cut_run() -> None:
+    engine = _engine(page_size=PAGE)
+    b = engine.bundle
+    assert b.page_size == PAGE and b.kv_alloc.size == MAX_BS * 256
+    full = (b.kv_alloc.available_size(), b.req_pool.available_size())
+    engine.run(_trace())
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full
+    cut = engine.run(_trace(seed=4), max_steps=7)
+    assert cut.stats.steps == 7 and len(cut.finished) < 10
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full
+    assert b.kv_alloc.allocated() == frozenset() and b.req_pool.allocated() == frozenset()
+
+
+class FailingPagedReplay(FailingReplay):
+    """:class:`FailingReplay` that records, at the failing call, each row's length
+    before the step (a multiple of the page size: the row got a fresh page)."""
+
+    def replay(self, batch: Any) -> Any:
+        if self.calls + 1 == self.fail_at:
+            self.lens_before = (batch.seq_lens_cpu - 1).tolist()
+        return super().replay(batch)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_failed_paged_replay_frees_the_fresh_pages_and_every_owned_page(check: bool) -> None:
+    engine = _engine(check=check, page_size=PAGE)
+    b = engine.bundle
+    full = (b.kv_alloc.available_size(), b.req_pool.available_size())
+    failing = FailingPagedReplay(engine.runner, fail_at=6)
+    engine.runner = failing  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="replay failed"):
+        engine.run(_trace())
+    # The failing step mixed rows that got a fresh page with rows writing inside
+    # a page they own: only the fresh pages are the step's to free.
+    assert {n % PAGE == 0 for n in failing.lens_before} == {True, False}
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == full
+    assert b.kv_alloc.allocated() == frozenset() and b.req_pool.allocated() == frozenset()
+
+
+def test_paged_admission_counts_whole_pages() -> None:
+    # 12 KV slots (3 pages) free. Each request needs 2 + 4 - 1 = 5 tokens: 10
+    # slots for both, but 2 pages each, so the second waits for the first.
+    engine = _engine(max_requests=2, page_size=PAGE)
+    b = engine.bundle
+    held = b.kv_alloc.alloc(b.kv_alloc.size - 12)
+    trace = requests_from_prompts([[1, 2], [3, 4]], max_new_tokens=4)
+    result = engine.run(trace)
+    assert result.finished == {0, 1} and result.stats.batch_sizes == {1: 6}
+    assert result.outputs == _engine().run(trace).outputs
+    assert b.kv_alloc.available_size() == 12
+    b.kv_alloc.free(held)
+
+
+def test_paged_admission_reserves_whole_pages_not_tokens() -> None:
+    # 12 KV slots (3 pages) free. Request 0 needs 2 + 3 - 1 = 4 tokens: its
+    # prompt's page holds them all, so while it runs nothing more is reserved
+    # for it (2 more tokens, by a token count) and request 1 (5 tokens, 2
+    # pages), arriving a step later, joins it at once; request 2 waits for a page.
+    engine = _engine(max_requests=3, page_size=PAGE)
+    b = engine.bundle
+    held = b.kv_alloc.alloc(b.kv_alloc.size - 12)
+    trace = [Request(0, (1, 2), 3), Request(1, (3, 4), 4, 1), Request(2, (5, 6), 4, 1)]
+    result = engine.run(trace)
+    assert result.finished == {0, 1, 2} and result.stats.batch_sizes == {1: 6, 2: 1}
+    assert b.kv_alloc.available_size() == 12
+    b.kv_alloc.free(held)
+
+
+def test_a_paged_admission_error_counts_pages() -> None:
+    engine = _engine(max_requests=1, page_size=PAGE)
+    b = engine.bundle
+    held = b.kv_alloc.alloc(248)  # 8 slots (2 pages) stay free; the request needs 3 + 8 - 1 = 10
+    with _deadline(60), pytest.raises(AdmissionError) as err:
+        engine.run([Request(0, (1, 2, 3), 8)], max_steps=5)
+    assert str(err.value) == (
+        "request 0 can never be admitted: it needs 1 request row and 3 KV pages of 4 slots, "
+        "nothing is running, and 1 request rows and 2 KV pages of 4 slots are free"
+    )
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (8, 1)
+    assert engine.runner.stats.replays == 0
+    b.kv_alloc.free(held)
+
+
+@pytest.mark.parametrize("page_size", [0, -2, True])
+def test_build_rejects_a_bad_page_size(page_size: Any) -> None:
+    with pytest.raises(ValueError, match=f"page_size={page_size!r}: expected an int >= 1"):
+        default_model(max_requests=1, page_size=page_size)

@@ -5,6 +5,8 @@ A tiny random ``LlamaForCausalLM`` is saved with ``save_pretrained`` and loaded
 by graphrunner's loader. Requests of different lengths and budgets arrive at
 staggered steps and finish at different ones, so decode steps see every batch
 size from 1 to 8, most of them padded up to a captured size (1, 2, 4, 8).
+With KV pages of 4 slots, prompts end mid-page and decode steps cross page
+boundaries; the tokens must not change.
 """
 
 from __future__ import annotations
@@ -61,29 +63,38 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, li
     return path, expected
 
 
-def _serve(path: Path, kind: str) -> EngineResult:
+def _serve(path: Path, kind: str, page_size: int) -> EngineResult:
     device = "cuda" if kind == "cuda" else "cpu"
     bundle = load_model(
-        path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT, device=device
+        path,
+        max_requests=max(CAPTURE_SIZES),
+        max_context_len=CONTEXT,
+        device=device,
+        page_size=page_size,
     )
+    assert bundle.kv_alloc.page_size == bundle.kv_cache.page_size == page_size
     # The sanitizer guards a real model's pools too: every replay is checked.
     runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES, check_padding=True)
     runner.capture()
     result = Engine(bundle, runner, check=True).run(TRACE)
     assert runner.sanitizer is not None
     assert runner.sanitizer.stats.replays_checked == runner.stats.replays == result.stats.steps
+    assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size  # every page freed
     return result
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("kind", ["eager", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_greedy_tokens_equal_transformers_generate(
-    oracle: tuple[Path, dict[int, list[int]]], kind: str
+    oracle: tuple[Path, dict[int, list[int]]], kind: str, page_size: int
 ) -> None:
     path, expected = oracle
-    result = _serve(path, kind)
+    result = _serve(path, kind, page_size)
     assert result.finished == {r.rid for r in TRACE}
     for req in TRACE:
-        assert result.outputs[req.rid] == expected[req.rid], f"request {req.rid} ({kind})"
+        assert result.outputs[req.rid] == expected[req.rid], (
+            f"request {req.rid} ({kind}, page size {page_size})"
+        )
     stats = result.stats
     assert stats.mismatches == 0 and stats.checked_steps == stats.steps
     # The trace must exercise padding: many batch sizes, most of them not captured.

@@ -16,7 +16,9 @@ class ModelBundle:
     """A :class:`LlamaDecoder` and the pools it was built over.
 
     ``req_pool.req_to_token`` is int32 ``[max_requests + 1, max_context_len]``;
-    ``kv_cache`` holds ``kv_slots + 1`` token slots per layer (slot 0 padding).
+    ``kv_cache`` holds ``kv_slots + page_size`` token slots per layer (page 0,
+    slots ``0..page_size - 1``, is the padding page); ``kv_alloc`` hands out
+    whole pages of ``page_size`` slots.
     """
 
     model: LlamaDecoder
@@ -33,6 +35,11 @@ class ModelBundle:
         return self.req_pool.max_context_len
 
     @property
+    def page_size(self) -> int:
+        """KV slots per page (1: unpaged)."""
+        return self.kv_alloc.page_size
+
+    @property
     def device(self) -> torch.device:
         return self.kv_cache.device
 
@@ -45,24 +52,40 @@ def build_model(
     kv_slots: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
 ) -> ModelBundle:
     """Allocate pools and an (uninitialised) model over them.
 
     ``max_context_len`` defaults to ``config.max_position_embeddings``;
-    ``kv_slots`` to ``max_requests * max_context_len``, enough that
-    ``max_requests`` requests of full length never exhaust the KV pool.
+    ``kv_slots`` to ``max_requests`` times ``max_context_len`` rounded up to
+    whole pages, enough that ``max_requests`` requests of full length never
+    exhaust the KV pool. ``page_size`` (>= 1) is the KV page in token slots;
+    an explicit ``kv_slots`` must be a multiple of it.
     """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
     ctx = config.max_position_embeddings if max_context_len is None else max_context_len
     if not 1 <= ctx <= config.max_position_embeddings:
         raise ValueError(
             f"max_context_len={ctx}: expected 1..max_position_embeddings="
             f"{config.max_position_embeddings}"
         )
-    slots = max_requests * ctx if kv_slots is None else kv_slots
+    if kv_slots is None:
+        slots = max_requests * (-(-ctx // page_size) * page_size)
+    elif isinstance(kv_slots, int) and kv_slots % page_size:  # the pools check the rest
+        raise ValueError(f"kv_slots={kv_slots}: expected a multiple of page_size={page_size}")
+    else:
+        slots = kv_slots
     req_pool = ReqToTokenPool(max_requests, ctx, device)
-    kv_alloc = TokenToKVPoolAllocator(slots, device)
+    kv_alloc = TokenToKVPoolAllocator(slots, device, page_size=page_size)
     kv_cache = KVCache(
-        slots, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
+        slots,
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        device,
+        page_size=page_size,
     )
     model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype)
     return ModelBundle(model, req_pool, kv_alloc, kv_cache)

@@ -53,11 +53,13 @@ def default_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = DEFAULT_SEED,
+    page_size: int = 1,
 ) -> ModelBundle:
     """The default config over fresh pools, weights from ``seed``.
 
     ``max_context_len`` (default: the config's 256) sizes the request rows and
-    the KV pool, as in :func:`build_model`; the weights do not depend on it.
+    the KV pool, and ``page_size`` sets its KV pages, as in :func:`build_model`;
+    the weights depend on neither.
     """
     bundle = build_model(
         default_config(),
@@ -65,6 +67,7 @@ def default_model(
         max_context_len=max_context_len,
         device=device,
         dtype=dtype,
+        page_size=page_size,
     )
     init_random_weights(bundle, seed)
     return bundle

@@ -59,6 +59,7 @@ def load_model(
     max_context_len: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
 ) -> ModelBundle:
     """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
 
@@ -73,6 +74,7 @@ def load_model(
         max_context_len=max_context_len,
         device=device,
         dtype=dtype,
+        page_size=page_size,
     )
     bundle.model.load_weights(weights)
     return bundle
