@@ -3,8 +3,9 @@
 Uses the ``nvtx`` package (works without a GPU, about a microsecond a range)
 rather than ``torch.cuda.nvtx``, which raises on CPU builds of torch. Each
 range is also a ``torch.profiler.record_function`` when a torch profiler is
-running, so the same names appear in a torch trace. ``GRAPHRUNNER_NVTX=0``
-turns ranges into a shared no-op context.
+running, so the same names appear in a torch trace. ``GRAPHRUNNER_NVTX`` set
+to ``0``, ``false``, ``off``, ``no`` or empty (read at import) turns ranges
+into a shared no-op context.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ __all__ = ["DOMAIN", "enabled", "range", "set_enabled"]
 
 DOMAIN = "graphrunner"
 _domain = _nvtx.get_domain(DOMAIN)
-_enabled = os.environ.get("GRAPHRUNNER_NVTX", "1") != "0"
+_OFF = frozenset({"0", "false", "off", "no", ""})
+_enabled = os.environ.get("GRAPHRUNNER_NVTX", "1").strip().lower() not in _OFF
 
 
 def set_enabled(on: bool) -> None:
     """Turn graphrunner's ranges on or off process-wide."""
     global _enabled
+    if not isinstance(on, bool):
+        raise TypeError(f"set_enabled takes a bool, got {on!r}")
     _enabled = on
 
 

@@ -141,10 +141,11 @@ class PaddingSanitizer:
         if kv_cache is not None:
             for layer in range(kv_cache.num_layers):
                 k, v = kv_cache.get_kv(layer)
-                sink = kv_cache.page_size
+                # Padded rows write slot 0 only (out_cache_loc pads with 0), so
+                # the rest of a paged cache's padding page must stay untouched.
                 guarded += [
-                    GuardedTensor(f"k_cache[{layer}]", k, "out_cache_loc", sink),
-                    GuardedTensor(f"v_cache[{layer}]", v, "out_cache_loc", sink),
+                    GuardedTensor(f"k_cache[{layer}]", k, "out_cache_loc", sink_rows=1),
+                    GuardedTensor(f"v_cache[{layer}]", v, "out_cache_loc", sink_rows=1),
                 ]
         if mamba_pool is not None:
             guarded += [

@@ -6,6 +6,7 @@ Pure functions on host integers, testable without a device.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ def default_capture_sizes(max_bs: int) -> list[int]:
     ``1, 2, 4, 8, 12, 16, 24, 32, 40, ... 256`` (step 8), then step 16 up to
     512 and step 32 beyond; capped at ``max_bs``, which is always included.
     """
-    if not isinstance(max_bs, int) or max_bs < 1:
+    if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
         raise ValueError(f"max_bs must be a positive int, got {max_bs!r}")
     sizes = [1, 2, 4, 8, 12]
     sizes += list(range(16, 257, 8)) + list(range(272, 513, 16))
@@ -41,13 +42,15 @@ def default_capture_sizes(max_bs: int) -> list[int]:
     return [*capped, max_bs]
 
 
-def validate_capture_sizes(sizes: Sequence[int]) -> list[int]:
-    """Return ``sizes`` as a list if positive, strictly increasing ints; else raise."""
+def validate_capture_sizes(sizes: Iterable[int]) -> list[int]:
+    """Return ``sizes`` as a list of Python ints if positive and strictly
+    increasing (any iterable of ints, NumPy ints included); else raise."""
+    if isinstance(sizes, (set, frozenset)):
+        raise ValueError(f"capture_sizes must be ordered (a list), got a set {sorted(sizes)}")
+    sizes = [_size(i, s) for i, s in enumerate(sizes)]
     if len(sizes) == 0:
         raise ValueError("capture_sizes must not be empty")
     for i, s in enumerate(sizes):
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ValueError(f"capture_sizes[{i}] must be an int, got {s!r}")
         if s < 1:
             raise ValueError(f"capture_sizes[{i}] must be positive, got {s}")
         if i and s <= sizes[i - 1]:
@@ -58,8 +61,22 @@ def validate_capture_sizes(sizes: Sequence[int]) -> list[int]:
     return list(sizes)
 
 
+def _size(i: int, s: object) -> int:
+    if isinstance(s, bool) or not hasattr(s, "__index__"):
+        raise ValueError(f"capture_sizes[{i}] must be an int, got {s!r}")
+    return operator.index(s)
+
+
 def pad_to(sizes: Sequence[int], raw_bs: int) -> int:
-    """The smallest captured size ``>= raw_bs`` (``sizes`` sorted ascending)."""
+    """The smallest captured size ``>= raw_bs``.
+
+    ``sizes`` must be sorted ascending, as :func:`validate_capture_sizes`
+    returns them; this is called per replay, so it does not re-check them.
+    """
+    if isinstance(raw_bs, bool) or not isinstance(raw_bs, int):
+        raise BatchSizeError(f"batch size must be an int, got {raw_bs!r}")
+    if not sizes:
+        raise BatchSizeError("no captured sizes to pad to")
     if raw_bs < 1:
         raise BatchSizeError(f"batch size must be >= 1, got {raw_bs}")
     i = bisect.bisect_left(sizes, raw_bs)
@@ -82,9 +99,13 @@ class PaddingWaste:
 
 
 def padding_waste(sizes: Sequence[int], batch_sizes: Iterable[int]) -> PaddingWaste:
-    """Rows wasted on padding if each of ``batch_sizes`` replays a graph of ``sizes``."""
+    """Rows wasted on padding if each of ``batch_sizes`` replays a graph of
+    ``sizes`` (validated); a batch above the largest size runs eagerly, unpadded,
+    as the runner does."""
+    sizes = validate_capture_sizes(sizes)
     live = padded = 0
     for raw_bs in batch_sizes:
         live += raw_bs
-        padded += pad_to(sizes, raw_bs) - raw_bs
+        if raw_bs <= sizes[-1]:
+            padded += pad_to(sizes, raw_bs) - raw_bs
     return PaddingWaste(live, padded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,7 @@ def test_default_sizes_dense_then_coarse_and_capped():
         ([1, 1], "sorted and unique"),
         ([1, 2.0], r"\[1\] must be an int"),
         ([True], "must be an int"),
+        ({1, 2}, "must be ordered"),
     ],
 )
 def test_bad_size_lists(sizes: list, match: str):
@@ -150,3 +152,22 @@ def test_padding_waste():
     waste = padding_waste([1, 2, 4, 8], [3, 5, 8])
     assert (waste.live_rows, waste.padded_rows) == (16, 4)
     assert waste.fraction == pytest.approx(0.2)
+
+
+def test_size_policy_edge_cases():
+    with pytest.raises(ValueError, match="max_bs must be a positive int, got True"):
+        default_capture_sizes(True)  # type: ignore[arg-type]
+    assert validate_capture_sizes(np.array([1, 2, 4])) == [1, 2, 4]  # NumPy ints are ints
+    assert all(type(s) is int for s in validate_capture_sizes(np.array([1, 2])))
+    for bad in (2.5, True):
+        with pytest.raises(BatchSizeError, match="must be an int"):
+            pad_to([1, 2, 4], bad)  # type: ignore[arg-type]
+    with pytest.raises(BatchSizeError, match="no captured sizes"):
+        pad_to([], 1)
+
+
+def test_padding_waste_validates_sizes_and_counts_fallbacks_unpadded():
+    with pytest.raises(ValueError, match="sorted and unique"):
+        padding_waste([4, 2, 1], [3])
+    waste = padding_waste([1, 2, 4], [3, 9])  # 3 -> 4 pads one row; 9 runs eagerly
+    assert (waste.live_rows, waste.padded_rows) == (12, 1)

@@ -3,12 +3,16 @@ and falls back to the dynamo path, counted and warned, where it cannot."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import profile
 
 from conftest import CapturedToy
 from graphrunner import CpuGraphRunner, decode_buffer_specs
+from graphrunner.buffers import BufferView
 from graphrunner.testing import ToyWorld
 
 
@@ -42,8 +46,11 @@ def test_graph_break_falls_back_to_dynamo_with_a_warning():
         capture_sizes=[4],
         show_progress=False,
     )
-    with pytest.warns(RuntimeWarning, match="size 4: the compiled program cannot be called"):
+    with pytest.warns(
+        RuntimeWarning, match="size 4: the compiled program cannot be called"
+    ) as caught:
         runner.capture()
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]  # the caller's line
     assert runner.direct_fallbacks == 1
     batch = world.make_batch(3, seed=1)
     expected, _ = world.eager_reference(batch)
@@ -71,3 +78,49 @@ def test_dict_outputs_replay_directly():
     assert isinstance(out, dict) and out["logits"].shape == (3, world.cfg.vocab)
     torch.testing.assert_close(out["logits"], expected)
     assert torch.equal(out["top"], expected.argmax(-1))
+
+
+def test_nan_on_padded_rows_keeps_the_direct_call():
+    """A padded row may compute NaN (here: every row of request 0, the
+    padding row): both paths agree on it, so the program is still called
+    directly, and live rows are unaffected."""
+    world = ToyWorld()
+
+    def forward_nan_on_padding(b: BufferView) -> torch.Tensor:
+        padding = b.req_pool_indices[:, None] == 0
+        return world.model(b) + torch.where(padding, float("nan"), 0.0)
+
+    runner = CpuGraphRunner(
+        forward_nan_on_padding, decode_buffer_specs(), device="cpu", capture_sizes=[2],
+        show_progress=False,
+    )  # fmt: skip
+    runner.capture()  # capture runs all-padding rows: every output NaN
+    assert runner.direct_fallbacks == 0
+    batch = world.make_batch(1, seed=3)
+    expected, _ = world.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(batch), expected)
+
+
+def test_a_retried_capture_counts_fallbacks_afresh(monkeypatch: pytest.MonkeyPatch):
+    """Fallbacks of a capture that failed and was dropped are not counted again."""
+    world = ToyWorld()
+    fail = {"on": True}
+
+    def forward(b: BufferView) -> torch.Tensor:
+        if fail["on"] and b.bs == 2:
+            raise RuntimeError("boom at bs=2")
+        return world.model(b)
+
+    # No compile: every size then takes the dynamo-path fallback, cheaply.
+    monkeypatch.setattr(CpuGraphRunner, "_step_fn", lambda self, bs, view: lambda: forward(view))
+    runner = CpuGraphRunner(
+        forward, decode_buffer_specs(), device="cpu", capture_sizes=[2, 4], show_progress=False
+    )
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="boom"):
+        warnings.simplefilter("ignore")
+        runner.capture()
+    assert runner.direct_fallbacks == 0
+    fail["on"] = False
+    with pytest.warns(RuntimeWarning, match="cannot be called directly") as caught:
+        runner.capture()
+    assert runner.direct_fallbacks == 2 and len(caught) == 1

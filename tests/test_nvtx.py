@@ -3,6 +3,8 @@ and a shared no-op when disabled."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 from torch.profiler import profile
 
@@ -40,3 +42,22 @@ def test_disabled_ranges_are_a_shared_noop(monkeypatch: pytest.MonkeyPatch):
     with profile() as prof, nvtx.range("hidden"):
         pass
     assert not any("hidden" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), (" Off ", False),
+                                           ("no", False), ("", False), ("1", True),
+                                           ("yes", True)])  # fmt: skip
+def test_env_switch_reads_the_usual_spellings(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+):
+    monkeypatch.setenv("GRAPHRUNNER_NVTX", value)
+    try:
+        assert importlib.reload(nvtx).enabled() is on
+    finally:
+        monkeypatch.delenv("GRAPHRUNNER_NVTX")
+        importlib.reload(nvtx)
+
+
+def test_set_enabled_takes_a_bool():
+    with pytest.raises(TypeError, match="takes a bool, got '0'"):
+        nvtx.set_enabled("0")  # type: ignore[arg-type]

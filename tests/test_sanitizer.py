@@ -4,6 +4,7 @@ live state, is caught by the sanitizer on every runner."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import graphrunner.replay
 from conftest import CapturedToy
 from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
+from graphrunner.pools import KVCache, ReqToTokenPool
 from graphrunner.populate import populate
 from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
@@ -189,3 +191,18 @@ def test_req_to_token_is_read_only_unless_a_writer_is_declared():
         world.req_pool, world.kv, req_to_token_writer="req_pool_indices"
     )
     runner.replay(world.make_batch(RAW_BS, seed=9))
+
+
+def test_paged_cache_sink_is_slot_0_only():
+    """Padded rows write slot 0; the rest of the padding page is nobody's."""
+    req_pool = ReqToTokenPool(2, 8, "cpu")
+    kv = KVCache(16, 1, 1, 2, torch.float32, "cpu", page_size=4)
+    sanitizer = PaddingSanitizer.for_pools(req_pool, kv)
+    inputs = SimpleNamespace(out_cache_loc=torch.tensor([0, 0]))
+    check = sanitizer.snapshot(inputs)
+    kv.k_buffers[0][0] += 1.0  # the sink: fine
+    check.after_launch(torch.zeros(2, 3))
+    check = sanitizer.snapshot(inputs)
+    kv.k_buffers[0][3] += 1.0  # same padding page, not the sink
+    with pytest.raises(PaddingViolation, match="k_cache\\[0\\] row 3 changed"):
+        check.after_launch(torch.zeros(2, 3))

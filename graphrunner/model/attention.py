@@ -65,7 +65,7 @@ def attend(
     """Grouped-query attention over gathered KV slots.
 
     q: ``[B, H_kv, R, D]``, the query rows that share each KV head.
-    k_buf, v_buf: the layer's KV pool, ``[num_slots + 1, H_kv, D]``.
+    k_buf, v_buf: the layer's KV pool, ``[num_slots + page_size, H_kv, D]``.
     Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32 as in transformers.
     """
     k = k_buf[meta.slots].transpose(1, 2)  # [B, H_kv, T, D]

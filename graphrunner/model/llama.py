@@ -73,7 +73,8 @@ class LlamaDecoder(nn.Module):
         config: the model shape.
         req_to_token_pool: owns ``req_to_token``, int32 ``[num_reqs + 1, max_context_len]``.
         kv_cache: a :class:`graphrunner.pools.KVCache` with ``num_layers`` layers of
-            ``[num_slots + 1, H_kv, D]``; slot 0 is the padding sink.
+            ``[num_slots + page_size, H_kv, D]``; slot 0 is the padding sink (the
+            rest of the padding page is never written).
         dtype: parameter and activation dtype; logits are always float32.
 
     The model is built on the KV cache's device, with gradients off.

@@ -32,6 +32,6 @@ def best_runner_kind() -> str:
 
 def create_runner(kind: str, *args: Any, **kwargs: Any) -> GraphRunner:
     """Build the runner named ``kind`` (``cuda``, ``cpu`` or ``eager``)."""
-    if kind not in RUNNERS:
+    if not isinstance(kind, str) or kind not in RUNNERS:
         raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(RUNNERS)}")
     return RUNNERS[kind](*args, **kwargs)

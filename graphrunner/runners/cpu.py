@@ -45,11 +45,22 @@ def _fresh_step(bs: int) -> types.FunctionType:
     return types.FunctionType(code, _step.__globals__, code.co_name)
 
 
-def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-        for x, y in zip(a, b, strict=True)
+def _identical(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Same shape, dtype and values, NaN where the other has NaN: padded rows
+    may compute NaN (e.g. the log of a padded position) on both paths."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if torch.equal(x, y):
+        return True
+    return (
+        x.is_floating_point()
+        and torch.equal(x.isnan(), y.isnan())
+        and torch.equal(x.nan_to_num(), y.nan_to_num())
     )
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
 
 
 class CpuGraphRunner(GraphRunner):
@@ -72,6 +83,7 @@ class CpuGraphRunner(GraphRunner):
     def _drop_captures(self) -> None:
         super()._drop_captures()
         self._programs.clear()
+        self.direct_fallbacks = 0  # a retried capture counts (and warns) afresh
 
     def _recording_backend(self, bs: int) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -103,7 +115,9 @@ class CpuGraphRunner(GraphRunner):
                 f"outputs not reproduced); replaying through dynamo, with its guard cost "
                 f"(counted in runner.direct_fallbacks, warned once)",
                 RuntimeWarning,
-                stacklevel=2,
+                # the caller of runner.capture(): through GraphRunner.capture,
+                # capture_graphs, _capture_one and this method
+                stacklevel=5,
             )
         return fn
 
