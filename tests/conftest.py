@@ -27,6 +27,10 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if SLOW else "fixed")
 HAS_CUDA = torch.cuda.is_available()
 RUNNER_KINDS = ["eager", "cpu"] + (["cuda"] if HAS_CUDA else [])
+#: RUNNER_KINDS as parameters, the CUDA one marked so ``-m "not cuda"`` drops it.
+RUNNER_PARAMS = [
+    pytest.param(k, marks=pytest.mark.cuda) if k == "cuda" else k for k in RUNNER_KINDS
+]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,7 +67,7 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session", params=RUNNER_KINDS)
+@pytest.fixture(scope="session", params=RUNNER_PARAMS)
 def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
     yield CapturedToy(request.param, TEST_CAPTURE_SIZES)
 

@@ -182,9 +182,11 @@ class Sim:
         pools = [self.kv.allocated(), self.req_pool.allocated(), self.batch]
         return pools + [(t, t.clone()) for t in tensors]
 
-    def expect_unchanged(self, call: Callable[[], object], error: type[Exception]) -> None:
+    def expect_unchanged(
+        self, call: Callable[[], object], error: type[Exception], match: str | None = None
+    ) -> None:
         before = self.snapshot()
-        with pytest.raises(error), self.no_sync():
+        with pytest.raises(error, match=match), self.no_sync():
             call()
         after = self.snapshot()
         assert after[:3] == before[:3]
@@ -324,23 +326,30 @@ def test_cpu_batch_never_aliases_its_host_mirrors() -> None:
     assert batch.req_pool_indices.data_ptr() != batch.req_pool_indices_cpu.data_ptr()
 
 
+def _pools(ctx: int = L, device: str = "cpu", rows: int = 2):
+    """Pools like ``prefilled``'s (its rows 1 and 2 allocated unless rows=0)."""
+    req_pool = ReqToTokenPool(4, ctx, device)
+    req_pool.alloc(rows)
+    return req_pool, TokenToKVPoolAllocator(16, "cpu")
+
+
 @pytest.mark.parametrize(
-    "make",
+    ("make", "match"),
     [
-        lambda: (ReqToTokenPool(4, L, "meta"), TokenToKVPoolAllocator(16, "cpu")),  # device
-        lambda: (ReqToTokenPool(4, L - 1, "cpu"), TokenToKVPoolAllocator(16, "cpu")),  # narrow
-        lambda: (ReqToTokenPool(4, L, "cpu"), TokenToKVPoolAllocator(16, "cpu")),  # rows free
+        (lambda: _pools(device="meta"), "req_pool is on meta; expected cpu"),
+        (lambda: _pools(ctx=L - 1), f"req_pool.max_context_len {L - 1} is below"),
+        (lambda: _pools(rows=0), "request 1 is not allocated"),
     ],
     ids=["pool_device", "pool_narrower", "rows_not_allocated"],
 )
 def test_prepare_with_wrong_pools_changes_nothing(
-    make: Callable[[], tuple[ReqToTokenPool, TokenToKVPoolAllocator]],
+    make: Callable[[], tuple[ReqToTokenPool, TokenToKVPoolAllocator]], match: str
 ) -> None:
     _, _, batch = prefilled()
     req_pool, kv = make()
     sim = Sim(torch.device("cpu"))
     sim.batch, sim.req_pool, sim.kv = batch, req_pool, kv
-    sim.expect_unchanged(lambda: batch.prepare_decode(req_pool, kv), BatchError)
+    sim.expect_unchanged(lambda: batch.prepare_decode(req_pool, kv), BatchError, match)
 
 
 def test_prepare_past_context_names_the_row() -> None:

@@ -120,6 +120,9 @@ def test_default_sizes_dense_then_coarse_and_capped():
     assert default_capture_sizes(1) == [1]
     big = default_capture_sizes(1000)
     assert big[-1] == 1000 and big == sorted(set(big)) and 512 in big
+    steps = {b: b - a for a, b in zip(big, big[1:-1], strict=False)}  # the cap aside
+    assert {steps[b] for b in steps if 256 < b <= 512} == {16}
+    assert {steps[b] for b in steps if b > 512} == {32}
 
 
 @pytest.mark.parametrize(

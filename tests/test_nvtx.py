@@ -61,3 +61,34 @@ def test_env_switch_reads_the_usual_spellings(
 def test_set_enabled_takes_a_bool():
     with pytest.raises(TypeError, match="takes a bool, got '0'"):
         nvtx.set_enabled("0")  # type: ignore[arg-type]
+
+
+class RecordingDomain:
+    """Stands in for the nvtx domain: records what Nsight would be sent."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str | None]] = []
+
+    def get_event_attributes(self, message: str) -> str:
+        return message
+
+    def push_range(self, attrs: str) -> None:
+        self.events.append(("push", attrs))
+
+    def pop_range(self) -> None:
+        self.events.append(("pop", None))
+
+
+def test_replay_pushes_balanced_nvtx_ranges(
+    captured_toy: CapturedToy, monkeypatch: pytest.MonkeyPatch
+):
+    domain = RecordingDomain()
+    monkeypatch.setattr(nvtx, "_domain", domain)
+    captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
+    pushed = [name for kind, name in domain.events if kind == "push"]
+    assert pushed == ["replay bs=4", "populate bs=4", "launch bs=4"]
+    depth = 0
+    for kind, _ in domain.events:  # every push is popped, in nesting order
+        depth += 1 if kind == "push" else -1
+        assert depth >= 0
+    assert depth == 0

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import PADDED_CASES, RUNNER_KINDS, SLOW, runner_device
+from conftest import PADDED_CASES, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.batch import DecodeBatch
 from graphrunner.sanitizer import PaddingSanitizer
@@ -141,7 +141,7 @@ def run(kind: str, sizes: list[int], ops: list[object], seed: int) -> Scenario:
 
 
 @pytest.mark.filterwarnings("ignore:batch size .* is above the largest captured size")
-@pytest.mark.parametrize("kind", RUNNER_KINDS)
+@pytest.mark.parametrize("kind", RUNNER_PARAMS)
 def test_random_lifecycles_match_eager_with_sanitizer_on(kind: str):
     @settings(
         max_examples=EXAMPLES[kind],

@@ -151,7 +151,10 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
         world.model, decode_buffer_specs(), device="cpu", capture_sizes=[8], show_progress=False
     )
     runner.capture()
-    sentinel = 1  # a valid index everywhere, so the forward still runs
+    # A valid index everywhere (so the forward still runs) that is no pad value
+    # (0, or the seq_lens fill 1): a stray pad write would show.
+    sentinel = 2
+    assert all(s.pad_value(1) != sentinel for s in runner.buffers.specs)
 
     def copy_live_rows_only(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int) -> int:
         for spec in bufs.specs:

@@ -4,10 +4,13 @@ changes, with every static buffer's tail poisoned before replay."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from conftest import PADDED_CASES, TEST_CAPTURE_SIZES, CapturedToy
+from graphrunner.sanitizer import check_tails
 from poison import poison_tails, stale_values
 
 
@@ -38,6 +41,9 @@ def test_padded_replay_matches_eager_and_spares_state(captured_toy: CapturedToy,
         assert torch.equal(after[name][1:], expected_state[name][1:])
     assert torch.equal(after["req_to_token"], before["req_to_token"])
     assert not after["req_to_token"][0].any()
+    # The poison is gone: every tail holds its pad value, not a live index
+    # (a padded row reading live state changes nothing this toy returns).
+    check_tails(runner.buffers, raw_bs, runner.graph_size_for(raw_bs))
 
 
 def test_replay_counts_padding(captured_toy: CapturedToy):
@@ -63,7 +69,9 @@ def test_oversized_batch_runs_eagerly_and_warns_once(captured_toy: CapturedToy):
     with pytest.warns(RuntimeWarning, match=f"batch size {big}"):
         out = runner.replay(batch)
     torch.testing.assert_close(out, expected)
-    runner.replay(world.make_batch(big, seed=2))  # second time: no warning, still counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # second time: no warning, still counted
+        runner.replay(world.make_batch(big, seed=2))
     assert runner.stats.eager_fallbacks == fallbacks + 2
     assert (runner.stats.live_rows, runner.stats.padded_rows) == (live + 2 * big, padded)
 
