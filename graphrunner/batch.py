@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.pools.kv import TokenToKVPoolAllocator
+from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
 from graphrunner.pools.req_to_token import ReqToTokenPool
 from graphrunner.pools.slots import DeviceLike, check_count
 
@@ -166,7 +166,7 @@ class DecodeBatch:
         if input_ids is not None:
             self._check_input_ids(input_ids, len(reqs))
         page = kv_alloc.page_size
-        starting = [i for i, n in enumerate(lens) if n % page == 0]
+        starting = [i for i, n in enumerate(lens) if starts_page(n, page)]
         fresh = kv_alloc.alloc(len(starting) * page)
         try:
             out_cache_loc = self._next_slots(req_pool, starting, fresh[::page])

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from graphrunner.batch import DecodeBatch
 from graphrunner.buffers import decode_buffer_specs
 from graphrunner.model.build import ModelBundle
+from graphrunner.pools import starts_page, whole_pages
 from graphrunner.runner import GraphRunner
 from graphrunner.runners import create_runner
 from graphrunner.sanitizer import PaddingSanitizer
@@ -217,7 +218,7 @@ class Engine:
         keep = []
         for i, req in enumerate(run.live):
             slot = host[bs + i]
-            if len(req.slots) % page == 0:  # the row started a fresh page: slot is its first
+            if starts_page(len(req.slots), page):  # a fresh page: slot is its first
                 req.pages.extend(range(slot, slot + page))
             req.slots.append(slot)
             if not self._advance(run, req, host[i]):
@@ -254,8 +255,7 @@ class Engine:
 
     def _kv_need(self, tokens: int) -> int:
         """KV slots that ``tokens`` tokens take: whole pages."""
-        page = self.bundle.page_size
-        return -(-tokens // page) * page
+        return whole_pages(tokens, self.bundle.page_size)
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -326,7 +326,7 @@ class Engine:
         fresh = [
             s + o
             for s, n in zip(first_slots, lens, strict=True)
-            if n % page == 0
+            if starts_page(n, page)
             for o in range(page)
         ]
         self.bundle.kv_alloc.free(fresh)

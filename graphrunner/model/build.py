@@ -8,7 +8,7 @@ import torch
 
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.llama import LlamaDecoder
-from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, whole_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ def build_model(
             f"{config.max_position_embeddings}"
         )
     if kv_slots is None:
-        slots = max_requests * (-(-ctx // page_size) * page_size)
+        slots = max_requests * whole_pages(ctx, page_size)
     elif isinstance(kv_slots, int) and kv_slots % page_size:  # the pools check the rest
         raise ValueError(f"kv_slots={kv_slots}: expected a multiple of page_size={page_size}")
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
-from graphrunner.pools.kv import KVCache, TokenToKVPoolAllocator
+from graphrunner.pools.kv import KVCache, TokenToKVPoolAllocator, starts_page, whole_pages
 from graphrunner.pools.mamba import MambaStatePool
 from graphrunner.pools.req_to_token import DecodeReqToTokenPool, ReqToTokenPool
 from graphrunner.pools.slots import SlotAllocator
@@ -19,4 +19,6 @@ __all__ = [
     "ReqToTokenPool",
     "SlotAllocator",
     "TokenToKVPoolAllocator",
+    "starts_page",
+    "whole_pages",
 ]

@@ -13,7 +13,18 @@ from graphrunner.pools.slots import (
     check_count,
 )
 
-__all__ = ["KVCache", "TokenToKVPoolAllocator"]
+__all__ = ["KVCache", "TokenToKVPoolAllocator", "starts_page", "whole_pages"]
+
+
+def whole_pages(tokens: int, page_size: int) -> int:
+    """KV slots that hold ``tokens`` tokens in whole pages of ``page_size``."""
+    return -(-tokens // page_size) * page_size
+
+
+def starts_page(seq_len: int, page_size: int) -> bool:
+    """Whether a request of ``seq_len`` tokens puts its next one in a fresh page
+    (else in the slot after its last token, inside a page it owns)."""
+    return seq_len % page_size == 0
 
 
 def _check_page_geometry(size: int, page_size: int) -> tuple[int, int]:
