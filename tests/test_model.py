@@ -204,26 +204,12 @@ def test_config_accepts_what_transformers_loads_as_plain_llama(edit: dict, theta
 
 
 def test_config_validation_names_the_field() -> None:
-    with pytest.raises(ValueError, match="num_kv_heads=3"):
-        ModelConfig(
-            vocab_size=8,
-            hidden_size=64,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=4,
-            num_kv_heads=3,
-        )
-    with pytest.raises(ValueError, match="vocab_size=0"):
-        ModelConfig(
-            vocab_size=0,
-            hidden_size=64,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=4,
-            num_kv_heads=2,
-        )
     shape = {"vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_layers": 1}
     heads = {"num_heads": 4, "num_kv_heads": 2}
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        ModelConfig(**shape, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        ModelConfig(**(shape | {"vocab_size": 0}), **heads)
     with pytest.raises(ValueError) as err:
         ModelConfig(**shape, **heads, head_dim=16.0)  # type: ignore[arg-type]
     assert str(err.value) == (
