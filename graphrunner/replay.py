@@ -40,7 +40,7 @@ def live_rows(out: Outputs, raw_bs: int, bs: int) -> Outputs:
     return tuple(_live(v, raw_bs, bs) for v in out)
 
 
-# Frames between the engine's ``runner.replay(...)`` and ``warnings.warn``:
+# Frames between the caller's ``runner.replay(...)`` and ``warnings.warn``:
 # GraphRunner.replay -> replay -> _eager_fallback -> _warn_fallback_once.
 _CALLER_STACKLEVEL = 5
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -57,7 +57,7 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_positive_int(value):
                 raise ValueError(f"ModelConfig.{name}={value!r}: expected a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -72,23 +72,14 @@ class ModelConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         head_dim = self.head_dim
-        if (
-            not isinstance(head_dim, int)
-            or isinstance(head_dim, bool)
-            or head_dim < 2
-            or head_dim % 2
-        ):
+        if not _is_positive_int(head_dim) or head_dim < 2 or head_dim % 2:
             raise ValueError(
                 f"ModelConfig.head_dim={head_dim!r}: expected an even int >= 2 "
                 "(rotary embedding rotates pairs)"
             )
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not (math.isfinite(value) and value > 0)
-            ):
+            if not _is_positive_number(value):
                 raise ValueError(f"ModelConfig.{name}={value!r}: expected a finite number > 0")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
@@ -199,18 +190,27 @@ def _check_architecture(hf: dict[str, Any]) -> None:
         )
 
 
+def _is_positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_positive_number(value: object) -> TypeGuard[int | float]:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _is_positive_int(value):
         raise UnsupportedConfigError(f"config field {name}={value!r}: expected a positive int")
     return value
 
 
 def _positive_float(name: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if not _is_positive_number(value):
         raise UnsupportedConfigError(
             f"config field {name}={value!r}: expected a positive finite number"
         )
