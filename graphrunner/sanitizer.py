@@ -192,10 +192,9 @@ def _owner(guard: GuardedTensor) -> str:
 
 def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     """Elementwise "was written": a NaN that stayed a NaN did not change."""
-    changed = now != before
     if now.is_floating_point():
-        changed &= ~(now.isnan() & before.isnan())
-    return changed
+        return ~torch.isclose(now, before, rtol=0, atol=0, equal_nan=True)
+    return now != before
 
 
 @dataclass(frozen=True, slots=True)

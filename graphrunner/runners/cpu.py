@@ -52,11 +52,7 @@ def _identical(x: torch.Tensor, y: torch.Tensor) -> bool:
         return False
     if torch.equal(x, y):
         return True
-    return (
-        x.is_floating_point()
-        and torch.equal(x.isnan(), y.isnan())
-        and torch.equal(x.nan_to_num(), y.nan_to_num())
-    )
+    return x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True)
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
