@@ -18,6 +18,9 @@ from graphrunner.trace import Request, requests_from_prompts, synthetic_trace
 MAX_BS = 4
 
 
+PAGE = 4  # KV slots per page in the paged cases
+
+
 def _engine(
     *,
     check: bool = False,
@@ -173,20 +176,30 @@ def _deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_a_request_that_can_never_be_admitted_is_an_error_not_a_hang() -> None:
-    # KV slots held outside the run: 6 of 256 stay free, the request needs 3 + 8 - 1.
-    engine = _engine(max_requests=1)
+@pytest.mark.parametrize(
+    ("page_size", "held", "needs", "free"),
+    [
+        # 6 of 256 slots stay free; the request needs 3 + 8 - 1 = 10.
+        (1, 250, "10 KV slots", "6 KV slots"),
+        # 8 slots (2 pages) stay free; 10 slots take 3 pages.
+        (PAGE, 248, "3 KV pages of 4 slots", "2 KV pages of 4 slots"),
+    ],
+)
+def test_a_request_that_can_never_be_admitted_is_an_error_not_a_hang(
+    page_size: int, held: int, needs: str, free: str
+) -> None:
+    engine = _engine(max_requests=1, page_size=page_size)
     b = engine.bundle
-    held = b.kv_alloc.alloc(250)
+    held_slots = b.kv_alloc.alloc(held)  # KV held outside the run
     with _deadline(60), pytest.raises(AdmissionError) as err:
         engine.run([Request(0, (1, 2, 3), 8)], max_steps=5)
     assert str(err.value) == (
-        "request 0 can never be admitted: it needs 1 request row and 10 KV slots, "
-        "nothing is running, and 1 request rows and 6 KV slots are free"
+        f"request 0 can never be admitted: it needs 1 request row and {needs}, "
+        f"nothing is running, and 1 request rows and {free} are free"
     )
-    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (6, 1)
+    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (256 - held, 1)
     assert engine.runner.stats.replays == 0
-    b.kv_alloc.free(held)
+    b.kv_alloc.free(held_slots)
 
 
 def test_a_request_too_big_for_the_kv_left_is_an_error_once_the_run_drains() -> None:
@@ -256,9 +269,6 @@ def test_a_failed_prefill_frees_the_requests_admitted_with_it() -> None:
 
 # Paged KV (pages of 4 slots): prefill takes whole pages, decode continues in
 # the last one and starts a fresh page at every 4th token.
-PAGE = 4
-
-
 def test_paged_outputs_equal_unpaged_outputs_on_the_same_trace() -> None:
     trace = _trace(n=12, seed=5)
     unpaged = _engine().run(trace)
@@ -336,21 +346,6 @@ def test_paged_admission_reserves_whole_pages_not_tokens() -> None:
     result = engine.run(trace)
     assert result.finished == {0, 1, 2} and result.stats.batch_sizes == {1: 6, 2: 1}
     assert b.kv_alloc.available_size() == 12
-    b.kv_alloc.free(held)
-
-
-def test_a_paged_admission_error_counts_pages() -> None:
-    engine = _engine(max_requests=1, page_size=PAGE)
-    b = engine.bundle
-    held = b.kv_alloc.alloc(248)  # 8 slots (2 pages) stay free; the request needs 3 + 8 - 1 = 10
-    with _deadline(60), pytest.raises(AdmissionError) as err:
-        engine.run([Request(0, (1, 2, 3), 8)], max_steps=5)
-    assert str(err.value) == (
-        "request 0 can never be admitted: it needs 1 request row and 3 KV pages of 4 slots, "
-        "nothing is running, and 1 request rows and 2 KV pages of 4 slots are free"
-    )
-    assert (b.kv_alloc.available_size(), b.req_pool.available_size()) == (8, 1)
-    assert engine.runner.stats.replays == 0
     b.kv_alloc.free(held)
 
 
