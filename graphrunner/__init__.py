@@ -6,8 +6,17 @@ The public API is what ``__all__`` lists; everything else is internal.
 from __future__ import annotations
 
 from graphrunner.backend import GraphBackend, NullBackend
-from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers, decode_buffer_specs
-from graphrunner.inputs import DecodeInputs
+from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
+from graphrunner.decode import DECODE_FIELDS, DECODE_HOST_MIRRORS, decode_buffer_specs
+from graphrunner.inputs import DecodeInputs, StepInputs
+from graphrunner.mechanisms import (
+    CaptureMechanism,
+    CudaGraphCapture,
+    EagerCapture,
+    InductorCapture,
+    create_mechanism,
+)
+from graphrunner.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.populate import PopulateError, populate
 from graphrunner.replay import NotCapturedError
 from graphrunner.report import CaptureReport, RunnerStats, SizeReport
@@ -22,24 +31,34 @@ from graphrunner.runners import (
 from graphrunner.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
 
 __all__ = [
+    "DECODE_FIELDS",
+    "DECODE_HOST_MIRRORS",
     "BatchSizeError",
     "BufferSpec",
     "BufferView",
+    "CaptureMechanism",
     "CaptureReport",
     "CpuGraphRunner",
+    "CudaGraphCapture",
     "CudaGraphRunner",
     "DecodeInputs",
+    "EagerCapture",
     "EagerRunner",
     "GraphBackend",
     "GraphRunner",
+    "InductorCapture",
     "NotCapturedError",
     "NullBackend",
+    "OutputDeclarationError",
+    "OutputSpec",
     "PadRule",
     "PopulateError",
     "RunnerStats",
     "SizeReport",
     "StaticBuffers",
+    "StepInputs",
     "best_runner_kind",
+    "create_mechanism",
     "create_runner",
     "decode_buffer_specs",
     "default_capture_sizes",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from graphrunner.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
 from graphrunner.pools.req_to_token import ReqToTokenPool
 from graphrunner.pools.slots import DeviceLike, check_count
@@ -59,17 +60,8 @@ class DecodeBatch:
     device tensors. Every failing call leaves the batch (and pools) unchanged.
     """
 
-    __slots__ = (
-        "device",
-        "input_ids",
-        "max_context_len",
-        "out_cache_loc",
-        "positions",
-        "req_pool_indices",
-        "req_pool_indices_cpu",
-        "seq_lens",
-        "seq_lens_cpu",
-    )
+    # The decode phase's declared fields and mirrors (graphrunner.decode).
+    __slots__ = ("device", "max_context_len", *DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values())
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""
@@ -208,13 +200,10 @@ class DecodeBatch:
                 raise BatchError(f"keep row {row} is out of range for a batch of {bs} rows")
         host_rows = _host(rows)
         dev_rows = self._to_device(host_rows)
-        req_cpu = self.req_pool_indices_cpu.index_select(0, host_rows)
-        seq_cpu = self.seq_lens_cpu.index_select(0, host_rows)
-        fields = [self.input_ids, self.req_pool_indices, self.seq_lens]
-        fields += [self.out_cache_loc, self.positions]
-        picked = [t.index_select(0, dev_rows) for t in fields]
-        self.req_pool_indices_cpu, self.seq_lens_cpu = req_cpu, seq_cpu
-        self._assign_device(picked)
+        self._assign(
+            {n: getattr(self, n).index_select(0, dev_rows) for n in DECODE_FIELD_NAMES},
+            {n: getattr(self, n).index_select(0, host_rows) for n in DECODE_HOST_MIRRORS.values()},
+        )
 
     def merge(self, other: DecodeBatch) -> None:
         """Append ``other``'s rows (``other`` is left as it was; it may be empty)."""
@@ -228,27 +217,16 @@ class DecodeBatch:
         shared = set(self.req_pool_indices_cpu.tolist()) & set(other.req_pool_indices_cpu.tolist())
         if shared:
             raise BatchError(f"both batches hold requests at pool rows {sorted(shared)}")
-        pairs = [
-            (self.input_ids, other.input_ids),
-            (self.req_pool_indices, other.req_pool_indices),
-            (self.seq_lens, other.seq_lens),
-            (self.out_cache_loc, other.out_cache_loc),
-            (self.positions, other.positions),
-        ]
-        merged = [torch.cat(pair) for pair in pairs]
-        req_cpu = torch.cat([self.req_pool_indices_cpu, other.req_pool_indices_cpu])
-        seq_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
-        self.req_pool_indices_cpu, self.seq_lens_cpu = req_cpu, seq_cpu
-        self._assign_device(merged)
 
-    def _assign_device(self, fields: list[torch.Tensor]) -> None:
-        (
-            self.input_ids,
-            self.req_pool_indices,
-            self.seq_lens,
-            self.out_cache_loc,
-            self.positions,
-        ) = fields
+        def cat(names: Sequence[str]) -> dict[str, torch.Tensor]:
+            return {n: torch.cat([getattr(self, n), getattr(other, n)]) for n in names}
+
+        self._assign(cat(DECODE_FIELD_NAMES), cat(list(DECODE_HOST_MIRRORS.values())))
+
+    def _assign(self, device: dict[str, torch.Tensor], host: dict[str, torch.Tensor]) -> None:
+        # Computed in full before any is assigned: a failing op leaves the batch as it was.
+        for name, tensor in (*device.items(), *host.items()):
+            setattr(self, name, tensor)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         # copy=True: on a CPU batch the device tensor must not alias its host mirror.

@@ -4,6 +4,13 @@ A graph is captured over fixed addresses, so every input lives in a buffer
 allocated once at the largest captured size. What the padded tail of each
 buffer holds is data here (a :class:`PadRule`), applied by
 :func:`graphrunner.populate.populate` and nowhere else.
+
+Each buffer declares its own rows per request: 1 for per-request fields
+(``seq_lens``), ``W`` for per-token fields of a speculative phase (``W`` draft
+tokens per request), ``k`` for per-candidate fields (top-k). One runner holds
+any mix of them. A buffer may also live on the host (``host=True``): a padded
+host copy for backends that plan on the CPU (``seq_lens_cpu``), written by
+populate like every other buffer.
 """
 
 from __future__ import annotations
@@ -11,18 +18,12 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
 
 import torch
 
-__all__ = [
-    "BufferSpec",
-    "BufferView",
-    "PadRule",
-    "StaticBuffers",
-    "decode_buffer_specs",
-]
+__all__ = ["BufferSpec", "BufferView", "PadRule", "StaticBuffers"]
 
 
 class PadRule(enum.Enum):
@@ -30,25 +31,44 @@ class PadRule(enum.Enum):
 
     ZERO = "zero"  # indices point at the reserved slot 0
     FILL = "fill"  # a declared constant (e.g. the backend's seq_len fill value)
-    WIDTH = "width"  # the captured width: tokens per row (speculative lengths)
+    WIDTH = "width"  # the buffer's declared width (speculative lengths: W tokens)
     KEEP = "keep"  # never read on padded rows; left as it is
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
 class BufferSpec:
     """One static input: its name (the attribute read from the batch), dtype,
-    layout and pad rule.
+    pad rule and layout.
 
-    Shape of the allocated buffer: ``[max_bs * tokens_per_row, *extra_shape]``
-    when ``per_token``, else ``[max_bs, *extra_shape]``.
+    Args:
+        name: the attribute read from the batch and seen by the forward.
+        dtype: the buffer's dtype; inputs must match it exactly.
+        rule: what padded rows hold (:class:`PadRule`).
+        rows_per_request: rows each request occupies: 1 (per request), ``W``
+            (per token of a ``W``-token speculative step), ``k`` (top-k).
+        extra_shape: trailing dims of every row (e.g. ``(hidden,)``).
+        fill_value: the constant of :attr:`PadRule.FILL` (only with it).
+        width: the value of :attr:`PadRule.WIDTH` (only with it), e.g. the
+            number of draft tokens per request for extend or accept lengths.
+        host: the buffer lives in host memory (a padded host mirror such as
+            ``seq_lens_cpu`` for a backend that plans on the CPU).
+
+    Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
 
     name: str
     dtype: torch.dtype
     rule: PadRule
-    per_token: bool = False
+    _: KW_ONLY
+    rows_per_request: int = 1
     extra_shape: tuple[int, ...] = ()
     fill_value: int | float | None = None
+    width: int | None = None
+    host: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -58,34 +78,63 @@ class BufferSpec:
                 f"buffer {self.name!r} declared without a pad rule (got {self.rule!r}); "
                 f"every static buffer needs one of {[r.name for r in PadRule]}"
             )
-        if (self.rule is PadRule.FILL) != (self.fill_value is not None):
-            raise ValueError(
-                f"buffer {self.name!r}: fill_value is required with PadRule.FILL and only "
-                f"with it (rule={self.rule.name}, fill_value={self.fill_value!r})"
-            )
         if self.name in _VIEW_ATTRIBUTES:
             raise ValueError(
                 f"buffer name {self.name!r} is taken by BufferView itself "
                 f"({sorted(_VIEW_ATTRIBUTES)}); the model could not read it"
             )
-        if any(d < 1 for d in self.extra_shape):
-            raise ValueError(f"buffer {self.name!r}: bad extra_shape {self.extra_shape}")
+        self._check_layout()
+        self._check_rule_value("fill_value", self.fill_value, PadRule.FILL)
+        self._check_rule_value("width", self.width, PadRule.WIDTH)
         if self.fill_value is not None:
-            _check_fill_value(self.name, self.dtype, self.fill_value)
+            _check_exact(self.name, "fill_value", self.dtype, self.fill_value)
+        if self.width is not None:
+            if not _is_int(self.width) or self.width < 1:
+                raise ValueError(
+                    f"buffer {self.name!r}: width={self.width!r}; expected an int >= 1"
+                )
+            _check_exact(self.name, "width", self.dtype, self.width)
 
-    def pad_value(self, width: int) -> int | float | None:
+    def _check_layout(self) -> None:
+        if not _is_int(self.rows_per_request) or self.rows_per_request < 1:
+            raise ValueError(
+                f"buffer {self.name!r}: rows_per_request={self.rows_per_request!r}; "
+                f"expected an int >= 1"
+            )
+        if not isinstance(self.extra_shape, tuple) or not all(
+            _is_int(d) and d >= 1 for d in self.extra_shape
+        ):
+            raise ValueError(
+                f"buffer {self.name!r}: extra_shape={self.extra_shape!r}; "
+                f"expected a tuple of ints >= 1"
+            )
+        if not isinstance(self.host, bool):
+            raise ValueError(f"buffer {self.name!r}: host={self.host!r}; expected a bool")
+
+    def _check_rule_value(self, field: str, value: object, rule: PadRule) -> None:
+        if (self.rule is rule) != (value is not None):
+            raise ValueError(
+                f"buffer {self.name!r}: {field} is required with PadRule.{rule.name} and "
+                f"only with it (rule={self.rule.name}, {field}={value!r})"
+            )
+
+    def pad_value(self) -> int | float | None:
         """The value of every padded element, or None for :attr:`PadRule.KEEP`."""
         if self.rule is PadRule.ZERO:
             return 0
         if self.rule is PadRule.WIDTH:
-            return width
+            return self.width
         return self.fill_value
+
+    def rows(self, bs: int) -> int:
+        """Rows of this buffer that ``bs`` requests occupy."""
+        return bs * self.rows_per_request
 
 
 _VIEW_ATTRIBUTES = frozenset({"bs", "tensors"})
 
 
-def _check_fill_value(name: str, dtype: torch.dtype, value: int | float) -> None:
+def _check_exact(name: str, field: str, dtype: torch.dtype, value: int | float) -> None:
     """The buffer must hold exactly ``value``, or the sanitizer would flag
     populate's own (converted) write: ``value`` must survive a round trip
     through ``dtype`` (no truncation, wrap-around, rounding or overflow)."""
@@ -98,31 +147,16 @@ def _check_fill_value(name: str, dtype: torch.dtype, value: int | float) -> None
             ok = False
     if not ok:
         raise ValueError(
-            f"buffer {name!r}: fill_value {value!r} is not exactly representable as {dtype}"
+            f"buffer {name!r}: {field} {value!r} is not exactly representable as {dtype}"
         )
 
 
-def decode_buffer_specs(*, seq_len_fill_value: int = 1) -> list[BufferSpec]:
-    """The decode step's buffers with the pad rules of the design table.
-
-    ``seq_len_fill_value`` is the attention backend's: padded rows read that
-    many tokens through ``req_to_token`` row 0, i.e. the zeroed KV slot 0.
-    """
-    i64 = torch.int64
-    return [
-        BufferSpec("input_ids", i64, PadRule.ZERO),
-        BufferSpec("req_pool_indices", i64, PadRule.ZERO),
-        BufferSpec("seq_lens", i64, PadRule.FILL, fill_value=seq_len_fill_value),
-        BufferSpec("out_cache_loc", i64, PadRule.ZERO),
-        BufferSpec("positions", i64, PadRule.ZERO),
-    ]
-
-
 class BufferView:
-    """The first ``bs`` rows of every static buffer, as attributes by name.
+    """The first ``bs`` requests' rows of every static buffer, as attributes by name.
 
     This is what the model's forward receives during capture and replay.
-    ``bs`` is the captured size; rows past the live ones are padding.
+    ``bs`` is the captured size; rows past the live ones are padding. A buffer
+    of ``r`` rows per request shows ``bs * r`` rows.
     """
 
     bs: int
@@ -141,23 +175,14 @@ class StaticBuffers:
     Args:
         specs: one :class:`BufferSpec` per input; names unique.
         max_bs: the largest captured batch size.
-        device: where the buffers live.
-        tokens_per_row: tokens each request contributes to per-token buffers
-            (1 for decode; the draft width for speculative runners).
+        device: where the buffers live (``host=True`` ones live on the CPU).
     """
 
     def __init__(
-        self,
-        specs: Sequence[BufferSpec],
-        max_bs: int,
-        device: torch.device | str,
-        *,
-        tokens_per_row: int = 1,
+        self, specs: Sequence[BufferSpec], max_bs: int, device: torch.device | str
     ) -> None:
-        if max_bs < 1 or tokens_per_row < 1:
-            raise ValueError(
-                f"max_bs and tokens_per_row must be >= 1, got {max_bs}, {tokens_per_row}"
-            )
+        if not _is_int(max_bs) or max_bs < 1:
+            raise ValueError(f"max_bs={max_bs!r}; expected an int >= 1")
         for s in specs:
             if not isinstance(s, BufferSpec):
                 raise TypeError(f"expected BufferSpec, got {type(s).__name__}: {s!r}")
@@ -167,26 +192,27 @@ class StaticBuffers:
             raise ValueError(f"buffer names declared more than once: {dupes}")
         self.specs: tuple[BufferSpec, ...] = tuple(specs)
         self.max_bs = max_bs
-        self.tokens_per_row = tokens_per_row
+        # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
+        self.device = torch.empty(0, device=device).device
         # Read-only: populate's cached plans and the captured graphs hold these
         # exact tensors, so a buffer is never swapped for another.
         self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(
             {
                 s.name: torch.zeros(
-                    (self.rows(s, max_bs), *s.extra_shape), dtype=s.dtype, device=device
+                    (s.rows(max_bs), *s.extra_shape), dtype=s.dtype, device=self.device_of(s)
                 )
                 for s in self.specs
             }
         )
-        # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
-        self.device = (
-            next(iter(self.tensors.values())).device if self.tensors else torch.device(device)
-        )
         self._views: dict[int, BufferView] = {}
+
+    def device_of(self, spec: BufferSpec) -> torch.device:
+        """Where ``spec``'s buffer lives: the host for ``host`` buffers."""
+        return torch.device("cpu") if spec.host else self.device
 
     def rows(self, spec: BufferSpec, bs: int) -> int:
         """Rows of ``spec``'s buffer that ``bs`` requests occupy."""
-        return bs * self.tokens_per_row if spec.per_token else bs
+        return spec.rows(bs)
 
     def view(self, bs: int) -> BufferView:
         """The cached view of the first ``bs`` requests' rows (stable addresses)."""
@@ -194,6 +220,6 @@ class StaticBuffers:
             raise ValueError(f"view size must be in [1, {self.max_bs}], got {bs}")
         if bs not in self._views:
             self._views[bs] = BufferView(
-                bs, {s.name: self.tensors[s.name][: self.rows(s, bs)] for s in self.specs}
+                bs, {s.name: self.tensors[s.name][: s.rows(bs)] for s in self.specs}
             )
         return self._views[bs]

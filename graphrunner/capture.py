@@ -1,24 +1,24 @@
-"""The capture loop, shared by every runner."""
+"""The capture loop, shared by every runner and mechanism."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from graphrunner import nvtx
+from graphrunner.backend import GraphBackend
+from graphrunner.buffers import StaticBuffers
+from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.outputs import OutputLayout
 from graphrunner.populate import populate
 from graphrunner.report import CaptureReport, SizeReport
 
-if TYPE_CHECKING:
-    from graphrunner.runner import GraphRunner
-
-__all__ = ["WARMUP_RUNS", "capture_graphs"]
+__all__ = ["WARMUP_RUNS", "capture_all"]
 
 #: Runs before capture so lazy initialisation (autotuning, compilation,
 #: allocator growth) happens outside the graph.
@@ -43,34 +43,58 @@ def _frozen_gc() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _capture_one(runner: GraphRunner, bs: int) -> SizeReport:
-    start, mem_before = time.perf_counter(), runner._memory_in_use()
+def _capture_one(
+    bs: int,
+    forward: ForwardFn,
+    buffers: StaticBuffers,
+    backend: GraphBackend,
+    mechanism: CaptureMechanism,
+    layout: OutputLayout,
+) -> tuple[Launcher, SizeReport]:
+    start = time.perf_counter()
     # Capture records an all-padding batch: every index points at slot 0.
-    populate(runner.buffers, None, 0, bs)
-    view = runner.buffers.view(bs)
-    runner.backend.init_capture_metadata(bs, view)
-    fn = runner._step_fn(bs, view)
+    populate(buffers, None, 0, bs)
+    view = buffers.view(bs)
+    backend.init_capture_metadata(bs, view)
+    fn = mechanism.step_fn(bs, forward, view)
     for _ in range(WARMUP_RUNS):
-        runner._warmup(fn)
-    runner._launchers[bs] = runner._capture(bs, fn)
-    mem_after = runner._memory_in_use()
-    memory = None if mem_before is None or mem_after is None else mem_after - mem_before
-    return SizeReport(bs, time.perf_counter() - start, memory)
+        # Outputs are checked on the first warm-up: a wrong declaration fails
+        # before anything is captured.
+        layout.check(mechanism.warmup(fn), bs)
+    memory_before = mechanism.memory_bytes()
+    launcher = mechanism.capture(bs, fn)
+    memory_after = mechanism.memory_bytes()
+    memory = None if memory_before is None or memory_after is None else memory_after - memory_before
+    seconds = time.perf_counter() - start
+    return launcher, SizeReport(bs, seconds, memory, mechanism.programs(bs))
 
 
-def capture_graphs(runner: GraphRunner) -> CaptureReport:
-    """Capture every size of ``runner``, largest first.
+def capture_all(
+    sizes: Sequence[int],
+    forward: ForwardFn,
+    buffers: StaticBuffers,
+    backend: GraphBackend,
+    mechanism: CaptureMechanism,
+    layout: OutputLayout,
+    *,
+    show_progress: bool = True,
+) -> tuple[dict[int, Launcher], CaptureReport]:
+    """Capture every size, largest first; return each size's launcher and the report.
 
     Largest first so that the shared memory pool is sized by the first graph
-    and smaller ones reuse its blocks.
+    and smaller ones reuse its blocks. On failure the caller drops whatever
+    the mechanism captured.
     """
+    launchers: dict[int, Launcher] = {}
     report = CaptureReport()
-    runner.backend.init_graph_state(runner.max_bs)
-    sizes = sorted(runner.capture_sizes, reverse=True)
-    bar = tqdm(sizes, desc=f"capture ({runner.kind})", disable=not runner.show_progress)
-    with bar, _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {runner.kind}"):
+    backend.init_graph_state(max(sizes))
+    order = sorted(sizes, reverse=True)
+    label = mechanism.label
+    bar = tqdm(order, desc=f"capture ({label})", disable=not show_progress)
+    with bar, _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {label}"):
         for bs in bar:
             bar.set_postfix(bs=bs)
             with nvtx.range(f"capture bs={bs}"):
-                report.sizes.append(_capture_one(runner, bs))
-    return report
+                launchers[bs], size = _capture_one(bs, forward, buffers, backend, mechanism, layout)
+            report.sizes.append(size)
+    return launchers, report

@@ -34,7 +34,7 @@ from graphrunner.sanitizer import PaddingViolation
 from graphrunner.sizes import default_capture_sizes
 from graphrunner.trace import requests_from_prompts, synthetic_trace
 
-__all__ = ["UsageError", "main", "read_prompts"]
+__all__ = ["UsageError", "main", "read_prompts", "resolve_device"]
 
 
 class UsageError(Exception):
@@ -81,16 +81,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    cuda = torch.cuda.is_available()
     p.add_argument(
         "--device",
-        default="cuda" if cuda else "cpu",
-        help="cpu or cuda[:N] (default: cuda when available, else cpu)",
+        help="cpu or cuda[:N] (default: the runner's: cuda for --runner cuda, cpu for "
+        "--runner cpu or eager; with neither given, cuda when available, else cpu)",
     )
     p.add_argument(
         "--runner",
         choices=["cuda", "cpu", "eager"],
-        help="default: cuda on a CUDA device, else cpu",
+        help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="CUDA runner only: run torch.compile'd programs (inductor, one per size) "
+        "inside the CUDA graphs",
     )
     p.add_argument(
         "--checkpoint",
@@ -138,7 +143,13 @@ def _check_common(args: argparse.Namespace) -> str:
         raise UsageError(f"--threads {args.threads}: expected >= 1")
     if args.page_size < 1:
         raise UsageError(f"--page-size {args.page_size}: expected >= 1")
-    return _runner_kind(args)
+    kind = _runner_kind(args)
+    if args.compile and kind != "cuda":
+        raise UsageError(
+            "--compile needs --runner cuda (the cpu runner always compiles; eager never "
+            f"does); the runner here is {kind}"
+        )
+    return kind
 
 
 def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
@@ -161,20 +172,35 @@ def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[i
     return sizes
 
 
+def resolve_device(runner: str | None, device: str | None, cuda_available: bool) -> tuple[str, str]:
+    """The runner kind and device of ``--runner`` and ``--device``, either or both
+    absent: an absent one follows the other (eager runs on the CPU unless a device
+    is given); with neither, cuda when available, else cpu."""
+    if device is None:
+        on_gpu = cuda_available if runner is None else runner == "cuda"
+        device = "cuda" if on_gpu else "cpu"
+    if re.fullmatch(r"cpu|cuda(?::\d+)?", device) is None:
+        raise UsageError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    on_cuda = device != "cpu"
+    kind = runner or ("cuda" if on_cuda else "cpu")
+    if kind != "eager" and (kind == "cuda") != on_cuda:
+        expected = "cuda or cuda:N" if kind == "cuda" else "cpu"
+        raise UsageError(
+            f"--runner {kind} does not run on --device {device}: expected --device {expected}"
+        )
+    if on_cuda and not cuda_available:
+        if runner == "cuda":
+            raise UsageError("--runner cuda: no CUDA device is available; expected cpu or eager")
+        raise UsageError(f"--device {device}: no CUDA device is available; expected cpu")
+    return kind, device
+
+
 def _runner_kind(args: argparse.Namespace) -> str:
-    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", args.device)
-    if match is None:
-        raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
-    device = torch.device(args.device)
-    kind = args.runner or ("cuda" if device.type == "cuda" else "cpu")
-    if (kind == "cuda") != (device.type == "cuda"):
-        raise UsageError(f"--runner {kind} does not run on --device {args.device}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: no CUDA device is available")
-        count = torch.cuda.device_count()
-        if match.group(1) is not None and int(match.group(1)) >= count:
-            raise UsageError(f"--device {args.device}: there are {count} CUDA device(s)")
+    """Resolve ``args.device`` in place (the rest of the CLI reads it); returns the kind."""
+    kind, args.device = resolve_device(args.runner, args.device, torch.cuda.is_available())
+    index = torch.device(args.device).index
+    if index is not None and index >= (count := torch.cuda.device_count()):
+        raise UsageError(f"--device {args.device}: expected cuda:N with N < {count} devices")
     return kind
 
 
@@ -208,11 +234,26 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
         raise UsageError(str(e)) from None
 
 
+def _compile_option(compile: bool) -> dict[str, bool]:
+    # Passed only when asked for, so a plain run makes the call every engine accepts.
+    return {"compile": True} if compile else {}
+
+
 def _capture(
-    bundle: ModelBundle, kind: str, sizes: list[int], *, check_padding: bool = False
+    bundle: ModelBundle,
+    kind: str,
+    sizes: list[int],
+    *,
+    check_padding: bool = False,
+    compile: bool = False,
 ) -> GraphRunner:
     runner = create_model_runner(
-        bundle, kind, capture_sizes=sizes, show_progress=True, check_padding=check_padding
+        bundle,
+        kind,
+        capture_sizes=sizes,
+        show_progress=True,
+        check_padding=check_padding,
+        **_compile_option(compile),
     )
     report = runner.capture()
     print(f"capture ({kind}): sizes {sizes}, {report.total_seconds:.1f} s")
@@ -248,7 +289,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
-    runner = _capture(bundle, kind, sizes, check_padding=args.check_padding)
+    runner = _capture(bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
     _report_sanitizer(runner)
@@ -309,7 +350,11 @@ def _generate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
     runner = create_model_runner(
-        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding
+        bundle,
+        kind,
+        capture_sizes=sizes,
+        check_padding=args.check_padding,
+        **_compile_option(args.compile),
     )
     runner.capture()
     result = Engine(bundle, runner, check=args.check, end_token=args.end_token).run(trace)

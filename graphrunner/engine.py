@@ -22,12 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from graphrunner.batch import DecodeBatch
-from graphrunner.buffers import decode_buffer_specs
+from graphrunner.decode import decode_buffer_specs
 from graphrunner.model.build import ModelBundle
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.runner import GraphRunner
@@ -50,13 +51,15 @@ def create_model_runner(
     max_bs: int | None = None,
     show_progress: bool = False,
     check_padding: bool = False,
+    **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
     step, with its attention backend's hooks and pad value. Not yet captured.
 
     ``check_padding=True`` guards the bundle's pools with a
     :class:`~graphrunner.sanitizer.PaddingSanitizer` around every replay (a
-    debug mode: it copies the KV cache per step).
+    debug mode: it copies the KV cache per step). ``mechanism_options`` go to
+    the runner's mechanism, e.g. ``compile=True`` for ``cuda``.
     """
     model = bundle.model
     specs = decode_buffer_specs(seq_len_fill_value=model.attn_backend.seq_len_fill_value)
@@ -75,6 +78,7 @@ def create_model_runner(
         backend=model.attn_backend,
         show_progress=show_progress,
         sanitizer=sanitizer,
+        **mechanism_options,
     )
 
 

@@ -1,7 +1,8 @@
 """What a runner needs from a batch: named device tensors plus host mirrors.
 
 The runner never depends on :class:`graphrunner.batch.DecodeBatch`; an engine
-can pass its own batch object as long as it has these attributes.
+can pass its own batch object as long as it has these attributes. The
+attributes are those of :mod:`graphrunner.decode` (a test keeps them equal).
 """
 
 from __future__ import annotations
@@ -10,21 +11,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+__all__ = ["DecodeInputs", "StepInputs"]
 
-@runtime_checkable
-class DecodeInputs(Protocol):
-    """The inputs of one decode step, ``bs`` live requests, one token each.
 
-    Device tensors (int64, shape ``[bs]``):
-        input_ids: the token fed to each request this step.
-        req_pool_indices: each request's row in ``req_to_token`` (never 0).
-        seq_lens: tokens in the cache per request, the new token included.
-        out_cache_loc: the KV slot the new token is written to (never 0).
-        positions: the new token's position, ``seq_lens - 1``.
+class StepInputs(Protocol):
+    """The device tensors of one decode step, ``bs`` requests, one token each
+    (int64 ``[bs]``): a batch, or a runner's :class:`~graphrunner.BufferView`.
 
-    Host mirrors (CPU int64, shape ``[bs]``), equal to their device twins and
-    kept in step by the scheduler so no step reads a device value back:
-        req_pool_indices_cpu, seq_lens_cpu.
+    input_ids: the token fed to each request this step.
+    req_pool_indices: each request's row in ``req_to_token`` (never 0 when live).
+    seq_lens: tokens in the cache per request, the new token included.
+    out_cache_loc: the KV slot the new token is written to (never 0 when live).
+    positions: the new token's position, ``seq_lens - 1``.
     """
 
     input_ids: torch.Tensor
@@ -32,6 +30,17 @@ class DecodeInputs(Protocol):
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     positions: torch.Tensor
+
+
+@runtime_checkable
+class DecodeInputs(StepInputs, Protocol):
+    """The inputs of one decode step: :class:`StepInputs` plus host mirrors.
+
+    Host mirrors (CPU int64 ``[bs]``), equal to their device twins and kept in
+    step by the scheduler so no step reads a device value back:
+    ``req_pool_indices_cpu``, ``seq_lens_cpu``.
+    """
+
     req_pool_indices_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
 

@@ -26,7 +26,7 @@ class PopulateError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class _CopyGroup:
-    """Live-row destinations of one dtype, filled by one ``_foreach_copy_``."""
+    """Live-row destinations of one (device, dtype), filled by one ``_foreach_copy_``."""
 
     specs: tuple[BufferSpec, ...]
     rows: tuple[int, ...]
@@ -36,7 +36,7 @@ class _CopyGroup:
 @dataclass(frozen=True, slots=True)
 class _Plan:
     copies: tuple[_CopyGroup, ...]
-    zeros: tuple[list[torch.Tensor], ...]  # padded tails by dtype, one _foreach_zero_ each
+    zeros: tuple[list[torch.Tensor], ...]  # padded tails by (device, dtype), one zero op each
     fills: tuple[tuple[torch.Tensor, int | float], ...]
 
     @property
@@ -50,26 +50,28 @@ _plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int], _Plan]] =
 
 
 def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
-    copies: dict[torch.dtype, list[BufferSpec]] = {}
-    zeros: dict[torch.dtype, list[torch.Tensor]] = {}
+    # Grouped by (device, dtype): one foreach op per group, host buffers apart.
+    copies: dict[tuple[torch.device, torch.dtype], list[BufferSpec]] = {}
+    zeros: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     fills: list[tuple[torch.Tensor, int | float]] = []
     for spec in buffers.specs:
+        group = (buffers.device_of(spec), spec.dtype)
         buf = buffers.tensors[spec.name]
-        live, total = buffers.rows(spec, raw_bs), buffers.rows(spec, bs)
+        live, total = spec.rows(raw_bs), spec.rows(bs)
         if live:
-            copies.setdefault(spec.dtype, []).append(spec)
-        value = spec.pad_value(buffers.tokens_per_row)
+            copies.setdefault(group, []).append(spec)
+        value = spec.pad_value()
         if total == live or value is None:
             continue
         if value == 0:
-            zeros.setdefault(spec.dtype, []).append(buf[live:total])
+            zeros.setdefault(group, []).append(buf[live:total])
         else:
             fills.append((buf[live:total], value))
     groups = tuple(
         _CopyGroup(
             tuple(specs),
-            tuple(buffers.rows(s, raw_bs) for s in specs),
-            [buffers.tensors[s.name][: buffers.rows(s, raw_bs)] for s in specs],
+            tuple(s.rows(raw_bs) for s in specs),
+            [buffers.tensors[s.name][: s.rows(raw_bs)] for s in specs],
         )
         for specs in copies.values()
     )
@@ -114,24 +116,26 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
     Args:
         buffers: the runner's static buffers.
         inputs: any object with one tensor attribute per declared buffer, of
-            ``raw_bs`` rows (``raw_bs * tokens_per_row`` for per-token
-            buffers); may be None only when ``raw_bs == 0`` (capture writes an
-            all-padding batch this way).
+            ``raw_bs * rows_per_request`` rows; may be None only when
+            ``raw_bs == 0`` (capture writes an all-padding batch this way).
         raw_bs: live requests.
         bs: the captured size replayed, ``raw_bs <= bs <= max_bs``.
 
     Returns:
-        The number of device operations issued: one ``torch._foreach_copy_``
-        per dtype for the live rows, one ``torch._foreach_zero_`` per dtype for
-        zero tails, one ``fill_`` per filled tail. Every input is validated
+        The number of operations issued: one ``torch._foreach_copy_`` per
+        (device, dtype) for the live rows, one ``torch._foreach_zero_`` per
+        (device, dtype) for zero tails, one ``fill_`` per filled tail (host
+        buffers' operations included). Every input is validated
         before anything is written.
     """
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
     plan = _plan(buffers, raw_bs, bs)
-    device = buffers.device
     sources = [
-        [_source(spec, inputs, rows, device) for spec, rows in zip(g.specs, g.rows, strict=True)]
+        [
+            _source(spec, inputs, rows, buffers.device_of(spec))
+            for spec, rows in zip(g.specs, g.rows, strict=True)
+        ]
         for g in plan.copies
     ]
     # Without grad, an input with autograd history (hidden states from a
@@ -159,4 +163,4 @@ def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:
     without writing anything: the eager fallback, whose batch is larger than
     the buffers, runs the same checks."""
     for spec in buffers.specs:
-        _source(spec, inputs, buffers.rows(spec, raw_bs), buffers.device)
+        _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec))

@@ -11,12 +11,20 @@ __all__ = ["CaptureReport", "RunnerStats", "SizeReport"]
 
 @dataclass(frozen=True, slots=True)
 class SizeReport:
-    """One captured size: wall seconds (warm-up included) and device bytes taken
-    (None where the runner cannot measure it, e.g. on CPU)."""
+    """One captured size.
+
+    seconds: wall time, warm-up (and compilation) included.
+    memory_bytes: bytes this size added to the graphs' shared memory pool
+        (None where nothing is pooled, e.g. on CPU); sizes after the first,
+        captured largest first, mostly reuse what the first reserved.
+    programs: inductor programs compiled for this size (1 when called
+        directly; None where the mechanism compiles nothing).
+    """
 
     bs: int
     seconds: float
     memory_bytes: int | None
+    programs: int | None = None
 
 
 @dataclass(slots=True)
@@ -39,7 +47,8 @@ class CaptureReport:
         lines = []
         for s in self.sizes:
             mem = "" if s.memory_bytes is None else f"  {s.memory_bytes / 2**20:8.2f} MiB"
-            lines.append(f"  bs={s.bs:<4d} {s.seconds * 1e3:9.1f} ms{mem}")
+            progs = "" if s.programs is None else f"  {s.programs} program(s)"
+            lines.append(f"  bs={s.bs:<4d} {s.seconds * 1e3:9.1f} ms{mem}{progs}")
         total_mem = self.total_memory_bytes
         mem = "" if total_mem is None else f"  {total_mem / 2**20:8.2f} MiB"
         lines.append(f"  total   {self.total_seconds * 1e3:9.1f} ms{mem}")
@@ -65,3 +74,16 @@ class RunnerStats:
     @property
     def padded_fraction(self) -> float:
         return PaddingWaste(self.live_rows, self.padded_rows).fraction
+
+    def count_replay(self, raw_bs: int, bs: int, populate_ops: int) -> None:
+        """One graph replay of ``raw_bs`` live rows padded to ``bs``."""
+        self.replays += 1
+        self.live_rows += raw_bs
+        self.padded_rows += bs - raw_bs
+        self.populate_ops += populate_ops
+        self.last_populate_ops = populate_ops
+
+    def count_eager(self, raw_bs: int) -> None:
+        """One batch above the largest graph, run eagerly."""
+        self.eager_fallbacks += 1
+        self.live_rows += raw_bs

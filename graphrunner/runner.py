@@ -1,32 +1,33 @@
-"""``GraphRunner``: the base that owns the buffers, the sizes, capture and replay.
+"""``GraphRunner``: a phase (buffers, outputs, forward) composed with a
+capture mechanism (CUDA graphs, inductor programs, eager).
 
-Subclasses say only how one size is compiled, captured and launched; the
-buffers, populate, size policy, capture loop and replay path are shared.
+The runner owns the buffers, the size policy, the stats and the captured
+launchers; :mod:`graphrunner.capture` and :mod:`graphrunner.replay` are the
+two lifecycle steps it calls, and the mechanism says only how one size is
+prepared, captured and launched.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from graphrunner.backend import GraphBackend, NullBackend
-from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
+from graphrunner.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.capture import capture_all
+from graphrunner.decode import SEQ_LEN_BUFFERS
+from graphrunner.mechanisms import CaptureMechanism, create_mechanism
+from graphrunner.mechanisms.base import ForwardFn, Launcher
+from graphrunner.outputs import OutputLayout, Outputs, OutputsDecl
+from graphrunner.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
 from graphrunner.report import CaptureReport, RunnerStats
+from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import default_capture_sizes, pad_to, validate_capture_sizes
-
-if TYPE_CHECKING:
-    from graphrunner.sanitizer import PaddingSanitizer
+from graphrunner.warn import warn_at_caller
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
-
-Outputs = torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
-#: The model's step: reads named tensors (a BufferView, or a live batch for eager).
-ForwardFn = Callable[[Any], Outputs]
-#: Re-runs a captured size on the static buffers; returns its static outputs.
-Launcher = Callable[[], Outputs]
 
 
 def _resolve_sizes(capture_sizes: Sequence[int] | None, max_bs: int | None) -> list[int]:
@@ -44,37 +45,45 @@ def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: GraphBacke
     # A seq_lens fill that differs from the backend's would send padded rows
     # somewhere the backend did not plan for.
     for spec in specs:
-        is_seq_lens_fill = spec.name == "seq_lens" and spec.rule is PadRule.FILL
+        is_seq_lens_fill = spec.name in SEQ_LEN_BUFFERS and spec.rule is PadRule.FILL
         if is_seq_lens_fill and spec.fill_value != backend.seq_len_fill_value:
             raise ValueError(
-                f"seq_lens fill_value {spec.fill_value} differs from the backend's "
+                f"{spec.name} fill_value {spec.fill_value} differs from the backend's "
                 f"seq_len_fill_value {backend.seq_len_fill_value}"
             )
 
 
-class GraphRunner(abc.ABC):
+def _default_mechanism(device: torch.device | str) -> CaptureMechanism:
+    # Where nothing is said: CUDA graphs on a CUDA device, inductor programs elsewhere.
+    return create_mechanism("cuda" if torch.device(device).type == "cuda" else "cpu")
+
+
+class GraphRunner:
     """Captures ``forward`` at fixed batch sizes; replays any smaller batch padded.
 
     Args:
-        forward: the model's step; called with a :class:`BufferView` whose
-            attributes are the declared buffers' first ``bs`` rows. Returns a
-            tensor, a dict or a tuple of tensors whose first dim is ``bs`` (or
-            ``bs * tokens_per_row``).
+        forward: the phase's step; called with a :class:`~graphrunner.BufferView`
+            whose attributes are the declared buffers' rows for ``bs``
+            requests (a buffer of ``r`` rows per request shows ``bs * r``).
+            Returns a tensor, a dict of tensors or a tuple of tensors.
         specs: the static buffers and their pad rules, e.g.
             :func:`graphrunner.decode_buffer_specs`.
         device: where the buffers live.
+        mechanism: how sizes are captured: a
+            :class:`~graphrunner.mechanisms.CaptureMechanism`, or a kind
+            (``"cuda"``, ``"cpu"``, ``"eager"``); default CUDA graphs on a
+            CUDA device, inductor programs elsewhere.
+        outputs: the outputs' layouts (:class:`~graphrunner.OutputSpec`: one
+            for all, or per dict key, or per tuple element); default batch
+            axis 0, one row per request. Checked at capture.
         capture_sizes: sorted unique sizes to capture; default
             :func:`graphrunner.sizes.default_capture_sizes` of ``max_bs``.
         max_bs: the largest size (with the default sizes).
         backend: the attention backend's hooks (default: none needed).
-        tokens_per_row: tokens per request in per-token buffers (1 for decode).
         sanitizer: a :class:`graphrunner.sanitizer.PaddingSanitizer` checking
             every replay (a debug mode), or None.
         show_progress: a progress bar during capture.
     """
-
-    #: The name :func:`graphrunner.runners.create_runner` knows this runner by.
-    kind: ClassVar[str]
 
     def __init__(
         self,
@@ -82,10 +91,11 @@ class GraphRunner(abc.ABC):
         specs: Sequence[BufferSpec],
         *,
         device: torch.device | str,
+        mechanism: CaptureMechanism | str | None = None,
+        outputs: OutputsDecl | None = None,
         capture_sizes: Sequence[int] | None = None,
         max_bs: int | None = None,
         backend: GraphBackend | None = None,
-        tokens_per_row: int = 1,
         sanitizer: PaddingSanitizer | None = None,
         show_progress: bool = True,
     ) -> None:
@@ -93,17 +103,31 @@ class GraphRunner(abc.ABC):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
         if not specs:
             raise ValueError("specs must declare at least one static buffer")
+        if isinstance(mechanism, str):
+            mechanism = create_mechanism(mechanism)
+        elif mechanism is None:
+            mechanism = _default_mechanism(device)
+        elif not isinstance(mechanism, CaptureMechanism):
+            raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
         self.forward = forward
+        self.mechanism: CaptureMechanism = mechanism
+        self.outputs = OutputLayout(outputs)
         self.backend: GraphBackend = backend if backend is not None else NullBackend()
         _check_fill_matches_backend(specs, self.backend)
         self._sizes = _resolve_sizes(capture_sizes, max_bs)
-        self.buffers = StaticBuffers(specs, self._sizes[-1], device, tokens_per_row=tokens_per_row)
+        self.buffers = StaticBuffers(specs, self._sizes[-1], device)
+        self.mechanism.bind(self.buffers.device)
         self.sanitizer = sanitizer
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[int, Launcher] = {}
         self._warned_fallback = False
+
+    @property
+    def kind(self) -> str:
+        """The runner kind (``cuda``, ``cpu``, ``eager``): its mechanism's."""
+        return self.mechanism.kind
 
     @property
     def capture_sizes(self) -> list[int]:
@@ -121,6 +145,11 @@ class GraphRunner(abc.ABC):
     def is_captured(self) -> bool:
         return len(self._launchers) == len(self._sizes)
 
+    @property
+    def direct_fallbacks(self) -> int:
+        """Compiled sizes that run through dynamo, not their program called directly."""
+        return self.mechanism.direct_fallbacks
+
     def graph_size_for(self, raw_bs: int) -> int:
         """The captured size a batch of ``raw_bs`` replays (BatchSizeError if none)."""
         return pad_to(self._sizes, raw_bs)
@@ -131,49 +160,76 @@ class GraphRunner(abc.ABC):
         All or nothing: if any size fails, every size captured so far is
         dropped and the error propagates. Capturing twice is an error.
         """
-        from graphrunner.capture import capture_graphs
-
         if self._launchers:
             raise RuntimeError(f"{type(self).__name__} is already captured; build a new runner")
         try:
-            self.capture_report = capture_graphs(self)
+            self._launchers, self.capture_report = capture_all(
+                self._sizes,
+                self.forward,
+                self.buffers,
+                self.backend,
+                self.mechanism,
+                self.outputs,
+                show_progress=self.show_progress,
+            )
         except BaseException:
-            self._drop_captures()
+            self._launchers = {}
+            self.mechanism.drop()
             raise
         return self.capture_report
 
     def replay(self, inputs: Any) -> Outputs:
-        """Run one step for ``inputs`` (a :class:`graphrunner.inputs.DecodeInputs`).
+        """Run one step for ``inputs`` (a :class:`graphrunner.inputs.DecodeInputs`,
+        or any object with the declared buffers as attributes and a host-side
+        int ``batch_size``).
 
-        Returns the outputs of the live rows: views ``[:raw_bs]`` into static
-        memory that the next replay overwrites. Copy what must outlive it.
+        Returns the outputs of the live rows, sliced by the declared outputs:
+        on CUDA, views into static memory that the next replay overwrites
+        (copy what must outlive it).
 
         A batch larger than the largest captured size runs the eager forward
         on the same checks (and sanitizer), warned once and counted in
-        ``stats.eager_fallbacks``; a batch of no rows raises
-        :class:`~graphrunner.sizes.BatchSizeError`. Runs under ``no_grad``.
+        ``stats.eager_fallbacks`` once it succeeded; a batch of no rows raises
+        :class:`~graphrunner.sizes.BatchSizeError`; any replay before
+        :meth:`capture` raises :class:`~graphrunner.replay.NotCapturedError`.
+        Runs under ``no_grad``.
         """
-        from graphrunner.replay import replay
+        raw_bs = batch_size_of(inputs)
+        if not self.is_captured:
+            raise NotCapturedError(
+                f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
+            )
+        with torch.no_grad():
+            if raw_bs > self.max_bs:
+                return self._replay_eager(inputs, raw_bs)
+            return self._replay_graph(inputs, raw_bs)
 
-        return replay(self, inputs)
+    def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
+        bs = self.graph_size_for(raw_bs)
+        out, ops = launch_padded(
+            self._launchers[bs],
+            self.buffers,
+            self.backend,
+            self.outputs,
+            self.sanitizer,
+            inputs,
+            raw_bs,
+            bs,
+        )
+        self.stats.count_replay(raw_bs, bs, ops)
+        return out
 
-    # -- what a subclass decides ---------------------------------------------
+    def _replay_eager(self, inputs: Any, raw_bs: int) -> Outputs:
+        def warn_once() -> None:
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warn_at_caller(
+                    f"batch size {raw_bs} is above the largest captured size {self.max_bs}; "
+                    f"running it eagerly (counted in runner.stats.eager_fallbacks, warned once)"
+                )
 
-    def _step_fn(self, bs: int, view: BufferView) -> Launcher:
-        """The callable warmed up and captured for size ``bs``."""
-        return lambda: self.forward(view)
-
-    def _warmup(self, fn: Launcher) -> None:
-        fn()
-
-    @abc.abstractmethod
-    def _capture(self, bs: int, fn: Launcher) -> Launcher:
-        """Capture ``fn`` for size ``bs``; return what replays it."""
-
-    def _drop_captures(self) -> None:
-        """Forget every captured size (a subclass also frees what it holds)."""
-        self._launchers.clear()
-
-    def _memory_in_use(self) -> int | None:
-        """Device bytes in use now, or None where it cannot be measured."""
-        return None
+        out = run_eager(
+            self.forward, self.buffers, self.outputs, self.sanitizer, inputs, raw_bs, warn_once
+        )
+        self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
+        return out

@@ -22,15 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from graphrunner.buffers import StaticBuffers
+from graphrunner.outputs import Outputs
 from graphrunner.pools import KVCache, MambaStatePool, ReqToTokenPool
-
-if TYPE_CHECKING:
-    from graphrunner.runner import GraphRunner, Outputs
 
 __all__ = ["GuardedTensor", "PaddingSanitizer", "PaddingViolation", "SanitizerStats"]
 
@@ -70,7 +68,7 @@ def _first_bad_row(bad: torch.Tensor) -> int:
 def check_tails(buffers: StaticBuffers, raw_bs: int, bs: int) -> None:
     """Every buffer's rows ``[raw_bs:bs]`` hold exactly their pad value."""
     for spec in buffers.specs:
-        value = spec.pad_value(buffers.tokens_per_row)
+        value = spec.pad_value()
         if value is None:
             continue
         live, total = buffers.rows(spec, raw_bs), buffers.rows(spec, bs)
@@ -167,10 +165,12 @@ class PaddingSanitizer:
             if pool.is_allocated(0):
                 raise PaddingViolation(f"{type(pool).__name__} handed out the reserved slot 0")
 
-    def before_launch(self, runner: GraphRunner, inputs: Any, raw_bs: int, bs: int) -> _ReplayCheck:
+    def before_launch(
+        self, buffers: StaticBuffers, inputs: Any, raw_bs: int, bs: int
+    ) -> _ReplayCheck:
         """Check tails and pools; snapshot guarded state for :meth:`_ReplayCheck.after_launch`."""
         start = time.perf_counter()
-        check_tails(runner.buffers, raw_bs, bs)
+        check_tails(buffers, raw_bs, bs)
         self.stats.seconds += time.perf_counter() - start
         return self.snapshot(inputs)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,10 +27,18 @@ settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if SLOW else "fixed")
 HAS_CUDA = torch.cuda.is_available()
-RUNNER_KINDS = ["eager", "cpu"] + (["cuda"] if HAS_CUDA else [])
-#: RUNNER_KINDS as parameters, the CUDA one marked so ``-m "not cuda"`` drops it.
+#: Every capture mechanism, by the label its runner reports: the runner kind
+#: and the options that select the mechanism.
+MECHANISMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eager": ("eager", {}),
+    "cpu": ("cpu", {}),
+    "cuda": ("cuda", {}),
+    "cuda+compile": ("cuda", {"compile": True}),
+}
+RUNNER_KINDS = ["eager", "cpu"] + (["cuda", "cuda+compile"] if HAS_CUDA else [])
+#: RUNNER_KINDS as parameters, the CUDA ones marked so ``-m "not cuda"`` drops them.
 RUNNER_PARAMS = [
-    pytest.param(k, marks=pytest.mark.cuda) if k == "cuda" else k for k in RUNNER_KINDS
+    pytest.param(k, marks=pytest.mark.cuda) if k.startswith("cuda") else k for k in RUNNER_KINDS
 ]
 
 
@@ -40,23 +49,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
 
 
-def runner_device(kind: str) -> str:
-    return "cuda" if kind == "cuda" else "cpu"
+def runner_device(label: str) -> str:
+    return "cuda" if label.startswith("cuda") else "cpu"
+
+
+def make_runner(label: str, forward: Any, specs: Any, **kwargs: Any) -> GraphRunner:
+    """The runner of mechanism ``label`` (a key of MECHANISMS) on its device."""
+    kind, options = MECHANISMS[label]
+    kwargs.setdefault("device", runner_device(label))
+    kwargs.setdefault("show_progress", False)
+    return create_runner(kind, forward, specs, **options, **kwargs)
 
 
 class CapturedToy:
-    """A toy world and a runner captured over it."""
+    """A toy world and a runner captured over it; ``kind`` is the mechanism's label."""
 
     def __init__(self, kind: str, capture_sizes: list[int]) -> None:
         self.kind = kind
         self.world = ToyWorld(runner_device(kind))
-        self.runner: GraphRunner = create_runner(
-            kind,
-            self.world.model,
-            decode_buffer_specs(),
-            device=self.world.device,
-            capture_sizes=capture_sizes,
-            show_progress=False,
+        self.runner = make_runner(
+            kind, self.world.model, decode_buffer_specs(), capture_sizes=capture_sizes
         )
         self.runner.capture()
 

@@ -77,13 +77,13 @@ def test_duplicate_names_and_bad_sizes_rejected():
     spec = BufferSpec("x", torch.int64, PadRule.ZERO)
     with pytest.raises(ValueError, match=r"more than once: \['x'\]"):
         StaticBuffers([spec, spec], 4, "cpu")
-    with pytest.raises(ValueError, match="max_bs and tokens_per_row"):
+    with pytest.raises(ValueError, match="max_bs=0; expected an int >= 1"):
         StaticBuffers([spec], 0, "cpu")
 
 
 def test_buffers_allocated_once_at_max_size():
-    specs = [*decode_buffer_specs(), BufferSpec("h", torch.float16, PadRule.ZERO, True, (5,))]
-    bufs = StaticBuffers(specs, 16, "cpu", tokens_per_row=3)
+    h = BufferSpec("h", torch.float16, PadRule.ZERO, rows_per_request=3, extra_shape=(5,))
+    bufs = StaticBuffers([*decode_buffer_specs(), h], 16, "cpu")
     assert bufs.tensors["seq_lens"].shape == (16,)
     assert bufs.tensors["h"].shape == (48, 5) and bufs.tensors["h"].dtype == torch.float16
     view = bufs.view(4)
@@ -92,7 +92,7 @@ def test_buffers_allocated_once_at_max_size():
 
 
 def test_decode_specs_follow_the_design_table():
-    rules = {s.name: (s.rule, s.pad_value(1)) for s in decode_buffer_specs(seq_len_fill_value=2)}
+    rules = {s.name: (s.rule, s.pad_value()) for s in decode_buffer_specs(seq_len_fill_value=2)}
     assert rules == {
         "input_ids": (PadRule.ZERO, 0),
         "req_pool_indices": (PadRule.ZERO, 0),
@@ -174,3 +174,50 @@ def test_padding_waste_validates_sizes_and_counts_fallbacks_unpadded():
         padding_waste([4, 2, 1], [3])
     waste = padding_waste([1, 2, 4], [3, 9])  # 3 -> 4 pads one row; 9 runs eagerly
     assert (waste.live_rows, waste.padded_rows) == (12, 1)
+
+
+def test_width_only_with_the_width_rule_and_exact():
+    assert BufferSpec("accept_lens", torch.int64, PadRule.WIDTH, width=4).pad_value() == 4
+    with pytest.raises(ValueError, match="width is required with PadRule.WIDTH"):
+        BufferSpec("accept_lens", torch.int64, PadRule.WIDTH)
+    with pytest.raises(ValueError, match="rule=ZERO, width=4"):
+        BufferSpec("x", torch.int64, PadRule.ZERO, width=4)
+    with pytest.raises(ValueError, match="width=0; expected an int >= 1"):
+        BufferSpec("x", torch.int64, PadRule.WIDTH, width=0)
+    with pytest.raises(ValueError, match="width 300 is not exactly representable"):
+        BufferSpec("x", torch.uint8, PadRule.WIDTH, width=300)
+
+
+@pytest.mark.parametrize("rows", [0, -1, 1.0, True, "2"])
+def test_rows_per_request_must_be_a_positive_int(rows: object):
+    with pytest.raises(ValueError, match=f"rows_per_request={rows!r}; expected an int >= 1"):
+        BufferSpec("x", torch.int64, PadRule.ZERO, rows_per_request=rows)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, -1), [4], (1.5,)])
+def test_extra_shape_must_be_a_tuple_of_positive_ints(shape: object):
+    with pytest.raises(ValueError, match="extra_shape=.*expected a tuple of ints >= 1"):
+        BufferSpec("x", torch.int64, PadRule.ZERO, extra_shape=shape)  # type: ignore[arg-type]
+
+
+def test_layout_arguments_are_keyword_only():
+    with pytest.raises(TypeError):
+        BufferSpec("x", torch.int64, PadRule.ZERO, 3)  # type: ignore[misc]
+
+
+def test_host_seq_lens_buffer_has_the_backend_fill():
+    specs = {s.name: s for s in decode_buffer_specs(seq_len_fill_value=2, host_seq_lens=True)}
+    host = specs["seq_lens_cpu"]
+    assert host.host and host.rule is PadRule.FILL and host.pad_value() == 2
+
+    class Backend:
+        seq_len_fill_value = 1
+
+    with pytest.raises(ValueError, match="seq_lens_cpu fill_value 3 differs from the backend's"):
+        EagerRunner(
+            lambda v: v,
+            [*decode_buffer_specs(), BufferSpec("seq_lens_cpu", torch.int64, PadRule.FILL, fill_value=3, host=True)],
+            device="cpu",
+            max_bs=4,
+            backend=Backend(),  # type: ignore[arg-type]
+        )

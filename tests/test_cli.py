@@ -156,6 +156,204 @@ def test_bad_arguments_exit_2_naming_the_value(
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize(
+    "runner, device, on_gpu_host, on_cpu_host",
+    [
+        (None, None, ("cuda", "cuda"), ("cpu", "cpu")),
+        ("cpu", None, ("cpu", "cpu"), ("cpu", "cpu")),
+        ("eager", None, ("eager", "cpu"), ("eager", "cpu")),
+        ("cuda", None, ("cuda", "cuda"), None),
+        (None, "cpu", ("cpu", "cpu"), ("cpu", "cpu")),
+        ("eager", "cpu", ("eager", "cpu"), ("eager", "cpu")),
+        (None, "cuda:1", ("cuda", "cuda:1"), None),
+        ("cuda", "cuda", ("cuda", "cuda"), None),
+        ("eager", "cuda", ("eager", "cuda"), None),
+        ("eager", "cuda:0", ("eager", "cuda:0"), None),
+    ],
+)
+def test_resolve_device_follows_whichever_of_runner_and_device_is_given(
+    cuda: bool,
+    runner: str | None,
+    device: str | None,
+    on_gpu_host: tuple[str, str],
+    on_cpu_host: tuple[str, str] | None,
+) -> None:
+    expected = on_gpu_host if cuda else on_cpu_host
+    if expected is None:
+        with pytest.raises(cli.UsageError, match="no CUDA device is available"):
+            cli.resolve_device(runner, device, cuda_available=cuda)
+    else:
+        assert cli.resolve_device(runner, device, cuda_available=cuda) == expected
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize(
+    "runner, device, message",
+    [
+        ("cpu", "cuda", "--runner cpu does not run on --device cuda: expected --device cpu"),
+        ("cpu", "cuda:1", "--runner cpu does not run on --device cuda:1: expected --device cpu"),
+        (
+            "cuda",
+            "cpu",
+            "--runner cuda does not run on --device cpu: expected --device cuda or cuda:N",
+        ),
+        ("eager", "meta", "--device 'meta': expected cpu, cuda or cuda:N"),
+        (None, "cuda:", "--device 'cuda:': expected cpu, cuda or cuda:N"),
+    ],
+)
+def test_resolve_device_refuses_a_pair_that_cannot_run(
+    cuda: bool, runner: str | None, device: str, message: str
+) -> None:
+    with pytest.raises(cli.UsageError) as error:
+        cli.resolve_device(runner, device, cuda_available=cuda)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "runner, device, message",
+    [
+        ("cuda", None, "--runner cuda: no CUDA device is available; expected cpu or eager"),
+        ("cuda", "cuda:0", "--runner cuda: no CUDA device is available; expected cpu or eager"),
+        (None, "cuda", "--device cuda: no CUDA device is available; expected cpu"),
+        ("eager", "cuda:1", "--device cuda:1: no CUDA device is available; expected cpu"),
+    ],
+)
+def test_resolve_device_without_cuda_names_what_asked_for_it(
+    runner: str | None, device: str | None, message: str
+) -> None:
+    with pytest.raises(cli.UsageError) as error:
+        cli.resolve_device(runner, device, cuda_available=False)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "argv, kind, device",
+    [
+        (["--runner", "cpu"], "cpu", "cpu"),
+        (["--runner", "eager"], "eager", "cpu"),
+        (["--runner", "cuda"], "cuda", "cuda"),
+        ([], "cuda", "cuda"),
+        (["--runner", "eager", "--device", "cuda"], "eager", "cuda"),
+    ],
+)
+def test_on_a_gpu_host_the_cli_resolves_args_device_from_the_runner(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], kind: str, device: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = cli._parser().parse_args(["demo", *argv])
+    assert cli._runner_kind(args) == kind
+    assert args.device == device
+
+
+def test_a_cuda_device_index_past_the_device_count_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    assert cli.main(["demo", "--device", "cuda:2"]) == 2
+    assert capsys.readouterr().err == (
+        "graphrunner demo: error: --device cuda:2: expected cuda:N with N < 2 devices\n"
+    )
+
+
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompts", "p.jsonl"]])
+def test_runner_cuda_without_a_cuda_device_exits_2_before_any_work(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    assert cli.main([*command, "--runner", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"graphrunner {command[0]}: error: --runner cuda: no CUDA device is available; "
+        "expected cpu or eager\n"
+    )
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize(
+    "runner, kind",
+    [(["--runner", "cpu"], "cpu"), (["--runner", "eager"], "eager"), ([], "cpu")],
+)
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompts", "{prompts}"]])
+def test_compile_without_the_cuda_runner_exits_2(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    prompts_file: Path,
+    cuda: bool,
+    runner: list[str],
+    kind: str,
+    command: list[str],
+) -> None:
+    if cuda and not runner:
+        runner = ["--device", "cpu"]  # else a GPU host picks the cuda runner
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    argv = [a.replace("{prompts}", str(prompts_file)) for a in command]
+    assert cli.main([*argv, *runner, "--compile"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"graphrunner {command[0]}: error: --compile needs --runner cuda (the cpu runner "
+        f"always compiles; eager never does); the runner here is {kind}\n"
+    )
+
+
+class _Stop(Exception):
+    """Raised in place of building a runner: the test has seen what it needs."""
+
+
+@pytest.mark.parametrize(
+    "argv, kind, options",
+    [
+        (["--runner", "cuda", "--compile"], "cuda", {"compile": True}),
+        (["--runner", "cuda"], "cuda", {}),
+        (["--compile"], "cuda", {"compile": True}),
+        (["--runner", "cpu"], "cpu", {}),
+    ],
+)
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompts", "{prompts}"]])
+def test_compile_reaches_the_runner_only_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    prompts_file: Path,
+    argv: list[str],
+    kind: str,
+    options: dict[str, bool],
+    command: list[str],
+) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def create(bundle: Any, kind: str, **kwargs: Any) -> None:
+        calls.append((kind, kwargs))
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "_build", lambda *a: object())
+    monkeypatch.setattr(cli, "create_model_runner", create)
+    command = [a.replace("{prompts}", str(prompts_file)) for a in command]
+    with pytest.raises(_Stop):
+        cli.main([*command, *argv, "--capture-sizes", "1,2"])
+    [(called_kind, kwargs)] = calls
+    assert called_kind == kind
+    assert {k: v for k, v in kwargs.items() if k == "compile"} == options
+    if command[0] == "demo":
+        assert f"device: {kind}   runner: {kind}   " in capsys.readouterr().out
+
+
+def test_device_help_says_the_default_follows_the_runner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "cuda for --runner cuda, cpu for --runner cpu or eager" in help_text
+    assert "--compile CUDA runner only: run torch.compile'd programs" in help_text
+
+
 def test_demo_reports_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--steps", "25", "--max-bs", "4", "--runner", "eager"]) == 0
     out = capsys.readouterr().out

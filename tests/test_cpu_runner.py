@@ -13,6 +13,7 @@ from torch.profiler import profile
 from conftest import CapturedToy
 from graphrunner import CpuGraphRunner, decode_buffer_specs
 from graphrunner.buffers import BufferView
+from graphrunner.mechanisms.compile import SizeCompiler
 from graphrunner.testing import ToyWorld
 
 
@@ -112,7 +113,9 @@ def test_a_retried_capture_counts_fallbacks_afresh(monkeypatch: pytest.MonkeyPat
         return world.model(b)
 
     # No compile: every size then takes the dynamo-path fallback, cheaply.
-    monkeypatch.setattr(CpuGraphRunner, "_step_fn", lambda self, bs, view: lambda: forward(view))
+    monkeypatch.setattr(
+        SizeCompiler, "step_fn", lambda self, bs, forward, view: lambda: forward(view)
+    )
     runner = CpuGraphRunner(
         forward, decode_buffer_specs(), device="cpu", capture_sizes=[2, 4], show_progress=False
     )

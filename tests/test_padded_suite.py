@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import PADDED_CASES, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner import create_runner, decode_buffer_specs
+from conftest import PADDED_CASES, RUNNER_PARAMS, SLOW, make_runner, runner_device
+from graphrunner import decode_buffer_specs
 from graphrunner.batch import DecodeBatch
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.testing import ToyWorld
@@ -29,7 +29,12 @@ from poison import poison_tails, stale_values
 pytestmark = pytest.mark.padded
 
 # Compiled runners pay seconds per captured size, so they get fewer examples.
-EXAMPLES = {"eager": 2000 if SLOW else 60, "cpu": 200 if SLOW else 4, "cuda": 2000 if SLOW else 30}
+EXAMPLES = {
+    "eager": 2000 if SLOW else 60,
+    "cpu": 200 if SLOW else 4,
+    "cuda": 2000 if SLOW else 30,
+    "cuda+compile": 200 if SLOW else 4,
+}
 if "GRAPHRUNNER_PADDED_EXAMPLES" in os.environ:  # one budget for every runner
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["GRAPHRUNNER_PADDED_EXAMPLES"]))
 
@@ -67,14 +72,8 @@ class Scenario:
         self.sanitizer = PaddingSanitizer.for_pools(
             world.req_pool, world.kv, kv_allocator=world.kv_alloc
         )
-        self.runner = create_runner(
-            kind,
-            world.model,
-            decode_buffer_specs(),
-            device=world.device,
-            capture_sizes=sizes,
-            sanitizer=self.sanitizer,
-            show_progress=False,
+        self.runner = make_runner(
+            kind, world.model, decode_buffer_specs(), capture_sizes=sizes, sanitizer=self.sanitizer
         )
         self.runner.capture()
         self.batch = DecodeBatch.empty(world.device, world.cfg.max_context_len)
@@ -118,7 +117,7 @@ class Scenario:
         expected, expected_state = world.eager_reference(batch)
         if raw_bs <= runner.max_bs:
             poison_tails(runner, raw_bs, stale_values(world, batch))
-            PADDED_CASES.add((runner.kind, runner.graph_size_for(raw_bs), raw_bs))
+            PADDED_CASES.add((runner.mechanism.label, runner.graph_size_for(raw_bs), raw_bs))
         out = runner.replay(batch).clone()
         torch.testing.assert_close(out, expected)
         after = world.state()

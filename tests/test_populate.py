@@ -13,17 +13,25 @@ from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, popul
 from graphrunner.testing import ToyWorld
 
 POISON = -99
-WIDTH = 3
+WIDTH = 3  # tokens per request of the per-token buffers
+TOPK = 2  # candidates per request of the per-candidate buffer
 
 
 def all_rule_specs() -> list[BufferSpec]:
+    """Every rule, and per-request, per-token, per-candidate and host buffers at once."""
     return [
         BufferSpec("zero_i64", torch.int64, PadRule.ZERO),
         BufferSpec("fill_i32", torch.int32, PadRule.FILL, fill_value=5),
-        BufferSpec("width_i64", torch.int64, PadRule.WIDTH),
+        BufferSpec("width_i64", torch.int64, PadRule.WIDTH, width=WIDTH),
         BufferSpec("keep_f32", torch.float32, PadRule.KEEP),
-        BufferSpec("hidden", torch.float32, PadRule.ZERO, per_token=True, extra_shape=(4,)),
-        BufferSpec("fill_f32", torch.float32, PadRule.FILL, fill_value=0.5, per_token=True),
+        BufferSpec(
+            "hidden", torch.float32, PadRule.ZERO, rows_per_request=WIDTH, extra_shape=(4,)
+        ),
+        BufferSpec(
+            "fill_f32", torch.float32, PadRule.FILL, fill_value=0.5, rows_per_request=WIDTH
+        ),
+        BufferSpec("topk_ids", torch.int64, PadRule.ZERO, rows_per_request=TOPK),
+        BufferSpec("host_lens", torch.int64, PadRule.FILL, fill_value=7, host=True),
     ]
 
 
@@ -39,7 +47,7 @@ def inputs_for(bufs: StaticBuffers, raw_bs: int) -> SimpleNamespace:
 
 @pytest.mark.parametrize(("raw_bs", "bs"), [(0, 4), (1, 1), (1, 4), (3, 4), (4, 4), (2, 8), (8, 8)])
 def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
-    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
     for t in bufs.tensors.values():
         t.fill_(POISON)
     inputs = inputs_for(bufs, raw_bs) if raw_bs else None
@@ -49,7 +57,7 @@ def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
         live, total = bufs.rows(spec, raw_bs), bufs.rows(spec, bs)
         if raw_bs:
             assert torch.equal(buf[:live], getattr(inputs, spec.name)), spec.name
-        value = spec.pad_value(WIDTH)
+        value = spec.pad_value()
         tail = buf[live:total]
         expected = POISON if value is None else value
         assert torch.equal(tail, torch.full_like(tail, expected)), spec.name
@@ -58,16 +66,47 @@ def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
 
 
 def test_device_ops_are_grouped_by_dtype():
-    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
-    # copies: int64, int32, float32 -> 3; zeros: int64, float32 -> 2; fills: 3
-    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3 + 2 + 3
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
+    # Grouped by (device, dtype); on the CPU the host buffer joins the int64 group.
+    # copies: int64, int32, float32 -> 3; zeros: int64, float32 -> 2;
+    # fills: fill_i32, width_i64, fill_f32, host_lens -> 4
+    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3 + 2 + 4
     assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 3  # no tail, no tail ops
-    assert populate(bufs, None, 0, 4) == 2 + 3
+    assert populate(bufs, None, 0, 4) == 2 + 4
+
+
+def test_each_buffer_has_its_own_rows_per_request():
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
+    shapes = {name: tuple(t.shape) for name, t in bufs.tensors.items()}
+    assert shapes["zero_i64"] == (10,)
+    assert shapes["hidden"] == (10 * WIDTH, 4) and shapes["fill_f32"] == (10 * WIDTH,)
+    assert shapes["topk_ids"] == (10 * TOPK,)
+    view = bufs.view(3)
+    assert view.zero_i64.shape == (3,) and view.hidden.shape == (3 * WIDTH, 4)
+    assert view.topk_ids.shape == (3 * TOPK,) and view.host_lens.shape == (3,)
+
+
+def test_host_buffers_live_on_the_host_and_are_padded_by_populate():
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="meta")
+    assert bufs.tensors["host_lens"].device.type == "cpu"
+    assert bufs.tensors["zero_i64"].device.type == "meta"
+    inputs = SimpleNamespace(
+        **{
+            s.name: torch.zeros(s.rows(2), *s.extra_shape, dtype=s.dtype, device=bufs.device_of(s))
+            for s in bufs.specs
+        }
+    )
+    inputs.host_lens = torch.tensor([11, 12])
+    populate(bufs, inputs, 2, 4)
+    assert bufs.tensors["host_lens"][:5].tolist() == [11, 12, 7, 7, 0]
+    inputs.host_lens = inputs.host_lens.to("meta")  # a device tensor for a host buffer
+    with pytest.raises(PopulateError, match="'host_lens' is on meta, expected cpu"):
+        populate(bufs, inputs, 2, 4)
 
 
 @pytest.fixture
 def bufs() -> StaticBuffers:
-    return StaticBuffers(all_rule_specs(), max_bs=10, device="cpu", tokens_per_row=WIDTH)
+    return StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
 
 
 def test_missing_input_names_the_field(bufs: StaticBuffers):
@@ -154,7 +193,7 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     # A valid index everywhere (so the forward still runs) that is no pad value
     # (0, or the seq_lens fill 1): a stray pad write would show.
     sentinel = 2
-    assert all(s.pad_value(1) != sentinel for s in runner.buffers.specs)
+    assert all(s.pad_value() != sentinel for s in runner.buffers.specs)
 
     def copy_live_rows_only(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int) -> int:
         for spec in bufs.specs:

@@ -53,9 +53,13 @@ def test_failed_capture_keeps_nothing_and_can_be_retried():
     runner = make(forward, [1, 2, 4])
     with pytest.raises(RuntimeError, match="boom at bs=2"):
         runner.capture()
-    assert not runner.is_captured and runner._launchers == {}
-    with pytest.raises(NotCapturedError, match="size 4 .* not captured"):
+    assert not runner.is_captured and runner.capture_report is None
+    with pytest.raises(NotCapturedError, match=r"not captured \(batch of 3\); call capture"):
         runner.replay(world.make_batch(3, seed=0))
+    # Not even a batch above every size runs before capture (no silent eager run).
+    with pytest.raises(NotCapturedError, match="batch of 6"):
+        runner.replay(world.make_batch(6, seed=0))
+    assert runner.stats.eager_fallbacks == 0
     fail["on"] = False
     runner.capture()
     assert runner.is_captured
@@ -97,6 +101,24 @@ def test_fallback_warns_at_the_caller_and_checks_inputs():
         runner.replay(batch)
         runner.replay(batch)
     assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+
+
+def test_a_failing_eager_fallback_leaves_stats_unchanged():
+    world = ToyWorld()
+    fail = {"on": False}
+
+    def forward(b: object) -> torch.Tensor:
+        if fail["on"]:
+            raise RuntimeError("boom in the eager forward")
+        return world.model(b)
+
+    runner = make(forward, [1, 2])
+    runner.capture()
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="boom"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.replay(world.make_batch(3, seed=0))
+    assert (runner.stats.eager_fallbacks, runner.stats.live_rows) == (0, 0)
 
 
 def test_capture_leaves_the_applications_gc_freeze_alone():

@@ -29,7 +29,7 @@ def test_padded_replay_matches_eager_and_spares_state(captured_toy: CapturedToy,
     poison_tails(runner, raw_bs, stale_values(world, batch))
     out = runner.replay(batch).clone()
     after = world.state()
-    PADDED_CASES.add((runner.kind, runner.graph_size_for(raw_bs), raw_bs))
+    PADDED_CASES.add((runner.mechanism.label, runner.graph_size_for(raw_bs), raw_bs))
 
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected)

@@ -20,19 +20,9 @@ import torch
 from torch import nn
 
 from graphrunner.buffers import BufferView
-from graphrunner.inputs import DecodeInputs
+from graphrunner.inputs import DecodeInputs, StepInputs
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RotaryEmbedding
-
-
-class StepInputs(Protocol):
-    """The device tensors of a decode step: a DecodeBatch, or a runner's BufferView."""
-
-    input_ids: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    out_cache_loc: torch.Tensor
-    positions: torch.Tensor
 
 
 class KVStore(Protocol):

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner.inputs import StepInputs
 from graphrunner.model.attention import (
     AttnMetadata,
     KVStore,
     PagedAttention,
-    StepInputs,
     TorchPagedBackend,
 )
 from graphrunner.model.config import CheckpointError, ModelConfig

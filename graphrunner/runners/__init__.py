@@ -1,4 +1,4 @@
-"""The runners, and a factory by name."""
+"""The runners users know by name, and a factory by name."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from graphrunner.mechanisms import check_mechanism_options
 from graphrunner.runner import GraphRunner
 from graphrunner.runners.cpu import CpuGraphRunner
 from graphrunner.runners.cuda import CudaGraphRunner
@@ -21,7 +22,9 @@ __all__ = [
 ]
 
 RUNNERS: dict[str, type[GraphRunner]] = {
-    cls.kind: cls for cls in (CudaGraphRunner, CpuGraphRunner, EagerRunner)
+    "cuda": CudaGraphRunner,
+    "cpu": CpuGraphRunner,
+    "eager": EagerRunner,
 }
 
 
@@ -31,7 +34,11 @@ def best_runner_kind() -> str:
 
 
 def create_runner(kind: str, *args: Any, **kwargs: Any) -> GraphRunner:
-    """Build the runner named ``kind`` (``cuda``, ``cpu`` or ``eager``)."""
-    if not isinstance(kind, str) or kind not in RUNNERS:
-        raise ValueError(f"unknown runner kind {kind!r}; expected one of {sorted(RUNNERS)}")
+    """Build the runner named ``kind`` (``cuda``, ``cpu`` or ``eager``).
+
+    Keyword options of one mechanism go to it: ``compile=True`` (and
+    ``compile_mode``, ``inductor_options``) for ``cuda``; ``compile_mode`` and
+    ``inductor_options`` for ``cpu``.
+    """
+    check_mechanism_options(kind, kwargs)
     return RUNNERS[kind](*args, **kwargs)

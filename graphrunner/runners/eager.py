@@ -6,15 +6,29 @@ so a difference between it and a graph runner is the graph's, not padding's.
 
 from __future__ import annotations
 
-from graphrunner.runner import GraphRunner, Launcher
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphrunner.buffers import BufferSpec
+from graphrunner.mechanisms import EagerCapture
+from graphrunner.mechanisms.base import ForwardFn
+from graphrunner.runner import GraphRunner
 
 __all__ = ["EagerRunner"]
 
 
 class EagerRunner(GraphRunner):
-    """Runs ``forward`` on the padded static buffers each replay, uncaptured."""
+    """Runs ``forward`` on the padded static buffers each replay, uncaptured,
+    on any device."""
 
-    kind = "eager"
-
-    def _capture(self, bs: int, fn: Launcher) -> Launcher:
-        return fn
+    def __init__(
+        self,
+        forward: ForwardFn,
+        specs: Sequence[BufferSpec],
+        *,
+        device: torch.device | str,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(forward, specs, device=device, mechanism=EagerCapture(), **kwargs)

@@ -1,0 +1,75 @@
+"""The decode phase, declared once: its fields drive the batch, the protocol
+and the static buffers.
+
+:data:`DECODE_FIELDS` lists the device tensors of a decode step with their pad
+rules (the design table); :data:`DECODE_HOST_MIRRORS` the host twins the
+scheduler keeps in step. :class:`graphrunner.batch.DecodeBatch` takes its
+slots, ``filter`` and ``merge`` from them, :func:`decode_buffer_specs` its
+buffers, and a test checks that :class:`graphrunner.inputs.DecodeInputs`
+declares exactly these attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from graphrunner.buffers import BufferSpec, PadRule
+
+__all__ = [
+    "DECODE_FIELDS",
+    "DECODE_HOST_MIRRORS",
+    "DECODE_FIELD_NAMES",
+    "decode_buffer_specs",
+]
+
+_I64 = torch.int64
+
+#: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
+#: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
+DECODE_FIELDS: tuple[BufferSpec, ...] = (
+    BufferSpec("input_ids", _I64, PadRule.ZERO),
+    BufferSpec("req_pool_indices", _I64, PadRule.ZERO),
+    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1),
+    BufferSpec("out_cache_loc", _I64, PadRule.ZERO),
+    BufferSpec("positions", _I64, PadRule.ZERO),
+)
+DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
+
+#: Device field -> its host mirror (CPU int64 ``[bs]``), equal to it at all times.
+DECODE_HOST_MIRRORS: Mapping[str, str] = {
+    "req_pool_indices": "req_pool_indices_cpu",
+    "seq_lens": "seq_lens_cpu",
+}
+
+#: Buffers whose fill is the attention backend's ``seq_len_fill_value``.
+SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
+
+
+def decode_buffer_specs(
+    *, seq_len_fill_value: int = 1, host_seq_lens: bool = False
+) -> list[BufferSpec]:
+    """The decode step's buffers with the pad rules of the design table.
+
+    ``seq_len_fill_value`` is the attention backend's: padded rows read that
+    many tokens through ``req_to_token`` row 0, i.e. the zeroed KV slot 0.
+    ``host_seq_lens=True`` adds ``seq_lens_cpu``, a padded host buffer (same
+    fill) for backends that plan on the host from the padded lengths.
+    """
+    specs = [
+        dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
+        for s in DECODE_FIELDS
+    ]
+    if host_seq_lens:
+        specs.append(
+            BufferSpec(
+                DECODE_HOST_MIRRORS["seq_lens"],
+                _I64,
+                PadRule.FILL,
+                fill_value=seq_len_fill_value,
+                host=True,
+            )
+        )
+    return specs

@@ -1,0 +1,72 @@
+"""The capture mechanism: how one size is prepared, warmed up, captured and
+launched. A runner composes one; the phase (buffers, outputs, forward) is
+the runner's, the mechanism knows nothing of it."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from graphrunner.buffers import BufferView
+from graphrunner.outputs import Outputs
+
+__all__ = ["CaptureMechanism", "ForwardFn", "Launcher"]
+
+#: The model's step: reads named tensors (a BufferView, or a live batch for eager).
+ForwardFn = Callable[[Any], Outputs]
+#: Runs a captured size on the static buffers; returns its static outputs.
+Launcher = Callable[[], Outputs]
+
+
+class CaptureMechanism(abc.ABC):
+    """How a size is captured and launched.
+
+    The capture loop calls, per size (largest first): :meth:`step_fn`, then
+    :meth:`warmup` (twice), then :meth:`capture`; :meth:`memory_bytes`
+    around it. :meth:`drop` forgets every size (a failed capture).
+    """
+
+    #: The runner kind this mechanism is known by (``cuda``, ``cpu``, ``eager``).
+    kind: ClassVar[str]
+
+    @property
+    def label(self) -> str:
+        """How reports and progress bars name this mechanism."""
+        return self.kind
+
+    def bind(self, device: torch.device) -> None:
+        """Called once with the buffers' device; refuse a device it cannot use."""
+        return None
+
+    def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
+        """The callable warmed up and captured for size ``bs``."""
+        return lambda: forward(view)
+
+    def warmup(self, fn: Launcher) -> Outputs:
+        """Run ``fn`` once outside capture (lazy initialisation, compilation)."""
+        return fn()
+
+    @abc.abstractmethod
+    def capture(self, bs: int, fn: Launcher) -> Launcher:
+        """Capture ``fn`` for size ``bs``; return what replays it."""
+
+    def drop(self) -> None:
+        """Forget every captured size and free what it holds."""
+        return None
+
+    def memory_bytes(self) -> int | None:
+        """Bytes the captures hold now (a graph memory pool), or None where
+        this mechanism holds none or cannot measure it."""
+        return None
+
+    @property
+    def direct_fallbacks(self) -> int:
+        """Compiled sizes launched through dynamo, not their program called directly."""
+        return 0
+
+    def programs(self, bs: int) -> int | None:
+        """Compiled programs of size ``bs``, or None where nothing is compiled."""
+        return None

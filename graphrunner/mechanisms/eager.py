@@ -1,0 +1,16 @@
+"""Eager: the forward runs on the padded static buffers each launch, uncaptured."""
+
+from __future__ import annotations
+
+from graphrunner.mechanisms.base import CaptureMechanism, Launcher
+
+__all__ = ["EagerCapture"]
+
+
+class EagerCapture(CaptureMechanism):
+    """No graph, no compile: the reference every other mechanism must equal."""
+
+    kind = "eager"
+
+    def capture(self, bs: int, fn: Launcher) -> Launcher:
+        return fn
