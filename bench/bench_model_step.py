@@ -1,5 +1,6 @@
 """One decode step of the embedded Llama model: eager forward vs the CPU runner
-(and the CUDA runner on a GPU), measured in the same run.
+(and on a GPU the CUDA runner, with and without a compiled forward inside its
+graphs), measured in the same run.
 
 Graphs are captured at 1, 4, 8 and 16; the batches of 3, 7 and 13 rows replay
 padded (to 4, 8, 16) and are compared with the eager forward of those 3, 7, 13
@@ -23,15 +24,17 @@ from graphrunner.model import ModelBundle, default_model
 
 SIZES = [1, 4, 8, 16]
 BATCHES = [1, 3, 4, 7, 8, 13, 16]  # 3, 7, 13 replay padded
-KINDS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: Mechanism label -> (runner kind, mechanism options).
+MECHANISMS = {"cpu": ("cpu", {}), "cuda": ("cuda", {}), "cuda+compile": ("cuda", {"compile": True})}
+KINDS = ["cpu"] + (["cuda", "cuda+compile"] if torch.cuda.is_available() else [])
 PROMPT_LENS = [24 + 7 * i for i in range(max(SIZES))]  # 24..129 cached tokens, context 256
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def captured(request: pytest.FixtureRequest) -> tuple[ModelBundle, GraphRunner]:
-    device = "cuda" if request.param == "cuda" else "cpu"
-    bundle = default_model(max_requests=max(SIZES), device=device)
-    runner = create_model_runner(bundle, request.param, capture_sizes=SIZES)
+    kind, options = MECHANISMS[request.param]
+    bundle = default_model(max_requests=max(SIZES), device="cuda" if kind == "cuda" else "cpu")
+    runner = create_model_runner(bundle, kind, capture_sizes=SIZES, **options)
     runner.capture()
     return bundle, runner
 
@@ -80,7 +83,7 @@ def bench_model_step(
         _sync(bundle.device)
 
     benchmark(step)  # type: ignore[operator]
-    label = "eager" if path == "eager" else runner.kind
-    group = f"model step ({runner.kind})"
+    label = "eager" if path == "eager" else runner.mechanism.label
+    group = f"model step ({runner.mechanism.label})"
     FACTS[(group, bs)] = {"graph_bs": runner.graph_size_for(bs)}
     record(benchmark, group, bs, label)

@@ -216,7 +216,10 @@ def test_host_seq_lens_buffer_has_the_backend_fill():
     with pytest.raises(ValueError, match="seq_lens_cpu fill_value 3 differs from the backend's"):
         EagerRunner(
             lambda v: v,
-            [*decode_buffer_specs(), BufferSpec("seq_lens_cpu", torch.int64, PadRule.FILL, fill_value=3, host=True)],
+            [
+                *decode_buffer_specs(),
+                BufferSpec("seq_lens_cpu", torch.int64, PadRule.FILL, fill_value=3, host=True),
+            ],
             device="cpu",
             max_bs=4,
             backend=Backend(),  # type: ignore[arg-type]

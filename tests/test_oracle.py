@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import MECHANISMS, RUNNER_PARAMS, runner_device
 from graphrunner.engine import Engine, EngineResult, create_model_runner
 from graphrunner.model import load_model
 from graphrunner.trace import Request
@@ -63,8 +64,9 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, li
     return path, expected
 
 
-def _serve(path: Path, kind: str, page_size: int) -> EngineResult:
-    device = "cuda" if kind == "cuda" else "cpu"
+def _serve(path: Path, label: str, page_size: int) -> EngineResult:
+    device = runner_device(label)
+    kind, options = MECHANISMS[label]
     bundle = load_model(
         path,
         max_requests=max(CAPTURE_SIZES),
@@ -74,7 +76,9 @@ def _serve(path: Path, kind: str, page_size: int) -> EngineResult:
     )
     assert bundle.kv_alloc.page_size == bundle.kv_cache.page_size == page_size
     # The sanitizer guards a real model's pools too: every replay is checked.
-    runner = create_model_runner(bundle, kind, capture_sizes=CAPTURE_SIZES, check_padding=True)
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=CAPTURE_SIZES, check_padding=True, **options
+    )
     runner.capture()
     result = Engine(bundle, runner, check=True).run(TRACE)
     assert runner.sanitizer is not None
@@ -84,7 +88,7 @@ def _serve(path: Path, kind: str, page_size: int) -> EngineResult:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("kind", ["eager", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind", RUNNER_PARAMS)
 def test_greedy_tokens_equal_transformers_generate(
     oracle: tuple[Path, dict[int, list[int]]], kind: str, page_size: int
 ) -> None:

@@ -24,12 +24,8 @@ def all_rule_specs() -> list[BufferSpec]:
         BufferSpec("fill_i32", torch.int32, PadRule.FILL, fill_value=5),
         BufferSpec("width_i64", torch.int64, PadRule.WIDTH, width=WIDTH),
         BufferSpec("keep_f32", torch.float32, PadRule.KEEP),
-        BufferSpec(
-            "hidden", torch.float32, PadRule.ZERO, rows_per_request=WIDTH, extra_shape=(4,)
-        ),
-        BufferSpec(
-            "fill_f32", torch.float32, PadRule.FILL, fill_value=0.5, rows_per_request=WIDTH
-        ),
+        BufferSpec("hidden", torch.float32, PadRule.ZERO, rows_per_request=WIDTH, extra_shape=(4,)),
+        BufferSpec("fill_f32", torch.float32, PadRule.FILL, fill_value=0.5, rows_per_request=WIDTH),
         BufferSpec("topk_ids", torch.int64, PadRule.ZERO, rows_per_request=TOPK),
         BufferSpec("host_lens", torch.int64, PadRule.FILL, fill_value=7, host=True),
     ]

@@ -1,0 +1,169 @@
+"""The code's shape holds: one declared field list drives the decode batch,
+protocols and buffers; no import cycle inside the package; no module reaches
+into another's private attributes; no hard-coded warning stack levels."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import torch
+
+import graphrunner
+from graphrunner import DECODE_FIELDS, DECODE_HOST_MIRRORS, DecodeInputs, StepInputs
+from graphrunner.batch import DecodeBatch
+from graphrunner.decode import DECODE_FIELD_NAMES, decode_buffer_specs
+from graphrunner.testing import ToyWorld
+from poison import stale_values
+
+PACKAGE = Path(graphrunner.__file__).parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _protocol_attributes(proto: type) -> set[str]:
+    names = set(typing.get_type_hints(proto))
+    return names | {n for n, v in vars(proto).items() if isinstance(v, property)}
+
+
+def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
+    fields = set(DECODE_FIELD_NAMES)
+    mirrors = set(DECODE_HOST_MIRRORS.values())
+    assert set(DECODE_HOST_MIRRORS) <= fields
+    assert set(typing.get_type_hints(StepInputs)) == fields
+    assert _protocol_attributes(DecodeInputs) == fields | mirrors | {"batch_size"}
+    assert set(DecodeBatch.__slots__) == fields | mirrors | {"device", "max_context_len"}
+    assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]
+    world = ToyWorld()
+    batch = world.make_batch(2, seed=0)
+    assert set(stale_values(world, batch)) == fields
+    assert isinstance(batch, DecodeInputs)
+
+
+def test_filter_and_merge_carry_every_declared_field():
+    world = ToyWorld()
+    batch = world.make_batch(3, seed=1)
+    before = {n: getattr(batch, n).clone() for n in DECODE_FIELD_NAMES}
+    before_host = {n: getattr(batch, n).clone() for n in DECODE_HOST_MIRRORS.values()}
+    batch.filter([2, 0])
+    for name in DECODE_FIELD_NAMES:
+        assert torch.equal(getattr(batch, name), before[name][[2, 0]]), name
+    for name in DECODE_HOST_MIRRORS.values():
+        assert torch.equal(getattr(batch, name), before_host[name][[2, 0]]), name
+    tail = DecodeBatch.empty("cpu", world.cfg.max_context_len)
+    batch.merge(tail)
+    assert batch.batch_size == 2
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """graphrunner modules ``path`` imports, anywhere in it (function-local
+    imports included: a lazy import hides a cycle, it does not remove it),
+    TYPE_CHECKING-only imports left out."""
+    known = {_module_name(p) for p in MODULES}
+    tree = ast.parse(path.read_text())
+    type_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module in known:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+    return found
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = {_module_name(p): _imports(p) for p in MODULES}
+    graph.pop("graphrunner")  # the public API imports everything; nothing imports it back
+    assert not any("graphrunner" in deps for deps in graph.values())
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        assert module not in visiting, f"import cycle: {' -> '.join([*visiting, module])}"
+        if module in done:
+            return
+        visiting.append(module)
+        for dep in sorted(graph.get(module, ())):
+            visit(dep)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def _imported_roots(tree: ast.AST) -> set[str]:
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and not node.module.startswith("graphrunner")
+        ):
+            roots |= {a.asname or a.name for a in node.names}
+    return roots
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    """Private methods and ``self._x`` attributes this module's classes define."""
+    names = {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("_")
+    }
+    return names | {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr.startswith("_")
+    }
+
+
+def test_no_module_reaches_into_another_objects_private_attributes():
+    """``obj._name`` only on ``self``/``cls``, on an object of a class the same
+    module defines, or on third-party modules (torch's private API is torch's
+    business, pinned by the tests)."""
+    offenders = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        external = _imported_roots(tree)
+        own = _private_names_defined(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__") or node.attr in own:
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in {"self", "cls", *external}:
+                continue
+            offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_no_hard_coded_warning_stack_levels():
+    offenders = [
+        f"{p.relative_to(PACKAGE)}:{node.lineno}"
+        for p in MODULES
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.keyword)
+        and node.arg == "stacklevel"
+        and isinstance(node.value, ast.Constant)
+    ]
+    assert offenders == []
