@@ -256,7 +256,7 @@ def _capture(
         **_compile_option(compile),
     )
     report = runner.capture()
-    print(f"capture ({kind}): sizes {sizes}, {report.total_seconds:.1f} s")
+    print(f"capture ({runner.mechanism.label}): sizes {sizes}, {report.total_seconds:.1f} s")
     print(report.format())
     return runner
 

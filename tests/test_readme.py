@@ -1,5 +1,6 @@
-"""The README's usage example runs as written (with the eager runner, so the
-test does not compile graphs) and its replays pass the sanitizer."""
+"""The README's examples run as written: the declarations, and the usage
+example (with the eager runner, so the test does not compile graphs), whose
+replays pass the sanitizer."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ def test_readme_usage_example_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 1, "expected one python example in the README"
+    usage = [b for b in blocks if "create_runner" in b]
+    assert len(usage) == 1, "expected one usage example in the README"
+    for block in blocks:
+        if block is not usage[0]:
+            exec(compile(block, str(README), "exec"), {})
     monkeypatch.setattr(graphrunner, "best_runner_kind", lambda: "eager")
     scope: dict[str, object] = {}
-    exec(compile(blocks[0], str(README), "exec"), scope)
+    exec(compile(usage[0], str(README), "exec"), scope)
     runner = scope["runner"]
     assert isinstance(runner, graphrunner.GraphRunner) and runner.kind == "eager"
     assert runner.stats.replays == 4 and runner.stats.padded_rows == 4  # 3 rows -> graph of 4
