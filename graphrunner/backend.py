@@ -32,11 +32,19 @@ class GraphBackend(Protocol):
         """Prepare metadata for capturing size ``bs`` (``view`` is all padding)."""
         ...
 
+    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+        """Refuse inputs this backend cannot run, from host values only (the
+        host mirrors ``seq_lens_cpu``, ``req_pool_indices_cpu``); called before
+        every step, graph replay and eager fallback alike. Must not sync the device.
+        """
+        ...
+
     def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
         """Update metadata outside the graph before replaying size ``bs``.
 
         ``view`` is already populated; ``inputs`` carries the host mirrors
         (``seq_lens_cpu``, ``req_pool_indices_cpu``). Must not sync the device.
+        Not called for an eager fallback (its forward plans its own metadata).
         """
         ...
 
@@ -50,6 +58,9 @@ class NullBackend:
         pass
 
     def init_capture_metadata(self, bs: int, view: BufferView) -> None:
+        pass
+
+    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
         pass
 
     def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:

@@ -18,7 +18,14 @@ from typing import Any, TypeAlias
 
 import torch
 
-__all__ = ["OutputDeclarationError", "OutputLayout", "OutputSpec", "Outputs", "OutputsDecl"]
+__all__ = [
+    "OutputDeclarationError",
+    "OutputLayout",
+    "OutputSpec",
+    "Outputs",
+    "OutputsDecl",
+    "poison_outputs",
+]
 
 #: What a forward returns: one tensor, a dict of tensors or a tuple of tensors.
 Outputs: TypeAlias = torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
@@ -179,3 +186,31 @@ class OutputLayout:
                 f"the forward returned {len(out)} outputs; {len(self._positional)} were declared"
             )
         return [(f"[{i}]", self._spec_for(str(i), i), v) for i, v in enumerate(out)]
+
+
+def _leaves(out: Outputs) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return list(out.values()) if isinstance(out, dict) else list(out)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def poison_outputs(out: Outputs, spare: list[torch.Tensor]) -> None:
+    """Overwrite a previous step's outputs (floats with NaN, integers with
+    their dtype's minimum), except those sharing memory with a ``spare``
+    tensor (the step's inputs and static buffers, still to be read).
+
+    The output contract is the same on every mechanism: outputs are valid
+    until the next replay. On CUDA the next replay overwrites them; a
+    sanitized runner poisons them on every mechanism, so an engine that holds
+    one too long fails on the CPU as it would on a GPU.
+    """
+    spared = {_storage(t) for t in spare}
+    for t in _leaves(out):
+        if _storage(t) in spared or t.dtype == torch.bool:
+            continue
+        value = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min
+        t.fill_(value)

@@ -7,16 +7,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from graphrunner import nvtx
 from graphrunner.backend import GraphBackend
 from graphrunner.buffers import StaticBuffers
+from graphrunner.decode import DECODE_HOST_MIRRORS
 from graphrunner.mechanisms.base import ForwardFn, Launcher
-from graphrunner.outputs import OutputLayout, Outputs
-from graphrunner.populate import check_inputs, populate
+from graphrunner.outputs import OutputLayout, Outputs, poison_outputs
+from graphrunner.populate import PopulateError, check_inputs, populate
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import BatchSizeError
 
-__all__ = ["NotCapturedError", "batch_size_of", "launch_padded", "run_eager"]
+__all__ = [
+    "NotCapturedError",
+    "batch_size_of",
+    "check_host_mirrors",
+    "launch_padded",
+    "run_eager",
+]
 
 
 class NotCapturedError(RuntimeError):
@@ -36,6 +45,46 @@ def batch_size_of(inputs: Any) -> int:
     return raw_bs
 
 
+def check_host_mirrors(inputs: Any, raw_bs: int) -> None:
+    """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors,
+    request rows >= 1: what can be checked on the host at no device cost (the
+    backend checks its ranges; the sanitizer checks the device values)."""
+    for name in DECODE_HOST_MIRRORS.values():
+        mirror = getattr(inputs, name, None)
+        if mirror is None:
+            continue
+        if not isinstance(mirror, torch.Tensor):
+            raise PopulateError(
+                f"host mirror {name!r} is a {type(mirror).__name__}; expected a CPU "
+                f"int64 tensor of shape ({raw_bs},)"
+            )
+        if mirror.device.type != "cpu" or mirror.dtype != torch.int64 or mirror.shape != (raw_bs,):
+            raise PopulateError(
+                f"host mirror {name!r} is {mirror.dtype} {tuple(mirror.shape)} on "
+                f"{mirror.device}; expected a CPU int64 tensor of shape ({raw_bs},)"
+            )
+    rows = getattr(inputs, DECODE_HOST_MIRRORS["req_pool_indices"], None)
+    if rows is not None and raw_bs and int(rows.min()) < 1:
+        row = int((rows < 1).nonzero()[0, 0])
+        raise PopulateError(
+            f"req_pool_indices_cpu[{row}]={int(rows[row])}: expected >= 1 (0 is the padding row)"
+        )
+
+
+def validate_step(backend: GraphBackend, inputs: Any, raw_bs: int) -> None:
+    """What every step checks before it writes anything, graph or eager."""
+    check_host_mirrors(inputs, raw_bs)
+    backend.validate_inputs(raw_bs, inputs)
+
+
+def _poison_held(held: Outputs | None, buffers: StaticBuffers, inputs: Any) -> None:
+    """Poison the previous step's outputs, sparing what this step still reads."""
+    if held is not None:
+        fields = [getattr(inputs, s.name, None) for s in buffers.specs]
+        spare = [*buffers.tensors.values(), *(t for t in fields if isinstance(t, torch.Tensor))]
+        poison_outputs(held, spare)
+
+
 def launch_padded(
     launcher: Launcher,
     buffers: StaticBuffers,
@@ -45,14 +94,18 @@ def launch_padded(
     inputs: Any,
     raw_bs: int,
     bs: int,
+    held: Outputs | None = None,
 ) -> tuple[Outputs, int]:
     """Populate size ``bs`` with ``raw_bs`` live rows, launch it, and return the
-    live rows' outputs with the device operations populate issued."""
+    live rows' outputs with the device operations populate issued. ``held``,
+    the previous step's outputs under a sanitizer, is poisoned before launch."""
     with nvtx.range(f"replay bs={bs}"):
+        validate_step(backend, inputs, raw_bs)
         with nvtx.range(f"populate bs={bs}"):
             ops = populate(buffers, inputs, raw_bs, bs)
         backend.init_replay_metadata(bs, raw_bs, buffers.view(bs), inputs)
         check = sanitizer.before_launch(buffers, inputs, raw_bs, bs) if sanitizer else None
+        _poison_held(held, buffers, inputs)
         with nvtx.range(f"launch bs={bs}"):
             out = layout.live(launcher(), raw_bs)
         if check is not None:
@@ -63,18 +116,22 @@ def launch_padded(
 def run_eager(
     forward: ForwardFn,
     buffers: StaticBuffers,
+    backend: GraphBackend,
     layout: OutputLayout,
     sanitizer: PaddingSanitizer | None,
     inputs: Any,
     raw_bs: int,
     warn_once: Callable[[], None],
+    held: Outputs | None = None,
 ) -> Outputs:
     """The batch is larger than every graph: the same input checks, output
     declarations and sanitizer (no padded tails here), through the eager
     forward; ``warn_once`` is called once the inputs passed their checks."""
+    validate_step(backend, inputs, raw_bs)
     check_inputs(buffers, inputs, raw_bs)
     warn_once()
     check = sanitizer.snapshot(inputs) if sanitizer else None
+    _poison_held(held, buffers, inputs)
     with nvtx.range(f"eager bs={raw_bs}"):
         out = forward(inputs)
     layout.check(out, raw_bs)

@@ -123,6 +123,8 @@ class GraphRunner:
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[int, Launcher] = {}
         self._warned_fallback = False
+        # The last step's outputs, poisoned at the next step when sanitized.
+        self._held: Outputs | None = None
 
     @property
     def kind(self) -> str:
@@ -183,9 +185,12 @@ class GraphRunner:
         or any object with the declared buffers as attributes and a host-side
         int ``batch_size``).
 
-        Returns the outputs of the live rows, sliced by the declared outputs:
-        on CUDA, views into static memory that the next replay overwrites
-        (copy what must outlive it).
+        Returns the outputs of the live rows, sliced by the declared outputs,
+        valid until the next replay on every mechanism: on CUDA they are views
+        of static memory that the next replay overwrites, and with a
+        sanitizer every mechanism poisons them at the next replay (NaN, or the
+        integer dtype's minimum), so holding one fails on the CPU too. Copy
+        what must outlive the step.
 
         A batch larger than the largest captured size runs the eager forward
         on the same checks (and sanitizer), warned once and counted in
@@ -201,8 +206,12 @@ class GraphRunner:
             )
         with torch.no_grad():
             if raw_bs > self.max_bs:
-                return self._replay_eager(inputs, raw_bs)
-            return self._replay_graph(inputs, raw_bs)
+                out = self._replay_eager(inputs, raw_bs)
+            else:
+                out = self._replay_graph(inputs, raw_bs)
+        if self.sanitizer is not None:
+            self._held = out
+        return out
 
     def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
         bs = self.graph_size_for(raw_bs)
@@ -215,6 +224,7 @@ class GraphRunner:
             inputs,
             raw_bs,
             bs,
+            self._held,
         )
         self.stats.count_replay(raw_bs, bs, ops)
         return out
@@ -229,7 +239,15 @@ class GraphRunner:
                 )
 
         out = run_eager(
-            self.forward, self.buffers, self.outputs, self.sanitizer, inputs, raw_bs, warn_once
+            self.forward,
+            self.buffers,
+            self.backend,
+            self.outputs,
+            self.sanitizer,
+            inputs,
+            raw_bs,
+            warn_once,
+            self._held,
         )
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
         return out

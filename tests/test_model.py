@@ -390,10 +390,20 @@ def test_backend_hooks_guard_their_invariants() -> None:
         backend.init_graph_state(4)
     bundle.req_pool.req_to_token[0].zero_()
     backend.init_graph_state(4)
-    too_long = SimpleNamespace(seq_lens_cpu=torch.tensor([5, backend.max_context_len + 1]))
-    with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=257"):
-        backend.init_replay_metadata(2, 2, None, too_long)  # type: ignore[arg-type]
-    backend.init_replay_metadata(2, 2, None, SimpleNamespace(seq_lens_cpu=torch.tensor([1, 256])))  # type: ignore[arg-type]
+    rows = torch.tensor([1, 2])
+    too_long = SimpleNamespace(
+        req_pool_indices_cpu=rows, seq_lens_cpu=torch.tensor([5, backend.max_context_len + 1])
+    )
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=257: expected 1..256"):
+        backend.validate_inputs(2, too_long)
+    backend.validate_inputs(
+        2, SimpleNamespace(req_pool_indices_cpu=rows, seq_lens_cpu=torch.tensor([1, 256]))
+    )
+    bad_row = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1, 3]), seq_lens_cpu=rows)
+    with pytest.raises(ValueError, match=r"req_pool_indices_cpu\[1\]=3: expected 1..2"):
+        backend.validate_inputs(2, bad_row)
+    with pytest.raises(ValueError, match="seq_lens_cpu is NoneType; this backend needs"):
+        backend.validate_inputs(2, SimpleNamespace(req_pool_indices_cpu=rows))
 
 
 def test_forward_extend_validates_arguments() -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from graphrunner.buffers import BufferView
-from graphrunner.inputs import DecodeInputs, StepInputs
+from graphrunner.inputs import StepInputs
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RotaryEmbedding
 
@@ -142,10 +142,12 @@ class TorchPagedBackend:
       ``req_to_token`` is all zeros (padded rows gather it; it may sync here).
     - ``init_capture_metadata``: checks the capture view's width against
       ``max_bs`` (host shapes only).
-    - ``init_replay_metadata``: checks the live ``seq_lens_cpu`` host mirror
-      against ``max_context_len``. A longer sequence would be silently
-      truncated by the fixed-width gather; a 0 would attend to nothing (NaN).
-      Reads host memory only, never the device.
+    - ``validate_inputs`` (every step, graph or eager): checks the host
+      mirrors: ``seq_lens_cpu`` in ``1..max_context_len`` (a longer sequence
+      would be silently truncated by the fixed-width gather; a 0 would attend
+      to nothing: NaN) and ``req_pool_indices_cpu`` in ``1..num_reqs``. Reads
+      host memory only, never the device.
+    - ``init_replay_metadata``: nothing to do.
 
     ``seq_len_fill_value`` is 1: a padded row attends to exactly one key, slot 0.
     """
@@ -193,12 +195,24 @@ class TorchPagedBackend:
                 f"expected 1..max_bs={self.max_bs} rows; call init_graph_state first"
             )
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
-        seq_lens = cast(DecodeInputs, inputs).seq_lens_cpu
-        lo, hi = seq_lens.aminmax() if raw_bs else (1, 1)
-        if int(hi) > self.max_context_len or int(lo) < 1:
-            bad = int(((seq_lens < 1) | (seq_lens > self.max_context_len)).nonzero()[0, 0])
+    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+        self._check_host_range("req_pool_indices_cpu", inputs, 1, self.req_to_token.shape[0] - 1)
+        self._check_host_range("seq_lens_cpu", inputs, 1, self.max_context_len)
+
+    def _check_host_range(self, name: str, inputs: object, lo: int, hi: int) -> None:
+        """Every value of host mirror ``name`` in ``lo..hi`` (host reads only)."""
+        values = getattr(inputs, name, None)
+        if not isinstance(values, torch.Tensor):
             raise ValueError(
-                f"seq_lens_cpu[{bad}]={int(seq_lens[bad])}: expected "
-                f"1..max_context_len={self.max_context_len}"
+                f"{name} is {type(values).__name__}; this backend needs the host mirror "
+                f"(CPU int64 [bs])"
             )
+        if not values.numel():
+            return
+        low, high = values.aminmax()
+        if int(low) < lo or int(high) > hi:
+            bad = int(((values < lo) | (values > hi)).nonzero()[0, 0])
+            raise ValueError(f"{name}[{bad}]={int(values[bad])}: expected {lo}..{hi}")
+
+    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
+        pass  # the metadata is computed inside the graph from the static buffers
