@@ -56,6 +56,9 @@ class BufferSpec:
             number of draft tokens per request for extend or accept lengths.
         host: the buffer lives in host memory (a padded host mirror such as
             ``seq_lens_cpu`` for a backend that plans on the CPU).
+        index: the buffer holds indices (pool rows, KV slots, positions, token
+            ids): its padded rows must point at slot 0 or at the width, so
+            only :attr:`PadRule.ZERO` and :attr:`PadRule.WIDTH` are accepted.
 
     Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
@@ -69,6 +72,7 @@ class BufferSpec:
     fill_value: int | float | None = None
     width: int | None = None
     host: bool = False
+    index: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -84,6 +88,11 @@ class BufferSpec:
                 f"({sorted(_VIEW_ATTRIBUTES)}); the model could not read it"
             )
         self._check_layout()
+        if self.index and self.rule not in (PadRule.ZERO, PadRule.WIDTH):
+            raise ValueError(
+                f"buffer {self.name!r} holds indices and pads with {self.rule.name}; an index "
+                f"buffer must pad to slot 0 (PadRule.ZERO) or to the width (PadRule.WIDTH)"
+            )
         self._check_rule_value("fill_value", self.fill_value, PadRule.FILL)
         self._check_rule_value("width", self.width, PadRule.WIDTH)
         if self.fill_value is not None:
@@ -108,8 +117,11 @@ class BufferSpec:
                 f"buffer {self.name!r}: extra_shape={self.extra_shape!r}; "
                 f"expected a tuple of ints >= 1"
             )
-        if not isinstance(self.host, bool):
-            raise ValueError(f"buffer {self.name!r}: host={self.host!r}; expected a bool")
+        for flag in ("host", "index"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"buffer {self.name!r}: {flag}={getattr(self, flag)!r}; expected a bool"
+                )
 
     def _check_rule_value(self, field: str, value: object, rule: PadRule) -> None:
         if (self.rule is rule) != (value is not None):

@@ -30,11 +30,11 @@ _I64 = torch.int64
 #: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
 #: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
 DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("input_ids", _I64, PadRule.ZERO),
-    BufferSpec("req_pool_indices", _I64, PadRule.ZERO),
+    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
+    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
     BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1),
-    BufferSpec("out_cache_loc", _I64, PadRule.ZERO),
-    BufferSpec("positions", _I64, PadRule.ZERO),
+    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True),
+    BufferSpec("positions", _I64, PadRule.ZERO, index=True),
 )
 DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 

@@ -58,8 +58,10 @@ class OutputSpec:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows_per_request={rows!r}; expected an int >= 1")
 
-    def check(self, name: str, t: object, bs: int) -> None:
-        """Raise :class:`OutputDeclarationError` unless ``t`` has ``bs`` requests' rows."""
+    def check(self, name: str, t: object, bs: int, *, any_width: bool = False) -> None:
+        """Raise :class:`OutputDeclarationError` unless ``t`` has ``bs`` requests' rows
+        (``any_width``: any whole number of rows per request, for an eager batch
+        of another width than the captured one)."""
         if not isinstance(t, torch.Tensor):
             raise OutputDeclarationError(
                 f"output {name} is a {type(t).__name__}; expected a torch.Tensor"
@@ -72,7 +74,9 @@ class OutputSpec:
                 f"is out of range for {t.dim()} dims"
             )
         expected = bs * self.rows_per_request
-        if t.shape[self.batch_axis] != expected:
+        rows = t.shape[self.batch_axis]
+        other_width = any_width and self.rows_per_request > 1 and rows > 0 and rows % bs == 0
+        if rows != expected and not other_width:
             raise OutputDeclarationError(
                 f"output {name} has shape {tuple(t.shape)}: expected {expected} rows "
                 f"({bs} requests x rows_per_request={self.rows_per_request}) on "
@@ -126,10 +130,10 @@ class OutputLayout:
             if not isinstance(spec, OutputSpec):
                 raise TypeError(f"outputs: expected OutputSpec, got {type(spec).__name__}")
 
-    def check(self, out: object, bs: int) -> None:
+    def check(self, out: object, bs: int, *, any_width: bool = False) -> None:
         """Every output matches its declaration for ``bs`` requests."""
         for name, spec, t in self._pairs(out):
-            spec.check(name, t, bs)
+            spec.check(name, t, bs, any_width=any_width)
 
     def live(self, out: Outputs, raw_bs: int) -> Outputs:
         """Views of ``out`` restricted to its first ``raw_bs`` requests."""

@@ -91,7 +91,9 @@ def _plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
     return plan
 
 
-def _source(spec: BufferSpec, inputs: object, rows: int, device: torch.device) -> torch.Tensor:
+def _source(
+    spec: BufferSpec, inputs: object, rows: int, device: torch.device, *, any_width: bool = False
+) -> torch.Tensor:
     src = getattr(inputs, spec.name, None)
     if src is None:
         raise PopulateError(f"input {spec.name!r} is missing from {type(inputs).__name__}")
@@ -101,7 +103,13 @@ def _source(spec: BufferSpec, inputs: object, rows: int, device: torch.device) -
         raise PopulateError(f"input {spec.name!r} has dtype {src.dtype}, expected {spec.dtype}")
     if src.device != device:
         raise PopulateError(f"input {spec.name!r} is on {src.device}, expected {device}")
-    if src.dim() == 0 or src.shape[0] != rows or src.shape[1:] != spec.extra_shape:
+    # any_width: a per-token field of an eager batch may hold another whole
+    # number of rows per request than the captured width.
+    requests = rows // spec.rows_per_request
+    length_ok = src.dim() > 0 and (
+        src.shape[0] == rows or (any_width and src.shape[0] > 0 and src.shape[0] % requests == 0)
+    )
+    if not length_ok or src.shape[1:] != spec.extra_shape:
         raise PopulateError(
             f"input {spec.name!r} has shape {tuple(src.shape)}, expected "
             f"{(rows, *spec.extra_shape)} (length must be the live rows)"
@@ -161,6 +169,8 @@ def _write(plan: _Plan, sources: list[list[torch.Tensor]]) -> None:
 def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:
     """Validate ``inputs`` for ``raw_bs`` live rows as :func:`populate` would,
     without writing anything: the eager fallback, whose batch is larger than
-    the buffers, runs the same checks."""
+    the buffers (or of another width), runs the same checks; a field of several
+    rows per request may hold any whole number of rows per request there."""
     for spec in buffers.specs:
-        _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec))
+        multi = spec.rows_per_request > 1
+        _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec), any_width=multi)

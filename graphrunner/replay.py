@@ -134,7 +134,7 @@ def run_eager(
     _poison_held(held, buffers, inputs)
     with nvtx.range(f"eager bs={raw_bs}"):
         out = forward(inputs)
-    layout.check(out, raw_bs)
+    layout.check(out, raw_bs, any_width=True)
     if check is not None:
         check.after_launch(out)
     return out

@@ -204,14 +204,32 @@ class GraphRunner:
             raise NotCapturedError(
                 f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
             )
+        reason = self.eager_reason(inputs, raw_bs)
         with torch.no_grad():
-            if raw_bs > self.max_bs:
-                out = self._replay_eager(inputs, raw_bs)
+            if reason is not None:
+                out = self._replay_eager(inputs, raw_bs, reason)
             else:
                 out = self._replay_graph(inputs, raw_bs)
         if self.sanitizer is not None:
             self._held = out
         return out
+
+    def relaunch(self, bs: int) -> Outputs:
+        """Launch captured size ``bs`` again on the buffers as they are: no
+        populate, no checks, no stats (for tests that prove a graph leaves its
+        inputs unchanged, and for benchmarks of the launch alone)."""
+        if bs not in self._launchers:
+            raise NotCapturedError(f"size {bs} is not captured (sizes {self._sizes})")
+        with torch.no_grad():
+            return self._launchers[bs]()
+
+    def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
+        """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
+        counted and warned once), or None. A phase with a captured width adds
+        its own reason (a batch of another width)."""
+        if raw_bs > self.max_bs:
+            return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
+        return None
 
     def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
         bs = self.graph_size_for(raw_bs)
@@ -229,13 +247,13 @@ class GraphRunner:
         self.stats.count_replay(raw_bs, bs, ops)
         return out
 
-    def _replay_eager(self, inputs: Any, raw_bs: int) -> Outputs:
+    def _replay_eager(self, inputs: Any, raw_bs: int, reason: str) -> Outputs:
         def warn_once() -> None:
             if not self._warned_fallback:
                 self._warned_fallback = True
                 warn_at_caller(
-                    f"batch size {raw_bs} is above the largest captured size {self.max_bs}; "
-                    f"running it eagerly (counted in runner.stats.eager_fallbacks, warned once)"
+                    f"{reason}; running it eagerly "
+                    f"(counted in runner.stats.eager_fallbacks, warned once)"
                 )
 
         out = run_eager(

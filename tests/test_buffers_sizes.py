@@ -224,3 +224,12 @@ def test_host_seq_lens_buffer_has_the_backend_fill():
             max_bs=4,
             backend=Backend(),  # type: ignore[arg-type]
         )
+
+
+def test_index_buffers_pad_to_slot_0_or_the_width():
+    BufferSpec("out_cache_loc", torch.int64, PadRule.ZERO, index=True)
+    BufferSpec("accept_lens", torch.int64, PadRule.WIDTH, width=3, index=True)
+    for rule, extra in ((PadRule.FILL, {"fill_value": 5}), (PadRule.KEEP, {})):
+        with pytest.raises(ValueError, match=f"holds indices and pads with {rule.name}"):
+            BufferSpec("out_cache_loc", torch.int64, rule, index=True, **extra)  # type: ignore[arg-type]
+    assert all(s.index for s in decode_buffer_specs() if s.name != "seq_lens")

@@ -162,11 +162,18 @@ class TorchPagedBackend:
 
     def decode_metadata(self, inputs: StepInputs, group: int) -> AttnMetadata:
         """Slots ``[bs, max_context_len]`` and mask ``[bs, 1, group, max_context_len]``."""
-        mask = self.kv_columns < inputs.seq_lens[:, None]
+        return self.rows_metadata(inputs.req_pool_indices, inputs.seq_lens, group)
+
+    def rows_metadata(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, group: int
+    ) -> AttnMetadata:
+        """:meth:`decode_metadata` of rows given as tensors (int64 ``[n]``): each
+        row reads ``req_to_token[req_pool_indices, :seq_lens]``."""
+        mask = self.kv_columns < seq_lens[:, None]
         # Columns past seq_len read slot 0 instead of whatever stale slot the row
         # holds there: their scores are masked anyway, and one hot row costs far
         # less than a scattered read per column.
-        slots = torch.where(mask, self.req_to_token[inputs.req_pool_indices], 0).long()
+        slots = torch.where(mask, self.req_to_token[req_pool_indices], 0).long()
         return AttnMetadata(slots, mask[:, None, None, :].expand(-1, 1, group, -1), decode=True)
 
     def extend_metadata(

@@ -18,6 +18,7 @@ from graphrunner.model.attention import (
 )
 from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from graphrunner.model.token_rows import TokenRows
 
 
 class ReqToToken(Protocol):
@@ -122,9 +123,29 @@ class LlamaDecoder(nn.Module):
         ``req_to_token[req_pool_indices, :seq_lens]``. Static shapes, no host
         reads: safe to capture as a CUDA graph or ``torch.compile(dynamic=False)``.
         """
+        return self._logits(self._step_hidden(inputs))
+
+    def forward_tokens(self, inputs: object) -> dict[str, torch.Tensor]:
+        """A multi-token step (target verify): ``W`` tokens per request.
+
+        ``inputs``: per-token ``input_ids``, ``positions``, ``out_cache_loc``
+        int64 ``[bs * W]`` (the tokens' slots already recorded in
+        ``req_to_token``), per-request ``req_pool_indices`` int64 ``[bs]``.
+        Returns ``logits`` float32 ``[bs * W, vocab]`` and the final-norm
+        ``hidden`` ``[bs * W, hidden]`` (the features a draft head reads).
+        Writes every token's K/V; static shapes, no host reads.
+        """
+        h = self._step_hidden(TokenRows(inputs))
+        return {"logits": self._logits(h), "hidden": h}
+
+    def forward_decode_hidden(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """:meth:`forward_decode` that also returns the final-norm ``hidden`` ``[bs, hidden]``."""
+        h = self._step_hidden(inputs)
+        return {"logits": self._logits(h), "hidden": h}
+
+    def _step_hidden(self, inputs: StepInputs) -> torch.Tensor:
         meta = self.attn_backend.decode_metadata(inputs, self.config.num_kv_groups)
-        h = self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
-        return self._logits(h)
+        return self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
 
     @torch.no_grad()
     def forward_extend(
@@ -171,8 +192,13 @@ class LlamaDecoder(nn.Module):
         return self.model.norm(h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head_weight).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the LM head, or the embedding when tied (draft heads share it)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(h, head.weight).float()
+        return head.weight
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

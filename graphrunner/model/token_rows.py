@@ -1,0 +1,45 @@
+"""Per-token rows of a multi-token step (verify, draft extend) as decode rows.
+
+A step of ``W`` tokens per request (``[bs * W]`` per-token fields, ``[bs]``
+per-request ones) is run as ``bs * W`` decode rows: each token reads its
+request's ``req_to_token`` row up to its own position, so attention is causal
+within the request and nothing new is needed of the attention. Every token's
+K/V is written before any is read (each layer writes all rows first), so a
+token sees the earlier tokens of its own step.
+
+A padded request (row 0, positions 0) gives ``W`` tokens at position 0, each
+reading one column of ``req_to_token`` row 0: KV slot 0, the padding sink.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TokenRows"]
+
+
+class TokenRows:
+    """The :class:`~graphrunner.inputs.StepInputs` of ``bs * W`` token rows.
+
+    Args:
+        inputs: per-token ``input_ids``, ``positions``, ``out_cache_loc``
+            (int64 ``[bs * W]``) and per-request ``req_pool_indices`` (int64 ``[bs]``).
+
+    ``W`` is read from the shapes (host-side, static in a graph).
+    """
+
+    def __init__(self, inputs: object) -> None:
+        req = inputs.req_pool_indices  # type: ignore[attr-defined]
+        self.positions: torch.Tensor = inputs.positions  # type: ignore[attr-defined]
+        self.input_ids: torch.Tensor = inputs.input_ids  # type: ignore[attr-defined]
+        self.out_cache_loc: torch.Tensor = inputs.out_cache_loc  # type: ignore[attr-defined]
+        self.width = self.positions.shape[0] // max(req.shape[0], 1)
+        self.req_pool_indices: torch.Tensor = req.repeat_interleave(self.width)
+        self.seq_lens: torch.Tensor = self.positions + 1
+
+    def select(self, accept_lens: torch.Tensor) -> torch.Tensor:
+        """Each request's last accepted token row: ``row * W + accept_len - 1``,
+        int64 ``[bs]``; inside the request's own rows when ``1 <= accept_len <= W``
+        (a padded row's accept length is ``W``: its last row)."""
+        bs = accept_lens.shape[0]
+        return torch.arange(bs, device=accept_lens.device) * self.width + accept_lens - 1
