@@ -3,7 +3,8 @@ live state, is caught by the sanitizer on every runner."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 import graphrunner.replay
 from conftest import CapturedToy
 from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
-from graphrunner.pools import KVCache, ReqToTokenPool
+from graphrunner.batch import DecodeBatch
+from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.populate import populate
 from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
@@ -207,3 +209,257 @@ def test_paged_cache_sink_is_slot_0_only():
     kv.k_buffers[0][3] += 1.0  # same padding page, not the sink
     with pytest.raises(PaddingViolation, match="k_cache\\[0\\] row 3 changed"):
         check.after_launch(torch.zeros(2, 3))
+
+
+# --- Live index values: each bad value is caught before launch ------------------
+
+
+def _set(batch: DecodeBatch, field: str, row: int, value: int) -> None:
+    """Plant ``value`` in ``batch.<field>[row]`` on a copy (fields may alias)."""
+    t = getattr(batch, field).clone()
+    t[row] = value
+    setattr(batch, field, t)
+
+
+def _bystander_slot(world: ToyWorld, batch: DecodeBatch) -> int:
+    """A cached KV slot of a request outside the batch (allocated, not the row's)."""
+    live = set(batch.req_pool_indices_cpu.tolist())
+    req = next(r for r in world.slots_of if r not in live)
+    return world.slots_of[req][0]
+
+
+def _freed_row(world: ToyWorld, batch: DecodeBatch) -> int:
+    live = set(batch.req_pool_indices_cpu.tolist())
+    req = next(r for r in world.slots_of if r not in live)
+    world.release(req)  # a bystander finishes: its row is free
+    return req
+
+
+def _row0_req(batch: DecodeBatch) -> int:
+    return int(batch.req_pool_indices_cpu[0])
+
+
+Plant = Callable[[ToyWorld, DecodeBatch], None]
+
+#: (name, plant on live row 1, the message it must raise)
+BAD_VALUES: list[tuple[str, Plant, str]] = [
+    (
+        "out_cache_loc -1",
+        lambda w, b: _set(b, "out_cache_loc", 1, -1),
+        r"out_cache_loc live row 1 = -1: expected an allocated KV slot",
+    ),
+    (
+        "out_cache_loc 0",
+        lambda w, b: _set(b, "out_cache_loc", 1, 0),
+        r"out_cache_loc live row 1 = 0: expected a live KV slot, not the padding slot 0",
+    ),
+    (
+        "out_cache_loc past the cache",
+        lambda w, b: _set(b, "out_cache_loc", 1, w.kv_alloc.size + 1),
+        r"out_cache_loc live row 1 = 2049: expected an allocated KV slot",
+    ),
+    (
+        "out_cache_loc freed",
+        lambda w, b: _set(b, "out_cache_loc", 1, w.kv_alloc.size),
+        r"out_cache_loc live row 1 = 2048: expected an allocated KV slot",
+    ),
+    (
+        "out_cache_loc of another request",
+        lambda w, b: _set(b, "out_cache_loc", 1, _bystander_slot(w, b)),
+        r"out_cache_loc live row 1 = \d+: expected req_to_token\[\d+, \d+\] = \d+, the slot",
+    ),
+    (
+        "out_cache_loc twice",
+        lambda w, b: _set(b, "out_cache_loc", 1, int(b.out_cache_loc[0])),
+        r"out_cache_loc live row 1 = \d+: expected each KV slot once \(live row 0 has it too\)",
+    ),
+    (
+        "req_pool_indices 0",
+        lambda w, b: _set(b, "req_pool_indices", 1, 0),
+        r"req_pool_indices live row 1 = 0: expected a live request row, not the padding row 0",
+    ),
+    (
+        "req_pool_indices -1",
+        lambda w, b: _set(b, "req_pool_indices", 1, -1),
+        r"req_pool_indices live row 1 = -1: expected a request row in 1\.\.24",
+    ),
+    (
+        "req_pool_indices past the pool",
+        lambda w, b: _set(b, "req_pool_indices", 1, 25),
+        r"req_pool_indices live row 1 = 25: expected a request row in 1\.\.24",
+    ),
+    (
+        "req_pool_indices freed",
+        lambda w, b: _set(b, "req_pool_indices", 1, _freed_row(w, b)),
+        r"req_pool_indices live row 1 = \d+: expected an allocated request row",
+    ),
+    (
+        "req_pool_indices twice",
+        lambda w, b: _set(b, "req_pool_indices", 1, _row0_req(b)),
+        r"req_pool_indices live row 1 = \d+: expected each request row once \(live row 0",
+    ),
+    (
+        "req_pool_indices != mirror",
+        lambda w, b: setattr(b, "req_pool_indices", b.req_pool_indices.flip(0).clone()),
+        r"req_pool_indices live row 0 = \d+: expected \d+, its host mirror req_pool_indices_cpu\[0\]",
+    ),
+    (
+        "positions != seq_lens - 1",
+        lambda w, b: _set(b, "positions", 1, int(b.positions[1]) - 1),
+        r"positions live row 1 = \d+: expected seq_lens - 1 = \d+",
+    ),
+    (
+        "positions -1",
+        lambda w, b: _set(b, "positions", 1, -1),
+        r"positions live row 1 = -1: expected seq_lens - 1 = \d+",
+    ),
+    (
+        "seq_lens != mirror",
+        lambda w, b: _set(b, "seq_lens", 1, int(b.seq_lens_cpu[1]) + 1),
+        r"seq_lens live row 1 = \d+: expected \d+, its host mirror seq_lens_cpu\[1\]",
+    ),
+    (
+        "seq_lens past the width",
+        lambda w, b: (_set(b, "seq_lens", 1, 65), _set(b, "seq_lens_cpu", 1, 65)),
+        r"seq_lens live row 1 = 65: expected 1\.\.64",
+    ),
+]
+
+
+class CountingForward:
+    """The toy forward, counting its calls (a violation must come before any)."""
+
+    def __init__(self, world: ToyWorld) -> None:
+        self.world, self.calls = world, 0
+
+    def __call__(self, b: object) -> torch.Tensor:
+        self.calls += 1
+        return self.world.model(b)
+
+
+def value_checked_runner(world: ToyWorld, forward: CountingForward) -> EagerRunner:
+    sanitizer = PaddingSanitizer.for_pools(world.req_pool, world.kv, kv_allocator=world.kv_alloc)
+    runner = EagerRunner(
+        forward,  # type: ignore[arg-type]
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[4, 8],
+        sanitizer=sanitizer,
+        show_progress=False,
+    )
+    runner.capture()
+    return runner
+
+
+def replay_quietly(runner: EagerRunner, batch: DecodeBatch) -> torch.Tensor:
+    with warnings.catch_warnings():  # the eager fallback's warning is not under test
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return runner.replay(batch)
+
+
+@pytest.mark.parametrize("raw_bs", [RAW_BS, 10], ids=["graph", "eager-fallback"])
+@pytest.mark.parametrize(
+    ("plant", "message"), [p[1:] for p in BAD_VALUES], ids=[p[0] for p in BAD_VALUES]
+)
+def test_bad_live_value_is_caught_before_launch(plant: Plant, message: str, raw_bs: int):
+    world = ToyWorld()
+    forward = CountingForward(world)
+    runner = value_checked_runner(world, forward)
+    batch = world.make_batch(raw_bs, seed=10)
+    replay_quietly(runner, batch)  # the batch as prepared is fine
+    batch = world.make_batch(raw_bs, seed=10)
+    plant(world, batch)
+    before, calls = world.state(), forward.calls
+    with pytest.raises(PaddingViolation, match=message):
+        replay_quietly(runner, batch)
+    assert forward.calls == calls, "the forward ran with a bad index"
+    after = world.state()
+    for name, tensor in before.items():  # no slot was written, the last one included
+        assert torch.equal(after[name], tensor), name
+
+
+def test_negative_writer_does_not_exempt_the_last_row():
+    """A -1 writer that reaches the state check (planted after the snapshot)
+    is a violation itself; it never exempts the last KV row it wrapped onto."""
+    world = ToyWorld()
+    batch = world.make_batch(RAW_BS, seed=11)
+    sanitizer = PaddingSanitizer.for_pools(world.req_pool, world.kv, kv_allocator=world.kv_alloc)
+    check = sanitizer.snapshot(batch)
+    batch.out_cache_loc = batch.out_cache_loc.clone()
+    batch.out_cache_loc[1] = -1
+    world.kv.k_buffers[0][-1] += 1.0  # the write a -1 makes
+    with pytest.raises(
+        PaddingViolation,
+        match=r"out_cache_loc live row 1 = -1: expected a row of k_cache\[0\] in 0\.\.2048",
+    ):
+        check.after_launch(torch.zeros(RAW_BS, 3))
+
+
+def test_writer_outside_the_state_is_caught_without_live_values():
+    """Inputs without a batch size skip the value checks, never the writer range."""
+    req_pool = ReqToTokenPool(2, 8, "cpu")
+    kv = KVCache(16, 1, 1, 2, torch.float32, "cpu")
+    sanitizer = PaddingSanitizer.for_pools(req_pool, kv)
+    with pytest.raises(
+        PaddingViolation,
+        match=r"out_cache_loc live row 1 = 17: expected a row of k_cache\[0\] in 0\.\.16",
+    ):
+        sanitizer.snapshot(SimpleNamespace(out_cache_loc=torch.tensor([3, 17])))
+
+
+def test_checks_skip_fields_of_another_phase():
+    """A speculative phase's inputs have several rows per request, or lack
+    fields: the checks that need them are skipped, nothing crashes."""
+    req_pool = ReqToTokenPool(4, 8, "cpu")
+    kv = KVCache(16, 1, 1, 2, torch.float32, "cpu")
+    (req,) = req_pool.alloc(1)
+    sanitizer = PaddingSanitizer.for_pools(req_pool, kv)
+    inputs = SimpleNamespace(
+        batch_size=1,
+        req_pool_indices=torch.tensor([req]),
+        out_cache_loc=torch.tensor([5, 6, 7]),  # 3 draft tokens for the one request
+        positions=torch.tensor([2, 3, 4]),
+    )
+    sanitizer.snapshot(inputs).after_launch(torch.zeros(1, 3))
+    inputs.req_pool_indices = torch.tensor([0])  # the fields it has are still checked
+    with pytest.raises(PaddingViolation, match="req_pool_indices live row 0 = 0"):
+        sanitizer.snapshot(inputs)
+
+
+def test_paged_slot_inside_the_rows_page_is_owned():
+    """With pages of 4 slots the new token's slot is inside the row's last
+    page, and still the one req_to_token records at its position."""
+    req_pool = ReqToTokenPool(4, 16, "cpu")
+    alloc = TokenToKVPoolAllocator(32, "cpu", page_size=4)
+    kv = KVCache(32, 1, 1, 2, torch.float32, "cpu", page_size=4)
+    sanitizer = PaddingSanitizer.for_pools(req_pool, kv, kv_allocator=alloc)
+    (req,) = req_pool.alloc(1)
+    pages = alloc.alloc(4)
+    req_pool.write(req, 0, pages[:2])
+    batch = DecodeBatch.from_requests(
+        [req], [2], torch.tensor([1]), device="cpu", max_context_len=16
+    )
+    batch.prepare_decode(req_pool, alloc)
+    assert batch.out_cache_loc.tolist() == [pages[2]]
+    sanitizer.snapshot(batch).after_launch(torch.zeros(1, 3))
+    _set(batch, "out_cache_loc", 0, pages[3])  # allocated, same page, not its slot
+    with pytest.raises(
+        PaddingViolation, match=f"out_cache_loc live row 0 = {pages[3]}: expected req_to_token"
+    ):
+        sanitizer.snapshot(batch)
+
+
+@pytest.mark.parametrize("field", ["out_cache_loc", "req_pool_indices", "positions"])
+def test_negative_index_is_caught_on_every_runner(sanitized: CapturedToy, field: str):
+    """A compiled program does not bounds-check: a -1 wraps onto the last row
+    (the last KV slot, maybe another request's). Caught before launch, on
+    every mechanism, with nothing written."""
+    world = sanitized.world
+    batch = world.make_batch(RAW_BS, seed=12)
+    _set(batch, field, 1, -1)
+    before = world.state()
+    with pytest.raises(PaddingViolation, match=f"{field} live row 1 = -1: expected"):
+        sanitized.runner.replay(batch)
+    after = world.state()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
