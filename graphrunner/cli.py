@@ -5,6 +5,12 @@ checkpoint), every decode step through a captured runner and checked against
 the eager forward; exits 1 on any mismatch (or, with ``--check-padding``, on
 any padding violation). ``generate`` serves the prompts of
 a file (one JSON list of token ids per line) and prints the greedy tokens.
+
+Every number is bounded by what the machine can hold, before any work: out of
+range, the CLI names the argument, the value and the allowed range, and exits 2.
+Sizes that allocate (the largest batch size, the KV page size, the context they
+imply) are checked against the available memory through
+:func:`memory_estimate`, computed from shapes alone.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,12 +36,39 @@ from graphrunner.model import (
     load_model,
     read_config,
 )
+from graphrunner.pools import whole_pages
 from graphrunner.runner import GraphRunner
 from graphrunner.sanitizer import PaddingViolation
 from graphrunner.sizes import default_capture_sizes
 from graphrunner.trace import requests_from_prompts, synthetic_trace
 
-__all__ = ["UsageError", "main", "read_prompts", "resolve_device"]
+__all__ = [
+    "UsageError",
+    "available_memory",
+    "main",
+    "memory_estimate",
+    "read_prompts",
+    "resolve_device",
+]
+
+#: --seed: torch.Generator.manual_seed takes -2**63..2**64-1, but a negative seed
+#: aliases the top half (-1 seeds as 2**64-1); 0..2**63-1 is one range, each seed
+#: its own generator state, that fits an int64 wherever it is stored.
+MAX_SEED = 2**63 - 1
+#: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
+#: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
+MAX_STEPS = 100_000
+#: --max-bs and every --capture-sizes entry, before the memory check (which
+#: needs the capture-size list, itself as long as the largest size / 32).
+MAX_BATCH_SIZE = 1_000_000
+#: What a run may assume is free when the OS does not say (no /proc/meminfo).
+FALLBACK_MEMORY_BYTES = 8 << 30
+#: req_to_token is int32: every KV slot index must fit one.
+MAX_KV_SLOTS = 2**31 - 1
+#: Host bytes per pool free-list entry (list pointer, int object, set entry).
+HOST_BYTES_PER_ENTRY = 64
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")
 
 
 class UsageError(Exception):
@@ -58,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="engine loop on the embedded model, checked vs eager")
     _common(demo)
-    demo.add_argument("--steps", type=int, default=300, help="decode steps to run (300)")
+    demo.add_argument(
+        "--steps", type=int, default=300, help=f"decode steps to run, 1..{MAX_STEPS} (300)"
+    )
     demo.set_defaults(func=_demo)
     gen = sub.add_parser("generate", help="greedy tokens for the prompts of a file")
     _common(gen)
@@ -66,13 +102,13 @@ def _parser() -> argparse.ArgumentParser:
         "--prompts", type=Path, required=True, help="file with one JSON list of token ids per line"
     )
     gen.add_argument("--output", type=Path, help="write JSON lines here (default stdout)")
-    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--max-new-tokens", type=int, default=16, help="1..the model's context (16)")
     gen.add_argument(
         "--arrive-every",
         type=int,
         default=0,
         metavar="K",
-        help="prompt i arrives at engine step i*K (0: all at once)",
+        help=f"prompt i arrives at engine step i*K, 0..{MAX_STEPS} (0: all at once)",
     )
     gen.add_argument("--end-token", type=int, help="a token id that ends a request")
     gen.add_argument("--check", action="store_true", help="check each step against eager")
@@ -105,7 +141,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-bs",
         type=int,
-        help="largest captured batch size (default 16; generate: at most the number of prompts)",
+        help="largest captured batch size (default 16; generate: at most the number of prompts); "
+        "refused past what the pools and graphs can take in the free memory",
     )
     p.add_argument(
         "--capture-sizes",
@@ -116,7 +153,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="seed of the embedded model's weights and of the demo's synthetic trace "
-        "(no effect on a --checkpoint's weights or on generate's prompts)",
+        "(no effect on a --checkpoint's weights or on generate's prompts); 0..2**63-1",
     )
     p.add_argument(
         "--check-padding",
@@ -127,22 +164,32 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--page-size",
         type=int,
         default=1,
-        help="KV page size in token slots, >= 1 (1: one slot per token)",
+        help="KV page size in token slots, 1..the run's context (1: one slot per token)",
     )
     p.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads, >= 1 (1: the small models here gain nothing from more)",
+        help="torch CPU threads, 1..this machine's cores (1: the small models here gain "
+        "nothing from more)",
     )
 
 
+def _check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:
+    if not lo <= value <= hi:
+        raise UsageError(f"{flag} {value}: expected {lo}..{hi}" + (f" ({why})" if why else ""))
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
 def _check_common(args: argparse.Namespace) -> str:
-    """Validate the arguments every command shares; returns the runner kind."""
-    if args.threads < 1:
-        raise UsageError(f"--threads {args.threads}: expected >= 1")
-    if args.page_size < 1:
-        raise UsageError(f"--page-size {args.page_size}: expected >= 1")
+    """Validate the arguments every command shares; returns the runner kind.
+    (``--page-size`` and the batch sizes are checked against the context and
+    the memory once the run's context is known: :func:`_check_fits`.)"""
+    _check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
+    _check_range("--seed", args.seed, 0, MAX_SEED)
     kind = _runner_kind(args)
     if args.compile and kind != "cuda":
         raise UsageError(
@@ -153,20 +200,23 @@ def _check_common(args: argparse.Namespace) -> str:
 
 
 def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
+    if args.max_bs is not None:
+        _check_range("--max-bs", args.max_bs, 1, MAX_BATCH_SIZE)
     if args.capture_sizes is None:
-        max_bs = default_max_bs if args.max_bs is None else args.max_bs
-        if max_bs < 1:
-            raise UsageError(f"--max-bs {max_bs}: expected >= 1")
-        return default_capture_sizes(max_bs)
+        return default_capture_sizes(default_max_bs if args.max_bs is None else args.max_bs)
     try:
         sizes = sorted({int(s) for s in args.capture_sizes.split(",")})
     except ValueError:
         raise UsageError(
             f"--capture-sizes {args.capture_sizes!r}: expected comma-separated ints"
         ) from None
-    if sizes[0] < 1 or (args.max_bs is not None and args.max_bs != sizes[-1]):
+    if not 1 <= sizes[0] <= sizes[-1] <= MAX_BATCH_SIZE:
         raise UsageError(
-            f"--capture-sizes {args.capture_sizes!r}: expected sizes >= 1 whose "
+            f"--capture-sizes {args.capture_sizes!r}: expected sizes in 1..{MAX_BATCH_SIZE}"
+        )
+    if args.max_bs is not None and args.max_bs != sizes[-1]:
+        raise UsageError(
+            f"--capture-sizes {args.capture_sizes!r}: expected sizes whose "
             f"largest equals --max-bs {args.max_bs}"
         )
     return sizes
@@ -179,7 +229,7 @@ def resolve_device(runner: str | None, device: str | None, cuda_available: bool)
     if device is None:
         on_gpu = cuda_available if runner is None else runner == "cuda"
         device = "cuda" if on_gpu else "cpu"
-    if re.fullmatch(r"cpu|cuda(?::\d+)?", device) is None:
+    if re.fullmatch(r"cpu|cuda(?::(?:0|[1-9]\d*))?", device) is None:
         raise UsageError(f"--device {device!r}: expected cpu, cuda or cuda:N")
     on_cuda = device != "cpu"
     kind = runner or ("cuda" if on_cuda else "cpu")
@@ -198,8 +248,10 @@ def resolve_device(runner: str | None, device: str | None, cuda_available: bool)
 def _runner_kind(args: argparse.Namespace) -> str:
     """Resolve ``args.device`` in place (the rest of the CLI reads it); returns the kind."""
     kind, args.device = resolve_device(args.runner, args.device, torch.cuda.is_available())
-    index = torch.device(args.device).index
-    if index is not None and index >= (count := torch.cuda.device_count()):
+    # Read off the string: torch.device parses the index as int8 (cuda:128 is -128)
+    # and raises on a longer one.
+    _, _, index = args.device.partition(":")
+    if index and int(index) >= (count := torch.cuda.device_count()):
         raise UsageError(f"--device {args.device}: expected cuda:N with N < {count} devices")
     return kind
 
@@ -211,6 +263,141 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         return read_config(args.checkpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def memory_estimate(
+    config: ModelConfig,
+    *,
+    capture_sizes: Sequence[int],
+    context: int,
+    page_size: int,
+    max_prompt_len: int,
+    pool_copies: int = 0,
+    cuda_graphs: bool = False,
+    dtype_bytes: int = 4,
+) -> int:
+    """Bytes a run of the CLI allocates, estimated from shapes alone (an upper bound).
+
+    The pools are sized for ``capture_sizes[-1]`` requests of ``context`` tokens:
+    ``req_to_token``, int32 ``[max_requests + 1, context]``, and the KV cache,
+    ``(kv_slots + page_size) * layers * 2 * kv_heads * head_dim * dtype_bytes``
+    with ``kv_slots = max_requests * whole_pages(context, page_size)``; each pool
+    also keeps a host free list. ``pool_copies`` more copies of both pools (check
+    mode snapshots the KV cache every step; so does the padding sanitizer). Then
+    the weights and the RoPE table; the static decode inputs at the largest size;
+    with ``cuda_graphs`` the float32 logits every captured size keeps and a decode
+    workspace in the graphs' pool; and the largest transient of one forward: a
+    decode step at the largest size (attention gathers ``[bs, context]`` keys and
+    values and forms the query-key product) or a prefill of ``max_prompt_len``
+    tokens (its ``[tokens, context]`` scores per head).
+    """
+    c = config
+    max_requests = capture_sizes[-1]
+    kv_slots = max_requests * whole_pages(context, page_size)
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    pools = (max_requests + 1) * context * 4
+    pools += (kv_slots + page_size) * c.num_layers * 2 * kv_dim * dtype_bytes
+    host_lists = (max_requests + kv_slots // page_size) * HOST_BYTES_PER_ENTRY
+    layer = c.hidden_size * (2 * q_dim + 2 * kv_dim + 3 * c.intermediate_size + 2)
+    heads = 1 if c.tie_word_embeddings else 2  # embedding, and lm_head unless tied
+    weights = (c.num_layers * layer + (heads * c.vocab_size + 1) * c.hidden_size) * dtype_bytes
+    rope = 2 * c.max_position_embeddings * c.head_dim * 4
+    inputs = max_requests * 6 * 8
+    outputs = sum(capture_sizes) * c.vocab_size * 4 if cuda_graphs else 0
+    # Per row: hidden states, projections and the float32 logits; per (row, key
+    # column): the slot ids (int32, then int64), the mask, the gathered K and V,
+    # the query-key product, float32 scores and the probabilities.
+    row = (2 * c.hidden_size + q_dim + 2 * kv_dim + 3 * c.intermediate_size) * dtype_bytes
+    row += c.vocab_size * 4
+    column = 13 + (2 * kv_dim + q_dim) * dtype_bytes + c.num_heads * (8 + dtype_bytes)
+    decode = max_requests * (context * column + row)
+    prefill = max_prompt_len * (context * c.num_heads * (8 + dtype_bytes) + row)
+    prefill += context * 2 * kv_dim * dtype_bytes
+    workspace = max(decode, prefill) + (decode if cuda_graphs else 0)
+    return (1 + pool_copies) * pools + host_lists + weights + rope + inputs + outputs + workspace
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """Bytes free for a run on ``device``, and where the number comes from:
+    ``torch.cuda.mem_get_info`` on CUDA; on the CPU /proc/meminfo's MemAvailable,
+    lowered to the cgroup's room where a (v2) limit is set, else a fixed cap."""
+    if device != "cpu":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"torch.cuda.mem_get_info({device})"
+    found: tuple[int, str] = (FALLBACK_MEMORY_BYTES, "a fixed cap (no /proc/meminfo)")
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found = (int(line.split()[1]) * 1024, "MemAvailable")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((_CGROUP / "memory.current").read_text())
+            found = min(found, (max(room, 0), "cgroup memory.max"))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _check_fits(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    sizes: list[int],
+    context: int,
+    *,
+    max_prompt_len: int,
+    kind: str,
+    check: bool,
+) -> None:
+    """Refuse (UsageError) a --page-size past ``context``, or pools and graphs that
+    would not fit the memory available on ``args.device`` or index KV slots past
+    int32; the batch size gets the range that fits."""
+    _check_range("--page-size", args.page_size, 1, context, "the context of this run")
+    options: dict[str, Any] = {
+        "context": context,
+        "page_size": args.page_size,
+        "max_prompt_len": max_prompt_len,
+        "pool_copies": int(check) + int(args.check_padding),
+        "cuda_graphs": kind == "cuda",
+    }
+    free, source = available_memory(args.device)
+
+    def up_to(bs: int) -> list[int]:
+        return [s for s in sizes if s < bs] + [bs]
+
+    def fits(bs: int) -> bool:
+        slots = bs * whole_pages(context, args.page_size) + args.page_size
+        return (
+            slots <= MAX_KV_SLOTS
+            and memory_estimate(config, capture_sizes=up_to(bs), **options) <= free
+        )
+
+    if fits(sizes[-1]):
+        return
+    lo, hi = 0, sizes[-1]  # fits(lo) (or lo == 0), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    need = memory_estimate(config, capture_sizes=sizes, **options)
+    why = (
+        f"memory: this run needs about {_gib(need)}, {_gib(free)} is free per {source}"
+        if need > free
+        else f"int32 KV slot indices allow {MAX_KV_SLOTS} slots"
+    )
+    if lo == 0:
+        model = f"--checkpoint {args.checkpoint}" if args.checkpoint else "the embedded model"
+        raise UsageError(f"{model} at context {context}: no batch size fits ({why})")
+    if args.capture_sizes is not None:
+        raise UsageError(
+            f"--capture-sizes {args.capture_sizes!r}: expected sizes in 1..{lo} ({why})"
+        )
+    raise UsageError(f"--max-bs {sizes[-1]}: expected 1..{lo} ({why})")
 
 
 def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
@@ -263,8 +450,9 @@ def _capture(
 
 def _demo(args: argparse.Namespace) -> int:
     sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
-    if args.steps < 1:
-        raise UsageError(f"--steps {args.steps}: expected >= 1")
+    _check_range("--steps", args.steps, 1, MAX_STEPS)
+    model_context = config.max_position_embeddings
+    _check_range("--page-size", args.page_size, 1, model_context, "the model's context")
     torch.set_num_threads(args.threads)
     # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
     trace = synthetic_trace(
@@ -277,6 +465,8 @@ def _demo(args: argparse.Namespace) -> int:
         mean_gap=4.0,
     )
     context = max(r.max_len for r in trace)  # the cache sized to the workload
+    max_prompt_len = max(len(r.prompt) for r in trace)
+    _check_fits(args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True)
     bundle = _build(args, sizes[-1], context)
     source = args.checkpoint or f"embedded default (random, seed {args.seed})"
     print(
@@ -329,11 +519,9 @@ def _report_sanitizer(runner: GraphRunner) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     kind, config = _check_common(args), _model_config(args)
-    if args.max_new_tokens < 1 or args.arrive_every < 0:
-        raise UsageError(
-            f"--max-new-tokens {args.max_new_tokens}, --arrive-every "
-            f"{args.arrive_every}: expected >= 1 and >= 0"
-        )
+    model_context = config.max_position_embeddings
+    _check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, "the model's context")
+    _check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
     if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
         raise UsageError(
             f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
@@ -347,6 +535,10 @@ def _generate(args: argparse.Namespace) -> int:
         prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
     )
     context = max(r.max_len for r in trace)
+    max_prompt_len = max(len(p) for p in prompts)
+    _check_fits(
+        args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=args.check
+    )
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
     runner = create_model_runner(

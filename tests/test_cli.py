@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,8 +18,8 @@ import torch
 
 import graphrunner.cli as cli
 from graphrunner.engine import Engine, create_model_runner
-from graphrunner.model import ModelBundle, default_model, save_checkpoint
-from graphrunner.trace import requests_from_prompts
+from graphrunner.model import ModelBundle, default_config, default_model, save_checkpoint
+from graphrunner.trace import requests_from_prompts, synthetic_trace
 from test_engine import StrayWriter
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
@@ -140,8 +143,8 @@ def test_generate_rejects_bad_prompts_before_any_work(
         (["demo", "--runner", "cuda", "--device", "cpu"], "--runner cuda does not run on"),
         (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
         (["demo", "--steps", "0"], "--steps 0"),
-        (["demo", "--threads", "0"], "--threads 0: expected >= 1"),
-        (["demo", "--page-size", "0"], "--page-size 0: expected >= 1"),
+        (["demo", "--threads", "0"], "--threads 0: expected 1.."),
+        (["demo", "--page-size", "0"], "--page-size 0: expected 1..256 (the model's context)"),
         (["demo", "--device", "meta"], "--device 'meta': expected cpu, cuda or cuda:N"),
     ],
 )
@@ -332,6 +335,7 @@ def test_compile_reaches_the_runner_only_when_asked_for(
         raise _Stop
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 30, "a fake GPU"))
     monkeypatch.setattr(cli, "_build", lambda *a: object())
     monkeypatch.setattr(cli, "create_model_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
@@ -493,10 +497,11 @@ def test_python_dash_m_runs_the_demo() -> None:
         (["--device", "meta"], "--device 'meta': expected cpu, cuda or cuda:N"),
         (["--device", "mps"], "--device 'mps': expected cpu, cuda or cuda:N"),
         (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda or cuda:N"),
-        (["--threads", "0"], "--threads 0: expected >= 1"),
-        (["--threads", "-2"], "--threads -2: expected >= 1"),
-        (["--page-size", "0"], "--page-size 0: expected >= 1"),
-        (["--page-size", "-4"], "--page-size -4: expected >= 1"),
+        (["--threads", "0"], "--threads 0: expected 1..{cores} (this machine's cores)"),
+        (["--threads", "-2"], "--threads -2: expected 1..{cores} (this machine's cores)"),
+        # The longest prompt (8 tokens) + 16 new tokens - 1.
+        (["--page-size", "0"], "--page-size 0: expected 1..23 (the context of this run)"),
+        (["--page-size", "-4"], "--page-size -4: expected 1..23 (the context of this run)"),
     ],
 )
 def test_generate_rejects_bad_arguments_before_any_work(
@@ -512,9 +517,8 @@ def test_generate_rejects_bad_arguments_before_any_work(
     assert cli.main(["generate", "--prompts", str(prompts_file), *EAGER, *args]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert (
-        captured.err == f"graphrunner generate: error: {message.replace('{tmp}', str(tmp_path))}\n"
-    )
+    message = message.replace("{tmp}", str(tmp_path)).replace("{cores}", str(os.cpu_count()))
+    assert captured.err == f"graphrunner generate: error: {message}\n"
 
 
 def test_generate_names_the_line_of_a_non_utf8_prompt(
@@ -648,3 +652,363 @@ def test_seed_help_says_what_it_seeds(capsys: pytest.CaptureFixture[str]) -> Non
         "--seed SEED seed of the embedded model's weights and of the demo's synthetic "
         "trace (no effect on a --checkpoint's weights or on generate's prompts)"
     ) in help_text
+
+
+# Bounds: every number the CLI takes is refused past what the machine can hold,
+# with exit 2, one line naming the argument, the value and the range, no output.
+
+CORES = os.cpu_count() or 1
+BIG = str(10**30)
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test, instead of hanging or allocating, if a refused run starts."""
+    monkeypatch.setattr(cli, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
+    real_sizes = cli.default_capture_sizes
+
+    def sizes(max_bs: int) -> list[int]:  # past 10**7 it would run for minutes
+        return (
+            pytest.fail(f"capture sizes up to {max_bs}") if max_bs > 10**7 else real_sizes(max_bs)
+        )
+
+    monkeypatch.setattr(cli, "default_capture_sizes", sizes)
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set {n} threads"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", str(2**63)], f"--seed {2**63}: expected 0..{2**63 - 1}"),
+        (["--seed", str(2**64)], f"--seed {2**64}: expected 0..{2**63 - 1}"),
+        (["--seed", BIG], f"--seed {BIG}: expected 0..{2**63 - 1}"),
+        (["--seed", "-1"], f"--seed -1: expected 0..{2**63 - 1}"),
+        (
+            ["--threads", str(CORES + 1)],
+            f"--threads {CORES + 1}: expected 1..{CORES} (this machine's cores)",
+        ),
+        (["--threads", "20000"], f"--threads 20000: expected 1..{CORES} (this machine's cores)"),
+        (["--threads", "100000"], f"--threads 100000: expected 1..{CORES} (this machine's cores)"),
+        (["--max-bs", "1000001"], "--max-bs 1000001: expected 1..1000000"),
+        (["--max-bs", BIG], f"--max-bs {BIG}: expected 1..1000000"),
+        (["--max-bs", "0"], "--max-bs 0: expected 1..1000000"),
+        (
+            ["--capture-sizes", "1,1000000000"],
+            "--capture-sizes '1,1000000000': expected sizes in 1..1000000",
+        ),
+        (
+            ["--capture-sizes", "1,1000001"],
+            "--capture-sizes '1,1000001': expected sizes in 1..1000000",
+        ),
+        (["--capture-sizes", "0,4"], "--capture-sizes '0,4': expected sizes in 1..1000000"),
+        (
+            ["--page-size", "1000000000"],
+            "--page-size 1000000000: expected 1..256 (the model's context)",
+        ),
+        (["--page-size", "257"], "--page-size 257: expected 1..256 (the model's context)"),
+        (["--steps", "1000000000"], "--steps 1000000000: expected 1..100000"),
+        (["--steps", "100001"], "--steps 100001: expected 1..100000"),
+        (["--steps", BIG], f"--steps {BIG}: expected 1..100000"),
+    ],
+)
+def test_demo_refuses_a_number_out_of_range_before_any_work(
+    capsys: pytest.CaptureFixture[str], no_work: None, argv: list[str], message: str
+) -> None:
+    assert cli.main(["demo", "--runner", "eager", *argv]) == 2
+    assert capsys.readouterr() == ("", f"graphrunner demo: error: {message}\n")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--max-new-tokens", "257"],
+            "--max-new-tokens 257: expected 1..256 (the model's context)",
+        ),
+        (
+            ["--max-new-tokens", BIG],
+            f"--max-new-tokens {BIG}: expected 1..256 (the model's context)",
+        ),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: expected 1..256 (the model's context)"),
+        (["--arrive-every", "100001"], "--arrive-every 100001: expected 0..100000"),
+        (["--arrive-every", BIG], f"--arrive-every {BIG}: expected 0..100000"),
+        (["--arrive-every", "-1"], "--arrive-every -1: expected 0..100000"),
+        (["--end-token", BIG], f"--end-token {BIG}: expected a token id in 0..255"),
+        (["--seed", str(2**64)], f"--seed {2**64}: expected 0..{2**63 - 1}"),
+        (["--threads", "100000"], f"--threads 100000: expected 1..{CORES} (this machine's cores)"),
+        (["--max-bs", "100000000"], "--max-bs 100000000: expected 1..1000000"),
+        (
+            ["--capture-sizes", "1,1000000000"],
+            "--capture-sizes '1,1000000000': expected sizes in 1..1000000",
+        ),
+        # The longest prompt (8 tokens) + 16 new tokens - 1 = 23.
+        (["--page-size", "24"], "--page-size 24: expected 1..23 (the context of this run)"),
+        (
+            ["--page-size", "1000000000"],
+            "--page-size 1000000000: expected 1..23 (the context of this run)",
+        ),
+    ],
+)
+def test_generate_refuses_a_number_out_of_range_before_any_work(
+    prompts_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_work: None,
+    argv: list[str],
+    message: str,
+) -> None:
+    out = tmp_path / "out.jsonl"
+    base = ["generate", "--prompts", str(prompts_file), "--runner", "eager", "--output", str(out)]
+    assert cli.main([*base, *argv]) == 2
+    assert capsys.readouterr() == ("", f"graphrunner generate: error: {message}\n")
+    assert not out.exists()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli._parser().parse_args(["demo", "--runner", "eager", "--device", "cpu", *argv])
+
+
+def test_the_values_at_the_bounds_pass_the_checks() -> None:
+    args = _args("--threads", str(CORES), "--seed", str(cli.MAX_SEED))
+    assert cli._check_common(args) == "eager"
+    assert cli._capture_sizes(_args("--max-bs", "1000000"))[-1] == 1_000_000
+    assert cli._capture_sizes(_args("--capture-sizes", "1,1000000")) == [1, 1_000_000]
+    sizes = cli._capture_sizes(_args("--max-bs", "1"))
+    cli._check_fits(
+        _args("--page-size", "23"),
+        default_config(),
+        sizes,
+        23,
+        max_prompt_len=8,
+        kind="eager",
+        check=True,
+    )
+    with pytest.raises(cli.UsageError, match=r"^--page-size 24: expected 1\.\.23 "):
+        cli._check_fits(
+            _args("--page-size", "24"),
+            default_config(),
+            sizes,
+            23,
+            max_prompt_len=8,
+            kind="eager",
+            check=True,
+        )
+
+
+def test_the_largest_seed_seeds_the_model_and_the_trace() -> None:
+    # torch takes it (it overflowed past 2**64 - 1; negatives alias the top half).
+    default_model(max_requests=1, max_context_len=8, seed=cli.MAX_SEED)
+    synthetic_trace(num_requests=2, vocab_size=256, max_context_len=64, seed=cli.MAX_SEED)
+
+
+def test_the_demo_runs_the_largest_step_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def trace(**kwargs: Any) -> None:
+        asked.append(kwargs["num_requests"])
+        raise _Stop
+
+    monkeypatch.setattr(cli, "synthetic_trace", trace)
+    with pytest.raises(_Stop):
+        cli.main(["demo", "--runner", "eager", "--steps", "100000", "--page-size", "256"])
+    assert asked == [100_000]
+
+
+def test_generate_takes_the_largest_budget_and_arrival_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[int] = []
+
+    def build(args: Any, max_requests: int, context: int) -> None:
+        built.append(context)
+        raise _Stop
+
+    monkeypatch.setattr(cli, "_build", build)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[5]\n[6]\n")
+    argv = ["generate", "--prompts", str(path), "--runner", "eager", "--page-size", "256"]
+    with pytest.raises(_Stop):
+        cli.main([*argv, "--max-new-tokens", "256", "--arrive-every", "100000"])
+    assert built == [256]
+
+
+@pytest.mark.parametrize("device", ["cuda:2", "cuda:128", "cuda:99999999999999999999"])
+def test_a_huge_cuda_device_index_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], device: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    assert cli.main(["demo", "--device", device]) == 2
+    assert capsys.readouterr().err == (
+        f"graphrunner demo: error: --device {device}: expected cuda:N with N < 2 devices\n"
+    )
+
+
+def test_a_device_index_with_a_leading_zero_is_not_a_device() -> None:
+    with pytest.raises(cli.UsageError, match="--device 'cuda:01': expected cpu, cuda or cuda:N"):
+        cli.resolve_device(None, "cuda:01", cuda_available=True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--threads", "100000"], f"--threads 100000: expected 1..{CORES} (this machine's cores)"),
+        (["--threads", "20000"], f"--threads 20000: expected 1..{CORES} (this machine's cores)"),
+        (["--seed", str(2**64)], f"--seed {2**64}: expected 0..{2**63 - 1}"),
+    ],
+)
+def test_python_dash_m_refuses_what_crashed_it(argv: list[str], message: str) -> None:
+    # In a subprocess: were the bound gone, these would crash the interpreter.
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner", "demo", "--runner", "eager", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"graphrunner demo: error: {message}\n"
+
+
+# The memory estimate, and the refusal of a run that would not fit.
+
+
+def _estimate(**kwargs: Any) -> int:
+    options: dict[str, Any] = {
+        "capture_sizes": [1, 2, 4],
+        "context": 40,
+        "page_size": 4,
+        "max_prompt_len": 8,
+    }
+    return cli.memory_estimate(default_config(), **(options | kwargs))
+
+
+def test_the_memory_estimate_counts_the_pools_the_bundle_allocates() -> None:
+    bundle = default_model(max_requests=4, max_context_len=40, page_size=4)
+    kv = bundle.kv_cache
+    pools = bundle.req_pool.req_to_token.nbytes + sum(
+        t.nbytes for t in (*kv.k_buffers, *kv.v_buffers)
+    )
+    # One more copy of the pools (check mode's snapshot) costs exactly the pools.
+    assert _estimate(pool_copies=1) - _estimate() == pools
+    model = bundle.model
+    tensors = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    assert _estimate() >= pools + tensors
+
+
+def test_the_memory_estimate_counts_the_logits_each_cuda_graph_keeps() -> None:
+    kept = (1 + 2) * 256 * 4  # sizes 1 and 2 besides 4, float32 logits of vocab 256
+    with_graphs = _estimate(cuda_graphs=True) - _estimate(capture_sizes=[4], cuda_graphs=True)
+    assert with_graphs == kept
+    assert _estimate() == _estimate(capture_sizes=[4])  # nothing kept without graphs
+
+
+def test_the_memory_estimate_grows_with_every_size_that_allocates() -> None:
+    base = _estimate()
+    assert _estimate(capture_sizes=[1, 2, 8]) > base
+    assert _estimate(context=80) > base
+    assert _estimate(page_size=32) > base  # 40 tokens take 64 slots, not 40
+    assert _estimate(max_prompt_len=40, capture_sizes=[1]) > _estimate(capture_sizes=[1])
+
+
+def test_available_memory_reads_meminfo_and_the_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    monkeypatch.setattr(cli, "_MEMINFO", meminfo)
+    monkeypatch.setattr(cli, "_CGROUP", cgroup)
+    assert cli.available_memory("cpu") == (8 << 30, "a fixed cap (no /proc/meminfo)")
+    meminfo.write_text("MemTotal: 4000 kB\nMemFree: 1000 kB\nMemAvailable: 3000 kB\n")
+    assert cli.available_memory("cpu") == (3000 * 1024, "MemAvailable")
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("100\n")
+    assert cli.available_memory("cpu") == (3000 * 1024, "MemAvailable")
+    (cgroup / "memory.max").write_text("1000100\n")
+    assert cli.available_memory("cpu") == (1000000, "cgroup memory.max")
+
+
+@pytest.fixture
+def free_memory(monkeypatch: pytest.MonkeyPatch) -> int:
+    free = 1 << 30
+    monkeypatch.setattr(cli, "available_memory", lambda device: (free, "the test"))
+    return free
+
+
+def test_a_largest_batch_past_the_memory_exits_2_naming_the_batch_that_fits(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, free_memory: int
+) -> None:
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    assert cli.main(["demo", "--runner", "eager", "--max-bs", "100000"]) == 2
+    out, err = capsys.readouterr()
+    found = re.fullmatch(
+        r"graphrunner demo: error: --max-bs 100000: expected 1\.\.(\d+) \(memory: this run "
+        r"needs about ([\d.]+) GiB, 1\.0 GiB is free per the test\)\n",
+        err,
+    )
+    assert out == "" and found, err
+    assert 1 < int(found.group(1)) < 100_000 and float(found.group(2)) > 1.0
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--max-bs", "100000"], "--max-bs 100000"),
+        (["--capture-sizes", "1,8,100000"], "--capture-sizes '1,8,100000'"),
+    ],
+)
+def test_the_batch_range_named_is_the_largest_that_fits(
+    free_memory: int, argv: list[str], flag: str
+) -> None:
+    args, config = _args(*argv), default_config()
+    sizes = cli._capture_sizes(args)
+    options: dict[str, Any] = {"max_prompt_len": 48, "kind": "eager", "check": True}
+    with pytest.raises(cli.UsageError) as error:
+        cli._check_fits(args, config, sizes, 110, **options)
+    found = re.match(
+        rf"{re.escape(flag)}: expected (?:sizes in )?1\.\.(\d+) \(memory: ", str(error.value)
+    )
+    assert found, str(error.value)
+    fits = int(found.group(1))
+
+    def estimate(bs: int) -> int:
+        up_to = [s for s in sizes if s < bs] + [bs]
+        return cli.memory_estimate(
+            config, capture_sizes=up_to, context=110, page_size=1, max_prompt_len=48, pool_copies=1
+        )
+
+    assert estimate(fits) <= free_memory < estimate(fits + 1)
+    cli._check_fits(args, config, [*[s for s in sizes if s < fits], fits], 110, **options)
+
+
+def test_kv_slots_past_int32_exit_2_even_with_memory_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 62, "the test"))
+    config = dataclasses.replace(default_config(), max_position_embeddings=4096)
+    args = _args("--max-bs", "1000000")
+    sizes = cli._capture_sizes(args)
+    options: dict[str, Any] = {"max_prompt_len": 8, "kind": "eager", "check": False}
+    # 524287 requests of 4096 slots, plus the padding slot, index below 2**31.
+    with pytest.raises(cli.UsageError) as error:
+        cli._check_fits(args, config, sizes, 4096, **options)
+    assert str(error.value) == (
+        "--max-bs 1000000: expected 1..524287 (int32 KV slot indices allow 2147483647 slots)"
+    )
+    cli._check_fits(args, config, [*[s for s in sizes if s < 524287], 524287], 4096, **options)
+
+
+def test_a_model_that_does_not_fit_at_batch_size_1_names_the_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 16, "the test"))
+    args = _args("--checkpoint", "ckpt", "--max-bs", "2")
+    with pytest.raises(cli.UsageError) as error:
+        cli._check_fits(
+            args, default_config(), [1, 2], 100, max_prompt_len=8, kind="eager", check=False
+        )
+    assert str(error.value).startswith(
+        "--checkpoint ckpt at context 100: no batch size fits (memory: this run needs about "
+    )
