@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.model.attention import AttnMetadata, attend
@@ -33,7 +32,7 @@ __all__ = ["EagleHead", "FrozenKvMtpHead", "init_draft_weights"]
 
 
 def _topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return torch.softmax(logits, dim=-1).topk(k, dim=-1)
 
 
 class _Fusion(nn.Module):
@@ -96,7 +95,7 @@ class EagleHead(nn.Module):
         return self.norm(h)
 
     def _propose(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        probs, ids = _topk_probs(F.linear(h, self.target.lm_head_weight), self.topk)
+        probs, ids = _topk_probs(self.target.logits(h), self.topk)
         return {"topk_p": probs, "topk_index": ids, "hidden": h}
 
     def forward_extend(self, inputs: object) -> dict[str, torch.Tensor]:
@@ -174,7 +173,7 @@ class FrozenKvMtpHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.target
         h = self._block(self.fusion(t.model.embed_tokens(ids), features), positions, meta)
-        return h, F.linear(h, t.lm_head_weight).float().log_softmax(-1)
+        return h, t.logits(h).log_softmax(-1)
 
     def forward_draft(self, inputs: object) -> dict[str, torch.Tensor]:
         """The whole draft loop for ``bs`` requests.

@@ -123,7 +123,7 @@ class LlamaDecoder(nn.Module):
         ``req_to_token[req_pool_indices, :seq_lens]``. Static shapes, no host
         reads: safe to capture as a CUDA graph or ``torch.compile(dynamic=False)``.
         """
-        return self._logits(self._step_hidden(inputs))
+        return self.logits(self._step_hidden(inputs))
 
     def forward_tokens(self, inputs: object) -> dict[str, torch.Tensor]:
         """A multi-token step (target verify): ``W`` tokens per request.
@@ -136,12 +136,12 @@ class LlamaDecoder(nn.Module):
         Writes every token's K/V; static shapes, no host reads.
         """
         h = self._step_hidden(TokenRows(inputs))
-        return {"logits": self._logits(h), "hidden": h}
+        return {"logits": self.logits(h), "hidden": h}
 
     def forward_decode_hidden(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """:meth:`forward_decode` that also returns the final-norm ``hidden`` ``[bs, hidden]``."""
         h = self._step_hidden(inputs)
-        return {"logits": self._logits(h), "hidden": h}
+        return {"logits": self.logits(h), "hidden": h}
 
     def _step_hidden(self, inputs: StepInputs) -> torch.Tensor:
         meta = self.attn_backend.decode_metadata(inputs, self.config.num_kv_groups)
@@ -163,6 +163,20 @@ class LlamaDecoder(nn.Module):
         this call also records in ``req_to_token[req_pool_index, prefix_len:]``.
         The first ``prefix_len`` positions must already be cached.
         """
+        hidden = self.extend_hidden(req_pool_index, token_ids, kv_slots, prefix_len)
+        return self.logits(hidden[-1])
+
+    @torch.no_grad()
+    def extend_hidden(
+        self,
+        req_pool_index: int,
+        token_ids: torch.Tensor,
+        kv_slots: torch.Tensor,
+        prefix_len: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`forward_extend`'s final-norm hidden states ``[n, hidden]``, one
+        per prompt token (a draft head's features; the LM head of the last gives
+        the next token)."""
         n, width = token_ids.shape[0], prefix_len + token_ids.shape[0]
         if n < 1 or kv_slots.shape != token_ids.shape:
             raise ValueError(
@@ -180,8 +194,7 @@ class LlamaDecoder(nn.Module):
         meta = self.attn_backend.extend_metadata(
             req_pool_index, positions, width, self.config.num_kv_groups
         )
-        h = self._hidden(token_ids, positions, kv_slots, meta)
-        return self._logits(h[-1])
+        return self._hidden(token_ids, positions, kv_slots, meta)
 
     def _hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, meta: AttnMetadata
@@ -191,7 +204,8 @@ class LlamaDecoder(nn.Module):
             h = layer(h, positions, out_loc, self.kv_cache, meta, self.rotary)
         return self.model.norm(h)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head: float32 logits ``[..., vocab]`` of final-norm hidden states."""
         return F.linear(h, self.lm_head_weight).float()
 
     @property

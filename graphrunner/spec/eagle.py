@@ -8,11 +8,13 @@ from typing import Any
 import torch
 
 from graphrunner.buffers import BufferSpec, PadRule
+from graphrunner.decode import decode_buffer_specs
 from graphrunner.model.draft import EagleHead
 from graphrunner.outputs import OutputSpec
+from graphrunner.runner import GraphRunner
 from graphrunner.spec.base import WidthRunner, check_width
 
-__all__ = ["EagleDraftExtendRunner", "eagle_draft_extend_specs"]
+__all__ = ["EagleDraftDecodeRunner", "EagleDraftExtendRunner", "eagle_draft_extend_specs"]
 
 _I64 = torch.int64
 
@@ -62,4 +64,25 @@ class EagleDraftExtendRunner(WidthRunner):
             outputs=OutputSpec(),
             backend=target.attn_backend,
             **kwargs,
+        )
+
+
+class EagleDraftDecodeRunner(GraphRunner):
+    """Captures :meth:`EagleHead.forward_decode`: one draft token per request
+    (the draft steps after the seed), on the decode buffers plus the previous
+    step's ``hidden_states`` ``[bs, hidden]`` (0 on padded rows). Writes the
+    head's own KV at ``out_cache_loc`` (slot 0 on padded rows)."""
+
+    def __init__(self, head: EagleHead, **kwargs: Any) -> None:
+        target = head.target
+        backend = target.attn_backend
+        hidden = BufferSpec(
+            "hidden_states",
+            target.model.embed_tokens.weight.dtype,
+            PadRule.ZERO,
+            extra_shape=(target.config.hidden_size,),
+        )
+        specs = [*decode_buffer_specs(seq_len_fill_value=backend.seq_len_fill_value), hidden]
+        super().__init__(
+            head.forward_decode, specs, outputs=OutputSpec(), backend=backend, **kwargs
         )
