@@ -39,7 +39,7 @@ class SpeculativeStats:
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     decode_seconds: float = 0.0  # drafting, verify and accept
-    batch_sizes: dict[int, int] = field(default_factory=dict)
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # rounds per live bs
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,8 +52,13 @@ class SpeculativeStats:
     @property
     def tokens_per_step(self) -> float:
         """Tokens a request gains per round, on average (1 + accepted drafts)."""
-        rows = sum(self.batch_sizes.values())
+        rows = self.request_rounds
         return self.decode_tokens / rows if rows else 0.0
+
+    @property
+    def request_rounds(self) -> int:
+        """Rounds summed over requests (a round of ``bs`` requests counts ``bs``)."""
+        return sum(bs * n for bs, n in self.batch_sizes.items())
 
 
 @dataclass(frozen=True, slots=True)
