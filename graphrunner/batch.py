@@ -7,34 +7,43 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
+from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
 from graphrunner.pools.req_to_token import ReqToTokenPool
-from graphrunner.pools.slots import DeviceLike, check_count
+from graphrunner.pools.slots import (
+    DeviceLike,
+    as_index_list,
+    bad_arg,
+    check_count,
+    check_device,
+    check_each,
+    check_tensor,
+    same_device,
+)
 
 __all__ = ["BatchError", "DecodeBatch"]
 
 
 class BatchError(ValueError):
-    """Inconsistent batch input; the batch (and any pool) is left exactly as it was."""
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    # "cuda" and "cuda:0" name the same device; an index is only compared when both have one.
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+    """A wrong argument value (a wrong type is a ``TypeError``); the batch (and any
+    pool) is left exactly as it was."""
 
 
 def _host(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _int_list(name: str, values: Sequence[int]) -> list[int]:
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        raise BatchError(f"{name} is on {values.device}; expected host ints (no device read)")
-    out = values.tolist() if isinstance(values, torch.Tensor) else list(values)
-    for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise BatchError(f"{name}[{i}] = {v!r}; expected an int")
-    return out
+def _host_ints(name: str, values: object, what: str = "ints") -> list[int]:
+    """Python or NumPy ints from a sequence or a 1-D integer CPU tensor, as the pools take."""
+    expected = f"a sequence of {what} (host ints or a 1-D integer CPU tensor)"
+    return as_index_list(values, name, expected=expected, error=BatchError)
+
+
+def _geometry(where: str, device: object, max_context_len: object) -> tuple[torch.device, int]:
+    return (
+        check_device(f"{where}: device", device, BatchError),
+        check_count(f"{where}: max_context_len", max_context_len, 1, error=BatchError),
+    )
 
 
 class DecodeBatch:
@@ -65,8 +74,7 @@ class DecodeBatch:
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""
-        self.device = torch.device(device)
-        self.max_context_len = check_count("max_context_len", max_context_len, minimum=1)
+        self.device, self.max_context_len = _geometry("DecodeBatch", device, max_context_len)
         self.req_pool_indices_cpu = _host([])
         self.seq_lens_cpu = _host([])
         self.req_pool_indices = self._to_device(self.req_pool_indices_cpu)
@@ -78,7 +86,7 @@ class DecodeBatch:
     @classmethod
     def empty(cls, device: DeviceLike, max_context_len: int) -> DecodeBatch:
         """The idle batch: ``bs == 0``, every tensor ``[0]``."""
-        return cls(device, max_context_len)
+        return cls(*_geometry("empty", device, max_context_len))
 
     @classmethod
     def from_requests(
@@ -97,16 +105,20 @@ class DecodeBatch:
             seq_lens: host ints, tokens already in the cache per request,
                 ``0..max_context_len``.
             input_ids: int64 ``[bs]`` on ``device``: the next token each request feeds.
+
+        Host ints are Python or NumPy ints, in a sequence or a 1-D integer CPU
+        tensor, as the pools take them.
         """
-        batch = cls(device, max_context_len)
-        reqs = _int_list("req_pool_indices", req_pool_indices)
-        lens = _int_list("seq_lens", seq_lens)
+        batch = cls(*_geometry("from_requests", device, max_context_len))
+        reqs = _host_ints("from_requests: req_pool_indices", req_pool_indices)
+        lens = _host_ints("from_requests: seq_lens", seq_lens)
         if len(reqs) != len(lens):
             raise BatchError(
-                f"{len(reqs)} req_pool_indices but {len(lens)} seq_lens; expected equal lengths"
+                f"from_requests: {len(reqs)} req_pool_indices but {len(lens)} seq_lens; "
+                "expected equal lengths"
             )
         batch._check_requests(reqs, lens)
-        batch._check_input_ids(input_ids, len(reqs))
+        batch._check_input_ids("from_requests: input_ids", input_ids, len(reqs))
         batch.req_pool_indices_cpu = _host(reqs)
         batch.seq_lens_cpu = _host(lens)
         batch.req_pool_indices = batch._to_device(batch.req_pool_indices_cpu)
@@ -156,10 +168,14 @@ class DecodeBatch:
         lens = self.seq_lens_cpu.tolist()
         self._check_prepare(req_pool, kv_alloc, reqs, lens)
         if input_ids is not None:
-            self._check_input_ids(input_ids, len(reqs))
+            self._check_input_ids("prepare_decode: input_ids", input_ids, len(reqs))
         page = kv_alloc.page_size
         starting = [i for i, n in enumerate(lens) if starts_page(n, page)]
-        fresh = kv_alloc.alloc(len(starting) * page)
+        need = len(starting) * page
+        if need > kv_alloc.available_size():
+            where = "prepare_decode: kv_alloc, slots needed"
+            raise PoolExhausted(need, kv_alloc.available_size(), "KV token slots", where)
+        fresh = kv_alloc.alloc(need)
         try:
             out_cache_loc = self._next_slots(req_pool, starting, fresh[::page])
             req_pool.write_tokens(reqs, lens, out_cache_loc)
@@ -191,13 +207,12 @@ class DecodeBatch:
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (host ints, unique, ``0..bs-1``), in that order."""
-        rows = _int_list("keep", keep)
+        rows = _host_ints("filter: keep", keep, "row indices")
         bs = self.batch_size
+        what = f"a row index in 0..{bs - 1}" if bs else "no row (the batch is empty)"
+        check_each("filter: keep", rows, 0, bs - 1, error=BatchError, what=what)
         if len(set(rows)) != len(rows):
-            raise BatchError(f"keep lists a row twice: {rows}")
-        for row in rows:
-            if not 0 <= row < bs:
-                raise BatchError(f"keep row {row} is out of range for a batch of {bs} rows")
+            raise bad_arg("filter: keep", keep, "each row at most once", BatchError)
         host_rows = _host(rows)
         dev_rows = self._to_device(host_rows)
         self._assign(
@@ -207,16 +222,21 @@ class DecodeBatch:
 
     def merge(self, other: DecodeBatch) -> None:
         """Append ``other``'s rows (``other`` is left as it was; it may be empty)."""
-        if not _same_device(self.device, other.device):
-            raise BatchError(f"cannot merge a batch on {other.device} into one on {self.device}")
+        if not isinstance(other, DecodeBatch):
+            raise bad_arg("merge: other", other, "a DecodeBatch")
+        if not same_device(self.device, other.device):
+            raise BatchError(f"merge: other is on {other.device}; expected {self.device}")
         if other.max_context_len != self.max_context_len:
             raise BatchError(
-                f"cannot merge a batch with max_context_len {other.max_context_len} into one "
-                f"with {self.max_context_len}"
+                f"merge: other has max_context_len {other.max_context_len}; expected "
+                f"{self.max_context_len}, this batch's"
             )
         shared = set(self.req_pool_indices_cpu.tolist()) & set(other.req_pool_indices_cpu.tolist())
         if shared:
-            raise BatchError(f"both batches hold requests at pool rows {sorted(shared)}")
+            raise BatchError(
+                f"merge: other holds pool rows {sorted(shared)}; expected rows this batch "
+                "does not hold"
+            )
 
         def cat(names: Sequence[str]) -> dict[str, torch.Tensor]:
             return {n: torch.cat([getattr(self, n), getattr(other, n)]) for n in names}
@@ -236,28 +256,17 @@ class DecodeBatch:
         return torch.zeros(n, dtype=torch.int64, device=self.device)
 
     def _check_requests(self, reqs: list[int], lens: list[int]) -> None:
-        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
-            if req <= 0:
-                raise BatchError(
-                    f"row {i}: req_pool_indices = {req}; expected >= 1 (0 is the padding row)"
-                )
-            if not 0 <= n <= self.max_context_len:
-                raise BatchError(
-                    f"row {i}: seq_len = {n}; expected 0..max_context_len {self.max_context_len}"
-                )
+        row = "a pool row >= 1 (0 is padding)"
+        check_each("from_requests: req_pool_indices", reqs, 1, error=BatchError, what=row)
+        check_each("from_requests: seq_lens", lens, 0, self.max_context_len, error=BatchError)
         if len(set(reqs)) != len(reqs):
-            raise BatchError(f"req_pool_indices lists a pool row twice: {reqs}")
+            raise bad_arg("from_requests: req_pool_indices", reqs, "each pool row once", BatchError)
 
-    def _check_input_ids(self, input_ids: torch.Tensor, bs: int) -> None:
-        if not isinstance(input_ids, torch.Tensor):
-            raise BatchError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype != torch.int64 or tuple(input_ids.shape) != (bs,):
-            raise BatchError(
-                f"input_ids is {input_ids.dtype} {tuple(input_ids.shape)}; "
-                f"expected torch.int64 ({bs},)"
-            )
-        if not _same_device(input_ids.device, self.device):
-            raise BatchError(f"input_ids is on {input_ids.device}; expected {self.device}")
+    def _check_input_ids(self, name: str, input_ids: object, bs: int) -> None:
+        devices = (self.device,)
+        check_tensor(
+            name, input_ids, dtype=torch.int64, shape=(bs,), devices=devices, error=BatchError
+        )
 
     def _check_prepare(
         self,
@@ -266,18 +275,27 @@ class DecodeBatch:
         reqs: list[int],
         lens: list[int],
     ) -> None:
-        if not _same_device(req_pool.device, self.device):
-            raise BatchError(f"req_pool is on {req_pool.device}; expected {self.device}")
+        if not isinstance(req_pool, ReqToTokenPool):
+            raise bad_arg("prepare_decode: req_pool", req_pool, "a ReqToTokenPool")
+        if not isinstance(kv_alloc, TokenToKVPoolAllocator):
+            raise bad_arg("prepare_decode: kv_alloc", kv_alloc, "a TokenToKVPoolAllocator")
+        if not same_device(req_pool.device, self.device):
+            raise BatchError(
+                f"prepare_decode: req_pool is on {req_pool.device}; expected {self.device}"
+            )
         if req_pool.max_context_len < self.max_context_len:
             raise BatchError(
-                f"req_pool.max_context_len {req_pool.max_context_len} is below the batch's "
-                f"{self.max_context_len}"
+                f"prepare_decode: req_pool.max_context_len {req_pool.max_context_len} is below "
+                f"the batch's {self.max_context_len}; expected at least that"
             )
         for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
             if n + 1 > self.max_context_len:
                 raise BatchError(
-                    f"row {i} (request {req}): seq_len {n} + 1 exceeds max_context_len "
-                    f"{self.max_context_len}"
+                    f"prepare_decode: row {i} (request {req}): seq_len {n} + 1 exceeds "
+                    f"max_context_len {self.max_context_len}; expected room for one more token"
                 )
             if not req_pool.is_allocated(req):
-                raise BatchError(f"row {i}: request {req} is not allocated in req_pool")
+                raise BatchError(
+                    f"prepare_decode: row {i}: request {req} is not allocated in req_pool; "
+                    "expected live rows"
+                )

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -23,11 +24,16 @@ from graphrunner.pools import PoolExhausted, ReqToTokenPool, TokenToKVPoolAlloca
 
 L = 6  # max_context_len
 DEVICE_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
-BAD_KINDS = (
+VALUE_KINDS = (  # a BatchError
     "filter_out_of_range", "filter_negative", "filter_dup", "merge_overlap", "merge_ctx",
     "from_row0", "from_dup_rows", "from_len_mismatch", "from_too_long", "from_negative",
     "from_ids_int32", "from_ids_shape", "prepare_ids_int32", "prepare_ids_shape",
 )  # fmt: skip
+TYPE_KINDS = (  # a TypeError
+    "filter_int", "filter_none", "merge_none", "from_float_len", "from_ids_list",
+    "prepare_no_pool",
+)  # fmt: skip
+BAD_KINDS = VALUE_KINDS + TYPE_KINDS
 
 
 @dataclass
@@ -142,7 +148,8 @@ class Sim:
                 self.batch = DecodeBatch.empty(self.device, L)
 
     def bad(self, kind: str) -> None:
-        self.expect_unchanged(self.bad_call(kind), BatchError)
+        error = TypeError if kind in TYPE_KINDS else BatchError
+        self.expect_unchanged(self.bad_call(kind), error)
 
     def bad_call(self, kind: str) -> Callable[[], object]:
         bs, dev, b = self.batch.batch_size, self.device, self.batch
@@ -170,6 +177,12 @@ class Sim:
             "prepare_ids_shape": lambda: b.prepare_decode(
                 self.req_pool, self.kv, self.ids([0] * (bs + 1))
             ),
+            "filter_int": lambda: b.filter(0),  # type: ignore[arg-type]
+            "filter_none": lambda: b.filter(None),  # type: ignore[arg-type]
+            "merge_none": lambda: b.merge(None),  # type: ignore[arg-type]
+            "from_float_len": new([1], [1.0], self.ids([0])),  # type: ignore[list-item]
+            "from_ids_list": new([1], [1], [0]),  # type: ignore[arg-type]
+            "prepare_no_pool": lambda: b.prepare_decode(self.kv, self.kv),  # type: ignore[arg-type]
         }
         if kind == "merge_overlap" and not self.model:
             return calls["merge_ctx"]
@@ -361,12 +374,12 @@ def test_prepare_past_context_names_the_row() -> None:
 
 
 def test_from_requests_refuses_device_sequences() -> None:
-    with pytest.raises(BatchError, match="expected host ints"):
+    with pytest.raises(BatchError, match=r"req_pool_indices=tensor\(.*device=meta\).* on cpu"):
         DecodeBatch.from_requests(
             torch.tensor([1], device="meta"), [1], torch.zeros(1, dtype=torch.int64),  # type: ignore[arg-type]
             device="cpu", max_context_len=L,
         )  # fmt: skip
-    with pytest.raises(BatchError, match="input_ids is on meta"):
+    with pytest.raises(BatchError, match=r"input_ids=tensor\(.*device=meta\).*on cpu"):
         DecodeBatch.from_requests(
             [1], [1], torch.zeros(1, dtype=torch.int64, device="meta"), device="cpu",
             max_context_len=L,
@@ -378,3 +391,46 @@ def test_prepare_when_kv_is_exhausted_changes_nothing() -> None:
     sim.add([2, 2], [7, 8], True)
     sim.kv.alloc(sim.kv.available_size() - 1)  # one slot left for two rows
     sim.expect_unchanged(lambda: sim.batch.prepare_decode(sim.req_pool, sim.kv), PoolExhausted)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda b: b.filter(0), TypeError,
+         r"^filter: keep=0 \(int\); expected a sequence of row indices"),
+        (lambda b: b.filter([0.0]), TypeError, r"^filter: keep\[0\]=0.0 \(float\); expected an int"),
+        (lambda b: b.filter([2]), BatchError, r"^filter: keep\[0\]=2 \(int\); expected a row index in 0..1"),
+        (lambda b: b.filter([1, 1]), BatchError, r"^filter: keep=\[1, 1\] \(list\); expected each row"),
+        (lambda b: b.merge(None), TypeError, r"^merge: other=None \(NoneType\); expected a DecodeBatch"),
+        (lambda b: b.prepare_decode(None, None), TypeError, r"^prepare_decode: req_pool=None"),
+    ],
+    ids=["filter_int", "filter_float", "filter_range", "filter_dup", "merge_none", "prepare_none"],
+)  # fmt: skip
+def test_bad_arguments_are_named_with_value_and_expectation(
+    call: Callable[[DecodeBatch], object], error: type[Exception], match: str
+) -> None:
+    req_pool, kv, batch = prefilled()
+    sim = Sim(torch.device("cpu"))
+    sim.batch, sim.req_pool, sim.kv = batch, req_pool, kv
+    sim.expect_unchanged(lambda: call(batch), error, match)
+
+
+def test_numpy_ints_are_host_ints_as_in_the_pools() -> None:
+    ids = torch.tensor([7, 8])
+    plain = DecodeBatch.from_requests([1, 2], [2, 3], ids, device="cpu", max_context_len=L)
+    for rows, lens in [
+        ([np.int64(1), np.int32(2)], [np.int64(2), np.uint8(3)]),
+        (np.array([1, 2]), np.array([2, 3], dtype=np.int32)),
+    ]:
+        batch = DecodeBatch.from_requests(
+            rows,
+            lens,
+            ids,
+            device="cpu",
+            max_context_len=np.int64(L),  # type: ignore[arg-type]
+        )
+        assert repr(batch) == repr(plain) and batch.max_context_len == L
+        batch.filter(np.array([1]))  # type: ignore[arg-type]
+        assert batch.req_pool_indices_cpu.tolist() == [2]
+    req_pool = ReqToTokenPool(np.int64(3), np.int64(L), "cpu")  # type: ignore[arg-type]
+    assert req_pool.alloc(np.int64(2)) == [1, 2]  # type: ignore[arg-type]

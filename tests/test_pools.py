@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -77,8 +79,15 @@ def bad_frees(case: Case, live: set[int]) -> list[tuple[Any, type[Exception]]]:
         ([0], InvalidSlot),
         ([case.first_bad], InvalidSlot),
         ([-1], InvalidSlot),
-        ([1.0], InvalidSlot),
-        (["1"], InvalidSlot),
+        ([1.0], TypeError),
+        (["1"], TypeError),
+        ([True], TypeError),
+        ([None], TypeError),
+        # Not a sequence: refused by type, never iterated.
+        (3, TypeError),
+        (None, TypeError),
+        ("12", TypeError),
+        ({1}, TypeError),
     ]
     if g:
         out += [
@@ -88,12 +97,13 @@ def bad_frees(case: Case, live: set[int]) -> list[tuple[Any, type[Exception]]]:
             (torch.tensor(g, device="meta"), InvalidSlot),
             (torch.tensor([g]), InvalidSlot),
             # Tensors inside a list are not host ints: refused, never read.
-            ([torch.tensor(g[0])], InvalidSlot),
-            ([torch.tensor(g[0], device="meta")], InvalidSlot),
+            ([torch.tensor(g[0])], TypeError),
+            ([torch.tensor(g[0], device="meta")], TypeError),
+            (np.array(g, dtype=np.float64), TypeError),
         ]
     free = [s for s in range(case.unit, case.first_bad) if s not in live]
     if free:
-        out.append(([free[0]], InvalidSlot if case.unit > 1 else DoubleFree))
+        out.append(([free[0]], DoubleFree))
     if case.unit > 1 and g:
         out.append((g[:-1], InvalidSlot))  # a partial page
     return out
@@ -189,8 +199,11 @@ def test_exhaustion_reports_requested_and_available(case: Case) -> None:
     assert isinstance(err.value, PoolError) and isinstance(err.value, ValueError)
     with pytest.raises(ValueError):
         pool.alloc(-1)
-    with pytest.raises(TypeError, match="got tensor"):
+    with pytest.raises(TypeError, match=r"alloc: n=tensor\(shape=\(\), dtype=torch.int64"):
         pool.alloc(torch.tensor(1))
+    for bad in (None, 1.5, "1", True, [1]):
+        with pytest.raises(TypeError, match=f"alloc: n={re.escape(repr(bad))} "):
+            pool.alloc(bad)
     assert_same(pool, before)
 
 
@@ -245,14 +258,17 @@ def test_bad_token_writes_raise_and_change_nothing(case: Case) -> None:
     pool = case.make()
     a, b = pool.alloc(2)
     bad: list[tuple[Any, type[Exception], str]] = [
-        (([a], [6.9], torch.tensor([5])), TypeError, "position of request .* got 6.9"),
-        (([a], [True], torch.tensor([5])), TypeError, "got True"),
-        (([a], [-1], torch.tensor([5])), ValueError, "got -1"),
-        (([a], [CTX], torch.tensor([5])), PoolError, f"position {CTX}"),
-        (([a, b], [0], [7]), PoolError, "2 rows, 1 positions and 1 locs"),
-        (([a, b], [0, 1], torch.tensor(7)), PoolError, r"shape \(\)"),
-        (([a], [1], [2**40]), PoolError, "outside 0..2\\*\\*31-1"),
-        (([0], [1], [3]), InvalidSlot, "request slot 0"),
+        (([a], [6.9], torch.tensor([5])), TypeError, r"positions\[0\]=6.9 \(float\)"),
+        (([a], [True], torch.tensor([5])), TypeError, r"positions\[0\]=True \(bool\)"),
+        (([a], [-1], torch.tensor([5])), PoolError, r"positions\[0\]=-1 .*0\.\.5"),
+        (([a], [CTX], torch.tensor([5])), PoolError, rf"positions\[0\]={CTX} "),
+        (([a, b], [0], [7]), PoolError, "2 req_indices, 1 positions and 1 locs"),
+        (([a, b], [0, 1], torch.tensor(7)), PoolError, r"locs=tensor\(shape=\(\)"),
+        (([a], [1], [2**40]), PoolError, r"locs\[0\]=1099511627776 .*0\.\.2\*\*31-1"),
+        (([0], [1], [3]), InvalidSlot, r"req_indices\[0\]=0 .*reserved padding"),
+        ((a, [1], [3]), TypeError, r"req_indices=\d \(int\); expected a sequence"),
+        (([a], None, [3]), TypeError, "positions=None"),
+        (([a], [1], 3), TypeError, r"locs=3 \(int\)"),
     ]
     for args, error, match in bad:
         before = snapshot(pool)
@@ -278,14 +294,18 @@ def test_pools_live_on_meta_without_reads() -> None:
 
 
 def test_constructor_arguments_are_checked() -> None:
-    with pytest.raises(ValueError, match="size must be >= 1"):
+    with pytest.raises(PoolError, match=r"SlotAllocator: size=0 \(int\); expected an int >= 1"):
         SlotAllocator(0)
-    with pytest.raises(ValueError, match="not a multiple of page_size"):
+    with pytest.raises(PoolError, match="size=10 .*expected a multiple of page_size 4"):
         TokenToKVPoolAllocator(10, "cpu", page_size=4)
-    with pytest.raises(TypeError, match="max_context_len must be an int"):
+    with pytest.raises(TypeError, match=r"ReqToTokenPool: max_context_len=3.0 \(float\)"):
         ReqToTokenPool(2, 3.0, "cpu")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="dtype must be a floating"):
+    with pytest.raises(PoolError, match="KVCache: dtype=torch.int32 .*a floating torch.dtype"):
         KVCache(4, 1, 1, 2, torch.int32, "cpu")
+    with pytest.raises(TypeError, match=r"MambaStatePool: conv_shape=3 \(int\)"):
+        MambaStatePool(2, 3, (2,), torch.float32, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(PoolError, match="device='nope'"):
+        ReqToTokenPool(2, 3, "nope")
 
 
 # --- KVCache -----------------------------------------------------------------

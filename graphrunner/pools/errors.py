@@ -1,4 +1,9 @@
-"""Errors raised by the pools. All are ``ValueError`` subclasses (bad input, not bad state)."""
+"""Errors raised by the pools. All are ``ValueError`` subclasses (bad input, not bad state).
+
+A wrong value is one of these; a wrong type (``None``, a float, a str, a bool, a
+non-sequence where indices are expected) is a ``TypeError``. Both name the entry
+point, the argument, its value and what was expected, and leave the pool as it was.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +22,21 @@ class PoolExhausted(PoolError):
         available: how many were free at the time.
     """
 
-    def __init__(self, requested: int, available: int, unit: str = "slots") -> None:
-        super().__init__(f"requested {requested} {unit}, only {available} available")
+    def __init__(
+        self, requested: int, available: int, unit: str = "slots", name: str = "alloc: n"
+    ) -> None:
+        super().__init__(
+            f"{name}={requested}: requested {requested} {unit}, only {available} available; "
+            f"expected at most {available}"
+        )
         self.requested = requested
         self.available = available
 
 
 class InvalidSlot(PoolError):
-    """An index that can never be valid: 0 (padding), out of range, not an integer,
-    a float tensor, or a tensor not on the CPU (reading it would be a device→host sync)."""
+    """An index that is not valid here: 0 (padding), out of range, not allocated where
+    a live slot is needed, or an index tensor that is not a 1-D integer CPU tensor
+    (reading a device tensor would be a device→host sync)."""
 
 
 class DoubleFree(PoolError):

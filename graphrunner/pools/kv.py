@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolExhausted
+from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
 from graphrunner.pools.slots import (
     DeviceLike,
     SlotAllocator,
     SlotIndices,
     as_index_list,
+    bad_arg,
     check_count,
+    check_device,
+    check_each,
+    check_float_dtype,
+    check_int,
+    check_tensor,
 )
 
 __all__ = ["KVCache", "TokenToKVPoolAllocator", "starts_page", "whole_pages"]
@@ -27,11 +35,11 @@ def starts_page(seq_len: int, page_size: int) -> bool:
     return seq_len % page_size == 0
 
 
-def _check_page_geometry(size: int, page_size: int) -> tuple[int, int]:
-    page_size = check_count("page_size", page_size, minimum=1)
-    size = check_count("size", size, minimum=page_size)
+def _check_page_geometry(where: str, size: int, page_size: int) -> tuple[int, int]:
+    page_size = check_count(f"{where}: page_size", page_size, minimum=1)
+    size = check_count(f"{where}: size", size, minimum=page_size)
     if size % page_size:
-        raise ValueError(f"size {size} is not a multiple of page_size {page_size}")
+        raise bad_arg(f"{where}: size", size, f"a multiple of page_size {page_size}", PoolError)
     return size, page_size
 
 
@@ -47,8 +55,9 @@ class TokenToKVPoolAllocator:
     """
 
     def __init__(self, size: int, device: DeviceLike, page_size: int = 1) -> None:
-        self.size, self.page_size = _check_page_geometry(size, page_size)
-        self.device = torch.device(device)
+        where = "TokenToKVPoolAllocator"
+        self.size, self.page_size = _check_page_geometry(where, size, page_size)
+        self.device = check_device(f"{where}: device", device)
         # Errors speak the caller's unit: slots when a page is one slot.
         unit = "KV slot" if self.page_size == 1 else "KV page"
         self._pages = SlotAllocator(self.size // self.page_size, name=unit)
@@ -62,7 +71,9 @@ class TokenToKVPoolAllocator:
         return self._pages.available_size() * self.page_size
 
     def is_allocated(self, slot: int) -> bool:
-        return slot >= self.page_size and self._pages.is_allocated(slot // self.page_size)
+        """Whether token ``slot`` (any int; padding and out of range: False) is handed out."""
+        n = check_int("is_allocated: slot", slot)
+        return n >= self.page_size and self._pages.is_allocated(n // self.page_size)
 
     def allocated(self) -> frozenset[int]:
         """Allocated token slots."""
@@ -74,42 +85,42 @@ class TokenToKVPoolAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """``n`` token slots (whole pages, lowest first); PoolExhausted if fewer are free."""
-        n = check_count("n", n)
+        n = check_count("alloc: n", n)
         if n % self.page_size:
-            raise ValueError(f"n={n} is not a multiple of page_size {self.page_size}")
+            raise bad_arg("alloc: n", n, f"a multiple of page_size {self.page_size}", PoolError)
         if n > self.available_size():
             raise PoolExhausted(n, self.available_size(), "KV token slots")
         ps = self.page_size
         return [p * ps + o for p in self._pages.alloc(n // ps) for o in range(ps)]
 
     def free(self, slots: SlotIndices) -> None:
-        """Free token slots (whole pages); all-or-nothing."""
-        tokens = as_index_list(slots, "KV slot")
-        if self.page_size == 1:
-            self._pages.free(tokens)
-            return
-        self._pages.free(self._whole_pages(tokens))
+        """Free token slots (allocated, whole pages); all-or-nothing."""
+        name = "free: slots"
+        if self.page_size == 1:  # a page is a slot
+            self._pages.free(slots, name)
+        else:
+            self._pages.free(self._whole_pages(as_index_list(slots, name), name), name)
 
-    def _whole_pages(self, tokens: list[int]) -> list[int]:
+    def _whole_pages(self, tokens: list[int], name: str) -> list[int]:
+        """The pages ``tokens`` fill exactly, each slot in range, allocated, listed once."""
         ps = self.page_size
-        offsets: dict[int, set[int]] = {}
-        for slot in tokens:
-            if not ps <= slot < self.size + ps:
-                raise InvalidSlot(
-                    f"KV slot {slot} is out of range: expected {ps}..{self.size + ps - 1} "
-                    f"(page 0, slots 0..{ps - 1}, is the reserved padding page)"
-                )
-            page = offsets.setdefault(slot // ps, set())
-            if slot % ps in page:
-                raise DoubleFree(f"KV slot {slot} is listed twice in one call")
-            page.add(slot % ps)
-        for page_id, seen in offsets.items():
-            if len(seen) != ps:
-                raise InvalidSlot(
-                    f"page {page_id} is freed partially (offsets {sorted(seen)}); pages are "
-                    f"freed whole: expected slots {page_id * ps}..{page_id * ps + ps - 1}"
-                )
-        return list(offsets)
+        pad = f"slots 0..{ps - 1} are the reserved padding page"
+        what = f"a KV slot in {ps}..{self.size + ps - 1} ({pad})"
+        check_each(name, tokens, ps, self.size + ps - 1, error=InvalidSlot, what=what)
+        seen: set[int] = set()
+        for i, slot in enumerate(tokens):
+            if not self._pages.is_allocated(slot // ps):
+                raise bad_arg(f"{name}[{i}]", slot, "a slot of an allocated page", DoubleFree)
+            if slot in seen:
+                raise bad_arg(f"{name}[{i}]", slot, "each KV slot listed once", DoubleFree)
+            seen.add(slot)
+        counts = collections.Counter(slot // ps for slot in tokens)
+        for page, count in counts.items():
+            if count != ps:
+                first = page * ps
+                expected = f"whole pages: page {page} (slots {first}..{first + ps - 1}) has {count}"
+                raise bad_arg(name, tokens, expected, InvalidSlot)
+        return list(counts)
 
 
 class KVCache:
@@ -120,8 +131,9 @@ class KVCache:
             Slots ``0..page_size - 1`` are the padding page: zeros at first, then
             only the (finite) writes of padded rows; nothing live ever reads them.
 
-    ``set_kv`` is graph-capturable and ``torch.compile``-friendly: it validates
-    nothing that would need a device value.
+    ``set_kv`` is graph-capturable and ``torch.compile``-friendly: it checks the
+    arguments' types, dtypes, shapes and devices, never a value on the device (so
+    the values of ``loc`` are trusted: a slot out of range is torch's error).
     """
 
     def __init__(
@@ -134,14 +146,13 @@ class KVCache:
         device: DeviceLike,
         page_size: int = 1,
     ) -> None:
-        self.size, self.page_size = _check_page_geometry(size, page_size)
-        self.num_layers = check_count("num_layers", num_layers, minimum=1)
-        self.num_kv_heads = check_count("num_kv_heads", num_kv_heads, minimum=1)
-        self.head_dim = check_count("head_dim", head_dim, minimum=1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.dtype = dtype
-        self.device = torch.device(device)
+        where = "KVCache"
+        self.size, self.page_size = _check_page_geometry(where, size, page_size)
+        self.num_layers = check_count(f"{where}: num_layers", num_layers, minimum=1)
+        self.num_kv_heads = check_count(f"{where}: num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = check_count(f"{where}: head_dim", head_dim, minimum=1)
+        self.dtype = check_float_dtype(f"{where}: dtype", dtype)
+        self.device = check_device(f"{where}: device", device)
         shape = (self.size + self.page_size, self.num_kv_heads, self.head_dim)
         self.k_buffers = [self._zeros(shape) for _ in range(self.num_layers)]
         self.v_buffers = [self._zeros(shape) for _ in range(self.num_layers)]
@@ -153,11 +164,21 @@ class KVCache:
         """Write ``k``/``v`` ``[n, num_kv_heads, head_dim]`` at slots ``loc`` (int64 ``[n]``).
 
         Padded rows carry slot 0; several may hit it in one call, which is fine:
-        slot 0 is a sink nobody reads meaningfully.
+        slot 0 is a sink nobody reads meaningfully. ``k``/``v`` of another floating
+        dtype are cast. Everything is checked before either buffer is written.
         """
+        layer = self._check_layer("set_kv: layer", layer)
+        check_tensor("set_kv: loc", loc, dtype=torch.int64, shape=(None,), devices=(self.device,))
+        shape = (loc.shape[0], self.num_kv_heads, self.head_dim)
+        for name, t in (("set_kv: k", k), ("set_kv: v", v)):
+            check_tensor(name, t, dtype="floating", shape=shape, devices=(self.device,))
         self.k_buffers[layer].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer].index_copy_(0, loc, v.to(self.dtype))
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The full ``(k, v)`` buffers of ``layer``, ``[size + page_size, H, D]`` each."""
+        layer = self._check_layer("get_kv: layer", layer)
         return self.k_buffers[layer], self.v_buffers[layer]
+
+    def _check_layer(self, name: str, layer: int) -> int:
+        return check_count(name, layer, 0, self.num_layers - 1)

@@ -8,13 +8,16 @@ from typing import Literal
 
 import torch
 
-from graphrunner.pools.errors import DoubleFree, InvalidSlot
+from graphrunner.pools.errors import InvalidSlot, PoolError
 from graphrunner.pools.slots import (
     DeviceLike,
     SlotAllocator,
     SlotPool,
     as_index_list,
+    bad_arg,
     check_count,
+    check_device,
+    check_float_dtype,
 )
 
 __all__ = ["MambaStatePool"]
@@ -49,11 +52,12 @@ class MambaStatePool(SlotPool):
         dtype: torch.dtype,
         device: DeviceLike,
     ) -> None:
-        self.size = check_count("size", size, minimum=1)
-        self.conv_shape = _check_shape("conv_shape", conv_shape)
-        self.ssm_shape = _check_shape("ssm_shape", ssm_shape)
-        self.dtype = dtype
-        self.device = torch.device(device)
+        where = "MambaStatePool"
+        self.size = check_count(f"{where}: size", size, minimum=1)
+        self.conv_shape = _check_shape(f"{where}: conv_shape", conv_shape)
+        self.ssm_shape = _check_shape(f"{where}: ssm_shape", ssm_shape)
+        self.dtype = check_float_dtype(f"{where}: dtype", dtype)
+        self.device = check_device(f"{where}: device", device)
         self._slots = SlotAllocator(self.size, name="mamba slot")
         self._pending: list[_StateOp] = []
         self.conv_state = self._zeros(self.conv_shape)
@@ -75,22 +79,18 @@ class MambaStatePool(SlotPool):
 
     def record_clear(self, indices: Sequence[int] | torch.Tensor) -> None:
         """Queue zeroing the state of allocated slots ``indices`` (each listed once)."""
-        dst = self._check_targets(indices, "record_clear")
+        dst = self._live(indices, "record_clear: indices", unique=True)
         self._pending.append(_StateOp("clear", (), tuple(dst)))
 
     def record_copy(
         self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor
     ) -> None:
         """Queue ``state[dst[i]] = state[src[i]]`` (all sources read before any write)."""
-        sources = as_index_list(src, "mamba slot")
-        targets = self._check_targets(dst, "record_copy")
+        sources = self._live(src, "record_copy: src", unique=False)
+        targets = self._live(dst, "record_copy: dst", unique=True)
         if len(sources) != len(targets):
-            raise InvalidSlot(
-                f"record_copy got {len(sources)} sources and {len(targets)} targets; "
-                "expected equal lengths"
-            )
-        for slot in sources:
-            self._check_live(slot, "record_copy source")
+            expected = f"as many targets as src has sources ({len(sources)})"
+            raise bad_arg("record_copy: dst", dst, expected, InvalidSlot)
         self._pending.append(_StateOp("copy", tuple(sources), tuple(targets)))
 
     def run_pending(self, stream: torch.cuda.Stream | None = None) -> int:
@@ -99,6 +99,8 @@ class MambaStatePool(SlotPool):
         Returns how many ops ran. Index tensors are built on the host and moved
         with ``non_blocking``: nothing is read back.
         """
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise bad_arg("run_pending: stream", stream, "None or a torch.cuda.Stream")
         if stream is None:
             return self._run_all()
         with torch.cuda.stream(stream):
@@ -125,22 +127,13 @@ class MambaStatePool(SlotPool):
         host = torch.tensor(indices, dtype=torch.int64)
         return host.to(self.device, non_blocking=True)
 
-    def _check_targets(self, indices: Sequence[int] | torch.Tensor, what: str) -> list[int]:
-        targets = as_index_list(indices, "mamba slot")
-        if len(set(targets)) != len(targets):
-            raise DoubleFree(f"{what} lists a target twice: {targets}")
-        for slot in targets:
-            self._check_live(slot, f"{what} target")
-        return targets
-
-    def _check_live(self, slot: int, what: str) -> None:
-        self._slots.check_in_range(slot)
-        if not self._slots.is_allocated(slot):
-            raise InvalidSlot(f"{what} {slot} is not allocated; state ops need live slots")
+    def _live(self, indices: object, name: str, *, unique: bool) -> list[int]:
+        """Allocated slots (state ops need live ones; else ``InvalidSlot``)."""
+        return self._slots.check_allocated(indices, name, unique=unique, free_error=InvalidSlot)
 
 
 def _check_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    dims = tuple(check_count(f"{name}[{i}]", d, minimum=1) for i, d in enumerate(shape))
+    dims = as_index_list(shape, name, expected="a tuple of ints", error=PoolError)
     if not dims:
-        raise ValueError(f"{name} must have at least one dimension, got {shape!r}")
-    return dims
+        raise bad_arg(name, shape, "at least one dimension", PoolError)
+    return tuple(check_count(f"{name}[{i}]", d, minimum=1) for i, d in enumerate(dims))

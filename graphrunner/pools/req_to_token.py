@@ -7,9 +7,22 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.pools.errors import InvalidSlot, PoolError
-from graphrunner.pools.slots import DeviceLike, SlotAllocator, SlotPool, check_count
+from graphrunner.pools.slots import (
+    DeviceLike,
+    SlotAllocator,
+    SlotPool,
+    as_index_list,
+    bad_arg,
+    check_count,
+    check_device,
+    check_each,
+    check_tensor,
+)
 
 __all__ = ["DecodeReqToTokenPool", "ReqToTokenPool"]
+
+#: req_to_token is int32: a larger KV slot would wrap silently.
+_MAX_LOC = 2**31 - 1
 
 
 class ReqToTokenPool(SlotPool):
@@ -27,9 +40,10 @@ class ReqToTokenPool(SlotPool):
     """
 
     def __init__(self, size: int, max_context_len: int, device: DeviceLike) -> None:
-        self.size = check_count("size", size, minimum=1)
-        self.max_context_len = check_count("max_context_len", max_context_len, minimum=1)
-        self.device = torch.device(device)
+        where = type(self).__name__
+        self.size = check_count(f"{where}: size", size, minimum=1)
+        self.max_context_len = check_count(f"{where}: max_context_len", max_context_len, minimum=1)
+        self.device = check_device(f"{where}: device", device)
         self._slots = SlotAllocator(self.num_slots, name="request slot")
         self.req_to_token = torch.zeros(
             (self.num_slots + 1, self.max_context_len), dtype=torch.int32, device=self.device
@@ -55,19 +69,14 @@ class ReqToTokenPool(SlotPool):
         (any integer dtype; cast to int32). Its values are not inspected, so a
         device tensor is never read back.
         """
-        self._check_row(req_index)
-        n = self._check_locs(locs)
-        start = check_count("start", start)
-        if start + n > self.max_context_len:
-            raise PoolError(
-                f"write of {n} tokens at start {start} to request {req_index} ends at "
-                f"{start + n}, past max_context_len {self.max_context_len}"
-            )
+        row = self._check_row(req_index, "write: req_index")
+        values = self._check_locs(locs, "write: locs")
+        n = len(values)
+        end = f"start + {n} locs <= max_context_len {self.max_context_len}"
+        start = check_count("write: start", start, 0, self.max_context_len - n, what=end)
         if n == 0:
             return
-        self.req_to_token[req_index, start : start + n].copy_(
-            self._locs_tensor(locs), non_blocking=True
-        )
+        self.req_to_token[row, start : start + n].copy_(_as_int32(values), non_blocking=True)
 
     def write_tokens(
         self,
@@ -78,57 +87,52 @@ class ReqToTokenPool(SlotPool):
         """One token per entry: ``req_to_token[req_indices[i], positions[i]] = locs[i]``.
 
         One vectorised device write (index_put_) of index tensors built on the host.
+        ``req_indices``, ``positions``: host ints (or 1-D integer CPU tensors).
         ``locs``: 1-D integer tensor ``[len(req_indices)]`` on the CPU or ``device``,
         or host ints.
         """
-        n_locs = self._check_locs(locs)
-        if not len(req_indices) == len(positions) == n_locs:
+        rows = as_index_list(req_indices, "write_tokens: req_indices", error=PoolError)
+        cols = as_index_list(positions, "write_tokens: positions", error=PoolError)
+        values = self._check_locs(locs, "write_tokens: locs")
+        if not len(rows) == len(cols) == len(values):
             raise PoolError(
-                f"write_tokens got {len(req_indices)} rows, {len(positions)} positions and "
-                f"{n_locs} locs; expected equal lengths"
+                f"write_tokens: {len(rows)} req_indices, {len(cols)} positions and "
+                f"{len(values)} locs; expected equal lengths"
             )
-        for row, pos in zip(req_indices, positions, strict=True):
-            self._check_row(row)
-            pos = check_count(f"position of request {row}", pos)
-            if pos >= self.max_context_len:
-                raise PoolError(
-                    f"position {pos} of request {row} is outside 0..{self.max_context_len - 1}"
-                )
-        if not req_indices:
+        self._slots.check_allocated(
+            rows, "write_tokens: req_indices", unique=False, free_error=InvalidSlot
+        )
+        check_each("write_tokens: positions", cols, 0, self.max_context_len - 1)
+        if not rows:
             return
-        rows = torch.tensor(list(req_indices), dtype=torch.int64).to(self.device, non_blocking=True)
-        cols = torch.tensor(list(positions), dtype=torch.int64).to(self.device, non_blocking=True)
-        vals = self._locs_tensor(locs).to(self.device, non_blocking=True)
-        self.req_to_token.index_put_((rows, cols), vals)
+        index = (self._on_device(rows), self._on_device(cols))
+        self.req_to_token.index_put_(index, _as_int32(values).to(self.device, non_blocking=True))
 
-    @staticmethod
-    def _locs_tensor(locs: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _check_row(self, req_index: object, name: str) -> int:
+        row = self._slots.check_in_range(req_index, name)
+        if not self._slots.is_allocated(row):
+            expected = "an allocated request slot (write to a live row)"
+            raise bad_arg(name, req_index, expected, InvalidSlot)
+        return row
+
+    def _check_locs(self, locs: object, name: str) -> torch.Tensor | list[int]:
+        """``locs`` as a 1-D integer tensor on the CPU or ``device`` (values not read)
+        or as host ints in ``0..2**31-1``."""
         if isinstance(locs, torch.Tensor):
-            return locs.to(torch.int32)
-        return torch.tensor(list(locs), dtype=torch.int32)
+            devices = ("cpu", self.device)
+            return check_tensor(name, locs, dtype="integer", shape=(None,), devices=devices)
+        values = as_index_list(locs, name, error=PoolError)
+        check_each(name, values, 0, _MAX_LOC, what="a KV slot in 0..2**31-1 (int32)")
+        return values
 
-    def _check_row(self, req_index: int) -> None:
-        if isinstance(req_index, bool) or not isinstance(req_index, int):
-            raise InvalidSlot(f"request index must be an int, got {req_index!r}")
-        self._slots.check_in_range(req_index)
-        if not self._slots.is_allocated(req_index):
-            raise InvalidSlot(f"request slot {req_index} is not allocated; write to a live row")
 
-    def _check_locs(self, locs: torch.Tensor | Sequence[int]) -> int:
-        if not isinstance(locs, torch.Tensor):
-            if any(isinstance(x, bool) or not isinstance(x, int) for x in locs):
-                raise PoolError(f"locs must be ints, got {list(locs)!r}")
-            bad = [x for x in locs if not 0 <= x < 2**31]
-            if bad:  # req_to_token is int32: a larger value would wrap silently
-                raise PoolError(f"locs {bad} are outside 0..2**31-1 (req_to_token is int32)")
-            return len(locs)
-        if locs.dim() != 1:
-            raise PoolError(f"locs has shape {tuple(locs.shape)}; expected 1-D")
-        if locs.dtype == torch.bool or locs.is_floating_point() or locs.is_complex():
-            raise PoolError(f"locs has dtype {locs.dtype}; expected an integer dtype")
-        if locs.device.type not in ("cpu", self.device.type):
-            raise PoolError(f"locs is on {locs.device}; expected the CPU or {self.device}")
-        return int(locs.shape[0])
+def _as_int32(locs: torch.Tensor | list[int]) -> torch.Tensor:
+    if isinstance(locs, torch.Tensor):
+        return locs.to(torch.int32)
+    return torch.tensor(locs, dtype=torch.int32)
 
 
 class DecodeReqToTokenPool(ReqToTokenPool):
@@ -143,7 +147,7 @@ class DecodeReqToTokenPool(ReqToTokenPool):
         self, size: int, max_context_len: int, device: DeviceLike, pre_alloc_size: int
     ) -> None:
         # Set before the base constructor, which sizes everything from num_slots.
-        self.pre_alloc_size = check_count("pre_alloc_size", pre_alloc_size)
+        self.pre_alloc_size = check_count("DecodeReqToTokenPool: pre_alloc_size", pre_alloc_size)
         super().__init__(size, max_context_len, device)
 
     @property
