@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from graphrunner import cli_spec
 from graphrunner.engine import Engine, EngineResult, create_model_runner
+from graphrunner.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner.model import (
     ModelBundle,
     ModelConfig,
@@ -61,14 +63,6 @@ MAX_STEPS = 100_000
 #: --max-bs and every --capture-sizes entry, before the memory check (which
 #: needs the capture-size list, itself as long as the largest size / 32).
 MAX_BATCH_SIZE = 1_000_000
-#: What a run may assume is free when the OS does not say (no /proc/meminfo).
-FALLBACK_MEMORY_BYTES = 8 << 30
-#: req_to_token is int32: every KV slot index must fit one.
-MAX_KV_SLOTS = 2**31 - 1
-#: Host bytes per pool free-list entry (list pointer, int object, set entry).
-HOST_BYTES_PER_ENTRY = 64
-_MEMINFO = Path("/proc/meminfo")
-_CGROUP = Path("/sys/fs/cgroup")
 
 
 class UsageError(Exception):
@@ -174,6 +168,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "nothing from more)",
     )
 
+    cli_spec.add_arguments(p)
+
 
 def _check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:
     if not lo <= value <= hi:
@@ -190,6 +186,7 @@ def _check_common(args: argparse.Namespace) -> str:
     the memory once the run's context is known: :func:`_check_fits`.)"""
     _check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
     _check_range("--seed", args.seed, 0, MAX_SEED)
+    cli_spec.validate(args, UsageError)
     kind = _runner_kind(args)
     if args.compile and kind != "cuda":
         raise UsageError(
@@ -263,82 +260,6 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         return read_config(args.checkpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-
-def memory_estimate(
-    config: ModelConfig,
-    *,
-    capture_sizes: Sequence[int],
-    context: int,
-    page_size: int,
-    max_prompt_len: int,
-    pool_copies: int = 0,
-    cuda_graphs: bool = False,
-    dtype_bytes: int = 4,
-) -> int:
-    """Bytes a run of the CLI allocates, estimated from shapes alone (an upper bound).
-
-    The pools are sized for ``capture_sizes[-1]`` requests of ``context`` tokens:
-    ``req_to_token``, int32 ``[max_requests + 1, context]``, and the KV cache,
-    ``(kv_slots + page_size) * layers * 2 * kv_heads * head_dim * dtype_bytes``
-    with ``kv_slots = max_requests * whole_pages(context, page_size)``; each pool
-    also keeps a host free list. ``pool_copies`` more copies of both pools (check
-    mode snapshots the KV cache every step; so does the padding sanitizer). Then
-    the weights and the RoPE table; the static decode inputs at the largest size;
-    with ``cuda_graphs`` the float32 logits every captured size keeps and a decode
-    workspace in the graphs' pool; and the largest transient of one forward: a
-    decode step at the largest size (attention gathers ``[bs, context]`` keys and
-    values and forms the query-key product) or a prefill of ``max_prompt_len``
-    tokens (its ``[tokens, context]`` scores per head).
-    """
-    c = config
-    max_requests = capture_sizes[-1]
-    kv_slots = max_requests * whole_pages(context, page_size)
-    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    pools = (max_requests + 1) * context * 4
-    pools += (kv_slots + page_size) * c.num_layers * 2 * kv_dim * dtype_bytes
-    host_lists = (max_requests + kv_slots // page_size) * HOST_BYTES_PER_ENTRY
-    layer = c.hidden_size * (2 * q_dim + 2 * kv_dim + 3 * c.intermediate_size + 2)
-    heads = 1 if c.tie_word_embeddings else 2  # embedding, and lm_head unless tied
-    weights = (c.num_layers * layer + (heads * c.vocab_size + 1) * c.hidden_size) * dtype_bytes
-    rope = 2 * c.max_position_embeddings * c.head_dim * 4
-    inputs = max_requests * 6 * 8
-    outputs = sum(capture_sizes) * c.vocab_size * 4 if cuda_graphs else 0
-    # Per row: hidden states, projections and the float32 logits; per (row, key
-    # column): the slot ids (int32, then int64), the mask, the gathered K and V,
-    # the query-key product, float32 scores and the probabilities.
-    row = (2 * c.hidden_size + q_dim + 2 * kv_dim + 3 * c.intermediate_size) * dtype_bytes
-    row += c.vocab_size * 4
-    column = 13 + (2 * kv_dim + q_dim) * dtype_bytes + c.num_heads * (8 + dtype_bytes)
-    decode = max_requests * (context * column + row)
-    prefill = max_prompt_len * (context * c.num_heads * (8 + dtype_bytes) + row)
-    prefill += context * 2 * kv_dim * dtype_bytes
-    workspace = max(decode, prefill) + (decode if cuda_graphs else 0)
-    return (1 + pool_copies) * pools + host_lists + weights + rope + inputs + outputs + workspace
-
-
-def available_memory(device: str) -> tuple[int, str]:
-    """Bytes free for a run on ``device``, and where the number comes from:
-    ``torch.cuda.mem_get_info`` on CUDA; on the CPU /proc/meminfo's MemAvailable,
-    lowered to the cgroup's room where a (v2) limit is set, else a fixed cap."""
-    if device != "cpu":
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), f"torch.cuda.mem_get_info({device})"
-    found: tuple[int, str] = (FALLBACK_MEMORY_BYTES, "a fixed cap (no /proc/meminfo)")
-    try:
-        for line in _MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found = (int(line.split()[1]) * 1024, "MemAvailable")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        limit = (_CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            room = int(limit) - int((_CGROUP / "memory.current").read_text())
-            found = min(found, (max(room, 0), "cgroup memory.max"))
-    except (OSError, ValueError):
-        pass
-    return found
 
 
 def _gib(n: int) -> str:
@@ -455,16 +376,17 @@ def _demo(args: argparse.Namespace) -> int:
     _check_range("--page-size", args.page_size, 1, model_context, "the model's context")
     torch.set_num_threads(args.threads)
     # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
+    extra = cli_spec.extra_context(args)  # a speculative round's fresh slots
     trace = synthetic_trace(
         num_requests=args.steps,
         vocab_size=config.vocab_size,
-        max_context_len=config.max_position_embeddings,
+        max_context_len=config.max_position_embeddings - extra,
         seed=args.seed,
         prompt_len=(4, 48),
         new_tokens=(8, 64),
         mean_gap=4.0,
     )
-    context = max(r.max_len for r in trace)  # the cache sized to the workload
+    context = max(r.max_len for r in trace) + extra  # the cache sized to the workload
     max_prompt_len = max(len(r.prompt) for r in trace)
     _check_fits(args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True)
     bundle = _build(args, sizes[-1], context)
@@ -479,11 +401,29 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
+    if args.speculative:
+        return _demo_speculative(args, bundle, trace, kind, sizes)
     runner = _capture(bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
     _report_sanitizer(runner)
     return 1 if result.stats.mismatches else 0
+
+
+def _demo_speculative(
+    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
+) -> int:
+    """Speculative rounds, then plain greedy on the same pools: the same tokens."""
+    options = _compile_option(args.compile)
+    result = cli_spec.run_speculative(
+        args, bundle, trace, kind, sizes, options, max_steps=args.steps
+    )
+    plain, plain_tps = cli_spec.plain_greedy(
+        bundle, trace, kind, sizes, options, max_steps=args.steps
+    )
+    diff = cli_spec.differing(result.outputs, plain)
+    cli_spec.report(args, result, plain_tps, diff)
+    return 1 if diff else 0
 
 
 def _report(result: EngineResult) -> None:
@@ -534,25 +474,20 @@ def _generate(args: argparse.Namespace) -> int:
     trace = requests_from_prompts(
         prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
     )
-    context = max(r.max_len for r in trace)
+    context = max(r.max_len for r in trace) + cli_spec.extra_context(args)
+    if context > model_context:
+        raise UsageError(
+            f"--draft-tokens {args.draft_tokens}: the prompts need a context of {context} "
+            f"with the draft tokens; the model has {model_context}"
+        )
     max_prompt_len = max(len(p) for p in prompts)
     _check_fits(
         args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=args.check
     )
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
-    runner = create_model_runner(
-        bundle,
-        kind,
-        capture_sizes=sizes,
-        check_padding=args.check_padding,
-        **_compile_option(args.compile),
-    )
-    runner.capture()
-    result = Engine(bundle, runner, check=args.check, end_token=args.end_token).run(trace)
-    text = "".join(
-        json.dumps({"prompt": r.rid, "tokens": result.outputs[r.rid]}) + "\n" for r in trace
-    )
+    outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes)
+    text = "".join(json.dumps({"prompt": r.rid, "tokens": outputs[r.rid]}) + "\n" for r in trace)
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -562,8 +497,30 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
             return 1
     if args.check:
-        print(f"mismatches: {result.stats.mismatches}", file=sys.stderr)
-    return 1 if result.stats.mismatches else 0
+        print(f"mismatches: {mismatches}", file=sys.stderr)
+    return 1 if mismatches else 0
+
+
+def _generate_outputs(
+    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
+) -> tuple[dict[int, list[int]], int]:
+    """Greedy outputs by request, and the mismatches ``--check`` found: steps
+    off the eager forward, or (speculative) requests off plain greedy."""
+    options = _compile_option(args.compile)
+    if args.speculative:
+        end = args.end_token
+        result = cli_spec.run_speculative(args, bundle, trace, kind, sizes, options, end_token=end)
+        if not args.check:
+            return result.outputs, 0
+        expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
+        return result.outputs, cli_spec.differing(result.outputs, expected)
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
+    )
+    runner.capture()
+    engine = Engine(bundle, runner, check=args.check, end_token=args.end_token)
+    greedy = engine.run(trace)
+    return greedy.outputs, greedy.stats.mismatches
 
 
 def _check_output(path: Path) -> None:

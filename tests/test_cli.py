@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import graphrunner.cli as cli
+import graphrunner.memory as memory
 from graphrunner.engine import Engine, create_model_runner
 from graphrunner.model import ModelBundle, default_config, default_model, save_checkpoint
 from graphrunner.trace import requests_from_prompts, synthetic_trace
@@ -917,17 +918,17 @@ def test_available_memory_reads_meminfo_and_the_cgroup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
-    monkeypatch.setattr(cli, "_MEMINFO", meminfo)
-    monkeypatch.setattr(cli, "_CGROUP", cgroup)
-    assert cli.available_memory("cpu") == (8 << 30, "a fixed cap (no /proc/meminfo)")
+    monkeypatch.setattr(memory, "_MEMINFO", meminfo)
+    monkeypatch.setattr(memory, "_CGROUP", cgroup)
+    assert memory.available_memory("cpu") == (8 << 30, "a fixed cap (no /proc/meminfo)")
     meminfo.write_text("MemTotal: 4000 kB\nMemFree: 1000 kB\nMemAvailable: 3000 kB\n")
-    assert cli.available_memory("cpu") == (3000 * 1024, "MemAvailable")
+    assert memory.available_memory("cpu") == (3000 * 1024, "MemAvailable")
     cgroup.mkdir()
     (cgroup / "memory.max").write_text("max\n")
     (cgroup / "memory.current").write_text("100\n")
-    assert cli.available_memory("cpu") == (3000 * 1024, "MemAvailable")
+    assert memory.available_memory("cpu") == (3000 * 1024, "MemAvailable")
     (cgroup / "memory.max").write_text("1000100\n")
-    assert cli.available_memory("cpu") == (1000000, "cgroup memory.max")
+    assert memory.available_memory("cpu") == (1000000, "cgroup memory.max")
 
 
 @pytest.fixture

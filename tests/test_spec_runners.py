@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from spec_world import SpecWorld
 
 from conftest import RUNNER_PARAMS, make_runner, runner_device
 from graphrunner import GraphRunner
@@ -22,6 +21,7 @@ from graphrunner.spec import (
     TargetVerifyRunner,
     frozen_kv_sanitizer,
 )
+from spec_world import SpecWorld
 
 SIZES = [2, 4]
 W = 4  # > steps + 1 of the MTP loop (3): a stride bug between the two shows

@@ -113,16 +113,23 @@ class SpeculativeEngine:
         self.k, self.end_token = drafter.k, end_token
         self.device = bundle.device
 
-    def run(self, trace: Sequence[Request], *, progress: bool = False) -> SpeculativeResult:
-        """Serve ``trace`` until every request finished; greedy outputs by request id."""
+    def run(
+        self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
+    ) -> SpeculativeResult:
+        """Serve ``trace`` until every request finished or ``max_steps`` rounds
+        ran; greedy outputs by request id (a cut request's so far)."""
         self._validate(trace)
         run = _Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
             {r.rid: [] for r in trace},
         )
         try:
-            with tqdm(desc="speculative", unit="round", disable=not progress) as bar:
-                while run.pending or run.live:
+            with tqdm(
+                total=max_steps, desc="speculative", unit="round", disable=not progress
+            ) as bar:
+                while (run.pending or run.live) and (
+                    max_steps is None or run.stats.steps < max_steps
+                ):
                     if not run.live:
                         run.clock = max(run.clock, run.pending[0].arrival_step)
                     self._admit(run)
@@ -130,6 +137,8 @@ class SpeculativeEngine:
                         self._round(run)
                         bar.update(1)
                     run.clock += 1
+            for req in run.live:  # cut by max_steps
+                run.outputs[req.request.rid] = req.tokens
         finally:  # on an error too: a failed run leaks no row or slot
             for req in list(run.live):
                 self._free(req)
