@@ -5,7 +5,7 @@ eager path for a batch above every captured size."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,7 @@ from graphrunner.sizes import BatchSizeError
 
 __all__ = [
     "NotCapturedError",
+    "StepParts",
     "batch_size_of",
     "check_host_mirrors",
     "launch_padded",
@@ -85,12 +86,19 @@ def _poison_held(held: Outputs | None, buffers: StaticBuffers, inputs: Any) -> N
         poison_outputs(held, spare)
 
 
+class StepParts(Protocol):
+    """What a step reads of its runner (a :class:`~graphrunner.GraphRunner`)."""
+
+    forward: ForwardFn
+    buffers: StaticBuffers
+    backend: GraphBackend
+    outputs: OutputLayout
+    sanitizer: PaddingSanitizer | None
+
+
 def launch_padded(
+    parts: StepParts,
     launcher: Launcher,
-    buffers: StaticBuffers,
-    backend: GraphBackend,
-    layout: OutputLayout,
-    sanitizer: PaddingSanitizer | None,
     inputs: Any,
     raw_bs: int,
     bs: int,
@@ -99,6 +107,7 @@ def launch_padded(
     """Populate size ``bs`` with ``raw_bs`` live rows, launch it, and return the
     live rows' outputs with the device operations populate issued. ``held``,
     the previous step's outputs under a sanitizer, is poisoned before launch."""
+    buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
         validate_step(backend, inputs, raw_bs)
         with nvtx.range(f"populate bs={bs}"):
@@ -107,18 +116,14 @@ def launch_padded(
         check = sanitizer.before_launch(buffers, inputs, raw_bs, bs) if sanitizer else None
         _poison_held(held, buffers, inputs)
         with nvtx.range(f"launch bs={bs}"):
-            out = layout.live(launcher(), raw_bs)
+            out = parts.outputs.live(launcher(), raw_bs)
         if check is not None:
             check.after_launch(out)
     return out, ops
 
 
 def run_eager(
-    forward: ForwardFn,
-    buffers: StaticBuffers,
-    backend: GraphBackend,
-    layout: OutputLayout,
-    sanitizer: PaddingSanitizer | None,
+    parts: StepParts,
     inputs: Any,
     raw_bs: int,
     warn_once: Callable[[], None],
@@ -127,14 +132,14 @@ def run_eager(
     """The batch is larger than every graph: the same input checks, output
     declarations and sanitizer (no padded tails here), through the eager
     forward; ``warn_once`` is called once the inputs passed their checks."""
-    validate_step(backend, inputs, raw_bs)
-    check_inputs(buffers, inputs, raw_bs)
+    validate_step(parts.backend, inputs, raw_bs)
+    check_inputs(parts.buffers, inputs, raw_bs)
     warn_once()
-    check = sanitizer.snapshot(inputs) if sanitizer else None
-    _poison_held(held, buffers, inputs)
+    check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
+    _poison_held(held, parts.buffers, inputs)
     with nvtx.range(f"eager bs={raw_bs}"):
-        out = forward(inputs)
-    layout.check(out, raw_bs, any_width=True)
+        out = parts.forward(inputs)
+    parts.outputs.check(out, raw_bs, any_width=True)
     if check is not None:
         check.after_launch(out)
     return out

@@ -233,17 +233,7 @@ class GraphRunner:
 
     def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
         bs = self.graph_size_for(raw_bs)
-        out, ops = launch_padded(
-            self._launchers[bs],
-            self.buffers,
-            self.backend,
-            self.outputs,
-            self.sanitizer,
-            inputs,
-            raw_bs,
-            bs,
-            self._held,
-        )
+        out, ops = launch_padded(self, self._launchers[bs], inputs, raw_bs, bs, self._held)
         self.stats.count_replay(raw_bs, bs, ops)
         return out
 
@@ -256,16 +246,6 @@ class GraphRunner:
                     f"(counted in runner.stats.eager_fallbacks, warned once)"
                 )
 
-        out = run_eager(
-            self.forward,
-            self.buffers,
-            self.backend,
-            self.outputs,
-            self.sanitizer,
-            inputs,
-            raw_bs,
-            warn_once,
-            self._held,
-        )
+        out = run_eager(self, inputs, raw_bs, warn_once, self._held)
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
         return out
