@@ -163,7 +163,7 @@ class LlamaDecoder(nn.Module):
         this call also records in ``req_to_token[req_pool_index, prefix_len:]``.
         The first ``prefix_len`` positions must already be cached.
         """
-        hidden = self.extend_hidden(req_pool_index, token_ids, kv_slots, prefix_len)
+        hidden = self.extend_hidden(req_pool_index, token_ids, kv_slots, prefix_len=prefix_len)
         return self.logits(hidden[-1])
 
     @torch.no_grad()
@@ -172,6 +172,7 @@ class LlamaDecoder(nn.Module):
         req_pool_index: int,
         token_ids: torch.Tensor,
         kv_slots: torch.Tensor,
+        *,
         prefix_len: int = 0,
     ) -> torch.Tensor:
         """:meth:`forward_extend`'s final-norm hidden states ``[n, hidden]``, one
