@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -93,6 +94,31 @@ def slow() -> bool:
 PADDED_CASES: set[tuple[str, int, int]] = set()
 
 
+@dataclass(slots=True)
+class PaddedTally:
+    """What ``tests/test_padded_suite.py`` checked for one runner label.
+
+    ``steps``: decode steps replayed and compared with the eager reference;
+    ``padded``: those that replayed a graph larger than the live batch;
+    ``eager_fallbacks``: those above the largest graph. ``bytes_compared``:
+    the live output bytes plus the state bytes (KV outside slot 0,
+    ``req_to_token``) each step compared; ``bytes_differed``: those that
+    failed the comparison (the test fails on any, so a green run prints 0).
+    """
+
+    steps: int = 0
+    padded: int = 0
+    eager_fallbacks: int = 0
+    bytes_compared: int = 0
+    bytes_differed: int = 0
+
+
+#: PaddedTally per runner label, filled by the padded suite's lifecycles.
+PADDED_TALLY: dict[str, PaddedTally] = {}
+#: One line per churn soak run (``tests/test_soak.py``), printed at the end.
+SOAK_REPORTS: list[str] = []
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if PADDED_CASES:
         runners = sorted({kind for kind, _, _ in PADDED_CASES})
@@ -100,3 +126,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"padded suite: {len(PADDED_CASES)} distinct (runner, captured size, raw size) "
             f"cases replayed across runners {runners}"
         )
+    for label, t in sorted(PADDED_TALLY.items()):
+        terminalreporter.write_line(
+            f"padded lifecycles [{label}]: {t.padded:,} padded replays of {t.steps:,} steps "
+            f"({t.eager_fallbacks:,} eager fallbacks); {t.bytes_compared:,} bytes of outputs "
+            f"and state compared with eager, {t.bytes_differed:,} differed"
+        )
+    for line in SOAK_REPORTS:
+        terminalreporter.write_line(line)
