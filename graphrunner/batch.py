@@ -148,8 +148,10 @@ class DecodeBatch:
         req_pool: ReqToTokenPool,
         kv_alloc: TokenToKVPoolAllocator,
         input_ids: torch.Tensor | None = None,
-    ) -> None:
-        """Advance every request by one token.
+    ) -> dict[int, int]:
+        """Advance every request by one token; returns the fresh pages it
+        allocated, as ``{row: first slot}`` for the rows that started one (host
+        ints, no read back: what to free if the step never runs).
 
         Per row: take the next KV slot, ``positions = seq_lens`` (old),
         ``req_to_token[req, position] = slot`` (one vectorised device write),
@@ -188,6 +190,7 @@ class DecodeBatch:
         self.out_cache_loc = out_cache_loc
         if input_ids is not None:
             self.input_ids = input_ids
+        return dict(zip(starting, fresh[::page], strict=True))
 
     def _next_slots(
         self, req_pool: ReqToTokenPool, starting: list[int], first_slots: list[int]

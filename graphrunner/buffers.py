@@ -59,6 +59,9 @@ class BufferSpec:
         index: the buffer holds indices (pool rows, KV slots, positions, token
             ids): its padded rows must point at slot 0 or at the width, so
             only :attr:`PadRule.ZERO` and :attr:`PadRule.WIDTH` are accepted.
+        future: live values below 0 are future references ``-r`` that
+            populate resolves from the runner's
+            :class:`~graphrunner.overlap.FutureMap` (row ``r``'s next token).
 
     Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
@@ -73,6 +76,7 @@ class BufferSpec:
     width: int | None = None
     host: bool = False
     index: bool = False
+    future: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -117,7 +121,7 @@ class BufferSpec:
                 f"buffer {self.name!r}: extra_shape={self.extra_shape!r}; "
                 f"expected a tuple of ints >= 1"
             )
-        for flag in ("host", "index"):
+        for flag in ("host", "index", "future"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
                     f"buffer {self.name!r}: {flag}={getattr(self, flag)!r}; expected a bool"
@@ -163,6 +167,22 @@ def _check_exact(name: str, field: str, dtype: torch.dtype, value: int | float) 
         )
 
 
+def _check_future(specs: Sequence[BufferSpec], tokens: torch.Tensor | None) -> torch.Tensor | None:
+    futures = [s.name for s in specs if s.future]
+    if bool(futures) != (tokens is not None):
+        raise ValueError(
+            f"buffers declared future=True: {futures}; a future map was "
+            f"{'not ' if tokens is None else ''}given (one goes with the other)"
+        )
+    for name in futures:
+        spec = next(s for s in specs if s.name == name)
+        if spec.dtype != torch.int64 or spec.host or spec.extra_shape:
+            raise ValueError(
+                f"buffer {name!r}: future references need a device int64 [rows] buffer"
+            )
+    return tokens
+
+
 class BufferView:
     """The first ``bs`` requests' rows of every static buffer, as attributes by name.
 
@@ -188,10 +208,17 @@ class StaticBuffers:
         specs: one :class:`BufferSpec` per input; names unique.
         max_bs: the largest captured batch size.
         device: where the buffers live (``host=True`` ones live on the CPU).
+        future_tokens: the future map's tokens (int64 ``[rows]`` on ``device``),
+            required exactly when a spec declares ``future=True``.
     """
 
     def __init__(
-        self, specs: Sequence[BufferSpec], max_bs: int, device: torch.device | str
+        self,
+        specs: Sequence[BufferSpec],
+        max_bs: int,
+        device: torch.device | str,
+        *,
+        future_tokens: torch.Tensor | None = None,
     ) -> None:
         if not _is_int(max_bs) or max_bs < 1:
             raise ValueError(f"max_bs={max_bs!r}; expected an int >= 1")
@@ -204,6 +231,7 @@ class StaticBuffers:
             raise ValueError(f"buffer names declared more than once: {dupes}")
         self.specs: tuple[BufferSpec, ...] = tuple(specs)
         self.max_bs = max_bs
+        self.future_tokens = _check_future(self.specs, future_tokens)
         # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
         self.device = torch.empty(0, device=device).device
         # Read-only: populate's cached plans and the captured graphs hold these

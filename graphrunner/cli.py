@@ -342,7 +342,7 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
         raise UsageError(str(e)) from None
 
 
-def _compile_option(compile: bool) -> dict[str, bool]:
+def _compile_option(compile: bool) -> dict[str, Any]:
     # Passed only when asked for, so a plain run makes the call every engine accepts.
     return {"compile": True} if compile else {}
 

@@ -49,7 +49,7 @@ SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
 
 
 def decode_buffer_specs(
-    *, seq_len_fill_value: int = 1, host_seq_lens: bool = False
+    *, seq_len_fill_value: int = 1, host_seq_lens: bool = False, future: bool = False
 ) -> list[BufferSpec]:
     """The decode step's buffers with the pad rules of the design table.
 
@@ -57,11 +57,15 @@ def decode_buffer_specs(
     many tokens through ``req_to_token`` row 0, i.e. the zeroed KV slot 0.
     ``host_seq_lens=True`` adds ``seq_lens_cpu``, a padded host buffer (same
     fill) for backends that plan on the host from the padded lengths.
+    ``future=True`` lets ``input_ids`` hold future references (overlap
+    scheduling: :mod:`graphrunner.overlap`), resolved by populate.
     """
     specs = [
         dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
         for s in DECODE_FIELDS
     ]
+    if future:
+        specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
     if host_seq_lens:
         specs.append(
             BufferSpec(

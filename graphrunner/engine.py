@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from graphrunner.batch import DecodeBatch
 from graphrunner.decode import decode_buffer_specs
 from graphrunner.model.build import ModelBundle
+from graphrunner.overlap import FutureMap
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.runner import GraphRunner
 from graphrunner.runners import create_runner
@@ -51,6 +52,7 @@ def create_model_runner(
     max_bs: int | None = None,
     show_progress: bool = False,
     check_padding: bool = False,
+    future_map: FutureMap | None = None,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -58,11 +60,15 @@ def create_model_runner(
 
     ``check_padding=True`` guards the bundle's pools with a
     :class:`~graphrunner.sanitizer.PaddingSanitizer` around every replay (a
-    debug mode: it copies the KV cache per step). ``mechanism_options`` go to
-    the runner's mechanism, e.g. ``compile=True`` for ``cuda``.
+    debug mode: it copies the KV cache per step). ``future_map`` lets
+    ``input_ids`` carry future references (overlap scheduling).
+    ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
+    for ``cuda``.
     """
     model = bundle.model
-    specs = decode_buffer_specs(seq_len_fill_value=model.attn_backend.seq_len_fill_value)
+    specs = decode_buffer_specs(
+        seq_len_fill_value=model.attn_backend.seq_len_fill_value, future=future_map is not None
+    )
     sanitizer = None
     if check_padding:
         sanitizer = PaddingSanitizer.for_pools(
@@ -78,6 +84,7 @@ def create_model_runner(
         backend=model.attn_backend,
         show_progress=show_progress,
         sanitizer=sanitizer,
+        future_map=future_map,
         **mechanism_options,
     )
 

@@ -17,7 +17,7 @@ import torch
 
 from graphrunner.buffers import BufferSpec, StaticBuffers
 
-__all__ = ["PopulateError", "check_inputs", "populate"]
+__all__ = ["PopulateError", "check_inputs", "populate", "resolve_futures"]
 
 
 class PopulateError(ValueError):
@@ -38,10 +38,13 @@ class _Plan:
     copies: tuple[_CopyGroup, ...]
     zeros: tuple[list[torch.Tensor], ...]  # padded tails by (device, dtype), one zero op each
     fills: tuple[tuple[torch.Tensor, int | float], ...]
+    gathers: tuple[torch.Tensor, ...]  # live rows holding future references to resolve
+    future: torch.Tensor | None
 
     @property
     def device_ops(self) -> int:
-        return len(self.copies) + len(self.zeros) + len(self.fills)
+        # A gather is one resolve (index, compare, select: counted as one).
+        return len(self.copies) + len(self.zeros) + len(self.fills) + len(self.gathers)
 
 
 _plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int], _Plan]] = (
@@ -75,7 +78,10 @@ def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
         )
         for specs in copies.values()
     )
-    return _Plan(groups, tuple(zeros.values()), tuple(fills))
+    gathers = tuple(
+        buffers.tensors[s.name][: s.rows(raw_bs)] for s in buffers.specs if s.future and raw_bs
+    )
+    return _Plan(groups, tuple(zeros.values()), tuple(fills), gathers, buffers.future_tokens)
 
 
 def _plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
@@ -160,10 +166,19 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
 def _write(plan: _Plan, sources: list[list[torch.Tensor]]) -> None:
     for group, srcs in zip(plan.copies, sources, strict=True):
         torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+    for live in plan.gathers:  # after the copies, on the same stream
+        resolve_futures(live, plan.future)
     for tails in plan.zeros:
         torch._foreach_zero_(tails)
     for tail, value in plan.fills:
         tail.fill_(value)
+
+
+def resolve_futures(ids: torch.Tensor, future: torch.Tensor | None) -> None:
+    """Replace every future reference ``-r`` in ``ids`` by ``future[r]``, in place."""
+    assert future is not None  # a plan has gathers only with a future map
+    rows = ids.neg().clamp_(min=0)
+    torch.where(ids < 0, future.index_select(0, rows), ids, out=ids)
 
 
 def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:

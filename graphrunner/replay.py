@@ -15,7 +15,7 @@ from graphrunner.buffers import StaticBuffers
 from graphrunner.decode import DECODE_HOST_MIRRORS
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, poison_outputs
-from graphrunner.populate import PopulateError, check_inputs, populate
+from graphrunner.populate import PopulateError, check_inputs, populate, resolve_futures
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import BatchSizeError
 
@@ -122,6 +122,22 @@ def launch_padded(
     return out, ops
 
 
+class _Resolved:
+    """``inputs`` with its future references resolved: the eager path reads
+    its inputs directly, not through populate's buffers."""
+
+    def __init__(self, inputs: Any, buffers: StaticBuffers) -> None:
+        self._inputs = inputs
+        for spec in buffers.specs:
+            if spec.future:
+                ids = getattr(inputs, spec.name).clone()
+                resolve_futures(ids, buffers.future_tokens)
+                setattr(self, spec.name, ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inputs, name)
+
+
 def run_eager(
     parts: StepParts,
     inputs: Any,
@@ -137,6 +153,8 @@ def run_eager(
     warn_once()
     check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
     _poison_held(held, parts.buffers, inputs)
+    if parts.buffers.future_tokens is not None:
+        inputs = _Resolved(inputs, parts.buffers)
     with nvtx.range(f"eager bs={raw_bs}"):
         out = parts.forward(inputs)
     parts.outputs.check(out, raw_bs, any_width=True)

@@ -21,6 +21,7 @@ from graphrunner.decode import SEQ_LEN_BUFFERS
 from graphrunner.mechanisms import CaptureMechanism, create_mechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, OutputsDecl
+from graphrunner.overlap import FutureMap
 from graphrunner.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.sanitizer import PaddingSanitizer
@@ -82,6 +83,9 @@ class GraphRunner:
         backend: the attention backend's hooks (default: none needed).
         sanitizer: a :class:`graphrunner.sanitizer.PaddingSanitizer` checking
             every replay (a debug mode), or None.
+        future_map: the :class:`~graphrunner.overlap.FutureMap` that buffers
+            declared ``future=True`` resolve their references from (overlap
+            scheduling); required exactly with such buffers.
         show_progress: a progress bar during capture.
     """
 
@@ -98,6 +102,7 @@ class GraphRunner:
         backend: GraphBackend | None = None,
         sanitizer: PaddingSanitizer | None = None,
         show_progress: bool = True,
+        future_map: FutureMap | None = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -115,7 +120,9 @@ class GraphRunner:
         self.backend: GraphBackend = backend if backend is not None else NullBackend()
         _check_fill_matches_backend(specs, self.backend)
         self._sizes = _resolve_sizes(capture_sizes, max_bs)
-        self.buffers = StaticBuffers(specs, self._sizes[-1], device)
+        tokens = None if future_map is None else future_map.tokens
+        self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
+        self.future_map = future_map
         self.mechanism.bind(self.buffers.device)
         self.sanitizer = sanitizer
         self.show_progress = show_progress
