@@ -77,9 +77,9 @@ def free_counts(bundle: ModelBundle) -> tuple[int, int]:
 def soak(steps: int, *, seed: int = 0, leak_every: int = 0) -> SoakResult:
     """Serve a seeded random trace for exactly ``steps`` decode steps.
 
-    The trace has more requests than the steps can serve, so the pools stay
-    busy to the end; requests still running at the cut are freed by the
-    engine. ``leak_every=k`` drops every k-th freed KV slot list on purpose
+    The trace has more requests than the steps can serve, so arrivals go on
+    to the end; requests still running or waiting at the cut are freed or
+    never admitted by the engine. ``leak_every=k`` drops every k-th freed KV slot list on purpose
     (a planted leak, for the test that proves the pool check can fail).
     """
     bundle = default_model(max_requests=MAX_REQUESTS, max_context_len=CONTEXT)
