@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from graphrunner import cli_spec
+from graphrunner import cli_overlap, cli_spec
 from graphrunner.engine import Engine, EngineResult, create_model_runner
 from graphrunner.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner.model import (
@@ -169,6 +169,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
     cli_spec.add_arguments(p)
+    cli_overlap.add_arguments(p)
 
 
 def _check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:
@@ -187,6 +188,7 @@ def _check_common(args: argparse.Namespace) -> str:
     _check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
     _check_range("--seed", args.seed, 0, MAX_SEED)
     cli_spec.validate(args, UsageError)
+    cli_overlap.validate(args, UsageError)
     kind = _runner_kind(args)
     if args.compile and kind != "cuda":
         raise UsageError(
@@ -403,6 +405,8 @@ def _demo(args: argparse.Namespace) -> int:
     )
     if args.speculative:
         return _demo_speculative(args, bundle, trace, kind, sizes)
+    if args.overlap:
+        return _demo_overlap(args, bundle, trace, kind, sizes)
     runner = _capture(bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
@@ -423,6 +427,22 @@ def _demo_speculative(
     )
     diff = cli_spec.differing(result.outputs, plain)
     cli_spec.report(args, result, plain_tps, diff)
+    return 1 if diff else 0
+
+
+def _demo_overlap(
+    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
+) -> int:
+    """Overlap scheduling, then plain greedy on the same pools: the same tokens."""
+    options = _compile_option(args.compile)
+    result = cli_overlap.run_overlap(
+        args, bundle, trace, kind, sizes, options, max_steps=args.steps
+    )
+    plain, plain_tps = cli_spec.plain_greedy(
+        bundle, trace, kind, sizes, options, max_steps=args.steps
+    )
+    diff = cli_spec.differing(result.outputs, plain)
+    cli_overlap.report(result, plain_tps, diff)
     return 1 if diff else 0
 
 
@@ -507,8 +527,14 @@ def _generate_outputs(
     """Greedy outputs by request, and the mismatches ``--check`` found: steps
     off the eager forward, or (speculative) requests off plain greedy."""
     options = _compile_option(args.compile)
+    end = args.end_token
+    if args.overlap:
+        overlap = cli_overlap.run_overlap(args, bundle, trace, kind, sizes, options, end_token=end)
+        if not args.check:
+            return overlap.outputs, 0
+        expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
+        return overlap.outputs, cli_spec.differing(overlap.outputs, expected)
     if args.speculative:
-        end = args.end_token
         result = cli_spec.run_speculative(args, bundle, trace, kind, sizes, options, end_token=end)
         if not args.check:
             return result.outputs, 0

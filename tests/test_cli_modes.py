@@ -1,4 +1,4 @@
-"""``--speculative {eagle,mtp} --draft-tokens K [--draft ...]`` on the CLI:
+"""``--speculative`` and ``--overlap`` on the CLI:
 the same greedy tokens as plain decoding, and named errors."""
 
 from __future__ import annotations
@@ -74,3 +74,27 @@ def test_draft_tokens_that_overflow_the_context_are_named(
     argv += ["--speculative", "mtp", "--draft-tokens", "8"]
     assert cli.main(argv) == 2
     assert "--draft-tokens 8: the prompts need a context of" in capsys.readouterr().err
+
+
+def test_generate_overlap_prints_the_plain_greedy_tokens(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "6", *EAGER]
+    assert cli.main([*argv, "--overlap", "--check", "--arrive-every", "1"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["tokens"] for line in captured.out.splitlines()] == _expected(6)
+    assert "mismatches: 0" in captured.err
+
+
+def test_demo_overlap_matches_plain_greedy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--steps", "20", *EAGER, "--overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "overlap: 20 steps" in out and "mismatches: 0" in out
+
+
+def test_overlap_and_speculative_are_not_combined(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--prompts", str(prompts_file), *EAGER, "--overlap", "--speculative", "mtp"]
+    assert cli.main(argv) == 2
+    assert "--overlap with --speculative" in capsys.readouterr().err
