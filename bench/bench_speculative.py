@@ -48,9 +48,7 @@ def _runner(variant: str, k: int) -> Callable[[], tuple[int, float]]:
 
         return plain
     method, draft = variant.split()
-    engine = speculative_engine(
-        bundle, KIND, method=method, draft=draft, k=k, capture_sizes=SIZES
-    )
+    engine = speculative_engine(bundle, KIND, method=method, draft=draft, k=k, capture_sizes=SIZES)
 
     def speculative() -> tuple[int, float]:
         stats = engine.run(trace).stats

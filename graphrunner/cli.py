@@ -42,6 +42,7 @@ from graphrunner.pools import whole_pages
 from graphrunner.runner import GraphRunner
 from graphrunner.sanitizer import PaddingViolation
 from graphrunner.sizes import default_capture_sizes
+from graphrunner.spec.engine import SpeculativeResult
 from graphrunner.trace import requests_from_prompts, synthetic_trace
 
 __all__ = [
@@ -403,10 +404,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
-    if args.speculative:
-        return _demo_speculative(args, bundle, trace, kind, sizes)
-    if args.overlap:
-        return _demo_overlap(args, bundle, trace, kind, sizes)
+    if args.speculative or args.overlap:
+        return _demo_against_plain(args, bundle, trace, kind, sizes)
     runner = _capture(bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile)
     result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
     _report(result)
@@ -414,36 +413,36 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if result.stats.mismatches else 0
 
 
-def _demo_speculative(
+def _demo_against_plain(
     args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
 ) -> int:
-    """Speculative rounds, then plain greedy on the same pools: the same tokens."""
+    """Speculative or overlap serving, then plain greedy on the same pools: the
+    same tokens (a run cut by ``--steps`` holds a prefix of them)."""
     options = _compile_option(args.compile)
-    result = cli_spec.run_speculative(
-        args, bundle, trace, kind, sizes, options, max_steps=args.steps
-    )
+    result = _serve_mode(args, bundle, trace, kind, sizes, options, max_steps=args.steps)
     plain, plain_tps = cli_spec.plain_greedy(
         bundle, trace, kind, sizes, options, max_steps=args.steps
     )
     diff = cli_spec.differing(result.outputs, plain)
-    cli_spec.report(args, result, plain_tps, diff)
+    if isinstance(result, SpeculativeResult):
+        cli_spec.report(args, result, plain_tps, diff)
+    else:
+        cli_overlap.report(result, plain_tps, diff)
     return 1 if diff else 0
 
 
-def _demo_overlap(
-    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
-) -> int:
-    """Overlap scheduling, then plain greedy on the same pools: the same tokens."""
-    options = _compile_option(args.compile)
-    result = cli_overlap.run_overlap(
-        args, bundle, trace, kind, sizes, options, max_steps=args.steps
-    )
-    plain, plain_tps = cli_spec.plain_greedy(
-        bundle, trace, kind, sizes, options, max_steps=args.steps
-    )
-    diff = cli_spec.differing(result.outputs, plain)
-    cli_overlap.report(result, plain_tps, diff)
-    return 1 if diff else 0
+def _serve_mode(
+    args: argparse.Namespace,
+    bundle: ModelBundle,
+    trace: list[Any],
+    kind: str,
+    sizes: list[int],
+    options: dict[str, Any],
+    **kwargs: Any,
+) -> SpeculativeResult | EngineResult:
+    """The run of ``--speculative`` or ``--overlap``."""
+    run = cli_spec.run_speculative if args.speculative else cli_overlap.run_overlap
+    return run(args, bundle, trace, kind, sizes, options, **kwargs)
 
 
 def _report(result: EngineResult) -> None:
@@ -528,14 +527,8 @@ def _generate_outputs(
     off the eager forward, or (speculative) requests off plain greedy."""
     options = _compile_option(args.compile)
     end = args.end_token
-    if args.overlap:
-        overlap = cli_overlap.run_overlap(args, bundle, trace, kind, sizes, options, end_token=end)
-        if not args.check:
-            return overlap.outputs, 0
-        expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
-        return overlap.outputs, cli_spec.differing(overlap.outputs, expected)
-    if args.speculative:
-        result = cli_spec.run_speculative(args, bundle, trace, kind, sizes, options, end_token=end)
+    if args.speculative or args.overlap:
+        result = _serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)
         if not args.check:
             return result.outputs, 0
         expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)

@@ -396,12 +396,19 @@ class Engine:
 
     def _advance(self, run: _Run, req: _Live, token: int) -> bool:
         """Record ``token``; retire the request if it is done. Returns whether it was."""
+        done = self._record_token(run, req, token)
+        if done:
+            self._free(run, req)
+        return done
+
+    def _record_token(self, run: _Run, req: _Live, token: int) -> bool:
+        """Append ``token``; when the budget or the end token is reached, record
+        the request's output as finished. Returns whether it is done."""
         req.tokens.append(token)
         if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
             return False
         run.outputs[req.request.rid] = req.tokens
         run.finished.add(req.request.rid)
-        self._free(run, req)
         return True
 
     def _free(self, run: _Run, req: _Live) -> None:

@@ -158,18 +158,10 @@ class OverlapEngine(Engine):
             if starts_page(len(req.slots), page):
                 req.pages.extend(range(slot, slot + page))
             req.slots.append(slot)
-            done += [req] if self._finish(run, req, host[i]) else []
-        done += [r for j, r in enumerate(joining) if self._finish(run, r, host[2 * bs + j])]
+            done += [req] if self._record_token(run, req, host[i]) else []
+        firsts = host[2 * bs :]
+        done += [r for r, t in zip(joining, firsts, strict=True) if self._record_token(run, r, t)]
         self._retire(run, done)
-
-    def _finish(self, run: _Run, req: _Live, token: int) -> bool:
-        """Record ``token``; whether the request is done (budget or end token)."""
-        req.tokens.append(token)
-        if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
-            return False
-        run.outputs[req.request.rid] = req.tokens
-        run.finished.add(req.request.rid)
-        return True
 
     def _retire(self, run: _Run, done: list[_Live]) -> None:
         """Free finished requests; one already in the prepared step leaves it,
