@@ -105,3 +105,31 @@ def test_greedy_tokens_equal_transformers_generate(
     assert set(stats.batch_sizes) == set(range(1, 9)), stats.batch_sizes
     padded_steps = sum(n for bs, n in stats.batch_sizes.items() if bs not in CAPTURE_SIZES)
     assert padded_steps > stats.steps / 3 and stats.padded_rows > 0
+
+
+@pytest.mark.parametrize("mode", ["overlap", "speculative"])
+def test_overlap_and_speculative_equal_transformers_generate(
+    oracle: tuple[Path, dict[int, list[int]]], mode: str
+) -> None:
+    """The oracle workload through the overlap engine and the speculative
+    engine (EAGLE, a seeded random head): transformers' greedy tokens."""
+    from graphrunner.engine_overlap import OverlapEngine
+    from graphrunner.overlap import FutureMap
+    from graphrunner.spec.factory import speculative_engine
+
+    path, expected = oracle
+    bundle = load_model(path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT)
+    if mode == "overlap":
+        future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+        runner = create_model_runner(
+            bundle, "eager", capture_sizes=CAPTURE_SIZES, future_map=future, check_padding=True
+        )
+        runner.capture()
+        outputs = OverlapEngine(bundle, runner).run(TRACE).outputs
+    else:
+        engine = speculative_engine(
+            bundle, "eager", method="eagle", k=3, capture_sizes=CAPTURE_SIZES, check_padding=True
+        )
+        outputs = engine.run(TRACE).outputs
+    assert outputs == expected
+    assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size
