@@ -110,13 +110,17 @@ class OverlapEngine(Engine):
         first = torch.stack([ids for _, ids in joining]) if joining else self._empty()
         if joining:
             rows = [r.req_index for r, _ in joining]
-            self.future.store(torch.tensor(rows, device=self.device), first)
+            self.future.store(self._device_ints(rows), first)
         copy = _HostCopy(torch.cat([*launched, first]))
         self._schedule(run, stepped, [r for r, _ in joining])
         self._record(run, stepped, [r for r, _ in joining], copy.wait())
         if stepped:
             run.stats.decode_seconds += time.perf_counter() - start
         return 1 if stepped else 0
+
+    def _device_ints(self, values: list[int]) -> torch.Tensor:
+        # non_blocking from host memory: torch.tensor(..., device=) would sync.
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _launch(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Step N on the prepared batch; its tokens go to the future map."""
@@ -139,7 +143,7 @@ class OverlapEngine(Engine):
             run.live[:] = [stepped[i] for i in keep]
         going = [r for r in joining if r.request.max_new_tokens > 1]
         if going:
-            rows = torch.tensor([r.req_index for r in going], device=self.device)
+            rows = self._device_ints([r.req_index for r in going])
             self._join(run, going, future_refs(rows))
         steps_left = self._max_steps is None or run.stats.steps < self._max_steps
         if run.live and steps_left:
