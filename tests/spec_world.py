@@ -19,7 +19,7 @@ class SpecWorld:
     token at position ``L`` too, which a frozen-KV read must never see), plus
     bystanders whose state no step may touch."""
 
-    def __init__(self, device: str = "cpu", *, eagle_topk: int = 2, mtp: tuple[int, int] = (3, 2)):
+    def __init__(self, device: str = "cpu", *, eagle_topk: int = 2, mtp: tuple[int, int] = (2, 2)):
         self.bundle = b = default_model(
             max_requests=MAX_REQUESTS, max_context_len=CONTEXT, device=device
         )
