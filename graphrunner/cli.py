@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,14 @@ from typing import Any
 import torch
 
 from graphrunner import cli_overlap, cli_spec
+from graphrunner.cli_common import (
+    UsageError,
+    check_output,
+    check_range,
+    read_prompts,
+    resolve_device,
+    write_atomically,
+)
 from graphrunner.engine import Engine, EngineResult, create_model_runner
 from graphrunner.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner.model import (
@@ -64,10 +70,6 @@ MAX_STEPS = 100_000
 #: --max-bs and every --capture-sizes entry, before the memory check (which
 #: needs the capture-size list, itself as long as the largest size / 32).
 MAX_BATCH_SIZE = 1_000_000
-
-
-class UsageError(Exception):
-    """Bad arguments or input files, found before any work starts."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,11 +175,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     cli_overlap.add_arguments(p)
 
 
-def _check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:
-    if not lo <= value <= hi:
-        raise UsageError(f"{flag} {value}: expected {lo}..{hi}" + (f" ({why})" if why else ""))
-
-
 def _cores() -> int:
     return os.cpu_count() or 1
 
@@ -186,8 +183,8 @@ def _check_common(args: argparse.Namespace) -> str:
     """Validate the arguments every command shares; returns the runner kind.
     (``--page-size`` and the batch sizes are checked against the context and
     the memory once the run's context is known: :func:`_check_fits`.)"""
-    _check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
-    _check_range("--seed", args.seed, 0, MAX_SEED)
+    check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
+    check_range("--seed", args.seed, 0, MAX_SEED)
     cli_spec.validate(args, UsageError)
     cli_overlap.validate(args, UsageError)
     kind = _runner_kind(args)
@@ -201,7 +198,7 @@ def _check_common(args: argparse.Namespace) -> str:
 
 def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[int]:
     if args.max_bs is not None:
-        _check_range("--max-bs", args.max_bs, 1, MAX_BATCH_SIZE)
+        check_range("--max-bs", args.max_bs, 1, MAX_BATCH_SIZE)
     if args.capture_sizes is None:
         return default_capture_sizes(default_max_bs if args.max_bs is None else args.max_bs)
     try:
@@ -220,29 +217,6 @@ def _capture_sizes(args: argparse.Namespace, default_max_bs: int = 16) -> list[i
             f"largest equals --max-bs {args.max_bs}"
         )
     return sizes
-
-
-def resolve_device(runner: str | None, device: str | None, cuda_available: bool) -> tuple[str, str]:
-    """The runner kind and device of ``--runner`` and ``--device``, either or both
-    absent: an absent one follows the other (eager runs on the CPU unless a device
-    is given); with neither, cuda when available, else cpu."""
-    if device is None:
-        on_gpu = cuda_available if runner is None else runner == "cuda"
-        device = "cuda" if on_gpu else "cpu"
-    if re.fullmatch(r"cpu|cuda(?::(?:0|[1-9]\d*))?", device) is None:
-        raise UsageError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    on_cuda = device != "cpu"
-    kind = runner or ("cuda" if on_cuda else "cpu")
-    if kind != "eager" and (kind == "cuda") != on_cuda:
-        expected = "cuda or cuda:N" if kind == "cuda" else "cpu"
-        raise UsageError(
-            f"--runner {kind} does not run on --device {device}: expected --device {expected}"
-        )
-    if on_cuda and not cuda_available:
-        if runner == "cuda":
-            raise UsageError("--runner cuda: no CUDA device is available; expected cpu or eager")
-        raise UsageError(f"--device {device}: no CUDA device is available; expected cpu")
-    return kind, device
 
 
 def _runner_kind(args: argparse.Namespace) -> str:
@@ -282,7 +256,7 @@ def _check_fits(
     """Refuse (UsageError) a --page-size past ``context``, or pools and graphs that
     would not fit the memory available on ``args.device`` or index KV slots past
     int32; the batch size gets the range that fits."""
-    _check_range("--page-size", args.page_size, 1, context, "the context of this run")
+    check_range("--page-size", args.page_size, 1, context, "the context of this run")
     options: dict[str, Any] = {
         "context": context,
         "page_size": args.page_size,
@@ -374,9 +348,9 @@ def _capture(
 
 def _demo(args: argparse.Namespace) -> int:
     sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
-    _check_range("--steps", args.steps, 1, MAX_STEPS)
+    check_range("--steps", args.steps, 1, MAX_STEPS)
     model_context = config.max_position_embeddings
-    _check_range("--page-size", args.page_size, 1, model_context, "the model's context")
+    check_range("--page-size", args.page_size, 1, model_context, "the model's context")
     torch.set_num_threads(args.threads)
     # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
     extra = cli_spec.extra_context(args)  # a speculative round's fresh slots
@@ -479,14 +453,14 @@ def _report_sanitizer(runner: GraphRunner) -> None:
 def _generate(args: argparse.Namespace) -> int:
     kind, config = _check_common(args), _model_config(args)
     model_context = config.max_position_embeddings
-    _check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, "the model's context")
-    _check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
+    check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, "the model's context")
+    check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
     if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
         raise UsageError(
             f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
         )
     if args.output is not None:
-        _check_output(args.output)
+        check_output(args.output)
     prompts = read_prompts(args.prompts, config, args.max_new_tokens)
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))
@@ -511,7 +485,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         try:
-            _write_atomically(args.output, text)
+            write_atomically(args.output, text)
         except OSError as e:
             print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
             return 1
@@ -540,69 +514,3 @@ def _generate_outputs(
     engine = Engine(bundle, runner, check=args.check, end_token=args.end_token)
     greedy = engine.run(trace)
     return greedy.outputs, greedy.stats.mismatches
-
-
-def _check_output(path: Path) -> None:
-    parent = path.parent
-    if not parent.is_dir():
-        raise UsageError(f"--output {path}: directory {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise UsageError(f"--output {path}: is a directory")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a new file beside ``path``, then rename it over ``path``:
-    ``path`` is either untouched or complete, never half-written."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
-    """Parse and validate a prompts file; :class:`UsageError` names the line and value."""
-    if not path.is_file():
-        raise UsageError(f"prompts file {str(path)!r} not found")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        # Lines counted as below: the valid text before the bad byte, split the same way.
-        lineno = len((data[: e.start].decode("utf-8") + "x").splitlines())
-        raise UsageError(f"{path}:{lineno}: not valid UTF-8") from None
-    prompts: list[list[int]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            prompt = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:60]!r}") from None
-        if not isinstance(prompt, list) or not prompt:
-            raise UsageError(
-                f"{where}: expected a non-empty JSON list of token ids, got {line.strip()[:60]!r}"
-            )
-        for i, tok in enumerate(prompt):
-            is_id = isinstance(tok, int) and not isinstance(tok, bool)
-            if not is_id or not 0 <= tok < config.vocab_size:
-                raise UsageError(
-                    f"{where}: token {i} = {tok!r} is not a token id in 0..{config.vocab_size - 1}"
-                )
-        needed = len(prompt) + max_new_tokens - 1
-        if needed > config.max_position_embeddings:
-            raise UsageError(
-                f"{where}: prompt of {len(prompt)} tokens + {max_new_tokens} new "
-                f"tokens needs a context of {needed}, longer than the model's "
-                f"{config.max_position_embeddings}"
-            )
-        prompts.append(prompt)
-    if not prompts:
-        raise UsageError(f"prompts file {str(path)!r} has no prompts")
-    return prompts
