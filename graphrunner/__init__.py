@@ -17,6 +17,7 @@ from graphrunner.mechanisms import (
     create_mechanism,
 )
 from graphrunner.outputs import OutputDeclarationError, OutputSpec
+from graphrunner.overlap import FutureMap, future_refs
 from graphrunner.populate import PopulateError, populate
 from graphrunner.replay import NotCapturedError
 from graphrunner.report import CaptureReport, RunnerStats, SizeReport
@@ -29,6 +30,12 @@ from graphrunner.runners import (
     create_runner,
 )
 from graphrunner.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
+from graphrunner.spec import (
+    EagleDraftExtendRunner,
+    FrozenKvMtpRunner,
+    SpecBatch,
+    TargetVerifyRunner,
+)
 
 __all__ = [
     "DECODE_FIELDS",
@@ -44,6 +51,9 @@ __all__ = [
     "DecodeInputs",
     "EagerCapture",
     "EagerRunner",
+    "EagleDraftExtendRunner",
+    "FrozenKvMtpRunner",
+    "FutureMap",
     "GraphBackend",
     "GraphRunner",
     "InductorCapture",
@@ -55,13 +65,16 @@ __all__ = [
     "PopulateError",
     "RunnerStats",
     "SizeReport",
+    "SpecBatch",
     "StaticBuffers",
     "StepInputs",
+    "TargetVerifyRunner",
     "best_runner_kind",
     "create_mechanism",
     "create_runner",
     "decode_buffer_specs",
     "default_capture_sizes",
+    "future_refs",
     "pad_to",
     "padding_waste",
     "populate",
