@@ -6,13 +6,18 @@ range is also a ``torch.profiler.record_function`` when a torch profiler is
 running, so the same names appear in a torch trace. ``GRAPHRUNNER_NVTX`` set
 to ``0``, ``false``, ``off``, ``no`` or empty (read at import) turns ranges
 into a shared no-op context.
+
+Free when nobody profiles: a range is pushed only while an NVTX tool is
+injected (Nsight Systems / Compute set ``NVTX_INJECTION64_PATH`` in the
+profiled process, read at import) or a torch profiler runs; otherwise
+:func:`range` returns the shared no-op. Range attributes are built once per
+name, and the range itself is a small class, not a generator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import nvtx as _nvtx
 import torch
@@ -41,25 +46,47 @@ def _profiler_active() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-@contextlib.contextmanager
-def _named_range(name: str) -> Iterator[None]:
-    attrs = _domain.get_event_attributes(message=name)
-    _domain.push_range(attrs)
-    try:
+def _tool_injected() -> bool:
+    return any(os.environ.get(v) for v in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH"))
+
+
+_injected = _tool_injected()
+_attributes: dict[tuple[object, str], object] = {}
+
+
+class _Range:
+    """One pushed range (and a torch ``record_function`` while a profiler runs)."""
+
+    __slots__ = ("_name", "_record")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._record: torch.profiler.record_function | None = None
+
+    def __enter__(self) -> None:
+        key = (_domain, self._name)
+        attrs = _attributes.get(key)
+        if attrs is None:
+            attrs = _attributes[key] = _domain.get_event_attributes(message=self._name)
+        _domain.push_range(attrs)
         if _profiler_active():
-            with torch.profiler.record_function(f"{DOMAIN}::{name}"):
-                yield
-        else:
-            yield
-    finally:
-        _domain.pop_range()
+            self._record = torch.profiler.record_function(f"{DOMAIN}::{self._name}")
+            self._record.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._record is not None:
+                self._record.__exit__(*exc)
+        finally:
+            _domain.pop_range()
 
 
 _NULL = contextlib.nullcontext()
 
 
 def range(name: str) -> contextlib.AbstractContextManager[None]:  # noqa: A001
-    """A context manager marking ``name`` in Nsight (and in torch profiler traces)."""
-    if not _enabled:
+    """A context manager marking ``name`` in Nsight (and in torch profiler
+    traces); the shared no-op when disabled or when nothing is profiling."""
+    if not _enabled or not (_injected or _profiler_active()):
         return _NULL
-    return _named_range(name)
+    return _Range(name)

@@ -84,6 +84,7 @@ def test_replay_pushes_balanced_nvtx_ranges(
 ):
     domain = RecordingDomain()
     monkeypatch.setattr(nvtx, "_domain", domain)
+    monkeypatch.setattr(nvtx, "_injected", True)  # as under Nsight
     captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
     pushed = [name for kind, name in domain.events if kind == "push"]
     assert pushed == ["replay bs=4", "populate bs=4", "launch bs=4"]
@@ -92,3 +93,27 @@ def test_replay_pushes_balanced_nvtx_ranges(
         depth += 1 if kind == "push" else -1
         assert depth >= 0
     assert depth == 0
+
+
+def test_ranges_cost_nothing_when_nobody_profiles(
+    captured_toy: CapturedToy, monkeypatch: pytest.MonkeyPatch
+):
+    """No Nsight injection and no torch profiler: nothing is pushed, and every
+    range is the shared no-op."""
+    domain = RecordingDomain()
+    monkeypatch.setattr(nvtx, "_domain", domain)
+    monkeypatch.setattr(nvtx, "_injected", False)
+    assert nvtx.range("a") is nvtx.range("b")
+    captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
+    assert domain.events == []
+    with profile():  # a torch profiler turns them back on
+        captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
+    assert ("push", "replay bs=4") in domain.events
+
+
+def test_the_injection_variable_is_what_nsight_sets(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
+    assert nvtx._tool_injected()
+    monkeypatch.delenv("NVTX_INJECTION64_PATH")
+    monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
+    assert not nvtx._tool_injected()
