@@ -36,7 +36,7 @@ from graphrunner.runner import GraphRunner
 from graphrunner.runners import create_runner
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import PaddingWaste
-from graphrunner.trace import Request
+from graphrunner.trace import Request, check_trace
 
 
 class AdmissionError(RuntimeError):
@@ -246,17 +246,9 @@ class Engine:
         return 1 if bs else 0
 
     def _validate(self, trace: Sequence[Request]) -> None:
-        cfg, ctx = self.bundle.config, self.bundle.max_context_len
-        kv_room = self.bundle.kv_alloc.size
-        if len({r.rid for r in trace}) != len(trace):
-            raise ValueError("request ids must be unique")
+        ctx, kv_room = self.bundle.max_context_len, self.bundle.kv_alloc.size
+        check_trace(trace, self.bundle.config.vocab_size)
         for r in trace:
-            bad = [t for t in r.prompt if not 0 <= t < cfg.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {r.rid}: token id {bad[0]} outside the vocabulary "
-                    f"0..{cfg.vocab_size - 1}"
-                )
             if r.max_len > min(ctx, kv_room):
                 raise ValueError(
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from graphrunner.batch import DecodeBatch
 from graphrunner.engine import Engine, EngineResult, _Live, _Run
 from graphrunner.overlap import FutureMap, future_refs
 from graphrunner.pools import starts_page
@@ -49,14 +47,6 @@ class _HostCopy:
         return self._host.tolist()
 
 
-@dataclass(slots=True)
-class _Prepared:
-    """The next step, prepared before the current one's tokens were read:
-    the fresh page (first slot) each starting request took, by request id."""
-
-    fresh: dict[int, int] = field(default_factory=dict)
-
-
 class OverlapEngine(Engine):
     """:class:`~graphrunner.engine.Engine` with overlap scheduling (see the module doc).
 
@@ -80,9 +70,10 @@ class OverlapEngine(Engine):
                 "create_model_runner(..., future_map=FutureMap(req_pool rows, device))"
             )
         self.future = future
-        self._prepared: _Prepared | None = None
+        # The next step, prepared before this one's tokens were read: the fresh
+        # page (first slot) each starting request took there, by request id.
+        self._prepared: dict[int, int] | None = None
         self._max_steps: int | None = None
-        self._batch: DecodeBatch | None = None
 
     def run(
         self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
@@ -96,7 +87,7 @@ class OverlapEngine(Engine):
     def _release_prepared(self) -> None:
         if self._prepared is not None:
             page = self.bundle.page_size
-            slots = [s + o for s in self._prepared.fresh.values() for o in range(page)]
+            slots = [s + o for s in self._prepared.values() for o in range(page)]
             self.bundle.kv_alloc.free(slots)
             self._prepared = None
 
@@ -149,7 +140,7 @@ class OverlapEngine(Engine):
         if run.live and steps_left:
             refs = future_refs(run.batch.req_pool_indices)
             fresh = run.batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc, refs)
-            self._prepared = _Prepared({run.live[i].request.rid: s for i, s in fresh.items()})
+            self._prepared = {run.live[i].request.rid: s for i, s in fresh.items()}
 
     def _record(
         self, run: _Run, stepped: list[_Live], joining: list[_Live], host: list[int]
@@ -180,7 +171,7 @@ class OverlapEngine(Engine):
             if self._prepared is not None:
                 page = self.bundle.page_size
                 for r in drop:
-                    first = self._prepared.fresh.pop(r.request.rid, None)
+                    first = self._prepared.pop(r.request.rid, None)
                     if first is not None:
                         self.bundle.kv_alloc.free(list(range(first, first + page)))
             if not run.live:

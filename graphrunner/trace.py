@@ -38,6 +38,19 @@ class Request:
         return len(self.prompt) + self.max_new_tokens - 1
 
 
+def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
+    """Request ids unique and every prompt token in ``0..vocab_size - 1``
+    (ValueError naming the request and the token)."""
+    if len({r.rid for r in trace}) != len(trace):
+        raise ValueError("request ids must be unique")
+    for r in trace:
+        bad = [t for t in r.prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {r.rid}: token id {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
+            )
+
+
 def requests_from_prompts(
     prompts: Sequence[Sequence[int]], *, max_new_tokens: int, arrive_every: int = 0
 ) -> list[Request]:

@@ -23,7 +23,7 @@ from graphrunner.engine import AdmissionError
 from graphrunner.model.build import ModelBundle
 from graphrunner.runner import GraphRunner
 from graphrunner.spec.drafters import Drafter, RoundState, SpecRequest, Verified, replay_named
-from graphrunner.trace import Request
+from graphrunner.trace import Request, check_trace
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]
 
@@ -145,17 +145,14 @@ class SpeculativeEngine:
         return SpeculativeResult(run.outputs, frozenset(run.finished), run.stats)
 
     def _validate(self, trace: Sequence[Request]) -> None:
-        ctx, vocab = self.bundle.max_context_len, self.bundle.config.vocab_size
-        if len({r.rid for r in trace}) != len(trace):
-            raise ValueError("request ids must be unique")
+        ctx = self.bundle.max_context_len
+        check_trace(trace, self.bundle.config.vocab_size)
         for r in trace:
-            if any(not 0 <= t < vocab for t in r.prompt):
-                raise ValueError(f"request {r.rid}: a token id outside 0..{vocab - 1}")
-            if r.max_len + self.k + 1 > ctx:
+            if self._need(r) > ctx:
                 raise ValueError(
                     f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
                     f"{r.max_new_tokens} + {self.k} draft tokens needs a context of "
-                    f"{r.max_len + self.k + 1}; expected <= max_context_len {ctx}"
+                    f"{self._need(r)}; expected <= max_context_len {ctx}"
                 )
 
     def _need(self, r: Request) -> int:
