@@ -4,11 +4,10 @@ and reading prompts and writing outputs safely."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from pathlib import Path
 
+from graphrunner.atomic import write_atomically
 from graphrunner.model import ModelConfig
 
 __all__ = [
@@ -59,21 +58,6 @@ def check_output(path: Path) -> None:
         raise UsageError(f"--output {path}: directory {str(parent)!r} does not exist")
     if path.is_dir():
         raise UsageError(f"--output {path}: is a directory")
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a new file beside ``path``, then rename it over ``path``:
-    ``path`` is either untouched or complete, never half-written."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
