@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from graphrunner.batch import DecodeBatch
 from graphrunner.decode import decode_buffer_specs
+from graphrunner.histogram import BatchSizeHistogram
 from graphrunner.model.build import ModelBundle
 from graphrunner.overlap import FutureMap
 from graphrunner.pools import starts_page, whole_pages
@@ -120,6 +121,11 @@ class EngineStats:
     @property
     def padded_fraction(self) -> float:
         return PaddingWaste(self.live_rows, self.padded_rows).fraction
+
+    @property
+    def histogram(self) -> BatchSizeHistogram:
+        """``batch_sizes`` as the runner keeps it, to write for ``graphrunner sizes``."""
+        return BatchSizeHistogram(self.batch_sizes)
 
 
 @dataclass(frozen=True, slots=True)

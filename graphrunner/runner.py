@@ -18,6 +18,7 @@ from graphrunner.backend import GraphBackend, NullBackend
 from graphrunner.buffers import BufferSpec, PadRule, StaticBuffers
 from graphrunner.capture import capture_all
 from graphrunner.decode import SEQ_LEN_BUFFERS
+from graphrunner.histogram import BatchSizeHistogram
 from graphrunner.mechanisms import CaptureMechanism, create_mechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, OutputsDecl
@@ -127,6 +128,7 @@ class GraphRunner:
         self.sanitizer = sanitizer
         self.show_progress = show_progress
         self.stats = RunnerStats()
+        self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[int, Launcher] = {}
         self._warned_fallback = False
@@ -217,6 +219,7 @@ class GraphRunner:
                 out = self._replay_eager(inputs, raw_bs, reason)
             else:
                 out = self._replay_graph(inputs, raw_bs)
+        self.batch_sizes.add(raw_bs)
         if self.sanitizer is not None:
             self._held = out
         return out
