@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from graphrunner import cli_overlap, cli_spec
+from graphrunner import cli_overlap, cli_sizes, cli_spec
 from graphrunner.cli_common import (
     UsageError,
     check_output,
@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps", type=int, default=300, help=f"decode steps to run, 1..{MAX_STEPS} (300)"
     )
+    cli_sizes.add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
     gen = sub.add_parser("generate", help="greedy tokens for the prompts of a file")
     _common(gen)
@@ -110,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--end-token", type=int, help="a token id that ends a request")
     gen.add_argument("--check", action="store_true", help="check each step against eager")
     gen.set_defaults(func=_generate)
+    cli_sizes.add_parser(sub)
     return parser
 
 
@@ -349,6 +351,7 @@ def _capture(
 def _demo(args: argparse.Namespace) -> int:
     sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
     check_range("--steps", args.steps, 1, MAX_STEPS)
+    cli_sizes.check_demo_outputs(args)
     model_context = config.max_position_embeddings
     check_range("--page-size", args.page_size, 1, model_context, "the model's context")
     torch.set_num_threads(args.threads)
@@ -378,10 +381,14 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
-    if args.speculative or args.overlap:
-        return _demo_against_plain(args, bundle, trace, kind, sizes)
-    runner = _capture(bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile)
-    result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
+    with cli_sizes.profiled(args):
+        if args.speculative or args.overlap:
+            return _demo_against_plain(args, bundle, trace, kind, sizes)
+        runner = _capture(
+            bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile
+        )
+        result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
+    cli_sizes.write_outputs(args, runner)
     _report(result)
     _report_sanitizer(runner)
     return 1 if result.stats.mismatches else 0
