@@ -16,7 +16,6 @@ imply) are checked against the available memory through
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from graphrunner import cli_overlap, cli_sizes, cli_spec
+from graphrunner import cli_convert, cli_overlap, cli_sizes, cli_spec, cli_text, gguf_cache
 from graphrunner.cli_common import (
     UsageError,
     check_output,
@@ -94,11 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cli_sizes.add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
-    gen = sub.add_parser("generate", help="greedy tokens for the prompts of a file")
+    gen = sub.add_parser("generate", help="greedy answers to text or token-id prompts")
     _common(gen)
-    gen.add_argument(
-        "--prompts", type=Path, required=True, help="file with one JSON list of token ids per line"
-    )
+    cli_text.add_generate_arguments(gen)
     gen.add_argument("--output", type=Path, help="write JSON lines here (default stdout)")
     gen.add_argument("--max-new-tokens", type=int, default=16, help="1..the model's context (16)")
     gen.add_argument(
@@ -112,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--check", action="store_true", help="check each step against eager")
     gen.set_defaults(func=_generate)
     cli_sizes.add_parser(sub)
+    cli_convert.add_parser(sub)
     return parser
 
 
@@ -173,6 +171,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "nothing from more)",
     )
 
+    cli_text.add_context_argument(p)
     cli_spec.add_arguments(p)
     cli_overlap.add_arguments(p)
 
@@ -236,6 +235,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     if args.checkpoint is None:
         return default_config()
     try:
+        # A .gguf file is converted once into the cache; the rest reads that directory.
+        args.checkpoint = gguf_cache.checkpoint_dir(args.checkpoint)
         return read_config(args.checkpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -352,21 +353,26 @@ def _demo(args: argparse.Namespace) -> int:
     sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
     check_range("--steps", args.steps, 1, MAX_STEPS)
     cli_sizes.check_demo_outputs(args)
-    model_context = config.max_position_embeddings
-    check_range("--page-size", args.page_size, 1, model_context, "the model's context")
+    model_context = cli_text.context_limit(args, config)
+    check_range("--page-size", args.page_size, 1, model_context, cli_text.limit_why(args))
     torch.set_num_threads(args.threads)
     # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
     extra = cli_spec.extra_context(args)  # a speculative round's fresh slots
+    if extra >= model_context:
+        raise UsageError(
+            f"--max-context-len {model_context}: expected more than the {extra} slots "
+            "a speculative round takes"
+        )
     trace = synthetic_trace(
         num_requests=args.steps,
         vocab_size=config.vocab_size,
-        max_context_len=config.max_position_embeddings - extra,
+        max_context_len=model_context - extra,
         seed=args.seed,
         prompt_len=(4, 48),
         new_tokens=(8, 64),
         mean_gap=4.0,
     )
-    context = max(r.max_len for r in trace) + extra  # the cache sized to the workload
+    context = cli_text.run_context(args, trace, extra, model_context)
     max_prompt_len = max(len(r.prompt) for r in trace)
     _check_fits(args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True)
     bundle = _build(args, sizes[-1], context)
@@ -459,8 +465,8 @@ def _report_sanitizer(runner: GraphRunner) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     kind, config = _check_common(args), _model_config(args)
-    model_context = config.max_position_embeddings
-    check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, "the model's context")
+    model_context = cli_text.context_limit(args, config)
+    check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, cli_text.limit_why(args))
     check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
     if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
         raise UsageError(
@@ -468,26 +474,22 @@ def _generate(args: argparse.Namespace) -> int:
         )
     if args.output is not None:
         check_output(args.output)
-    prompts = read_prompts(args.prompts, config, args.max_new_tokens)
+    inputs = cli_text.read_inputs(args, config, model_context, stream=args.output is None)
+    prompts = inputs.prompts
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))
     trace = requests_from_prompts(
         prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
     )
-    context = max(r.max_len for r in trace) + cli_spec.extra_context(args)
-    if context > model_context:
-        raise UsageError(
-            f"--draft-tokens {args.draft_tokens}: the prompts need a context of {context} "
-            f"with the draft tokens; the model has {model_context}"
-        )
+    context = cli_text.run_context(args, trace, cli_spec.extra_context(args), model_context)
     max_prompt_len = max(len(p) for p in prompts)
     _check_fits(
         args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=args.check
     )
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
-    outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes)
-    text = "".join(json.dumps({"prompt": r.rid, "tokens": outputs[r.rid]}) + "\n" for r in trace)
+    outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes, inputs)
+    text = inputs.render(outputs, [r.rid for r in trace])
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -502,12 +504,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_outputs(
-    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
+    args: argparse.Namespace,
+    bundle: ModelBundle,
+    trace: list[Any],
+    kind: str,
+    sizes: list[int],
+    inputs: cli_text.Inputs,
 ) -> tuple[dict[int, list[int]], int]:
     """Greedy outputs by request, and the mismatches ``--check`` found: steps
     off the eager forward, or (speculative) requests off plain greedy."""
     options = _compile_option(args.compile)
-    end = args.end_token
+    end = inputs.end_token
     if args.speculative or args.overlap:
         result = _serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)
         if not args.check:
@@ -518,6 +525,6 @@ def _generate_outputs(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
     runner.capture()
-    engine = Engine(bundle, runner, check=args.check, end_token=args.end_token)
+    engine = Engine(bundle, runner, check=args.check, end_token=end, on_finish=inputs.on_finish)
     greedy = engine.run(trace)
     return greedy.outputs, greedy.stats.mismatches

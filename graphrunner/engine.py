@@ -172,6 +172,8 @@ class Engine:
             :meth:`_checked_replay`); counts go to ``stats``.
         end_token: a token that finishes its request (it is kept in the output).
         atol: tolerance on logits and KV values in check mode.
+        on_finish: called with ``(rid, tokens)`` as each request finishes (text
+            output streams through it); not for requests cut by ``max_steps``.
     """
 
     def __init__(
@@ -182,9 +184,11 @@ class Engine:
         check: bool = False,
         end_token: int | None = None,
         atol: float = 1e-4,
+        on_finish: Callable[[int, list[int]], None] | None = None,
     ) -> None:
         self.bundle, self.runner = bundle, runner
         self.check, self.end_token, self.atol = check, end_token, atol
+        self.on_finish = on_finish
         self.device = bundle.device
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
@@ -407,6 +411,8 @@ class Engine:
             return False
         run.outputs[req.request.rid] = req.tokens
         run.finished.add(req.request.rid)
+        if self.on_finish is not None:
+            self.on_finish(req.request.rid, req.tokens)
         return True
 
     def _free(self, run: _Run, req: _Live) -> None:

@@ -1,0 +1,106 @@
+"""Text in, text out: a checkpoint's own tokenizer and chat template.
+
+The tokenizer is the checkpoint's ``tokenizer.json`` / ``tokenizer_config.json``
+loaded by transformers' ``AutoTokenizer`` (imported on first use: the token-id
+paths never pay for it); the chat template is the one in
+``tokenizer_config.json`` (or ``chat_template.jinja``), applied by
+``apply_chat_template`` exactly as transformers applies it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["TOKENIZER_FILES", "NoTokenizerError", "StreamPrinter", "TextCodec", "has_tokenizer"]
+
+#: Any of these in a checkpoint directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class NoTokenizerError(ValueError):
+    """Text was given for a model without a tokenizer (or without a chat template)."""
+
+
+def has_tokenizer(checkpoint: Path | None) -> bool:
+    """Whether checkpoint directory ``checkpoint`` holds tokenizer files
+    (None, the embedded random model, has none)."""
+    return checkpoint is not None and any((checkpoint / f).is_file() for f in TOKENIZER_FILES)
+
+
+class TextCodec:
+    """Encode prompts, apply the chat template and decode outputs with one
+    checkpoint's tokenizer.
+
+    Args:
+        tokenizer: a transformers tokenizer (what ``AutoTokenizer`` returns).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, checkpoint: Path | None, *, what: str) -> TextCodec:
+        """The tokenizer of ``checkpoint``; :class:`NoTokenizerError` naming
+        ``what`` (the argument that needs it) when there is none."""
+        if checkpoint is None or not has_tokenizer(checkpoint):
+            model = f"--checkpoint {checkpoint}" if checkpoint else "the embedded random model"
+            raise NoTokenizerError(
+                f"{what} needs a tokenizer: {model} has none (expected one of "
+                f"{', '.join(TOKENIZER_FILES)}); give token ids instead (a JSON list per line)"
+            )
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+        except Exception as e:  # transformers raises OSError, ValueError, JSON errors...
+            raise NoTokenizerError(
+                f"--checkpoint {checkpoint}: tokenizer not loadable: {e}"
+            ) from None
+        return cls(tokenizer)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence token id, or None when the tokenizer names none."""
+        eos = self.tokenizer.eos_token_id
+        return None if eos is None else int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, with the special tokens the tokenizer adds (a BOS)."""
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def chat(self, text: str) -> list[int]:
+        """The ids of a one-turn conversation (``text`` as the user's message)
+        with the generation prompt appended, as ``apply_chat_template`` gives them."""
+        if self.tokenizer.chat_template is None:
+            raise NoTokenizerError("--chat: the checkpoint's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return [int(i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens (the end token) left out."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+class StreamPrinter:
+    """Print each request's decoded answer the moment it finishes.
+
+    Call it with ``(rid, tokens)`` from the engine's finish hook; each answer
+    is one block ``[rid] text`` followed by a blank line, flushed at once.
+    """
+
+    def __init__(self, codec: TextCodec, out: TextIO | None = None) -> None:
+        self.codec, self.out = codec, out
+        self.printed: set[int] = set()
+
+    def __call__(self, rid: int, tokens: list[int]) -> None:
+        out = self.out if self.out is not None else sys.stdout
+        out.write(f"[{rid}] {self.codec.decode(tokens).strip()}\n\n")
+        out.flush()
+        self.printed.add(rid)
