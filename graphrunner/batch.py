@@ -29,6 +29,10 @@ class BatchError(ValueError):
     pool) is left exactly as it was."""
 
 
+#: Attributes whose assignment from outside breaks a batch's seal.
+_SEALED_FIELDS = frozenset((*DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values()))
+
+
 def _host(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
@@ -70,7 +74,30 @@ class DecodeBatch:
     """
 
     # The decode phase's declared fields and mirrors (graphrunner.decode).
-    __slots__ = ("device", "max_context_len", *DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values())
+    __slots__ = (
+        "device",
+        "max_context_len",
+        "_sealed",
+        *DECODE_FIELD_NAMES,
+        *DECODE_HOST_MIRRORS.values(),
+    )
+    _sealed: bool
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # A field assigned from outside breaks the seal (see is_sealed); the
+        # batch's own operations re-seal once they have assigned everything.
+        object.__setattr__(self, name, value)
+        if name in _SEALED_FIELDS:
+            object.__setattr__(self, "_sealed", False)
+
+    def is_sealed(self) -> bool:
+        """True while every field and mirror is the tensor this batch's own
+        last operation made and validated (no field assigned from outside
+        since): a runner then skips its per-field input checks."""
+        return self._sealed
+
+    def _seal(self) -> None:
+        object.__setattr__(self, "_sealed", True)
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""
@@ -82,6 +109,7 @@ class DecodeBatch:
         self.input_ids = self._zeros(0)
         self.out_cache_loc = self._zeros(0)
         self.positions = self._zeros(0)
+        self._seal()
 
     @classmethod
     def empty(cls, device: DeviceLike, max_context_len: int) -> DecodeBatch:
@@ -126,6 +154,7 @@ class DecodeBatch:
         batch.input_ids = input_ids
         batch.out_cache_loc = batch._zeros(len(reqs))
         batch.positions = batch._zeros(len(reqs))
+        batch._seal()
         return batch
 
     @property
@@ -190,6 +219,7 @@ class DecodeBatch:
         self.out_cache_loc = out_cache_loc
         if input_ids is not None:
             self.input_ids = input_ids
+        self._seal()
         return dict(zip(starting, fresh[::page], strict=True))
 
     def _next_slots(
@@ -250,6 +280,7 @@ class DecodeBatch:
         # Computed in full before any is assigned: a failing op leaves the batch as it was.
         for name, tensor in (*device.items(), *host.items()):
             setattr(self, name, tensor)
+        self._seal()
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         # copy=True: on a CPU batch the device tensor must not alias its host mirror.

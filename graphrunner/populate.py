@@ -4,20 +4,35 @@ set by each buffer's declared :class:`~graphrunner.buffers.PadRule`.
 No other code in graphrunner writes a pad value. Populate is graph-safe host
 code: it allocates no device memory, reads nothing back from the device, and
 walks the declared fields once. The views it writes through are planned once
-per ``(raw_bs, bs)`` and cached, so a call costs the input checks plus the
-device operations (slicing a tensor costs about as much as launching a copy).
+per ``(raw_bs, bs)`` and cached.
+
+Two halves: :func:`check_sources` validates an input object against the
+declarations and returns its tensors (one per buffer, in declaration order);
+:func:`write_sources` writes them (grouped torch ops: the reference writer).
+:func:`populate` is both. The replay path validates once per input object
+(:mod:`graphrunner.input_check`) and may hand the sources to another writer
+driven by the same declarations (:mod:`graphrunner.populate_fused`), which
+must equal :func:`write_sources` bit for bit.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from graphrunner.buffers import BufferSpec, StaticBuffers
 
-__all__ = ["PopulateError", "check_inputs", "populate", "resolve_futures"]
+__all__ = [
+    "PopulateError",
+    "check_inputs",
+    "check_sources",
+    "populate",
+    "resolve_futures",
+    "write_sources",
+]
 
 
 class PopulateError(ValueError):
@@ -28,8 +43,7 @@ class PopulateError(ValueError):
 class _CopyGroup:
     """Live-row destinations of one (device, dtype), filled by one ``_foreach_copy_``."""
 
-    specs: tuple[BufferSpec, ...]
-    rows: tuple[int, ...]
+    index: tuple[int, ...]  # positions of the group's specs in buffers.specs
     dsts: list[torch.Tensor]
 
 
@@ -47,22 +61,25 @@ class _Plan:
         return len(self.copies) + len(self.zeros) + len(self.fills) + len(self.gathers)
 
 
-_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int], _Plan]] = (
+_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int, bool], _Plan]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
+def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool) -> _Plan:
     # Grouped by (device, dtype): one foreach op per group, host buffers apart.
-    copies: dict[tuple[torch.device, torch.dtype], list[BufferSpec]] = {}
+    copies: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     zeros: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     fills: list[tuple[torch.Tensor, int | float]] = []
-    for spec in buffers.specs:
+    specs = buffers.specs
+    for i, spec in enumerate(specs):
+        if host_only and not spec.host:
+            continue
         group = (buffers.device_of(spec), spec.dtype)
         buf = buffers.tensors[spec.name]
         live, total = spec.rows(raw_bs), spec.rows(bs)
         if live:
-            copies.setdefault(group, []).append(spec)
+            copies.setdefault(group, []).append(i)
         value = spec.pad_value()
         if total == live or value is None:
             continue
@@ -72,28 +89,33 @@ def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
             fills.append((buf[live:total], value))
     groups = tuple(
         _CopyGroup(
-            tuple(specs),
-            tuple(s.rows(raw_bs) for s in specs),
-            [buffers.tensors[s.name][: s.rows(raw_bs)] for s in specs],
+            tuple(index), [buffers.tensors[specs[i].name][: specs[i].rows(raw_bs)] for i in index]
         )
-        for specs in copies.values()
+        for index in copies.values()
     )
     gathers = tuple(
-        buffers.tensors[s.name][: s.rows(raw_bs)] for s in buffers.specs if s.future and raw_bs
+        buffers.tensors[s.name][: s.rows(raw_bs)]
+        for s in specs
+        if s.future and raw_bs and not host_only
     )
     return _Plan(groups, tuple(zeros.values()), tuple(fills), gathers, buffers.future_tokens)
 
 
-def _plan(buffers: StaticBuffers, raw_bs: int, bs: int) -> _Plan:
-    if not 0 <= raw_bs <= bs <= buffers.max_bs:
-        raise PopulateError(
-            f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
-            f"max_bs={buffers.max_bs}"
-        )
-    per_buffers = _plans.setdefault(buffers, {})
-    plan = per_buffers.get((raw_bs, bs))
+def plan_for(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool = False) -> _Plan:
+    """The cached plan of ``(raw_bs, bs)`` (PopulateError outside ``0..max_bs``);
+    ``host_only``: of the host buffers alone."""
+    per_buffers = _plans.get(buffers)
+    if per_buffers is None:
+        per_buffers = _plans.setdefault(buffers, {})
+    plan = per_buffers.get((raw_bs, bs, host_only))
     if plan is None:
-        plan = per_buffers[(raw_bs, bs)] = _make_plan(buffers, raw_bs, bs)
+        if not 0 <= raw_bs <= bs <= buffers.max_bs:
+            raise PopulateError(
+                f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
+                f"max_bs={buffers.max_bs}"
+            )
+        plan = _make_plan(buffers, raw_bs, bs, host_only)
+        per_buffers[(raw_bs, bs, host_only)] = plan
     return plan
 
 
@@ -123,6 +145,15 @@ def _source(
     return src
 
 
+def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: int) -> list[torch.Tensor]:
+    """Every declared input of ``inputs`` for ``raw_bs >= 1`` live requests,
+    validated (present, a tensor, dtype, device, ``[spec.rows(raw_bs),
+    *extra_shape]``), in the order of ``buffers.specs``."""
+    return [
+        _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec)) for spec in buffers.specs
+    ]
+
+
 def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int) -> int:
     """Copy ``raw_bs`` live requests from ``inputs`` into the head of every
     buffer and apply each pad rule to rows ``[raw_bs:bs]`` only.
@@ -144,14 +175,27 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
     """
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
-    plan = _plan(buffers, raw_bs, bs)
-    sources = [
-        [
-            _source(spec, inputs, rows, buffers.device_of(spec))
-            for spec, rows in zip(g.specs, g.rows, strict=True)
-        ]
-        for g in plan.copies
-    ]
+    plan_for(buffers, raw_bs, bs)  # size errors before input errors
+    sources = check_sources(buffers, inputs, raw_bs) if raw_bs else []
+    return write_sources(buffers, sources, raw_bs, bs)
+
+
+def write_sources(
+    buffers: StaticBuffers,
+    sources: Sequence[torch.Tensor],
+    raw_bs: int,
+    bs: int,
+    *,
+    host_only: bool = False,
+) -> int:
+    """Write already validated ``sources`` (one per spec, in declaration
+    order; empty when ``raw_bs == 0``): the torch writer of :func:`populate`.
+
+    ``host_only`` writes the host buffers only (a writer that does the
+    device buffers in one launch calls this for the rest). Returns the
+    operations issued, as :func:`populate`.
+    """
+    plan = plan_for(buffers, raw_bs, bs, host_only)
     # Without grad, an input with autograd history (hidden states from a
     # grad-enabled forward) is copied as data instead of failing halfway through
     # the writes. Replay already runs under no_grad: skip the ~2 us context then.
@@ -163,9 +207,9 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
     return plan.device_ops
 
 
-def _write(plan: _Plan, sources: list[list[torch.Tensor]]) -> None:
-    for group, srcs in zip(plan.copies, sources, strict=True):
-        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+def _write(plan: _Plan, sources: Sequence[torch.Tensor]) -> None:
+    for group in plan.copies:
+        torch._foreach_copy_(group.dsts, [sources[i] for i in group.index], non_blocking=True)
     for live in plan.gathers:  # after the copies, on the same stream
         resolve_futures(live, plan.future)
     for tails in plan.zeros:

@@ -12,10 +12,10 @@ import torch
 from graphrunner import nvtx
 from graphrunner.backend import GraphBackend
 from graphrunner.buffers import StaticBuffers
-from graphrunner.decode import DECODE_HOST_MIRRORS
-from graphrunner.mechanisms.base import ForwardFn, Launcher
+from graphrunner.input_check import check_host_mirrors, gate_for
+from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, poison_outputs
-from graphrunner.populate import PopulateError, check_inputs, populate, resolve_futures
+from graphrunner.populate import check_inputs, resolve_futures, write_sources
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import BatchSizeError
 
@@ -46,32 +46,6 @@ def batch_size_of(inputs: Any) -> int:
     return raw_bs
 
 
-def check_host_mirrors(inputs: Any, raw_bs: int) -> None:
-    """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors,
-    request rows >= 1: what can be checked on the host at no device cost (the
-    backend checks its ranges; the sanitizer checks the device values)."""
-    for name in DECODE_HOST_MIRRORS.values():
-        mirror = getattr(inputs, name, None)
-        if mirror is None:
-            continue
-        if not isinstance(mirror, torch.Tensor):
-            raise PopulateError(
-                f"host mirror {name!r} is a {type(mirror).__name__}; expected a CPU "
-                f"int64 tensor of shape ({raw_bs},)"
-            )
-        if mirror.device.type != "cpu" or mirror.dtype != torch.int64 or mirror.shape != (raw_bs,):
-            raise PopulateError(
-                f"host mirror {name!r} is {mirror.dtype} {tuple(mirror.shape)} on "
-                f"{mirror.device}; expected a CPU int64 tensor of shape ({raw_bs},)"
-            )
-    rows = getattr(inputs, DECODE_HOST_MIRRORS["req_pool_indices"], None)
-    if rows is not None and raw_bs and int(rows.min()) < 1:
-        row = int((rows < 1).nonzero()[0, 0])
-        raise PopulateError(
-            f"req_pool_indices_cpu[{row}]={int(rows[row])}: expected >= 1 (0 is the padding row)"
-        )
-
-
 def validate_step(backend: GraphBackend, inputs: Any, raw_bs: int) -> None:
     """What every step checks before it writes anything, graph or eager."""
     check_host_mirrors(inputs, raw_bs)
@@ -94,6 +68,7 @@ class StepParts(Protocol):
     backend: GraphBackend
     outputs: OutputLayout
     sanitizer: PaddingSanitizer | None
+    mechanism: CaptureMechanism
 
 
 def launch_padded(
@@ -106,12 +81,20 @@ def launch_padded(
 ) -> tuple[Outputs, int]:
     """Populate size ``bs`` with ``raw_bs`` live rows, launch it, and return the
     live rows' outputs with the device operations populate issued. ``held``,
-    the previous step's outputs under a sanitizer, is poisoned before launch."""
+    the previous step's outputs under a sanitizer, is poisoned before launch.
+
+    Inputs are validated once (:mod:`graphrunner.input_check`; in full on
+    every replay under a sanitizer), then written by the mechanism's populate
+    writer, or by the torch writer of :mod:`graphrunner.populate`."""
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
-        validate_step(backend, inputs, raw_bs)
+        sources = gate_for(buffers).sources(inputs, raw_bs, backend, full=sanitizer is not None)
         with nvtx.range(f"populate bs={bs}"):
-            ops = populate(buffers, inputs, raw_bs, bs)
+            writer = parts.mechanism.populate_writer
+            if writer is None:
+                ops = write_sources(buffers, sources, raw_bs, bs)
+            else:
+                ops = writer.write(sources, raw_bs, bs)
         backend.init_replay_metadata(bs, raw_bs, buffers.view(bs), inputs)
         check = sanitizer.before_launch(buffers, inputs, raw_bs, bs) if sanitizer else None
         _poison_held(held, buffers, inputs)

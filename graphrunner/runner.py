@@ -130,6 +130,7 @@ class GraphRunner:
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
+        self.mechanism.bind_buffers(self.buffers)
         self._launchers: dict[int, Launcher] = {}
         self._warned_fallback = False
         # The last step's outputs, poisoned at the next step when sanitized.

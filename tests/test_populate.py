@@ -191,12 +191,13 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     sentinel = 2
     assert all(s.pad_value() != sentinel for s in runner.buffers.specs)
 
-    def copy_live_rows_only(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int) -> int:
-        for spec in bufs.specs:
-            bufs.tensors[spec.name][:raw_bs].copy_(getattr(inputs, spec.name))
+    def copy_live_rows_only(bufs: StaticBuffers, sources: list, raw_bs: int, bs: int) -> int:
+        for spec, src in zip(bufs.specs, sources, strict=True):
+            bufs.tensors[spec.name][:raw_bs].copy_(src)
         return 0
 
-    monkeypatch.setattr(graphrunner.replay, "populate", copy_live_rows_only)
+    # The replay path's writer (the torch half of populate, after validation).
+    monkeypatch.setattr(graphrunner.replay, "write_sources", copy_live_rows_only)
     batch = world.make_batch(3, seed=0)
     for t in runner.buffers.tensors.values():
         t[3:].fill_(sentinel)

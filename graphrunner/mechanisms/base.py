@@ -5,20 +5,31 @@ the runner's, the mechanism knows nothing of it."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from graphrunner.buffers import BufferView
+from graphrunner.buffers import BufferView, StaticBuffers
 from graphrunner.outputs import Outputs
 
-__all__ = ["CaptureMechanism", "ForwardFn", "Launcher"]
+__all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 
 #: The model's step: reads named tensors (a BufferView, or a live batch for eager).
 ForwardFn = Callable[[Any], Outputs]
 #: Runs a captured size on the static buffers; returns its static outputs.
 Launcher = Callable[[], Outputs]
+
+
+class PopulateWriter(Protocol):
+    """Writes validated sources into the static buffers (another executor of
+    the same declarations as :func:`graphrunner.populate.write_sources`,
+    which it must equal bit for bit)."""
+
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+        """Write ``raw_bs`` live requests padded to ``bs``; return the device
+        operations issued outside the graph."""
+        ...
 
 
 class CaptureMechanism(abc.ABC):
@@ -31,6 +42,8 @@ class CaptureMechanism(abc.ABC):
 
     #: The runner kind this mechanism is known by (``cuda``, ``cpu``, ``eager``).
     kind: ClassVar[str]
+    #: Who writes the buffers at replay; None: the torch populate.
+    populate_writer: PopulateWriter | None = None
 
     @property
     def label(self) -> str:
@@ -39,6 +52,11 @@ class CaptureMechanism(abc.ABC):
 
     def bind(self, device: torch.device) -> None:
         """Called once with the buffers' device; refuse a device it cannot use."""
+        return None
+
+    def bind_buffers(self, buffers: StaticBuffers) -> None:
+        """Called once with the runner's buffers (a mechanism that populates
+        in its own way plans its writer here)."""
         return None
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
