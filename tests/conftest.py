@@ -16,8 +16,14 @@ import pytest
 import torch
 from hypothesis import settings
 
-from graphrunner import GraphRunner, create_runner, decode_buffer_specs
-from graphrunner.testing import ToyWorld, torch_threads
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors.
+# Triton reads TRITON_INTERPRET as it jits its own library functions (at
+# import), so it is set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from graphrunner import GraphRunner, create_runner, decode_buffer_specs  # noqa: E402
+from graphrunner.testing import ToyWorld, torch_threads  # noqa: E402
 
 TEST_CAPTURE_SIZES = [1, 2, 4, 8]
 SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"

@@ -3,11 +3,16 @@
 Every request's tokens live at scattered KV slots listed in its row of
 ``req_to_token``. Decode gathers that whole row (``max_context_len`` wide, the
 same width for every batch) and masks the columns at or past ``seq_lens``
-(which read KV slot 0 instead of the row's stale entries): no shape depends on
-the data, nothing reads back to the host, so one capture per batch size serves
-every step. Padded rows (``req_pool_indices`` 0, ``seq_lens`` 1) read row 0 of
-``req_to_token`` (all zeros), so they attend to KV slot 0 only, the sink their
-own writes land in.
+(which read KV slot 0 instead of the row's stale entries, and contribute
+exactly zero: their values are zeroed, so a non-finite value in the sink slot 0
+never reaches a live row): no shape depends on the data, nothing reads back to
+the host, so one capture per batch size serves every step. Padded rows
+(``req_pool_indices`` 0, ``seq_lens`` 1) read row 0 of ``req_to_token`` (all
+zeros), so they attend to KV slot 0 only, the sink their own writes land in.
+
+With ``kernel="triton"`` the decode reads go through the Triton split-KV
+kernel instead (:mod:`graphrunner.model.attention_op`), which reads only each
+row's live tokens; this torch attention stays the reference it must equal.
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ from torch import nn
 
 from graphrunner.buffers import BufferView
 from graphrunner.inputs import StepInputs
+from graphrunner.kernels.decode_attention import choose_splits
+from graphrunner.model.attention_op import PagedRows, paged_attention
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RotaryEmbedding
+
+#: The decode attentions a :class:`TorchPagedBackend` can run.
+ATTENTION_KERNELS = ("torch", "triton")
 
 
 class KVStore(Protocol):
@@ -42,11 +52,17 @@ class AttnMetadata:
     mask: bool ``[B, 1, R, T]``, True where a query row may read a key column
         (``R`` = query heads per KV head in decode, ``tokens * that`` in extend).
     decode: one query token per row (decode) rather than a whole prompt (extend).
+    keys: bool ``[B, T, 1, 1]``, True where a column holds a live key of the row
+        (decode); None where every column is some query's live key (extend).
+    paged: the rows for the Triton kernel (decode with ``kernel="triton"``),
+        which then replaces the gather; None for the torch attention.
     """
 
     slots: torch.Tensor
     mask: torch.Tensor
     decode: bool
+    keys: torch.Tensor | None = None
+    paged: PagedRows | None = None
 
 
 def attend(
@@ -58,8 +74,15 @@ def attend(
     k_buf, v_buf: the layer's KV pool, ``[num_slots + page_size, H_kv, D]``.
     Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32 as in transformers.
     """
+    if meta.paged is not None:
+        return paged_attention(q, k_buf, v_buf, meta.paged, scale)
     k = k_buf[meta.slots].transpose(1, 2)  # [B, H_kv, T, D]
-    v = v_buf[meta.slots].transpose(1, 2)
+    v = v_buf[meta.slots]
+    if meta.keys is not None:
+        # Masked columns read slot 0, the padding sink: a zero probability times
+        # a non-finite value there would be NaN, so their values are zeroed.
+        v = v.masked_fill(~meta.keys, 0)
+    v = v.transpose(1, 2)
     if meta.decode:
         # A broadcast product summed over D, not a matmul: compiled, the key gather
         # fuses into the reduction and the gathered keys are never written out
@@ -150,15 +173,35 @@ class TorchPagedBackend:
     - ``init_replay_metadata``: nothing to do.
 
     ``seq_len_fill_value`` is 1: a padded row attends to exactly one key, slot 0.
+
+    ``kernel`` picks the decode attention: ``"torch"`` (the gather above, the
+    reference) or ``"triton"`` (the split-KV kernel through an opaque op, with
+    ``kv_heads`` and the batch size fixing its split count); prompts (extend)
+    always take the torch attention. Settable until a runner captures.
     """
 
     seq_len_fill_value: int = 1
 
-    def __init__(self, req_to_token: torch.Tensor) -> None:
+    def __init__(
+        self, req_to_token: torch.Tensor, *, kernel: str = "torch", kv_heads: int = 1
+    ) -> None:
         self.req_to_token = req_to_token  # int32 [num_reqs + 1, max_context_len]
         self.max_context_len = req_to_token.shape[1]
         self.kv_columns = torch.arange(self.max_context_len, device=req_to_token.device)
         self.max_bs = 0
+        self.kv_heads = kv_heads
+        self.kernel = kernel
+
+    @property
+    def kernel(self) -> str:
+        """The decode attention: ``"torch"`` or ``"triton"``."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: str) -> None:
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"kernel={kernel!r}: expected one of {ATTENTION_KERNELS}")
+        self._kernel = kernel
 
     def decode_metadata(self, inputs: StepInputs, group: int) -> AttnMetadata:
         """Slots ``[bs, max_context_len]`` and mask ``[bs, 1, group, max_context_len]``."""
@@ -174,7 +217,17 @@ class TorchPagedBackend:
         # holds there: their scores are masked anyway, and one hot row costs far
         # less than a scattered read per column.
         slots = torch.where(mask, self.req_to_token[req_pool_indices], 0).long()
-        return AttnMetadata(slots, mask[:, None, None, :].expand(-1, 1, group, -1), decode=True)
+        paged = None
+        if self._kernel == "triton":
+            splits = choose_splits(seq_lens.shape[0], self.kv_heads, self.max_context_len)
+            paged = PagedRows(self.req_to_token, req_pool_indices, seq_lens, splits)
+        return AttnMetadata(
+            slots,
+            mask[:, None, None, :].expand(-1, 1, group, -1),
+            decode=True,
+            keys=mask[:, :, None, None],
+            paged=paged,
+        )
 
     def extend_metadata(
         self, req_pool_index: int, positions: torch.Tensor, width: int, group: int

@@ -79,7 +79,9 @@ class LlamaDecoder(nn.Module):
         dtype: parameter and activation dtype; logits are always float32.
 
     The model is built on the KV cache's device, with gradients off.
-    ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to.
+    ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to;
+    its decode attention is the Triton kernel on a CUDA device and the torch
+    attention elsewhere (``attn_backend.kernel`` switches it before capture).
     """
 
     def __init__(
@@ -104,7 +106,10 @@ class LlamaDecoder(nn.Module):
             )
         self.config = config
         self.kv_cache = kv_cache
-        self.attn_backend = TorchPagedBackend(req_to_token)
+        kernel = "triton" if req_to_token.device.type == "cuda" else "torch"
+        self.attn_backend = TorchPagedBackend(
+            req_to_token, kernel=kernel, kv_heads=config.num_kv_heads
+        )
         self.model = LlamaBody(config, dtype)
         self.lm_head = (
             None

@@ -1,0 +1,1 @@
+"""Triton kernels of graphrunner: each module holds one kernel and its launcher."""

@@ -1,0 +1,300 @@
+"""Paged decode attention in Triton: split-KV over each row's live tokens.
+
+One query token per row, its keys at the KV slots listed in its row of
+``req_to_token``. Two launches, both with a grid fixed by the batch size, the
+heads and the split count (nothing read back, nothing data-dependent):
+
+1. ``(bs, kv_heads, splits)`` programs: each takes one row, one KV head with
+   all the query heads of its group (one ``tl.dot`` per key block), and one
+   contiguous chunk of the row's first ``seq_lens`` tokens; online softmax over
+   the chunk; writes the chunk's normalised output and log-sum-exp.
+2. ``(bs, heads)`` programs merge the chunks by their log-sum-exp.
+
+Columns at or past ``seq_lens`` are never loaded: a non-finite value in a
+slot no live token maps to cannot reach a live row. A padded row
+(``req_pool_indices`` 0, ``seq_lens`` 1) reads ``req_to_token[0, 0] = 0``:
+KV slot 0 only. A chunk with no tokens (a short row in a wide split) writes
+a zero output and a log-sum-exp of ``-inf``, weight 0 in the merge.
+
+Under ``TRITON_INTERPRET=1`` (read at launch) the kernels run in Triton's
+interpreter on CPU tensors: that is how CI checks them against the torch
+attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK_N", "MAX_SPLITS", "DecodeScratch", "choose_splits", "decode_attention"]
+
+#: Keys per block of the split loop (a ``tl.dot`` dimension: at least 16).
+BLOCK_N = 64
+#: Most chunks one row is split into.
+MAX_SPLITS = 16
+#: Programs of the split launch worth aiming at: a few waves of an H100's 132 SMs.
+TARGET_PROGRAMS = 512
+
+
+def choose_splits(
+    bs: int, kv_heads: int, max_context_len: int, *, target_programs: int = TARGET_PROGRAMS
+) -> int:
+    """Chunks per row for a captured size ``bs``: enough programs to fill the
+    device when the batch is small, never more chunks than key blocks in the
+    longest row, never more than :data:`MAX_SPLITS`. A pure function of shapes,
+    so each captured size gets one fixed grid."""
+    if bs < 1 or kv_heads < 1 or max_context_len < 1:
+        raise ValueError(
+            f"choose_splits(bs={bs}, kv_heads={kv_heads}, max_context_len={max_context_len}): "
+            "expected positive ints"
+        )
+    wanted = -(-target_programs // (bs * kv_heads))
+    blocks = -(-max_context_len // BLOCK_N)
+    return max(1, min(wanted, blocks, MAX_SPLITS))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeScratch:
+    """Per-chunk partial results, allocated once for the largest batch.
+
+    partial_out: float32 ``[max_bs, heads, max_splits, head_dim]``.
+    partial_lse: float32 ``[max_bs, heads, max_splits]``.
+    A launch of ``bs <= max_bs`` rows and ``splits <= max_splits`` uses the head.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        max_bs: int,
+        heads: int,
+        head_dim: int,
+        *,
+        max_splits: int = MAX_SPLITS,
+        device: torch.device | str = "cpu",
+    ) -> DecodeScratch:
+        shape = (max_bs, heads, max_splits)
+        return cls(
+            torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device),
+        )
+
+    def fits(self, bs: int, heads: int, splits: int, head_dim: int) -> bool:
+        b, h, s, d = self.partial_out.shape
+        return bs <= b and heads == h and splits <= s and head_dim == d
+
+
+def _split_kernel(
+    Q: Any,
+    K: Any,
+    V: Any,
+    ReqToToken: Any,
+    ReqIdx: Any,
+    SeqLens: Any,
+    PartO: Any,
+    PartLse: Any,
+    scale: Any,
+    stride_qb: Any,
+    stride_qh: Any,
+    stride_ks: Any,
+    stride_kh: Any,
+    stride_vs: Any,
+    stride_vh: Any,
+    stride_r2t: Any,
+    stride_ob: Any,
+    stride_oh: Any,
+    stride_os: Any,
+    stride_lb: Any,
+    stride_lh: Any,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+) -> None:
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + row).to(tl.int32)
+    req = tl.load(ReqIdx + row).to(tl.int64)
+    # Whole key blocks per chunk, so only the last block of a chunk is partial.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK)
+    heads = kv_head * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # A finite floor, not -inf: a block whose columns are all masked then gives
+    # exp(-inf - floor) = 0 instead of exp(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK):
+        cols = n0 + offs_n
+        live = cols < end
+        slots = tl.load(ReqToToken + req * stride_r2t + cols, mask=live, other=0).to(tl.int64)
+        kv_mask = live[:, None] & d_ok[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.where(live[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = PartO + row * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptrs + offs_d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(PartLse + row * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+
+def _merge_kernel(
+    PartO: Any,
+    PartLse: Any,
+    Out: Any,
+    stride_ob: Any,
+    stride_oh: Any,
+    stride_os: Any,
+    stride_lb: Any,
+    stride_lh: Any,
+    stride_outb: Any,
+    stride_outh: Any,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+) -> None:
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(
+        PartLse + row * stride_lb + head * stride_lh + offs_s, mask=s_ok, other=float("-inf")
+    )
+    # Chunk 0 always holds the row's first token, so the maximum is finite.
+    weight = tl.exp(lse - tl.max(lse, 0))
+    o_ptrs = PartO + row * stride_ob + head * stride_oh + offs_s[:, None] * stride_os
+    part = tl.load(o_ptrs + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    out_ptrs = Out + row * stride_outb + head * stride_outh + offs_d
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    """The two kernels, jitted or interpreted (``TRITON_INTERPRET`` is read at
+    launch rather than import, so one process can run both)."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_split_kernel), InterpretedFunction(_merge_kernel)
+    return triton.jit(_split_kernel), triton.jit(_merge_kernel)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 models are checked token for token against transformers: no TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    scratch: DecodeScratch | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over its paged KV.
+
+    q: ``[bs, heads, head_dim]``; heads ``h`` reads KV head ``h // (heads // kv_heads)``.
+    k_buf, v_buf: ``[num_slots, kv_heads, head_dim]`` in q's dtype, unit stride on the last dim.
+    req_to_token: int32 ``[num_reqs, max_context_len]``, contiguous rows.
+    req_pool_indices, seq_lens: int ``[bs]``; row ``b`` reads the KV slots
+        ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` (``seq_lens >= 1``).
+    num_splits: chunks per row, ``1..MAX_SPLITS`` (see :func:`choose_splits`).
+    out: optional ``[bs, heads, head_dim]`` in q's dtype to write into.
+    scratch: optional buffers for the chunks' partial results; fresh ones
+        otherwise (inside a CUDA graph those come from the graph's pool, once).
+    Returns ``out`` (or a new tensor). The softmax runs in float32.
+    """
+    bs, heads, head_dim = q.shape
+    kv_heads = k_buf.shape[1]
+    if heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
+        raise ValueError(
+            f"decode_attention: q {tuple(q.shape)}, k_buf {tuple(k_buf.shape)}, v_buf "
+            f"{tuple(v_buf.shape)}: expected heads a multiple of kv_heads and one head_dim"
+        )
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention: num_splits={num_splits}: expected 1..{MAX_SPLITS}")
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if scratch is None or not scratch.fits(bs, heads, num_splits, head_dim):
+        scratch = DecodeScratch.allocate(
+            bs, heads, head_dim, max_splits=num_splits, device=q.device
+        )
+    if bs == 0:
+        return out
+    split_kernel, merge_kernel = _kernels(_interpreting())
+    po, pl = scratch.partial_out, scratch.partial_lse
+    block_d = _pow2(head_dim, 16)
+    split_kernel[(bs, kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, po, pl, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK=BLOCK_N, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+    )  # fmt: skip
+    merge_kernel[(bs, heads)](
+        po, pl, out,
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=_pow2(num_splits, 2),
+    )  # fmt: skip
+    return out

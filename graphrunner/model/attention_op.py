@@ -1,0 +1,94 @@
+"""The Triton decode attention as an opaque ``torch.library`` op.
+
+``torch.compile`` does not trace into the op: inductor fuses everything around
+it (norms, rotary, projections' epilogues) and calls it as one extern kernel,
+so the CUDA runner's compiled forward keeps the Triton kernel and captures it
+in its graphs. The fake implementation gives the output's shape and dtype
+without running anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrunner.kernels.decode_attention import decode_attention
+
+__all__ = ["PagedRows", "paged_attention", "paged_decode_attention"]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRows:
+    """What the Triton kernel reads instead of gathered slots and a mask.
+
+    req_to_token: int32 ``[num_reqs + 1, max_context_len]``.
+    req_pool_indices, seq_lens: int64 ``[B]``; row ``b`` reads the KV slots
+        ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
+    num_splits: chunks per row, fixed by the batch size (static in a graph).
+    """
+
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    num_splits: int
+
+
+@torch.library.custom_op("graphrunner::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """:func:`~graphrunner.kernels.decode_attention.decode_attention` as an op:
+    q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``."""
+    out = q.new_empty(q.shape)
+    return decode_attention(
+        q.contiguous(),
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        scale=scale,
+        num_splits=num_splits,
+        out=out,
+    )
+
+
+@paged_decode_attention.register_fake
+def _fake(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def paged_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: PagedRows, scale: float
+) -> torch.Tensor:
+    """Decode attention of ``q [B, H_kv, R, D]`` (``R`` = the group's query heads)
+    through the op; returns ``[B, H_kv, R, D]``."""
+    b, kv_heads, group, head_dim = q.shape
+    out = paged_decode_attention(
+        q.reshape(b, kv_heads * group, head_dim),
+        k_buf,
+        v_buf,
+        rows.req_to_token,
+        rows.req_pool_indices,
+        rows.seq_lens,
+        scale,
+        rows.num_splits,
+    )
+    return out.view(b, kv_heads, group, head_dim)
