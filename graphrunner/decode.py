@@ -22,6 +22,7 @@ __all__ = [
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
     "DECODE_FIELD_NAMES",
+    "MAMBA_DECODE_FIELDS",
     "decode_buffer_specs",
 ]
 
@@ -38,6 +39,16 @@ DECODE_FIELDS: tuple[BufferSpec, ...] = (
 )
 DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 
+#: The fields a model with Mamba layers adds (``decode_buffer_specs(mamba=True)``):
+#: ``mamba_track_indices`` (int64 ``[bs]``), the Mamba pool slot whose state
+#: each row reads and advances, 0 on padded rows; ``mamba_track_mask`` (bool
+#: ``[bs]``), True where the row's state advances, False on padded rows, whose
+#: update is discarded so the sink slot 0 stays bit-identical.
+MAMBA_DECODE_FIELDS: tuple[BufferSpec, ...] = (
+    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True),
+    BufferSpec("mamba_track_mask", torch.bool, PadRule.ZERO),
+)
+
 #: Device field -> its host mirror (CPU int64 ``[bs]``), equal to it at all times.
 DECODE_HOST_MIRRORS: Mapping[str, str] = {
     "req_pool_indices": "req_pool_indices_cpu",
@@ -49,7 +60,11 @@ SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
 
 
 def decode_buffer_specs(
-    *, seq_len_fill_value: int = 1, host_seq_lens: bool = False, future: bool = False
+    *,
+    seq_len_fill_value: int = 1,
+    host_seq_lens: bool = False,
+    future: bool = False,
+    mamba: bool = False,
 ) -> list[BufferSpec]:
     """The decode step's buffers with the pad rules of the design table.
 
@@ -59,6 +74,8 @@ def decode_buffer_specs(
     fill) for backends that plan on the host from the padded lengths.
     ``future=True`` lets ``input_ids`` hold future references (overlap
     scheduling: :mod:`graphrunner.overlap`), resolved by populate.
+    ``mamba=True`` adds :data:`MAMBA_DECODE_FIELDS` (models with Mamba layers
+    only: a Llama runner declares none of them).
     """
     specs = [
         dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
@@ -66,6 +83,8 @@ def decode_buffer_specs(
     ]
     if future:
         specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
+    if mamba:
+        specs.extend(MAMBA_DECODE_FIELDS)
     if host_seq_lens:
         specs.append(
             BufferSpec(

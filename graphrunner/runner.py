@@ -27,6 +27,7 @@ from graphrunner.replay import NotCapturedError, batch_size_of, launch_padded, r
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.sizes import default_capture_sizes, pad_to, validate_capture_sizes
+from graphrunner.state_ops import StateOps, check_state_ops, run_state_ops
 from graphrunner.warn import warn_at_caller
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
@@ -88,6 +89,9 @@ class GraphRunner:
             declared ``future=True`` resolve their references from (overlap
             scheduling); required exactly with such buffers.
         show_progress: a progress bar during capture.
+        state_ops: a pool whose recorded state ops (Mamba clears and copies)
+            the runner's pre-launch step runs before every step's forward,
+            graph or eager, on its stream (:mod:`graphrunner.state_ops`).
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class GraphRunner:
         sanitizer: PaddingSanitizer | None = None,
         show_progress: bool = True,
         future_map: FutureMap | None = None,
+        state_ops: StateOps | None = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -125,16 +130,18 @@ class GraphRunner:
         self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
         self.future_map = future_map
         self.mechanism.bind(self.buffers.device)
+        self.mechanism.bind_buffers(self.buffers)
         self.sanitizer = sanitizer
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
-        self.mechanism.bind_buffers(self.buffers)
         self._launchers: dict[int, Launcher] = {}
         self._warned_fallback = False
         # The last step's outputs, poisoned at the next step when sanitized.
         self._held: Outputs | None = None
+        self.state_ops = check_state_ops(state_ops)
+        self.state_ops_run = 0  # state ops its pre-launch steps ran
 
     @property
     def kind(self) -> str:
@@ -216,6 +223,7 @@ class GraphRunner:
             )
         reason = self.eager_reason(inputs, raw_bs)
         with torch.no_grad():
+            self._pre_launch()
             if reason is not None:
                 out = self._replay_eager(inputs, raw_bs, reason)
             else:
@@ -224,6 +232,10 @@ class GraphRunner:
         if self.sanitizer is not None:
             self._held = out
         return out
+
+    def _pre_launch(self) -> None:
+        """The runner-owned pre-launch step: recorded state ops, once per step."""
+        self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:
         """Launch captured size ``bs`` again on the buffers as they are: no

@@ -19,6 +19,7 @@ from graphrunner.pools import (
     InvalidSlot,
     KVCache,
     MambaStatePool,
+    PendingStateOp,
     PoolError,
     PoolExhausted,
     ReqToTokenPool,
@@ -400,7 +401,12 @@ def test_mamba_random_ops_match_a_replica(data: Any) -> None:
         if op == "alloc" and pool.available_size():
             assert 0 not in pool.alloc(1)
         elif op == "free" and live:
-            pool.free([data.draw(st.sampled_from(live))])
+            slot = data.draw(st.sampled_from(live))
+            if any(slot in (*src, *dst) for _, src, dst in pending):
+                with pytest.raises(PendingStateOp):  # an op would land on a freed slot
+                    pool.free([slot])
+            else:
+                pool.free([slot])
         elif op == "write" and live:  # the forward pass writing a live slot
             slot = data.draw(st.sampled_from(live))
             set_state(pool, slot, float(i + 1))

@@ -20,7 +20,12 @@ from graphrunner.pools.slots import (
     check_float_dtype,
 )
 
-__all__ = ["MambaStatePool"]
+__all__ = ["MambaStatePool", "PendingStateOp"]
+
+
+class PendingStateOp(PoolError):
+    """A slot was freed while a recorded state op still reads or writes it: the
+    op would run on a slot another request may own by then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,22 @@ class MambaStatePool(SlotPool):
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+    def pending_slots(self) -> frozenset[int]:
+        """Slots a queued op reads or writes (host facts, no device read)."""
+        return frozenset(s for op in self._pending for s in (*op.src, *op.dst))
+
+    def free(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Return slots; all-or-nothing. A slot a queued op still reads or writes
+        is refused (:class:`PendingStateOp`): run the ops first (the runner's
+        pre-launch step does), so no op ever lands on a freed slot."""
+        slots = self._slots.check_allocated(indices, "free: indices")
+        busy = self.pending_slots()
+        for i, slot in enumerate(slots):
+            if slot in busy:
+                expected = "a slot no pending state op reads or writes (run_pending first)"
+                raise bad_arg(f"free: indices[{i}]", slot, expected, PendingStateOp)
+        self._slots.free(slots)
 
     def clear(self) -> None:
         """Back to the initial state: all slots free, no pending ops, state all zeros."""
