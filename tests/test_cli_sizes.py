@@ -1,0 +1,179 @@
+"""``graphrunner sizes``: its list and figures, the run -> collect -> optimise ->
+recapture loop through the demo's files, and every bad input refused (exit 2)
+with nothing written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphrunner.cli as cli
+import graphrunner.cli_sizes as cli_sizes
+from graphrunner.histogram import BatchSizeHistogram, read_histogram
+from graphrunner.report import CaptureReport, SizeReport
+from graphrunner.report_file import read_capture_report, write_capture_report
+from graphrunner.size_plan import expected_waste, optimal_capture_sizes
+
+EAGER = ["--runner", "eager"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()  # the demo sets its own (--threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def decaying(tmp_path: Path) -> Path:
+    """exp(-b/24) traffic, 1000 steps at size 1, as one size per line."""
+    path = tmp_path / "trace.txt"
+    lines = [str(b) for b in range(1, 257) for _ in range(round(1000 * math.exp(-b / 24)))]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _report_file(path: Path, nbytes: dict[int, int | None]) -> Path:
+    sizes = [SizeReport(bs, 0.1, b) for bs, b in sorted(nbytes.items(), reverse=True)]
+    write_capture_report(CaptureReport(sizes), path, mechanism="cuda")
+    return path
+
+
+def test_prints_both_paddings_and_writes_the_list(decaying, tmp_path, capsys):
+    out = tmp_path / "list.txt"
+    args = ["sizes", "--trace", str(decaying), "--graphs", "36", "--max-bs", "256"]
+    assert cli.main([*args, "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    counts = read_histogram(decaying).counts()
+    plan = optimal_capture_sizes(counts, 36, max_bs=256)
+    listed = ",".join(map(str, plan.sizes))
+    assert out.read_text() == listed + "\n"
+    assert text.splitlines()[-1] == f"--capture-sizes {listed}"
+    assert "default: 36 graphs up to 256: padded rows 9.16%" in text
+    assert f"optimum: 36 graphs up to 256: padded rows {plan.waste.fraction:.2%}" in text
+    assert plan.waste.fraction < 0.04
+
+
+def test_budget_picks_from_the_report_within_the_budget(decaying, tmp_path, capsys):
+    nbytes = {256: 1000, 128: 300, 64: 200, 32: 150, 8: 100}
+    report = _report_file(tmp_path / "r.json", nbytes)
+    args = ["sizes", "--trace", str(decaying), "--graphs", "4"]
+    assert cli.main([*args, "--memory-budget", "1400", "--capture-report", str(report)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    counts = read_histogram(decaying).counts()
+    lists = [
+        [*combo, 256]
+        for r in range(4)
+        for combo in itertools.combinations([8, 32, 64, 128], r)
+        if sum(nbytes[s] for s in combo) <= 400
+    ]
+    best = min(lists, key=lambda sizes: expected_waste(sizes, counts).padded_rows)
+    assert best == [32, 64, 256]  # 8,32,64,256 pads less but takes 1450 bytes
+    assert last == f"--capture-sizes {','.join(map(str, best))}"
+
+
+def test_the_loop_demo_collects_sizes_then_recaptures_with_the_list(tmp_path, capsys):
+    hist, report = tmp_path / "bs.json", tmp_path / "report.json"
+    demo = ["demo", *EAGER, "--steps", "24", "--max-bs", "8"]
+    assert (
+        cli.main([*demo, "--batch-sizes-out", str(hist), "--capture-report-out", str(report)]) == 0
+    )
+    served = read_histogram(hist)
+    assert served.steps == 24
+    captured, mechanism = read_capture_report(report)
+    assert mechanism == "eager" and [s.bs for s in captured.sizes] == [8, 4, 2, 1]
+    out = tmp_path / "list.txt"
+    assert cli.main(["sizes", "--trace", str(hist), "--graphs", "3", "--output", str(out)]) == 0
+    sizes = out.read_text().strip()
+    capsys.readouterr()
+    assert cli.main(["demo", *EAGER, "--steps", "24", "--capture-sizes", sizes]) == 0
+    assert f"sizes {[int(s) for s in sizes.split(',')]}" in capsys.readouterr().out
+
+
+def _bad(tmp_path: Path, trace: Path) -> list[tuple[list[str], str]]:
+    report = _report_file(tmp_path / "r.json", {16: 1000, 4: 10})
+    cpu_report = _report_file(tmp_path / "cpu.json", {16: None, 4: None})
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text(
+        '{"format": "graphrunner.capture_report", "version": 1, "sizes": [{"bs": 0}]}'
+    )
+    t = ["--trace", str(trace)]
+    budget = ["--memory-budget", "2000", "--capture-report"]
+    return [
+        ([*t, "--graphs", "0"], "--graphs 0: expected 1..4096"),
+        ([*t, "--graphs", "5000"], "--graphs 5000: expected 1..4096"),
+        ([*t, "--graphs", "2", "--max-bs", "0"], "--max-bs 0: expected 1..1000000"),
+        (["--trace", str(tmp_path / "nope"), "--graphs", "2"], "no such file"),
+        (["--trace", str(tmp_path), "--graphs", "2"], "is a directory"),
+        ([*t, "--graphs", "2", "--memory-budget", "9"], "go together; got only --memory-budget"),
+        ([*t, "--graphs", "2", "--capture-report", str(report)], "got only --capture-report"),
+        ([*t, "--graphs", "2", "--memory-budget", "0", "--capture-report", str(report)],
+         "--memory-budget 0: expected 1.."),
+        ([*t, "--graphs", "2", "--memory-budget", "999", "--capture-report", str(report)],
+         "expected at least 1000 bytes"),
+        ([*t, "--graphs", "2", "--max-bs", "8", *budget, str(report)], "--max-bs 8: expected a size"),
+        ([*t, "--graphs", "2", *budget, str(cpu_report)], "no memory bytes for sizes [16, 4]"),
+        ([*t, "--graphs", "2", *budget, str(bad_json)], r"sizes[0].bs = 0"),
+        ([*t, "--graphs", "2", *budget, str(tmp_path / "none.json")], "no such file"),
+        ([*t, "--graphs", "2", "--output", str(tmp_path / "no" / "x")], "does not exist"),
+        ([*t, "--graphs", "2", "--output", str(tmp_path)], "is a directory"),
+    ]  # fmt: skip
+
+
+def test_every_bad_input_exits_2_naming_it_and_writes_nothing(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("3\n5\n12\n")
+    out = tmp_path / "out.txt"
+    for args, message in _bad(tmp_path, trace):
+        before = sorted(tmp_path.iterdir())
+        code = cli.main(["sizes", *args] + ([] if "--output" in args else ["--output", str(out)]))
+        err = capsys.readouterr().err
+        assert code == 2, args
+        assert err.startswith("graphrunner sizes: error: ") and message in err, (args, err)
+        assert sorted(tmp_path.iterdir()) == before, args  # nothing written, no temporary
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("3\n-1\n", "trace.txt:2: '-1'"), ("", "no batch sizes"),
+                          ('{"format": "x"}', "format 'x'")],
+)  # fmt: skip
+def test_bad_trace_files(tmp_path, capsys, text, message):
+    trace = tmp_path / "trace.txt"
+    trace.write_text(text)
+    assert cli.main(["sizes", "--trace", str(trace), "--graphs", "2"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_bad_outputs_before_any_work(tmp_path, capsys):
+    missing = str(tmp_path / "no" / "f")
+    for flag in ("--batch-sizes-out", "--capture-report-out", "--trace-out"):
+        assert cli.main(["demo", *EAGER, "--steps", "2", flag, missing]) == 2
+        assert f"{flag} {missing}: directory" in capsys.readouterr().err
+    assert cli.main(["demo", *EAGER, "--overlap", "--batch-sizes-out", str(tmp_path / "h")]) == 2
+    assert "not with --overlap" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_search_too_large_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli_sizes, "MAX_SEARCH_WORK", 10)
+    trace = tmp_path / "t.txt"
+    BatchSizeHistogram.from_sizes(range(1, 9)).write(trace)
+    assert cli.main(["sizes", "--trace", str(trace), "--graphs", "4"]) == 2
+    assert "would take too long" in capsys.readouterr().err
+
+
+def test_bound_matches_the_cli():
+    assert cli_sizes.MAX_BATCH_SIZE == cli.MAX_BATCH_SIZE
+
+
+def test_capture_report_round_trip(tmp_path):
+    report = CaptureReport([SizeReport(8, 0.5, 4096, 1), SizeReport(4, 0.25, None, None)])
+    write_capture_report(report, tmp_path / "r.json", mechanism="cuda+compile")
+    assert read_capture_report(tmp_path / "r.json") == (report, "cuda+compile")
+    assert json.loads((tmp_path / "r.json").read_text())["format"] == "graphrunner.capture_report"
