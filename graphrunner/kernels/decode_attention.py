@@ -138,7 +138,10 @@ def _split_kernel(
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    # Dots run on float32 operands (TF32 for 16-bit models, whose values TF32
+    # holds exactly; IEEE for float32 ones): one code path, which Triton's
+    # interpreter also runs correctly (its 16-bit dot does not).
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
     # A finite floor, not -inf: a block whose columns are all masked then gives
     # exp(-inf - floor) = 0 instead of exp(-inf + inf) = NaN.
@@ -154,7 +157,7 @@ def _split_kernel(
             K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(live[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,8 +168,8 @@ def _split_kernel(
             V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
     has = l_i > 0.0
@@ -227,7 +230,8 @@ def _interpreting() -> bool:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 models are checked token for token against transformers: no TF32.
+    # float32 models are checked token for token against transformers: no TF32
+    # rounding of their operands. 16-bit values fit TF32 exactly.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
