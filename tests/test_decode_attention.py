@@ -190,10 +190,10 @@ def test_bad_arguments_are_named() -> None:
 
 def test_custom_op_is_registered_with_a_fake() -> None:
     world = make_world([5, 66], pad=1)
+    scratch = DecodeScratch.allocate(4, world.q.shape[1], 16, device=DEVICE)
+    args = (*world.args(), scratch.partial_out, scratch.partial_lse)
     torch.library.opcheck(
-        paged_decode_attention,
-        (*world.args(), 0.25, 2),
-        test_utils=("test_schema", "test_faketensor"),
+        paged_decode_attention, (*args, 0.25, 2), test_utils=("test_schema", "test_faketensor")
     )
-    out = paged_decode_attention(*world.args(), 1 / math.sqrt(16), 2)
+    out = paged_decode_attention(*args, 1 / math.sqrt(16), 2)
     torch.testing.assert_close(out, world.reference(), atol=2e-6, rtol=1e-5)

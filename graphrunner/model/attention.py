@@ -26,7 +26,7 @@ from torch import nn
 
 from graphrunner.buffers import BufferView
 from graphrunner.inputs import StepInputs
-from graphrunner.kernels.decode_attention import choose_splits
+from graphrunner.kernels.decode_attention import DecodeScratch, choose_splits
 from graphrunner.model.attention_op import PagedRows, paged_attention
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RotaryEmbedding
@@ -177,19 +177,28 @@ class TorchPagedBackend:
     ``kernel`` picks the decode attention: ``"torch"`` (the gather above, the
     reference) or ``"triton"`` (the split-KV kernel through an opaque op, with
     ``kv_heads`` and the batch size fixing its split count); prompts (extend)
-    always take the torch attention. Settable until a runner captures.
+    always take the torch attention. Settable until a runner captures. With
+    ``heads`` and ``head_dim`` given, the Triton kernel's scratch is allocated
+    here, for ``num_reqs`` rows, and grown to ``max_bs`` by ``init_graph_state``.
     """
 
     seq_len_fill_value: int = 1
 
     def __init__(
-        self, req_to_token: torch.Tensor, *, kernel: str = "torch", kv_heads: int = 1
+        self,
+        req_to_token: torch.Tensor,
+        *,
+        kernel: str = "torch",
+        kv_heads: int = 1,
+        heads: int = 0,
+        head_dim: int = 0,
     ) -> None:
         self.req_to_token = req_to_token  # int32 [num_reqs + 1, max_context_len]
         self.max_context_len = req_to_token.shape[1]
         self.kv_columns = torch.arange(self.max_context_len, device=req_to_token.device)
         self.max_bs = 0
-        self.kv_heads = kv_heads
+        self.kv_heads, self.heads, self.head_dim = kv_heads, heads, head_dim
+        self.scratch: DecodeScratch | None = None
         self.kernel = kernel
 
     @property
@@ -202,6 +211,17 @@ class TorchPagedBackend:
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(f"kernel={kernel!r}: expected one of {ATTENTION_KERNELS}")
         self._kernel = kernel
+        self._size_scratch(self.req_to_token.shape[0] - 1)
+
+    def _size_scratch(self, rows: int) -> None:
+        """Scratch for ``rows`` decode rows, allocated only when the Triton kernel
+        runs and the current one is smaller (host-side, never in a step)."""
+        if self._kernel != "triton" or not self.heads or not self.head_dim:
+            return
+        if self.scratch is None or self.scratch.partial_out.shape[0] < rows:
+            self.scratch = DecodeScratch.allocate(
+                rows, self.heads, self.head_dim, device=self.req_to_token.device
+            )
 
     def decode_metadata(self, inputs: StepInputs, group: int) -> AttnMetadata:
         """Slots ``[bs, max_context_len]`` and mask ``[bs, 1, group, max_context_len]``."""
@@ -220,7 +240,7 @@ class TorchPagedBackend:
         paged = None
         if self._kernel == "triton":
             splits = choose_splits(seq_lens.shape[0], self.kv_heads, self.max_context_len)
-            paged = PagedRows(self.req_to_token, req_pool_indices, seq_lens, splits)
+            paged = PagedRows(self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch)
         return AttnMetadata(
             slots,
             mask[:, None, None, :].expand(-1, 1, group, -1),
@@ -247,6 +267,7 @@ class TorchPagedBackend:
                 "live KV slots (row 0 is reserved for padding)"
             )
         self.max_bs = max_bs
+        self._size_scratch(max_bs)
 
     def init_capture_metadata(self, bs: int, view: BufferView) -> None:
         if not 1 <= bs <= self.max_bs or view.bs != bs:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.kernels.decode_attention import decode_attention
+from graphrunner.kernels.decode_attention import DecodeScratch, decode_attention
 
 __all__ = ["PagedRows", "paged_attention", "paged_decode_attention"]
 
@@ -26,15 +26,23 @@ class PagedRows:
     req_pool_indices, seq_lens: int64 ``[B]``; row ``b`` reads the KV slots
         ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
     num_splits: chunks per row, fixed by the batch size (static in a graph).
+    scratch: the chunks' partial results, allocated once by the backend; None
+        (or too small, e.g. for more token rows than requests) and each call
+        allocates its own (inside a graph: once, from the graph's pool).
     """
 
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     num_splits: int
+    scratch: DecodeScratch | None = None
 
 
-@torch.library.custom_op("graphrunner::paged_decode_attention", mutates_args=())
+# The scratch is declared mutated: inductor then passes the backend's buffers
+# straight in (no copy) and keeps the op's order against other users of them.
+@torch.library.custom_op(
+    "graphrunner::paged_decode_attention", mutates_args=("partial_out", "partial_lse")
+)
 def paged_decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -42,11 +50,14 @@ def paged_decode_attention(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
     scale: float,
     num_splits: int,
 ) -> torch.Tensor:
     """:func:`~graphrunner.kernels.decode_attention.decode_attention` as an op:
-    q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``."""
+    q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``,
+    using the scratch ``partial_out`` / ``partial_lse`` where it fits."""
     out = q.new_empty(q.shape)
     return decode_attention(
         q.contiguous(),
@@ -58,6 +69,7 @@ def paged_decode_attention(
         scale=scale,
         num_splits=num_splits,
         out=out,
+        scratch=DecodeScratch(partial_out, partial_lse),
     )
 
 
@@ -69,6 +81,8 @@ def _fake(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
     scale: float,
     num_splits: int,
 ) -> torch.Tensor:
@@ -81,6 +95,10 @@ def paged_attention(
     """Decode attention of ``q [B, H_kv, R, D]`` (``R`` = the group's query heads)
     through the op; returns ``[B, H_kv, R, D]``."""
     b, kv_heads, group, head_dim = q.shape
+    scratch = rows.scratch
+    if scratch is None:
+        empty = q.new_empty(0, 1, 1, 1, dtype=torch.float32)
+        scratch = DecodeScratch(empty, empty[..., 0])
     out = paged_decode_attention(
         q.reshape(b, kv_heads * group, head_dim),
         k_buf,
@@ -88,6 +106,8 @@ def paged_attention(
         rows.req_to_token,
         rows.req_pool_indices,
         rows.seq_lens,
+        scratch.partial_out,
+        scratch.partial_lse,
         scale,
         rows.num_splits,
     )

@@ -108,7 +108,11 @@ class LlamaDecoder(nn.Module):
         self.kv_cache = kv_cache
         kernel = "triton" if req_to_token.device.type == "cuda" else "torch"
         self.attn_backend = TorchPagedBackend(
-            req_to_token, kernel=kernel, kv_heads=config.num_kv_heads
+            req_to_token,
+            kernel=kernel,
+            kv_heads=config.num_kv_heads,
+            heads=config.num_heads,
+            head_dim=config.head_dim,
         )
         self.model = LlamaBody(config, dtype)
         self.lm_head = (
