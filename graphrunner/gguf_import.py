@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from graphrunner.gguf_meta import GGUFImportError, field, open_gguf
 from graphrunner.gguf_tokenizer import write_tokenizer
 from graphrunner.model.config import CheckpointError, ModelConfig
 
@@ -64,31 +65,6 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class GGUFImportError(CheckpointError):
-    """A GGUF file cannot be converted: missing, truncated, or a model or tensor
-    type this importer does not handle."""
-
-
-def open_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` over ``path``; :class:`GGUFImportError` when the file
-    is missing or not a readable GGUF file (truncated, wrong magic)."""
-    import gguf
-
-    file = Path(path)
-    if not file.is_file():
-        raise GGUFImportError(f"GGUF file {str(file)!r} not found")
-    try:
-        return gguf.GGUFReader(file)
-    except Exception as e:  # the reader raises ValueError, struct and numpy errors alike
-        raise GGUFImportError(f"{file} is not a readable GGUF file: {e}") from None
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    """The value of metadata ``key`` (a scalar, string or list), or ``default``."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from graphrunner.gguf_meta import GGUFImportError, field
+
 __all__ = ["BYTE_LEVEL_PRE_TOKENIZERS", "write_tokenizer"]
 
 #: ``tokenizer.ggml.pre`` values whose pre-tokenization is GPT-2's byte-level
@@ -31,8 +33,6 @@ def write_tokenizer(reader: Any, out: Path, *, context: int) -> bool:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out`` from
     ``reader``'s metadata. Returns False (writing nothing) when the GGUF holds
     no tokenizer or one of a kind not built here."""
-    from graphrunner.gguf_import import GGUFImportError, field
-
     model = field(reader, "tokenizer.ggml.model")
     pre = field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in BYTE_LEVEL_PRE_TOKENIZERS:
