@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # One stamp per TORCH value: changing it reinstalls into the existing .venv.
 STAMP  := $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | tr -c 'A-Za-z0-9.=+-' '_')
 
-.PHONY: install demo demo-real test test-slow bench lint clean
+.PHONY: install demo demo-real test test-slow bench plots lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ test-slow: install
 bench: install
 	$(BIN)/python -m pytest bench -q --benchmark-enable --benchmark-only \
 		--benchmark-warmup=on --benchmark-min-rounds=50 --benchmark-disable-gc
+
+# Redraw bench/results/*.png from the results files (make bench draws them too).
+plots: install
+	$(BIN)/python -m bench.plots
 
 lint: install
 	$(BIN)/ruff check graphrunner tests bench

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.conftest import FACTS, record
+from bench.conftest import CAPTURES, FACTS, record
 from graphrunner import GraphRunner
 from graphrunner.batch import DecodeBatch
 from graphrunner.engine import create_model_runner
@@ -35,7 +35,7 @@ def captured(request: pytest.FixtureRequest) -> tuple[ModelBundle, GraphRunner]:
     kind, options = MECHANISMS[request.param]
     bundle = default_model(max_requests=max(SIZES), device="cuda" if kind == "cuda" else "cpu")
     runner = create_model_runner(bundle, kind, capture_sizes=SIZES, **options)
-    runner.capture()
+    CAPTURES[runner.mechanism.label] = runner.capture()
     return bundle, runner
 
 

@@ -1,5 +1,6 @@
 """Benchmark plumbing: collect medians, print ratios against the baseline
-measured in the same run, and write them with the machine to bench/results/."""
+measured in the same run, and write them with the machine to bench/results/,
+with pictures (:mod:`bench.plots`) beside the tables."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import platform
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from graphrunner.report import CaptureReport
 from graphrunner.testing import torch_threads
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -27,6 +30,10 @@ _STAT_FIELDS = ("min", "median", "mean", "stddev", "iqr", "max", "rounds")
 FACTS: dict[tuple[str, int], dict[str, object]] = {}
 #: The variant each group's ratios are taken against, where it is not "eager".
 BASELINES: dict[str, str] = {}
+#: Capture reports by mechanism label, drawn as capture-costs.png.
+CAPTURES: dict[str, CaptureReport] = {}
+#: Traces and the capture lists compared on them (bench.plots.PaddingPanel), by name.
+PADDING: dict[str, Any] = {}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -102,9 +109,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         header = [f"# {group}", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
         out.write_text("\n".join(header + lines) + "\n")
         raw = {
+            "group": group,
             "machine": info,
             "seconds": {str(bs): v for (g, bs), v in sorted(STATS.items()) if g == group},
             "facts": {str(bs): v for (g, bs), v in sorted(FACTS.items()) if g == group},
         }
         out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
         terminalreporter.write_line(f"results written to {out} and {out.with_suffix('.json')}")
+    _write_inputs()
+    from bench import plots  # matplotlib only where pictures are drawn
+
+    for path in plots.draw_all(RESULTS_DIR):
+        terminalreporter.write_line(f"picture written to {path}")
+
+
+def _write_inputs() -> None:
+    """The capture reports and traces of this run, beside the tables, for the pictures."""
+    from graphrunner.report_file import write_capture_report
+
+    for label, report in CAPTURES.items():
+        write_capture_report(report, RESULTS_DIR / f"capture-{_slug(label)}.json", mechanism=label)
+    for name, panel in PADDING.items():
+        panel.write(RESULTS_DIR / f"padding-{_slug(name)}.json")
