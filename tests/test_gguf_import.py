@@ -104,9 +104,11 @@ def test_tokenizer_from_gguf_metadata_encodes_and_templates_as_the_original(
     assert config["tie_word_embeddings"] is False and config["num_key_value_heads"] == 2
 
 
-def _generate(checkpoint: Path, prompts: Path, capsys: pytest.CaptureFixture[str]) -> list[Any]:
+def _generate(
+    checkpoint: Path, prompts: Path, capsys: pytest.CaptureFixture[str], runner: str = "eager"
+) -> list[Any]:
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--json"]
-    assert cli.main([*argv, "--runner", "eager", "--max-new-tokens", "12", "--ignore-eos"]) == 0
+    assert cli.main([*argv, "--runner", runner, "--max-new-tokens", "12", "--ignore-eos"]) == 0
     return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
 
 
@@ -126,6 +128,21 @@ def test_gguf_checkpoint_generates_the_tokens_of_its_safetensors_source(
     assert (converted_dir(gguf_file) / "config.json").is_file()
     assert converted_dir(gguf_file).parent.parent == tmp_path / "cache"
     assert _generate(gguf_file, prompts, capsys) == source
+
+
+@pytest.mark.cuda
+def test_gguf_checkpoint_chat_through_the_cuda_runner_gives_the_eager_tokens(
+    world: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    prompts = tmp_path / "chat.txt"
+    prompts.write_text("what is the capital of france?\nhello world\n[5, 6, 7]\n")
+    gguf_file = world["root"] / "tiny.gguf"
+    eager = _generate(gguf_file, prompts, capsys)
+    assert _generate(gguf_file, prompts, capsys, runner="cuda") == eager
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
