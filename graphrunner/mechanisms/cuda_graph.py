@@ -8,12 +8,18 @@ from typing import Any
 
 import torch
 
-from graphrunner.buffers import BufferView
+from graphrunner.buffers import BufferView, StaticBuffers
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 from graphrunner.outputs import Outputs
+from graphrunner.populate_fused import FusedPopulate, InGraphPopulate
 
-__all__ = ["CudaGraphCapture", "pool_bytes"]
+__all__ = ["POPULATE_MODES", "CudaGraphCapture", "pool_bytes"]
+
+#: How a replay writes the static buffers: grouped torch ops (the reference),
+#: one fused Triton launch outside the graph, or that launch captured inside
+#: each graph (see :mod:`graphrunner.populate_fused`).
+POPULATE_MODES = ("torch", "fused", "graph")
 
 
 def pool_bytes(segments: Sequence[Mapping[str, Any]], pool: tuple[int, int], device: int) -> int:
@@ -42,6 +48,11 @@ class CudaGraphCapture(CaptureMechanism):
             :class:`~graphrunner.mechanisms.inductor.InductorCapture`, with
             ``compile=True`` only; those that turn on inductor's own CUDA
             graphs are refused.
+        populate: ``"torch"`` (default: grouped torch ops, the reference),
+            ``"fused"`` (one Triton launch per replay, outside the graph) or
+            ``"graph"`` (that launch captured inside each graph; a replay is
+            one table copy plus the graph). Default stays ``"torch"`` until
+            the fused modes are measured on a GPU.
 
     Needs a CUDA device; on a CPU build of torch every graph and stream call
     raises, so construction fails early with a clear error instead.
@@ -55,7 +66,10 @@ class CudaGraphCapture(CaptureMechanism):
         compile: bool = False,
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
+        populate: str = "torch",
     ) -> None:
+        if populate not in POPULATE_MODES:
+            raise ValueError(f"populate={populate!r}; expected one of {POPULATE_MODES}")
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaGraphRunner needs a CUDA device (torch.cuda.is_available() is False)"
@@ -73,6 +87,9 @@ class CudaGraphCapture(CaptureMechanism):
         self._device = torch.device("cuda")
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every size
         self._stream: torch.cuda.Stream | None = None
+        self.populate_mode = populate
+        self._in_graph: InGraphPopulate | None = None
+        self._capturing_bs = 0  # the size whose warm-ups and capture run now
 
     @property
     def label(self) -> str:
@@ -90,12 +107,22 @@ class CudaGraphCapture(CaptureMechanism):
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)
 
+    def bind_buffers(self, buffers: StaticBuffers) -> None:
+        if self.populate_mode == "fused":
+            self.populate_writer = FusedPopulate(buffers)
+        elif self.populate_mode == "graph":
+            self.populate_writer = self._in_graph = InGraphPopulate(buffers)
+
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             raise RuntimeError("CudaGraphCapture is not bound to a device (bind() first)")
         return self._stream
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
+        if self._in_graph is not None:
+            # Warm-ups and the capture run the populate kernel on an all-padding table.
+            self._in_graph.before_capture(bs)
+            self._capturing_bs = bs
         if self.compiler is not None:
             return self.compiler.step_fn(bs, forward, view)
         return lambda: forward(view)
@@ -104,6 +131,8 @@ class CudaGraphCapture(CaptureMechanism):
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
+            if self._in_graph is not None:
+                self._in_graph.launch_captured(self._capturing_bs)  # compiled outside capture
             out = fn()
         current.wait_stream(stream)
         return out
@@ -116,11 +145,17 @@ class CudaGraphCapture(CaptureMechanism):
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
+            if self._in_graph is not None:
+                self._in_graph.launch_captured(bs)  # populate inside the graph, ahead of it
             out = target()
         torch.cuda.synchronize(self._device)
         self.graphs[bs] = graph
 
+        in_graph = self._in_graph
+
         def launch() -> Outputs:
+            if in_graph is not None:
+                in_graph.before_replay()
             graph.replay()
             return out
 

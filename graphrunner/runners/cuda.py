@@ -26,6 +26,9 @@ class CudaGraphRunner(GraphRunner):
         compile_mode, inductor_options: inductor settings with ``compile=True``;
             those that turn on inductor's own CUDA graphs (``"reduce-overhead"``,
             ``"max-autotune"``, ``triton.cudagraphs``) are refused.
+        populate: how a replay writes the buffers: ``"torch"`` (default),
+            ``"fused"`` (one Triton launch) or ``"graph"`` (the launch inside
+            each graph); see :class:`~graphrunner.mechanisms.CudaGraphCapture`.
         **kwargs: the other :class:`GraphRunner` arguments.
     """
 
@@ -37,11 +40,15 @@ class CudaGraphRunner(GraphRunner):
         compile: bool = False,
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
+        populate: str = "torch",
         device: torch.device | str = "cuda",
         **kwargs: Any,
     ) -> None:
         mechanism = CudaGraphCapture(
-            compile=compile, compile_mode=compile_mode, inductor_options=inductor_options
+            compile=compile,
+            compile_mode=compile_mode,
+            inductor_options=inductor_options,
+            populate=populate,
         )
         super().__init__(forward, specs, device=device, mechanism=mechanism, **kwargs)
         self.mechanism: CudaGraphCapture = mechanism

@@ -1,0 +1,65 @@
+"""A double-buffered pinned host table and the one device table it is copied to.
+
+The host writes step N's table into one pinned buffer and copies it to the
+device with one asynchronous copy; step N + 1 writes the other buffer, and
+step N + 2 first waits for step N's copy to have finished reading the first
+(an event recorded after each copy; usually long done). The device table has
+one fixed address, so a kernel captured in a CUDA graph reads it at every
+replay; the copy into it and the kernels reading it are ordered on one stream.
+
+On the CPU (tests under Triton's interpreter) the buffers are plain host
+tensors and the copy is a synchronous ``copy_``: the same path, no events.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["TableStaging"]
+
+
+class TableStaging:
+    """An int64 ``[rows, columns]`` table staged from the host to ``device``.
+
+    Args:
+        rows, columns: the table's shape.
+        device: where the kernels reading :attr:`device_table` run.
+    """
+
+    def __init__(self, rows: int, columns: int, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        shape = (max(rows, 1), columns)
+        self._host = [
+            torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)
+        ]
+        self._views: list[np.ndarray] = [h.numpy() for h in self._host]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        #: The table kernels read: one fixed address for the runner's lifetime.
+        self.device_table = torch.zeros(shape, dtype=torch.int64, device=device)
+        #: Copies issued (one per staged step).
+        self.copies = 0
+
+    def next_host(self) -> np.ndarray:
+        """The host buffer to write this step's table into (a NumPy view of
+        pinned memory), once the copy that last read it has finished."""
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self._views[self._turn]
+
+    def upload(self) -> torch.Tensor:
+        """Copy the buffer written since :meth:`next_host` to the device
+        table (one asynchronous copy on the current stream); the next step
+        writes the other buffer."""
+        turn = self._turn
+        self.device_table.copy_(self._host[turn], non_blocking=self._cuda)
+        if self._cuda:
+            event = self._events[turn]
+            if event is None:
+                event = self._events[turn] = torch.cuda.Event()
+            event.record()
+        self._turn = 1 - turn
+        self.copies += 1
+        return self.device_table
