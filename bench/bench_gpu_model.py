@@ -1,0 +1,216 @@
+"""One decode step of the 1.1B-shape model on a GPU, beside its bandwidth floor.
+
+The embedded random "1.1B-shape" Llama (:func:`graphrunner.model.shape_1b_config`)
+in bfloat16, every row holding ``--context`` cached tokens, one step at batch
+1, 8, 32 and 64 for:
+
+- ``eager``: the eager forward with the torch attention (the reference);
+- ``graph``: the CUDA runner over that forward;
+- ``graph+triton``: the CUDA runner over the forward with the Triton attention;
+- ``graph+compile+triton``: the CUDA runner over the inductor-compiled forward
+  with the Triton attention (the reference model's default on CUDA).
+
+The floor is the bytes a step must read (every weight once, the embedding
+rows it looks up, every row's cached K and V) over the device's copy
+bandwidth, measured here with a device-to-device copy; each variant is shown
+as a percentage of that floor. Results go to ``bench/results/`` named by the
+device. Without a GPU the script says so and exits 0. Run:
+``.venv/bin/python bench/bench_gpu_model.py`` (``--sizes 1,64`` for fewer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphrunner.batch import DecodeBatch
+from graphrunner.engine import create_model_runner
+from graphrunner.model import ModelBundle, default_model, shape_1b_config
+
+RESULTS_DIR = Path(__file__).parent / "results"
+SIZES = [1, 8, 32, 64]
+#: Variant -> (attention kernel, CUDA runner options; None: the eager forward).
+VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "eager": ("torch", None),
+    "graph": ("torch", {}),
+    "graph+triton": ("triton", {}),
+    "graph+compile+triton": ("triton", {"compile": True}),
+}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device copy bandwidth in bytes/s: bytes read plus bytes written by the
+    fastest of ``repeats`` copies of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_time(lambda: dst.copy_(src), iters=1) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def _time(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call of ``fn``, timed on the device over ``iters`` calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def step_bytes(bundle: ModelBundle, bs: int, context: int) -> int:
+    """Bytes one decode step must read: every weight but the embedding table,
+    the ``bs`` embedding rows, and ``context`` tokens of K and V per row."""
+    model = bundle.model
+    embed = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= embed.numel() * embed.element_size() if model.lm_head is not None else 0
+    rows = bs * embed.shape[1] * embed.element_size()
+    k = bundle.kv_cache.k_buffers[0]
+    kv_per_token = 2 * len(bundle.kv_cache.k_buffers) * k[0].numel() * k.element_size()
+    return weights + rows + bs * context * kv_per_token
+
+
+def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
+    """``bs`` requests of ``context - 1`` cached tokens (random K/V at scattered
+    slots), prepared for the step that writes token ``context``."""
+    bundle.req_pool.clear()
+    bundle.kv_alloc.clear()
+    reqs = bundle.req_pool.alloc(bs)
+    r2t, device = bundle.req_pool.req_to_token, bundle.device
+    for req in reqs:
+        r2t[req, : context - 1] = torch.tensor(bundle.kv_alloc.alloc(context - 1), device=device)
+    batch = DecodeBatch.from_requests(
+        reqs,
+        [context - 1] * bs,
+        torch.randint(bundle.config.vocab_size, (bs,)),
+        device=device,
+        max_context_len=bundle.max_context_len,
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    return batch
+
+
+def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -> float:
+    """Seconds per step of ``variant`` on ``batch`` (captured at exactly its size)."""
+    kernel, options = VARIANTS[variant]
+    bundle.model.attn_backend.kernel = kernel
+    bs = batch.req_pool_indices.shape[0]
+    if options is None:
+        with torch.no_grad():
+            bundle.model.forward_decode(batch)  # warm-up
+            return _time(lambda: bundle.model.forward_decode(batch), iters)
+    runner = create_model_runner(bundle, "cuda", capture_sizes=[bs], **options)
+    runner.capture()
+    runner.replay(batch)
+    return _time(lambda: runner.replay(batch), iters)
+
+
+def run(sizes: Sequence[int], context: int, iters: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    bundle = default_model(
+        max_requests=max(sizes),
+        max_context_len=context,
+        device="cuda",
+        dtype=torch.bfloat16,
+        config=shape_1b_config(),
+    )
+    for buf in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers:
+        buf.normal_()
+    bandwidth = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; context {context}")
+    print("| bs | variant | step (ms) | floor (ms) | % of floor |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for bs in sizes:
+        batch = filled_batch(bundle, bs, context)
+        floor = step_bytes(bundle, bs, context) / bandwidth
+        for variant in VARIANTS:
+            t0 = time.perf_counter()
+            seconds = measure(bundle, variant, batch, iters)
+            gc.collect()  # the variant's graphs and their pool go before the next
+            torch.cuda.empty_cache()
+            row = {
+                "bs": bs,
+                "variant": variant,
+                "step_ms": seconds * 1e3,
+                "floor_ms": floor * 1e3,
+                "pct_of_floor": 100 * floor / seconds,
+                "setup_s": time.perf_counter() - t0,
+            }
+            rows.append(row)
+            print(
+                f"| {bs} | {variant} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | "
+                f"{row['pct_of_floor']:.0f}% |",
+                flush=True,
+            )
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "model": "1.1B-shape, bfloat16, random weights",
+        "context": context,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
+
+
+def write(result: dict[str, object]) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", str(result["device"]).lower()).strip("-")
+    out = RESULTS_DIR / f"gpu-model-step-{slug}.md"
+    lines = [
+        f"# 1.1B-shape decode step ({result['device']})",
+        "",
+        *(f"- {k}: {result[k]}" for k in ("torch", "date", "model", "context")),
+        f"- copy bandwidth: {float(result['copy_bandwidth_bytes_per_s']) / 1e12:.2f} TB/s",  # type: ignore[arg-type]
+        "",
+        "| bs | variant | step (ms) | floor (ms) | % of floor |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"| {r['bs']} | {r['variant']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | "
+            f"{r['pct_of_floor']:.0f}% |"
+        )
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="batch sizes")
+    parser.add_argument("--context", type=int, default=1024, help="cached tokens per row + 1")
+    parser.add_argument("--iters", type=int, default=50, help="timed steps per variant")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu_model: no CUDA device here; nothing measured")
+        return 0
+    result = run([int(s) for s in args.sizes.split(",")], args.context, args.iters)
+    print(f"results written to {write(result)}")
+    return 0
+
+
+def bench_gpu_model_step() -> None:
+    """pytest entry (``pytest bench/bench_gpu_model.py``): skips without a GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    main([])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
