@@ -8,6 +8,7 @@ from __future__ import annotations
 from graphrunner.backend import GraphBackend, NullBackend
 from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
 from graphrunner.decode import DECODE_FIELDS, DECODE_HOST_MIRRORS, decode_buffer_specs
+from graphrunner.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.inputs import DecodeInputs, StepInputs
 from graphrunner.mechanisms import (
     CaptureMechanism,
@@ -29,6 +30,7 @@ from graphrunner.runners import (
     best_runner_kind,
     create_runner,
 )
+from graphrunner.size_plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
 from graphrunner.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
 from graphrunner.spec import (
     EagleDraftExtendRunner,
@@ -41,6 +43,7 @@ __all__ = [
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
     "BatchSizeError",
+    "BatchSizeHistogram",
     "BufferSpec",
     "BufferView",
     "CaptureMechanism",
@@ -64,18 +67,22 @@ __all__ = [
     "PadRule",
     "PopulateError",
     "RunnerStats",
+    "SizePlan",
     "SizeReport",
     "SpecBatch",
     "StaticBuffers",
     "StepInputs",
     "TargetVerifyRunner",
     "best_runner_kind",
+    "budget_capture_sizes",
     "create_mechanism",
     "create_runner",
     "decode_buffer_specs",
     "default_capture_sizes",
     "future_refs",
+    "optimal_capture_sizes",
     "pad_to",
     "padding_waste",
     "populate",
+    "read_histogram",
 ]
