@@ -134,7 +134,16 @@ def run(sizes: Sequence[int], context: int, iters: int) -> dict[str, object]:
     print(f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; context {context}")
     print("| bs | variant | step (ms) | floor (ms) | % of floor |")
     print("|---|---|---|---|---|")
-    rows = []
+    rows: list[dict[str, object]] = []
+    result: dict[str, object] = {
+        "device": device,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "model": "1.1B-shape, bfloat16, random weights",
+        "context": context,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
     for bs in sizes:
         batch = filled_batch(bundle, bs, context)
         floor = step_bytes(bundle, bs, context) / bandwidth
@@ -157,15 +166,8 @@ def run(sizes: Sequence[int], context: int, iters: int) -> dict[str, object]:
                 f"{row['pct_of_floor']:.0f}% |",
                 flush=True,
             )
-    return {
-        "device": device,
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "model": "1.1B-shape, bfloat16, random weights",
-        "context": context,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "rows": rows,
-    }
+        write(result)  # after every size: a run cut short keeps what it measured
+    return result
 
 
 def write(result: dict[str, object]) -> Path:
