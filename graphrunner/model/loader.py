@@ -64,8 +64,13 @@ def load_model(
     """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
 
     Raises :class:`CheckpointError` (or a subclass) naming the missing file,
-    the unsupported architecture or field, or the first bad tensor.
+    the unsupported architecture or field, or the first bad tensor. A ``.gguf``
+    file is converted once into the cache (:mod:`graphrunner.gguf_cache`).
     """
+    if Path(path).suffix.lower() == ".gguf":
+        from graphrunner.gguf_cache import checkpoint_dir
+
+        path = checkpoint_dir(Path(path))
     config = read_config(path)
     weights = read_weights(path)  # before allocating anything: fail fast on a bad file
     bundle = build_model(
