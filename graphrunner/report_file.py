@@ -81,19 +81,26 @@ def _size(path: Path, i: int, entry: Any) -> SizeReport:
     where = f"{path}: sizes[{i}]"
     if not isinstance(entry, dict):
         raise ReportFileError(f"{where} = {entry!r}; expected an object")
-    bs, seconds = entry.get("bs"), entry.get("seconds")
-    memory, programs = entry.get("memory_bytes"), entry.get("programs")
-    if not _int_at_least(bs, 1):
-        raise ReportFileError(f"{where}.bs = {bs!r}; expected an int >= 1")
+    bs = _int_entry(where, entry, "bs", 1)
+    if bs is None:
+        raise ReportFileError(f"{where}.bs = None; expected an int >= 1")
+    seconds = entry.get("seconds")
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise ReportFileError(f"{where}.seconds = {seconds!r}; expected a number >= 0")
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ReportFileError(f"{where}.seconds = {seconds!r}; expected a number >= 0")
-    if memory is not None and not _int_at_least(memory, 0):
-        raise ReportFileError(f"{where}.memory_bytes = {memory!r}; expected an int >= 0 or null")
-    if programs is not None and not _int_at_least(programs, 0):
-        raise ReportFileError(f"{where}.programs = {programs!r}; expected an int >= 0 or null")
-    return SizeReport(int(bs), float(seconds), memory, programs)  # type: ignore[arg-type]
+    memory = _int_entry(where, entry, "memory_bytes", 0)
+    return SizeReport(bs, float(seconds), memory, _int_entry(where, entry, "programs", 0))
+
+
+def _int_entry(where: str, entry: dict[str, Any], key: str, lo: int) -> int | None:
+    """``entry[key]``: an int >= ``lo``, or None (absent or null)."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not _int_at_least(value, lo):
+        raise ReportFileError(f"{where}.{key} = {value!r}; expected an int >= {lo} or null")
+    return int(value)
 
 
 def _int_at_least(x: object, lo: int) -> bool:

@@ -17,7 +17,7 @@ import graphrunner.cli as cli
 import graphrunner.cli_sizes as cli_sizes
 from graphrunner.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.report import CaptureReport, SizeReport
-from graphrunner.report_file import read_capture_report, write_capture_report
+from graphrunner.report_file import ReportFileError, read_capture_report, write_capture_report
 from graphrunner.size_plan import expected_waste, optimal_capture_sizes
 
 EAGER = ["--runner", "eager"]
@@ -177,3 +177,26 @@ def test_capture_report_round_trip(tmp_path):
     write_capture_report(report, tmp_path / "r.json", mechanism="cuda+compile")
     assert read_capture_report(tmp_path / "r.json") == (report, "cuda+compile")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "graphrunner.capture_report"
+
+
+@pytest.mark.parametrize(
+    ("entries", "match"),
+    [
+        ([{"bs": 4, "seconds": -1}], r"sizes\[0\].seconds = -1"),
+        ([{"bs": 4, "seconds": float("nan")}], r"sizes\[0\].seconds = nan"),
+        ([{"bs": 4, "seconds": True}], r"sizes\[0\].seconds = True"),
+        ([{"seconds": 1}], r"sizes\[0\].bs = None"),
+        ([{"bs": 4.0, "seconds": 1}], r"sizes\[0\].bs = 4.0"),
+        ([{"bs": 4, "seconds": 1, "memory_bytes": -5}], r"memory_bytes = -5"),
+        ([{"bs": 4, "seconds": 1, "programs": "2"}], r"programs = '2'"),
+        ([{"bs": 4, "seconds": 1}, {"bs": 4, "seconds": 1}], r"repeat a batch size"),
+        (["x"], r"sizes\[0\] = 'x'; expected an object"),
+        ([], r"expected a non-empty list"),
+    ],
+)
+def test_bad_capture_report_entries(tmp_path, entries, match):
+    path = tmp_path / "r.json"
+    doc = {"format": "graphrunner.capture_report", "version": 1, "sizes": entries}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ReportFileError, match=match):
+        read_capture_report(path)
