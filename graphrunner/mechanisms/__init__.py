@@ -37,7 +37,7 @@ def create_mechanism(kind: str, **options: Any) -> CaptureMechanism:
 
 
 #: Every option some mechanism takes.
-MECHANISM_OPTIONS = frozenset({"compile", "compile_mode", "inductor_options"})
+MECHANISM_OPTIONS = frozenset({"compile", "compile_mode", "inductor_options", "populate"})
 
 
 def check_mechanism_options(kind: str, options: dict[str, Any]) -> None:

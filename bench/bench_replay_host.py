@@ -1,0 +1,194 @@
+"""Host time of one replay, and device launches per step, on a GPU.
+
+For live batches of 1, 7, 63 and 255 rows (graphs of 1, 8, 64, 256) of the
+reference model, in one run:
+
+* ``bare``: ``graph.replay()`` alone (the floor every variant is compared with);
+* ``per-field``: one copy and one fill per field, then ``graph.replay()``
+  (how engines without a declared populate do it);
+* ``torch``: ``runner.replay()`` with the grouped torch populate;
+* ``fused``: ``runner.replay()`` with the fused Triton populate (one launch);
+* ``graph``: ``runner.replay()`` with the populate captured inside the graph.
+
+Host time: the GPU is idle before each call (synchronized, not timed), the
+call alone is timed; median and p90 of ``ROUNDS`` calls. NVTX is on, no
+profiler attached. Launches per step come from a torch profiler trace of
+``TRACED`` steps (CUDA runtime and driver launch, copy and set calls).
+
+Run on a GPU: ``.venv/bin/python -m bench.bench_replay_host`` (prints the
+table, writes ``bench/results/replay-host-<device>.md`` and ``.json``).
+Without a GPU it says so and exits; as a pytest item it is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from bench.conftest import RESULTS_DIR, machine
+from graphrunner import GraphRunner
+from graphrunner.batch import DecodeBatch
+from graphrunner.engine import create_model_runner
+from graphrunner.model import ModelBundle, default_model
+
+SIZES = [1, 8, 64, 256]
+RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded
+MODES = ["torch", "fused", "graph"]
+ROUNDS = 300
+WARMUP = 30
+TRACED = 20
+#: Profiler event names that put work on the device (per step, besides nothing else).
+_LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaMemcpy|cudaMemset|cudaGraphLaunch)")
+
+
+def _batch(bundle: ModelBundle, raw_bs: int) -> DecodeBatch:
+    bundle.req_pool.clear()
+    bundle.kv_alloc.clear()
+    reqs = bundle.req_pool.alloc(raw_bs)
+    ids = torch.randint(256, (raw_bs,), generator=torch.Generator().manual_seed(raw_bs))
+    batch = DecodeBatch.from_requests(
+        reqs,
+        [8] * raw_bs,
+        ids.to(bundle.device),
+        device=bundle.device,
+        max_context_len=bundle.max_context_len,
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    return batch
+
+
+def _per_field(runner: GraphRunner, batch: DecodeBatch, bs: int) -> Callable[[], None]:
+    """One copy and one fill per field, then the graph (no declared populate)."""
+    raw_bs = batch.batch_size
+    graph = runner.graphs[bs]  # type: ignore[attr-defined]
+    fields = [(runner.buffers.tensors[s.name], s.name, s.pad_value()) for s in runner.buffers.specs]
+
+    def step() -> None:
+        for buf, name, pad in fields:
+            buf[:raw_bs].copy_(getattr(batch, name), non_blocking=True)
+            if pad is not None and bs > raw_bs:
+                buf[raw_bs:bs].fill_(pad)
+        graph.replay()
+
+    return step
+
+
+def _host_us(fn: Callable[[], Any]) -> tuple[float, float]:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    torch.cuda.synchronize()
+    times.sort()
+    return statistics.median(times), times[int(0.9 * len(times))]
+
+
+def _launches(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(device work calls per step, graph launches per step) from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(TRACED):
+            fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if _LAUNCH.match(e.name)]
+    graphs = sum(n.startswith("cudaGraphLaunch") for n in names)
+    return len(names) / TRACED, graphs / TRACED
+
+
+def measure() -> list[dict[str, Any]]:
+    bundle = default_model(max_requests=max(SIZES) + 1, max_context_len=64, device="cuda")
+    runners: dict[str, GraphRunner] = {}
+    for mode in MODES:
+        runners[mode] = create_model_runner(bundle, "cuda", capture_sizes=SIZES, populate=mode)
+        runners[mode].capture()
+    rows = []
+    for bs in SIZES:
+        raw_bs = RAW[bs]
+        batch = _batch(bundle, raw_bs)
+        torch_runner = runners["torch"]
+        variants: dict[str, Callable[[], Any]] = {
+            "bare": torch_runner.graphs[bs].replay,  # type: ignore[attr-defined]
+            "per-field": _per_field(torch_runner, batch, bs),
+            **{mode: (lambda r=runners[mode], b=batch: r.replay(b)) for mode in MODES},
+        }
+        for name, fn in variants.items():
+            median, p90 = _host_us(fn)
+            launches, graphs = _launches(fn)
+            rows.append(
+                {
+                    "raw_bs": raw_bs,
+                    "bs": bs,
+                    "variant": name,
+                    "host_us_median": round(median, 2),
+                    "host_us_p90": round(p90, 2),
+                    "device_calls_per_step": launches,
+                    "besides_graph": launches - graphs,
+                }
+            )
+    return rows
+
+
+def write(rows: list[dict[str, Any]]) -> str:
+    info = machine()
+    bare = {r["bs"]: r["host_us_median"] for r in rows if r["variant"] == "bare"}
+    per_field = {r["bs"]: r["host_us_median"] for r in rows if r["variant"] == "per-field"}
+    lines = [
+        f"# Replay host time: {info['device']}",
+        "",
+        f"torch {info['torch']}, python {info['python']}, {info['date']}. Host µs per call "
+        f"(GPU idle before each, {ROUNDS} calls), device calls per step from a profiler "
+        f"trace ({TRACED} steps).",
+        "",
+        "| raw -> graph | variant | median µs | p90 µs | x bare | per-field / this "
+        "| device calls | besides graph |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bs = r["bs"]
+        lines.append(
+            f"| {r['raw_bs']} -> {bs} | {r['variant']} | {r['host_us_median']:.1f} | "
+            f"{r['host_us_p90']:.1f} | {r['host_us_median'] / bare[bs]:.1f} | "
+            f"{per_field[bs] / r['host_us_median']:.2f} | {r['device_calls_per_step']:g} | "
+            f"{r['besides_graph']:g} |"
+        )
+    text = "\n".join(lines) + "\n"
+    slug = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"replay-host-{slug}.md").write_text(text)
+    payload = {"machine": info, "rows": rows}
+    (RESULTS_DIR / f"replay-host-{slug}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return text
+
+
+def bench_replay_host() -> None:
+    """The whole table (collected by ``make bench``); skipped without a GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("replay host time is measured on a CUDA device")
+    print(write(measure()))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench_replay_host: no CUDA device; nothing measured (run it on a GPU)")
+        return 0
+    print(write(measure()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
