@@ -48,12 +48,12 @@ def checkpoint_dir(path: Path) -> Path:
         return path
     open_gguf(path)  # a missing or unreadable file fails here, before any hashing
     out = converted_dir(path)
-    if not (out / "config.json").is_file():
+    if (out / "config.json").is_file():
+        print(f"using {out} (converted from {path})", file=sys.stderr)
+    else:
+        convert_gguf(path, out)  # reported after: a failure prints its one error line only
         print(
-            f"converting {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
+            f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
             file=sys.stderr,
         )
-        convert_gguf(path, out)
-    else:
-        print(f"using {out} (converted from {path})", file=sys.stderr)
     return out

@@ -158,7 +158,10 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_bad_gguf_files_exit_2_with_one_line_and_write_nothing(
-    world: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    world: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     good = (world["root"] / "tiny.gguf").read_bytes()
     cases = {
@@ -179,6 +182,20 @@ def test_bad_gguf_files_exit_2_with_one_line_and_write_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         n for n in cases if n != "missing.gguf"
     )
+    # As --checkpoint: the same one line, and nothing in the cache.
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    for name in ("truncated.gguf", "text.gguf"):
+        argv = [
+            "generate",
+            "--checkpoint",
+            str(tmp_path / name),
+            "--prompt",
+            "hi",
+            "--runner",
+            "eager",
+        ]
+        assert _refused(argv, capsys).startswith("graphrunner generate: error: ")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_unsupported_architecture_and_tensor_type_are_named(
