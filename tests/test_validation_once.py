@@ -1,0 +1,135 @@
+"""Validation once: a DecodeBatch is checked where it is made, a foreign
+input object in full on first sight and by identity after, everything on
+every replay under a sanitizer; every bad input still raises a named error
+before anything is written."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
+from graphrunner.batch import DecodeBatch
+from graphrunner.input_check import gate_for
+from graphrunner.sanitizer import PaddingSanitizer
+from graphrunner.testing import ToyWorld
+
+FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
+
+
+def _runner(world: ToyWorld, sanitized: bool = False) -> EagerRunner:
+    sanitizer = None
+    if sanitized:
+        sanitizer = PaddingSanitizer.for_pools(
+            world.req_pool, world.kv, kv_allocator=world.kv_alloc
+        )
+    runner = EagerRunner(
+        world.model,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[4],
+        sanitizer=sanitizer,
+        show_progress=False,
+    )
+    runner.capture()
+    return runner
+
+
+def _foreign(batch: DecodeBatch) -> SimpleNamespace:
+    """The same step as a plain object: what an engine with its own batch passes."""
+    names = (*FIELDS, "req_pool_indices_cpu", "seq_lens_cpu")
+    return SimpleNamespace(batch_size=batch.batch_size, **{n: getattr(batch, n) for n in names})
+
+
+def _assert_unchanged(runner: EagerRunner, before: dict[str, torch.Tensor]) -> None:
+    for name, t in runner.buffers.tensors.items():
+        assert torch.equal(t, before[name]), f"{name} written"
+
+
+def test_a_batch_is_sealed_by_its_own_operations_and_unsealed_from_outside():
+    world = ToyWorld()
+    batch = world.make_batch(3, seed=0)
+    assert batch.is_sealed()
+    batch.filter([2, 0])
+    assert batch.is_sealed()
+    batch.input_ids = batch.input_ids.clone()
+    assert not batch.is_sealed()
+    batch.prepare_decode(world.req_pool, world.kv_alloc)
+    assert batch.is_sealed()
+    batch.merge(DecodeBatch.empty("cpu", world.cfg.max_context_len))
+    assert batch.is_sealed()
+
+
+def test_a_sealed_batch_skips_the_per_field_checks_and_an_unsealed_one_is_checked():
+    world = ToyWorld()
+    runner = _runner(world)
+    gate = gate_for(runner.buffers)
+    for seed in range(3):
+        runner.replay(world.make_batch(3, seed=seed))
+    assert gate.full_checks == 0
+    batch = world.make_batch(3, seed=4)
+    batch.seq_lens = batch.seq_lens.to(torch.int32)  # from outside: the seal breaks
+    before = {n: t.clone() for n, t in runner.buffers.tensors.items()}
+    with pytest.raises(PopulateError, match=r"'seq_lens' has dtype torch.int32"):
+        runner.replay(batch)
+    _assert_unchanged(runner, before)
+    assert gate.full_checks == 0  # it failed: nothing remembered
+
+
+def test_a_foreign_object_is_checked_in_full_once_then_by_identity():
+    world = ToyWorld()
+    runner = _runner(world)
+    gate = gate_for(runner.buffers)
+    inputs = _foreign(world.make_batch(3, seed=0))
+    for _ in range(3):
+        runner.replay(inputs)
+    assert gate.full_checks == 1
+    inputs.positions = inputs.positions.clone()  # a new tensor: checked again
+    runner.replay(inputs)
+    assert gate.full_checks == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("positions", lambda t: t.float(), r"'positions' has dtype torch.float32"),
+        ("out_cache_loc", lambda t: t[:2], r"'out_cache_loc' has shape \(2,\)"),
+        ("input_ids", lambda t: t.tolist(), r"'input_ids' must be a torch.Tensor"),
+        ("seq_lens_cpu", lambda t: t[:1], r"host mirror 'seq_lens_cpu'"),
+        ("req_pool_indices_cpu", lambda t: t * 0, r"req_pool_indices_cpu\[0\]=0"),
+    ],
+)
+def test_a_bad_field_after_a_good_replay_is_still_refused_before_any_write(
+    field: str, value, message: str
+):
+    world = ToyWorld()
+    runner = _runner(world)
+    inputs = _foreign(world.make_batch(3, seed=0))
+    runner.replay(inputs)
+    setattr(inputs, field, value(getattr(inputs, field)))
+    before = {n: t.clone() for n, t in runner.buffers.tensors.items()}
+    with pytest.raises(PopulateError, match=message):
+        runner.replay(inputs)
+    _assert_unchanged(runner, before)
+
+
+def test_the_same_tensors_at_another_batch_size_are_checked_in_full():
+    world = ToyWorld()
+    runner = _runner(world)
+    inputs = _foreign(world.make_batch(3, seed=0))
+    runner.replay(inputs)
+    inputs.batch_size = 2  # the tensors still hold 3 rows
+    with pytest.raises(PopulateError, match=r"shape \(2,\)"):
+        runner.replay(inputs)
+
+
+def test_a_sanitized_runner_checks_every_replay_in_full():
+    world = ToyWorld()
+    runner = _runner(world, sanitized=True)
+    gate = gate_for(runner.buffers)
+    batch = world.make_batch(3, seed=0)
+    for _ in range(3):
+        runner.replay(batch)
+    assert gate.full_checks == 3
