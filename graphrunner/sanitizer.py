@@ -133,9 +133,11 @@ class PaddingSanitizer:
                     GuardedTensor(f"v_cache[{layer}]", v, "out_cache_loc", sink_rows=1),
                 ]
         if mamba_pool is not None:
+            # No sink row: padded rows discard their update (mamba_track_mask),
+            # so even slot 0 must stay bit-identical.
             guarded += [
-                GuardedTensor("mamba.conv_state", mamba_pool.conv_state, mamba_writer),
-                GuardedTensor("mamba.ssm_state", mamba_pool.ssm_state, mamba_writer),
+                GuardedTensor("mamba.conv_state", mamba_pool.conv_state, mamba_writer, sink_rows=0),
+                GuardedTensor("mamba.ssm_state", mamba_pool.ssm_state, mamba_writer, sink_rows=0),
             ]
         pools = [mamba_pool] if mamba_pool is not None else []
         return cls(guarded, req_pool=req_pool, kv_allocator=kv_allocator, slot_pools=pools)

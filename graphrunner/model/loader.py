@@ -18,6 +18,11 @@ from safetensors.torch import load_file, save_file
 from graphrunner.model.build import ModelBundle, build_model
 from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.llama import LlamaDecoder
+from graphrunner.model.mamba_loader import (
+    StateSpaceBundle,
+    load_state_space_model,
+    state_space_type,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -83,6 +88,38 @@ def load_model(
     )
     bundle.model.load_weights(weights)
     return bundle
+
+
+def load_any_model(
+    path: str | Path,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
+) -> ModelBundle | StateSpaceBundle:
+    """:func:`load_model`, or for a Mamba / Jamba checkpoint (by ``model_type``
+    or ``architectures``) a :class:`StateSpaceBundle` over a hybrid request pool."""
+    hf = _read_json(Path(path) / CONFIG_FILE)
+    if state_space_type(hf) is None:
+        return load_model(
+            path,
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+            device=device,
+            dtype=dtype,
+            page_size=page_size,
+        )
+    return load_state_space_model(
+        hf,
+        read_weights(path),
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        device=device,
+        dtype=dtype,
+        page_size=page_size,
+    )
 
 
 def save_checkpoint(model: LlamaDecoder, path: str | Path) -> None:

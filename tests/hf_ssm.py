@@ -1,0 +1,67 @@
+"""Tiny random ``transformers`` Mamba and Jamba models that the oracle tests
+save with ``save_pretrained`` and load through graphrunner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _spread(model: Any) -> Any:
+    """Widen the random weights (std 0.1, not 0.02) so greedy choices stay
+    clear of float-rounding ties; A_log, D and dt_proj keep transformers' init."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.weight", "embeddings.weight", "embed_tokens.weight")):
+                p.normal_(0.0, 0.1 if "embed" in name else 0.4)
+    return model.eval()
+
+
+def save_tiny_mamba(path: Path, *, seed: int = 0) -> Any:
+    """Save a seeded 2-layer Mamba-1 LM (hidden 32, state 8, conv 4, vocab 256)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.MambaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        expand=2,
+        time_step_rank=4,
+    )
+    model = _spread(transformers.MambaForCausalLM(config))
+    model.save_pretrained(path)
+    return model
+
+
+def save_tiny_jamba(path: Path, *, seed: int = 0) -> Any:
+    """Save a seeded 4-layer Jamba (Mamba, attention, Mamba, attention; dense
+    MLPs; hidden 32, 4/2 heads, vocab 256)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.JambaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        max_position_embeddings=256,
+    )
+    model = _spread(transformers.JambaForCausalLM(config))
+    model.save_pretrained(path)
+    return model

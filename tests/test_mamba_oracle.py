@@ -1,0 +1,189 @@
+"""The external oracle for models with Mamba layers: greedy tokens served
+through padded replay equal transformers' ``generate(do_sample=False)``.
+
+Tiny random ``MambaForCausalLM`` (Mamba-1) and ``JambaForCausalLM`` (Mamba-1
+and attention layers over the KV pool, one hybrid request pool) checkpoints
+are saved with ``save_pretrained`` and loaded through graphrunner's
+checkpoint dispatch. Requests arrive at staggered steps with staggered prompt
+lengths, so decode steps see batch sizes 1..8, most of them padded up to a
+captured size; the sanitizer checks every replay, including that no Mamba slot
+outside the live rows changes, slot 0 included. Forked requests continue
+exactly as their parent, also in a slot just freed and poisoned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_ssm import save_tiny_jamba, save_tiny_mamba
+
+from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
+from graphrunner.batch import DecodeBatch
+from graphrunner.engine_ssm import (
+    StateSpaceEngine,
+    StateSpaceInputs,
+    create_state_space_runner,
+)
+from graphrunner.model.loader import load_any_model
+from graphrunner.model.mamba_loader import StateSpaceBundle
+from graphrunner.sanitizer import PaddingViolation
+from graphrunner.trace import Request
+
+transformers = pytest.importorskip("transformers")
+
+CAPTURE_SIZES = [1, 2, 4, 8]
+CONTEXT = 48
+SAVERS = {"mamba": save_tiny_mamba, "jamba": save_tiny_jamba}
+
+
+def _trace() -> list[Request]:
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 3, 5, 8, 13, 2, 9, 17, 4, 21, 6, 11, 7, 2]
+    requests, step = [], 0
+    for rid, n in enumerate(lengths):
+        prompt = tuple(torch.randint(256, (n,), generator=gen).tolist())
+        budget = int(torch.randint(4, 13, (), generator=gen))
+        requests.append(Request(rid, prompt, budget, arrival_step=step))
+        step += int(torch.randint(0, 3, (), generator=gen))
+    return requests
+
+
+TRACE = _trace()
+
+
+def _generate(hf: Any, prompt: tuple[int, ...], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.fixture(scope="module", params=list(SAVERS))
+def oracle(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, dict[int, list[int]]]:
+    """The model kind, its checkpoint directory and transformers' greedy tokens."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    hf = SAVERS[kind](path)
+    hf.generation_config.eos_token_id = None  # run every request to its budget
+    hf.generation_config.pad_token_id = 0
+    return kind, path, {r.rid: _generate(hf, r.prompt, r.max_new_tokens) for r in TRACE}
+
+
+def _bundle(path: Path, device: str = "cpu") -> StateSpaceBundle:
+    bundle = load_any_model(path, max_requests=8, max_context_len=CONTEXT, device=device)
+    assert isinstance(bundle, StateSpaceBundle)
+    return bundle
+
+
+@pytest.mark.parametrize("label", RUNNER_PARAMS)
+def test_greedy_tokens_equal_transformers_generate(
+    oracle: tuple[str, Path, dict[int, list[int]]], label: str
+) -> None:
+    kind, path, expected = oracle
+    sizes = CAPTURE_SIZES
+    if label == "cpu" and not SLOW:
+        # Inductor compiles each size for tens of seconds on a busy 2-core box:
+        # by default one size (every batch padded up to it), the Mamba model only.
+        if kind != "mamba":
+            pytest.skip("the compiled CPU runner over Jamba runs with GRAPHRUNNER_SLOW=1")
+        sizes = [8]
+    bundle = _bundle(path, runner_device(label))
+    mechanism, options = MECHANISMS[label]
+    runner = create_state_space_runner(
+        bundle, mechanism, capture_sizes=sizes, check_padding=True, **options
+    )
+    runner.capture()
+    result = StateSpaceEngine(bundle, runner).run(TRACE)
+    assert result.outputs == expected, f"{kind} through {label}"
+    stats = result.stats
+    assert runner.sanitizer is not None
+    assert runner.sanitizer.stats.replays_checked == runner.stats.replays == stats.steps
+    assert set(stats.batch_sizes) == set(range(1, 9)), stats.batch_sizes
+    padded = sum(n for bs, n in stats.batch_sizes.items() if bs not in sizes)
+    assert padded > stats.steps / 4 and stats.padded_rows > 0
+    # Every request's clear ran in a prefill; every slot came back.
+    assert bundle.mamba_pool.num_pending == 0
+    assert bundle.mamba_pool.available_size() == bundle.mamba_pool.size
+    assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size
+
+
+def test_the_sanitizer_catches_a_padded_row_that_writes_its_mamba_slot(
+    oracle: tuple[str, Path, dict[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that ignores ``mamba_track_mask`` lets padded rows write the
+    sink slot 0: the sanitizer must refuse the replay (so the oracle runs above,
+    where it passed every replay, mean something)."""
+    import graphrunner.model.hybrid as hybrid_module
+    import graphrunner.model.mamba as mamba_module
+    from graphrunner.model.mamba_mixer import write_states
+
+    def ignore_mask(pool: Any, slots: Any, mask: Any, new: Any, old: Any) -> None:
+        write_states(pool, slots, torch.ones_like(mask), new, old)
+
+    monkeypatch.setattr(mamba_module, "write_states", ignore_mask)
+    monkeypatch.setattr(hybrid_module, "write_states", ignore_mask)
+    _, path, _ = oracle
+    bundle = _bundle(path)
+    runner = create_state_space_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner.capture()
+    bundle.mamba_pool.ssm_state[0] = 0.5  # the sink holds a value a padded row would change
+    with pytest.raises(PaddingViolation, match=r"mamba\.\w+_state row 0 changed"):
+        StateSpaceEngine(bundle, runner).run(TRACE[:2])
+
+
+def _decode(
+    bundle: StateSpaceBundle, runner: Any, batch: DecodeBatch, steps: int
+) -> list[list[int]]:
+    """``steps`` greedy decode steps of ``batch`` through ``runner``; tokens per row."""
+    tokens: list[list[int]] = [[] for _ in range(batch.batch_size)]
+    for _ in range(steps):
+        batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+        ids = runner.replay(StateSpaceInputs(batch, bundle.req_pool)).argmax(-1)
+        for row, t in zip(tokens, ids.tolist(), strict=True):
+            row.append(t)
+        batch.input_ids = ids
+    return tokens
+
+
+def test_forked_requests_continue_as_their_parent_even_in_a_poisoned_freed_slot(
+    oracle: tuple[str, Path, dict[int, list[int]]],
+) -> None:
+    kind, path, expected = oracle
+    if kind != "mamba":
+        pytest.skip("forking shares KV slots in a hybrid model; the Mamba model has none")
+    bundle = _bundle(path)
+    pool, req = bundle.mamba_pool, bundle.req_pool
+    runner = create_state_space_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner.capture()
+    parent = TRACE[4]
+    # A request that finishes, leaving its slot poisoned: a fork landing there
+    # must see its parent's state, never this.
+    (gone,) = req.alloc(1)
+    ids = torch.tensor(parent.prompt)
+    slots = torch.tensor(bundle.kv_alloc.alloc(len(parent.prompt)))
+    (row,) = req.alloc(1)
+    first = int(bundle.model.forward_extend(row, ids, slots).argmax())
+    assert first == expected[parent.rid][0]
+    gone_slot = req.mamba_slots([gone])[0]
+    req.free([gone])  # its clear ran in the prefill above: nothing pending on it
+    pool.conv_state[gone_slot] = float("nan")
+    pool.ssm_state[gone_slot] = float("nan")
+    kids = req.fork(row, 2)
+    assert gone_slot in req.mamba_slots(kids)  # the lowest free slot: the poisoned one
+    n = len(parent.prompt)
+    for kid in kids:  # a fork shares the parent's KV slots (none are read here)
+        req.write(kid, 0, slots)
+    batch = DecodeBatch.from_requests(
+        [row, *kids], [n] * 3, torch.tensor([first] * 3), device="cpu", max_context_len=CONTEXT
+    )
+    tokens = _decode(bundle, runner, batch, parent.max_new_tokens - 1)  # bs 3, padded to 4
+    assert runner.state_ops_run == 1  # the recorded copy ran once, before the first forward
+    assert tokens[0] == expected[parent.rid][1:]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
