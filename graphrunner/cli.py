@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from graphrunner import cli_convert, cli_overlap, cli_sizes, cli_spec, cli_text, gguf_cache
+from graphrunner import (
+    cli_convert,
+    cli_model,
+    cli_overlap,
+    cli_sizes,
+    cli_spec,
+    cli_text,
+    gguf_cache,
+)
 from graphrunner.cli_common import (
     UsageError,
     check_output,
@@ -38,7 +46,6 @@ from graphrunner.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner.model import (
     ModelBundle,
     ModelConfig,
-    default_config,
     default_model,
     load_model,
     read_config,
@@ -124,12 +131,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         choices=["cuda", "cpu", "eager"],
         help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
     )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="CUDA runner only: run torch.compile'd programs (inductor, one per size) "
-        "inside the CUDA graphs",
-    )
+    cli_model.add_arguments(p)  # --compile/--no-compile, --model, --dtype
     p.add_argument(
         "--checkpoint",
         type=Path,
@@ -189,11 +191,9 @@ def _check_common(args: argparse.Namespace) -> str:
     cli_spec.validate(args, UsageError)
     cli_overlap.validate(args, UsageError)
     kind = _runner_kind(args)
-    if args.compile and kind != "cuda":
-        raise UsageError(
-            "--compile needs --runner cuda (the cpu runner always compiles; eager never "
-            f"does); the runner here is {kind}"
-        )
+    args.compile = cli_model.resolve_compile(args, kind)
+    if args.checkpoint is not None and args.model != "default":
+        raise UsageError(f"--model {args.model}: an embedded model, not with --checkpoint")
     return kind
 
 
@@ -233,7 +233,7 @@ def _runner_kind(args: argparse.Namespace) -> str:
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
     if args.checkpoint is None:
-        return default_config()
+        return cli_model.embedded_config(args)
     try:
         # A .gguf file is converted once into the cache; the rest reads that directory.
         args.checkpoint = gguf_cache.checkpoint_dir(args.checkpoint)
@@ -266,6 +266,7 @@ def _check_fits(
         "max_prompt_len": max_prompt_len,
         "pool_copies": int(check) + int(args.check_padding),
         "cuda_graphs": kind == "cuda",
+        "dtype_bytes": cli_model.dtype(args).itemsize,
     }
     free, source = available_memory(args.device)
 
@@ -307,8 +308,10 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
             max_requests=max_requests,
             max_context_len=context,
             device=args.device,
+            dtype=cli_model.dtype(args),
             seed=args.seed,
             page_size=args.page_size,
+            config=None if args.model == "default" else cli_model.embedded_config(args),
         )
     try:
         return load_model(
@@ -316,6 +319,7 @@ def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBu
             max_requests=max_requests,
             max_context_len=context,
             device=args.device,
+            dtype=cli_model.dtype(args),
             page_size=args.page_size,
         )
     except ValueError as e:
@@ -393,7 +397,8 @@ def _demo(args: argparse.Namespace) -> int:
         runner = _capture(
             bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile
         )
-        result = Engine(bundle, runner, check=True).run(trace, max_steps=args.steps, progress=True)
+        engine = Engine(bundle, runner, check=True, atol=cli_model.check_atol(args))
+        result = engine.run(trace, max_steps=args.steps, progress=True)
     cli_sizes.write_outputs(args, runner)
     _report(result)
     _report_sanitizer(runner)
@@ -525,6 +530,13 @@ def _generate_outputs(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
     runner.capture()
-    engine = Engine(bundle, runner, check=args.check, end_token=end, on_finish=inputs.on_finish)
+    engine = Engine(
+        bundle,
+        runner,
+        check=args.check,
+        end_token=end,
+        on_finish=inputs.on_finish,
+        atol=cli_model.check_atol(args),
+    )
     greedy = engine.run(trace)
     return greedy.outputs, greedy.stats.mismatches

@@ -314,7 +314,8 @@ class _Stop(Exception):
     "argv, kind, options",
     [
         (["--runner", "cuda", "--compile"], "cuda", {"compile": True}),
-        (["--runner", "cuda"], "cuda", {}),
+        (["--runner", "cuda"], "cuda", {"compile": True}),  # the default on CUDA
+        (["--runner", "cuda", "--no-compile"], "cuda", {}),
         (["--compile"], "cuda", {"compile": True}),
         (["--runner", "cpu"], "cpu", {}),
     ],
@@ -356,7 +357,7 @@ def test_device_help_says_the_default_follows_the_runner(
         cli.main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "cuda for --runner cuda, cpu for --runner cpu or eager" in help_text
-    assert "--compile CUDA runner only: run torch.compile'd programs" in help_text
+    assert "--compile, --no-compile CUDA runner only: run torch.compile'd programs" in help_text
 
 
 def test_demo_reports_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
