@@ -30,6 +30,7 @@ from graphrunner import (
     cli_overlap,
     cli_sizes,
     cli_spec,
+    cli_ssm,
     cli_text,
     gguf_cache,
 )
@@ -469,6 +470,8 @@ def _report_sanitizer(runner: GraphRunner) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if cli_ssm.is_state_space_checkpoint(args.checkpoint):  # Mamba / Jamba: own bundle
+        return cli_ssm.generate(args, _check_common(args), _capture_sizes)
     kind, config = _check_common(args), _model_config(args)
     model_context = cli_text.context_limit(args, config)
     check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, cli_text.limit_why(args))

@@ -187,3 +187,31 @@ def test_forked_requests_continue_as_their_parent_even_in_a_poisoned_freed_slot(
     assert runner.state_ops_run == 1  # the recorded copy ran once, before the first forward
     assert tokens[0] == expected[parent.rid][1:]
     assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+
+
+def test_generate_loads_the_checkpoint_like_a_llama_one(
+    oracle: tuple[str, Path, dict[int, list[int]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``graphrunner generate --checkpoint DIR`` serves a Mamba / Jamba
+    checkpoint: transformers' greedy tokens, in prompt order."""
+    import json
+
+    from graphrunner import cli
+
+    kind, path, expected = oracle
+    requests = TRACE[:4]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(list(r.prompt)) + "\n" for r in requests))
+    threads = torch.get_num_threads()
+    args = ["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--json"]
+    try:
+        rc = cli.main([*args, "--max-new-tokens", "4", "--runner", "eager", "--check-padding"])
+        out = capsys.readouterr().out
+        assert cli.main([*args, "--runner", "eager", "--check"]) == 2  # refused: usage error
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    tokens = [json.loads(line)["tokens"] for line in out.splitlines()]
+    assert tokens == [expected[r.rid][:4] for r in requests], kind

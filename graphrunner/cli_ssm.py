@@ -1,0 +1,123 @@
+"""``graphrunner generate --checkpoint DIR`` for a Mamba or Jamba checkpoint.
+
+The Llama path's prompt reading, output and engine apply; what differs is the
+bundle (a hybrid request pool, Mamba state), the runner
+(:func:`~graphrunner.engine_ssm.create_state_space_runner`) and the engine
+(:class:`~graphrunner.engine_ssm.StateSpaceEngine`). ``--check`` (an eager
+rerun per step), ``--speculative`` and ``--overlap`` are refused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from graphrunner import cli_model, cli_text
+from graphrunner.cli_common import UsageError, check_output, check_range, write_atomically
+from graphrunner.engine_ssm import StateSpaceEngine, create_state_space_runner
+from graphrunner.model.config import ModelConfig
+from graphrunner.model.hybrid import HybridConfig
+from graphrunner.model.loader import CONFIG_FILE, read_weights
+from graphrunner.model.mamba_loader import (
+    DEFAULT_CONTEXT,
+    load_state_space_model,
+    parse_config,
+    state_space_type,
+)
+from graphrunner.trace import requests_from_prompts
+
+__all__ = ["generate", "is_state_space_checkpoint"]
+
+
+def is_state_space_checkpoint(path: Path | str | None) -> bool:
+    """Whether ``path`` is a checkpoint directory of a Mamba or Jamba model."""
+    file = None if path is None else Path(path) / CONFIG_FILE
+    if file is None or not file.is_file():
+        return False
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the Llama path words the error
+    return isinstance(hf, dict) and state_space_type(hf) is not None
+
+
+def _prompt_config(hf: dict[str, object]) -> ModelConfig:
+    """The fields the prompt checks read (vocabulary, context) as a ModelConfig."""
+    config = parse_config(dict(hf))
+    if isinstance(config, HybridConfig):
+        return config.attention
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.mixer.intermediate_size,
+        num_layers=config.num_layers,
+        num_heads=1,
+        num_kv_heads=1,
+        max_position_embeddings=DEFAULT_CONTEXT,
+    )
+
+
+def generate(
+    args: argparse.Namespace,
+    kind: str,
+    capture_sizes: Callable[[argparse.Namespace, int], list[int]],
+) -> int:
+    """Serve ``args``' prompts on the checkpoint's model; print or write the outputs."""
+    for flag in ("check", "speculative", "overlap"):
+        if getattr(args, flag, False):
+            raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
+    hf = json.loads((Path(args.checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
+    try:
+        config = _prompt_config(hf)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    limit = cli_text.context_limit(args, config)
+    check_range("--max-new-tokens", args.max_new_tokens, 1, limit, cli_text.limit_why(args))
+    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
+        raise UsageError(
+            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
+        )
+    if args.output is not None:
+        check_output(args.output)
+    inputs = cli_text.read_inputs(args, config, limit, stream=args.output is None)
+    sizes = capture_sizes(args, min(16, len(inputs.prompts)))
+    trace = requests_from_prompts(
+        inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+    )
+    torch.set_num_threads(args.threads)
+    try:
+        bundle = load_state_space_model(
+            hf,
+            read_weights(args.checkpoint),
+            max_requests=sizes[-1],
+            max_context_len=cli_text.run_context(args, trace, 0, limit),
+            device=args.device,
+            dtype=cli_model.dtype(args),
+            page_size=args.page_size,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    options = {"compile": True} if args.compile else {}
+    runner = create_state_space_runner(
+        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
+    )
+    runner.capture()
+    engine = StateSpaceEngine(
+        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish
+    )
+    result = engine.run(trace)
+    text = inputs.render(result.outputs, [r.rid for r in trace])
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        write_atomically(args.output, text)
+    except OSError as e:
+        print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
+        return 1
+    return 0
