@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from graphrunner.backend import GraphBackend, NullBackend
 from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
-from graphrunner.decode import DECODE_FIELDS, DECODE_HOST_MIRRORS, decode_buffer_specs
+from graphrunner.decode import (
+    DECODE_FIELDS,
+    DECODE_HOST_MIRRORS,
+    MAMBA_DECODE_FIELDS,
+    decode_buffer_specs,
+)
 from graphrunner.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.inputs import DecodeInputs, StepInputs
 from graphrunner.mechanisms import (
@@ -19,6 +24,7 @@ from graphrunner.mechanisms import (
 )
 from graphrunner.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.overlap import FutureMap, future_refs
+from graphrunner.pools import HybridReqToTokenPool, MambaStatePool
 from graphrunner.populate import PopulateError, populate
 from graphrunner.replay import NotCapturedError
 from graphrunner.report import CaptureReport, RunnerStats, SizeReport
@@ -38,10 +44,12 @@ from graphrunner.spec import (
     SpecBatch,
     TargetVerifyRunner,
 )
+from graphrunner.state_ops import StateOps
 
 __all__ = [
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
+    "MAMBA_DECODE_FIELDS",
     "BatchSizeError",
     "BatchSizeHistogram",
     "BufferSpec",
@@ -59,7 +67,9 @@ __all__ = [
     "FutureMap",
     "GraphBackend",
     "GraphRunner",
+    "HybridReqToTokenPool",
     "InductorCapture",
+    "MambaStatePool",
     "NotCapturedError",
     "NullBackend",
     "OutputDeclarationError",
@@ -70,6 +80,7 @@ __all__ = [
     "SizePlan",
     "SizeReport",
     "SpecBatch",
+    "StateOps",
     "StaticBuffers",
     "StepInputs",
     "TargetVerifyRunner",
