@@ -107,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_context_len=args.max_context_len,
         device=device,
     )
-    sizes = default_capture_sizes(len(prompts))
+    # On the CPU each captured size is an inductor compile of all 30 layers
+    # (minutes on a small machine): one graph of every request, the smaller
+    # batches left as requests finish replaying it padded.
+    sizes = default_capture_sizes(len(prompts)) if kind == "cuda" else [len(prompts)]
     runner = create_model_runner(bundle, kind, capture_sizes=sizes)
     start = time.perf_counter()
     runner.capture()
