@@ -15,7 +15,7 @@ from conftest import CapturedToy
 from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
 from graphrunner.batch import DecodeBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from graphrunner.populate import populate
+from graphrunner.populate import write_sources
 from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
 from poison import stale_values
@@ -61,12 +61,13 @@ def test_disabled_pad_rule_is_caught(
     batch = world.make_batch(RAW_BS, seed=1)
     stale = stale_values(world, batch)[field]
 
-    def populate_forgetting_one_rule(bufs: StaticBuffers, inputs: object, raw_bs: int, bs: int):
-        ops = populate(bufs, inputs, raw_bs, bs)
+    def populate_forgetting_one_rule(bufs: StaticBuffers, sources: list, raw_bs: int, bs: int):
+        ops = write_sources(bufs, sources, raw_bs, bs)
         bufs.tensors[field][raw_bs:bs].fill_(stale)  # the rule "was never applied"
         return ops
 
-    monkeypatch.setattr(graphrunner.replay, "populate", populate_forgetting_one_rule)
+    # The replay path's writer (populate's torch half, after validation).
+    monkeypatch.setattr(graphrunner.replay, "write_sources", populate_forgetting_one_rule)
     with pytest.raises(PaddingViolation, match=f"buffer '{field}' padded row {RAW_BS} .* holds"):
         sanitized.runner.replay(batch)
 
