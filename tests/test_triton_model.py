@@ -96,7 +96,8 @@ def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
         with torch.no_grad():
             expected = ref.model.forward_decode(ref_batch)
         got = runner.replay(batch)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        # Compiled and eager forwards round differently (fused reductions).
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         ref_batch.input_ids = batch.input_ids = expected.argmax(-1)
     assert runner.direct_fallbacks == 0
     if DEVICE == "cpu":  # every layer of every replay, at the captured size 4

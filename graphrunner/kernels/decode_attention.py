@@ -24,6 +24,7 @@ attention.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +230,10 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
 
 
 def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def _precision(dtype: torch.dtype) -> str:
