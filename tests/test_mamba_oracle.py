@@ -215,3 +215,54 @@ def test_generate_loads_the_checkpoint_like_a_llama_one(
     assert rc == 0
     tokens = [json.loads(line)["tokens"] for line in out.splitlines()]
     assert tokens == [expected[r.rid][:4] for r in requests], kind
+
+
+@pytest.mark.parametrize("label", ["eager", "cpu"])
+def test_padded_replay_at_every_size_touches_only_the_live_slots(
+    oracle: tuple[str, Path, dict[int, list[int]]], label: str
+) -> None:
+    """Every raw size 1..8 padded up to 8: live logits and live slots equal the
+    eager forward of the unpadded batch; every other slot, the sink slot 0
+    included (all poisoned with random values), is bit-identical after the replay."""
+    kind, path, _ = oracle
+    if label == "cpu" and kind != "mamba" and not SLOW:
+        pytest.skip("the compiled CPU runner over Jamba runs with GRAPHRUNNER_SLOW=1")
+    bundle = _bundle(path)
+    req, pool = bundle.req_pool, bundle.mamba_pool
+    runner = create_state_space_runner(bundle, label, capture_sizes=[8])
+    runner.capture()
+    rows, lens, first = [], [], []
+    for r in TRACE[:8]:
+        (row,) = req.alloc(1)
+        ids, slots = torch.tensor(r.prompt), torch.tensor(bundle.kv_alloc.alloc(len(r.prompt)))
+        first.append(int(bundle.model.forward_extend(row, ids, slots).argmax()))
+        rows.append(row)
+        lens.append(len(r.prompt))
+    gen = torch.Generator().manual_seed(0)
+    for state in (pool.conv_state, pool.ssm_state):  # a padded row would change these
+        state[len(rows) + 1 :] = torch.randn(state[len(rows) + 1 :].shape, generator=gen)
+        state[0] = torch.randn(state[0].shape, generator=gen)
+    exact = {"rtol": 0, "atol": 0}
+    for bs in range(1, 9):
+        batch = DecodeBatch.from_requests(
+            rows[:bs], lens[:bs], torch.tensor(first[:bs]), device="cpu", max_context_len=CONTEXT
+        )
+        batch.prepare_decode(req, bundle.kv_alloc)
+        inputs = StateSpaceInputs(batch, req)
+        before = (pool.conv_state.clone(), pool.ssm_state.clone())
+        ref = bundle.model.forward_decode(inputs)  # unpadded, eager
+        ref_state = (pool.conv_state.clone(), pool.ssm_state.clone())
+        pool.conv_state.copy_(before[0])
+        pool.ssm_state.copy_(before[1])
+        out = runner.replay(inputs)
+        tol = {"rtol": 1e-5, "atol": 1e-5}  # a batch of 8 rows rounds unlike one of bs
+        torch.testing.assert_close(out, ref, **tol)
+        live = req.mamba_slots(rows[:bs])
+        others = [s for s in range(pool.size + 1) if s not in live]
+        for now, want, old in zip(
+            (pool.conv_state, pool.ssm_state), ref_state, before, strict=True
+        ):
+            torch.testing.assert_close(now[live], want[live], **tol)
+            torch.testing.assert_close(now[others], old[others], **exact)
+        lens = [n + 1 if i < bs else n for i, n in enumerate(lens)]
+        first = [*out.argmax(-1).tolist(), *first[bs:]]

@@ -22,6 +22,7 @@ from graphrunner.pools import (
     InvalidSlot,
     MambaStatePool,
     PendingStateOp,
+    PoolError,
     PoolExhausted,
 )
 from graphrunner.runners import create_runner
@@ -140,8 +141,12 @@ def test_track_snapshots_alternate_between_two_slots() -> None:
     assert m.ssm_state[t0].eq(1.0).all() and m.ssm_state[t1].eq(2.0).all()
     p.free([row])
     assert m.available_size() == 6
-    with pytest.raises(TypeError):
+    with pytest.raises(PoolError, match="track_buffers=True"):
         hybrid().record_track([1])
+    with pytest.raises(PoolError, match="mamba_pool"):
+        HybridReqToTokenPool(2, 8, "cpu", MambaStatePool(2, (1,), (1,), F32, "meta"))
+    with pytest.raises(TypeError, match="mamba_pool"):
+        HybridReqToTokenPool(2, 8, "cpu", object())  # type: ignore[arg-type]
 
 
 def test_state_ops_run_without_a_host_sync_on_the_meta_device() -> None:

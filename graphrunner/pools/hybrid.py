@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.pools.errors import PoolExhausted
+from graphrunner.pools.errors import PoolError, PoolExhausted
 from graphrunner.pools.mamba import MambaStatePool, PendingStateOp
 from graphrunner.pools.req_to_token import ReqToTokenPool
 from graphrunner.pools.slots import DeviceLike, as_index_list, bad_arg, check_count
@@ -58,7 +58,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if not isinstance(mamba_pool, MambaStatePool):
             raise bad_arg(f"{where}: mamba_pool", mamba_pool, "a MambaStatePool")
         if mamba_pool.device != self.device:
-            raise bad_arg(f"{where}: mamba_pool", mamba_pool.device, f"a pool on {self.device}")
+            expected = f"a pool on {self.device}"
+            raise bad_arg(f"{where}: mamba_pool", mamba_pool.device, expected, PoolError)
         if not isinstance(track_buffers, bool):
             raise bad_arg(f"{where}: track_buffers", track_buffers, "a bool")
         self.mamba_pool = mamba_pool
@@ -118,7 +119,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         two alternate, so the previous snapshot stays whole while this one is
         written); returns the track slot each snapshot goes to."""
         if not self.track_buffers:
-            raise bad_arg("record_track: rows", rows, "a pool built with track_buffers=True")
+            expected = "a pool built with track_buffers=True"
+            raise bad_arg("record_track: rows", rows, expected, PoolError)
         targets = as_index_list(rows, "record_track: rows")
         live = self._slots.check_allocated(targets, "record_track: rows", unique=True)
         dst = [self._track_host[r][self._track_next[r]] for r in live]
