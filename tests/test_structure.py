@@ -32,7 +32,8 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     assert set(DECODE_HOST_MIRRORS) <= fields
     assert set(typing.get_type_hints(StepInputs)) == fields
     assert _protocol_attributes(DecodeInputs) == fields | mirrors | {"batch_size"}
-    assert set(DecodeBatch.__slots__) == fields | mirrors | {"device", "max_context_len"}
+    geometry_and_seal = {"device", "max_context_len", "_sealed"}
+    assert set(DecodeBatch.__slots__) == fields | mirrors | geometry_and_seal
     assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]
     world = ToyWorld()
     batch = world.make_batch(2, seed=0)
