@@ -258,6 +258,8 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     scratch: DecodeScratch | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged KV.
 
@@ -270,6 +272,7 @@ def decode_attention(
     out: optional ``[bs, heads, head_dim]`` in q's dtype to write into.
     scratch: optional buffers for the chunks' partial results; fresh ones
         otherwise (inside a CUDA graph those come from the graph's pool, once).
+    num_warps, num_stages: the split launch's Triton settings (tuning).
     Returns ``out`` (or a new tensor). The softmax runs in float32.
     """
     bs, heads, head_dim = q.shape
@@ -300,6 +303,7 @@ def decode_attention(
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK=BLOCK_N, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     merge_kernel[(bs, heads)](
         po, pl, out,
