@@ -65,3 +65,25 @@ def save_tiny_jamba(path: Path, *, seed: int = 0) -> Any:
     model = _spread(transformers.JambaForCausalLM(config))
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_mamba2(path: Path, *, seed: int = 0) -> Any:
+    """Save a seeded 2-layer Mamba-2 LM (hidden 32, 8 heads of 8, 2 groups,
+    state 8, conv 4, vocab 256)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Mamba2Config(
+        vocab_size=256,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        expand=2,
+        num_heads=8,
+        head_dim=8,
+        n_groups=2,
+    )
+    model = _spread(transformers.Mamba2ForCausalLM(config))
+    model.save_pretrained(path)
+    return model

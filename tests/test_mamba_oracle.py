@@ -1,8 +1,9 @@
 """The external oracle for models with Mamba layers: greedy tokens served
 through padded replay equal transformers' ``generate(do_sample=False)``.
 
-Tiny random ``MambaForCausalLM`` (Mamba-1) and ``JambaForCausalLM`` (Mamba-1
-and attention layers over the KV pool, one hybrid request pool) checkpoints
+Tiny random ``MambaForCausalLM`` (Mamba-1), ``Mamba2ForCausalLM`` and
+``JambaForCausalLM`` (Mamba-1 and attention layers over the KV pool, one
+hybrid request pool) checkpoints
 are saved with ``save_pretrained`` and loaded through graphrunner's
 checkpoint dispatch. Requests arrive at staggered steps with staggered prompt
 lengths, so decode steps see batch sizes 1..8, most of them padded up to a
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_ssm import save_tiny_jamba, save_tiny_mamba
+from hf_ssm import save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.batch import DecodeBatch
@@ -36,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 
 CAPTURE_SIZES = [1, 2, 4, 8]
 CONTEXT = 48
-SAVERS = {"mamba": save_tiny_mamba, "jamba": save_tiny_jamba}
+SAVERS = {"mamba": save_tiny_mamba, "mamba2": save_tiny_mamba2, "jamba": save_tiny_jamba}
 
 
 def _trace() -> list[Request]:
@@ -92,7 +93,7 @@ def test_greedy_tokens_equal_transformers_generate(
         # Inductor compiles each size for tens of seconds on a busy 2-core box:
         # by default one size (every batch padded up to it), the Mamba model only.
         if kind != "mamba":
-            pytest.skip("the compiled CPU runner over Jamba runs with GRAPHRUNNER_SLOW=1")
+            pytest.skip(f"the compiled CPU runner over {kind} runs with GRAPHRUNNER_SLOW=1")
         sizes = [8]
     bundle = _bundle(path, runner_device(label))
     mechanism, options = MECHANISMS[label]
@@ -156,8 +157,8 @@ def test_forked_requests_continue_as_their_parent_even_in_a_poisoned_freed_slot(
     oracle: tuple[str, Path, dict[int, list[int]]],
 ) -> None:
     kind, path, expected = oracle
-    if kind != "mamba":
-        pytest.skip("forking shares KV slots in a hybrid model; the Mamba model has none")
+    if kind == "jamba":
+        pytest.skip("forking shares KV slots in a hybrid model; a Mamba model has none")
     bundle = _bundle(path)
     pool, req = bundle.mamba_pool, bundle.req_pool
     runner = create_state_space_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
@@ -226,7 +227,7 @@ def test_padded_replay_at_every_size_touches_only_the_live_slots(
     included (all poisoned with random values), is bit-identical after the replay."""
     kind, path, _ = oracle
     if label == "cpu" and kind != "mamba" and not SLOW:
-        pytest.skip("the compiled CPU runner over Jamba runs with GRAPHRUNNER_SLOW=1")
+        pytest.skip(f"the compiled CPU runner over {kind} runs with GRAPHRUNNER_SLOW=1")
     bundle = _bundle(path)
     req, pool = bundle.req_pool, bundle.mamba_pool
     runner = create_state_space_runner(bundle, label, capture_sizes=[8])

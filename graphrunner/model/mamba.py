@@ -19,6 +19,7 @@ from torch import nn
 
 from graphrunner.model.config import UnsupportedConfigError
 from graphrunner.model.layers import RMSNorm
+from graphrunner.model.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from graphrunner.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 from graphrunner.pools.hybrid import HybridReqToTokenPool
 from graphrunner.state_ops import run_state_ops
@@ -43,11 +44,13 @@ def _int(hf: dict[str, Any], name: str, default: int | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MambaConfig:
-    """Shape of a Mamba-1 LM (transformers' ``MambaConfig`` fields that matter)."""
+    """Shape of a Mamba LM (transformers' ``MambaConfig`` / ``Mamba2Config``
+    fields that matter): Mamba-1 with a :class:`MixerShape`, Mamba-2 with a
+    :class:`Mamba2Shape`."""
 
     vocab_size: int
     num_layers: int
-    mixer: MixerShape
+    mixer: MixerShape | Mamba2Shape
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
 
@@ -61,6 +64,10 @@ class MambaConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedConfigError(f"config field hidden_act={act!r}; expected 'silu'")
+        if hf.get("model_type") == "mamba2" or "Mamba2ForCausalLM" in (
+            hf.get("architectures") or []
+        ):
+            return cls._from_mamba2(hf)
         hidden = _int(hf, "hidden_size")
         inner = hf.get("intermediate_size") or _int(hf, "expand", 2) * hidden
         rank = hf.get("time_step_rank", "auto")
@@ -82,12 +89,54 @@ class MambaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         )
 
+    @classmethod
+    def _from_mamba2(cls, hf: dict[str, Any]) -> MambaConfig:
+        limit = hf.get("time_step_limit", [0.0, None])
+        if not isinstance(limit, list) or limit[:1] != [0.0] or not _is_infinite(limit[1:]):
+            raise UnsupportedConfigError(
+                f"config field time_step_limit={limit!r}; expected [0.0, Infinity]"
+            )
+        hidden = _int(hf, "hidden_size")
+        eps = float(hf.get("layer_norm_epsilon", 1e-5))
+        mixer = Mamba2Shape(
+            hidden_size=hidden,
+            intermediate_size=_int(hf, "expand", 2) * hidden,
+            state_size=_int(hf, "state_size", 128),
+            conv_kernel=_int(hf, "conv_kernel", 4),
+            num_heads=_int(hf, "num_heads"),
+            head_dim=_int(hf, "head_dim"),
+            n_groups=_int(hf, "n_groups", 1),
+            norm_eps=eps,
+            conv_bias=bool(hf.get("use_conv_bias", True)),
+            proj_bias=bool(hf.get("use_bias", False)),
+        )
+        return cls(
+            vocab_size=_int(hf, "vocab_size"),
+            num_layers=_int(hf, "num_hidden_layers"),
+            mixer=mixer,
+            layer_norm_epsilon=eps,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+
+def _is_infinite(rest: list[Any]) -> bool:
+    """transformers writes an infinite upper limit as ``{"__float__": "Infinity"}``."""
+    if not rest:
+        return True
+    top = rest[0]
+    return top is None or top == float("inf") or top == {"__float__": "Infinity"}
+
 
 class MambaBlock(nn.Module):
     def __init__(self, config: MambaConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype=dtype)
-        self.mixer = MambaMixer(config.mixer, dtype=dtype)
+        shape = config.mixer
+        self.mixer: MambaMixer | Mamba2Mixer = (
+            MambaMixer(shape, dtype=dtype)
+            if isinstance(shape, MixerShape)
+            else Mamba2Mixer(shape, dtype=dtype)
+        )
 
 
 class MambaBackbone(nn.Module):

@@ -38,11 +38,16 @@ __all__ = [
 ]
 
 #: model_type / architecture of each supported checkpoint kind.
-_KINDS = {"mamba": "MambaForCausalLM", "jamba": "JambaForCausalLM"}
+_KINDS = {
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "jamba": "JambaForCausalLM",
+}
 
 
 def state_space_type(hf: Mapping[str, Any]) -> str | None:
-    """``"mamba"`` or ``"jamba"`` when ``config.json`` ``hf`` is such a model, else None."""
+    """``"mamba"``, ``"mamba2"`` or ``"jamba"`` when ``config.json`` ``hf`` is
+    such a model, else None."""
     archs = hf.get("architectures") or []
     for kind, arch in _KINDS.items():
         if hf.get("model_type") == kind or (isinstance(archs, list) and arch in archs):
@@ -126,7 +131,7 @@ def build_state_space_model(
 def parse_config(hf: dict[str, Any]) -> MambaConfig | HybridConfig:
     """The config of a ``mamba`` or ``jamba`` ``config.json``."""
     kind = state_space_type(hf)
-    if kind == "mamba":
+    if kind in ("mamba", "mamba2"):
         return MambaConfig.from_hf_dict(hf)
     if kind == "jamba":
         return HybridConfig.from_hf_dict(hf)

@@ -165,6 +165,6 @@ def write_states(
     where it is False (padding, all at slot 0) write back what they read, so
     the sink slot stays bit-identical. One ``index_copy_`` per tensor: static
     shapes, no host read, capturable."""
-    keep = mask[:, None, None, None]
     for state, fresh, before in zip((pool.conv_state, pool.ssm_state), new, old, strict=True):
+        keep = mask.view(-1, *[1] * (state.dim() - 1))
         state.index_copy_(0, slots, torch.where(keep, fresh.to(state.dtype), before))
