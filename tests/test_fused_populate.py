@@ -60,9 +60,11 @@ def specs_strategy(draw: st.DrawFn) -> list[BufferSpec]:
     return specs
 
 
-def random_rows(spec: BufferSpec, rows: int, gen: torch.Generator, layout: str) -> torch.Tensor:
-    """``rows`` rows of random bits (NaN payloads included), laid out as asked:
-    contiguous, at an odd byte address, or strided."""
+def random_rows(
+    spec: BufferSpec, rows: int, gen: torch.Generator, layout: str, device: str = "cpu"
+) -> torch.Tensor:
+    """``rows`` rows of random bits (NaN payloads included) on ``device``, laid
+    out as asked: contiguous, one element past an 8-byte boundary, or strided."""
     shape = (rows, *spec.extra_shape)
     n = torch.Size(shape).numel()
     if spec.future:
@@ -76,14 +78,15 @@ def random_rows(spec: BufferSpec, rows: int, gen: torch.Generator, layout: str) 
         size = torch.empty((), dtype=spec.dtype).element_size()
         raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
         values = raw.view(spec.dtype)
+    values = values.to(device)
     if layout == "strided":
-        wide = torch.zeros(2 * n, dtype=values.dtype)
+        wide = torch.zeros(2 * n, dtype=values.dtype, device=device)
         wide[::2] = values
         return wide[::2].view(shape)
     if layout == "misaligned" and n:
         bytes_ = values.view(torch.uint8)
         size = bytes_.numel() // n
-        holder = torch.zeros(bytes_.numel() + size, dtype=torch.uint8)
+        holder = torch.zeros(bytes_.numel() + size, dtype=torch.uint8, device=device)
         holder[size:] = bytes_
         return holder[size:].view(values.dtype).view(shape)  # offset by one element
     return values.view(shape)
@@ -133,7 +136,7 @@ def run_property(specs: list[BufferSpec], sizes: list[tuple[int, int]], device: 
         layout = ["contiguous", "misaligned", "strided"][step % 3]
         inputs = SimpleNamespace(
             **{
-                s.name: random_rows(s, s.rows(raw_bs), gen, layout).to(pair.fused.device_of(s))
+                s.name: random_rows(s, s.rows(raw_bs), gen, layout, str(pair.fused.device_of(s)))
                 for s in specs
             }
         )
