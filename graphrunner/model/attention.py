@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.buffers import BufferView
@@ -29,6 +30,7 @@ from graphrunner.inputs import StepInputs
 from graphrunner.kernels.decode_attention import DecodeScratch, choose_splits
 from graphrunner.model.attention_op import PagedRows, paged_attention
 from graphrunner.model.config import ModelConfig
+from graphrunner.model.fused import stack_weights
 from graphrunner.model.layers import RotaryEmbedding
 
 #: The decode attentions a :class:`TorchPagedBackend` can run.
@@ -102,7 +104,11 @@ class PagedAttention(nn.Module):
     ``forward(x [n, hidden], positions [n], out_loc [n], kv, meta, rotary)``
     writes the new tokens' K/V for layer ``layer_id`` at ``out_loc`` *before*
     reading, so a token attends to itself, then returns ``[n, hidden]``.
+    The q/k/v projections run as one product over ``qkv_weight``, of which
+    their weights are views (:func:`~graphrunner.model.fused.stack_weights`).
     """
+
+    qkv_weight: torch.Tensor
 
     def __init__(
         self, config: ModelConfig, layer_id: int, *, dtype: torch.dtype | None = None
@@ -116,6 +122,17 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self._stack_qkv()
+
+    def _stack_qkv(self) -> None:
+        stacked = stack_weights([self.q_proj, self.k_proj, self.v_proj])
+        self.register_buffer("qkv_weight", stacked, persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PagedAttention:
+        # Moving or casting the module gives each parameter fresh storage: restack.
+        super()._apply(fn, recurse)
+        self._stack_qkv()
+        return self
 
     def forward(
         self,
@@ -126,10 +143,13 @@ class PagedAttention(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, kv_width = x.shape[0], self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight).split(
+            [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
+        )
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         kv.set_kv(self.layer_id, out_loc, k, v)
         k_buf, v_buf = kv.get_kv(self.layer_id)
