@@ -8,7 +8,9 @@ reference model, in one run:
   (how engines without a declared populate do it);
 * ``torch``: ``runner.replay()`` with the grouped torch populate;
 * ``fused``: ``runner.replay()`` with the fused Triton populate (one launch);
-* ``graph``: ``runner.replay()`` with the populate captured inside the graph.
+* ``graph``: ``runner.replay()`` with the populate captured inside the graph;
+* the parts, no graph launched: the torch populate alone, the fused populate
+  alone (table staging, copy, launch), the Triton launch alone.
 
 Host time: the GPU is idle before each call (synchronized, not timed), the
 call alone is timed; median and p90 of ``ROUNDS`` calls. NVTX is on, no
@@ -38,6 +40,8 @@ from graphrunner import GraphRunner
 from graphrunner.batch import DecodeBatch
 from graphrunner.engine import create_model_runner
 from graphrunner.model import ModelBundle, default_model
+from graphrunner.populate import check_sources, write_sources
+from graphrunner.populate_fused import FusedPopulate
 
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded
@@ -81,6 +85,30 @@ def _per_field(runner: GraphRunner, batch: DecodeBatch, bs: int) -> Callable[[],
     return step
 
 
+def _variants(
+    runners: dict[str, GraphRunner], batch: DecodeBatch, bs: int
+) -> dict[str, Callable[[], Any]]:
+    raw_bs = batch.batch_size
+    reference = runners["torch"]
+    sources = check_sources(reference.buffers, batch, raw_bs)
+    fused = runners["fused"].mechanism.populate_writer
+    assert isinstance(fused, FusedPopulate)
+    grid = fused._table(raw_bs, bs).grid
+
+    def replay(runner: GraphRunner) -> Callable[[], Any]:
+        return lambda: runner.replay(batch)
+
+    return {
+        "bare": reference.graphs[bs].replay,  # type: ignore[attr-defined]
+        "per-field": _per_field(reference, batch, bs),
+        **{mode: replay(runners[mode]) for mode in MODES},
+        # The parts, for where the time goes (no graph launched):
+        "populate alone: torch": lambda: write_sources(reference.buffers, sources, raw_bs, bs),
+        "populate alone: fused": lambda: fused.write(sources, raw_bs, bs),
+        "kernel launch alone": lambda: fused._launch(grid),
+    }
+
+
 def _host_us(fn: Callable[[], Any]) -> tuple[float, float]:
     for _ in range(WARMUP):
         fn()
@@ -120,12 +148,7 @@ def measure() -> list[dict[str, Any]]:
     for bs in SIZES:
         raw_bs = RAW[bs]
         batch = _batch(bundle, raw_bs)
-        torch_runner = runners["torch"]
-        variants: dict[str, Callable[[], Any]] = {
-            "bare": torch_runner.graphs[bs].replay,  # type: ignore[attr-defined]
-            "per-field": _per_field(torch_runner, batch, bs),
-            **{mode: (lambda r=runners[mode], b=batch: r.replay(b)) for mode in MODES},
-        }
+        variants = _variants(runners, batch, bs)
         for name, fn in variants.items():
             median, p90 = _host_us(fn)
             launches, graphs = _launches(fn)
