@@ -46,7 +46,7 @@ from graphrunner.populate_fused import FusedPopulate
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded
 MODES = ["torch", "fused", "graph"]
-ROUNDS = 300
+ROUNDS = 200
 WARMUP = 30
 TRACED = 20
 #: Profiler event names that put work on the device (per step, besides nothing else).
@@ -163,6 +163,7 @@ def measure() -> list[dict[str, Any]]:
                     "besides_graph": launches - graphs,
                 }
             )
+            print(rows[-1], flush=True)  # progress, should the run be cut short
     return rows
 
 
