@@ -21,7 +21,7 @@ from graphrunner import cli_model, cli_text
 from graphrunner.cli_common import UsageError, check_output, check_range, write_atomically
 from graphrunner.engine_ssm import StateSpaceEngine, create_state_space_runner
 from graphrunner.model.config import ModelConfig
-from graphrunner.model.hybrid import HybridConfig
+from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.loader import CONFIG_FILE, read_weights
 from graphrunner.model.mamba_loader import (
     DEFAULT_CONTEXT,

@@ -87,3 +87,30 @@ def save_tiny_mamba2(path: Path, *, seed: int = 0) -> Any:
     model = _spread(transformers.Mamba2ForCausalLM(config))
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_bamba(path: Path, *, seed: int = 0) -> Any:
+    """Save a seeded 4-layer Bamba (Mamba-2, attention, Mamba-2, attention;
+    hidden 32, 4/2 heads with rotary on half of each, 8 Mamba heads in 2
+    groups, vocab 256)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.BambaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=256,
+    )
+    model = _spread(transformers.BambaForCausalLM(config))
+    model.save_pretrained(path)
+    return model

@@ -1,9 +1,10 @@
 """The external oracle for models with Mamba layers: greedy tokens served
 through padded replay equal transformers' ``generate(do_sample=False)``.
 
-Tiny random ``MambaForCausalLM`` (Mamba-1), ``Mamba2ForCausalLM`` and
+Tiny random ``MambaForCausalLM`` (Mamba-1), ``Mamba2ForCausalLM``,
 ``JambaForCausalLM`` (Mamba-1 and attention layers over the KV pool, one
-hybrid request pool) checkpoints
+hybrid request pool) and ``BambaForCausalLM`` (Mamba-2 and attention with
+partial rotary) checkpoints
 are saved with ``save_pretrained`` and loaded through graphrunner's
 checkpoint dispatch. Requests arrive at staggered steps with staggered prompt
 lengths, so decode steps see batch sizes 1..8, most of them padded up to a
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_ssm import save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
+from hf_ssm import save_tiny_bamba, save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.batch import DecodeBatch
@@ -37,7 +38,13 @@ transformers = pytest.importorskip("transformers")
 
 CAPTURE_SIZES = [1, 2, 4, 8]
 CONTEXT = 48
-SAVERS = {"mamba": save_tiny_mamba, "mamba2": save_tiny_mamba2, "jamba": save_tiny_jamba}
+SAVERS = {
+    "mamba": save_tiny_mamba,
+    "mamba2": save_tiny_mamba2,
+    "jamba": save_tiny_jamba,
+    "bamba": save_tiny_bamba,
+}
+HYBRIDS = ("jamba", "bamba")
 
 
 def _trace() -> list[Request]:
@@ -157,7 +164,7 @@ def test_forked_requests_continue_as_their_parent_even_in_a_poisoned_freed_slot(
     oracle: tuple[str, Path, dict[int, list[int]]],
 ) -> None:
     kind, path, expected = oracle
-    if kind == "jamba":
+    if kind in HYBRIDS:
         pytest.skip("forking shares KV slots in a hybrid model; a Mamba model has none")
     bundle = _bundle(path)
     pool, req = bundle.mamba_pool, bundle.req_pool

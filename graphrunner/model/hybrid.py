@@ -1,17 +1,14 @@
-"""A hybrid of attention and Mamba-1 layers: the reference executor of a
-``JambaForCausalLM`` checkpoint (dense layers: ``num_experts`` 1).
+"""A hybrid of attention and Mamba layers: the reference executor of a
+``JambaForCausalLM`` (dense; Mamba-1 with dt/B/C norms, no rotary embedding)
+or a ``BambaForCausalLM`` (Mamba-2; rotary embedding on the first half of
+each attention head) checkpoint.
 
-Attention layers (no rotary embedding, as in Jamba) read and write the paged
-KV pool through ``req_to_token``; Mamba layers (the mixer of
-:mod:`graphrunner.model.mamba_mixer`, with Jamba's dt/B/C norms) keep their
-state in the request's Mamba slot. One :class:`~graphrunner.pools.
-HybridReqToTokenPool` maps each request row to both.
+Attention layers read and write the paged KV pool through ``req_to_token``;
+Mamba layers keep their state in the request's Mamba slot. One
+:class:`~graphrunner.pools.HybridReqToTokenPool` maps each request row to both.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +16,10 @@ from torch import nn
 
 from graphrunner.inputs import StepInputs
 from graphrunner.model.attention import AttnMetadata, KVStore, PagedAttention, TorchPagedBackend
-from graphrunner.model.config import ModelConfig, UnsupportedConfigError
+from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from graphrunner.model.mamba import MambaStepInputs, _int
+from graphrunner.model.mamba import MambaStepInputs
+from graphrunner.model.mamba2_mixer import Mamba2Mixer
 from graphrunner.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 from graphrunner.pools.hybrid import HybridReqToTokenPool
 from graphrunner.state_ops import run_state_ops
@@ -31,74 +29,6 @@ __all__ = ["HybridConfig", "HybridLM"]
 
 class HybridStepInputs(StepInputs, MambaStepInputs):
     """A decode step of a hybrid model: the KV fields and the Mamba fields."""
-
-
-@dataclass(frozen=True, slots=True)
-class HybridConfig:
-    """A Jamba-style stack: ``attention`` (the attention layers' shape) plus
-    which layers are attention (the others are Mamba) and the mixer shape."""
-
-    attention: ModelConfig
-    mixer: MixerShape
-    attention_layers: tuple[int, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return self.attention.num_layers
-
-    @property
-    def vocab_size(self) -> int:
-        return self.attention.vocab_size
-
-    @property
-    def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if i not in self.attention_layers)
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> HybridConfig:
-        """From a ``JambaForCausalLM`` ``config.json``; refuses MoE layers."""
-        layers = _int(hf, "num_hidden_layers")
-        period, offset = _int(hf, "attn_layer_period", 8), hf.get("attn_layer_offset", 4)
-        experts = hf.get("num_experts", 1)
-        if experts != 1:
-            raise UnsupportedConfigError(
-                f"config field num_experts={experts!r}; expected 1 (dense)"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedConfigError(
-                f"config field hidden_act={hf['hidden_act']!r}; expected 'silu'"
-            )
-        hidden = _int(hf, "hidden_size")
-        rank = hf.get("mamba_dt_rank", "auto")
-        eps = float(hf.get("rms_norm_eps", 1e-6))
-        attention = ModelConfig(
-            vocab_size=_int(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(hf, "intermediate_size"),
-            num_layers=layers,
-            num_heads=_int(hf, "num_attention_heads"),
-            num_kv_heads=_int(hf, "num_key_value_heads", hf.get("num_attention_heads")),
-            rms_norm_eps=eps,
-            max_position_embeddings=_int(hf, "max_position_embeddings", 262144),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-        mixer = MixerShape(
-            hidden_size=hidden,
-            intermediate_size=_int(hf, "mamba_expand", 2) * hidden,
-            state_size=_int(hf, "mamba_d_state", 16),
-            conv_kernel=_int(hf, "mamba_d_conv", 4),
-            time_step_rank=-(-hidden // 16) if rank == "auto" else _int(hf, "mamba_dt_rank"),
-            conv_bias=bool(hf.get("mamba_conv_bias", True)),
-            proj_bias=bool(hf.get("mamba_proj_bias", False)),
-            bcdt_norm_eps=eps,
-        )
-        attn = tuple(i for i in range(layers) if i % period == offset)
-        if not attn or len(attn) == layers:
-            raise UnsupportedConfigError(
-                f"attn_layer_period={period}, attn_layer_offset={offset} over {layers} layers "
-                f"give {len(attn)} attention layers; expected a mix of attention and Mamba layers"
-            )
-        return cls(attention, mixer, attn)
 
 
 class _NoRotary(RotaryEmbedding):
@@ -111,6 +41,22 @@ class _NoRotary(RotaryEmbedding):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
+
+
+class _PartialRotary(RotaryEmbedding):
+    """Rotary embedding on the first ``rotary_dim`` dims of each head (Bamba);
+    the rest pass unchanged."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__(rotary_dim, max_positions, theta)
+        self.rotary_dim = rotary_dim
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        q_rot, k_rot = super().forward(positions, q[..., :r], k[..., :r])
+        return torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
 
 
 class _LayerKV:
@@ -134,11 +80,14 @@ class HybridLayer(nn.Module):
         super().__init__()
         c = config.attention
         self.self_attn: PagedAttention | None = None
-        self.mamba: MambaMixer | None = None
+        self.mamba: MambaMixer | Mamba2Mixer | None = None
+        shape = config.mixer
         if i in config.attention_layers:
             self.self_attn = PagedAttention(c, i, dtype=dtype)
+        elif isinstance(shape, MixerShape):
+            self.mamba = MambaMixer(shape, dtype=dtype)
         else:
-            self.mamba = MambaMixer(config.mixer, dtype=dtype)
+            self.mamba = Mamba2Mixer(shape, dtype=dtype)
         self.feed_forward = SwiGLUMLP(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
@@ -193,7 +142,11 @@ class HybridLM(nn.Module):
             if c.tie_word_embeddings
             else nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
         )
-        self.rotary = _NoRotary()
+        self.rotary: RotaryEmbedding = (
+            _NoRotary()
+            if config.rotary_dim == 0
+            else _PartialRotary(config.rotary_dim, req_pool.max_context_len, c.rope_theta)
+        )
         self.to(pool.device).requires_grad_(False)
 
     def forward_decode(self, inputs: HybridStepInputs) -> torch.Tensor:

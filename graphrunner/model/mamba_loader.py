@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from graphrunner.model.config import CheckpointError
-from graphrunner.model.hybrid import HybridConfig, HybridLM
+from graphrunner.model.hybrid import HybridLM
+from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.llama import WeightError
 from graphrunner.model.mamba import MambaConfig, MambaLM
 from graphrunner.pools import (
@@ -42,12 +43,13 @@ _KINDS = {
     "mamba": "MambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "jamba": "JambaForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 
 def state_space_type(hf: Mapping[str, Any]) -> str | None:
-    """``"mamba"``, ``"mamba2"`` or ``"jamba"`` when ``config.json`` ``hf`` is
-    such a model, else None."""
+    """``"mamba"``, ``"mamba2"``, ``"jamba"`` or ``"bamba"`` when ``config.json``
+    ``hf`` is such a model, else None."""
     archs = hf.get("architectures") or []
     for kind, arch in _KINDS.items():
         if hf.get("model_type") == kind or (isinstance(archs, list) and arch in archs):
@@ -133,7 +135,7 @@ def parse_config(hf: dict[str, Any]) -> MambaConfig | HybridConfig:
     kind = state_space_type(hf)
     if kind in ("mamba", "mamba2"):
         return MambaConfig.from_hf_dict(hf)
-    if kind == "jamba":
+    if kind in ("jamba", "bamba"):
         return HybridConfig.from_hf_dict(hf)
     raise CheckpointError(
         f"config is not a Mamba or Jamba model: model_type={hf.get('model_type')!r}"
