@@ -96,14 +96,14 @@ def test_greedy_tokens_equal_transformers_generate(
 ) -> None:
     kind, path, expected = oracle
     sizes = CAPTURE_SIZES
-    if label == "cpu" and not SLOW:
-        # Inductor compiles each size for tens of seconds on a busy 2-core box:
+    mechanism, options = MECHANISMS[label]
+    if (mechanism == "cpu" or options.get("compile")) and not SLOW:
+        # Inductor compiles each size for seconds (tens on a busy 2-core box):
         # by default one size (every batch padded up to it), the Mamba model only.
         if kind != "mamba":
-            pytest.skip(f"the compiled CPU runner over {kind} runs with GRAPHRUNNER_SLOW=1")
+            pytest.skip(f"the compiled {label} runner over {kind} runs with GRAPHRUNNER_SLOW=1")
         sizes = [8]
     bundle = _bundle(path, runner_device(label))
-    mechanism, options = MECHANISMS[label]
     runner = create_state_space_runner(
         bundle, mechanism, capture_sizes=sizes, check_padding=True, **options
     )
