@@ -45,9 +45,17 @@ def _host_ints(name: str, values: object, what: str = "ints") -> list[int]:
 
 def _geometry(where: str, device: object, max_context_len: object) -> tuple[torch.device, int]:
     return (
-        check_device(f"{where}: device", device, BatchError),
+        _indexed(check_device(f"{where}: device", device, BatchError)),
         check_count(f"{where}: max_context_len", max_context_len, 1, error=BatchError),
     )
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the CUDA device it means now (``cuda:0``), as a tensor made
+    there reports it: a runner compares a sealed batch's device exactly."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class DecodeBatch:

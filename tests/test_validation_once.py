@@ -133,3 +133,21 @@ def test_a_sanitized_runner_checks_every_replay_in_full():
     for _ in range(3):
         runner.replay(batch)
     assert gate.full_checks == 3
+
+
+@pytest.mark.cuda
+def test_a_batch_made_on_plain_cuda_takes_the_sealed_path_of_a_cuda_runner():
+    """``device="cuda"`` is bound to the current device's index at
+    construction, so the batch's device equals the buffers' exactly."""
+    from graphrunner import CudaGraphRunner
+
+    world = ToyWorld("cuda")
+    runner = CudaGraphRunner(
+        world.model, decode_buffer_specs(), capture_sizes=[4], show_progress=False
+    )
+    runner.capture()
+    batch = world.make_batch(3, seed=0)
+    assert batch.device == runner.device
+    runner.replay(batch)
+    runner.replay(batch)
+    assert gate_for(runner.buffers).full_checks == 0
