@@ -244,3 +244,38 @@ def _equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
         for x, y in zip(a, b, strict=True)
     )
+
+
+BAD_CALLS: list[tuple[str, Any, type[Exception]]] = [
+    ("alloc -1", lambda p: p.alloc(-1), PoolError),
+    ("alloc 1.0", lambda p: p.alloc(1.0), TypeError),
+    ("alloc too many", lambda p: p.alloc(3), PoolExhausted),
+    ("fork a free row", lambda p: p.fork(3, 1), InvalidSlot),
+    ("fork None", lambda p: p.fork(None, 1), TypeError),
+    ("fork too many", lambda p: p.fork(1, 2), PoolExhausted),
+    ("free the padding row", lambda p: p.free([0]), InvalidSlot),
+    ("free a free row", lambda p: p.free([3]), DoubleFree),
+    ("free a row twice", lambda p: p.free([2, 2]), DoubleFree),
+    ("free a str", lambda p: p.free("1"), TypeError),
+    ("free a device tensor", lambda p: p.free(torch.tensor([1], device="meta")), InvalidSlot),
+    ("free with a pending op", lambda p: p.free([1]), PendingStateOp),
+    ("track a free row", lambda p: p.record_track([3]), DoubleFree),
+    ("track a row twice", lambda p: p.record_track([2, 2]), DoubleFree),
+    ("copy into a free row", lambda p: p.record_copy_state([1], [3]), InvalidSlot),
+    ("copy from a free slot", lambda p: p.record_copy_state([9], [2]), InvalidSlot),
+    ("mamba_slots out of range", lambda p: p.mamba_slots([5]), InvalidSlot),
+    ("mamba_slots a float", lambda p: p.mamba_slots([1.0]), TypeError),
+    ("track_slots of 0", lambda p: p.track_slots(0), InvalidSlot),
+]
+
+
+@pytest.mark.parametrize("call, error", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_raise_and_leave_both_pools_unchanged(call: Any, error: type[Exception]) -> None:
+    p = hybrid(size=4, mamba=9, track=True)
+    p.alloc(2)
+    p.run_pending()
+    p.mamba_pool.record_clear(p.mamba_slots([1]))  # a pending op on row 1's slot
+    before = facts(p)
+    with pytest.raises(error):
+        call(p)
+    assert _equal(facts(p), before)

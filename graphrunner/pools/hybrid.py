@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.pools.errors import PoolError, PoolExhausted
+from graphrunner.pools.errors import InvalidSlot, PoolError, PoolExhausted
 from graphrunner.pools.mamba import MambaStatePool, PendingStateOp
 from graphrunner.pools.req_to_token import ReqToTokenPool
 from graphrunner.pools.slots import DeviceLike, as_index_list, bad_arg, check_count
@@ -159,7 +159,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         last = len(self._mamba_host) - 1
         for i, r in enumerate(values):
             if not 0 <= r <= last:
-                raise bad_arg(f"mamba_slots: rows[{i}]", r, f"a request row in 0..{last}")
+                expected = f"a request row in 0..{last}"
+                raise bad_arg(f"mamba_slots: rows[{i}]", r, expected, InvalidSlot)
         return [self._mamba_host[r] for r in values]
 
     def track_slots(self, row: int) -> tuple[int, int]:
