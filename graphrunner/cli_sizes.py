@@ -171,6 +171,11 @@ def _print(
     print(f"optimum: {_line(list(plan.sizes), plan.waste, nbytes)}")
     if len(plan.sizes) < args.graphs:
         print(f"  ({len(plan.sizes)} graphs suffice: more would pad no less)")
+    if nbytes is None and len(default) != args.graphs:  # like for like, as many graphs
+        same = optimal_capture_sizes(counts, len(default), max_bs=top)
+        print(
+            f"optimum, as many graphs as the default: {_line(list(same.sizes), same.waste, None)}"
+        )
     if nbytes is not None:
         print(f"  memory budget {_mib(args.memory_budget)}")
 

@@ -200,3 +200,14 @@ def test_bad_capture_report_entries(tmp_path, entries, match):
     path.write_text(json.dumps(doc))
     with pytest.raises(ReportFileError, match=match):
         read_capture_report(path)
+
+
+def test_fewer_graphs_than_the_default_also_prints_the_like_for_like_optimum(decaying, capsys):
+    assert cli.main(["sizes", "--trace", str(decaying), "--graphs", "8", "--max-bs", "256"]) == 0
+    out = capsys.readouterr().out
+    same = optimal_capture_sizes(read_histogram(decaying).counts(), 36, max_bs=256)
+    expected = (
+        f"as many graphs as the default: 36 graphs up to 256: padded rows {same.waste.fraction:.2%}"
+    )
+    assert expected in out
+    assert "optimum: 8 graphs up to 256" in out
