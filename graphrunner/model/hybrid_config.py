@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphrunner.model.config import ModelConfig, UnsupportedConfigError
-from graphrunner.model.mamba import _int, _is_infinite
+from graphrunner.model.mamba import config_int, is_unbounded
 from graphrunner.model.mamba2_mixer import Mamba2Shape
 from graphrunner.model.mamba_mixer import MixerShape
 
@@ -53,15 +53,15 @@ class HybridConfig:
 
 def _attention(hf: dict[str, Any], eps: float, theta: float = 10000.0) -> ModelConfig:
     return ModelConfig(
-        vocab_size=_int(hf, "vocab_size"),
-        hidden_size=_int(hf, "hidden_size"),
-        intermediate_size=_int(hf, "intermediate_size"),
-        num_layers=_int(hf, "num_hidden_layers"),
-        num_heads=_int(hf, "num_attention_heads"),
-        num_kv_heads=_int(hf, "num_key_value_heads", hf.get("num_attention_heads")),
+        vocab_size=config_int(hf, "vocab_size"),
+        hidden_size=config_int(hf, "hidden_size"),
+        intermediate_size=config_int(hf, "intermediate_size"),
+        num_layers=config_int(hf, "num_hidden_layers"),
+        num_heads=config_int(hf, "num_attention_heads"),
+        num_kv_heads=config_int(hf, "num_key_value_heads", hf.get("num_attention_heads")),
         rms_norm_eps=eps,
         rope_theta=theta,
-        max_position_embeddings=_int(hf, "max_position_embeddings", 262144),
+        max_position_embeddings=config_int(hf, "max_position_embeddings", 262144),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
@@ -85,15 +85,15 @@ def _jamba(hf: dict[str, Any]) -> HybridConfig:
     rank = hf.get("mamba_dt_rank", "auto")
     mixer = MixerShape(
         hidden_size=hidden,
-        intermediate_size=_int(hf, "mamba_expand", 2) * hidden,
-        state_size=_int(hf, "mamba_d_state", 16),
-        conv_kernel=_int(hf, "mamba_d_conv", 4),
-        time_step_rank=-(-hidden // 16) if rank == "auto" else _int(hf, "mamba_dt_rank"),
+        intermediate_size=config_int(hf, "mamba_expand", 2) * hidden,
+        state_size=config_int(hf, "mamba_d_state", 16),
+        conv_kernel=config_int(hf, "mamba_d_conv", 4),
+        time_step_rank=-(-hidden // 16) if rank == "auto" else config_int(hf, "mamba_dt_rank"),
         conv_bias=bool(hf.get("mamba_conv_bias", True)),
         proj_bias=bool(hf.get("mamba_proj_bias", False)),
         bcdt_norm_eps=eps,
     )
-    period, offset = _int(hf, "attn_layer_period", 8), hf.get("attn_layer_offset", 4)
+    period, offset = config_int(hf, "attn_layer_period", 8), hf.get("attn_layer_offset", 4)
     attn = tuple(i for i in range(layers) if i % period == offset)
     what = f"attn_layer_period={period}, attn_layer_offset={offset}"
     return HybridConfig(attention, mixer, _check_mix(attn, layers, what))
@@ -104,7 +104,7 @@ def _bamba(hf: dict[str, Any]) -> HybridConfig:
         if hf.get(flag, False):
             raise UnsupportedConfigError(f"config field {flag}={hf[flag]!r}; expected false")
     limit = hf.get("time_step_limit", [0.0, None])
-    if not isinstance(limit, list) or limit[:1] != [0.0] or not _is_infinite(limit[1:]):
+    if not isinstance(limit, list) or limit[:1] != [0.0] or not is_unbounded(limit[1:]):
         raise UnsupportedConfigError(
             f"config field time_step_limit={limit!r}; expected [0.0, Infinity]"
         )
@@ -116,17 +116,17 @@ def _bamba(hf: dict[str, Any]) -> HybridConfig:
     eps = float(hf.get("rms_norm_eps", 1e-5))
     attention = _attention(hf, eps, float(rope.get("rope_theta", 10000.0)))
     hidden, layers = attention.hidden_size, attention.num_layers
-    inner = _int(hf, "mamba_expand", 2) * hidden
-    heads = _int(hf, "mamba_n_heads", 128)
+    inner = config_int(hf, "mamba_expand", 2) * hidden
+    heads = config_int(hf, "mamba_n_heads", 128)
     head_dim = hf.get("mamba_d_head", "auto")
     mixer = Mamba2Shape(
         hidden_size=hidden,
         intermediate_size=inner,
-        state_size=_int(hf, "mamba_d_state", 256),
-        conv_kernel=_int(hf, "mamba_d_conv", 4),
+        state_size=config_int(hf, "mamba_d_state", 256),
+        conv_kernel=config_int(hf, "mamba_d_conv", 4),
         num_heads=heads,
-        head_dim=inner // heads if head_dim == "auto" else _int(hf, "mamba_d_head"),
-        n_groups=_int(hf, "mamba_n_groups", 1),
+        head_dim=inner // heads if head_dim == "auto" else config_int(hf, "mamba_d_head"),
+        n_groups=config_int(hf, "mamba_n_groups", 1),
         norm_eps=eps,
         conv_bias=bool(hf.get("mamba_conv_bias", True)),
         proj_bias=bool(hf.get("mamba_proj_bias", False)),

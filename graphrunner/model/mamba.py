@@ -35,7 +35,9 @@ class MambaStepInputs(Protocol):
     mamba_track_mask: torch.Tensor
 
 
-def _int(hf: dict[str, Any], name: str, default: int | None = None) -> int:
+def config_int(hf: dict[str, Any], name: str, default: int | None = None) -> int:
+    """Field ``name`` of ``config.json`` ``hf`` (``default`` when absent), a positive
+    int, or :class:`UnsupportedConfigError` naming the field and its value."""
     value = hf.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnsupportedConfigError(f"config field {name}={value!r}: expected a positive int")
@@ -68,22 +70,22 @@ class MambaConfig:
             hf.get("architectures") or []
         ):
             return cls._from_mamba2(hf)
-        hidden = _int(hf, "hidden_size")
-        inner = hf.get("intermediate_size") or _int(hf, "expand", 2) * hidden
+        hidden = config_int(hf, "hidden_size")
+        inner = hf.get("intermediate_size") or config_int(hf, "expand", 2) * hidden
         rank = hf.get("time_step_rank", "auto")
         rank = -(-hidden // 16) if rank == "auto" else rank
         mixer = MixerShape(
             hidden_size=hidden,
-            intermediate_size=_int({"intermediate_size": inner}, "intermediate_size"),
-            state_size=_int(hf, "state_size", 16),
-            conv_kernel=_int(hf, "conv_kernel", 4),
-            time_step_rank=_int({"time_step_rank": rank}, "time_step_rank"),
+            intermediate_size=config_int({"intermediate_size": inner}, "intermediate_size"),
+            state_size=config_int(hf, "state_size", 16),
+            conv_kernel=config_int(hf, "conv_kernel", 4),
+            time_step_rank=config_int({"time_step_rank": rank}, "time_step_rank"),
             conv_bias=bool(hf.get("use_conv_bias", True)),
             proj_bias=bool(hf.get("use_bias", False)),
         )
         return cls(
-            vocab_size=_int(hf, "vocab_size"),
-            num_layers=_int(hf, "num_hidden_layers"),
+            vocab_size=config_int(hf, "vocab_size"),
+            num_layers=config_int(hf, "num_hidden_layers"),
             mixer=mixer,
             layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -92,34 +94,34 @@ class MambaConfig:
     @classmethod
     def _from_mamba2(cls, hf: dict[str, Any]) -> MambaConfig:
         limit = hf.get("time_step_limit", [0.0, None])
-        if not isinstance(limit, list) or limit[:1] != [0.0] or not _is_infinite(limit[1:]):
+        if not isinstance(limit, list) or limit[:1] != [0.0] or not is_unbounded(limit[1:]):
             raise UnsupportedConfigError(
                 f"config field time_step_limit={limit!r}; expected [0.0, Infinity]"
             )
-        hidden = _int(hf, "hidden_size")
+        hidden = config_int(hf, "hidden_size")
         eps = float(hf.get("layer_norm_epsilon", 1e-5))
         mixer = Mamba2Shape(
             hidden_size=hidden,
-            intermediate_size=_int(hf, "expand", 2) * hidden,
-            state_size=_int(hf, "state_size", 128),
-            conv_kernel=_int(hf, "conv_kernel", 4),
-            num_heads=_int(hf, "num_heads"),
-            head_dim=_int(hf, "head_dim"),
-            n_groups=_int(hf, "n_groups", 1),
+            intermediate_size=config_int(hf, "expand", 2) * hidden,
+            state_size=config_int(hf, "state_size", 128),
+            conv_kernel=config_int(hf, "conv_kernel", 4),
+            num_heads=config_int(hf, "num_heads"),
+            head_dim=config_int(hf, "head_dim"),
+            n_groups=config_int(hf, "n_groups", 1),
             norm_eps=eps,
             conv_bias=bool(hf.get("use_conv_bias", True)),
             proj_bias=bool(hf.get("use_bias", False)),
         )
         return cls(
-            vocab_size=_int(hf, "vocab_size"),
-            num_layers=_int(hf, "num_hidden_layers"),
+            vocab_size=config_int(hf, "vocab_size"),
+            num_layers=config_int(hf, "num_hidden_layers"),
             mixer=mixer,
             layer_norm_epsilon=eps,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
 
 
-def _is_infinite(rest: list[Any]) -> bool:
+def is_unbounded(rest: list[Any]) -> bool:
     """transformers writes an infinite upper limit as ``{"__float__": "Infinity"}``."""
     if not rest:
         return True
