@@ -149,6 +149,22 @@ def test_track_snapshots_alternate_between_two_slots() -> None:
         HybridReqToTokenPool(2, 8, "cpu", object())  # type: ignore[arg-type]
 
 
+def test_a_cached_prefix_donates_its_snapshot_to_a_new_request() -> None:
+    p = hybrid(size=3, mamba=9, track=True)
+    (row,) = p.alloc(1)
+    p.run_pending()
+    m = p.mamba_pool
+    m.ssm_state[p.mamba_slots([row])[0]] = 6.0
+    (snap,) = p.record_track([row])  # the prefix cache keeps this snapshot
+    p.run_pending()
+    m.ssm_state[p.mamba_slots([row])[0]] = 7.0  # the request moves on
+    (new,) = p.alloc(1)  # records a clear...
+    p.record_copy_state([snap], [new])  # ...then the donation, which wins
+    assert p.run_pending() == 2
+    assert m.ssm_state[p.mamba_slots([new])[0]].eq(6.0).all()
+    assert m.ssm_state[snap].eq(6.0).all()
+
+
 def test_state_ops_run_without_a_host_sync_on_the_meta_device() -> None:
     """Any .item() / .tolist() / .cpu() of a meta tensor raises: every pool
     call and the pre-launch step complete, so none reads the device."""
