@@ -84,6 +84,12 @@ def test_smollm2_cpu_runner_gives_transformers_greedy_tokens(
     smollm2: Path, expected: list[list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _graphrunner(smollm2, "cpu", capsys) == expected
+    # Same tokens as transformers on the same converted weights: a conversion
+    # error (Q/K row order, a dequantisation) would be shared, so check the answer too.
+    from transformers import AutoTokenizer
+
+    answer = AutoTokenizer.from_pretrained(smollm2).decode(expected[0], skip_special_tokens=True)
+    assert "Paris" in answer, answer
 
 
 @pytest.mark.cuda
