@@ -274,3 +274,35 @@ def test_padded_replay_at_every_size_touches_only_the_live_slots(
             torch.testing.assert_close(now[others], old[others], **exact)
         lens = [n + 1 if i < bs else n for i, n in enumerate(lens)]
         first = [*out.argmax(-1).tolist(), *first[bs:]]
+
+
+def test_the_sanitizer_refuses_a_live_row_reading_another_requests_slot(
+    oracle: tuple[str, Path, dict[int, list[int]]],
+) -> None:
+    """Swapped ``mamba_track_indices`` would advance each request's state with
+    the other's token: refused before launch, naming the field, nothing written."""
+    _, path, _ = oracle
+    bundle = _bundle(path)
+    runner = create_state_space_runner(bundle, "eager", capture_sizes=[2], check_padding=True)
+    runner.capture()
+    rows = []
+    for r in TRACE[:2]:
+        (row,) = bundle.req_pool.alloc(1)
+        slots = torch.tensor(bundle.kv_alloc.alloc(len(r.prompt)))
+        bundle.model.forward_extend(row, torch.tensor(r.prompt), slots)
+        rows.append(row)
+    lens = [len(r.prompt) for r in TRACE[:2]]
+    batch = DecodeBatch.from_requests(
+        rows, lens, torch.tensor([1, 2]), device="cpu", max_context_len=CONTEXT
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    inputs = StateSpaceInputs(batch, bundle.req_pool)
+    inputs.mamba_track_indices = inputs.mamba_track_indices.flip(0)
+    before = bundle.mamba_pool.ssm_state.clone()
+    with pytest.raises(PaddingViolation, match="mamba_track_indices live row 0"):
+        runner.replay(inputs)
+    assert torch.equal(bundle.mamba_pool.ssm_state, before)
+    inputs.mamba_track_indices = inputs.mamba_track_indices.flip(0)
+    inputs.mamba_track_mask = torch.tensor([True, False])
+    with pytest.raises(PaddingViolation, match="mamba_track_mask live row 1"):
+        runner.replay(inputs)
