@@ -306,3 +306,39 @@ def test_the_sanitizer_refuses_a_live_row_reading_another_requests_slot(
     inputs.mamba_track_mask = torch.tensor([True, False])
     with pytest.raises(PaddingViolation, match="mamba_track_mask live row 1"):
         runner.replay(inputs)
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_step_with_state_ops_never_syncs(
+    oracle: tuple[str, Path, dict[int, list[int]]],
+) -> None:
+    """Forked rows' recorded copy, populate and the graph launch run under
+    ``set_sync_debug_mode("error")``: no step reads the device back."""
+    kind, path, expected = oracle
+    if kind in HYBRIDS:
+        pytest.skip("forking shares KV slots in a hybrid model; a Mamba model has none")
+    bundle = _bundle(path, "cuda")
+    req = bundle.req_pool
+    runner = create_state_space_runner(bundle, "cuda", capture_sizes=[4])
+    runner.capture()
+    parent = TRACE[4]
+    n = len(parent.prompt)
+    (row,) = req.alloc(1)
+    slots = torch.tensor(bundle.kv_alloc.alloc(n), device="cuda")
+    first = bundle.model.forward_extend(row, torch.tensor(parent.prompt, device="cuda"), slots)
+    kids = req.fork(row, 2)  # a copy recorded, run by the replay's pre-launch step
+    for kid in kids:
+        req.write(kid, 0, slots)
+    batch = DecodeBatch.from_requests(
+        [row, *kids], [n] * 3, first.argmax().repeat(3), device="cuda", max_context_len=CONTEXT
+    )
+    batch.prepare_decode(req, bundle.kv_alloc)
+    inputs = StateSpaceInputs(batch, req)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.replay(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.state_ops_run == 1
+    assert out.argmax(-1).tolist() == [expected[parent.rid][1]] * 3
