@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 import graphrunner.cli as cli
 from gguf_world import CORPUS, tiny_text_checkpoint, write_gguf
 from graphrunner.gguf_cache import CACHE_ENV, converted_dir
-from graphrunner.gguf_import import SUPPORTED_TYPES, unpermute_qk
+from graphrunner.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
 from graphrunner.model.loader import load_model, read_weights
 
 
@@ -228,3 +228,36 @@ def test_convert_refuses_a_non_empty_out_directory(
     )
     assert "exists and is not an empty directory" in err
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_k_quant_tensors_dequantise_to_their_ggml_shape(tmp_path: Path) -> None:
+    """Q4_K and Q6_K (256-wide super-blocks; gguf has no quantiser for them):
+    seeded block bytes with sane f16 scales, read back at the transformers
+    shape with gguf's own dequantisation of the same bytes."""
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 512
+    writer = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    blocks: dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]] = {}
+    for layer, (qtype, scale_at) in enumerate(
+        [(gguf.GGMLQuantizationType.Q4_K, (0, 2)), (gguf.GGMLQuantizationType.Q6_K, (208,))]
+    ):
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+        for at in scale_at:  # d (and dmin): f16 0.01, not random NaN/inf bit patterns
+            raw[..., at : at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        raw = raw.reshape(rows, -1)
+        name = f"blk.{layer}.ffn_down.weight"
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        blocks[name] = (qtype, raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = open_gguf(tmp_path / "k.gguf")
+    got = read_gguf_weights(reader, {"num_attention_heads": 4, "num_key_value_heads": 2})
+    for layer, (name, (qtype, raw)) in enumerate(blocks.items()):
+        weight = got[f"model.layers.{layer}.mlp.down_proj.weight"]
+        assert weight.shape == (rows, cols) and weight.dtype == torch.float32
+        expected = gguf.quants.dequantize(raw, qtype)
+        np.testing.assert_array_equal(weight.numpy(), expected)
+        assert np.isfinite(expected).all() and np.abs(expected).max() > 0, name
