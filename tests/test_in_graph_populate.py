@@ -109,3 +109,26 @@ def test_the_cpu_runners_refuse_the_populate_option_by_name(kind: str):
     world = ToyWorld()
     with pytest.raises(TypeError, match="populate='fused'"):
         create_runner(kind, world.model, decode_buffer_specs(), device="cpu", populate="fused")
+
+
+@pytest.mark.cuda
+def test_in_graph_populate_over_a_compiled_forward():
+    """The kernel is recorded ahead of the size's inductor program in the graph."""
+    world = ToyWorld("cuda")
+    runner = CudaGraphRunner(
+        world.model,
+        decode_buffer_specs(),
+        capture_sizes=[1, 2],
+        populate="graph",
+        compile=True,
+        show_progress=False,
+    )
+    runner.capture()
+    for raw_bs in (1, 2):
+        batch = world.make_batch(raw_bs, seed=raw_bs)
+        expected, _ = world.eager_reference(batch)
+        for t in runner.buffers.tensors.values():
+            t.fill_(-7)
+        out = runner.replay(batch)
+        torch.cuda.synchronize()
+        assert torch.allclose(out, expected), raw_bs
