@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine(bundle, runner, check=True, end_token=codec.eos_token_id, atol=1e-2)
     result = engine.run(trace)
     _report(questions, codec, result)
-    return 0
+    return 1 if result.stats.mismatches else 0  # as demo: a step off eager fails the run
 
 
 def _report(questions: list[str], codec: TextCodec, result: EngineResult) -> None:
