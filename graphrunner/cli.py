@@ -3,8 +3,13 @@
 ``demo`` serves a seeded synthetic trace on the embedded default model (or a
 checkpoint), every decode step through a captured runner and checked against
 the eager forward; exits 1 on any mismatch (or, with ``--check-padding``, on
-any padding violation). ``generate`` serves the prompts of
-a file (one JSON list of token ids per line) and prints the greedy tokens.
+any padding violation). ``generate`` serves text prompts (``--prompt``, or
+lines of ``--prompts``, through the checkpoint's tokenizer and, with
+``--chat``, its chat template) or token-id prompts (JSON lists) and prints
+the greedy answers, as text when the checkpoint has a tokenizer
+(:mod:`graphrunner.cli_text`). ``convert`` writes a GGUF file as a Hugging
+Face checkpoint (:mod:`graphrunner.cli_convert`); ``--checkpoint`` also
+takes a ``.gguf``, converted once into the cache.
 
 Every number is bounded by what the machine can hold, before any work: out of
 range, the CLI names the argument, the value and the allowed range, and exits 2.
