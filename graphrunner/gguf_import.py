@@ -48,7 +48,7 @@ SUPPORTED_TYPES = frozenset(
     + ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 )
 
-# GGUF per-layer tensor names -> transformers' names (``{i}`` the layer).
+# GGUF per-layer tensor kinds (blk.{i}.{kind}.weight) -> transformers' module names.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
