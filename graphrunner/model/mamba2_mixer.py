@@ -107,10 +107,15 @@ class Mamba2Mixer(nn.Module):
         s = self.shape
         gs = s.n_groups * s.state_size
         x, b, c = torch.split(xbc, [s.intermediate_size, gs, gs], dim=-1)
+        return x.reshape(-1, s.num_heads, s.head_dim), self._per_head(b), self._per_head(c)
+
+    def _per_head(self, t: torch.Tensor) -> torch.Tensor:
+        """``[n, groups * S]`` -> ``[n, H, S]``, each group's row repeated for
+        its heads: an expand, static and sync-free (capturable)."""
+        s = self.shape
         rep = s.num_heads // s.n_groups
-        b = b.reshape(-1, s.n_groups, s.state_size).repeat_interleave(rep, dim=1)
-        c = c.reshape(-1, s.n_groups, s.state_size).repeat_interleave(rep, dim=1)
-        return x.reshape(-1, s.num_heads, s.head_dim), b, c
+        t = t.reshape(-1, s.n_groups, 1, s.state_size).expand(-1, -1, rep, -1)
+        return t.reshape(-1, s.num_heads, s.state_size)
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         weight = self.conv1d.weight
