@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner.model.mamba_mixer import causal_conv, conv_step
+
 __all__ = ["Mamba2Mixer", "Mamba2Shape", "GatedRMSNorm"]
 
 
@@ -118,9 +120,7 @@ class Mamba2Mixer(nn.Module):
         return t.reshape(-1, s.num_heads, s.state_size)
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
-        weight = self.conv1d.weight
-        out = F.conv1d(window.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
-        return F.silu(out[:, :, -1])
+        return F.silu(conv_step(window, self.conv1d.weight, self.conv1d.bias))
 
     def step(
         self, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
@@ -147,13 +147,9 @@ class Mamba2Mixer(nn.Module):
         final conv window ``[conv_dim, K]`` and SSM state ``[H, P, S]`` (float32)."""
         n, k = x.shape[0], self.shape.conv_kernel
         gate, xbc, dt = self._split(x)
-        seq = xbc.transpose(0, 1)[None]  # [1, conv_dim, n]
-        window = F.pad(seq, (max(k - n, 0), 0))[0, :, -k:]
-        weight = self.conv1d.weight
-        conv = F.conv1d(
-            seq.to(weight.dtype), weight, self.conv1d.bias, padding=k - 1, groups=weight.shape[0]
-        )
-        xs, b, c = self._heads(F.silu(conv[0, :, :n].transpose(0, 1)).to(x.dtype))
+        window = F.pad(xbc.transpose(0, 1), (max(k - n, 0), 0))[:, -k:]  # last K inputs
+        conv = causal_conv(xbc, self.conv1d.weight, self.conv1d.bias)
+        xs, b, c = self._heads(F.silu(conv).to(x.dtype))
         dt = F.softplus(dt + self.dt_bias).float()  # [n, H]
         d_a = torch.exp(dt * -torch.exp(self.A_log.float()))  # [n, H]
         state = torch.zeros(self.shape.ssm_state_shape, dtype=torch.float32, device=x.device)

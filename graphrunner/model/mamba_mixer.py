@@ -26,7 +26,40 @@ from torch import nn
 from graphrunner.model.layers import RMSNorm
 from graphrunner.pools.mamba import MambaStatePool
 
-__all__ = ["MixerShape", "MambaMixer", "gather_states", "write_states"]
+__all__ = [
+    "MixerShape",
+    "MambaMixer",
+    "causal_conv",
+    "conv_step",
+    "gather_states",
+    "write_states",
+]
+
+
+# The depthwise convolutions are products and sums, not F.conv1d: on a GPU,
+# cuDNN may run a convolution in TF32, rounding differently from the float32
+# transformers computes, and a sum over K (4) taps costs nothing.
+
+
+def conv_step(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The causal depthwise conv at each window's last position: window
+    ``[bs, C, K]`` (oldest first), weight ``[C, 1, K]``, bias ``[C]`` -> ``[bs, C]``."""
+    out = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
+    return out if bias is None else out + bias
+
+
+def causal_conv(seq: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv of a sequence from zeros: seq ``[n, C]`` ->
+    ``[n, C]`` (position ``t`` sees inputs ``t - K + 1 .. t``)."""
+    n, k = seq.shape[0], weight.shape[-1]
+    padded = F.pad(seq.to(weight.dtype).transpose(0, 1), (k - 1, 0))  # [C, n + K - 1]
+    out = weight[:, 0, :1] * padded[:, :n]
+    for j in range(1, k):
+        out = out + weight[:, 0, j : j + 1] * padded[:, j : j + n]
+    out = out if bias is None else out + bias[:, None]
+    return out.transpose(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +144,7 @@ class MambaMixer(nn.Module):
         """
         u, z = self.in_proj(x).chunk(2, dim=-1)
         window = torch.cat([conv[:, :, 1:], u.to(conv.dtype)[:, :, None]], dim=-1)
-        weight = self.conv1d.weight  # [inner, 1, K]
-        u = F.conv1d(window.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
-        u = F.silu(u[:, :, -1]).to(x.dtype)
+        u = F.silu(conv_step(window, self.conv1d.weight, self.conv1d.bias)).to(x.dtype)
         dt, b, c = self._dt_b_c(u)
         d_a = torch.exp(dt[..., None] * self._a())
         d_bx = (dt[..., None] * b.float()[:, None, :]) * u.float()[..., None]
@@ -130,13 +161,8 @@ class MambaMixer(nn.Module):
         """
         n, k = x.shape[0], self.shape.conv_kernel
         u, z = self.in_proj(x).chunk(2, dim=-1)  # [n, inner] each
-        seq = u.transpose(0, 1)[None]  # [1, inner, n]
-        window = F.pad(seq, (max(k - n, 0), 0))[0, :, -k:]
-        weight = self.conv1d.weight
-        conv = F.conv1d(
-            seq.to(weight.dtype), weight, self.conv1d.bias, padding=k - 1, groups=weight.shape[0]
-        )
-        u = F.silu(conv[0, :, :n].transpose(0, 1)).to(x.dtype)  # [n, inner]
+        window = F.pad(u.transpose(0, 1), (max(k - n, 0), 0))[:, -k:]  # last K inputs
+        u = F.silu(causal_conv(u, self.conv1d.weight, self.conv1d.bias)).to(x.dtype)
         dt, b, c = self._dt_b_c(u)
         d_a = torch.exp(self._a()[None] * dt[..., None])  # [n, inner, S]
         d_bu = (dt[..., None] * b.float()[:, None, :]) * u.float()[..., None]
