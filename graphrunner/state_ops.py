@@ -7,7 +7,10 @@ A :class:`~graphrunner.GraphRunner` built with ``state_ops=pool`` drains that
 queue at the start of every step, graph or eager, on the current stream (the
 one the launch runs on), so no op races the forward that reads the state.
 Draining is what makes it exactly once: a second runner over the same pool
-(a speculative draft pass) finds the queue empty.
+(a speculative draft pass) finds the queue empty. The ops run before the
+step's inputs are checked, so a refused step has still run them: they are
+the scheduler's decisions for the state before the next forward, valid
+whatever that step turns out to be, and they never run twice.
 """
 
 from __future__ import annotations
