@@ -198,6 +198,7 @@ def _check_common(args: argparse.Namespace) -> str:
     cli_overlap.validate(args, UsageError)
     kind = _runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
+    cli_model.check_attention(args)
     if args.checkpoint is not None and args.model != "default":
         raise UsageError(f"--model {args.model}: an embedded model, not with --checkpoint")
     return kind
@@ -309,6 +310,10 @@ def _check_fits(
 
 
 def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
+    return cli_model.with_attention(args, _build_model(args, max_requests, context))
+
+
+def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
     if args.checkpoint is None:
         return default_model(
             max_requests=max_requests,

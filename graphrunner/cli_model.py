@@ -1,5 +1,5 @@
 """CLI options of the model and how its step runs: ``--model`` (an embedded
-config), ``--dtype`` and ``--compile/--no-compile``.
+config), ``--dtype``, ``--attention`` and ``--compile/--no-compile``.
 
 The CUDA runner captures the inductor-compiled forward by default (with the
 reference model's Triton decode attention inside); ``--no-compile`` captures
@@ -14,9 +14,18 @@ import argparse
 import torch
 
 from graphrunner.cli_common import UsageError
-from graphrunner.model import EMBEDDED_CONFIGS, ModelConfig
+from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 
-__all__ = ["DTYPES", "add_arguments", "check_atol", "dtype", "embedded_config", "resolve_compile"]
+__all__ = [
+    "DTYPES",
+    "add_arguments",
+    "check_atol",
+    "check_attention",
+    "dtype",
+    "embedded_config",
+    "resolve_compile",
+    "with_attention",
+]
 
 #: ``--dtype`` names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="default",
         help="embedded random model when no --checkpoint: default (2 layers, hidden 64) "
         "or 1.1b (the shape of a 1.1B Llama: 22 layers, hidden 2048, context 1024)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="decode attention of the model: auto (the Triton kernel on CUDA, torch on the "
+        "CPU), torch (the reference everywhere) or triton (CUDA only)",
     )
     p.add_argument(
         "--dtype",
@@ -71,3 +87,19 @@ def dtype(args: argparse.Namespace) -> torch.dtype:
 
 def check_atol(args: argparse.Namespace) -> float:
     return _CHECK_ATOL[dtype(args)]
+
+
+def check_attention(args: argparse.Namespace) -> None:
+    """``--attention triton`` needs a CUDA device (``args.device`` resolved)."""
+    if args.attention == "triton" and not str(args.device).startswith("cuda"):
+        raise UsageError(
+            f"--attention triton needs a CUDA device; the device here is {args.device} "
+            "(the CPU runs the torch attention)"
+        )
+
+
+def with_attention(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
+    """``bundle`` with the decode attention ``--attention`` names (auto: the model's own)."""
+    if args.attention != "auto":
+        bundle.model.attn_backend.kernel = args.attention
+    return bundle

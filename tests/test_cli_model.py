@@ -1,15 +1,17 @@
 """CLI model options: ``--model`` picks an embedded config, ``--dtype`` the
-model's dtype, ``--compile`` is on by default for the CUDA runner only."""
+model's dtype, ``--attention`` its decode attention, ``--compile`` is on by
+default for the CUDA runner only."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from graphrunner import cli
+from graphrunner import cli, cli_model
 from graphrunner.model import default_model, shape_1b_config
 
 
@@ -58,3 +60,19 @@ def test_bfloat16_model_is_bfloat16_throughout() -> None:
     bundle = default_model(max_requests=1, dtype=torch.bfloat16)
     assert {p.dtype for p in bundle.model.parameters()} == {torch.bfloat16}
     assert bundle.kv_cache.k_buffers[0].dtype == torch.bfloat16
+
+
+def test_attention_triton_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--runner", "eager", "--device", "cpu", "--attention", "triton"]
+    assert cli.main(argv) == 2
+    assert "--attention triton needs a CUDA device; the device here is cpu" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(("choice", "kernel"), [("auto", "triton"), ("torch", "torch")])
+def test_attention_reaches_the_backend(choice: str, kernel: str) -> None:
+    bundle = default_model(max_requests=1)
+    bundle.model.attn_backend.kernel = "triton"  # as on CUDA
+    cli_model.with_attention(argparse.Namespace(attention=choice), bundle)
+    assert bundle.model.attn_backend.kernel == kernel
