@@ -175,9 +175,9 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
     """
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
-    plan_for(buffers, raw_bs, bs)  # size errors before input errors
+    plan = plan_for(buffers, raw_bs, bs)  # size errors before input errors
     sources = check_sources(buffers, inputs, raw_bs) if raw_bs else []
-    return write_sources(buffers, sources, raw_bs, bs)
+    return _write_planned(plan, sources)
 
 
 def write_sources(
@@ -195,7 +195,10 @@ def write_sources(
     device buffers in one launch calls this for the rest). Returns the
     operations issued, as :func:`populate`.
     """
-    plan = plan_for(buffers, raw_bs, bs, host_only)
+    return _write_planned(plan_for(buffers, raw_bs, bs, host_only), sources)
+
+
+def _write_planned(plan: _Plan, sources: Sequence[torch.Tensor]) -> int:
     # Without grad, an input with autograd history (hidden states from a
     # grad-enabled forward) is copied as data instead of failing halfway through
     # the writes. Replay already runs under no_grad: skip the ~2 us context then.
