@@ -93,7 +93,7 @@ def _variants(
     sources = check_sources(reference.buffers, batch, raw_bs)
     fused = runners["fused"].mechanism.populate_writer
     assert isinstance(fused, FusedPopulate)
-    grid = fused._table(raw_bs, bs).grid
+    grid = fused.grid(raw_bs, bs)
 
     def replay(runner: GraphRunner) -> Callable[[], Any]:
         return lambda: runner.replay(batch)
@@ -105,7 +105,7 @@ def _variants(
         # The parts, for where the time goes (no graph launched):
         "populate alone: torch": lambda: write_sources(reference.buffers, sources, raw_bs, bs),
         "populate alone: fused": lambda: fused.write(sources, raw_bs, bs),
-        "kernel launch alone": lambda: fused._launch(grid),
+        "kernel launch alone": lambda: fused.launch(grid),
     }
 
 

@@ -106,7 +106,7 @@ class FusedPopulate:
         empty when ``raw_bs == 0``): stage the table, launch once, write the
         host buffers with torch. Returns the device operations issued."""
         table = self.stage(sources, raw_bs, bs)
-        self._launch(table.grid)
+        self.launch(table.grid)
         return 2 + self._write_host(sources, raw_bs, bs)
 
     def stage(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> _Table:
@@ -137,7 +137,12 @@ class FusedPopulate:
             return 0
         return write_sources(self.buffers, sources, raw_bs, bs, host_only=True)
 
-    def _launch(self, grid: tuple[int, int]) -> None:
+    def grid(self, raw_bs: int, bs: int) -> tuple[int, int]:
+        """The launch grid of ``(raw_bs, bs)``: (device buffers, blocks of the longest)."""
+        return self._table(raw_bs, bs).grid
+
+    def launch(self, grid: tuple[int, int]) -> None:
+        """One launch of the kernel on the device table as it stands."""
         fn = kernel(self._interpret)
         fn[grid](self.staging.device_table, self._future, ROW=ROW, BLOCK=self.block)
         self.launches += 1
@@ -190,7 +195,7 @@ class InGraphPopulate(FusedPopulate):
 
     def launch_captured(self, bs: int) -> None:
         """The launch recorded in size ``bs``'s graph (its grid covers ``bs``)."""
-        self._launch(self._table(0, bs).grid)
+        self.launch(self.grid(0, bs))
 
     def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
         self.stage(sources, raw_bs, bs)
