@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner import FutureMap, GraphRunner, decode_buffer_specs
+from graphrunner import FutureMap, GraphRunner, PopulateError, decode_buffer_specs
 from graphrunner.buffers import BufferView, StaticBuffers
 from graphrunner.mechanisms import EagerCapture
 from graphrunner.mechanisms.base import ForwardFn, Launcher
@@ -119,3 +119,22 @@ def test_future_references_are_resolved_by_the_kernel(mechanism: type):
         runner.replay(batch)
     ids = {k: r.buffers.tensors["input_ids"][:4].tolist() for k, r in runners.items()}
     assert ids["fused"] == ids["torch"] == [11, 7, 13, 0]
+
+
+@pytest.mark.parametrize("mechanism", [FusedEager, InGraphEager])
+def test_a_bad_input_is_refused_before_the_writer_stages_anything(mechanism: type):
+    world = ToyWorld()
+    runner = _runner(world, mechanism())
+    batch = world.make_batch(3, seed=2)
+    batch.positions = batch.positions.to(torch.int32)
+    writer = runner.mechanism.populate_writer
+    assert isinstance(writer, FusedPopulate)
+    copies, before = (
+        writer.staging.copies,
+        {n: t.clone() for n, t in runner.buffers.tensors.items()},
+    )
+    with pytest.raises(PopulateError, match=r"'positions' has dtype torch.int32"):
+        runner.replay(batch)
+    assert writer.staging.copies == copies
+    for name, t in runner.buffers.tensors.items():
+        assert torch.equal(t, before[name]), name
