@@ -16,9 +16,10 @@ from graphrunner.model.attention import (
     PagedAttention,
     TorchPagedBackend,
 )
-from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from graphrunner.model.token_rows import TokenRows
+from graphrunner.model.weights import WeightError, copy_checked_weights
 
 
 class ReqToToken(Protocol):
@@ -27,10 +28,6 @@ class ReqToToken(Protocol):
 
 class KVBuffers(KVStore, Protocol):
     k_buffers: list[torch.Tensor]
-
-
-class WeightError(CheckpointError):
-    """A checkpoint's tensors do not match the model: missing, unexpected or misshapen."""
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -233,7 +230,6 @@ class LlamaDecoder(nn.Module):
         saved it; it is derived from ``rope_theta``) and, for tied embeddings, an
         ``lm_head.weight`` equal to ``model.embed_tokens.weight``.
         """
-        params = dict(self.named_parameters())
         given = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.lm_head is None and "lm_head.weight" in given:
             head = given.pop("lm_head.weight")
@@ -243,19 +239,4 @@ class LlamaDecoder(nn.Module):
                     "unexpected tensor 'lm_head.weight': the config ties word "
                     "embeddings, and it differs from model.embed_tokens.weight"
                 )
-        missing = sorted(set(params) - set(given))
-        unexpected = sorted(set(given) - set(params))
-        if missing:
-            raise WeightError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-        if unexpected:
-            raise WeightError(
-                f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
-            )
-        for name, param in params.items():
-            if given[name].shape != param.shape:
-                raise WeightError(
-                    f"tensor {name!r} has shape {tuple(given[name].shape)}: "
-                    f"expected {tuple(param.shape)}"
-                )
-        for name, param in params.items():
-            param.copy_(given[name].to(param.dtype))
+        copy_checked_weights(self, given)

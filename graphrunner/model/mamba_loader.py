@@ -19,8 +19,8 @@ from torch import nn
 from graphrunner.model.config import CheckpointError
 from graphrunner.model.hybrid import HybridLM
 from graphrunner.model.hybrid_config import HybridConfig
-from graphrunner.model.llama import WeightError
 from graphrunner.model.mamba import MambaConfig, MambaLM
+from graphrunner.model.weights import WeightError, copy_checked_weights
 from graphrunner.pools import (
     HybridReqToTokenPool,
     KVCache,
@@ -152,27 +152,11 @@ def copy_weights(
 
     Raises :class:`WeightError` naming the first missing, unexpected or misshapen tensor.
     """
-    params = dict(model.named_parameters())
     given = dict(weights)
     head = given.pop("lm_head.weight", None) if tied is not None else None
     if tied is not None and head is not None and not torch.equal(head, given.get(tied, head[:0])):
         raise WeightError(f"unexpected tensor 'lm_head.weight': it differs from the tied {tied}")
-    missing = sorted(set(params) - set(given))
-    unexpected = sorted(set(given) - set(params))
-    if missing:
-        raise WeightError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if unexpected:
-        raise WeightError(
-            f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
-        )
-    for name, param in params.items():
-        if given[name].shape != param.shape:
-            raise WeightError(
-                f"tensor {name!r} has shape {tuple(given[name].shape)}: "
-                f"expected {tuple(param.shape)}"
-            )
-    for name, param in params.items():
-        param.copy_(given[name].to(param.dtype))
+    copy_checked_weights(model, given)
 
 
 def load_weights(bundle: StateSpaceBundle, weights: Mapping[str, torch.Tensor]) -> None:
