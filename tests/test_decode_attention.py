@@ -8,10 +8,6 @@ on the device. Grids stay small: the interpreter runs each program in Python."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +25,7 @@ from graphrunner.kernels.decode_attention import (
 )
 from graphrunner.model.attention import TorchPagedBackend, attend
 from graphrunner.model.attention_op import paged_decode_attention
+from hopper import compile_for_hopper
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN = float("nan")
@@ -204,43 +201,20 @@ def test_custom_op_is_registered_with_a_fake() -> None:
     torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
 
 
-# Compiled, not interpreted, in a fresh process (this one's Triton interprets)
-# and a fresh cache: the kernels must lower to Hopper code with no GPU present.
-_COMPILE_FOR_HOPPER = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+# Compiled, not interpreted: the kernels must lower to Hopper code with no GPU present.
+_COMPILE_ATTENTION = """
     from graphrunner.kernels import decode_attention as da
 
-    def compile(fn, types, consts):
-        sig = dict(zip(fn.arg_names, types))
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-
-    split, merge = triton.jit(da._split_kernel), triton.jit(da._merge_kernel)
     for dt, prec, group, dim in (("bf16", "tf32", 8, 64), ("fp32", "ieee", 2, 16)):
         ptrs = ["*" + dt] * 3 + ["*i32", "*i64", "*i64", "*fp32", "*fp32", "fp32"]
         consts = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=max(16, dim),
                       BLOCK=da.BLOCK_N, NUM_SPLITS=3, PRECISION=prec)
-        assert compile(split, ptrs + ["i32"] * 12, consts)
+        assert compile(da._split_kernel, ptrs + ["i32"] * 12, consts)
         consts = dict(HEAD_DIM=dim, BLOCK_D=max(16, dim), NUM_SPLITS=3, BLOCK_S=4)
-        assert compile(merge, ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7, consts)
+        assert compile(da._merge_kernel, ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7, consts)
     print("compiled")
-    """
-)
+"""
 
 
 def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a Triton default-change warning
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
+    compile_for_hopper(_COMPILE_ATTENTION, tmp_path)

@@ -11,6 +11,7 @@ blocks; the same property runs on a GPU (marked cuda).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from graphrunner import BufferSpec, PadRule, StaticBuffers, populate
 from graphrunner.populate import check_sources
 from graphrunner.populate_fused import FusedPopulate, InGraphPopulate, pad_pattern
+from hopper import compile_for_hopper
 
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -229,3 +231,18 @@ def test_staging_alternates_two_host_buffers_into_one_device_table():
     table = writer.staging.device_table.data_ptr()
     writer.write([torch.tensor([5, 6])], 2, 2)
     assert writer.staging.device_table.data_ptr() == table and writer.staging.copies == 3
+
+
+_COMPILE_POPULATE = """
+    from graphrunner.kernels import populate_fused as pf
+
+    consts = dict(ROW=pf.ROW, BLOCK=pf.BLOCK)
+    assert compile(pf._populate, ["*i64", "*i64"], consts)
+    print("compiled")
+"""
+
+
+def test_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    """The interpreter runs what the GPU compiler refuses (a ``typing.Any``
+    annotation on an argument did); lowering to sm_90 catches it on the CPU."""
+    compile_for_hopper(_COMPILE_POPULATE, tmp_path)

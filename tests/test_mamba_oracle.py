@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from hf_ssm import save_tiny_bamba, save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.batch import DecodeBatch
@@ -33,6 +32,7 @@ from graphrunner.model.loader import load_any_model
 from graphrunner.model.mamba_loader import StateSpaceBundle
 from graphrunner.sanitizer import PaddingViolation
 from graphrunner.trace import Request
+from hf_ssm import save_tiny_bamba, save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
 
 transformers = pytest.importorskip("transformers")
 

@@ -42,7 +42,9 @@ ROW = 8
 BLOCK = 1024
 
 
-def _populate(table_ptr: Any, future_ptr: Any, ROW: tl.constexpr, BLOCK: tl.constexpr) -> None:
+def _populate(
+    table_ptr: tl.tensor, future_ptr: tl.tensor, ROW: tl.constexpr, BLOCK: tl.constexpr
+) -> None:
     row = table_ptr + tl.program_id(0) * ROW
     dst_addr = tl.load(row + 0)
     src_addr = tl.load(row + 1)
