@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps", type=int, default=300, help=f"decode steps to run, 1..{MAX_STEPS} (300)"
     )
-    cli_sizes.add_demo_arguments(demo)
+    cli_sizes.add_run_outputs(demo)
     demo.set_defaults(func=_demo)
     gen = sub.add_parser("generate", help="greedy answers to text or token-id prompts")
     _common(gen)
@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--end-token", type=int, help="a token id that ends a request")
     gen.add_argument("--check", action="store_true", help="check each step against eager")
+    cli_sizes.add_run_outputs(gen)
     gen.set_defaults(func=_generate)
     cli_sizes.add_parser(sub)
     cli_convert.add_parser(sub)
@@ -367,7 +368,7 @@ def _capture(
 def _demo(args: argparse.Namespace) -> int:
     sizes, kind, config = _capture_sizes(args), _check_common(args), _model_config(args)
     check_range("--steps", args.steps, 1, MAX_STEPS)
-    cli_sizes.check_demo_outputs(args)
+    cli_sizes.check_run_outputs(args)
     model_context = cli_text.context_limit(args, config)
     check_range("--page-size", args.page_size, 1, model_context, cli_text.limit_why(args))
     torch.set_num_threads(args.threads)
@@ -492,6 +493,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     if args.output is not None:
         check_output(args.output)
+    cli_sizes.check_run_outputs(args)
     inputs = cli_text.read_inputs(args, config, model_context, stream=args.output is None)
     prompts = inputs.prompts
     # No graph larger than the prompt count: each size costs a compile on the CPU.
@@ -506,7 +508,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     torch.set_num_threads(args.threads)
     bundle = _build(args, sizes[-1], context)
-    outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes, inputs)
+    # Reports go to stderr: stdout carries the answers.
+    with cli_sizes.profiled(args, file=sys.stderr):
+        outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes, inputs)
     text = inputs.render(outputs, [r.rid for r in trace])
     if args.output is None:
         sys.stdout.write(text)
@@ -552,4 +556,5 @@ def _generate_outputs(
         atol=cli_model.check_atol(args),
     )
     greedy = engine.run(trace)
+    cli_sizes.write_outputs(args, runner, file=sys.stderr)
     return greedy.outputs, greedy.stats.mismatches

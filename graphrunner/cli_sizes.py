@@ -15,7 +15,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -32,7 +32,7 @@ from graphrunner.size_plan import (
 )
 from graphrunner.sizes import PaddingWaste, default_capture_sizes
 
-__all__ = ["add_demo_arguments", "add_parser", "check_demo_outputs", "profiled", "write_outputs"]
+__all__ = ["add_parser", "add_run_outputs", "check_run_outputs", "profiled", "write_outputs"]
 
 #: The CLI's bound on batch sizes (``cli.MAX_BATCH_SIZE``; a test keeps them equal).
 MAX_BATCH_SIZE = 1_000_000
@@ -203,8 +203,9 @@ def _check_output(flag: str, path: Path) -> None:
         raise UsageError(f"{flag} {path}: is a directory; expected a file path")
 
 
-def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    """The demo's outputs for ``graphrunner sizes`` and for a profiler."""
+def add_run_outputs(p: argparse.ArgumentParser) -> None:
+    """A serving run's outputs (``demo``, ``generate``) for ``graphrunner sizes``
+    and for a profiler."""
     p.add_argument(
         "--batch-sizes-out",
         type=Path,
@@ -226,7 +227,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_demo_outputs(args: argparse.Namespace) -> None:
+def check_run_outputs(args: argparse.Namespace) -> None:
     """Refuse bad output paths (and outputs a mode does not make) before any work."""
     for flag in ("--batch-sizes-out", "--capture-report-out", "--trace-out"):
         path = getattr(args, flag[2:].replace("-", "_"))
@@ -239,9 +240,10 @@ def check_demo_outputs(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def profiled(args: argparse.Namespace) -> Iterator[None]:
+def profiled(args: argparse.Namespace, file: TextIO | None = None) -> Iterator[None]:
     """Profile the block when ``--trace-out`` is given; the trace file is
-    written (atomically) only when the block returns, not when it raises."""
+    written (atomically) only when the block returns, not when it raises.
+    ``file``: where to say so (default stdout)."""
     if args.trace_out is None:
         yield
         return
@@ -257,16 +259,19 @@ def profiled(args: argparse.Namespace) -> Iterator[None]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    print(f"profiler trace written to {path} (open in Perfetto or chrome://tracing)")
+    print(f"profiler trace written to {path} (open in Perfetto or chrome://tracing)", file=file)
 
 
-def write_outputs(args: argparse.Namespace, runner: GraphRunner) -> None:
-    """Write ``--batch-sizes-out`` and ``--capture-report-out`` for ``runner``."""
+def write_outputs(
+    args: argparse.Namespace, runner: GraphRunner, file: TextIO | None = None
+) -> None:
+    """Write ``--batch-sizes-out`` and ``--capture-report-out`` for ``runner``;
+    ``file``: where to say so (default stdout)."""
     if args.batch_sizes_out is not None:
         runner.batch_sizes.write(args.batch_sizes_out)
-        print(f"batch sizes written to {args.batch_sizes_out}")
+        print(f"batch sizes written to {args.batch_sizes_out}", file=file)
     if args.capture_report_out is not None and runner.capture_report is not None:
         write_capture_report(
             runner.capture_report, args.capture_report_out, mechanism=runner.mechanism.label
         )
-        print(f"capture report written to {args.capture_report_out}")
+        print(f"capture report written to {args.capture_report_out}", file=file)

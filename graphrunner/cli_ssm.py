@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from graphrunner import cli_model, cli_text
+from graphrunner import cli_model, cli_sizes, cli_text
 from graphrunner.cli_common import UsageError, check_output, check_range, write_atomically
 from graphrunner.engine_ssm import StateSpaceEngine, create_state_space_runner
 from graphrunner.model.config import ModelConfig
@@ -84,6 +84,7 @@ def generate(
         )
     if args.output is not None:
         check_output(args.output)
+    cli_sizes.check_run_outputs(args)
     inputs = cli_text.read_inputs(args, config, limit, stream=args.output is None)
     sizes = capture_sizes(args, min(16, len(inputs.prompts)))
     trace = requests_from_prompts(
@@ -106,11 +107,13 @@ def generate(
     runner = create_state_space_runner(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
-    runner.capture()
     engine = StateSpaceEngine(
         bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish
     )
-    result = engine.run(trace)
+    with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
+        runner.capture()
+        result = engine.run(trace)
+    cli_sizes.write_outputs(args, runner, file=sys.stderr)
     text = inputs.render(result.outputs, [r.rid for r in trace])
     if args.output is None:
         sys.stdout.write(text)

@@ -211,3 +211,38 @@ def test_fewer_graphs_than_the_default_also_prints_the_like_for_like_optimum(dec
     )
     assert expected in out
     assert "optimum: 8 graphs up to 256" in out
+
+
+@pytest.mark.parametrize("model", ["llama", "mamba"])
+def test_generate_writes_its_served_sizes_and_trace_beside_the_answers(model, tmp_path, capsys):
+    """All prompts arrive at once and none ends early, so every one of the
+    ``new - 1`` decode steps (the first token comes from prefill) serves all
+    of them: the histogram is exactly ``{prompts: new - 1}``. The reports go
+    to stderr; stdout holds the answers alone."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    (tmp_path / "p.txt").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    argv = ["generate", "--prompts", str(tmp_path / "p.txt"), *EAGER, "--max-new-tokens", "5"]
+    if model == "mamba":
+        from hf_ssm import save_tiny_mamba
+
+        save_tiny_mamba(tmp_path / "ck")
+        argv += ["--checkpoint", str(tmp_path / "ck")]
+    sizes, trace = tmp_path / "bs.json", tmp_path / "trace.json"
+    assert cli.main([*argv, "--batch-sizes-out", str(sizes), "--trace-out", str(trace)]) == 0
+    out, err = capsys.readouterr()
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert [a["prompt"] for a in answers] == [0, 1, 2]
+    assert all(len(a["tokens"]) == 5 for a in answers)
+    assert read_histogram(sizes).counts() == {3: 4}
+    assert f"batch sizes written to {sizes}" in err
+    names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert any(n.startswith("graphrunner::replay") for n in names)
+
+
+def test_generate_refuses_a_bad_output_before_any_work(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("[1, 2]\n")
+    missing = tmp_path / "nowhere" / "bs.json"
+    argv = ["generate", "--prompts", str(tmp_path / "p.txt"), *EAGER]
+    assert cli.main([*argv, "--batch-sizes-out", str(missing)]) == 2
+    assert "--batch-sizes-out" in capsys.readouterr().err
+    assert not missing.parent.exists()
