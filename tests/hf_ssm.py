@@ -19,12 +19,25 @@ def _spread(model: Any) -> Any:
     return model.eval()
 
 
-def save_tiny_mamba(path: Path, *, seed: int = 0) -> Any:
-    """Save a seeded 2-layer Mamba-1 LM (hidden 32, state 8, conv 4, vocab 256)."""
+def _save(path: Path, model_class: str, config_class: str, seed: int, **config: Any) -> Any:
+    """Build ``transformers.<model_class>(<config_class>(**config))`` from
+    ``seed``, widen its weights and save it to ``path``."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.MambaConfig(
+    model_config = getattr(transformers, config_class)(**config)
+    model = _spread(getattr(transformers, model_class)(model_config))
+    model.save_pretrained(path)
+    return model
+
+
+def save_tiny_mamba(path: Path, *, seed: int = 0) -> Any:
+    """Save a seeded 2-layer Mamba-1 LM (hidden 32, state 8, conv 4, vocab 256)."""
+    return _save(
+        path,
+        "MambaForCausalLM",
+        "MambaConfig",
+        seed,
         vocab_size=256,
         hidden_size=32,
         state_size=8,
@@ -33,18 +46,16 @@ def save_tiny_mamba(path: Path, *, seed: int = 0) -> Any:
         expand=2,
         time_step_rank=4,
     )
-    model = _spread(transformers.MambaForCausalLM(config))
-    model.save_pretrained(path)
-    return model
 
 
 def save_tiny_jamba(path: Path, *, seed: int = 0) -> Any:
     """Save a seeded 4-layer Jamba (Mamba, attention, Mamba, attention; dense
     MLPs; hidden 32, 4/2 heads, vocab 256)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.JambaConfig(
+    return _save(
+        path,
+        "JambaForCausalLM",
+        "JambaConfig",
+        seed,
         vocab_size=256,
         hidden_size=32,
         intermediate_size=64,
@@ -62,18 +73,16 @@ def save_tiny_jamba(path: Path, *, seed: int = 0) -> Any:
         mamba_dt_rank=4,
         max_position_embeddings=256,
     )
-    model = _spread(transformers.JambaForCausalLM(config))
-    model.save_pretrained(path)
-    return model
 
 
 def save_tiny_mamba2(path: Path, *, seed: int = 0) -> Any:
     """Save a seeded 2-layer Mamba-2 LM (hidden 32, 8 heads of 8, 2 groups,
     state 8, conv 4, vocab 256)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Mamba2Config(
+    return _save(
+        path,
+        "Mamba2ForCausalLM",
+        "Mamba2Config",
+        seed,
         vocab_size=256,
         hidden_size=32,
         state_size=8,
@@ -84,19 +93,17 @@ def save_tiny_mamba2(path: Path, *, seed: int = 0) -> Any:
         head_dim=8,
         n_groups=2,
     )
-    model = _spread(transformers.Mamba2ForCausalLM(config))
-    model.save_pretrained(path)
-    return model
 
 
 def save_tiny_bamba(path: Path, *, seed: int = 0) -> Any:
     """Save a seeded 4-layer Bamba (Mamba-2, attention, Mamba-2, attention;
     hidden 32, 4/2 heads with rotary on half of each, 8 Mamba heads in 2
     groups, vocab 256)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.BambaConfig(
+    return _save(
+        path,
+        "BambaForCausalLM",
+        "BambaConfig",
+        seed,
         vocab_size=256,
         hidden_size=32,
         intermediate_size=64,
@@ -111,6 +118,3 @@ def save_tiny_bamba(path: Path, *, seed: int = 0) -> Any:
         mamba_expand=2,
         max_position_embeddings=256,
     )
-    model = _spread(transformers.BambaForCausalLM(config))
-    model.save_pretrained(path)
-    return model
