@@ -40,8 +40,8 @@ from graphrunner import (
     gguf_cache,
 )
 from graphrunner.cli_common import (
+    MAX_STEPS,
     UsageError,
-    check_output,
     check_range,
     read_prompts,
     resolve_device,
@@ -76,9 +76,6 @@ __all__ = [
 #: aliases the top half (-1 seeds as 2**64-1); 0..2**63-1 is one range, each seed
 #: its own generator state, that fits an int64 wherever it is stored.
 MAX_SEED = 2**63 - 1
-#: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
-#: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
-MAX_STEPS = 100_000
 #: --max-bs and every --capture-sizes entry, before the memory check (which
 #: needs the capture-size list, itself as long as the largest size / 32).
 MAX_BATCH_SIZE = 1_000_000
@@ -484,17 +481,7 @@ def _generate(args: argparse.Namespace) -> int:
     if cli_ssm.is_state_space_checkpoint(args.checkpoint):  # Mamba / Jamba: own bundle
         return cli_ssm.generate(args, _check_common(args), _capture_sizes)
     kind, config = _check_common(args), _model_config(args)
-    model_context = cli_text.context_limit(args, config)
-    check_range("--max-new-tokens", args.max_new_tokens, 1, model_context, cli_text.limit_why(args))
-    check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
-    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
-        raise UsageError(
-            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
-        )
-    if args.output is not None:
-        check_output(args.output)
-    cli_sizes.check_run_outputs(args)
-    inputs = cli_text.read_inputs(args, config, model_context, stream=args.output is None)
+    model_context, inputs = cli_text.check_generate(args, config)
     prompts = inputs.prompts
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = _capture_sizes(args, default_max_bs=min(16, len(prompts)))

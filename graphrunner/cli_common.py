@@ -11,6 +11,7 @@ from graphrunner.atomic import write_atomically
 from graphrunner.model import ModelConfig
 
 __all__ = [
+    "MAX_STEPS",
     "UsageError",
     "check_output",
     "check_range",
@@ -18,6 +19,11 @@ __all__ = [
     "resolve_device",
     "write_atomically",
 ]
+
+
+#: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
+#: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
+MAX_STEPS = 100_000
 
 
 class UsageError(Exception):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from graphrunner import cli_model, cli_sizes, cli_text
-from graphrunner.cli_common import UsageError, check_output, check_range, write_atomically
+from graphrunner.cli_common import UsageError, write_atomically
 from graphrunner.engine_ssm import StateSpaceEngine, create_state_space_runner
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
@@ -76,16 +76,7 @@ def generate(
         config = _prompt_config(hf)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    limit = cli_text.context_limit(args, config)
-    check_range("--max-new-tokens", args.max_new_tokens, 1, limit, cli_text.limit_why(args))
-    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
-        raise UsageError(
-            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
-        )
-    if args.output is not None:
-        check_output(args.output)
-    cli_sizes.check_run_outputs(args)
-    inputs = cli_text.read_inputs(args, config, limit, stream=args.output is None)
+    limit, inputs = cli_text.check_generate(args, config)
     sizes = capture_sizes(args, min(16, len(inputs.prompts)))
     trace = requests_from_prompts(
         inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every

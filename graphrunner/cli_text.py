@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from graphrunner.cli_common import UsageError, check_range, read_prompts
+from graphrunner import cli_sizes
+from graphrunner.cli_common import MAX_STEPS, UsageError, check_output, check_range, read_prompts
 from graphrunner.model import ModelConfig
 from graphrunner.text import NoTokenizerError, StreamPrinter, TextCodec, has_tokenizer
 from graphrunner.trace import Request
@@ -31,6 +32,7 @@ __all__ = [
     "Inputs",
     "add_context_argument",
     "add_generate_arguments",
+    "check_generate",
     "context_limit",
     "limit_why",
     "read_inputs",
@@ -132,6 +134,24 @@ class Inputs:
         return "".join(
             f"[{r}] {self.codec.decode(outputs[r]).strip()}\n\n" for r in rids if r not in done
         )
+
+
+def check_generate(args: argparse.Namespace, config: ModelConfig) -> tuple[int, Inputs]:
+    """``generate``'s checks, every one before any model is built (Llama and
+    state-space checkpoints alike): the context limit, ``--max-new-tokens``,
+    ``--arrive-every``, ``--end-token``, the output paths; then the prompts.
+    Returns the limit and the prompts read."""
+    limit = context_limit(args, config)
+    check_range("--max-new-tokens", args.max_new_tokens, 1, limit, limit_why(args))
+    check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
+    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
+        raise UsageError(
+            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
+        )
+    if args.output is not None:
+        check_output(args.output)
+    cli_sizes.check_run_outputs(args)
+    return limit, read_inputs(args, config, limit, stream=args.output is None)
 
 
 def read_inputs(

@@ -218,6 +218,9 @@ def test_generate_loads_the_checkpoint_like_a_llama_one(
         rc = cli.main([*args, "--max-new-tokens", "4", "--runner", "eager", "--check-padding"])
         out = capsys.readouterr().out
         assert cli.main([*args, "--runner", "eager", "--check"]) == 2  # refused: usage error
+        # The Llama path's argument checks, shared: a bad --arrive-every is refused too.
+        assert cli.main([*args, "--runner", "eager", "--arrive-every", "-1"]) == 2
+        assert "--arrive-every -1: expected 0..100000" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
