@@ -21,7 +21,7 @@ import graphrunner.cli as cli
 from gguf_world import CORPUS, tiny_text_checkpoint, write_gguf
 from graphrunner.gguf_cache import CACHE_ENV, converted_dir
 from graphrunner.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
-from graphrunner.model.loader import load_model, read_weights
+from graphrunner.model.loader import load_any_model, load_model, read_weights
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,9 @@ def test_gguf_checkpoint_generates_the_tokens_of_its_safetensors_source(
     # The library loader takes the .gguf too, from the same cache entry.
     bundle = load_model(gguf_file, max_requests=1, max_context_len=16)
     embed = read_weights(converted_dir(gguf_file))["model.embed_tokens.weight"]
+    assert torch.equal(bundle.model.state_dict()["model.embed_tokens.weight"], embed)
+    # So does the loader that dispatches on the architecture (GGUF: a Llama).
+    bundle = load_any_model(gguf_file, max_requests=1, max_context_len=16)
     assert torch.equal(bundle.model.state_dict()["model.embed_tokens.weight"], embed)
 
 

@@ -100,20 +100,22 @@ def load_any_model(
     page_size: int = 1,
 ) -> ModelBundle | StateSpaceBundle:
     """:func:`load_model`, or for a Mamba / Jamba checkpoint (by ``model_type``
-    or ``architectures``) a :class:`StateSpaceBundle` over a hybrid request pool."""
-    hf = _read_json(Path(path) / CONFIG_FILE)
-    if state_space_type(hf) is None:
-        return load_model(
-            path,
-            max_requests=max_requests,
-            max_context_len=max_context_len,
-            device=device,
-            dtype=dtype,
-            page_size=page_size,
-        )
-    return load_state_space_model(
-        hf,
-        read_weights(path),
+    or ``architectures``) a :class:`StateSpaceBundle` over a hybrid request pool.
+    A ``.gguf`` file is a Llama (the only architecture GGUF import reads)."""
+    if Path(path).suffix.lower() != ".gguf":
+        hf = _read_json(Path(path) / CONFIG_FILE)
+        if state_space_type(hf) is not None:
+            return load_state_space_model(
+                hf,
+                read_weights(path),
+                max_requests=max_requests,
+                max_context_len=max_context_len,
+                device=device,
+                dtype=dtype,
+                page_size=page_size,
+            )
+    return load_model(
+        path,
         max_requests=max_requests,
         max_context_len=max_context_len,
         device=device,
