@@ -70,6 +70,10 @@ class StepParts(Protocol):
     sanitizer: PaddingSanitizer | None
     mechanism: CaptureMechanism
 
+    def pre_launch(self) -> None:
+        """Run once per step after the inputs passed their checks and before
+        anything is written for the step (the recorded state ops)."""
+
 
 def launch_padded(
     parts: StepParts,
@@ -89,6 +93,7 @@ def launch_padded(
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
         sources = gate_for(buffers).sources(inputs, raw_bs, backend, full=sanitizer is not None)
+        parts.pre_launch()
         with nvtx.range(f"populate bs={bs}"):
             writer = parts.mechanism.populate_writer
             if writer is None:
@@ -133,6 +138,7 @@ def run_eager(
     forward; ``warn_once`` is called once the inputs passed their checks."""
     validate_step(parts.backend, inputs, raw_bs)
     check_inputs(parts.buffers, inputs, raw_bs)
+    parts.pre_launch()
     warn_once()
     check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
     _poison_held(held, parts.buffers, inputs)

@@ -223,7 +223,6 @@ class GraphRunner:
             )
         reason = self.eager_reason(inputs, raw_bs)
         with torch.no_grad():
-            self._pre_launch()
             if reason is not None:
                 out = self._replay_eager(inputs, raw_bs, reason)
             else:
@@ -233,8 +232,9 @@ class GraphRunner:
             self._held = out
         return out
 
-    def _pre_launch(self) -> None:
-        """The runner-owned pre-launch step: recorded state ops, once per step."""
+    def pre_launch(self) -> None:
+        """The runner-owned pre-launch step, run by both launch paths once the
+        step's inputs passed their checks: the recorded state ops, once per step."""
         self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:

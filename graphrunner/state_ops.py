@@ -4,13 +4,12 @@ clears and copies) run on the forward's stream, before the forward, once.
 The scheduler never touches state tensors: it records ops on a pool
 (:meth:`graphrunner.pools.MambaStatePool.record_clear` / ``record_copy``).
 A :class:`~graphrunner.GraphRunner` built with ``state_ops=pool`` drains that
-queue at the start of every step, graph or eager, on the current stream (the
-one the launch runs on), so no op races the forward that reads the state.
-Draining is what makes it exactly once: a second runner over the same pool
-(a speculative draft pass) finds the queue empty. The ops run before the
-step's inputs are checked, so a refused step has still run them: they are
-the scheduler's decisions for the state before the next forward, valid
-whatever that step turns out to be, and they never run twice.
+queue in every step, graph or eager, once the step's inputs passed their
+checks and before anything is written for it, on the current stream (the one
+the launch runs on), so no op races the forward that reads the state. A
+refused step runs none of them: they stay queued for the next step. Draining
+is what makes it exactly once: a second runner over the same pool (a
+speculative draft pass) finds the queue empty.
 """
 
 from __future__ import annotations

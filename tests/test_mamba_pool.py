@@ -25,6 +25,7 @@ from graphrunner.pools import (
     PoolError,
     PoolExhausted,
 )
+from graphrunner.populate import PopulateError
 from graphrunner.runners import create_runner
 from graphrunner.state_ops import run_state_ops
 
@@ -226,6 +227,16 @@ def test_the_runner_runs_recorded_ops_once_before_the_forward(kind: str) -> None
     assert out[2].eq(0).all() and runner.state_ops_run == 2 and m.num_pending == 0
     out = runner.replay(_Step(p, kid))  # nothing pending: nothing runs again
     assert runner.state_ops_run == 2 and out.eq(0).all()
+    # A refused step writes nothing: its ops stay queued for the next step.
+    m.conv_state.fill_(6.0)
+    p.mamba_pool.record_clear(p.mamba_slots(kid))
+    bad = _Step(p, kid)
+    bad.input_ids = bad.input_ids.float()  # not int64: refused before any write
+    with pytest.raises(PopulateError):
+        runner.replay(bad)
+    assert m.num_pending == 1 and m.conv_state.eq(6.0).all()
+    runner.replay(_Step(p, kid))
+    assert m.num_pending == 0 and runner.state_ops_run == 3
     with pytest.raises(TypeError, match="state_ops"):
         create_runner("eager", _state_forward(m), specs, device="cpu", max_bs=1, state_ops=object())
 
