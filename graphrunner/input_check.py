@@ -30,7 +30,7 @@ from graphrunner.buffers import BufferSpec, StaticBuffers
 from graphrunner.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.populate import PopulateError, check_sources
 
-__all__ = ["InputGate", "check_host_mirrors", "gate_for"]
+__all__ = ["InputGate", "check_host_mirrors"]
 
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
 
@@ -70,7 +70,8 @@ def _batch_made(spec: BufferSpec) -> bool:
 
 
 class InputGate:
-    """Checks one runner's replay inputs (see the module docstring).
+    """Checks one runner's replay inputs (see the module docstring); each
+    :class:`~graphrunner.GraphRunner` owns one (``runner.input_gate``).
 
     Args:
         buffers: the runner's static buffers (the declarations checked against).
@@ -124,14 +125,3 @@ class InputGate:
 
 def _sealed_on(inputs: Any, device: torch.device) -> bool:
     return type(inputs) is DecodeBatch and inputs.is_sealed() and inputs.device == device
-
-
-_gates: weakref.WeakKeyDictionary[StaticBuffers, InputGate] = weakref.WeakKeyDictionary()
-
-
-def gate_for(buffers: StaticBuffers) -> InputGate:
-    """The gate of ``buffers`` (one per runner, made on first use)."""
-    gate = _gates.get(buffers)
-    if gate is None:
-        gate = _gates[buffers] = InputGate(buffers)
-    return gate

@@ -12,7 +12,7 @@ import torch
 from graphrunner import nvtx
 from graphrunner.backend import GraphBackend
 from graphrunner.buffers import StaticBuffers
-from graphrunner.input_check import check_host_mirrors, gate_for
+from graphrunner.input_check import InputGate, check_host_mirrors
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, poison_outputs
 from graphrunner.populate import check_inputs, resolve_futures, write_sources
@@ -69,6 +69,7 @@ class StepParts(Protocol):
     outputs: OutputLayout
     sanitizer: PaddingSanitizer | None
     mechanism: CaptureMechanism
+    input_gate: InputGate
 
     def pre_launch(self) -> None:
         """Run once per step after the inputs passed their checks and before
@@ -92,7 +93,7 @@ def launch_padded(
     writer, or by the torch writer of :mod:`graphrunner.populate`."""
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
-        sources = gate_for(buffers).sources(inputs, raw_bs, backend, full=sanitizer is not None)
+        sources = parts.input_gate.sources(inputs, raw_bs, backend, full=sanitizer is not None)
         parts.pre_launch()
         with nvtx.range(f"populate bs={bs}"):
             writer = parts.mechanism.populate_writer

@@ -19,6 +19,7 @@ from graphrunner.buffers import BufferSpec, PadRule, StaticBuffers
 from graphrunner.capture import capture_all
 from graphrunner.decode import SEQ_LEN_BUFFERS
 from graphrunner.histogram import BatchSizeHistogram
+from graphrunner.input_check import InputGate
 from graphrunner.mechanisms import CaptureMechanism, create_mechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.outputs import OutputLayout, Outputs, OutputsDecl
@@ -128,6 +129,8 @@ class GraphRunner:
         self._sizes = _resolve_sizes(capture_sizes, max_bs)
         tokens = None if future_map is None else future_map.tokens
         self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
+        #: Checks each replay's inputs once (graphrunner.input_check).
+        self.input_gate = InputGate(self.buffers)
         self.future_map = future_map
         self.mechanism.bind(self.buffers.device)
         self.mechanism.bind_buffers(self.buffers)

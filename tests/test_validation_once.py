@@ -12,7 +12,6 @@ import torch
 
 from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
 from graphrunner.batch import DecodeBatch
-from graphrunner.input_check import gate_for
 from graphrunner.sanitizer import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 
@@ -65,7 +64,7 @@ def test_a_batch_is_sealed_by_its_own_operations_and_unsealed_from_outside():
 def test_a_sealed_batch_skips_the_per_field_checks_and_an_unsealed_one_is_checked():
     world = ToyWorld()
     runner = _runner(world)
-    gate = gate_for(runner.buffers)
+    gate = runner.input_gate
     for seed in range(3):
         runner.replay(world.make_batch(3, seed=seed))
     assert gate.full_checks == 0
@@ -81,7 +80,7 @@ def test_a_sealed_batch_skips_the_per_field_checks_and_an_unsealed_one_is_checke
 def test_a_foreign_object_is_checked_in_full_once_then_by_identity():
     world = ToyWorld()
     runner = _runner(world)
-    gate = gate_for(runner.buffers)
+    gate = runner.input_gate
     inputs = _foreign(world.make_batch(3, seed=0))
     for _ in range(3):
         runner.replay(inputs)
@@ -128,7 +127,7 @@ def test_the_same_tensors_at_another_batch_size_are_checked_in_full():
 def test_a_sanitized_runner_checks_every_replay_in_full():
     world = ToyWorld()
     runner = _runner(world, sanitized=True)
-    gate = gate_for(runner.buffers)
+    gate = runner.input_gate
     batch = world.make_batch(3, seed=0)
     for _ in range(3):
         runner.replay(batch)
@@ -150,4 +149,4 @@ def test_a_batch_made_on_plain_cuda_takes_the_sealed_path_of_a_cuda_runner():
     assert batch.device == runner.device
     runner.replay(batch)
     runner.replay(batch)
-    assert gate_for(runner.buffers).full_checks == 0
+    assert runner.input_gate.full_checks == 0
