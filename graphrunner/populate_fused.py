@@ -171,7 +171,10 @@ class FusedPopulate:
             rows[k, _PATTERN] = pad_pattern(spec)
             rows[k, _WIDE] = int((dst | live | total) & 7 == 0)
             rows[k, _FUTURE] = int(spec.future)
-            longest = max(longest, total)
+            # Sized by the captured rows whatever the rule, so every raw size
+            # of ``bs`` gets the same grid: the one an in-graph launch was
+            # captured with must reach a KEEP buffer's live rows too.
+            longest = max(longest, spec.rows(bs) * row_bytes)
         blocks = max(1, -(-longest // self.block))
         return _Table(rows, (max(1, len(self._index)), blocks))
 

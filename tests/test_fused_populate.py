@@ -246,3 +246,26 @@ def test_kernel_compiles_for_hopper(tmp_path: Path) -> None:
     """The interpreter runs what the GPU compiler refuses (a ``typing.Any``
     annotation on an argument did); lowering to sm_90 catches it on the CPU."""
     compile_for_hopper(_COMPILE_POPULATE, tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned"])
+def test_the_in_graph_launch_covers_a_keep_buffer_wider_than_every_padded_one(layout: str):
+    """Inside a graph the kernel runs with the grid captured for the
+    all-padding table of size ``bs``; it must still reach every live byte of
+    a KEEP buffer (no tail, so no padded bytes) that is longer than the
+    padded buffers."""
+    specs = [
+        BufferSpec("hidden", torch.float32, PadRule.KEEP, extra_shape=(6,)),
+        BufferSpec("flag", torch.int8, PadRule.ZERO),
+    ]
+    pair = make_pair(specs, 8, "cpu", seed=3)
+    writer = InGraphPopulate(pair.fused, block=32)
+    gen = torch.Generator().manual_seed(4)
+    for raw_bs, bs in [(8, 8), (5, 8), (1, 1)]:
+        rows = {s.name: random_rows(s, s.rows(raw_bs), gen, layout) for s in specs}
+        inputs = SimpleNamespace(**rows)
+        populate(pair.reference, inputs, raw_bs, bs)
+        writer.before_capture(bs)
+        writer.write(check_sources(pair.fused, inputs, raw_bs), raw_bs, bs)
+        writer.launch_captured(bs)  # what the graph replays
+        assert_bit_equal(pair)
