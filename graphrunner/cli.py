@@ -335,11 +335,6 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
         raise UsageError(str(e)) from None
 
 
-def _compile_option(compile: bool) -> dict[str, Any]:
-    # Passed only when asked for, so a plain run makes the call every engine accepts.
-    return {"compile": True} if compile else {}
-
-
 def _capture(
     bundle: ModelBundle,
     kind: str,
@@ -354,7 +349,7 @@ def _capture(
         capture_sizes=sizes,
         show_progress=True,
         check_padding=check_padding,
-        **_compile_option(compile),
+        **cli_model.compile_option(compile),
     )
     report = runner.capture()
     print(f"capture ({runner.mechanism.label}): sizes {sizes}, {report.total_seconds:.1f} s")
@@ -419,7 +414,7 @@ def _demo_against_plain(
 ) -> int:
     """Speculative or overlap serving, then plain greedy on the same pools: the
     same tokens (a run cut by ``--steps`` holds a prefix of them)."""
-    options = _compile_option(args.compile)
+    options = cli_model.compile_option(args.compile)
     result = _serve_mode(args, bundle, trace, kind, sizes, options, max_steps=args.steps)
     plain, plain_tps = cli_spec.plain_greedy(
         bundle, trace, kind, sizes, options, max_steps=args.steps
@@ -522,7 +517,7 @@ def _generate_outputs(
 ) -> tuple[dict[int, list[int]], int]:
     """Greedy outputs by request, and the mismatches ``--check`` found: steps
     off the eager forward, or (speculative) requests off plain greedy."""
-    options = _compile_option(args.compile)
+    options = cli_model.compile_option(args.compile)
     end = inputs.end_token
     if args.speculative or args.overlap:
         result = _serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)

@@ -10,6 +10,7 @@ compiles, eager never does.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ __all__ = [
     "check_attention",
     "dtype",
     "embedded_config",
+    "compile_option",
     "resolve_compile",
     "with_attention",
 ]
@@ -75,6 +77,12 @@ def resolve_compile(args: argparse.Namespace, kind: str) -> bool:
             f"does); the runner here is {kind}"
         )
     return bool(args.compile)
+
+
+def compile_option(compile: bool) -> dict[str, Any]:
+    """The mechanism options of a resolved ``--compile``."""
+    # Passed only when asked for, so a plain run makes the call every engine accepts.
+    return {"compile": True} if compile else {}
 
 
 def embedded_config(args: argparse.Namespace) -> ModelConfig:

@@ -94,7 +94,7 @@ def generate(
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    options = {"compile": True} if args.compile else {}
+    options = cli_model.compile_option(args.compile)
     runner = create_state_space_runner(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
