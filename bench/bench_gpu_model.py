@@ -95,7 +95,7 @@ def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
     batch = DecodeBatch.from_requests(
         reqs,
         [context - 1] * bs,
-        torch.randint(bundle.config.vocab_size, (bs,)),
+        torch.randint(bundle.config.vocab_size, (bs,), device=device),
         device=device,
         max_context_len=bundle.max_context_len,
     )
