@@ -42,12 +42,18 @@ def test_every_raw_size_equals_eager_and_the_torch_populate(mode: str):
                 t.fill_(-7)  # poison: a stale row would show
         before = world.state()
         out_ref = reference.replay(batch).clone()
+        state_ref = world.state()
         world.restore(before)
         out = fused.replay(batch).clone()
         torch.cuda.synchronize()
         assert torch.equal(out, out_ref) and torch.allclose(out, expected), raw_bs
         for name, t in world.state().items():
-            assert torch.equal(t, expected_state[name]), (raw_bs, name)
+            # Bit for bit what the torch populate's replay left, padded rows'
+            # writes to KV slot 0 included; and eager's state in every slot a
+            # live row or a bystander owns (eager runs no padded row).
+            assert torch.equal(t, state_ref[name]), (raw_bs, name)
+            live = slice(None) if name == "req_to_token" else slice(1, None)
+            assert torch.equal(t[live], expected_state[name][live]), (raw_bs, name)
         bs = fused.graph_size_for(raw_bs)
         for name, t in fused.buffers.tensors.items():
             ref = reference.buffers.tensors[name]
@@ -131,4 +137,5 @@ def test_in_graph_populate_over_a_compiled_forward():
             t.fill_(-7)
         out = runner.replay(batch)
         torch.cuda.synchronize()
-        assert torch.allclose(out, expected), raw_bs
+        # An inductor program sums in its own order: equal within float32 rounding.
+        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4), raw_bs
