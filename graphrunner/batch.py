@@ -37,6 +37,16 @@ def _host(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def _ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]]:
+    """The mirrors' (min, max) from the host ints they were made from (none when empty)."""
+    if not reqs:
+        return {}
+    return {
+        DECODE_HOST_MIRRORS["req_pool_indices"]: (min(reqs), max(reqs)),
+        DECODE_HOST_MIRRORS["seq_lens"]: (min(lens), max(lens)),
+    }
+
+
 def _host_ints(name: str, values: object, what: str = "ints") -> list[int]:
     """Python or NumPy ints from a sequence or a 1-D integer CPU tensor, as the pools take."""
     expected = f"a sequence of {what} (host ints or a 1-D integer CPU tensor)"
@@ -86,6 +96,7 @@ class DecodeBatch:
         "device",
         "max_context_len",
         "_sealed",
+        "_host_ranges",
         *DECODE_FIELD_NAMES,
         *DECODE_HOST_MIRRORS.values(),
     )
@@ -104,8 +115,32 @@ class DecodeBatch:
         since): a runner then skips its per-field input checks."""
         return self._sealed
 
-    def _seal(self) -> None:
+    def _seal(self, ranges: dict[str, tuple[int, int]] | None = None) -> None:
+        """Seal the fields as this operation made them; ``ranges`` gives the
+        host mirrors' (min, max) where the operation knew them from its host ints."""
+        known: dict[str, tuple[torch.Tensor, int, int, int]] = {}
+        for name, (low, high) in (ranges or {}).items():
+            mirror = getattr(self, name)
+            known[name] = (mirror, mirror._version, low, high)
+        object.__setattr__(self, "_host_ranges", known)
         object.__setattr__(self, "_sealed", True)
+
+    def host_range(self, name: str) -> tuple[int, int] | None:
+        """``(min, max)`` of host mirror ``name`` (``seq_lens_cpu`` or
+        ``req_pool_indices_cpu``), None when it is empty. Computed once per
+        mirror tensor and kept while that tensor is the mirror and unchanged
+        in place (its version counter), so a runner's per-step range checks
+        cost a lookup; known without computing after :meth:`prepare_decode`
+        and :meth:`from_requests`, which hold the host ints already."""
+        mirror = getattr(self, name)
+        entry = self._host_ranges.get(name)
+        if entry is not None and entry[0] is mirror and entry[1] == mirror._version:
+            return entry[2], entry[3]
+        if not mirror.numel():
+            return None
+        low, high = (int(v) for v in mirror.aminmax())  # host tensor: no device sync
+        self._host_ranges[name] = (mirror, mirror._version, low, high)
+        return low, high
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""
@@ -162,7 +197,7 @@ class DecodeBatch:
         batch.input_ids = input_ids
         batch.out_cache_loc = batch._zeros(len(reqs))
         batch.positions = batch._zeros(len(reqs))
-        batch._seal()
+        batch._seal(_ranges(reqs, lens))
         return batch
 
     @property
@@ -227,7 +262,7 @@ class DecodeBatch:
         self.out_cache_loc = out_cache_loc
         if input_ids is not None:
             self.input_ids = input_ids
-        self._seal()
+        self._seal(_ranges(reqs, [n + 1 for n in lens]))
         return dict(zip(starting, fresh[::page], strict=True))
 
     def _next_slots(

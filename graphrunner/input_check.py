@@ -30,7 +30,7 @@ from graphrunner.buffers import BufferSpec, StaticBuffers
 from graphrunner.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.populate import PopulateError, check_sources
 
-__all__ = ["InputGate", "check_host_mirrors"]
+__all__ = ["InputGate", "check_host_mirrors", "host_range"]
 
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
 
@@ -121,6 +121,18 @@ class InputGate:
             value = getattr(inputs, name, None)
             seen.append(weakref.ref(value) if isinstance(value, torch.Tensor) else None)
         self._seen, self._seen_bs = seen, raw_bs
+
+
+def host_range(inputs: Any, name: str, values: torch.Tensor) -> tuple[int, int] | None:
+    """``(min, max)`` of host mirror ``values`` (``inputs.<name>``), None when
+    empty: a :class:`DecodeBatch` answers from what it knew when it made the
+    mirror (a lookup); any other inputs object pays one host ``aminmax``."""
+    if type(inputs) is DecodeBatch:
+        return inputs.host_range(name)
+    if not values.numel():
+        return None
+    low, high = values.aminmax()
+    return int(low), int(high)
 
 
 def _sealed_on(inputs: Any, device: torch.device) -> bool:

@@ -150,3 +150,40 @@ def test_a_batch_made_on_plain_cuda_takes_the_sealed_path_of_a_cuda_runner():
     runner.replay(batch)
     runner.replay(batch)
     assert runner.input_gate.full_checks == 0
+
+
+def test_a_batch_knows_its_host_ranges_and_drops_them_when_a_mirror_changes():
+    world = ToyWorld()
+    batch = world.make_batch(5, seed=3)
+    for name in ("req_pool_indices_cpu", "seq_lens_cpu"):
+        mirror = getattr(batch, name)
+        assert batch.host_range(name) == (int(mirror.min()), int(mirror.max()))
+    batch.filter([4, 0])  # an operation without host ints at hand: computed on demand
+    assert batch.host_range("seq_lens_cpu") == (
+        int(batch.seq_lens_cpu.min()),
+        int(batch.seq_lens_cpu.max()),
+    )
+    batch.seq_lens_cpu[0] = 999  # in place: the version counter moves
+    assert batch.host_range("seq_lens_cpu")[1] == 999
+    assert DecodeBatch.empty("cpu", 8).host_range("seq_lens_cpu") is None
+
+
+def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch():
+    from graphrunner.engine import create_model_runner
+    from graphrunner.model import default_model
+
+    bundle = default_model(max_requests=4, max_context_len=16)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[2])
+    runner.capture()
+    reqs = bundle.req_pool.alloc(2)
+    batch = DecodeBatch.from_requests(
+        reqs, [3, 4], torch.tensor([1, 2]), device="cpu", max_context_len=16
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    runner.replay(batch)  # fine as made
+    batch.seq_lens_cpu[1] = 17  # past the backend's context, seal intact
+    assert batch.is_sealed()
+    kv_before = [t.clone() for t in bundle.kv_cache.k_buffers]
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=17: expected 1..16"):
+        runner.replay(batch)
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, bundle.kv_cache.k_buffers))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.buffers import BufferView
+from graphrunner.input_check import host_range
 from graphrunner.inputs import StepInputs
 from graphrunner.kernels.decode_attention import DecodeScratch, choose_splits
 from graphrunner.model.attention_op import PagedRows, paged_attention
@@ -308,10 +309,11 @@ class TorchPagedBackend:
                 f"{name} is {type(values).__name__}; this backend needs the host mirror "
                 f"(CPU int64 [bs])"
             )
-        if not values.numel():
+        bounds = host_range(inputs, name, values)
+        if bounds is None:
             return
-        low, high = values.aminmax()
-        if int(low) < lo or int(high) > hi:
+        low, high = bounds
+        if low < lo or high > hi:
             bad = int(((values < lo) | (values > hi)).nonzero()[0, 0])
             raise ValueError(f"{name}[{bad}]={int(values[bad])}: expected {lo}..{hi}")
 
