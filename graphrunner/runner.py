@@ -225,15 +225,20 @@ class GraphRunner:
                 f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
             )
         reason = self.eager_reason(inputs, raw_bs)
-        with torch.no_grad():
-            if reason is not None:
-                out = self._replay_eager(inputs, raw_bs, reason)
-            else:
-                out = self._replay_graph(inputs, raw_bs)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self._step(inputs, raw_bs, reason)
+        else:  # an engine's loop under no_grad / inference_mode: skip the context
+            out = self._step(inputs, raw_bs, reason)
         self.batch_sizes.add(raw_bs)
         if self.sanitizer is not None:
             self._held = out
         return out
+
+    def _step(self, inputs: Any, raw_bs: int, reason: str | None) -> Outputs:
+        if reason is not None:
+            return self._replay_eager(inputs, raw_bs, reason)
+        return self._replay_graph(inputs, raw_bs)
 
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step, run by both launch paths once the

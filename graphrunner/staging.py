@@ -36,6 +36,12 @@ class TableStaging:
         self._views: list[np.ndarray] = [h.numpy() for h in self._host]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        # The stream copies are ordered on, looked up by its raw handle: one
+        # C call a step instead of torch.cuda.current_stream()'s Python path
+        # (about 15 us on an H100 host, more than the copy itself).
+        self._device_index = _cuda_index(device) if self._cuda else -1
+        self._raw_stream = -1
+        self._stream: torch.cuda.Stream | None = None
         #: The table kernels read: one fixed address for the runner's lifetime.
         self.device_table = torch.zeros(shape, dtype=torch.int64, device=device)
         #: Copies issued (one per staged step).
@@ -59,7 +65,18 @@ class TableStaging:
             event = self._events[turn]
             if event is None:
                 event = self._events[turn] = torch.cuda.Event()
-            event.record()
+            event.record(self._current_stream())
         self._turn = 1 - turn
         self.copies += 1
         return self.device_table
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        raw = torch._C._cuda_getCurrentRawStream(self._device_index)
+        if raw != self._raw_stream or self._stream is None:
+            self._stream = torch.cuda.current_stream(self._device_index)
+            self._raw_stream = raw
+        return self._stream
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
