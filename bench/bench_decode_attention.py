@@ -12,14 +12,34 @@ import argparse
 import itertools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.bench_gpu_model import _time, copy_bandwidth
+from bench.bench_gpu_model import copy_bandwidth
 from graphrunner.kernels.decode_attention import choose_splits, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 64
+
+
+def graph_time(fn: Callable[[], None], iters: int, reps: int = 20) -> float:
+    """Device seconds per call of ``fn``: ``reps`` calls captured in one CUDA
+    graph, replayed ``iters`` times between CUDA events, so the kernel is timed
+    rather than Triton's Python launch path (tens of us, more than the kernel)."""
+    fn()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
 def sweep(bs: int, context: int, bandwidth: float, iters: int) -> None:
@@ -42,8 +62,7 @@ def sweep(bs: int, context: int, bandwidth: float, iters: int) -> None:
                 out=out, num_warps=w, num_stages=st,
             )  # fmt: skip
 
-        call()
-        seconds = _time(call, iters)
+        seconds = graph_time(call, iters)
         mark = " (chosen splits)" if splits == chosen else ""
         print(
             f"| {bs} | {splits}{mark} | {warps} | {stages} | {seconds * 1e6:.1f} | "

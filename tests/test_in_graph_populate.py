@@ -46,7 +46,10 @@ def test_every_raw_size_equals_eager_and_the_torch_populate(mode: str):
         world.restore(before)
         out = fused.replay(batch).clone()
         torch.cuda.synchronize()
-        assert torch.equal(out, out_ref) and torch.allclose(out, expected), raw_bs
+        # Bit for bit the torch populate's replay; eager ran the unpadded batch
+        # (other GEMM shapes on a GPU), so equal to it within float32 rounding.
+        assert torch.equal(out, out_ref), raw_bs
+        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5), raw_bs
         for name, t in world.state().items():
             # Bit for bit what the torch populate's replay left, padded rows'
             # writes to KV slot 0 included; and eager's state in every slot a
