@@ -186,4 +186,4 @@ def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch()
     kv_before = [t.clone() for t in bundle.kv_cache.k_buffers]
     with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=17: expected 1..16"):
         runner.replay(batch)
-    assert all(torch.equal(a, b) for a, b in zip(kv_before, bundle.kv_cache.k_buffers))
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, bundle.kv_cache.k_buffers, strict=True))
