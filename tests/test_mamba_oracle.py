@@ -32,7 +32,13 @@ from graphrunner.model.loader import load_any_model
 from graphrunner.model.mamba_loader import StateSpaceBundle
 from graphrunner.sanitizer import PaddingViolation
 from graphrunner.trace import Request
-from hf_ssm import save_tiny_bamba, save_tiny_jamba, save_tiny_mamba, save_tiny_mamba2
+from hf_ssm import (
+    groups_the_gated_norm,
+    save_tiny_bamba,
+    save_tiny_jamba,
+    save_tiny_mamba,
+    save_tiny_mamba2,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,6 +83,11 @@ def oracle(
 ) -> tuple[str, Path, dict[int, list[int]]]:
     """The model kind, its checkpoint directory and transformers' greedy tokens."""
     kind = request.param
+    if kind in ("mamba2", "bamba") and not groups_the_gated_norm(kind):
+        pytest.skip(
+            f"transformers {transformers.__version__} normalises the gated RMSNorm over all "
+            "channels, not per group; the oracle needs a release that groups it"
+        )
     path = tmp_path_factory.mktemp(kind)
     hf = SAVERS[kind](path)
     hf.generation_config.eos_token_id = None  # run every request to its budget

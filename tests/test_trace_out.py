@@ -26,7 +26,13 @@ def _restore_threads() -> Iterator[None]:
 def _range_names(path: Path) -> Counter[str]:
     events = json.loads(path.read_text())["traceEvents"]
     prefix = f"{nvtx.DOMAIN}::"
-    return Counter(e["name"][len(prefix) :] for e in events if e.get("name", "").startswith(prefix))
+    # Host ranges only: on a GPU the profiler also mirrors a range onto each
+    # stream its kernels ran on ("gpu_user_annotation").
+    return Counter(
+        e["name"][len(prefix) :]
+        for e in events
+        if e.get("name", "").startswith(prefix) and e.get("cat") != "gpu_user_annotation"
+    )
 
 
 def _demo(path: Path, *extra: str) -> int:
