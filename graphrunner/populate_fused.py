@@ -11,7 +11,7 @@ are host memory, no launch.
 Per step the host writes one table row per device buffer (the source
 address, and the planned destination, live and total bytes, pad pattern)
 into a pinned staging buffer, copies it to the device with one asynchronous
-copy (:class:`~graphrunner.staging.TableStaging`, double-buffered), and
+copy (:class:`~graphrunner.staging.TableStaging`, a ring of pinned buffers), and
 launches the kernel once: two device operations, whatever the declaration.
 
 :class:`InGraphPopulate` goes one step further: the kernel is captured inside

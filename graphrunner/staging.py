@@ -1,11 +1,14 @@
-"""A double-buffered pinned host table and the one device table it is copied to.
+"""A ring of pinned host tables and the one device table they are copied to.
 
-The host writes step N's table into one pinned buffer and copies it to the
-device with one asynchronous copy; step N + 1 writes the other buffer, and
-step N + 2 first waits for step N's copy to have finished reading the first
-(an event recorded after each copy; usually long done). The device table has
-one fixed address, so a kernel captured in a CUDA graph reads it at every
-replay; the copy into it and the kernels reading it are ordered on one stream.
+The host writes step N's table into the next pinned buffer of a ring and
+copies it to the device with one asynchronous copy; before it writes a buffer
+again, ``depth`` steps later, it waits for that buffer's last copy to have
+finished reading it (an event recorded after each copy). With two buffers
+that wait blocks a host running two steps ahead of a busy GPU; the default
+ring of :data:`DEPTH` lets an engine run as far ahead as it likes in practice.
+The device table has one fixed address, so a kernel captured in a CUDA graph
+reads it at every replay; the copy into it and the kernels reading it are
+ordered on one stream.
 
 On the CPU (tests under Triton's interpreter) the buffers are plain host
 tensors and the copy is a synchronous ``copy_``: the same path, no events.
@@ -16,7 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["TableStaging"]
+__all__ = ["DEPTH", "TableStaging"]
+
+#: Pinned buffers in the ring (each one table: a few hundred bytes).
+DEPTH = 8
 
 
 class TableStaging:
@@ -25,16 +31,21 @@ class TableStaging:
     Args:
         rows, columns: the table's shape.
         device: where the kernels reading :attr:`device_table` run.
+        depth: pinned buffers in the ring (at least 2).
     """
 
-    def __init__(self, rows: int, columns: int, device: torch.device) -> None:
+    def __init__(
+        self, rows: int, columns: int, device: torch.device, *, depth: int = DEPTH
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+            raise ValueError(f"depth={depth!r}: expected an int >= 2 (pinned buffers in the ring)")
         self._cuda = device.type == "cuda"
         shape = (max(rows, 1), columns)
         self._host = [
-            torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)
+            torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(depth)
         ]
         self._views: list[np.ndarray] = [h.numpy() for h in self._host]
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None] * depth
         self._turn = 0
         # The stream copies are ordered on, looked up by its raw handle: one
         # C call a step instead of torch.cuda.current_stream()'s Python path
@@ -58,7 +69,7 @@ class TableStaging:
     def upload(self) -> torch.Tensor:
         """Copy the buffer written since :meth:`next_host` to the device
         table (one asynchronous copy on the current stream); the next step
-        writes the other buffer."""
+        writes the next buffer of the ring."""
         turn = self._turn
         self.device_table.copy_(self._host[turn], non_blocking=self._cuda)
         if self._cuda:
@@ -66,7 +77,7 @@ class TableStaging:
             if event is None:
                 event = self._events[turn] = torch.cuda.Event()
             event.record(self._current_stream())
-        self._turn = 1 - turn
+        self._turn = (turn + 1) % len(self._host)
         self.copies += 1
         return self.device_table
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from graphrunner import BufferSpec, PadRule, StaticBuffers, populate
 from graphrunner.populate import check_sources
 from graphrunner.populate_fused import FusedPopulate, InGraphPopulate, pad_pattern
+from graphrunner.staging import DEPTH, TableStaging
 from hopper import compile_for_hopper
 
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -229,17 +230,25 @@ def test_in_graph_writer_stages_only_and_a_bare_launch_changes_nothing():
     assert bufs.tensors["x"].tolist() == [-1] * 8
 
 
-def test_staging_alternates_two_host_buffers_into_one_device_table():
+def test_staging_cycles_a_ring_of_host_buffers_into_one_device_table():
     specs = [BufferSpec("x", torch.int64, PadRule.ZERO)]
     writer = FusedPopulate(StaticBuffers(specs, 2, "cpu"), block=16)
-    first, second = writer.staging.next_host(), None
-    writer.staging.upload()
-    second = writer.staging.next_host()
-    writer.staging.upload()
-    assert first is not second and writer.staging.next_host() is first
-    table = writer.staging.device_table.data_ptr()
+    staging = writer.staging
+    seen = []
+    for _ in range(DEPTH):
+        seen.append(staging.next_host())
+        staging.upload()
+    assert len({id(h) for h in seen}) == DEPTH and staging.next_host() is seen[0]
+    table = staging.device_table.data_ptr()
     writer.write([torch.tensor([5, 6])], 2, 2)
-    assert writer.staging.device_table.data_ptr() == table and writer.staging.copies == 3
+    assert staging.device_table.data_ptr() == table and staging.copies == DEPTH + 1
+    assert staging.device_table[0, 0] == writer.buffers.tensors["x"].data_ptr()
+
+
+@pytest.mark.parametrize("depth", [1, 0, True, 2.0])
+def test_a_ring_shorter_than_two_is_refused_by_name(depth: object):
+    with pytest.raises(ValueError, match=rf"depth={depth!r}: expected an int >= 2"):
+        TableStaging(1, 8, torch.device("cpu"), depth=depth)  # type: ignore[arg-type]
 
 
 _COMPILE_POPULATE = """
