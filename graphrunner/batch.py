@@ -101,6 +101,7 @@ class DecodeBatch:
         *DECODE_HOST_MIRRORS.values(),
     )
     _sealed: bool
+    _host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
 
     def __setattr__(self, name: str, value: object) -> None:
         # A field assigned from outside breaks the seal (see is_sealed); the
