@@ -32,7 +32,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     assert set(DECODE_HOST_MIRRORS) <= fields
     assert set(typing.get_type_hints(StepInputs)) == fields
     assert _protocol_attributes(DecodeInputs) == fields | mirrors | {"batch_size"}
-    geometry_and_seal = {"device", "max_context_len", "_sealed"}
+    geometry_and_seal = {"device", "max_context_len", "_sealed", "_host_ranges"}
     assert set(DecodeBatch.__slots__) == fields | mirrors | geometry_and_seal
     assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]
     world = ToyWorld()
