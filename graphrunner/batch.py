@@ -37,6 +37,15 @@ def _host(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+#: torch's ``Tensor._version`` descriptor, looked up once (the private name stays torch's).
+_VERSION = vars(torch._C.TensorBase)["_version"]
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter, bumped by every in-place change."""
+    return int(_VERSION.__get__(tensor))
+
+
 def _ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]]:
     """The mirrors' (min, max) from the host ints they were made from (none when empty)."""
     if not reqs:
@@ -122,7 +131,7 @@ class DecodeBatch:
         known: dict[str, tuple[torch.Tensor, int, int, int]] = {}
         for name, (low, high) in (ranges or {}).items():
             mirror = getattr(self, name)
-            known[name] = (mirror, mirror._version, low, high)
+            known[name] = (mirror, _version_of(mirror), low, high)
         object.__setattr__(self, "_host_ranges", known)
         object.__setattr__(self, "_sealed", True)
 
@@ -135,12 +144,12 @@ class DecodeBatch:
         and :meth:`from_requests`, which hold the host ints already."""
         mirror = getattr(self, name)
         entry = self._host_ranges.get(name)
-        if entry is not None and entry[0] is mirror and entry[1] == mirror._version:
+        if entry is not None and entry[0] is mirror and entry[1] == _version_of(mirror):
             return entry[2], entry[3]
         if not mirror.numel():
             return None
         low, high = (int(v) for v in mirror.aminmax())  # host tensor: no device sync
-        self._host_ranges[name] = (mirror, mirror._version, low, high)
+        self._host_ranges[name] = (mirror, _version_of(mirror), low, high)
         return low, high
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
