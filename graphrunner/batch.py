@@ -46,6 +46,14 @@ def _version_of(tensor: torch.Tensor) -> int:
     return int(_VERSION.__get__(tensor))
 
 
+def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:
+    """``(min, max)`` of a host int tensor (no device sync), None when empty."""
+    if not values.numel():
+        return None
+    low, high = values.aminmax()
+    return int(low), int(high)
+
+
 def _ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]]:
     """The mirrors' (min, max) from the host ints they were made from (none when empty)."""
     if not reqs:
@@ -146,11 +154,10 @@ class DecodeBatch:
         entry = self._host_ranges.get(name)
         if entry is not None and entry[0] is mirror and entry[1] == _version_of(mirror):
             return entry[2], entry[3]
-        if not mirror.numel():
-            return None
-        low, high = (int(v) for v in mirror.aminmax())  # host tensor: no device sync
-        self._host_ranges[name] = (mirror, _version_of(mirror), low, high)
-        return low, high
+        bounds = host_min_max(mirror)
+        if bounds is not None:
+            self._host_ranges[name] = (mirror, _version_of(mirror), *bounds)
+        return bounds
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from graphrunner.backend import GraphBackend
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch import DecodeBatch, host_min_max
 from graphrunner.buffers import BufferSpec, StaticBuffers
 from graphrunner.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.populate import PopulateError, check_sources
@@ -129,10 +129,7 @@ def host_range(inputs: Any, name: str, values: torch.Tensor) -> tuple[int, int] 
     mirror (a lookup); any other inputs object pays one host ``aminmax``."""
     if type(inputs) is DecodeBatch:
         return inputs.host_range(name)
-    if not values.numel():
-        return None
-    low, high = values.aminmax()
-    return int(low), int(high)
+    return host_min_max(values)
 
 
 def _sealed_on(inputs: Any, device: torch.device) -> bool:
