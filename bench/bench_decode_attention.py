@@ -1,8 +1,9 @@
 """The Triton decode attention alone at the 1.1B shape (32 query / 4 KV heads
 of 64, bf16), every row at ``--context`` tokens, beside the floor of reading
-its K and V once at the device's copy bandwidth: a sweep of split counts and
-launch settings, to pick ``choose_splits`` and the defaults. Prints a table;
-without a GPU it says so and exits 0. Run from the repository root:
+its K and V once at the device's copy bandwidth: a sweep of the split
+launch's layouts (``per_head``, ``all_heads``), split counts and launch
+settings, to pick the layout, ``choose_splits`` and the defaults. Prints a
+table; without a GPU it says so and exits 0. Run from the repository root:
 ``.venv/bin/python -m bench.bench_decode_attention``.
 """
 
@@ -13,11 +14,12 @@ import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from bench.bench_gpu_model import copy_bandwidth
-from graphrunner.kernels.decode_attention import choose_splits, decode_attention
+from graphrunner.kernels.decode_attention import LAYOUTS, choose_splits, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 64
 
@@ -42,7 +44,10 @@ def graph_time(fn: Callable[[], None], iters: int, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
-def sweep(bs: int, context: int, bandwidth: float, iters: int) -> None:
+def paged_world(bs: int, context: int) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, req_to_token, req_pool_indices, seq_lens)`` on the GPU: ``bs``
+    rows of ``context`` tokens at scattered slots of a bf16 pool laid out as the
+    KV pool is, ``[slots, KV_HEADS, HEAD_DIM]`` contiguous."""
     slots = bs * context + 1
     k = torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -51,22 +56,52 @@ def sweep(bs: int, context: int, bandwidth: float, iters: int) -> None:
     req = torch.arange(1, bs + 1, device="cuda")
     lens = torch.full((bs,), context, device="cuda")
     q = torch.randn(bs, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    floor = 2 * bs * context * KV_HEADS * HEAD_DIM * 2 / bandwidth
-    chosen = choose_splits(bs, KV_HEADS, context)
-    out = torch.empty_like(q)
-    for splits, warps, stages in itertools.product((1, 2, 4, 8, 16), (4, 8), (2, 3)):
+    return q, k, v, r2t, req, lens
 
-        def call(s: int = splits, w: int = warps, st: int = stages) -> None:
+
+def variants(layouts: Sequence[str], blocks: Sequence[int | None]) -> list[tuple[Any, ...]]:
+    """``(layout, block_n, splits, warps, stages)`` to time; ``block_n`` None is
+    the kernel's default; the per-head layout takes its default block only."""
+    return [
+        (layout, block, *launch)
+        for layout in layouts
+        for block in (blocks if layout == "all_heads" else (None,))
+        for launch in itertools.product((1, 2, 4, 8, 16), (4, 8), (2, 3))
+    ]
+
+
+def sweep(
+    bs: int,
+    context: int,
+    bandwidth: float,
+    iters: int,
+    layouts: Sequence[str],
+    blocks: Sequence[int | None],
+) -> None:
+    world = paged_world(bs, context)
+    floor = 2 * bs * context * KV_HEADS * HEAD_DIM * 2 / bandwidth
+    out = torch.empty_like(world[0])
+    for layout, block, splits, warps, stages in variants(layouts, blocks):
+
+        def call(
+            lay: str = layout,
+            b: int | None = block,
+            s: int = splits,
+            w: int = warps,
+            st: int = stages,
+        ) -> None:
             decode_attention(
-                q, k, v, r2t, req, lens, scale=1 / math.sqrt(HEAD_DIM), num_splits=s,
-                out=out, num_warps=w, num_stages=st,
+                *world, scale=1 / math.sqrt(HEAD_DIM), num_splits=s, out=out, layout=lay,
+                block_n=b, num_warps=w, num_stages=st,
             )  # fmt: skip
 
         seconds = graph_time(call, iters)
+        # The all-heads grid has KV_HEADS times fewer programs per split.
+        chosen = choose_splits(bs, KV_HEADS if layout == "per_head" else 1, context)
         mark = " (chosen splits)" if splits == chosen else ""
         print(
-            f"| {bs} | {splits}{mark} | {warps} | {stages} | {seconds * 1e6:.1f} | "
-            f"{floor * 1e6:.1f} | {100 * floor / seconds:.0f}% |",
+            f"| {bs} | {layout} | {block or 'default'} | {splits}{mark} | {warps} | {stages} | "
+            f"{seconds * 1e6:.1f} | {floor * 1e6:.1f} | {100 * floor / seconds:.0f}% |",
             flush=True,
         )
 
@@ -76,16 +111,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,64", help="batch sizes")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"split-launch layouts, of {LAYOUTS}"
+    )
+    parser.add_argument(
+        "--blocks",
+        default="default",
+        help="keys per block for all_heads: 'default' and/or powers of two >= 16, e.g. 16,32",
+    )
     args = parser.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if bad := sorted(set(layouts) - set(LAYOUTS)):
+        parser.error(f"--layouts: {bad} not in {LAYOUTS}")
+    blocks = [None if b == "default" else int(b) for b in args.blocks.split(",")]
     if not torch.cuda.is_available():
         print("bench_decode_attention: no CUDA device here; nothing measured")
         return 0
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| bs | splits | warps | stages | kernel (us) | KV floor (us) | % of floor |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| bs | layout | block | splits | warps | stages | kernel (us) | KV floor (us) "
+        "| % of floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for bs in (int(s) for s in args.sizes.split(",")):
-        sweep(bs, args.context, bandwidth, args.iters)
+        sweep(bs, args.context, bandwidth, args.iters, layouts, blocks)
     return 0
 
 

@@ -1,7 +1,7 @@
-"""The Triton paged decode attention equals the torch attention (the
-reference) for random shapes, lengths (1, key-block and page boundaries, the
-full context), grouped heads, split counts and padded rows, reading only each
-row's live tokens. Without a GPU the kernels run in Triton's interpreter
+"""The Triton paged decode attention, in each layout of its split launch,
+equals the torch attention (the reference) for random shapes, lengths (1,
+key-block and page boundaries, the full context), grouped heads, split counts
+and padded rows, reading only each row's live tokens. Without a GPU the kernels run in Triton's interpreter
 (conftest sets ``TRITON_INTERPRET=1`` before triton is imported); with one,
 on the device. Grids stay small: the interpreter runs each program in Python."""
 
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from graphrunner.kernels.decode_attention import (
     BLOCK_N,
+    LAYOUTS,
     MAX_SPLITS,
     DecodeScratch,
     choose_splits,
@@ -111,14 +112,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "ctx", "page", "splits"), CASES)
 def test_kernel_equals_torch_attention(
-    lens: list[int], kv_heads: int, group: int, head_dim: int, ctx: int, page: int, splits: int
+    lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    ctx: int,
+    page: int,
+    splits: int,
+    layout: str,
 ) -> None:
     world = make_world(
         lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=ctx, page_size=page, pad=2
     )
-    out = run(world, splits)
+    out = run(world, splits, layout=layout)
     assert torch.isfinite(out).all()  # NaN everywhere but the live tokens and slot 0
     torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
 
@@ -132,40 +141,74 @@ def test_kernel_equals_torch_attention(
     splits=st.integers(1, 4),
     pad=st.integers(0, 2),
     seed=st.integers(0, 2**16),
+    layout=st.sampled_from(LAYOUTS),
 )
 def test_kernel_equals_torch_attention_on_random_shapes(
-    lens: list[int], kv_heads: int, group: int, page: int, splits: int, pad: int, seed: int
+    lens: list[int],
+    kv_heads: int,
+    group: int,
+    page: int,
+    splits: int,
+    pad: int,
+    seed: int,
+    layout: str,
 ) -> None:
     world = make_world(
         lens, kv_heads=kv_heads, group=group, ctx=96, page_size=page, pad=pad, seed=seed
     )
-    torch.testing.assert_close(run(world, splits), world.reference(), atol=1e-5, rtol=1e-5)
+    out = run(world, splits, layout=layout)
+    torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_within_rounding_of_the_float32_reference() -> None:
+ALL_HEADS_CASES = [
+    # lens, kv_heads, group, head_dim, splits, block_n: blocks of 16 and 32 keys
+    # around their boundaries; 3 KV heads padded to 4, and a single one.
+    ([1, 15, 16, 17], 3, 2, 16, 2, 16),
+    ([31, 32, 33, 96], 1, 8, 32, 3, 32),
+    ([1, 48, 96], 4, 2, 64, 4, None),  # 4 KV heads of 64: blocks of 16
+]
+
+
+@pytest.mark.parametrize(
+    ("lens", "kv_heads", "group", "head_dim", "splits", "block"), ALL_HEADS_CASES
+)
+def test_all_heads_equals_per_head_and_torch(
+    lens: list[int], kv_heads: int, group: int, head_dim: int, splits: int, block: int | None
+) -> None:
+    world = make_world(lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=96, pad=2)
+    out = run(world, splits, layout="all_heads", block_n=block)
+    assert torch.isfinite(out).all()  # NaN in every slot it must not read
+    torch.testing.assert_close(out, world.reference(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, run(world, splits), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_within_rounding_of_the_float32_reference(layout: str) -> None:
     world = make_world([1, 64, 130], dtype=torch.bfloat16, pad=1)
-    out = run(world, 3)
+    out = run(world, 3, layout=layout)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), world.reference(), atol=2e-2, rtol=2e-2)
 
 
-def test_padded_rows_read_slot_zero_only() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_rows_read_slot_zero_only(layout: str) -> None:
     world = make_world([40, 7], pad=3)
-    out = run(world, 2)
+    out = run(world, 2, layout=layout)
     kv_head = torch.arange(world.q.shape[1], device=DEVICE) // world.group
     # One key: probability 1, the output is slot 0's value, whatever the query.
     expected = world.v[0, kv_head].expand(3, -1, -1)
     torch.testing.assert_close(out[2:], expected, atol=1e-6, rtol=0)
 
 
-def test_stale_scratch_and_output_are_overwritten() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stale_scratch_and_output_are_overwritten(layout: str) -> None:
     world = make_world([3, 70, 1], pad=1)
     heads, dim = world.q.shape[1:]
     scratch = DecodeScratch.allocate(8, heads, dim, device=DEVICE)
     scratch.partial_out.fill_(NAN)
     scratch.partial_lse.fill_(NAN)
     out = torch.full_like(world.q, NAN)
-    got = run(world, 3, out=out, scratch=scratch)
+    got = run(world, 3, out=out, scratch=scratch, layout=layout)
     assert got is out
     torch.testing.assert_close(got, world.reference(), atol=1e-5, rtol=1e-5)
 
@@ -184,6 +227,10 @@ def test_bad_arguments_are_named() -> None:
     world = make_world([4])
     with pytest.raises(ValueError, match=r"num_splits=0"):
         run(world, 0)
+    with pytest.raises(ValueError, match=r"layout='by_token'"):
+        run(world, 1, layout="by_token")
+    with pytest.raises(ValueError, match=r"block_n=24"):
+        run(world, 1, layout="all_heads", block_n=24)
     with pytest.raises(ValueError, match=r"q \(1, 8, 16\), k_buf"):
         decode_attention(
             world.q, world.k[:, :, :8], world.v, *world.args()[3:], scale=1.0, num_splits=1
@@ -210,6 +257,9 @@ _COMPILE_ATTENTION = """
         consts = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=max(16, dim),
                       BLOCK=da.BLOCK_N, NUM_SPLITS=3, PRECISION=prec)
         assert compile(da._split_kernel, ptrs + ["i32"] * 12, consts)
+        for kv_heads in (1, 4):  # a batch of one KV head; the 1.1B shape's 4
+            consts.update(KV_HEADS=kv_heads, BLOCK_H=kv_heads, BLOCK=16)
+            assert compile(da._split_all_heads_kernel, ptrs + ["i32"] * 12, consts)
         consts = dict(HEAD_DIM=dim, BLOCK_D=max(16, dim), NUM_SPLITS=3, BLOCK_S=4)
         assert compile(da._merge_kernel, ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7, consts)
     print("compiled")

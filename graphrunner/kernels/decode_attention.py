@@ -7,7 +7,11 @@ heads and the split count (nothing read back, nothing data-dependent):
 1. ``(bs, kv_heads, splits)`` programs: each takes one row, one KV head with
    all the query heads of its group (one ``tl.dot`` per key block), and one
    contiguous chunk of the row's first ``seq_lens`` tokens; online softmax over
-   the chunk; writes the chunk's normalised output and log-sum-exp.
+   the chunk; writes the chunk's normalised output and log-sum-exp. That is
+   the default ``"per_head"`` layout; ``"all_heads"`` runs ``(bs, splits)``
+   programs, each over every KV head of its chunk, so each token's K and V
+   are read as the whole ``[kv_heads, head_dim]`` slot the pool stores
+   contiguously (not yet measured against the default on a GPU).
 2. ``(bs, heads)`` programs merge the chunks by their log-sum-exp.
 
 Columns at or past ``seq_lens`` are never loaded: a non-finite value in a
@@ -32,12 +36,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_N", "MAX_SPLITS", "DecodeScratch", "choose_splits", "decode_attention"]
+__all__ = [
+    "BLOCK_N",
+    "LAYOUTS",
+    "MAX_SPLITS",
+    "DecodeScratch",
+    "choose_splits",
+    "decode_attention",
+]
 
-#: Keys per block of the split loop (a ``tl.dot`` dimension: at least 16).
+#: Keys per block of the per-head split loop (a ``tl.dot`` dimension: at least 16).
 BLOCK_N = 64
 #: Most chunks one row is split into.
 MAX_SPLITS = 16
+#: The split launch's layouts (see :func:`decode_attention`); the first is the default.
+LAYOUTS = ("per_head", "all_heads")
 #: Programs of the split launch worth aiming at: a few waves of an H100's 132 SMs.
 TARGET_PROGRAMS = 512
 
@@ -184,6 +197,100 @@ def _split_kernel(
     tl.store(PartLse + row * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
 
+def _split_all_heads_kernel(
+    Q: tl.tensor,
+    K: tl.tensor,
+    V: tl.tensor,
+    ReqToToken: tl.tensor,
+    ReqIdx: tl.tensor,
+    SeqLens: tl.tensor,
+    PartO: tl.tensor,
+    PartLse: tl.tensor,
+    scale: tl.tensor,
+    stride_qb: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_ks: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vs: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_r2t: tl.tensor,
+    stride_ob: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_os: tl.tensor,
+    stride_lb: tl.tensor,
+    stride_lh: tl.tensor,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+) -> None:
+    """The ``"all_heads"`` layout: one program per (row, chunk) over every KV
+    head, so a token's K (and V) load is its whole slot, ``[kv_heads,
+    head_dim]``, contiguous in the pool. Tiles are 3D, KV head first: q and
+    the accumulator ``[BLOCK_H, BLOCK_G, BLOCK_D]``, scores ``[BLOCK_H,
+    BLOCK_G, BLOCK]``, one batched ``tl.dot`` per key block (no product
+    between a query head and another group's keys)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(SeqLens + row).to(tl.int32)
+    req = tl.load(ReqIdx + row).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK)
+    # Query head of (kv head, group member): [BLOCK_H, BLOCK_G].
+    heads = offs_h[:, None] * GROUP + offs_g[None, :]
+    hg_ok = (offs_h[:, None] < KV_HEADS) & (offs_g[None, :] < GROUP)
+    hgd_ok = hg_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
+    q_ptrs = Q + row * stride_qb + heads[:, :, None] * stride_qh + offs_d[None, None, :]
+    q = tl.load(q_ptrs, mask=hgd_ok, other=0.0).to(tl.float32)
+    # One slot's K row, [BLOCK_H, BLOCK_D]: contiguous when stride_kh == head_dim.
+    hd_ok = (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k_row = offs_h[:, None] * stride_kh + offs_d[None, :]
+    v_row = offs_h[:, None] * stride_vh + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_H, BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H, BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK):
+        cols = n0 + offs_n
+        live = cols < end
+        slots = tl.load(ReqToToken + req * stride_r2t + cols, mask=live, other=0).to(tl.int64)
+        kv_mask = live[:, None, None] & hd_ok[None, :, :]
+        # [BLOCK, BLOCK_H, BLOCK_D], the pool's order, then KV head first.
+        k = tl.load(
+            K + slots[:, None, None] * stride_ks + k_row[None, :, :], mask=kv_mask, other=0.0
+        )
+        s = tl.dot(q, tl.permute(k.to(tl.float32), (1, 2, 0)), input_precision=PRECISION)
+        s = tl.where(live[None, None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        v = tl.load(
+            V + slots[:, None, None] * stride_vs + v_row[None, :, :], mask=kv_mask, other=0.0
+        )
+        pv = tl.dot(p, tl.permute(v.to(tl.float32), (1, 0, 2)), input_precision=PRECISION)
+        acc = acc * alpha[:, :, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = tl.where(has[:, :, None], acc / tl.where(has, l_i, 1.0)[:, :, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = PartO + row * stride_ob + heads[:, :, None] * stride_oh + split * stride_os
+    tl.store(o_ptrs + offs_d[None, None, :], out, mask=hgd_ok)
+    tl.store(PartLse + row * stride_lb + heads * stride_lh + split, lse, mask=hg_ok)
+
+
 def _merge_kernel(
     PartO: tl.tensor,
     PartLse: tl.tensor,
@@ -218,15 +325,19 @@ def _merge_kernel(
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+_KERNELS = (_split_kernel, _split_all_heads_kernel, _merge_kernel)
+
+
 @functools.cache
-def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """The two kernels, jitted or interpreted (``TRITON_INTERPRET`` is read at
-    launch rather than import, so one process can run both)."""
+def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
+    """The per-head split, all-heads split and merge kernels, jitted or
+    interpreted (``TRITON_INTERPRET`` is read at launch rather than import, so
+    one process can run both)."""
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_split_kernel), InterpretedFunction(_merge_kernel)
-    return triton.jit(_split_kernel), triton.jit(_merge_kernel)
+        return tuple(InterpretedFunction(k) for k in _KERNELS)
+    return tuple(triton.jit(k) for k in _KERNELS)
 
 
 def _interpreting() -> bool:
@@ -246,6 +357,36 @@ def _pow2(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def _block_n(layout: str, kv_heads: int, head_dim: int, block_n: int | None) -> int:
+    """Keys per block: ``block_n`` if given (a power of two, at least 16), else
+    :data:`BLOCK_N` for ``"per_head"`` and, for ``"all_heads"``, as many as
+    keep one K tile at ``BLOCK_N * 64`` elements (the per-head tile at
+    head_dim 64): 16 at 4 KV heads of 64."""
+    if block_n is not None:
+        if block_n < 16 or block_n & (block_n - 1):
+            raise ValueError(f"decode_attention: block_n={block_n}: expected a power of two >= 16")
+        return block_n
+    if layout == "per_head":
+        return BLOCK_N
+    tile = _pow2(kv_heads, 1) * _pow2(head_dim, 16)
+    return max(16, min(BLOCK_N, BLOCK_N * 64 // tile))
+
+
+def _check_args(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, num_splits: int, layout: str
+) -> None:
+    heads, head_dim = q.shape[1:]
+    if heads % k_buf.shape[1] or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
+        raise ValueError(
+            f"decode_attention: q {tuple(q.shape)}, k_buf {tuple(k_buf.shape)}, v_buf "
+            f"{tuple(v_buf.shape)}: expected heads a multiple of kv_heads and one head_dim"
+        )
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention: num_splits={num_splits}: expected 1..{MAX_SPLITS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"decode_attention: layout={layout!r}: expected one of {LAYOUTS}")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -258,6 +399,8 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     scratch: DecodeScratch | None = None,
+    layout: str = "per_head",
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -268,23 +411,21 @@ def decode_attention(
     req_to_token: int32 ``[num_reqs, max_context_len]``, contiguous rows.
     req_pool_indices, seq_lens: int ``[bs]``; row ``b`` reads the KV slots
         ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` (``seq_lens >= 1``).
-    num_splits: chunks per row, ``1..MAX_SPLITS`` (see :func:`choose_splits`).
+    num_splits: chunks per row, ``1..MAX_SPLITS`` (see :func:`choose_splits`;
+        the ``"all_heads"`` grid has ``kv_heads`` times fewer programs, so
+        ``choose_splits(bs, 1, ctx)`` sizes it alike).
     out: optional ``[bs, heads, head_dim]`` in q's dtype to write into.
     scratch: optional buffers for the chunks' partial results; fresh ones
         otherwise (inside a CUDA graph those come from the graph's pool, once).
+    layout: the split launch (one of :data:`LAYOUTS`): ``"per_head"`` (the
+        default), grid ``(bs, kv_heads, splits)``, or ``"all_heads"``, grid
+        ``(bs, splits)``, each program over every KV head of its chunk.
+    block_n: keys per block of the split loop (tuning; see :func:`_block_n`).
     num_warps, num_stages: the split launch's Triton settings (tuning).
     Returns ``out`` (or a new tensor). The softmax runs in float32.
     """
+    _check_args(q, k_buf, v_buf, num_splits, layout)
     bs, heads, head_dim = q.shape
-    kv_heads = k_buf.shape[1]
-    if heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
-        raise ValueError(
-            f"decode_attention: q {tuple(q.shape)}, k_buf {tuple(k_buf.shape)}, v_buf "
-            f"{tuple(v_buf.shape)}: expected heads a multiple of kv_heads and one head_dim"
-        )
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"decode_attention: num_splits={num_splits}: expected 1..{MAX_SPLITS}")
-    group = heads // kv_heads
     if out is None:
         out = torch.empty_like(q)
     if scratch is None or not scratch.fits(bs, heads, num_splits, head_dim):
@@ -293,17 +434,25 @@ def decode_attention(
         )
     if bs == 0:
         return out
-    split_kernel, merge_kernel = _kernels(_interpreting())
+    per_head, all_heads, merge_kernel = _kernels(_interpreting())
     po, pl = scratch.partial_out, scratch.partial_lse
-    block_d = _pow2(head_dim, 16)
-    split_kernel[(bs, kv_heads, num_splits)](
+    kv_heads, group, block_d = k_buf.shape[1], heads // k_buf.shape[1], _pow2(head_dim, 16)
+    consts: dict[str, Any] = dict(
+        GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK=_block_n(layout, kv_heads, head_dim, block_n), NUM_SPLITS=num_splits,
+        PRECISION=_precision(q.dtype),
+    )  # fmt: skip
+    grid: tuple[int, ...] = (bs, kv_heads, num_splits)
+    split_kernel = per_head
+    if layout == "all_heads":  # one program over every KV head of a chunk
+        split_kernel, grid = all_heads, (bs, num_splits)
+        consts.update(KV_HEADS=kv_heads, BLOCK_H=_pow2(kv_heads, 1))
+    split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, po, pl, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK=BLOCK_N, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        **consts, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     merge_kernel[(bs, heads)](
         po, pl, out,
