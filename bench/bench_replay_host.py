@@ -9,6 +9,10 @@ reference model, in one run:
 * ``torch``: ``runner.replay()`` with the grouped torch populate;
 * ``fused``: ``runner.replay()`` with the fused Triton populate (one launch);
 * ``graph``: ``runner.replay()`` with the populate captured inside the graph;
+* ``... (host fields)``: the same with every integer field a pinned CPU
+  tensor, as a scheduler that builds its batch on the host hands it over:
+  per-field (one host-to-device copy per field) against the fused and
+  in-graph writers (the fields' bytes ride in the table's one copy);
 * the parts, no graph launched: the torch populate alone, the fused populate
   alone (table staging, copy, launch), the Triton launch alone.
 
@@ -42,6 +46,7 @@ from graphrunner.engine import create_model_runner
 from graphrunner.model import ModelBundle, default_model
 from graphrunner.populate import check_sources, write_sources
 from graphrunner.populate_fused import FusedPopulate
+from graphrunner.spec.base import SpecBatch
 
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded
@@ -69,7 +74,17 @@ def _batch(bundle: ModelBundle, raw_bs: int) -> DecodeBatch:
     return batch
 
 
-def _per_field(runner: GraphRunner, batch: DecodeBatch, bs: int) -> Callable[[], None]:
+def _host_fields(batch: DecodeBatch) -> SpecBatch:
+    """``batch`` with every device field a pinned CPU tensor (host-produced)."""
+    names = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
+    return SpecBatch(
+        req_pool_indices_cpu=batch.req_pool_indices_cpu,
+        seq_lens_cpu=batch.seq_lens_cpu,
+        **{name: getattr(batch, name).cpu().pin_memory() for name in names},
+    )
+
+
+def _per_field(runner: GraphRunner, batch: Any, bs: int) -> Callable[[], None]:
     """One copy and one fill per field, then the graph (no declared populate)."""
     raw_bs = batch.batch_size
     graph = runner.graphs[bs]  # type: ignore[attr-defined]
@@ -95,13 +110,17 @@ def _variants(
     assert isinstance(fused, FusedPopulate)
     grid = fused.grid(raw_bs, bs)
 
-    def replay(runner: GraphRunner) -> Callable[[], Any]:
-        return lambda: runner.replay(batch)
+    host = _host_fields(batch)
+
+    def replay(runner: GraphRunner, inputs: Any = batch) -> Callable[[], Any]:
+        return lambda: runner.replay(inputs)
 
     return {
         "bare": reference.graphs[bs].replay,  # type: ignore[attr-defined]
         "per-field": _per_field(reference, batch, bs),
         **{mode: replay(runners[mode]) for mode in MODES},
+        "per-field (host fields)": _per_field(reference, host, bs),
+        **{f"{mode} (host fields)": replay(runners[mode], host) for mode in MODES[1:]},
         # The parts, for where the time goes (no graph launched):
         "populate alone: torch": lambda: write_sources(reference.buffers, sources, raw_bs, bs),
         "populate alone: fused": lambda: fused.write(sources, raw_bs, bs),
@@ -170,13 +189,14 @@ def measure() -> list[dict[str, Any]]:
 def write(rows: list[dict[str, Any]]) -> str:
     info = machine()
     bare = {r["bs"]: r["host_us_median"] for r in rows if r["variant"] == "bare"}
-    per_field = {r["bs"]: r["host_us_median"] for r in rows if r["variant"] == "per-field"}
+    medians = {(r["bs"], r["variant"]): r["host_us_median"] for r in rows}
     lines = [
         f"# Replay host time: {info['device']}",
         "",
         f"torch {info['torch']}, python {info['python']}, {info['date']}. Host µs per call "
         f"(GPU idle before each, {ROUNDS} calls), device calls per step from a profiler "
-        f"trace ({TRACED} steps).",
+        f"trace ({TRACED} steps). Per-field / this: against per-field with the same "
+        f"inputs (device fields, or host fields for the rows marked so).",
         "",
         "| raw -> graph | variant | median µs | p90 µs | x bare | per-field / this "
         "| device calls | besides graph |",
@@ -184,10 +204,12 @@ def write(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         bs = r["bs"]
+        host = r["variant"].endswith("(host fields)")
+        per_field = medians[(bs, "per-field (host fields)" if host else "per-field")]
         lines.append(
             f"| {r['raw_bs']} -> {bs} | {r['variant']} | {r['host_us_median']:.1f} | "
             f"{r['host_us_p90']:.1f} | {r['host_us_median'] / bare[bs]:.1f} | "
-            f"{per_field[bs] / r['host_us_median']:.2f} | {r['device_calls_per_step']:g} | "
+            f"{per_field / r['host_us_median']:.2f} | {r['device_calls_per_step']:g} | "
             f"{r['besides_graph']:g} |"
         )
     text = "\n".join(lines) + "\n"

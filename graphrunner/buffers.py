@@ -10,7 +10,8 @@ Each buffer declares its own rows per request: 1 for per-request fields
 tokens per request), ``k`` for per-candidate fields (top-k). One runner holds
 any mix of them. A buffer may also live on the host (``host=True``): a padded
 host copy for backends that plan on the CPU (``seq_lens_cpu``), written by
-populate like every other buffer.
+populate like every other buffer. A device buffer of integer or bool dtype
+also takes a host-produced input (:attr:`BufferSpec.takes_host_source`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,16 @@ class BufferSpec:
     def rows(self, bs: int) -> int:
         """Rows of this buffer that ``bs`` requests occupy."""
         return bs * self.rows_per_request
+
+    @property
+    def takes_host_source(self) -> bool:
+        """A device buffer of integer or bool dtype also takes its input as
+        a CPU tensor: ids, positions, lengths and slots a scheduler builds on
+        the host. Populate copies it in (the fused writers through their
+        pinned staging buffer: one copy for every such field of a step).
+        Float inputs (hidden states) are device-produced and must be on the
+        buffer's device."""
+        return not self.host and not (self.dtype.is_floating_point or self.dtype.is_complex)
 
 
 _VIEW_ATTRIBUTES = frozenset({"bs", "tensors"})

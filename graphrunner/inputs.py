@@ -23,6 +23,10 @@ class StepInputs(Protocol):
     seq_lens: tokens in the cache per request, the new token included.
     out_cache_loc: the KV slot the new token is written to (never 0 when live).
     positions: the new token's position, ``seq_lens - 1``.
+
+    A scheduler that builds these on the host may hand them over as CPU
+    tensors (a runner's buffers take host-produced integer inputs; the fused
+    populate stages them with its table, one copy for all of them).
     """
 
     input_ids: torch.Tensor

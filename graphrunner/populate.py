@@ -129,8 +129,10 @@ def _source(
         raise PopulateError(f"input {spec.name!r} must be a torch.Tensor, got {type(src).__name__}")
     if src.dtype != spec.dtype:
         raise PopulateError(f"input {spec.name!r} has dtype {src.dtype}, expected {spec.dtype}")
-    if src.device != device:
-        raise PopulateError(f"input {spec.name!r} is on {src.device}, expected {device}")
+    if src.device != device and not (src.device.type == "cpu" and spec.takes_host_source):
+        host_too = spec.takes_host_source and device.type != "cpu"
+        also = " (or cpu: a host-produced input)" if host_too else ""
+        raise PopulateError(f"input {spec.name!r} is on {src.device}, expected {device}{also}")
     # any_width: a per-token field of an eager batch may hold another whole
     # number of rows per request than the captured width.
     requests = rows // spec.rows_per_request
@@ -148,7 +150,9 @@ def _source(
 def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: int) -> list[torch.Tensor]:
     """Every declared input of ``inputs`` for ``raw_bs >= 1`` live requests,
     validated (present, a tensor, dtype, device, ``[spec.rows(raw_bs),
-    *extra_shape]``), in the order of ``buffers.specs``."""
+    *extra_shape]``), in the order of ``buffers.specs``. The device is the
+    buffer's, or the host for a buffer that
+    :attr:`~graphrunner.buffers.BufferSpec.takes_host_source`."""
     return [
         _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec)) for spec in buffers.specs
     ]
@@ -211,6 +215,11 @@ def _write_planned(plan: _Plan, sources: Sequence[torch.Tensor]) -> int:
 
 
 def _write(plan: _Plan, sources: Sequence[torch.Tensor]) -> None:
+    # A host source is copied as torch copies it without blocking: from
+    # pageable memory the call returns once the bytes are staged; from pinned
+    # memory the copy runs later on the stream, so the caller must not rewrite
+    # a pinned source before the step has run (the fused writers copy host
+    # sources into their own ring instead, and have no such rule).
     for group in plan.copies:
         torch._foreach_copy_(group.dsts, [sources[i] for i in group.index], non_blocking=True)
     for live in plan.gathers:  # after the copies, on the same stream

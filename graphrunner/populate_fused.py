@@ -89,7 +89,8 @@ class FusedPopulate:
         self.block = block
         self._index = tuple(i for i, s in enumerate(buffers.specs) if not s.host)
         self._has_host = len(self._index) < len(buffers.specs)
-        self.staging = TableStaging(len(self._index), ROW, buffers.device)
+        self._offsets, data_bytes = _data_offsets(buffers, self._index)
+        self.staging = TableStaging(len(self._index), ROW, buffers.device, data_bytes=data_bytes)
         self._future = (
             buffers.future_tokens
             if buffers.future_tokens is not None
@@ -115,22 +116,33 @@ class FusedPopulate:
         table = self._table(raw_bs, bs)
         rows = self.staging.next_host()
         rows[: len(table.rows)] = table.rows
-        if raw_bs:
-            dense: list[torch.Tensor] = []
-            for k, i in enumerate(self._index):
-                src = sources[i]
-                if not src.is_contiguous():
-                    src = src.contiguous()  # a bit copy needs dense rows
-                    dense.append(src)  # alive until the kernel has read it
-                address = src.data_ptr()
-                rows[k, _SRC] = address
-                if address & 7:
-                    rows[k, _WIDE] = 0
-        self.staging.upload()
+        dense: list[torch.Tensor] = []
+        staged = False
+        for k, i in enumerate(self._index if raw_bs else ()):
+            src, offset = sources[i], self._offsets[k]
+            if offset >= 0 and src.device.type == "cpu":
+                # Host-produced: its bytes ride in the table's copy.
+                self._stage_bytes(src, offset, int(table.rows[k, _LIVE]))
+                rows[k, _SRC] = self.staging.data_address + offset
+                staged = True
+                continue
+            if not src.is_contiguous():
+                src = src.contiguous()  # a bit copy needs dense rows
+                dense.append(src)  # alive until the kernel has read it
+            address = src.data_ptr()
+            rows[k, _SRC] = address
+            if address & 7:
+                rows[k, _WIDE] = 0
+        self.staging.upload(with_data=staged)
         # The dense copies must outlive the launch (for the in-graph writer:
         # the graph launch after this call); the next step replaces them.
-        self._dense = dense if raw_bs else []
+        self._dense = dense
         return table
+
+    def _stage_bytes(self, src: torch.Tensor, offset: int, live: int) -> None:
+        """Copy host tensor ``src``'s ``live`` bytes into this step's data region."""
+        values = src.numpy().reshape(-1)  # strided sources too
+        self.staging.host_data()[offset : offset + live].view(values.dtype)[:] = values
 
     def _write_host(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
         if not self._has_host:
@@ -177,6 +189,22 @@ class FusedPopulate:
             longest = max(longest, spec.rows(bs) * row_bytes)
         blocks = max(1, -(-longest // self.block))
         return _Table(rows, (max(1, len(self._index)), blocks))
+
+
+def _data_offsets(buffers: StaticBuffers, index: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """Where each device buffer's host-produced input is staged in the data
+    region (8-byte aligned, sized for ``max_bs``; -1 for a buffer that takes
+    device inputs only), and the region's bytes."""
+    offsets, end = [], 0
+    for i in index:
+        spec = buffers.specs[i]
+        if not spec.takes_host_source:
+            offsets.append(-1)
+            continue
+        buf = buffers.tensors[spec.name]
+        offsets.append(end)
+        end += -(-(buf.numel() * buf.element_size()) // 8) * 8
+    return tuple(offsets), end
 
 
 class InGraphPopulate(FusedPopulate):

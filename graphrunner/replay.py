@@ -112,19 +112,34 @@ def launch_padded(
 
 
 class _Resolved:
-    """``inputs`` with its future references resolved: the eager path reads
+    """``inputs`` as the forward reads them from the buffers: host-produced
+    fields on the device, future references resolved. The eager path reads
     its inputs directly, not through populate's buffers."""
 
     def __init__(self, inputs: Any, buffers: StaticBuffers) -> None:
         self._inputs = inputs
         for spec in buffers.specs:
+            given = getattr(inputs, spec.name)
+            value = given.to(buffers.device_of(spec), non_blocking=True)  # given, if there
             if spec.future:
-                ids = getattr(inputs, spec.name).clone()
-                resolve_futures(ids, buffers.future_tokens)
-                setattr(self, spec.name, ids)
+                value = value.clone() if value is given else value
+                resolve_futures(value, buffers.future_tokens)
+            if value is not given:
+                setattr(self, spec.name, value)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inputs, name)
+
+    @staticmethod
+    def needed(inputs: Any, buffers: StaticBuffers) -> bool:
+        """Whether ``inputs`` differs from what the forward reads."""
+        if buffers.future_tokens is not None:
+            return True
+        return any(
+            getattr(inputs, s.name).device != buffers.device_of(s)
+            for s in buffers.specs
+            if s.takes_host_source
+        )
 
 
 def run_eager(
@@ -143,7 +158,7 @@ def run_eager(
     warn_once()
     check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
     _poison_held(held, parts.buffers, inputs)
-    if parts.buffers.future_tokens is not None:
+    if _Resolved.needed(inputs, parts.buffers):
         inputs = _Resolved(inputs, parts.buffers)
     with nvtx.range(f"eager bs={raw_bs}"):
         out = parts.forward(inputs)

@@ -1,5 +1,10 @@
 """A ring of pinned host tables and the one device table they are copied to.
 
+Each buffer of the ring holds a table (int64 ``[rows, columns]``) and, after
+it, an optional data region: the bytes of host-produced inputs, staged with
+the table so that one copy carries both (kernels read them at
+:attr:`TableStaging.data_address`, a fixed device address).
+
 The host writes step N's table into the next pinned buffer of a ring and
 copies it to the device with one asynchronous copy; before it writes a buffer
 again, ``depth`` steps later, it waits for that buffer's last copy to have
@@ -26,25 +31,43 @@ DEPTH = 8
 
 
 class TableStaging:
-    """An int64 ``[rows, columns]`` table staged from the host to ``device``.
+    """An int64 ``[rows, columns]`` table (and ``data_bytes`` of staged input
+    bytes after it) copied from the host to ``device``.
 
     Args:
         rows, columns: the table's shape.
         device: where the kernels reading :attr:`device_table` run.
         depth: pinned buffers in the ring (at least 2).
+        data_bytes: bytes of the data region after the table (rounded up to 8).
     """
 
     def __init__(
-        self, rows: int, columns: int, device: torch.device, *, depth: int = DEPTH
+        self,
+        rows: int,
+        columns: int,
+        device: torch.device,
+        *,
+        depth: int = DEPTH,
+        data_bytes: int = 0,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
             raise ValueError(f"depth={depth!r}: expected an int >= 2 (pinned buffers in the ring)")
+        if isinstance(data_bytes, bool) or not isinstance(data_bytes, int) or data_bytes < 0:
+            raise ValueError(f"data_bytes={data_bytes!r}: expected an int >= 0")
         self._cuda = device.type == "cuda"
         shape = (max(rows, 1), columns)
-        self._host = [
-            torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(depth)
-        ]
-        self._views: list[np.ndarray] = [h.numpy() for h in self._host]
+        table_words = shape[0] * columns
+        words = table_words + -(-data_bytes // 8)
+        host = [torch.zeros(words, dtype=torch.int64, pin_memory=self._cuda) for _ in range(depth)]
+        self._host = host
+        self._views: list[np.ndarray] = [h[:table_words].view(shape).numpy() for h in host]
+        self._data: list[np.ndarray] = [h[table_words:].numpy().view(np.uint8) for h in host]
+        device_flat = torch.zeros(words, dtype=torch.int64, device=device)
+        # What a step copies: the table alone, or the table and the data region.
+        self._pairs = {
+            False: [(device_flat[:table_words], h[:table_words]) for h in host],
+            True: [(device_flat, h) for h in host],
+        }
         self._events: list[torch.cuda.Event | None] = [None] * depth
         self._turn = 0
         # The stream copies are ordered on, looked up by its raw handle: one
@@ -54,7 +77,9 @@ class TableStaging:
         self._raw_stream = -1
         self._stream: torch.cuda.Stream | None = None
         #: The table kernels read: one fixed address for the runner's lifetime.
-        self.device_table = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.device_table = device_flat[:table_words].view(shape)
+        #: Device address of the data region (fixed; 8-byte aligned).
+        self.data_address = device_flat.data_ptr() + table_words * 8
         #: Copies issued (one per staged step).
         self.copies = 0
 
@@ -66,12 +91,23 @@ class TableStaging:
             event.synchronize()
         return self._views[self._turn]
 
-    def upload(self) -> torch.Tensor:
+    @property
+    def depth(self) -> int:
+        """Pinned buffers in the ring."""
+        return len(self._host)
+
+    def host_data(self) -> np.ndarray:
+        """The data region (uint8) of the buffer :meth:`next_host` returned."""
+        return self._data[self._turn]
+
+    def upload(self, *, with_data: bool = False) -> torch.Tensor:
         """Copy the buffer written since :meth:`next_host` to the device
-        table (one asynchronous copy on the current stream); the next step
-        writes the next buffer of the ring."""
+        (one asynchronous copy on the current stream: the table, and the data
+        region too when ``with_data``); the next step writes the next buffer
+        of the ring."""
         turn = self._turn
-        self.device_table.copy_(self._host[turn], non_blocking=self._cuda)
+        dst, src = self._pairs[with_data][turn]
+        dst.copy_(src, non_blocking=self._cuda)
         if self._cuda:
             event = self._events[turn]
             if event is None:
