@@ -21,13 +21,14 @@ py=${PYTHON:-python3}
 pytest=(timeout -k 10 "${STEP_SECONDS:-420}" "$py" -m pytest -q -p no:cacheprovider -rfEs)
 case $step in
   kernels) cmd=("${pytest[@]}" -m cuda tests/test_fused_populate.py tests/test_in_graph_populate.py
-             tests/test_validation_once.py tests/test_triton_model.py tests/test_decode_attention.py) ;;
+             tests/test_validation_once.py tests/test_host_inputs.py tests/test_triton_model.py
+             tests/test_decode_attention.py) ;;
   models) cmd=("${pytest[@]}" -m cuda tests/test_oracle.py tests/test_mamba_oracle.py
              tests/test_mamba_pool.py tests/test_gguf_import.py tests/test_trace_out.py
              tests/test_cuda_runner.py tests/test_pools.py tests/test_batch.py) ;;
   replay) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_replay_host) ;;
   model) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" bench/bench_gpu_model.py --sizes 1,8,32,64) ;;
-  attention) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_decode_attention) ;;
+  attention) cmd=(timeout -k 10 "${STEP_SECONDS:-480}" "$py" -m bench.bench_decode_attention --sizes 64,1) ;;
   suite) cmd=("${pytest[@]}" -x) ;;
   *) echo "bench/gpu_steps.sh: unknown step '$step' (expected kernels, models, replay, model, attention or suite)" >&2
      exit 2 ;;
