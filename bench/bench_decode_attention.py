@@ -97,7 +97,7 @@ def sweep(
 
         seconds = graph_time(call, iters)
         # The all-heads grid has KV_HEADS times fewer programs per split.
-        chosen = choose_splits(bs, KV_HEADS if layout == "per_head" else 1, context)
+        chosen = choose_splits(bs, KV_HEADS, context, layout=layout)
         mark = " (chosen splits)" if splits == chosen else ""
         print(
             f"| {bs} | {layout} | {block or 'default'} | {splits}{mark} | {warps} | {stages} | "

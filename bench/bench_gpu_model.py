@@ -8,14 +8,17 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
 - ``graph``: the CUDA runner over that forward;
 - ``graph+triton``: the CUDA runner over the forward with the Triton attention;
 - ``graph+compile+triton``: the CUDA runner over the inductor-compiled forward
-  with the Triton attention (the reference model's default on CUDA).
+  with the Triton attention (the reference model's default on CUDA);
+- ``graph+compile+triton-all-heads``: the same with the kernel's
+  ``"all_heads"`` split launch.
 
 The floor is the bytes a step must read (every weight once, the embedding
 rows it looks up, every row's cached K and V) over the device's copy
 bandwidth, measured here with a device-to-device copy; each variant is shown
 as a percentage of that floor. Results go to ``bench/results/`` named by the
 device. Without a GPU the script says so and exits 0. Run:
-``.venv/bin/python bench/bench_gpu_model.py`` (``--sizes 1,64`` for fewer).
+``.venv/bin/python bench/bench_gpu_model.py`` (``--sizes 1,64`` for fewer;
+``--autotune`` adds inductor's autotuned GEMMs, slow to compile).
 """
 
 from __future__ import annotations
@@ -40,12 +43,22 @@ from graphrunner.model import ModelBundle, default_model, shape_1b_config
 
 RESULTS_DIR = Path(__file__).parent / "results"
 SIZES = [1, 8, 32, 64]
-#: Variant -> (attention kernel, CUDA runner options; None: the eager forward).
+#: Variant -> (attention (``TorchPagedBackend.use``), CUDA runner options; None: eager).
 VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "eager": ("torch", None),
     "graph": ("torch", {}),
     "graph+triton": ("triton", {}),
     "graph+compile+triton": ("triton", {"compile": True}),
+    # The kernel's other split launch (one program over every KV head of a chunk).
+    "graph+compile+triton-all-heads": ("triton-all-heads", {"compile": True}),
+}
+#: With ``--autotune``: inductor's GEMM templates autotuned against cuBLAS
+#: (minutes of compilation per size; batch 1's projections are GEMVs).
+AUTOTUNED: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "graph+autotune+triton": (
+        "triton",
+        {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"},
+    ),
 }
 
 
@@ -105,8 +118,8 @@ def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
 
 def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -> float:
     """Seconds per step of ``variant`` on ``batch`` (captured at exactly its size)."""
-    kernel, options = VARIANTS[variant]
-    bundle.model.attn_backend.kernel = kernel
+    attention, options = {**VARIANTS, **AUTOTUNED}[variant]
+    bundle.model.attn_backend.use(attention)
     bs = batch.req_pool_indices.shape[0]
     if options is None:
         with torch.no_grad():
@@ -118,7 +131,9 @@ def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -
     return _time(lambda: runner.replay(batch), iters)
 
 
-def run(sizes: Sequence[int], context: int, iters: int) -> dict[str, object]:
+def run(
+    sizes: Sequence[int], context: int, iters: int, variants: Sequence[str] = tuple(VARIANTS)
+) -> dict[str, object]:
     torch.manual_seed(0)
     bundle = default_model(
         max_requests=max(sizes),
@@ -147,7 +162,7 @@ def run(sizes: Sequence[int], context: int, iters: int) -> dict[str, object]:
     for bs in sizes:
         batch = filled_batch(bundle, bs, context)
         floor = step_bytes(bundle, bs, context) / bandwidth
-        for variant in VARIANTS:
+        for variant in variants:
             t0 = time.perf_counter()
             seconds = measure(bundle, variant, batch, iters)
             gc.collect()  # the variant's graphs and their pool go before the next
@@ -198,11 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="batch sizes")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per row + 1")
     parser.add_argument("--iters", type=int, default=50, help="timed steps per variant")
+    parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help=f"also run {', '.join(AUTOTUNED)} (slow to compile)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu_model: no CUDA device here; nothing measured")
         return 0
-    result = run([int(s) for s in args.sizes.split(",")], args.context, args.iters)
+    variants = [*VARIANTS, *(AUTOTUNED if args.autotune else ())]
+    result = run([int(s) for s in args.sizes.split(",")], args.context, args.iters, variants)
     print(f"results written to {write(result)}")
     return 0
 

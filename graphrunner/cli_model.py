@@ -16,6 +16,7 @@ import torch
 
 from graphrunner.cli_common import UsageError
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
+from graphrunner.model.attention import ATTENTIONS
 
 __all__ = [
     "DTYPES",
@@ -54,10 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", *ATTENTIONS],
         default="auto",
         help="decode attention of the model: auto (the Triton kernel on CUDA, torch on the "
-        "CPU), torch (the reference everywhere) or triton (CUDA only)",
+        "CPU), torch (the reference everywhere), triton (CUDA only) or triton-all-heads "
+        "(CUDA only: the kernel's other split launch, one program over every KV head)",
     )
     p.add_argument(
         "--dtype",
@@ -98,10 +100,10 @@ def check_atol(args: argparse.Namespace) -> float:
 
 
 def check_attention(args: argparse.Namespace) -> None:
-    """``--attention triton`` needs a CUDA device (``args.device`` resolved)."""
-    if args.attention == "triton" and not str(args.device).startswith("cuda"):
+    """``--attention triton*`` needs a CUDA device (``args.device`` resolved)."""
+    if args.attention.startswith("triton") and not str(args.device).startswith("cuda"):
         raise UsageError(
-            f"--attention triton needs a CUDA device; the device here is {args.device} "
+            f"--attention {args.attention} needs a CUDA device; the device here is {args.device} "
             "(the CPU runs the torch attention)"
         )
 
@@ -109,5 +111,5 @@ def check_attention(args: argparse.Namespace) -> None:
 def with_attention(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
     """``bundle`` with the decode attention ``--attention`` names (auto: the model's own)."""
     if args.attention != "auto":
-        bundle.model.attn_backend.kernel = args.attention
+        bundle.model.attn_backend.use(args.attention)
     return bundle

@@ -62,17 +62,26 @@ def test_bfloat16_model_is_bfloat16_throughout() -> None:
     assert bundle.kv_cache.k_buffers[0].dtype == torch.bfloat16
 
 
-def test_attention_triton_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--runner", "eager", "--device", "cpu", "--attention", "triton"]
+@pytest.mark.parametrize("choice", ["triton", "triton-all-heads"])
+def test_attention_triton_needs_cuda(capsys: pytest.CaptureFixture[str], choice: str) -> None:
+    argv = ["demo", "--runner", "eager", "--device", "cpu", "--attention", choice]
     assert cli.main(argv) == 2
-    assert "--attention triton needs a CUDA device; the device here is cpu" in (
+    assert f"--attention {choice} needs a CUDA device; the device here is cpu" in (
         capsys.readouterr().err
     )
 
 
-@pytest.mark.parametrize(("choice", "kernel"), [("auto", "triton"), ("torch", "torch")])
-def test_attention_reaches_the_backend(choice: str, kernel: str) -> None:
+@pytest.mark.parametrize(
+    ("choice", "kernel", "layout"),
+    [
+        ("auto", "triton", "per_head"),
+        ("torch", "torch", "per_head"),
+        ("triton", "triton", "per_head"),
+        ("triton-all-heads", "triton", "all_heads"),
+    ],
+)
+def test_attention_reaches_the_backend(choice: str, kernel: str, layout: str) -> None:
     bundle = default_model(max_requests=1)
     bundle.model.attn_backend.kernel = "triton"  # as on CUDA
     cli_model.with_attention(argparse.Namespace(attention=choice), bundle)
-    assert bundle.model.attn_backend.kernel == kernel
+    assert (bundle.model.attn_backend.kernel, bundle.model.attn_backend.layout) == (kernel, layout)

@@ -221,6 +221,11 @@ def test_choose_splits_fills_the_device_within_the_context() -> None:
     assert all(1 <= choose_splits(bs, 4, 1024) <= MAX_SPLITS for bs in range(1, 300))
     with pytest.raises(ValueError, match=r"bs=0"):
         choose_splits(0, 4, 1024)
+    # One program per chunk, not one per KV head: as many programs, more chunks.
+    assert choose_splits(64, 4, 1024, layout="all_heads") == 8
+    assert choose_splits(64, 1, 1024) == choose_splits(64, 4, 1024, layout="all_heads")
+    with pytest.raises(ValueError, match=r"layout='rows': expected one of"):
+        choose_splits(1, 4, 1024, layout="rows")
 
 
 def test_bad_arguments_are_named() -> None:

@@ -29,9 +29,9 @@ COMPILED: tuple[str, dict[str, Any]] = (
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(1, 40)), [7]]
 
 
-def _prefilled(kernel: str, **kwargs: Any) -> tuple[ModelBundle, DecodeBatch]:
+def _prefilled(attention: str, **kwargs: Any) -> tuple[ModelBundle, DecodeBatch]:
     bundle = default_model(max_requests=4, max_context_len=64, device=DEVICE, **kwargs)
-    bundle.model.attn_backend.kernel = kernel
+    bundle.model.attn_backend.use(attention)
     reqs, firsts = [], []
     for prompt in PROMPTS:
         req = bundle.req_pool.alloc(1)[0]
@@ -50,10 +50,21 @@ def test_backend_kernel_is_checked_and_defaults_by_device() -> None:
     assert bundle.model.attn_backend.kernel == ("triton" if DEVICE == "cuda" else "torch")
     with pytest.raises(ValueError, match=r"kernel='cuda': expected one of \('torch', 'triton'\)"):
         bundle.model.attn_backend.kernel = "cuda"
+    with pytest.raises(
+        ValueError, match=r"layout='rows': expected one of \('per_head', 'all_heads'\)"
+    ):
+        bundle.model.attn_backend.layout = "rows"
+    with pytest.raises(
+        ValueError,
+        match=r"attention='flash': expected one of \('torch', 'triton', 'triton-all-heads'\)",
+    ):
+        bundle.model.attn_backend.use("flash")
+    assert bundle.model.attn_backend.layout == "per_head"  # the measured default
 
 
-def test_eager_triton_equals_torch_with_padded_rows() -> None:
-    (ref, ref_batch), (tri, batch) = _prefilled("torch"), _prefilled("triton")
+@pytest.mark.parametrize("attention", ["triton", "triton-all-heads"])
+def test_eager_triton_equals_torch_with_padded_rows(attention: str) -> None:
+    (ref, ref_batch), (tri, batch) = _prefilled("torch"), _prefilled(attention)
     pad = 3  # as populate writes them: indices 0, seq_lens the fill value 1
     fills = {"input_ids": 0, "req_pool_indices": 0, "out_cache_loc": 0, "positions": 0}
     fills["seq_lens"] = tri.model.attn_backend.seq_len_fill_value
@@ -74,10 +85,13 @@ def test_eager_triton_equals_torch_with_padded_rows() -> None:
         ref_batch.input_ids = batch.input_ids = expected.argmax(-1)
 
 
+@pytest.mark.parametrize(
+    ("attention", "layout"), [("triton", "per_head"), ("triton-all-heads", "all_heads")]
+)
 def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, attention: str, layout: str
 ) -> None:
-    (ref, ref_batch), (tri, batch) = _prefilled("torch"), _prefilled("triton")
+    (ref, ref_batch), (tri, batch) = _prefilled("torch"), _prefilled(attention)
     kind, options = COMPILED
     runner = create_model_runner(tri, kind, capture_sizes=[4], **options)
     runner.capture()
@@ -85,7 +99,7 @@ def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
     launch = attention_op.decode_attention
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(args[0].shape[0])
+        calls.append((args[0].shape[0], kwargs["layout"]))
         return launch(*args, **kwargs)
 
     if DEVICE == "cpu":  # in a CUDA graph the op's Python never runs again
@@ -101,7 +115,7 @@ def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
         ref_batch.input_ids = batch.input_ids = expected.argmax(-1)
     assert runner.direct_fallbacks == 0
     if DEVICE == "cpu":  # every layer of every replay, at the captured size 4
-        assert calls == [4] * (2 * tri.config.num_layers)
+        assert calls == [(4, layout)] * (2 * tri.config.num_layers)
 
 
 def _oracle_trace() -> list[Request]:
@@ -138,7 +152,8 @@ def test_compiled_cuda_runner_with_triton_gives_transformers_tokens(tmp_path: Pa
 
 
 @pytest.mark.cuda
-def test_1b_shape_bf16_compiled_triton_matches_eager_torch() -> None:
+@pytest.mark.parametrize("attention", ["triton", "triton-all-heads"])
+def test_1b_shape_bf16_compiled_triton_matches_eager_torch(attention: str) -> None:
     bs, context = 8, 512
     bundle = default_model(
         max_requests=bs,
@@ -160,6 +175,7 @@ def test_1b_shape_bf16_compiled_triton_matches_eager_torch() -> None:
         reqs, lens, torch.stack(firsts), device="cuda", max_context_len=context
     )
     backend = bundle.model.attn_backend
+    backend.use(attention)
     runner = create_model_runner(bundle, "cuda", capture_sizes=[8], compile=True)
     runner.capture()  # the Triton kernel (the default on CUDA), compiled
     for _ in range(4):
@@ -167,7 +183,7 @@ def test_1b_shape_bf16_compiled_triton_matches_eager_torch() -> None:
         backend.kernel = "torch"  # the eager reference; the graphs keep what they captured
         with torch.no_grad():
             expected = bundle.model.forward_decode(batch)
-        backend.kernel = "triton"
+        backend.use(attention)
         got = runner.replay(batch)  # rewrites the step's K/V with its own rounding
         error = float((got - expected).abs().max() / expected.std())
         assert error < 0.1, error

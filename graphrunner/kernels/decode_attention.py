@@ -56,18 +56,28 @@ TARGET_PROGRAMS = 512
 
 
 def choose_splits(
-    bs: int, kv_heads: int, max_context_len: int, *, target_programs: int = TARGET_PROGRAMS
+    bs: int,
+    kv_heads: int,
+    max_context_len: int,
+    *,
+    target_programs: int = TARGET_PROGRAMS,
+    layout: str = "per_head",
 ) -> int:
     """Chunks per row for a captured size ``bs``: enough programs to fill the
     device when the batch is small, never more chunks than key blocks in the
     longest row, never more than :data:`MAX_SPLITS`. A pure function of shapes,
-    so each captured size gets one fixed grid."""
+    so each captured size gets one fixed grid. ``layout`` (one of
+    :data:`LAYOUTS`) says how many programs a chunk takes: one per KV head
+    (``"per_head"``) or one (``"all_heads"``)."""
     if bs < 1 or kv_heads < 1 or max_context_len < 1:
         raise ValueError(
             f"choose_splits(bs={bs}, kv_heads={kv_heads}, max_context_len={max_context_len}): "
             "expected positive ints"
         )
-    wanted = -(-target_programs // (bs * kv_heads))
+    if layout not in LAYOUTS:
+        raise ValueError(f"choose_splits: layout={layout!r}: expected one of {LAYOUTS}")
+    per_chunk = kv_heads if layout == "per_head" else 1
+    wanted = -(-target_programs // (bs * per_chunk))
     blocks = -(-max_context_len // BLOCK_N)
     return max(1, min(wanted, blocks, MAX_SPLITS))
 
@@ -411,9 +421,9 @@ def decode_attention(
     req_to_token: int32 ``[num_reqs, max_context_len]``, contiguous rows.
     req_pool_indices, seq_lens: int ``[bs]``; row ``b`` reads the KV slots
         ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` (``seq_lens >= 1``).
-    num_splits: chunks per row, ``1..MAX_SPLITS`` (see :func:`choose_splits`;
-        the ``"all_heads"`` grid has ``kv_heads`` times fewer programs, so
-        ``choose_splits(bs, 1, ctx)`` sizes it alike).
+    num_splits: chunks per row, ``1..MAX_SPLITS`` (see :func:`choose_splits`,
+        given the same ``layout``: the ``"all_heads"`` grid has ``kv_heads``
+        times fewer programs).
     out: optional ``[bs, heads, head_dim]`` in q's dtype to write into.
     scratch: optional buffers for the chunks' partial results; fresh ones
         otherwise (inside a CUDA graph those come from the graph's pool, once).

@@ -28,7 +28,7 @@ from torch import nn
 from graphrunner.buffers import BufferView
 from graphrunner.input_check import host_range
 from graphrunner.inputs import StepInputs
-from graphrunner.kernels.decode_attention import DecodeScratch, choose_splits
+from graphrunner.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 from graphrunner.model.attention_op import PagedRows, paged_attention
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.fused import stack_weights
@@ -36,6 +36,12 @@ from graphrunner.model.layers import RotaryEmbedding
 
 #: The decode attentions a :class:`TorchPagedBackend` can run.
 ATTENTION_KERNELS = ("torch", "triton")
+#: Named decode attentions (``--attention``): name -> (kernel, Triton layout).
+ATTENTIONS = {
+    "torch": ("torch", "per_head"),
+    "triton": ("triton", "per_head"),
+    "triton-all-heads": ("triton", "all_heads"),
+}
 
 
 class KVStore(Protocol):
@@ -201,6 +207,9 @@ class TorchPagedBackend:
     always take the torch attention. Settable until a runner captures. With
     ``heads`` and ``head_dim`` given, the Triton kernel's scratch is allocated
     here, for ``num_reqs`` rows, and grown to ``max_bs`` by ``init_graph_state``.
+    ``layout`` is the Triton kernel's split launch (one of
+    :data:`~graphrunner.kernels.decode_attention.LAYOUTS`; ``"per_head"``, the
+    measured default, or ``"all_heads"``), settable like ``kernel``.
     """
 
     seq_len_fill_value: int = 1
@@ -213,6 +222,7 @@ class TorchPagedBackend:
         kv_heads: int = 1,
         heads: int = 0,
         head_dim: int = 0,
+        layout: str = "per_head",
     ) -> None:
         self.req_to_token = req_to_token  # int32 [num_reqs + 1, max_context_len]
         self.max_context_len = req_to_token.shape[1]
@@ -221,6 +231,24 @@ class TorchPagedBackend:
         self.kv_heads, self.heads, self.head_dim = kv_heads, heads, head_dim
         self.scratch: DecodeScratch | None = None
         self.kernel = kernel
+        self.layout = layout
+
+    def use(self, attention: str) -> None:
+        """Run the decode attention named ``attention`` (a key of :data:`ATTENTIONS`)."""
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r}: expected one of {tuple(ATTENTIONS)}")
+        self.kernel, self.layout = ATTENTIONS[attention]
+
+    @property
+    def layout(self) -> str:
+        """The Triton kernel's split launch: ``"per_head"`` or ``"all_heads"``."""
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+        self._layout = layout
 
     @property
     def kernel(self) -> str:
@@ -260,8 +288,12 @@ class TorchPagedBackend:
         slots = torch.where(mask, self.req_to_token[req_pool_indices], 0).long()
         paged = None
         if self._kernel == "triton":
-            splits = choose_splits(seq_lens.shape[0], self.kv_heads, self.max_context_len)
-            paged = PagedRows(self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch)
+            splits = choose_splits(
+                seq_lens.shape[0], self.kv_heads, self.max_context_len, layout=self._layout
+            )
+            paged = PagedRows(
+                self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch, self._layout
+            )
         return AttnMetadata(
             slots,
             mask[:, None, None, :].expand(-1, 1, group, -1),

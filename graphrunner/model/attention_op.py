@@ -26,6 +26,8 @@ class PagedRows:
     req_pool_indices, seq_lens: int64 ``[B]``; row ``b`` reads the KV slots
         ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
     num_splits: chunks per row, fixed by the batch size (static in a graph).
+    layout: the kernel's split launch, one of
+        :data:`~graphrunner.kernels.decode_attention.LAYOUTS`.
     scratch: the chunks' partial results, allocated once by the backend; None
         (or too small, e.g. for more token rows than requests) and each call
         allocates its own (inside a graph: once, from the graph's pool).
@@ -36,6 +38,7 @@ class PagedRows:
     seq_lens: torch.Tensor
     num_splits: int
     scratch: DecodeScratch | None = None
+    layout: str = "per_head"
 
 
 # The scratch is declared mutated: inductor then passes the backend's buffers
@@ -54,6 +57,7 @@ def paged_decode_attention(
     partial_lse: torch.Tensor,
     scale: float,
     num_splits: int,
+    layout: str = "per_head",
 ) -> torch.Tensor:
     """:func:`~graphrunner.kernels.decode_attention.decode_attention` as an op:
     q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``,
@@ -70,6 +74,7 @@ def paged_decode_attention(
         num_splits=num_splits,
         out=out,
         scratch=DecodeScratch(partial_out, partial_lse),
+        layout=layout,
     )
 
 
@@ -85,6 +90,7 @@ def _fake(
     partial_lse: torch.Tensor,
     scale: float,
     num_splits: int,
+    layout: str = "per_head",
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -110,5 +116,6 @@ def paged_attention(
         scratch.partial_lse,
         scale,
         rows.num_splits,
+        rows.layout,
     )
     return out.view(b, kv_heads, group, head_dim)
