@@ -21,6 +21,7 @@ table write, one copy and the graph launch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,7 @@ class FusedPopulate:
         )
         self._interpret = buffers.device.type != "cuda"
         self._tables: dict[tuple[int, int], _Table] = {}
+        self._stage_views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self._dense: list[torch.Tensor] = []
         #: Kernel launches issued (tests and benches read it).
         self.launches = 0
@@ -117,14 +119,16 @@ class FusedPopulate:
         rows = self.staging.next_host()
         rows[: len(table.rows)] = table.rows
         dense: list[torch.Tensor] = []
-        staged = False
+        staged_dsts: list[torch.Tensor] = []
+        staged_srcs: list[torch.Tensor] = []
+        views = self._staged_views(raw_bs) if raw_bs else []
         for k, i in enumerate(self._index if raw_bs else ()):
-            src, offset = sources[i], self._offsets[k]
-            if offset >= 0 and src.device.type == "cpu":
-                # Host-produced: its bytes ride in the table's copy.
-                self._stage_bytes(src, offset, int(table.rows[k, _LIVE]))
-                rows[k, _SRC] = self.staging.data_address + offset
-                staged = True
+            src, view = sources[i], views[k]
+            if view is not None and src.is_cpu:
+                # Host-produced: its bytes ride in the table's copy (the
+                # table's source address is already its data slot).
+                staged_dsts.append(view)
+                staged_srcs.append(src)
                 continue
             if not src.is_contiguous():
                 src = src.contiguous()  # a bit copy needs dense rows
@@ -133,16 +137,34 @@ class FusedPopulate:
             rows[k, _SRC] = address
             if address & 7:
                 rows[k, _WIDE] = 0
-        self.staging.upload(with_data=staged)
+        if staged_dsts:
+            torch._foreach_copy_(staged_dsts, staged_srcs)  # host to host, one call
+        self.staging.upload(with_data=bool(staged_dsts))
         # The dense copies must outlive the launch (for the in-graph writer:
         # the graph launch after this call); the next step replaces them.
         self._dense = dense
         return table
 
-    def _stage_bytes(self, src: torch.Tensor, offset: int, live: int) -> None:
-        """Copy host tensor ``src``'s ``live`` bytes into this step's data region."""
-        values = src.numpy().reshape(-1)  # strided sources too
-        self.staging.host_data()[offset : offset + live].view(values.dtype)[:] = values
+    def _staged_views(self, raw_bs: int) -> list[torch.Tensor | None]:
+        """Per device buffer, its ``raw_bs`` live rows' slot in the data region
+        of this step's ring buffer (typed, shaped as the source), or None for a
+        buffer that takes device inputs only. Cached per (ring buffer, size)."""
+        key = (self.staging.turn, raw_bs)
+        views = self._stage_views.get(key)
+        if views is None:
+            data = self.staging.host_data()
+            views = []
+            for k, i in enumerate(self._index):
+                spec, offset = self.buffers.specs[i], self._offsets[k]
+                if offset < 0:
+                    views.append(None)
+                    continue
+                rows = spec.rows(raw_bs)
+                size = _element_size(spec) * rows * math.prod(spec.extra_shape)
+                typed = data[offset : offset + size].view(spec.dtype)
+                views.append(typed.view(rows, *spec.extra_shape))
+            self._stage_views[key] = views
+        return views
 
     def _write_host(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
         if not self._has_host:
@@ -178,7 +200,10 @@ class FusedPopulate:
             total = spec.rows(bs) * row_bytes if spec.pad_value() is not None else live
             dst = buf.data_ptr()
             rows[k, _DST] = dst
-            rows[k, _SRC] = dst  # never read while live == 0; a valid address all the same
+            # A host-produced input is read from its data slot; a device one's
+            # address is set per step (never read while live == 0).
+            offset = self._offsets[k]
+            rows[k, _SRC] = dst if offset < 0 else self.staging.data_address + offset
             rows[k, _LIVE], rows[k, _TOTAL] = live, total
             rows[k, _PATTERN] = pad_pattern(spec)
             rows[k, _WIDE] = int((dst | live | total) & 7 == 0)

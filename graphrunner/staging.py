@@ -61,7 +61,7 @@ class TableStaging:
         host = [torch.zeros(words, dtype=torch.int64, pin_memory=self._cuda) for _ in range(depth)]
         self._host = host
         self._views: list[np.ndarray] = [h[:table_words].view(shape).numpy() for h in host]
-        self._data: list[np.ndarray] = [h[table_words:].numpy().view(np.uint8) for h in host]
+        self._data = [h[table_words:].view(torch.uint8) for h in host]
         device_flat = torch.zeros(words, dtype=torch.int64, device=device)
         # What a step copies: the table alone, or the table and the data region.
         self._pairs = {
@@ -96,8 +96,13 @@ class TableStaging:
         """Pinned buffers in the ring."""
         return len(self._host)
 
-    def host_data(self) -> np.ndarray:
-        """The data region (uint8) of the buffer :meth:`next_host` returned."""
+    @property
+    def turn(self) -> int:
+        """The ring buffer :meth:`next_host` returns (``0..depth-1``)."""
+        return self._turn
+
+    def host_data(self) -> torch.Tensor:
+        """The data region (uint8 tensor) of the buffer :meth:`next_host` returned."""
         return self._data[self._turn]
 
     def upload(self, *, with_data: bool = False) -> torch.Tensor:
