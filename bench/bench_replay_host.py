@@ -42,6 +42,7 @@ import torch
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import GraphRunner
 from graphrunner.batch import DecodeBatch
+from graphrunner.decode import DECODE_FIELD_NAMES
 from graphrunner.engine import create_model_runner
 from graphrunner.model import ModelBundle, default_model
 from graphrunner.populate import check_sources, write_sources
@@ -76,11 +77,10 @@ def _batch(bundle: ModelBundle, raw_bs: int) -> DecodeBatch:
 
 def _host_fields(batch: DecodeBatch) -> SpecBatch:
     """``batch`` with every device field a pinned CPU tensor (host-produced)."""
-    names = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
     return SpecBatch(
         req_pool_indices_cpu=batch.req_pool_indices_cpu,
         seq_lens_cpu=batch.seq_lens_cpu,
-        **{name: getattr(batch, name).cpu().pin_memory() for name in names},
+        **{name: getattr(batch, name).cpu().pin_memory() for name in DECODE_FIELD_NAMES},
     )
 
 

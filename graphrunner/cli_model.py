@@ -101,7 +101,8 @@ def check_atol(args: argparse.Namespace) -> float:
 
 def check_attention(args: argparse.Namespace) -> None:
     """``--attention triton*`` needs a CUDA device (``args.device`` resolved)."""
-    if args.attention.startswith("triton") and not str(args.device).startswith("cuda"):
+    triton = args.attention != "auto" and ATTENTIONS[args.attention][0] == "triton"
+    if triton and not str(args.device).startswith("cuda"):
         raise UsageError(
             f"--attention {args.attention} needs a CUDA device; the device here is {args.device} "
             "(the CPU runs the torch attention)"

@@ -99,7 +99,7 @@ class FusedPopulate:
         )
         self._interpret = buffers.device.type != "cuda"
         self._tables: dict[tuple[int, int], _Table] = {}
-        self._stage_views: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._stage_views: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         self._dense: list[torch.Tensor] = []
         #: Kernel launches issued (tests and benches read it).
         self.launches = 0
@@ -119,16 +119,13 @@ class FusedPopulate:
         rows = self.staging.next_host()
         rows[: len(table.rows)] = table.rows
         dense: list[torch.Tensor] = []
-        staged_dsts: list[torch.Tensor] = []
-        staged_srcs: list[torch.Tensor] = []
-        views = self._staged_views(raw_bs) if raw_bs else []
+        staged: list[tuple[int, torch.Tensor]] = []
         for k, i in enumerate(self._index if raw_bs else ()):
-            src, view = sources[i], views[k]
-            if view is not None and src.is_cpu:
+            src = sources[i]
+            if self._offsets[k] >= 0 and src.is_cpu:
                 # Host-produced: its bytes ride in the table's copy (the
                 # table's source address is already its data slot).
-                staged_dsts.append(view)
-                staged_srcs.append(src)
+                staged.append((k, src))
                 continue
             if not src.is_contiguous():
                 src = src.contiguous()  # a bit copy needs dense rows
@@ -137,32 +134,32 @@ class FusedPopulate:
             rows[k, _SRC] = address
             if address & 7:
                 rows[k, _WIDE] = 0
-        if staged_dsts:
-            torch._foreach_copy_(staged_dsts, staged_srcs)  # host to host, one call
-        self.staging.upload(with_data=bool(staged_dsts))
+        if staged:
+            views = self._staged_views(raw_bs)
+            # Host to host, one call for every staged field.
+            torch._foreach_copy_([views[k] for k, _ in staged], [src for _, src in staged])
+        self.staging.upload(with_data=bool(staged))
         # The dense copies must outlive the launch (for the in-graph writer:
         # the graph launch after this call); the next step replaces them.
         self._dense = dense
         return table
 
-    def _staged_views(self, raw_bs: int) -> list[torch.Tensor | None]:
-        """Per device buffer, its ``raw_bs`` live rows' slot in the data region
-        of this step's ring buffer (typed, shaped as the source), or None for a
-        buffer that takes device inputs only. Cached per (ring buffer, size)."""
+    def _staged_views(self, raw_bs: int) -> dict[int, torch.Tensor]:
+        """By table row, each buffer that takes host inputs: its ``raw_bs``
+        live rows' slot in the data region of this step's ring buffer (typed,
+        shaped as the source). Cached per (ring buffer, size)."""
         key = (self.staging.turn, raw_bs)
         views = self._stage_views.get(key)
         if views is None:
             data = self.staging.host_data()
-            views = []
+            views = {}
             for k, i in enumerate(self._index):
                 spec, offset = self.buffers.specs[i], self._offsets[k]
-                if offset < 0:
-                    views.append(None)
-                    continue
-                rows = spec.rows(raw_bs)
-                size = _element_size(spec) * rows * math.prod(spec.extra_shape)
-                typed = data[offset : offset + size].view(spec.dtype)
-                views.append(typed.view(rows, *spec.extra_shape))
+                if offset >= 0:
+                    rows = spec.rows(raw_bs)
+                    size = _element_size(spec) * rows * math.prod(spec.extra_shape)
+                    typed = data[offset : offset + size].view(spec.dtype)
+                    views[k] = typed.view(rows, *spec.extra_shape)
             self._stage_views[key] = views
         return views
 

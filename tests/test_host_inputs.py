@@ -15,6 +15,7 @@ import torch
 
 from graphrunner import CudaGraphRunner, PopulateError, decode_buffer_specs
 from graphrunner.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.decode import DECODE_FIELD_NAMES
 from graphrunner.populate import write_sources
 from graphrunner.populate_fused import FusedPopulate, InGraphPopulate
 from graphrunner.spec.base import SpecBatch
@@ -104,7 +105,7 @@ SIZES = [1, 2, 4, 8]
 def _host_copy(batch: object, *, pinned: bool) -> SpecBatch:
     """``batch`` with every device field as a CPU tensor (pinned or pageable)."""
     fields = {}
-    for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+    for name in DECODE_FIELD_NAMES:
         host = getattr(batch, name).cpu()
         fields[name] = host.pin_memory() if pinned else host
     return SpecBatch(
