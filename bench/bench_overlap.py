@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bench.conftest import BASELINES, FACTS, record
-from graphrunner.engine import Engine, create_model_runner
-from graphrunner.engine_overlap import OverlapEngine
+from graphrunner.core.future_map import FutureMap
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.overlap import OverlapEngine
+from graphrunner.engine.workload import synthetic_trace
 from graphrunner.model import default_model
-from graphrunner.overlap import FutureMap
-from graphrunner.trace import synthetic_trace
 
 KIND = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]

@@ -15,8 +15,8 @@ import torch
 
 from bench.conftest import BASELINES, FACTS, record
 from graphrunner import StaticBuffers, decode_buffer_specs, pad_to, populate
-from graphrunner.backend import NullBackend
-from graphrunner.input_check import InputGate
+from graphrunner.core.input_check import InputGate
+from graphrunner.declare.hooks import NullBackend
 from graphrunner.testing import ToyWorld, ToyWorldConfig
 
 # Live batch sizes: one unpadded (1), the rest one short of a captured size.

@@ -41,13 +41,13 @@ import torch
 
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import GraphRunner
-from graphrunner.batch import DecodeBatch
-from graphrunner.decode import DECODE_FIELD_NAMES
-from graphrunner.engine import create_model_runner
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.declare.decode import DECODE_FIELD_NAMES
+from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import ModelBundle, default_model
-from graphrunner.populate import check_sources, write_sources
-from graphrunner.populate_fused import FusedPopulate
-from graphrunner.spec.base import SpecBatch
+from graphrunner.phases.base import SpecBatch
+from graphrunner.writers.base import check_sources, write_sources
+from graphrunner.writers.fused import FusedPopulate
 
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.report import CaptureReport
+from graphrunner.sizing.report import CaptureReport
 from graphrunner.testing import torch_threads
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -125,7 +125,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def _write_inputs() -> None:
     """The capture reports and traces of this run, beside the tables, for the pictures."""
-    from graphrunner.report_file import write_capture_report
+    from graphrunner.sizing.report_file import write_capture_report
 
     for label, report in CAPTURES.items():
         write_capture_report(report, RESULTS_DIR / f"capture-{_slug(label)}.json", mechanism=label)

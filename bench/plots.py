@@ -23,10 +23,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from graphrunner.report import CaptureReport  # noqa: E402
-from graphrunner.report_file import read_capture_report  # noqa: E402
-from graphrunner.size_plan import expected_waste  # noqa: E402
-from graphrunner.sizes import pad_to  # noqa: E402
+from graphrunner.sizing.plan import expected_waste  # noqa: E402
+from graphrunner.sizing.report import CaptureReport  # noqa: E402
+from graphrunner.sizing.report_file import read_capture_report  # noqa: E402
+from graphrunner.sizing.sizes import pad_to  # noqa: E402
 
 DPI = 120
 #: One colour per variant, the same in every picture.

@@ -5,16 +5,27 @@ The public API is what ``__all__`` lists; everything else is internal.
 
 from __future__ import annotations
 
-from graphrunner.backend import GraphBackend, NullBackend
-from graphrunner.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
-from graphrunner.decode import (
+from graphrunner.core.future_map import FutureMap, future_refs
+from graphrunner.core.replay import NotCapturedError
+from graphrunner.core.runner import GraphRunner
+from graphrunner.core.runners import (
+    CpuGraphRunner,
+    CudaGraphRunner,
+    EagerRunner,
+    best_runner_kind,
+    create_runner,
+)
+from graphrunner.declare.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
+from graphrunner.declare.decode import (
     DECODE_FIELDS,
     DECODE_HOST_MIRRORS,
     MAMBA_DECODE_FIELDS,
     decode_buffer_specs,
 )
-from graphrunner.histogram import BatchSizeHistogram, read_histogram
-from graphrunner.inputs import DecodeInputs, StepInputs
+from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.inputs import DecodeInputs, StepInputs
+from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
+from graphrunner.declare.state_ops import StateOps
 from graphrunner.mechanisms import (
     CaptureMechanism,
     CudaGraphCapture,
@@ -22,29 +33,18 @@ from graphrunner.mechanisms import (
     InductorCapture,
     create_mechanism,
 )
-from graphrunner.outputs import OutputDeclarationError, OutputSpec
-from graphrunner.overlap import FutureMap, future_refs
-from graphrunner.pools import HybridReqToTokenPool, MambaStatePool
-from graphrunner.populate import PopulateError, populate
-from graphrunner.replay import NotCapturedError
-from graphrunner.report import CaptureReport, RunnerStats, SizeReport
-from graphrunner.runner import GraphRunner
-from graphrunner.runners import (
-    CpuGraphRunner,
-    CudaGraphRunner,
-    EagerRunner,
-    best_runner_kind,
-    create_runner,
-)
-from graphrunner.size_plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
-from graphrunner.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
-from graphrunner.spec import (
+from graphrunner.phases import (
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
     SpecBatch,
     TargetVerifyRunner,
 )
-from graphrunner.state_ops import StateOps
+from graphrunner.pools import HybridReqToTokenPool, MambaStatePool
+from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
+from graphrunner.sizing.plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
+from graphrunner.sizing.report import CaptureReport, RunnerStats, SizeReport
+from graphrunner.sizing.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
+from graphrunner.writers.base import PopulateError, populate
 
 __all__ = [
     "DECODE_FIELDS",

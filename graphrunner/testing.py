@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 __all__ = ["ToyDecodeModel", "ToyWorld", "ToyWorldConfig", "torch_threads"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.testing import ToyWorld
 
 

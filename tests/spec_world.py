@@ -7,8 +7,8 @@ import torch
 
 from graphrunner.model import default_model
 from graphrunner.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
+from graphrunner.phases import SpecBatch
 from graphrunner.pools import KVCache
-from graphrunner.spec import SpecBatch
 
 MAX_REQUESTS = 10
 CONTEXT = 64

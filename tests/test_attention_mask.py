@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.model import ModelBundle, default_model
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [42]]

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphrunner.batch import BatchError, DecodeBatch
+from graphrunner.batch.decode_batch import BatchError, DecodeBatch
 from graphrunner.pools import (
     DecodeReqToTokenPool,
     InvalidSlot,

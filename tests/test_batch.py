@@ -18,8 +18,8 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from graphrunner.batch import BatchError, DecodeBatch
-from graphrunner.inputs import DecodeInputs
+from graphrunner.batch.decode_batch import BatchError, DecodeBatch
+from graphrunner.declare.inputs import DecodeInputs
 from graphrunner.pools import PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator
 
 L = 6  # max_context_len

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from bench.plots import PaddingPanel, draw_all
-from graphrunner.report import CaptureReport, SizeReport
-from graphrunner.report_file import write_capture_report
+from graphrunner.sizing.report import CaptureReport, SizeReport
+from graphrunner.sizing.report_file import write_capture_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

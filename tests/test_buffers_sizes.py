@@ -17,7 +17,7 @@ from graphrunner import (
     pad_to,
     padding_waste,
 )
-from graphrunner.sizes import validate_capture_sizes
+from graphrunner.sizing.sizes import validate_capture_sizes
 
 
 def test_buffer_without_a_rule_is_an_error():

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.cli as cli
-import graphrunner.memory as memory
-from graphrunner.engine import Engine, create_model_runner
-from graphrunner.model import ModelBundle, default_config, default_model, save_checkpoint
-from graphrunner.trace import requests_from_prompts, synthetic_trace
+import graphrunner.cli.main as cli
+import graphrunner.engine.memory as memory
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import requests_from_prompts, synthetic_trace
+from graphrunner.io import save_checkpoint
+from graphrunner.model import ModelBundle, default_config, default_model
 from test_engine import StrayWriter
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import cli, cli_model
+from graphrunner.cli import main as cli
+from graphrunner.cli import model_args as cli_model
 from graphrunner.model import default_model, shape_1b_config
 
 

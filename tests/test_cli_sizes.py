@@ -13,12 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphrunner.cli as cli
-import graphrunner.cli_sizes as cli_sizes
-from graphrunner.histogram import BatchSizeHistogram, read_histogram
-from graphrunner.report import CaptureReport, SizeReport
-from graphrunner.report_file import ReportFileError, read_capture_report, write_capture_report
-from graphrunner.size_plan import expected_waste, optimal_capture_sizes
+import graphrunner.cli.main as cli
+import graphrunner.cli.sizes as cli_sizes
+from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
+from graphrunner.sizing.plan import expected_waste, optimal_capture_sizes
+from graphrunner.sizing.report import CaptureReport, SizeReport
+from graphrunner.sizing.report_file import (
+    ReportFileError,
+    read_capture_report,
+    write_capture_report,
+)
 
 EAGER = ["--runner", "eager"]
 

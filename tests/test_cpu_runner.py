@@ -12,7 +12,7 @@ from torch.profiler import profile
 
 from conftest import CapturedToy
 from graphrunner import CpuGraphRunner, decode_buffer_specs
-from graphrunner.buffers import BufferView
+from graphrunner.declare.buffers import BufferView
 from graphrunner.mechanisms.compile import SizeCompiler
 from graphrunner.testing import ToyWorld
 

@@ -16,7 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.kernels.decode_attention import (
+from graphrunner.model.attention import TorchPagedBackend, attend
+from graphrunner.model.attention_op import paged_decode_attention
+from graphrunner.model.kernels.decode_attention import (
     BLOCK_N,
     LAYOUTS,
     MAX_SPLITS,
@@ -24,8 +26,6 @@ from graphrunner.kernels.decode_attention import (
     choose_splits,
     decode_attention,
 )
-from graphrunner.model.attention import TorchPagedBackend, attend
-from graphrunner.model.attention_op import paged_decode_attention
 from hopper import compile_for_hopper
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,7 +255,7 @@ def test_custom_op_is_registered_with_a_fake() -> None:
 
 # Compiled, not interpreted: the kernels must lower to Hopper code with no GPU present.
 _COMPILE_ATTENTION = """
-    from graphrunner.kernels import decode_attention as da
+    import graphrunner.model.kernels.decode_attention as da
 
     for dt, prec, group, dim in (("bf16", "tf32", 8, 64), ("fp32", "ieee", 2, 16)):
         ptrs = ["*" + dt] * 3 + ["*i32", "*i64", "*i64", "*fp32", "*fp32", "fp32"]

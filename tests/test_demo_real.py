@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.demo_real as demo_real
+import graphrunner.cli.demo_real as demo_real
 from gguf_world import tiny_text_checkpoint, write_gguf
-from graphrunner.gguf_cache import CACHE_ENV
+from graphrunner.io.gguf_cache import CACHE_ENV
 
 
 @pytest.fixture(autouse=True)

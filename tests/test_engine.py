@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.engine import AdmissionError, Engine, EngineResult, create_model_runner
+from graphrunner.engine.loop import AdmissionError, Engine, EngineResult, create_model_runner
+from graphrunner.engine.workload import Request, requests_from_prompts, synthetic_trace
 from graphrunner.model import ModelBundle, default_model
-from graphrunner.trace import Request, requests_from_prompts, synthetic_trace
 
 MAX_BS = 4
 
@@ -48,7 +48,7 @@ def _trace(n: int = 10, seed: int = 3) -> list[Request]:
 
 def _solo_greedy(bundle: ModelBundle, req: Request) -> list[int]:
     """The model alone, one request, no runner, no batching."""
-    from graphrunner.batch import DecodeBatch
+    from graphrunner.batch.decode_batch import DecodeBatch
 
     index = bundle.req_pool.alloc(1)[0]
     slots = bundle.kv_alloc.alloc(len(req.prompt))

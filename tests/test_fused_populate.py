@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrunner import BufferSpec, PadRule, StaticBuffers, populate
-from graphrunner.populate import check_sources
-from graphrunner.populate_fused import FusedPopulate, InGraphPopulate, pad_pattern
-from graphrunner.staging import DEPTH, TableStaging
+from graphrunner.writers.base import check_sources
+from graphrunner.writers.fused import FusedPopulate, InGraphPopulate, pad_pattern
+from graphrunner.writers.staging import DEPTH, TableStaging
 from hopper import compile_for_hopper
 
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -252,7 +252,7 @@ def test_a_ring_shorter_than_two_is_refused_by_name(depth: object):
 
 
 _COMPILE_POPULATE = """
-    from graphrunner.kernels import populate_fused as pf
+    import graphrunner.writers.fused_kernel as pf
 
     consts = dict(ROW=pf.ROW, BLOCK=pf.BLOCK)
     assert compile(pf._populate, ["*i64", "*i64"], consts)

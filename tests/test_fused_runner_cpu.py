@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from graphrunner import FutureMap, GraphRunner, PopulateError, decode_buffer_specs
-from graphrunner.buffers import BufferView, StaticBuffers
+from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.mechanisms import EagerCapture
 from graphrunner.mechanisms.base import ForwardFn, Launcher
-from graphrunner.populate_fused import FusedPopulate, InGraphPopulate
 from graphrunner.testing import ToyWorld
+from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
 
 SIZES = [1, 2, 4, 8]
 

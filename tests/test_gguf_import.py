@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import graphrunner.cli as cli
+import graphrunner.cli.main as cli
 from gguf_world import CORPUS, tiny_text_checkpoint, write_gguf
-from graphrunner.gguf_cache import CACHE_ENV, converted_dir
-from graphrunner.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
-from graphrunner.model.loader import load_any_model, load_model, read_weights
+from graphrunner.io.checkpoint import load_any_model, load_model, read_weights
+from graphrunner.io.gguf_cache import CACHE_ENV, converted_dir
+from graphrunner.io.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from graphrunner import EagerRunner, decode_buffer_specs
-from graphrunner.histogram import BatchSizeHistogram, HistogramFileError, read_histogram
-from graphrunner.sizes import BatchSizeError
+from graphrunner.sizing.histogram import BatchSizeHistogram, HistogramFileError, read_histogram
+from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
 from test_engine import _engine, _trace
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from graphrunner import CudaGraphRunner, PopulateError, decode_buffer_specs
-from graphrunner.buffers import BufferSpec, PadRule, StaticBuffers
-from graphrunner.decode import DECODE_FIELD_NAMES
-from graphrunner.populate import write_sources
-from graphrunner.populate_fused import FusedPopulate, InGraphPopulate
-from graphrunner.spec.base import SpecBatch
-from graphrunner.staging import TableStaging
+from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.declare.decode import DECODE_FIELD_NAMES
+from graphrunner.phases.base import SpecBatch
 from graphrunner.testing import ToyWorld
+from graphrunner.writers.base import write_sources
+from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
+from graphrunner.writers.staging import TableStaging
 
 SPECS = [
     BufferSpec("ids", torch.int64, PadRule.ZERO, index=True),

@@ -22,16 +22,16 @@ import pytest
 import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner.batch import DecodeBatch
-from graphrunner.engine_ssm import (
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.engine.state_space import (
     StateSpaceEngine,
     StateSpaceInputs,
     create_state_space_runner,
 )
-from graphrunner.model.loader import load_any_model
-from graphrunner.model.mamba_loader import StateSpaceBundle
-from graphrunner.sanitizer import PaddingViolation
-from graphrunner.trace import Request
+from graphrunner.engine.workload import Request
+from graphrunner.io.checkpoint import load_any_model
+from graphrunner.io.mamba_checkpoint import StateSpaceBundle
+from graphrunner.sanitizer.padding import PaddingViolation
 from hf_ssm import (
     groups_the_gated_norm,
     save_tiny_bamba,
@@ -217,7 +217,7 @@ def test_generate_loads_the_checkpoint_like_a_llama_one(
     checkpoint: transformers' greedy tokens, in prompt order."""
     import json
 
-    from graphrunner import cli
+    from graphrunner.cli import main as cli
 
     kind, path, expected = oracle
     requests = TRACE[:4]

@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.buffers import BufferSpec, PadRule
-from graphrunner.decode import MAMBA_DECODE_FIELDS, decode_buffer_specs
+from graphrunner.core.runners import create_runner
+from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.decode import MAMBA_DECODE_FIELDS, decode_buffer_specs
+from graphrunner.declare.state_ops import run_state_ops
 from graphrunner.pools import (
     DecodeHybridReqToTokenPool,
     DoubleFree,
@@ -25,9 +27,7 @@ from graphrunner.pools import (
     PoolError,
     PoolExhausted,
 )
-from graphrunner.populate import PopulateError
-from graphrunner.runners import create_runner
-from graphrunner.state_ops import run_state_ops
+from graphrunner.writers.base import PopulateError
 
 F32 = torch.float32
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.cli as cli
+import graphrunner.cli.main as cli
 from graphrunner.model import ModelBundle
 from hf_tiny import save_tiny_llama
 

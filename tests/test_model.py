@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.io import load_model, read_config, save_checkpoint
 from graphrunner.model import (
     CheckpointError,
     ModelBundle,
@@ -21,9 +22,6 @@ from graphrunner.model import (
     UnsupportedConfigError,
     WeightError,
     default_model,
-    load_model,
-    read_config,
-    save_checkpoint,
 )
 from hf_tiny import save_tiny_llama
 

@@ -9,7 +9,7 @@ import pytest
 from torch.profiler import profile
 
 from conftest import CapturedToy
-from graphrunner import nvtx
+from graphrunner.util import nvtx
 
 
 def test_replay_ranges_appear_in_a_torch_profiler_trace(captured_toy: CapturedToy):

@@ -19,7 +19,7 @@ from graphrunner import (
     OutputSpec,
     PadRule,
 )
-from graphrunner.buffers import BufferView
+from graphrunner.declare.buffers import BufferView
 
 W, TOPK, STEPS, HIDDEN = 3, 2, 5, 6
 SIZES = [2, 4]

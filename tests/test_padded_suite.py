@@ -33,9 +33,9 @@ from conftest import (
     runner_device,
 )
 from graphrunner import GraphRunner, decode_buffer_specs
-from graphrunner.batch import DecodeBatch
-from graphrunner.report import RunnerStats
-from graphrunner.sanitizer import PaddingSanitizer, SanitizerStats
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.sanitizer.padding import PaddingSanitizer, SanitizerStats
+from graphrunner.sizing.report import RunnerStats
 from graphrunner.testing import ToyWorld
 from poison import assert_state_matches, poison_tails, stale_values, state_is_bit_exact
 

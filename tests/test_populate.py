@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrunner.replay
+import graphrunner.core.replay
 from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, populate
 from graphrunner.testing import ToyWorld
 
@@ -197,7 +197,7 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
         return 0
 
     # The replay path's writer (the torch half of populate, after validation).
-    monkeypatch.setattr(graphrunner.replay, "write_sources", copy_live_rows_only)
+    monkeypatch.setattr(graphrunner.core.replay, "write_sources", copy_live_rows_only)
     batch = world.make_batch(3, seed=0)
     for t in runner.buffers.tensors.values():
         t[3:].fill_(sentinel)

@@ -13,9 +13,9 @@ import torch
 
 from conftest import make_runner
 from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
-from graphrunner.engine import create_model_runner
+from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import default_model
-from graphrunner.sanitizer import PaddingSanitizer
+from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from graphrunner import EagerRunner, NotCapturedError, decode_buffer_specs
-from graphrunner.batch import DecodeBatch
-from graphrunner.populate import PopulateError
-from graphrunner.sizes import BatchSizeError
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
+from graphrunner.writers.base import PopulateError
 
 
 def make(forward: object, sizes: list[int]) -> EagerRunner:

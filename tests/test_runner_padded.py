@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import PADDED_CASES, TEST_CAPTURE_SIZES, CapturedToy
-from graphrunner.sanitizer import check_tails
+from graphrunner.sanitizer.padding import check_tails
 from poison import assert_state_matches, poison_tails, stale_values, state_is_bit_exact
 
 

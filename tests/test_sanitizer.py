@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrunner.replay
+import graphrunner.core.replay
 from conftest import CapturedToy
 from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
-from graphrunner.batch import DecodeBatch
+from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from graphrunner.populate import write_sources
-from graphrunner.sanitizer import PaddingSanitizer, PaddingViolation
+from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
+from graphrunner.writers.base import write_sources
 from poison import stale_values
 
 RAW_BS = 5  # padded to 8
@@ -67,7 +67,7 @@ def test_disabled_pad_rule_is_caught(
         return ops
 
     # The replay path's writer (populate's torch half, after validation).
-    monkeypatch.setattr(graphrunner.replay, "write_sources", populate_forgetting_one_rule)
+    monkeypatch.setattr(graphrunner.core.replay, "write_sources", populate_forgetting_one_rule)
     with pytest.raises(PaddingViolation, match=f"buffer '{field}' padded row {RAW_BS} .* holds"):
         sanitized.runner.replay(batch)
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.size_plan import budget_capture_sizes, expected_waste, optimal_capture_sizes
-from graphrunner.sizes import default_capture_sizes, padding_waste
+from graphrunner.sizing.plan import budget_capture_sizes, expected_waste, optimal_capture_sizes
+from graphrunner.sizing.sizes import default_capture_sizes, padding_waste
 
 #: Integer steps per size; 10**9 keeps the exp trace's figures to 8 digits.
 SCALE = 10**9

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.cli as cli
+import graphrunner.cli.main as cli
 from conftest import SLOW
-from graphrunner.demo_real import PROMPTS, fetch_gguf
-from graphrunner.gguf_cache import cache_root
+from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
+from graphrunner.io.gguf_cache import cache_root
 
 pytestmark = [
     pytest.mark.slow,

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from conftest import SLOW, SOAK_REPORTS
-from graphrunner.engine import Engine, create_model_runner
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import synthetic_trace
 from graphrunner.model import ModelBundle, default_model
-from graphrunner.trace import synthetic_trace
 
 CONTEXT = 48
 MAX_REQUESTS = 8

@@ -14,13 +14,13 @@ import torch
 
 from conftest import RUNNER_PARAMS, make_runner, runner_device
 from graphrunner import GraphRunner
-from graphrunner.sanitizer import PaddingSanitizer
-from graphrunner.spec import (
+from graphrunner.phases import (
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
     TargetVerifyRunner,
     frozen_kv_sanitizer,
 )
+from graphrunner.sanitizer.padding import PaddingSanitizer
 from spec_world import SpecWorld
 
 SIZES = [2, 4]
@@ -227,7 +227,7 @@ def test_draft_runners_hold_no_padding_code():
     """Like the decode runners: the phase classes declare, populate pads."""
     import inspect
 
-    import graphrunner.spec as spec
+    import graphrunner.phases as spec
 
     for module in (spec.base, spec.verify, spec.eagle, spec.mtp):
         source = inspect.getsource(module)

@@ -10,10 +10,10 @@ import functools
 import pytest
 import torch
 
-from graphrunner.engine import Engine, create_model_runner
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.spec_factory import speculative_engine
+from graphrunner.engine.workload import Request
 from graphrunner.model import ModelBundle, default_model
-from graphrunner.spec.factory import speculative_engine
-from graphrunner.trace import Request
 
 SIZES = [1, 2, 4]
 

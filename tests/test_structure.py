@@ -12,8 +12,8 @@ import torch
 
 import graphrunner
 from graphrunner import DECODE_FIELDS, DECODE_HOST_MIRRORS, DecodeInputs, StepInputs
-from graphrunner.batch import DecodeBatch
-from graphrunner.decode import DECODE_FIELD_NAMES, decode_buffer_specs
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.declare.decode import DECODE_FIELD_NAMES, decode_buffer_specs
 from graphrunner.testing import ToyWorld
 from poison import stale_values
 
@@ -168,3 +168,49 @@ def test_no_hard_coded_warning_stack_levels():
         and isinstance(node.value, ast.Constant)
     ]
     assert offenders == []
+
+
+#: The layers, lowest first: a module may import its own layer and the ones
+#: below it, never one above (the table ``docs/design.md`` draws). The top
+#: level (``graphrunner/__init__.py``, ``__main__``, ``testing``) sits above all.
+LAYERS = (
+    "util",
+    "pools",
+    "declare",
+    "batch",
+    "writers",
+    "sanitizer",
+    "sizing",
+    "mechanisms",
+    "core",
+    "phases",
+    "model",
+    "io",
+    "engine",
+    "cli",
+)
+TOP_LEVEL = {"graphrunner", "graphrunner.__main__", "graphrunner.testing"}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_module_sits_in_a_layer_and_the_top_level_stays_small():
+    top = {m for m in map(_module_name, MODULES) if m.count(".") <= 1 and m not in TOP_LEVEL}
+    assert {_layer(m) for m in top} <= set(LAYERS), "a module outside every layer"
+    loose = [p for p in PACKAGE.glob("*.py")]
+    assert len(loose) <= 8, f"{len(loose)} modules at the top of graphrunner/"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = []
+    for path in MODULES:
+        module = _module_name(path)
+        if module in TOP_LEVEL:
+            continue
+        for dep in _imports(path):
+            if dep in TOP_LEVEL or rank[_layer(dep)] > rank[_layer(module)]:
+                upward.append(f"{module} -> {dep}")
+    assert upward == []

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import graphrunner.cli as cli
+import graphrunner.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner.engine import Engine, create_model_runner
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import Request
+from graphrunner.io.text import TextCodec
 from graphrunner.model import default_model
-from graphrunner.text import TextCodec
-from graphrunner.trace import Request
 from hf_tiny import save_tiny_llama
 
 EAGER = ["--runner", "eager", "--max-new-tokens", "10"]

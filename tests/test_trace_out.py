@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphrunner.cli as cli
-from graphrunner import nvtx
+import graphrunner.cli.main as cli
+from graphrunner.util import nvtx
 
 
 @pytest.fixture(autouse=True)

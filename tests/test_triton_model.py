@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import graphrunner.model.attention_op as attention_op
-from graphrunner.batch import DecodeBatch
-from graphrunner.engine import Engine, create_model_runner
-from graphrunner.model import ModelBundle, default_model, load_model, shape_1b_config
-from graphrunner.trace import Request
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import Request
+from graphrunner.io import load_model
+from graphrunner.model import ModelBundle, default_model, shape_1b_config
 from hf_tiny import save_tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

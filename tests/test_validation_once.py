@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
-from graphrunner.batch import DecodeBatch
-from graphrunner.sanitizer import PaddingSanitizer
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 
 FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
@@ -169,7 +169,7 @@ def test_a_batch_knows_its_host_ranges_and_drops_them_when_a_mirror_changes():
 
 
 def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch():
-    from graphrunner.engine import create_model_runner
+    from graphrunner.engine.loop import create_model_runner
     from graphrunner.model import default_model
 
     bundle = default_model(max_requests=4, max_context_len=16)

@@ -10,8 +10,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from graphrunner.buffers import BufferView, StaticBuffers
-from graphrunner.outputs import Outputs
+from graphrunner.declare.buffers import BufferView, StaticBuffers
+from graphrunner.declare.outputs import Outputs
 
 __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 
@@ -23,7 +23,7 @@ Launcher = Callable[[], Outputs]
 
 class PopulateWriter(Protocol):
     """Writes validated sources into the static buffers (another executor of
-    the same declarations as :func:`graphrunner.populate.write_sources`,
+    the same declarations as :func:`graphrunner.writers.base.write_sources`,
     which it must equal bit for bit)."""
 
     def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:

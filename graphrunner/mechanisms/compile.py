@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graphrunner.buffers import BufferView
+from graphrunner.declare.buffers import BufferView
+from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import ForwardFn, Launcher
-from graphrunner.outputs import Outputs
-from graphrunner.warn import warn_at_caller
+from graphrunner.util.warn import warn_at_caller
 
 __all__ = ["CUDAGRAPH_OPTION", "SizeCompiler", "inductor_patches"]
 

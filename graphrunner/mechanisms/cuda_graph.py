@@ -8,17 +8,17 @@ from typing import Any
 
 import torch
 
-from graphrunner.buffers import BufferView, StaticBuffers
+from graphrunner.declare.buffers import BufferView, StaticBuffers
+from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
-from graphrunner.outputs import Outputs
-from graphrunner.populate_fused import FusedPopulate, InGraphPopulate
+from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
 
 __all__ = ["POPULATE_MODES", "CudaGraphCapture", "pool_bytes"]
 
 #: How a replay writes the static buffers: grouped torch ops (the reference),
 #: one fused Triton launch outside the graph, or that launch captured inside
-#: each graph (see :mod:`graphrunner.populate_fused`).
+#: each graph (see :mod:`graphrunner.writers.fused`).
 POPULATE_MODES = ("torch", "fused", "graph")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from graphrunner.buffers import BufferView
+from graphrunner.declare.buffers import BufferView
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 

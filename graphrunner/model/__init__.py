@@ -1,7 +1,7 @@
 """The reference model executor: a Llama-style decoder over paged KV pools.
 
-Used by the demo, the oracle tests and the benchmarks; it loads Hugging
-Face-layout checkpoints (``config.json`` + safetensors).
+Used by the demo, the oracle tests and the benchmarks; checkpoints load
+through :mod:`graphrunner.io`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from graphrunner.model.default import (
     shape_1b_config,
 )
 from graphrunner.model.llama import LlamaDecoder, WeightError
-from graphrunner.model.loader import load_model, read_config, read_weights, save_checkpoint
 
 __all__ = [
     "EMBEDDED_CONFIGS",
@@ -34,9 +33,5 @@ __all__ = [
     "default_config",
     "default_model",
     "init_random_weights",
-    "load_model",
-    "read_config",
-    "read_weights",
-    "save_checkpoint",
     "shape_1b_config",
 ]

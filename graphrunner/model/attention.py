@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.buffers import BufferView
-from graphrunner.input_check import host_range
-from graphrunner.inputs import StepInputs
-from graphrunner.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
+from graphrunner.core.input_check import host_range
+from graphrunner.declare.buffers import BufferView
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.model.attention_op import PagedRows, paged_attention
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.fused import stack_weights
+from graphrunner.model.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 from graphrunner.model.layers import RotaryEmbedding
 
 #: The decode attentions a :class:`TorchPagedBackend` can run.
@@ -181,7 +181,7 @@ class PagedAttention(nn.Module):
 
 
 class TorchPagedBackend:
-    """The :class:`graphrunner.backend.GraphBackend` of the torch paged attention.
+    """The :class:`graphrunner.declare.hooks.GraphBackend` of the torch paged attention.
 
     Plan/run split, made as small as this backend allows: the per-step metadata
     (slot gather + length mask, :meth:`decode_metadata`) is two fused ops that
@@ -208,7 +208,7 @@ class TorchPagedBackend:
     ``heads`` and ``head_dim`` given, the Triton kernel's scratch is allocated
     here, for ``num_reqs`` rows, and grown to ``max_bs`` by ``init_graph_state``.
     ``layout`` is the Triton kernel's split launch (one of
-    :data:`~graphrunner.kernels.decode_attention.LAYOUTS`; ``"per_head"``, the
+    :data:`~graphrunner.model.kernels.decode_attention.LAYOUTS`; ``"per_head"``, the
     measured default, or ``"all_heads"``), settable like ``kernel``.
     """
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.kernels.decode_attention import DecodeScratch, decode_attention
+from graphrunner.model.kernels.decode_attention import DecodeScratch, decode_attention
 
 __all__ = ["PagedRows", "paged_attention", "paged_decode_attention"]
 
@@ -27,7 +27,7 @@ class PagedRows:
         ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
     num_splits: chunks per row, fixed by the batch size (static in a graph).
     layout: the kernel's split launch, one of
-        :data:`~graphrunner.kernels.decode_attention.LAYOUTS`.
+        :data:`~graphrunner.model.kernels.decode_attention.LAYOUTS`.
     scratch: the chunks' partial results, allocated once by the backend; None
         (or too small, e.g. for more token rows than requests) and each call
         allocates its own (inside a graph: once, from the graph's pool).
@@ -59,7 +59,7 @@ def paged_decode_attention(
     num_splits: int,
     layout: str = "per_head",
 ) -> torch.Tensor:
-    """:func:`~graphrunner.kernels.decode_attention.decode_attention` as an op:
+    """:func:`~graphrunner.model.kernels.decode_attention.decode_attention` as an op:
     q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``,
     using the scratch ``partial_out`` / ``partial_lse`` where it fits."""
     out = q.new_empty(q.shape)

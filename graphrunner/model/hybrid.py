@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.inputs import StepInputs
+from graphrunner.declare.inputs import StepInputs
+from graphrunner.declare.state_ops import run_state_ops
 from graphrunner.model.attention import AttnMetadata, KVStore, PagedAttention, TorchPagedBackend
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -22,7 +23,6 @@ from graphrunner.model.mamba import MambaStepInputs
 from graphrunner.model.mamba2_mixer import Mamba2Mixer
 from graphrunner.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 from graphrunner.pools.hybrid import HybridReqToTokenPool
-from graphrunner.state_ops import run_state_ops
 
 __all__ = ["HybridConfig", "HybridLM"]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.inputs import StepInputs
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.model.attention import (
     AttnMetadata,
     KVStore,

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner.declare.state_ops import run_state_ops
 from graphrunner.model.config import UnsupportedConfigError
 from graphrunner.model.layers import RMSNorm
 from graphrunner.model.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from graphrunner.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 from graphrunner.pools.hybrid import HybridReqToTokenPool
-from graphrunner.state_ops import run_state_ops
 
 __all__ = ["MambaConfig", "MambaLM", "MambaStepInputs"]
 

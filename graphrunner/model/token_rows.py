@@ -19,7 +19,7 @@ __all__ = ["TokenRows"]
 
 
 class TokenRows:
-    """The :class:`~graphrunner.inputs.StepInputs` of ``bs * W`` token rows.
+    """The :class:`~graphrunner.declare.inputs.StepInputs` of ``bs * W`` token rows.
 
     Args:
         inputs: per-token ``input_ids``, ``positions``, ``out_cache_loc``

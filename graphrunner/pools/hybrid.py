@@ -9,7 +9,7 @@ The pool never touches state tensors. Allocating a request records a clear of
 its new slot, forking records a copy of the parent's state (copy-on-write: a
 forked request owns its own slot from the start), and a track snapshot
 records a copy into a track slot; the runner's pre-launch step runs them on
-the forward's stream (:mod:`graphrunner.state_ops`).
+the forward's stream (:mod:`graphrunner.declare.state_ops`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""What the command line shares: its error, range checks, the device rule,
+and reading prompts and writing outputs safely."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from graphrunner.model import ModelConfig
+from graphrunner.util.atomic import write_atomically
+
+__all__ = [
+    "MAX_STEPS",
+    "UsageError",
+    "check_output",
+    "check_range",
+    "read_prompts",
+    "resolve_device",
+    "write_atomically",
+]
+
+
+#: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
+#: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
+MAX_STEPS = 100_000
+
+
+class UsageError(Exception):
+    """Bad arguments or input files, found before any work starts."""
+
+
+def check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:
+    if not lo <= value <= hi:
+        raise UsageError(f"{flag} {value}: expected {lo}..{hi}" + (f" ({why})" if why else ""))
+
+
+def resolve_device(runner: str | None, device: str | None, cuda_available: bool) -> tuple[str, str]:
+    """The runner kind and device of ``--runner`` and ``--device``, either or both
+    absent: an absent one follows the other (eager runs on the CPU unless a device
+    is given); with neither, cuda when available, else cpu."""
+    if device is None:
+        on_gpu = cuda_available if runner is None else runner == "cuda"
+        device = "cuda" if on_gpu else "cpu"
+    if re.fullmatch(r"cpu|cuda(?::(?:0|[1-9]\d*))?", device) is None:
+        raise UsageError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    on_cuda = device != "cpu"
+    kind = runner or ("cuda" if on_cuda else "cpu")
+    if kind != "eager" and (kind == "cuda") != on_cuda:
+        expected = "cuda or cuda:N" if kind == "cuda" else "cpu"
+        raise UsageError(
+            f"--runner {kind} does not run on --device {device}: expected --device {expected}"
+        )
+    if on_cuda and not cuda_available:
+        if runner == "cuda":
+            raise UsageError("--runner cuda: no CUDA device is available; expected cpu or eager")
+        raise UsageError(f"--device {device}: no CUDA device is available; expected cpu")
+    return kind, device
+
+
+def check_output(path: Path) -> None:
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"--output {path}: directory {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise UsageError(f"--output {path}: is a directory")
+
+
+def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
+    """Parse and validate a prompts file; :class:`UsageError` names the line and value."""
+    if not path.is_file():
+        raise UsageError(f"prompts file {str(path)!r} not found")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Lines counted as below: the valid text before the bad byte, split the same way.
+        lineno = len((data[: e.start].decode("utf-8") + "x").splitlines())
+        raise UsageError(f"{path}:{lineno}: not valid UTF-8") from None
+    prompts: list[list[int]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            prompt = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:60]!r}") from None
+        if not isinstance(prompt, list) or not prompt:
+            raise UsageError(
+                f"{where}: expected a non-empty JSON list of token ids, got {line.strip()[:60]!r}"
+            )
+        for i, tok in enumerate(prompt):
+            is_id = isinstance(tok, int) and not isinstance(tok, bool)
+            if not is_id or not 0 <= tok < config.vocab_size:
+                raise UsageError(
+                    f"{where}: token {i} = {tok!r} is not a token id in 0..{config.vocab_size - 1}"
+                )
+        needed = len(prompt) + max_new_tokens - 1
+        if needed > config.max_position_embeddings:
+            raise UsageError(
+                f"{where}: prompt of {len(prompt)} tokens + {max_new_tokens} new "
+                f"tokens needs a context of {needed}, longer than the model's "
+                f"{config.max_position_embeddings}"
+            )
+        prompts.append(prompt)
+    if not prompts:
+        raise UsageError(f"prompts file {str(path)!r} has no prompts")
+    return prompts

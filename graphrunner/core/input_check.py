@@ -1,0 +1,136 @@
+"""Validation once: a replay's inputs are checked where they are made, or
+fully on their first replay, and only cheaply after.
+
+* A :class:`~graphrunner.batch.decode_batch.DecodeBatch` validates its tensors when it
+  builds them (construction, ``prepare_decode``, ``filter``, ``merge``) and
+  stays *sealed* until someone assigns one of its fields from outside; a
+  sealed batch on the buffers' device skips the per-field checks.
+* Any other object (a foreign ``DecodeInputs``) is checked in full on its
+  first replay; the tensors it held then are remembered (weakly), and a later
+  replay whose fields are those very tensors, at the same batch size, skips
+  the checks. A field replaced by another tensor is checked in full again.
+* A runner with a sanitizer checks everything on every replay.
+
+The backend's own validation (:meth:`GraphBackend.validate_inputs`, host
+values that change every step) runs on every replay. What the cheap path
+cannot see is an in-place change of a remembered tensor's values (a host
+mirror's row set to 0): that is what the sanitizer is for.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from graphrunner.batch.decode_batch import DecodeBatch, host_min_max
+from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
+from graphrunner.declare.hooks import GraphBackend
+from graphrunner.writers.base import PopulateError, check_sources
+
+__all__ = ["InputGate", "check_host_mirrors", "host_range"]
+
+_MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
+
+
+def check_host_mirrors(inputs: Any, raw_bs: int) -> None:
+    """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors,
+    request rows >= 1: what can be checked on the host at no device cost (the
+    backend checks its ranges; the sanitizer checks the device values)."""
+    for name in _MIRRORS:
+        mirror = getattr(inputs, name, None)
+        if mirror is None:
+            continue
+        if not isinstance(mirror, torch.Tensor):
+            raise PopulateError(
+                f"host mirror {name!r} is a {type(mirror).__name__}; expected a CPU "
+                f"int64 tensor of shape ({raw_bs},)"
+            )
+        if mirror.device.type != "cpu" or mirror.dtype != torch.int64 or mirror.shape != (raw_bs,):
+            raise PopulateError(
+                f"host mirror {name!r} is {mirror.dtype} {tuple(mirror.shape)} on "
+                f"{mirror.device}; expected a CPU int64 tensor of shape ({raw_bs},)"
+            )
+    rows = getattr(inputs, DECODE_HOST_MIRRORS["req_pool_indices"], None)
+    if rows is not None and raw_bs and int(rows.min()) < 1:
+        row = int((rows < 1).nonzero()[0, 0])
+        raise PopulateError(
+            f"req_pool_indices_cpu[{row}]={int(rows[row])}: expected >= 1 (0 is the padding row)"
+        )
+
+
+def _batch_made(spec: BufferSpec) -> bool:
+    """A DecodeBatch builds this buffer's input itself: an int64 ``[bs]``
+    device field, or a host mirror declared as a host buffer."""
+    plain = spec.dtype == torch.int64 and spec.rows_per_request == 1 and not spec.extra_shape
+    placed = spec.name in DECODE_FIELD_NAMES if not spec.host else spec.name in _MIRRORS
+    return plain and placed
+
+
+class InputGate:
+    """Checks one runner's replay inputs (see the module docstring); each
+    :class:`~graphrunner.GraphRunner` owns one (``runner.input_gate``).
+
+    Args:
+        buffers: the runner's static buffers (the declarations checked against).
+    """
+
+    def __init__(self, buffers: StaticBuffers) -> None:
+        self.buffers = buffers
+        self._names = tuple(s.name for s in buffers.specs)
+        self._watched = (*self._names, *(m for m in _MIRRORS if m not in self._names))
+        self._batch_made = all(_batch_made(s) for s in buffers.specs)
+        self._seen: list[weakref.ref[torch.Tensor] | None] = []
+        self._seen_bs = -1
+        #: Full checks run (a test and the bench read it).
+        self.full_checks = 0
+
+    def sources(
+        self, inputs: Any, raw_bs: int, backend: GraphBackend, *, full: bool = False
+    ) -> list[torch.Tensor]:
+        """The inputs' tensors, one per declared buffer, validated: in full on
+        ``full`` or first sight, else by identity. Raises before anything is
+        written; the backend's own check runs every time."""
+        if not full:
+            if self._batch_made and _sealed_on(inputs, self.buffers.device):
+                backend.validate_inputs(raw_bs, inputs)
+                return [getattr(inputs, n) for n in self._names]
+            if raw_bs == self._seen_bs and self._same(inputs):
+                backend.validate_inputs(raw_bs, inputs)
+                return [getattr(inputs, n) for n in self._names]
+        check_host_mirrors(inputs, raw_bs)
+        backend.validate_inputs(raw_bs, inputs)
+        sources = check_sources(self.buffers, inputs, raw_bs)
+        self.full_checks += 1
+        if not full:
+            self._remember(inputs, raw_bs)
+        return sources
+
+    def _same(self, inputs: Any) -> bool:
+        for name, ref in zip(self._watched, self._seen, strict=True):
+            value = getattr(inputs, name, None)
+            if (None if ref is None else ref()) is not value:
+                return False
+        return True
+
+    def _remember(self, inputs: Any, raw_bs: int) -> None:
+        seen: list[weakref.ref[torch.Tensor] | None] = []
+        for name in self._watched:
+            value = getattr(inputs, name, None)
+            seen.append(weakref.ref(value) if isinstance(value, torch.Tensor) else None)
+        self._seen, self._seen_bs = seen, raw_bs
+
+
+def host_range(inputs: Any, name: str, values: torch.Tensor) -> tuple[int, int] | None:
+    """``(min, max)`` of host mirror ``values`` (``inputs.<name>``), None when
+    empty: a :class:`DecodeBatch` answers from what it knew when it made the
+    mirror (a lookup); any other inputs object pays one host ``aminmax``."""
+    if type(inputs) is DecodeBatch:
+        return inputs.host_range(name)
+    return host_min_max(values)
+
+
+def _sealed_on(inputs: Any, device: torch.device) -> bool:
+    return type(inputs) is DecodeBatch and inputs.is_sealed() and inputs.device == device

@@ -1,0 +1,168 @@
+"""The replay path, shared by every runner and mechanism: populate, replay
+metadata, launch, slice to the live rows by the declared outputs; and the
+eager path for a batch above every captured size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from graphrunner.core.input_check import InputGate, check_host_mirrors
+from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.hooks import GraphBackend
+from graphrunner.declare.outputs import OutputLayout, Outputs, poison_outputs
+from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner.sizing.sizes import BatchSizeError
+from graphrunner.util import nvtx
+from graphrunner.writers.base import check_inputs, resolve_futures, write_sources
+
+__all__ = [
+    "NotCapturedError",
+    "StepParts",
+    "batch_size_of",
+    "check_host_mirrors",
+    "launch_padded",
+    "run_eager",
+]
+
+
+class NotCapturedError(RuntimeError):
+    """Replay asked for a size that was not captured (call ``capture()`` first)."""
+
+
+def batch_size_of(inputs: Any) -> int:
+    """The live rows of ``inputs`` (its host-side ``batch_size``), at least 1."""
+    raw_bs = getattr(inputs, "batch_size", None)
+    if isinstance(raw_bs, bool) or not isinstance(raw_bs, int):
+        raise TypeError(
+            f"{type(inputs).__name__} has no int batch_size (got {raw_bs!r}); replay takes "
+            f"a graphrunner.DecodeInputs"
+        )
+    if raw_bs < 1:
+        raise BatchSizeError(f"batch_size {raw_bs}: replay needs at least one live row")
+    return raw_bs
+
+
+def validate_step(backend: GraphBackend, inputs: Any, raw_bs: int) -> None:
+    """What every step checks before it writes anything, graph or eager."""
+    check_host_mirrors(inputs, raw_bs)
+    backend.validate_inputs(raw_bs, inputs)
+
+
+def _poison_held(held: Outputs | None, buffers: StaticBuffers, inputs: Any) -> None:
+    """Poison the previous step's outputs, sparing what this step still reads."""
+    if held is not None:
+        fields = [getattr(inputs, s.name, None) for s in buffers.specs]
+        spare = [*buffers.tensors.values(), *(t for t in fields if isinstance(t, torch.Tensor))]
+        poison_outputs(held, spare)
+
+
+class StepParts(Protocol):
+    """What a step reads of its runner (a :class:`~graphrunner.GraphRunner`)."""
+
+    forward: ForwardFn
+    buffers: StaticBuffers
+    backend: GraphBackend
+    outputs: OutputLayout
+    sanitizer: PaddingSanitizer | None
+    mechanism: CaptureMechanism
+    input_gate: InputGate
+
+    def pre_launch(self) -> None:
+        """Run once per step after the inputs passed their checks and before
+        anything is written for the step (the recorded state ops)."""
+
+
+def launch_padded(
+    parts: StepParts,
+    launcher: Launcher,
+    inputs: Any,
+    raw_bs: int,
+    bs: int,
+    held: Outputs | None = None,
+) -> tuple[Outputs, int]:
+    """Populate size ``bs`` with ``raw_bs`` live rows, launch it, and return the
+    live rows' outputs with the device operations populate issued. ``held``,
+    the previous step's outputs under a sanitizer, is poisoned before launch.
+
+    Inputs are validated once (:mod:`graphrunner.core.input_check`; in full on
+    every replay under a sanitizer), then written by the mechanism's populate
+    writer, or by the torch writer of :mod:`graphrunner.writers.base`."""
+    buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
+    with nvtx.range(f"replay bs={bs}"):
+        sources = parts.input_gate.sources(inputs, raw_bs, backend, full=sanitizer is not None)
+        parts.pre_launch()
+        with nvtx.range(f"populate bs={bs}"):
+            writer = parts.mechanism.populate_writer
+            if writer is None:
+                ops = write_sources(buffers, sources, raw_bs, bs)
+            else:
+                ops = writer.write(sources, raw_bs, bs)
+        backend.init_replay_metadata(bs, raw_bs, buffers.view(bs), inputs)
+        check = sanitizer.before_launch(buffers, inputs, raw_bs, bs) if sanitizer else None
+        _poison_held(held, buffers, inputs)
+        with nvtx.range(f"launch bs={bs}"):
+            out = parts.outputs.live(launcher(), raw_bs)
+        if check is not None:
+            check.after_launch(out)
+    return out, ops
+
+
+class _Resolved:
+    """``inputs`` as the forward reads them from the buffers: host-produced
+    fields on the device, future references resolved. The eager path reads
+    its inputs directly, not through populate's buffers."""
+
+    def __init__(self, inputs: Any, buffers: StaticBuffers) -> None:
+        self._inputs = inputs
+        for spec in buffers.specs:
+            given = getattr(inputs, spec.name)
+            value = given.to(buffers.device_of(spec), non_blocking=True)  # given, if there
+            if spec.future:
+                value = value.clone() if value is given else value
+                resolve_futures(value, buffers.future_tokens)
+            if value is not given:
+                setattr(self, spec.name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inputs, name)
+
+    @staticmethod
+    def needed(inputs: Any, buffers: StaticBuffers) -> bool:
+        """Whether ``inputs`` differs from what the forward reads."""
+        if buffers.future_tokens is not None:
+            return True
+        return any(
+            getattr(inputs, s.name).device != buffers.device_of(s)
+            for s in buffers.specs
+            if s.takes_host_source
+        )
+
+
+def run_eager(
+    parts: StepParts,
+    inputs: Any,
+    raw_bs: int,
+    warn_once: Callable[[], None],
+    held: Outputs | None = None,
+) -> Outputs:
+    """The batch is larger than every graph: the same input checks, output
+    declarations and sanitizer (no padded tails here), through the eager
+    forward; ``warn_once`` is called once the inputs passed their checks."""
+    validate_step(parts.backend, inputs, raw_bs)
+    check_inputs(parts.buffers, inputs, raw_bs)
+    parts.pre_launch()
+    warn_once()
+    check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
+    _poison_held(held, parts.buffers, inputs)
+    if _Resolved.needed(inputs, parts.buffers):
+        inputs = _Resolved(inputs, parts.buffers)
+    with nvtx.range(f"eager bs={raw_bs}"):
+        out = parts.forward(inputs)
+    parts.outputs.check(out, raw_bs, any_width=True)
+    if check is not None:
+        check.after_launch(out)
+    return out

@@ -1,0 +1,282 @@
+"""``GraphRunner``: a phase (buffers, outputs, forward) composed with a
+capture mechanism (CUDA graphs, inductor programs, eager).
+
+The runner owns the buffers, the size policy, the stats and the captured
+launchers; :mod:`graphrunner.core.capture` and :mod:`graphrunner.core.replay` are the
+two lifecycle steps it calls, and the mechanism says only how one size is
+prepared, captured and launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphrunner.core.capture import capture_all
+from graphrunner.core.future_map import FutureMap
+from graphrunner.core.input_check import InputGate
+from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
+from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.declare.decode import SEQ_LEN_BUFFERS
+from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
+from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
+from graphrunner.mechanisms import CaptureMechanism, create_mechanism
+from graphrunner.mechanisms.base import ForwardFn, Launcher
+from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner.sizing.histogram import BatchSizeHistogram
+from graphrunner.sizing.report import CaptureReport, RunnerStats
+from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
+from graphrunner.util.warn import warn_at_caller
+
+__all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
+
+
+def _resolve_sizes(capture_sizes: Sequence[int] | None, max_bs: int | None) -> list[int]:
+    if capture_sizes is None:
+        if max_bs is None:
+            raise ValueError("give capture_sizes or max_bs")
+        return default_capture_sizes(max_bs)
+    sizes = validate_capture_sizes(capture_sizes)
+    if max_bs is not None and max_bs != sizes[-1]:
+        raise ValueError(f"max_bs={max_bs} disagrees with the largest capture size {sizes[-1]}")
+    return sizes
+
+
+def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: GraphBackend) -> None:
+    # A seq_lens fill that differs from the backend's would send padded rows
+    # somewhere the backend did not plan for.
+    for spec in specs:
+        is_seq_lens_fill = spec.name in SEQ_LEN_BUFFERS and spec.rule is PadRule.FILL
+        if is_seq_lens_fill and spec.fill_value != backend.seq_len_fill_value:
+            raise ValueError(
+                f"{spec.name} fill_value {spec.fill_value} differs from the backend's "
+                f"seq_len_fill_value {backend.seq_len_fill_value}"
+            )
+
+
+def _default_mechanism(device: torch.device | str) -> CaptureMechanism:
+    # Where nothing is said: CUDA graphs on a CUDA device, inductor programs elsewhere.
+    return create_mechanism("cuda" if torch.device(device).type == "cuda" else "cpu")
+
+
+class GraphRunner:
+    """Captures ``forward`` at fixed batch sizes; replays any smaller batch padded.
+
+    Args:
+        forward: the phase's step; called with a :class:`~graphrunner.BufferView`
+            whose attributes are the declared buffers' rows for ``bs``
+            requests (a buffer of ``r`` rows per request shows ``bs * r``).
+            Returns a tensor, a dict of tensors or a tuple of tensors.
+        specs: the static buffers and their pad rules, e.g.
+            :func:`graphrunner.decode_buffer_specs`.
+        device: where the buffers live.
+        mechanism: how sizes are captured: a
+            :class:`~graphrunner.mechanisms.CaptureMechanism`, or a kind
+            (``"cuda"``, ``"cpu"``, ``"eager"``); default CUDA graphs on a
+            CUDA device, inductor programs elsewhere.
+        outputs: the outputs' layouts (:class:`~graphrunner.OutputSpec`: one
+            for all, or per dict key, or per tuple element); default batch
+            axis 0, one row per request. Checked at capture.
+        capture_sizes: sorted unique sizes to capture; default
+            :func:`graphrunner.sizing.sizes.default_capture_sizes` of ``max_bs``.
+        max_bs: the largest size (with the default sizes).
+        backend: the attention backend's hooks (default: none needed).
+        sanitizer: a :class:`graphrunner.sanitizer.padding.PaddingSanitizer` checking
+            every replay (a debug mode), or None.
+        future_map: the :class:`~graphrunner.core.future_map.FutureMap` that buffers
+            declared ``future=True`` resolve their references from (overlap
+            scheduling); required exactly with such buffers.
+        show_progress: a progress bar during capture.
+        state_ops: a pool whose recorded state ops (Mamba clears and copies)
+            the runner's pre-launch step runs before every step's forward,
+            graph or eager, on its stream (:mod:`graphrunner.declare.state_ops`).
+    """
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        specs: Sequence[BufferSpec],
+        *,
+        device: torch.device | str,
+        mechanism: CaptureMechanism | str | None = None,
+        outputs: OutputsDecl | None = None,
+        capture_sizes: Sequence[int] | None = None,
+        max_bs: int | None = None,
+        backend: GraphBackend | None = None,
+        sanitizer: PaddingSanitizer | None = None,
+        show_progress: bool = True,
+        future_map: FutureMap | None = None,
+        state_ops: StateOps | None = None,
+    ) -> None:
+        if not callable(forward):
+            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+        if not specs:
+            raise ValueError("specs must declare at least one static buffer")
+        if isinstance(mechanism, str):
+            mechanism = create_mechanism(mechanism)
+        elif mechanism is None:
+            mechanism = _default_mechanism(device)
+        elif not isinstance(mechanism, CaptureMechanism):
+            raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
+        self.forward = forward
+        self.mechanism: CaptureMechanism = mechanism
+        self.outputs = OutputLayout(outputs)
+        self.backend: GraphBackend = backend if backend is not None else NullBackend()
+        _check_fill_matches_backend(specs, self.backend)
+        self._sizes = _resolve_sizes(capture_sizes, max_bs)
+        tokens = None if future_map is None else future_map.tokens
+        self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
+        #: Checks each replay's inputs once (graphrunner.core.input_check).
+        self.input_gate = InputGate(self.buffers)
+        self.future_map = future_map
+        self.mechanism.bind(self.buffers.device)
+        self.mechanism.bind_buffers(self.buffers)
+        self.sanitizer = sanitizer
+        self.show_progress = show_progress
+        self.stats = RunnerStats()
+        self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
+        self.capture_report: CaptureReport | None = None
+        self._launchers: dict[int, Launcher] = {}
+        self._warned_fallback = False
+        # The last step's outputs, poisoned at the next step when sanitized.
+        self._held: Outputs | None = None
+        self.state_ops = check_state_ops(state_ops)
+        self.state_ops_run = 0  # state ops its pre-launch steps ran
+
+    @property
+    def kind(self) -> str:
+        """The runner kind (``cuda``, ``cpu``, ``eager``): its mechanism's."""
+        return self.mechanism.kind
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        return list(self._sizes)
+
+    @property
+    def max_bs(self) -> int:
+        return self._sizes[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers.device
+
+    @property
+    def is_captured(self) -> bool:
+        return len(self._launchers) == len(self._sizes)
+
+    @property
+    def direct_fallbacks(self) -> int:
+        """Compiled sizes that run through dynamo, not their program called directly."""
+        return self.mechanism.direct_fallbacks
+
+    def graph_size_for(self, raw_bs: int) -> int:
+        """The captured size a batch of ``raw_bs`` replays (BatchSizeError if none)."""
+        return pad_to(self._sizes, raw_bs)
+
+    def capture(self) -> CaptureReport:
+        """Capture every size, largest first, sharing one memory pool.
+
+        All or nothing: if any size fails, every size captured so far is
+        dropped and the error propagates. Capturing twice is an error.
+        """
+        if self._launchers:
+            raise RuntimeError(f"{type(self).__name__} is already captured; build a new runner")
+        try:
+            self._launchers, self.capture_report = capture_all(
+                self._sizes,
+                self.forward,
+                self.buffers,
+                self.backend,
+                self.mechanism,
+                self.outputs,
+                show_progress=self.show_progress,
+            )
+        except BaseException:
+            self._launchers = {}
+            self.mechanism.drop()
+            raise
+        return self.capture_report
+
+    def replay(self, inputs: Any) -> Outputs:
+        """Run one step for ``inputs`` (a :class:`graphrunner.declare.inputs.DecodeInputs`,
+        or any object with the declared buffers as attributes and a host-side
+        int ``batch_size``).
+
+        Returns the outputs of the live rows, sliced by the declared outputs,
+        valid until the next replay on every mechanism: on CUDA they are views
+        of static memory that the next replay overwrites, and with a
+        sanitizer every mechanism poisons them at the next replay (NaN, or the
+        integer dtype's minimum), so holding one fails on the CPU too. Copy
+        what must outlive the step.
+
+        A batch larger than the largest captured size runs the eager forward
+        on the same checks (and sanitizer), warned once and counted in
+        ``stats.eager_fallbacks`` once it succeeded; a batch of no rows raises
+        :class:`~graphrunner.sizing.sizes.BatchSizeError`; any replay before
+        :meth:`capture` raises :class:`~graphrunner.core.replay.NotCapturedError`.
+        Runs under ``no_grad``.
+        """
+        raw_bs = batch_size_of(inputs)
+        if not self.is_captured:
+            raise NotCapturedError(
+                f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
+            )
+        reason = self.eager_reason(inputs, raw_bs)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self._step(inputs, raw_bs, reason)
+        else:  # an engine's loop under no_grad / inference_mode: skip the context
+            out = self._step(inputs, raw_bs, reason)
+        self.batch_sizes.add(raw_bs)
+        if self.sanitizer is not None:
+            self._held = out
+        return out
+
+    def _step(self, inputs: Any, raw_bs: int, reason: str | None) -> Outputs:
+        if reason is not None:
+            return self._replay_eager(inputs, raw_bs, reason)
+        return self._replay_graph(inputs, raw_bs)
+
+    def pre_launch(self) -> None:
+        """The runner-owned pre-launch step, run by both launch paths once the
+        step's inputs passed their checks: the recorded state ops, once per step."""
+        self.state_ops_run += run_state_ops(self.state_ops)
+
+    def relaunch(self, bs: int) -> Outputs:
+        """Launch captured size ``bs`` again on the buffers as they are: no
+        populate, no checks, no stats (for tests that prove a graph leaves its
+        inputs unchanged, and for benchmarks of the launch alone)."""
+        if bs not in self._launchers:
+            raise NotCapturedError(f"size {bs} is not captured (sizes {self._sizes})")
+        with torch.no_grad():
+            return self._launchers[bs]()
+
+    def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
+        """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
+        counted and warned once), or None. A phase with a captured width adds
+        its own reason (a batch of another width)."""
+        if raw_bs > self.max_bs:
+            return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
+        return None
+
+    def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
+        bs = self.graph_size_for(raw_bs)
+        out, ops = launch_padded(self, self._launchers[bs], inputs, raw_bs, bs, self._held)
+        self.stats.count_replay(raw_bs, bs, ops)
+        return out
+
+    def _replay_eager(self, inputs: Any, raw_bs: int, reason: str) -> Outputs:
+        def warn_once() -> None:
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warn_at_caller(
+                    f"{reason}; running it eagerly "
+                    f"(counted in runner.stats.eager_fallbacks, warned once)"
+                )
+
+        out = run_eager(self, inputs, raw_bs, warn_once, self._held)
+        self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
+        return out

@@ -1,0 +1,276 @@
+"""Static buffers, each declared once with the rule for its padded rows.
+
+A graph is captured over fixed addresses, so every input lives in a buffer
+allocated once at the largest captured size. What the padded tail of each
+buffer holds is data here (a :class:`PadRule`), applied by
+:func:`graphrunner.writers.base.populate` and nowhere else.
+
+Each buffer declares its own rows per request: 1 for per-request fields
+(``seq_lens``), ``W`` for per-token fields of a speculative phase (``W`` draft
+tokens per request), ``k`` for per-candidate fields (top-k). One runner holds
+any mix of them. A buffer may also live on the host (``host=True``): a padded
+host copy for backends that plan on the CPU (``seq_lens_cpu``), written by
+populate like every other buffer. A device buffer of integer or bool dtype
+also takes a host-produced input (:attr:`BufferSpec.takes_host_source`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from types import MappingProxyType
+
+import torch
+
+__all__ = ["BufferSpec", "BufferView", "PadRule", "StaticBuffers"]
+
+
+class PadRule(enum.Enum):
+    """What a buffer holds on padded rows ``[raw_bs:bs]``."""
+
+    ZERO = "zero"  # indices point at the reserved slot 0
+    FILL = "fill"  # a declared constant (e.g. the backend's seq_len fill value)
+    WIDTH = "width"  # the buffer's declared width (speculative lengths: W tokens)
+    KEEP = "keep"  # never read on padded rows; left as it is
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """One static input: its name (the attribute read from the batch), dtype,
+    pad rule and layout.
+
+    Args:
+        name: the attribute read from the batch and seen by the forward.
+        dtype: the buffer's dtype; inputs must match it exactly.
+        rule: what padded rows hold (:class:`PadRule`).
+        rows_per_request: rows each request occupies: 1 (per request), ``W``
+            (per token of a ``W``-token speculative step), ``k`` (top-k).
+        extra_shape: trailing dims of every row (e.g. ``(hidden,)``).
+        fill_value: the constant of :attr:`PadRule.FILL` (only with it).
+        width: the value of :attr:`PadRule.WIDTH` (only with it), e.g. the
+            number of draft tokens per request for extend or accept lengths.
+        host: the buffer lives in host memory (a padded host mirror such as
+            ``seq_lens_cpu`` for a backend that plans on the CPU).
+        index: the buffer holds indices (pool rows, KV slots, positions, token
+            ids): its padded rows must point at slot 0 or at the width, so
+            only :attr:`PadRule.ZERO` and :attr:`PadRule.WIDTH` are accepted.
+        future: live values below 0 are future references ``-r`` that
+            populate resolves from the runner's
+            :class:`~graphrunner.core.future_map.FutureMap` (row ``r``'s next token).
+
+    Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
+    """
+
+    name: str
+    dtype: torch.dtype
+    rule: PadRule
+    _: KW_ONLY
+    rows_per_request: int = 1
+    extra_shape: tuple[int, ...] = ()
+    fill_value: int | float | None = None
+    width: int | None = None
+    host: bool = False
+    index: bool = False
+    future: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"buffer name must be an identifier, got {self.name!r}")
+        if not isinstance(self.rule, PadRule):
+            raise ValueError(
+                f"buffer {self.name!r} declared without a pad rule (got {self.rule!r}); "
+                f"every static buffer needs one of {[r.name for r in PadRule]}"
+            )
+        if self.name in _VIEW_ATTRIBUTES:
+            raise ValueError(
+                f"buffer name {self.name!r} is taken by BufferView itself "
+                f"({sorted(_VIEW_ATTRIBUTES)}); the model could not read it"
+            )
+        self._check_layout()
+        if self.index and self.rule not in (PadRule.ZERO, PadRule.WIDTH):
+            raise ValueError(
+                f"buffer {self.name!r} holds indices and pads with {self.rule.name}; an index "
+                f"buffer must pad to slot 0 (PadRule.ZERO) or to the width (PadRule.WIDTH)"
+            )
+        self._check_rule_value("fill_value", self.fill_value, PadRule.FILL)
+        self._check_rule_value("width", self.width, PadRule.WIDTH)
+        if self.fill_value is not None:
+            _check_exact(self.name, "fill_value", self.dtype, self.fill_value)
+        if self.width is not None:
+            if not _is_int(self.width) or self.width < 1:
+                raise ValueError(
+                    f"buffer {self.name!r}: width={self.width!r}; expected an int >= 1"
+                )
+            _check_exact(self.name, "width", self.dtype, self.width)
+
+    def _check_layout(self) -> None:
+        if not _is_int(self.rows_per_request) or self.rows_per_request < 1:
+            raise ValueError(
+                f"buffer {self.name!r}: rows_per_request={self.rows_per_request!r}; "
+                f"expected an int >= 1"
+            )
+        if not isinstance(self.extra_shape, tuple) or not all(
+            _is_int(d) and d >= 1 for d in self.extra_shape
+        ):
+            raise ValueError(
+                f"buffer {self.name!r}: extra_shape={self.extra_shape!r}; "
+                f"expected a tuple of ints >= 1"
+            )
+        for flag in ("host", "index", "future"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"buffer {self.name!r}: {flag}={getattr(self, flag)!r}; expected a bool"
+                )
+
+    def _check_rule_value(self, field: str, value: object, rule: PadRule) -> None:
+        if (self.rule is rule) != (value is not None):
+            raise ValueError(
+                f"buffer {self.name!r}: {field} is required with PadRule.{rule.name} and "
+                f"only with it (rule={self.rule.name}, {field}={value!r})"
+            )
+
+    def pad_value(self) -> int | float | None:
+        """The value of every padded element, or None for :attr:`PadRule.KEEP`."""
+        if self.rule is PadRule.ZERO:
+            return 0
+        if self.rule is PadRule.WIDTH:
+            return self.width
+        return self.fill_value
+
+    def rows(self, bs: int) -> int:
+        """Rows of this buffer that ``bs`` requests occupy."""
+        return bs * self.rows_per_request
+
+    @property
+    def takes_host_source(self) -> bool:
+        """A device buffer of integer or bool dtype also takes its input as
+        a CPU tensor: ids, positions, lengths and slots a scheduler builds on
+        the host. Populate copies it in (the fused writers through their
+        pinned staging buffer: one copy for every such field of a step).
+        Float inputs (hidden states) are device-produced and must be on the
+        buffer's device."""
+        return not self.host and not (self.dtype.is_floating_point or self.dtype.is_complex)
+
+
+_VIEW_ATTRIBUTES = frozenset({"bs", "tensors"})
+
+
+def _check_exact(name: str, field: str, dtype: torch.dtype, value: int | float) -> None:
+    """The buffer must hold exactly ``value``, or the sanitizer would flag
+    populate's own (converted) write: ``value`` must survive a round trip
+    through ``dtype`` (no truncation, wrap-around, rounding or overflow)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = (number and not math.isnan(value)) or (isinstance(value, bool) and dtype == torch.bool)
+    if ok:
+        try:
+            ok = torch.tensor(value, dtype=dtype).item() == value
+        except (RuntimeError, OverflowError):  # e.g. -1 into uint8
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"buffer {name!r}: {field} {value!r} is not exactly representable as {dtype}"
+        )
+
+
+def _check_future(specs: Sequence[BufferSpec], tokens: torch.Tensor | None) -> torch.Tensor | None:
+    futures = [s.name for s in specs if s.future]
+    if bool(futures) != (tokens is not None):
+        raise ValueError(
+            f"buffers declared future=True: {futures}; a future map was "
+            f"{'not ' if tokens is None else ''}given (one goes with the other)"
+        )
+    for name in futures:
+        spec = next(s for s in specs if s.name == name)
+        if spec.dtype != torch.int64 or spec.host or spec.extra_shape:
+            raise ValueError(
+                f"buffer {name!r}: future references need a device int64 [rows] buffer"
+            )
+    return tokens
+
+
+class BufferView:
+    """The first ``bs`` requests' rows of every static buffer, as attributes by name.
+
+    This is what the model's forward receives during capture and replay.
+    ``bs`` is the captured size; rows past the live ones are padding. A buffer
+    of ``r`` rows per request shows ``bs * r`` rows.
+    """
+
+    bs: int
+
+    def __init__(self, bs: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.__dict__.update(tensors)
+        self.bs = bs
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+
+class StaticBuffers:
+    """Every static input of a runner, allocated once at ``max_bs``.
+
+    Args:
+        specs: one :class:`BufferSpec` per input; names unique.
+        max_bs: the largest captured batch size.
+        device: where the buffers live (``host=True`` ones live on the CPU).
+        future_tokens: the future map's tokens (int64 ``[rows]`` on ``device``),
+            required exactly when a spec declares ``future=True``.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[BufferSpec],
+        max_bs: int,
+        device: torch.device | str,
+        *,
+        future_tokens: torch.Tensor | None = None,
+    ) -> None:
+        if not _is_int(max_bs) or max_bs < 1:
+            raise ValueError(f"max_bs={max_bs!r}; expected an int >= 1")
+        for s in specs:
+            if not isinstance(s, BufferSpec):
+                raise TypeError(f"expected BufferSpec, got {type(s).__name__}: {s!r}")
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"buffer names declared more than once: {dupes}")
+        self.specs: tuple[BufferSpec, ...] = tuple(specs)
+        self.max_bs = max_bs
+        self.future_tokens = _check_future(self.specs, future_tokens)
+        # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
+        self.device = torch.empty(0, device=device).device
+        # Read-only: populate's cached plans and the captured graphs hold these
+        # exact tensors, so a buffer is never swapped for another.
+        self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(
+            {
+                s.name: torch.zeros(
+                    (s.rows(max_bs), *s.extra_shape), dtype=s.dtype, device=self.device_of(s)
+                )
+                for s in self.specs
+            }
+        )
+        self._views: dict[int, BufferView] = {}
+
+    def device_of(self, spec: BufferSpec) -> torch.device:
+        """Where ``spec``'s buffer lives: the host for ``host`` buffers."""
+        return torch.device("cpu") if spec.host else self.device
+
+    def rows(self, spec: BufferSpec, bs: int) -> int:
+        """Rows of ``spec``'s buffer that ``bs`` requests occupy."""
+        return spec.rows(bs)
+
+    def view(self, bs: int) -> BufferView:
+        """The cached view of the first ``bs`` requests' rows (stable addresses)."""
+        if not 1 <= bs <= self.max_bs:
+            raise ValueError(f"view size must be in [1, {self.max_bs}], got {bs}")
+        if bs not in self._views:
+            self._views[bs] = BufferView(
+                bs, {s.name: self.tensors[s.name][: s.rows(bs)] for s in self.specs}
+            )
+        return self._views[bs]

@@ -1,0 +1,98 @@
+"""The decode phase, declared once: its fields drive the batch, the protocol
+and the static buffers.
+
+:data:`DECODE_FIELDS` lists the device tensors of a decode step with their pad
+rules (the design table); :data:`DECODE_HOST_MIRRORS` the host twins the
+scheduler keeps in step. :class:`graphrunner.batch.decode_batch.DecodeBatch` takes its
+slots, ``filter`` and ``merge`` from them, :func:`decode_buffer_specs` its
+buffers, and a test checks that :class:`graphrunner.declare.inputs.DecodeInputs`
+declares exactly these attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from graphrunner.declare.buffers import BufferSpec, PadRule
+
+__all__ = [
+    "DECODE_FIELDS",
+    "DECODE_HOST_MIRRORS",
+    "DECODE_FIELD_NAMES",
+    "MAMBA_DECODE_FIELDS",
+    "decode_buffer_specs",
+]
+
+_I64 = torch.int64
+
+#: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
+#: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
+DECODE_FIELDS: tuple[BufferSpec, ...] = (
+    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
+    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
+    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1),
+    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True),
+    BufferSpec("positions", _I64, PadRule.ZERO, index=True),
+)
+DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
+
+#: The fields a model with Mamba layers adds (``decode_buffer_specs(mamba=True)``):
+#: ``mamba_track_indices`` (int64 ``[bs]``), the Mamba pool slot whose state
+#: each row reads and advances, 0 on padded rows; ``mamba_track_mask`` (bool
+#: ``[bs]``), True where the row's state advances, False on padded rows, whose
+#: update is discarded so the sink slot 0 stays bit-identical.
+MAMBA_DECODE_FIELDS: tuple[BufferSpec, ...] = (
+    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True),
+    BufferSpec("mamba_track_mask", torch.bool, PadRule.ZERO),
+)
+
+#: Device field -> its host mirror (CPU int64 ``[bs]``), equal to it at all times.
+DECODE_HOST_MIRRORS: Mapping[str, str] = {
+    "req_pool_indices": "req_pool_indices_cpu",
+    "seq_lens": "seq_lens_cpu",
+}
+
+#: Buffers whose fill is the attention backend's ``seq_len_fill_value``.
+SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
+
+
+def decode_buffer_specs(
+    *,
+    seq_len_fill_value: int = 1,
+    host_seq_lens: bool = False,
+    future: bool = False,
+    mamba: bool = False,
+) -> list[BufferSpec]:
+    """The decode step's buffers with the pad rules of the design table.
+
+    ``seq_len_fill_value`` is the attention backend's: padded rows read that
+    many tokens through ``req_to_token`` row 0, i.e. the zeroed KV slot 0.
+    ``host_seq_lens=True`` adds ``seq_lens_cpu``, a padded host buffer (same
+    fill) for backends that plan on the host from the padded lengths.
+    ``future=True`` lets ``input_ids`` hold future references (overlap
+    scheduling: :mod:`graphrunner.core.future_map`), resolved by populate.
+    ``mamba=True`` adds :data:`MAMBA_DECODE_FIELDS` (models with Mamba layers
+    only: a Llama runner declares none of them).
+    """
+    specs = [
+        dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
+        for s in DECODE_FIELDS
+    ]
+    if future:
+        specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
+    if mamba:
+        specs.extend(MAMBA_DECODE_FIELDS)
+    if host_seq_lens:
+        specs.append(
+            BufferSpec(
+                DECODE_HOST_MIRRORS["seq_lens"],
+                _I64,
+                PadRule.FILL,
+                fill_value=seq_len_fill_value,
+                host=True,
+            )
+        )
+    return specs

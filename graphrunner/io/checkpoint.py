@@ -1,0 +1,154 @@
+"""Load and save Hugging Face-layout checkpoints: ``config.json`` + safetensors.
+
+Weights may be one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``; tensor names are those transformers'
+``LlamaForCausalLM`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from graphrunner.io.mamba_checkpoint import (
+    StateSpaceBundle,
+    load_state_space_model,
+    state_space_type,
+)
+from graphrunner.model.build import ModelBundle, build_model
+from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.llama import LlamaDecoder
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of checkpoint directory ``path``."""
+    return ModelConfig.from_hf_dict(_read_json(Path(path) / CONFIG_FILE))
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint directory ``path``, on the CPU, by name."""
+    root = Path(path)
+    if (root / WEIGHTS_FILE).is_file():
+        return _load_file(root / WEIGHTS_FILE)
+    if not (root / INDEX_FILE).is_file():
+        raise CheckpointError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {root}")
+    weight_map = _read_json(root / INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{root / INDEX_FILE}: expected a non-empty 'weight_map' object")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (root / shard).is_file():
+            raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {root}")
+        tensors.update(_load_file(root / shard))
+    listed_missing = sorted(set(weight_map) - set(tensors))
+    if listed_missing:
+        raise CheckpointError(
+            f"tensor {listed_missing[0]!r} is listed in {INDEX_FILE} but in no shard"
+        )
+    return tensors
+
+
+def load_model(
+    path: str | Path,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
+) -> ModelBundle:
+    """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
+
+    Raises :class:`CheckpointError` (or a subclass) naming the missing file,
+    the unsupported architecture or field, or the first bad tensor. A ``.gguf``
+    file is converted once into the cache (:mod:`graphrunner.io.gguf_cache`).
+    """
+    if Path(path).suffix.lower() == ".gguf":
+        from graphrunner.io.gguf_cache import checkpoint_dir
+
+        path = checkpoint_dir(Path(path))
+    config = read_config(path)
+    weights = read_weights(path)  # before allocating anything: fail fast on a bad file
+    bundle = build_model(
+        config,
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        device=device,
+        dtype=dtype,
+        page_size=page_size,
+    )
+    bundle.model.load_weights(weights)
+    return bundle
+
+
+def load_any_model(
+    path: str | Path,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
+) -> ModelBundle | StateSpaceBundle:
+    """:func:`load_model`, or for a Mamba / Jamba checkpoint (by ``model_type``
+    or ``architectures``) a :class:`StateSpaceBundle` over a hybrid request pool.
+    A ``.gguf`` file is a Llama (the only architecture GGUF import reads)."""
+    if Path(path).suffix.lower() != ".gguf":
+        hf = _read_json(Path(path) / CONFIG_FILE)
+        if state_space_type(hf) is not None:
+            return load_state_space_model(
+                hf,
+                read_weights(path),
+                max_requests=max_requests,
+                max_context_len=max_context_len,
+                device=device,
+                dtype=dtype,
+                page_size=page_size,
+            )
+    return load_model(
+        path,
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        device=device,
+        dtype=dtype,
+        page_size=page_size,
+    )
+
+
+def save_checkpoint(model: LlamaDecoder, path: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` as transformers would."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, root / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except SafetensorError as e:  # truncated or corrupt: not a ValueError of its own
+        raise CheckpointError(f"{file} is not a valid safetensors file: {e}") from None
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise CheckpointError(f"missing {file}")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not valid UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data

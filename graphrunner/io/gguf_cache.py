@@ -1,0 +1,59 @@
+"""Where converted GGUF checkpoints (and the demo's downloads) are kept.
+
+The cache root is ``$GRAPHRUNNER_CACHE`` when set, else
+``$XDG_CACHE_HOME/graphrunner``, else ``~/.cache/graphrunner``. A ``.gguf``
+given as ``--checkpoint`` is converted once into
+``<root>/checkpoints/<file stem>-<first 16 hex digits of its SHA-256>``:
+the same bytes are never converted twice, changed bytes get a new directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from graphrunner.io.gguf_import import convert_gguf, open_gguf
+
+__all__ = ["CACHE_ENV", "cache_root", "checkpoint_dir", "converted_dir"]
+
+#: The environment variable that overrides the cache root.
+CACHE_ENV = "GRAPHRUNNER_CACHE"
+
+
+def cache_root() -> Path:
+    """The cache root (see the module docstring); not created here."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "graphrunner"
+
+
+def converted_dir(gguf: Path) -> Path:
+    """The cache directory GGUF file ``gguf`` converts into (by content)."""
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return cache_root() / "checkpoints" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """``path`` itself when it is not a ``.gguf`` file; else its converted
+    directory in the cache, converting it first when it is not there (the
+    location is printed to stderr). Raises
+    :class:`~graphrunner.io.gguf_import.GGUFImportError` when it cannot convert."""
+    if path.suffix.lower() != ".gguf" or path.is_dir():
+        return path
+    open_gguf(path)  # a missing or unreadable file fails here, before any hashing
+    out = converted_dir(path)
+    if (out / "config.json").is_file():
+        print(f"using {out} (converted from {path})", file=sys.stderr)
+    else:
+        convert_gguf(path, out)  # reported after: a failure prints its one error line only
+        print(
+            f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
+            file=sys.stderr,
+        )
+    return out

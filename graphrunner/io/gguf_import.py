@@ -1,0 +1,203 @@
+"""GGUF import: a Llama-architecture ``.gguf`` file to the Hugging Face layout.
+
+Read with the ``gguf`` package (its reader and its dequantisation): the
+metadata gives ``config.json``, every tensor is dequantised to float32 and
+renamed to transformers' ``LlamaForCausalLM`` names, and the tokenizer
+metadata becomes ``tokenizer.json`` / ``tokenizer_config.json``
+(:mod:`graphrunner.io.gguf_tokenizer`).
+
+llama.cpp stores the query and key projections with the rows of each head
+interleaved for its rotary kernel (the first half of a head's rows and the
+second half alternate); :func:`unpermute_qk` undoes that, so the converted
+weights are those of the Hugging Face checkpoint the GGUF was made from.
+
+Everything is written to a temporary directory beside ``out`` and renamed
+into place at the end: an error leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from graphrunner.io.gguf_meta import GGUFImportError, field, open_gguf
+from graphrunner.io.gguf_tokenizer import write_tokenizer
+from graphrunner.model.config import CheckpointError, ModelConfig
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "GGUFImportError",
+    "convert_gguf",
+    "gguf_config",
+    "open_gguf",
+    "read_gguf_weights",
+    "unpermute_qk",
+]
+
+#: Tensor types dequantised on import (``gguf.GGMLQuantizationType`` names):
+#: plain floats, the legacy block types and the k-quants.
+SUPPORTED_TYPES = frozenset(
+    ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+    + ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+)
+
+# GGUF per-layer tensor kinds (blk.{i}.{kind}.weight) -> transformers' module names.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """The ``config.json`` dict of a Llama GGUF; :class:`GGUFImportError` names
+    an unsupported architecture, RoPE variant or missing field."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFImportError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
+
+    def need(key: str) -> Any:
+        value = field(reader, f"llama.{key}")
+        if value is None:
+            raise GGUFImportError(f"GGUF metadata is missing llama.{key}")
+        return value
+
+    scaling = field(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise GGUFImportError(
+            f"GGUF llama.rope.scaling.type={scaling!r} is not supported; expected none"
+        )
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    head_dim = int(field(reader, "llama.attention.key_length", hidden // heads))
+    rope_dims = int(field(reader, "llama.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise GGUFImportError(
+            f"GGUF llama.rope.dimension_count={rope_dims} is not supported; "
+            f"expected the head size {head_dim} (partial rotary)"
+        )
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFImportError("GGUF has no tensor 'token_embd.weight'")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(embed.shape[1]),  # ggml order: [hidden, vocab]
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(field(reader, "llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[ours] = int(value)
+    try:
+        ModelConfig.from_hf_dict(config)  # the executor's own checks, before any tensor
+    except CheckpointError as e:
+        raise GGUFImportError(f"GGUF metadata: {e}") from None
+    return config
+
+
+def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row order of a ``[heads * head_dim, in]`` projection:
+    within each head, GGUF row ``2j + p`` is Hugging Face row ``p * head_dim / 2 + j``."""
+    out, rest = weight.shape[0], weight.shape[1:]
+    return weight.reshape(heads, out // heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
+    raise GGUFImportError(f"GGUF tensor {name!r} is not part of a Llama model")
+
+
+def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor dequantised to float32 under its transformers name, Q and K
+    projections back in Hugging Face row order. Types are checked for all
+    tensors before any is dequantised."""
+    import gguf
+
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise GGUFImportError(
+                f"GGUF tensor {t.name!r} has type {kind}, which is not supported; "
+                f"expected one of {', '.join(sorted(SUPPORTED_TYPES))}"
+            )
+        _hf_name(t.name)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:  # a short data block in a truncated file
+            raise GGUFImportError(f"GGUF tensor {t.name!r} cannot be read: {e}") from None
+        # ggml's shape lists the fastest dimension first: torch's is the reverse.
+        shape = [int(n) for n in reversed(t.shape)]
+        # np.array copies: the reader's memory map is read-only.
+        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind in heads:
+            weight = unpermute_qk(weight, heads[kind])
+        tensors[_hf_name(t.name)] = weight.contiguous()
+    return tensors
+
+
+def convert_gguf(path: str | Path, out: str | Path) -> Path:
+    """Write the Hugging Face layout of GGUF ``path`` into new directory ``out``
+    (``config.json``, ``model.safetensors``, tokenizer files when the GGUF's
+    tokenizer is one :mod:`graphrunner.io.gguf_tokenizer` builds). ``out`` must
+    not exist or be empty. Returns ``out``.
+    """
+    dest = Path(out)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise GGUFImportError(f"--out {dest}: exists and is not an empty directory")
+    reader = open_gguf(path)
+    config = gguf_config(reader)
+    weights = read_gguf_weights(reader, config)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        tmp.mkdir()
+        write_tokenizer(reader, tmp, context=config["max_position_embeddings"])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        if dest.exists():
+            dest.rmdir()  # empty, checked above
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
