@@ -5,6 +5,7 @@ The public API is what ``__all__`` lists; everything else is internal.
 
 from __future__ import annotations
 
+from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.core.replay import NotCapturedError
 from graphrunner.core.runner import GraphRunner
@@ -26,6 +27,12 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import DecodeInputs, StepInputs
 from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.declare.state_ops import StateOps
+from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner.engine.overlap import OverlapEngine
+from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.workload import Request
+from graphrunner.io import load_model, read_config, save_checkpoint
+from graphrunner.io.mamba_checkpoint import build_state_space_model
 from graphrunner.mechanisms import (
     CaptureMechanism,
     CudaGraphCapture,
@@ -33,13 +40,24 @@ from graphrunner.mechanisms import (
     InductorCapture,
     create_mechanism,
 )
+from graphrunner.model import ModelBundle, ModelConfig, build_model, default_model
+from graphrunner.model.mamba import MambaConfig
+from graphrunner.model.mamba_mixer import MixerShape
 from graphrunner.phases import (
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
     SpecBatch,
     TargetVerifyRunner,
 )
-from graphrunner.pools import HybridReqToTokenPool, MambaStatePool
+from graphrunner.pools import (
+    HybridReqToTokenPool,
+    KVCache,
+    MambaStatePool,
+    PoolError,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
 from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.sizing.plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
 from graphrunner.sizing.report import CaptureReport, RunnerStats, SizeReport
@@ -59,41 +77,65 @@ __all__ = [
     "CpuGraphRunner",
     "CudaGraphCapture",
     "CudaGraphRunner",
+    "DecodeBatch",
     "DecodeInputs",
     "EagerCapture",
     "EagerRunner",
     "EagleDraftExtendRunner",
+    "Engine",
+    "EngineResult",
     "FrozenKvMtpRunner",
     "FutureMap",
     "GraphBackend",
     "GraphRunner",
     "HybridReqToTokenPool",
     "InductorCapture",
+    "KVCache",
+    "MambaConfig",
     "MambaStatePool",
+    "MixerShape",
+    "ModelBundle",
+    "ModelConfig",
     "NotCapturedError",
     "NullBackend",
     "OutputDeclarationError",
     "OutputSpec",
+    "OverlapEngine",
     "PadRule",
+    "PaddingSanitizer",
+    "PaddingViolation",
+    "PoolError",
     "PopulateError",
+    "ReqToTokenPool",
+    "Request",
     "RunnerStats",
     "SizePlan",
     "SizeReport",
     "SpecBatch",
     "StateOps",
+    "StateSpaceEngine",
     "StaticBuffers",
     "StepInputs",
     "TargetVerifyRunner",
+    "TokenToKVPoolAllocator",
     "best_runner_kind",
     "budget_capture_sizes",
+    "build_model",
+    "build_state_space_model",
     "create_mechanism",
+    "create_model_runner",
     "create_runner",
+    "create_state_space_runner",
     "decode_buffer_specs",
     "default_capture_sizes",
+    "default_model",
     "future_refs",
+    "load_model",
     "optimal_capture_sizes",
     "pad_to",
     "padding_waste",
     "populate",
+    "read_config",
     "read_histogram",
+    "save_checkpoint",
 ]

@@ -31,3 +31,19 @@ def test_readme_usage_example_runs(
     assert runner.stats.replays == 4 and runner.stats.padded_rows == 4  # 3 rows -> graph of 4
     assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked == 4
     assert "total" in capsys.readouterr().out
+
+
+def test_readme_examples_import_only_the_public_api() -> None:
+    """Everything a user needs is importable from ``graphrunner`` itself:
+    ``__all__`` is the contract, and the examples prove it."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    deep = [
+        line.strip()
+        for block in blocks
+        for line in block.splitlines()
+        if re.match(r"\s*(from|import) graphrunner\.", line)
+    ]
+    assert deep == []
+    assert sorted(graphrunner.__all__) == sorted(set(graphrunner.__all__))
+    missing = [name for name in graphrunner.__all__ if not hasattr(graphrunner, name)]
+    assert missing == []
