@@ -52,8 +52,12 @@ class TextCodec:
             )
         from transformers import AutoTokenizer
 
+        # Never the checkpoint's own Python: an `auto_map` in its tokenizer
+        # config would otherwise make transformers ask on stdin, then run it.
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(checkpoint), local_files_only=True, trust_remote_code=False
+            )
         except Exception as e:  # transformers raises OSError, ValueError, JSON errors...
             raise NoTokenizerError(
                 f"--checkpoint {checkpoint}: tokenizer not loadable: {e}"
