@@ -3,8 +3,9 @@
 The tokenizer is the checkpoint's ``tokenizer.json`` / ``tokenizer_config.json``
 loaded by transformers' ``AutoTokenizer`` (imported on first use: the token-id
 paths never pay for it); the chat template is the one in
-``tokenizer_config.json`` (or ``chat_template.jinja``), applied by
-``apply_chat_template`` exactly as transformers applies it.
+``tokenizer_config.json`` (or ``chat_template.jinja``), rendered as
+transformers' ``apply_chat_template`` renders it, in a bounded sandbox
+(:mod:`graphrunner.io.chat_template`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any, TextIO
+
+from graphrunner.io.chat_template import ChatTemplateError, render_chat
 
 __all__ = ["TOKENIZER_FILES", "NoTokenizerError", "StreamPrinter", "TextCodec", "has_tokenizer"]
 
@@ -79,12 +82,14 @@ class TextCodec:
         with the generation prompt appended, as ``apply_chat_template`` gives them."""
         if self.tokenizer.chat_template is None:
             raise NoTokenizerError("--chat: the checkpoint's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        tokens = self.tokenizer.special_tokens_map
+        try:
+            text = render_chat(
+                self.tokenizer.chat_template, [{"role": "user", "content": text}], tokens
+            )
+        except ChatTemplateError as e:
+            raise NoTokenizerError(f"--chat: the checkpoint's chat template: {e}") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
