@@ -34,6 +34,20 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(_read_json(Path(path) / CONFIG_FILE))
 
 
+def _shard_name(root: Path, tensor: object, shard: object) -> str:
+    """``weight_map[tensor]``, checked: a plain file name inside ``root``, never
+    a path that leaves the checkpoint folder."""
+    where = f"{root / INDEX_FILE}: weight_map[{tensor!r}]"
+    if not isinstance(shard, str):
+        raise CheckpointError(f"{where} = {shard!r}; expected a shard file name (a string)")
+    plain = shard == Path(shard).name and shard not in {"", ".", ".."} and "\\" not in shard
+    if not plain:
+        raise CheckpointError(
+            f"{where} = {shard!r}; expected a file name inside the checkpoint folder"
+        )
+    return shard
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint directory ``path``, on the CPU, by name."""
     root = Path(path)
@@ -45,7 +59,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{root / INDEX_FILE}: expected a non-empty 'weight_map' object")
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in sorted({_shard_name(root, name, value) for name, value in weight_map.items()}):
         if not (root / shard).is_file():
             raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {root}")
         tensors.update(_load_file(root / shard))

@@ -1,0 +1,55 @@
+"""A sharded checkpoint's index names files inside its folder, and only those:
+an entry that leaves the folder, or is not a string, is one CheckpointError
+naming the entry, and nothing outside is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from graphrunner.io import read_weights
+from graphrunner.model import CheckpointError
+
+
+def _sharded(root: Path, weight_map: dict[str, object]) -> Path:
+    root.mkdir(parents=True)
+    save_file({"a": torch.zeros(2)}, str(root / "model-1.safetensors"))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_a_plain_shard_name_loads(tmp_path: Path) -> None:
+    root = _sharded(tmp_path / "ckpt", {"a": "model-1.safetensors"})
+    assert torch.equal(read_weights(root)["a"], torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "../../outside.safetensors",
+        "sub/model-1.safetensors",
+        "/etc/passwd",
+        "..",
+        "",
+    ],
+)
+def test_a_shard_outside_the_folder_is_refused_by_name(tmp_path: Path, shard: str) -> None:
+    save_file({"b": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
+    root = _sharded(tmp_path / "ckpt", {"a": "model-1.safetensors", "b": shard})
+    with pytest.raises(
+        CheckpointError, match=r"weight_map\['b'\] = .*inside the checkpoint folder"
+    ):
+        read_weights(root)
+
+
+@pytest.mark.parametrize("shard", [3, None, ["model-1.safetensors"]])
+def test_a_shard_that_is_not_a_string_is_refused_by_name(tmp_path: Path, shard: object) -> None:
+    root = _sharded(tmp_path / "ckpt", {"a": shard})
+    with pytest.raises(CheckpointError, match=r"weight_map\['a'\] = .*expected a shard file name"):
+        read_weights(root)
