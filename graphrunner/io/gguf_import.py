@@ -30,10 +30,12 @@ from safetensors.torch import save_file
 from graphrunner.io.gguf_meta import GGUFImportError, field, open_gguf
 from graphrunner.io.gguf_tokenizer import write_tokenizer
 from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.shapes import check_llama_weights
 
 __all__ = [
     "SUPPORTED_TYPES",
     "GGUFImportError",
+    "check_gguf_tensors",
     "convert_gguf",
     "gguf_config",
     "open_gguf",
@@ -74,20 +76,28 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     if arch != "llama":
         raise GGUFImportError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
 
-    def need(key: str) -> Any:
+    def need(key: str, lo: int = 1) -> int:
         value = field(reader, f"llama.{key}")
         if value is None:
             raise GGUFImportError(f"GGUF metadata is missing llama.{key}")
-        return value
+        return _int(f"llama.{key}", value, lo)
+
+    def optional(key: str, default: int) -> int:
+        return _int(f"llama.{key}", field(reader, f"llama.{key}", default), 1)
 
     scaling = field(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise GGUFImportError(
             f"GGUF llama.rope.scaling.type={scaling!r} is not supported; expected none"
         )
-    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
-    head_dim = int(field(reader, "llama.attention.key_length", hidden // heads))
-    rope_dims = int(field(reader, "llama.rope.dimension_count", head_dim))
+    heads, hidden = need("attention.head_count"), need("embedding_length")
+    if field(reader, "llama.attention.key_length") is None and hidden % heads:
+        raise GGUFImportError(
+            f"GGUF llama.embedding_length={hidden} does not split into "
+            f"llama.attention.head_count={heads} heads"
+        )
+    head_dim = optional("attention.key_length", hidden // heads)
+    rope_dims = optional("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise GGUFImportError(
             f"GGUF llama.rope.dimension_count={rope_dims} is not supported; "
@@ -102,15 +112,15 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "model_type": "llama",
         "vocab_size": int(embed.shape[1]),  # ggml order: [hidden, vocab]
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(field(reader, "llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": optional("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": _float(reader, "llama.attention.layer_norm_rms_epsilon", None),
+        "rope_theta": _float(reader, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": need("context_length"),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
         "mlp_bias": False,
@@ -119,12 +129,28 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
-            config[ours] = int(value)
+            config[ours] = _int(f"tokenizer.ggml.{key}", value, 0)
     try:
         ModelConfig.from_hf_dict(config)  # the executor's own checks, before any tensor
     except CheckpointError as e:
         raise GGUFImportError(f"GGUF metadata: {e}") from None
     return config
+
+
+def _int(key: str, value: object, lo: int) -> int:
+    """A metadata value that must be an int >= ``lo`` (never a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
+        raise GGUFImportError(f"GGUF {key}={value!r}: expected an int >= {lo}")
+    return int(value)
+
+
+def _float(reader: Any, key: str, default: float | None) -> float:
+    value = field(reader, key, default)
+    if value is None:
+        raise GGUFImportError(f"GGUF metadata is missing {key}")
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise GGUFImportError(f"GGUF {key}={value!r}: expected a number")
+    return float(value)
 
 
 def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -134,29 +160,57 @@ def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, out // heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, blocks: int | None) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight
     if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+        if not parts[1].isdigit() or (blocks is not None and int(parts[1]) >= blocks):
+            expected = "a block number" if blocks is None else f"0..{blocks - 1}"
+            raise GGUFImportError(
+                f"GGUF tensor {name!r} names block {parts[1]!r}: expected {expected} "
+                f"(llama.block_count={blocks})"
+            )
         return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
     raise GGUFImportError(f"GGUF tensor {name!r} is not part of a Llama model")
 
 
+def _check_type(tensor: Any) -> None:
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise GGUFImportError(
+            f"GGUF tensor {tensor.name!r} has type {kind}, which is not supported; "
+            f"expected one of {', '.join(sorted(SUPPORTED_TYPES))}"
+        )
+
+
+def check_gguf_tensors(reader: Any, config: dict[str, Any]) -> None:
+    """Every tensor's type, name and shape against the config, before any is
+    read: a GGUF that converts also loads. :class:`GGUFImportError` names the
+    first tensor missing, unexpected, misshapen or of an unsupported type."""
+    blocks = config["num_hidden_layers"]
+    given: dict[str, list[int]] = {}
+    for t in reader.tensors:
+        _check_type(t)
+        # ggml's shape lists the fastest dimension first: torch's is the reverse.
+        given[_hf_name(t.name, blocks)] = [int(n) for n in reversed(t.shape)]
+    try:
+        check_llama_weights(given, ModelConfig.from_hf_dict(config), "GGUF")
+    except CheckpointError as e:
+        raise GGUFImportError(str(e)) from None
+
+
 def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor dequantised to float32 under its transformers name, Q and K
-    projections back in Hugging Face row order. Types are checked for all
-    tensors before any is dequantised."""
+    projections back in Hugging Face row order. Types and names are checked
+    for all tensors before any is dequantised (:func:`convert_gguf` checks
+    shapes against the whole config first, :func:`check_gguf_tensors`)."""
     import gguf
 
+    blocks = config.get("num_hidden_layers")
     for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise GGUFImportError(
-                f"GGUF tensor {t.name!r} has type {kind}, which is not supported; "
-                f"expected one of {', '.join(sorted(SUPPORTED_TYPES))}"
-            )
-        _hf_name(t.name)
+        _check_type(t)
+        _hf_name(t.name, blocks)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -164,14 +218,13 @@ def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Te
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:  # a short data block in a truncated file
             raise GGUFImportError(f"GGUF tensor {t.name!r} cannot be read: {e}") from None
-        # ggml's shape lists the fastest dimension first: torch's is the reverse.
-        shape = [int(n) for n in reversed(t.shape)]
+        shape = [int(n) for n in reversed(t.shape)]  # checked above
         # np.array copies: the reader's memory map is read-only.
         weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if kind in heads:
             weight = unpermute_qk(weight, heads[kind])
-        tensors[_hf_name(t.name)] = weight.contiguous()
+        tensors[_hf_name(t.name, blocks)] = weight.contiguous()
     return tensors
 
 
@@ -186,12 +239,15 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
         raise GGUFImportError(f"--out {dest}: exists and is not an empty directory")
     reader = open_gguf(path)
     config = gguf_config(reader)
+    check_gguf_tensors(reader, config)
     weights = read_gguf_weights(reader, config)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         tmp.mkdir()
-        write_tokenizer(reader, tmp, context=config["max_position_embeddings"])
+        write_tokenizer(
+            reader, tmp, context=config["max_position_embeddings"], vocab_size=config["vocab_size"]
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         if dest.exists():

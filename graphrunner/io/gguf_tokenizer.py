@@ -29,10 +29,11 @@ BYTE_LEVEL_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 _SPECIAL_TYPES = (3, 4)  # gguf.TokenType.CONTROL, USER_DEFINED
 
 
-def write_tokenizer(reader: Any, out: Path, *, context: int) -> bool:
+def write_tokenizer(reader: Any, out: Path, *, context: int, vocab_size: int | None = None) -> bool:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out`` from
     ``reader``'s metadata. Returns False (writing nothing) when the GGUF holds
-    no tokenizer or one of a kind not built here."""
+    no tokenizer or one of a kind not built here. :class:`GGUFImportError`
+    when it cannot be built, or holds more tokens than ``vocab_size``."""
     model = field(reader, "tokenizer.ggml.model")
     pre = field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in BYTE_LEVEL_PRE_TOKENIZERS:
@@ -50,8 +51,16 @@ def write_tokenizer(reader: Any, out: Path, *, context: int) -> bool:
         index = field(reader, f"tokenizer.ggml.{key}_token_id")
         return None if index is None or not 0 <= index < len(tokens) else tokens[int(index)]
 
+    if vocab_size is not None and len(tokens) > vocab_size:
+        raise GGUFImportError(
+            f"GGUF tokenizer: {len(tokens)} tokens, more than the model's vocabulary of "
+            f"{vocab_size}: ids past {vocab_size - 1} would have no embedding"
+        )
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False))
-    tokenizer = _build(tokens, merges, types, pre=pre, bos=token_of("bos") if add_bos else None)
+    try:
+        tokenizer = _build(tokens, merges, types, pre=pre, bos=token_of("bos") if add_bos else None)
+    except Exception as e:  # tokenizers raises its own Exception for bad merges or vocab
+        raise GGUFImportError(f"GGUF tokenizer cannot be built: {e}") from None
     tokenizer.save(str(out / "tokenizer.json"))
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
