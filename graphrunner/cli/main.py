@@ -49,7 +49,7 @@ from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner.engine.speculative import SpeculativeResult
 from graphrunner.engine.workload import requests_from_prompts, synthetic_trace
-from graphrunner.io import gguf_cache, load_model, read_config
+from graphrunner.io import load_any, read_config, resolve_checkpoint
 from graphrunner.model import (
     ModelBundle,
     ModelConfig,
@@ -237,7 +237,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         return cli_model.embedded_config(args)
     try:
         # A .gguf file is converted once into the cache; the rest reads that directory.
-        args.checkpoint = gguf_cache.checkpoint_dir(args.checkpoint)
+        args.checkpoint = resolve_checkpoint(args.checkpoint)
         return read_config(args.checkpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -319,7 +319,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
             config=None if args.model == "default" else cli_model.embedded_config(args),
         )
     try:
-        return load_model(
+        bundle = load_any(
             args.checkpoint,
             max_requests=max_requests,
             max_context_len=context,
@@ -329,6 +329,9 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if not isinstance(bundle, ModelBundle):  # read_config refused it before
+        raise UsageError(f"--checkpoint {args.checkpoint}: expected a Llama-family model")
+    return bundle
 
 
 def _capture(
