@@ -1,10 +1,11 @@
 """``graphrunner generate --checkpoint DIR`` for a Mamba or Jamba checkpoint.
 
-The Llama path's prompt reading, output and engine apply; what differs is the
-bundle (a hybrid request pool, Mamba state), the runner
-(:func:`~graphrunner.engine.state_space.create_state_space_runner`) and the engine
-(:class:`~graphrunner.engine.state_space.StateSpaceEngine`). ``--check`` (an eager
-rerun per step), ``--speculative`` and ``--overlap`` are refused here.
+The Llama path's prompt reading, output, runner factory
+(:func:`~graphrunner.engine.bundle.create_decode_runner`) and engine apply; what
+differs is the bundle :func:`graphrunner.io.load_any` returns (a hybrid request
+pool, Mamba state), whose decode step the runner and engine read from it.
+``--check`` (an eager rerun per step), ``--speculative`` and ``--overlap`` are
+refused here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import text as cli_text
 from graphrunner.cli.common import UsageError, write_atomically
-from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.bundle import create_decode_runner
+from graphrunner.engine.loop import Engine
 from graphrunner.engine.workload import requests_from_prompts
 from graphrunner.io.checkpoint import load_any, read_any_config, state_space_kind
 from graphrunner.io.mamba_checkpoint import DEFAULT_CONTEXT, StateSpaceBundle
@@ -93,12 +95,10 @@ def generate(
     if not isinstance(bundle, StateSpaceBundle):
         raise UsageError(f"--checkpoint {args.checkpoint}: expected a Mamba or Jamba model")
     options = cli_model.compile_option(args.compile)
-    runner = create_state_space_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
-    engine = StateSpaceEngine(
-        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish
-    )
+    engine = Engine(bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish)
     with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
         runner.capture()
         result = engine.run(trace)
