@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import graphrunner.cli.checks as cli_checks
 import graphrunner.cli.main as cli
 import graphrunner.engine.memory as memory
 from graphrunner.engine.loop import Engine, create_model_runner
@@ -247,7 +248,7 @@ def test_on_a_gpu_host_the_cli_resolves_args_device_from_the_runner(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = cli._parser().parse_args(["demo", *argv])
-    assert cli._runner_kind(args) == kind
+    assert cli_checks.runner_kind(args) == kind
     assert args.device == device
 
 
@@ -338,7 +339,7 @@ def test_compile_reaches_the_runner_only_when_asked_for(
         raise _Stop
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 30, "a fake GPU"))
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 30, "a fake GPU"))
     monkeypatch.setattr(cli, "_build", lambda *a: object())
     monkeypatch.setattr(cli, "create_model_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
@@ -555,7 +556,7 @@ def test_a_failed_output_write_leaves_the_old_file_and_no_temp_file(
     def replace(src: Any, dst: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cli.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     args = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "2", *EAGER]
     assert cli.main([*args, "--output", str(out)]) == 1
     assert capsys.readouterr().err == (
@@ -668,14 +669,14 @@ BIG = str(10**30)
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test, instead of hanging or allocating, if a refused run starts."""
     monkeypatch.setattr(cli, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
-    real_sizes = cli.default_capture_sizes
+    real_sizes = cli_checks.default_capture_sizes
 
     def sizes(max_bs: int) -> list[int]:  # past 10**7 it would run for minutes
         return (
             pytest.fail(f"capture sizes up to {max_bs}") if max_bs > 10**7 else real_sizes(max_bs)
         )
 
-    monkeypatch.setattr(cli, "default_capture_sizes", sizes)
+    monkeypatch.setattr(cli_checks, "default_capture_sizes", sizes)
     monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set {n} threads"))
 
@@ -773,12 +774,12 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_the_values_at_the_bounds_pass_the_checks() -> None:
-    args = _args("--threads", str(CORES), "--seed", str(cli.MAX_SEED))
-    assert cli._check_common(args) == "eager"
-    assert cli._capture_sizes(_args("--max-bs", "1000000"))[-1] == 1_000_000
-    assert cli._capture_sizes(_args("--capture-sizes", "1,1000000")) == [1, 1_000_000]
-    sizes = cli._capture_sizes(_args("--max-bs", "1"))
-    cli._check_fits(
+    args = _args("--threads", str(CORES), "--seed", str(cli_checks.MAX_SEED))
+    assert cli_checks.check_common(args) == "eager"
+    assert cli_checks.capture_sizes(_args("--max-bs", "1000000"))[-1] == 1_000_000
+    assert cli_checks.capture_sizes(_args("--capture-sizes", "1,1000000")) == [1, 1_000_000]
+    sizes = cli_checks.capture_sizes(_args("--max-bs", "1"))
+    cli_checks.check_fits(
         _args("--page-size", "23"),
         default_config(),
         sizes,
@@ -788,7 +789,7 @@ def test_the_values_at_the_bounds_pass_the_checks() -> None:
         check=True,
     )
     with pytest.raises(cli.UsageError, match=r"^--page-size 24: expected 1\.\.23 "):
-        cli._check_fits(
+        cli_checks.check_fits(
             _args("--page-size", "24"),
             default_config(),
             sizes,
@@ -801,8 +802,8 @@ def test_the_values_at_the_bounds_pass_the_checks() -> None:
 
 def test_the_largest_seed_seeds_the_model_and_the_trace() -> None:
     # torch takes it (it overflowed past 2**64 - 1; negatives alias the top half).
-    default_model(max_requests=1, max_context_len=8, seed=cli.MAX_SEED)
-    synthetic_trace(num_requests=2, vocab_size=256, max_context_len=64, seed=cli.MAX_SEED)
+    default_model(max_requests=1, max_context_len=8, seed=cli_checks.MAX_SEED)
+    synthetic_trace(num_requests=2, vocab_size=256, max_context_len=64, seed=cli_checks.MAX_SEED)
 
 
 def test_the_demo_runs_the_largest_step_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -936,7 +937,7 @@ def test_available_memory_reads_meminfo_and_the_cgroup(
 @pytest.fixture
 def free_memory(monkeypatch: pytest.MonkeyPatch) -> int:
     free = 1 << 30
-    monkeypatch.setattr(cli, "available_memory", lambda device: (free, "the test"))
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (free, "the test"))
     return free
 
 
@@ -966,10 +967,10 @@ def test_the_batch_range_named_is_the_largest_that_fits(
     free_memory: int, argv: list[str], flag: str
 ) -> None:
     args, config = _args(*argv), default_config()
-    sizes = cli._capture_sizes(args)
+    sizes = cli_checks.capture_sizes(args)
     options: dict[str, Any] = {"max_prompt_len": 48, "kind": "eager", "check": True}
     with pytest.raises(cli.UsageError) as error:
-        cli._check_fits(args, config, sizes, 110, **options)
+        cli_checks.check_fits(args, config, sizes, 110, **options)
     found = re.match(
         rf"{re.escape(flag)}: expected (?:sizes in )?1\.\.(\d+) \(memory: ", str(error.value)
     )
@@ -983,33 +984,35 @@ def test_the_batch_range_named_is_the_largest_that_fits(
         )
 
     assert estimate(fits) <= free_memory < estimate(fits + 1)
-    cli._check_fits(args, config, [*[s for s in sizes if s < fits], fits], 110, **options)
+    cli_checks.check_fits(args, config, [*[s for s in sizes if s < fits], fits], 110, **options)
 
 
 def test_kv_slots_past_int32_exit_2_even_with_memory_to_spare(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 62, "the test"))
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 62, "the test"))
     config = dataclasses.replace(default_config(), max_position_embeddings=4096)
     args = _args("--max-bs", "1000000")
-    sizes = cli._capture_sizes(args)
+    sizes = cli_checks.capture_sizes(args)
     options: dict[str, Any] = {"max_prompt_len": 8, "kind": "eager", "check": False}
     # 524287 requests of 4096 slots, plus the padding slot, index below 2**31.
     with pytest.raises(cli.UsageError) as error:
-        cli._check_fits(args, config, sizes, 4096, **options)
+        cli_checks.check_fits(args, config, sizes, 4096, **options)
     assert str(error.value) == (
         "--max-bs 1000000: expected 1..524287 (int32 KV slot indices allow 2147483647 slots)"
     )
-    cli._check_fits(args, config, [*[s for s in sizes if s < 524287], 524287], 4096, **options)
+    cli_checks.check_fits(
+        args, config, [*[s for s in sizes if s < 524287], 524287], 4096, **options
+    )
 
 
 def test_a_model_that_does_not_fit_at_batch_size_1_names_the_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 16, "the test"))
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 16, "the test"))
     args = _args("--checkpoint", "ckpt", "--max-bs", "2")
     with pytest.raises(cli.UsageError) as error:
-        cli._check_fits(
+        cli_checks.check_fits(
             args, default_config(), [1, 2], 100, max_prompt_len=8, kind="eager", check=False
         )
     assert str(error.value).startswith(

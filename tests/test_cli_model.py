@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from graphrunner.cli import checks as cli_checks
 from graphrunner.cli import main as cli
 from graphrunner.cli import model_args as cli_model
 from graphrunner.model import default_model, shape_1b_config
@@ -27,7 +28,7 @@ def _built_with(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, A
         calls.append(kwargs)
         raise _Stop
 
-    monkeypatch.setattr(cli, "available_memory", lambda device: (1 << 40, "a fake device"))
+    monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 40, "a fake device"))
     monkeypatch.setattr(cli, "default_model", build)
     with pytest.raises(_Stop):
         cli.main(["demo", "--runner", "eager", "--max-bs", "2", *argv])

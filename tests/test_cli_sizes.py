@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import graphrunner.cli.checks as cli_checks
 import graphrunner.cli.main as cli
 import graphrunner.cli.sizes as cli_sizes
 from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
@@ -173,7 +174,7 @@ def test_search_too_large_is_refused(monkeypatch, tmp_path, capsys):
 
 
 def test_bound_matches_the_cli():
-    assert cli_sizes.MAX_BATCH_SIZE == cli.MAX_BATCH_SIZE
+    assert cli_sizes.MAX_BATCH_SIZE == cli_checks.MAX_BATCH_SIZE
 
 
 def test_capture_report_round_trip(tmp_path):

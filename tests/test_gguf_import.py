@@ -19,9 +19,17 @@ from transformers import AutoTokenizer
 
 import graphrunner.cli.main as cli
 from gguf_world import CORPUS, tiny_text_checkpoint, write_gguf
+from graphrunner.io import (
+    load_any,
+    read_any_config,
+    read_config,
+    resolve_checkpoint,
+    state_space_kind,
+)
 from graphrunner.io.checkpoint import load_any_model, load_model, read_weights
 from graphrunner.io.gguf_cache import CACHE_ENV, converted_dir
 from graphrunner.io.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
+from graphrunner.model import ModelBundle
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +142,13 @@ def test_gguf_checkpoint_generates_the_tokens_of_its_safetensors_source(
     assert torch.equal(bundle.model.state_dict()["model.embed_tokens.weight"], embed)
     # So does the loader that dispatches on the architecture (GGUF: a Llama).
     bundle = load_any_model(gguf_file, max_requests=1, max_context_len=16)
+    assert torch.equal(bundle.model.state_dict()["model.embed_tokens.weight"], embed)
+    # One GGUF entry point and one dispatcher, shared by the CLI and the library.
+    assert resolve_checkpoint(gguf_file) == converted_dir(gguf_file)
+    assert state_space_kind(gguf_file) is None
+    assert read_any_config(gguf_file) == read_config(converted_dir(gguf_file))
+    bundle = load_any(gguf_file, max_requests=1, max_context_len=16)
+    assert isinstance(bundle, ModelBundle)
     assert torch.equal(bundle.model.state_dict()["model.embed_tokens.weight"], embed)
 
 

@@ -157,6 +157,38 @@ def test_the_sanitizer_catches_a_padded_row_that_writes_its_mamba_slot(
         StateSpaceEngine(bundle, runner).run(TRACE[:2])
 
 
+def test_the_one_engine_and_loader_serve_a_state_space_checkpoint(
+    oracle: tuple[str, Path, dict[int, list[int]]],
+) -> None:
+    """``load_any`` dispatches on config.json; the plain ``Engine`` and
+    ``create_decode_runner`` serve the bundle (its DecodeStep adds the Mamba
+    fields and state ops); an eager rerun and future references are refused."""
+    from graphrunner.core.future_map import FutureMap
+    from graphrunner.engine.bundle import create_decode_runner
+    from graphrunner.engine.loop import Engine
+    from graphrunner.io import load_any, read_any_config, state_space_kind
+
+    kind, path, expected = oracle
+    assert state_space_kind(path) == kind
+    assert not isinstance(read_any_config(path), dict)
+    bundle = load_any(path, max_requests=8, max_context_len=CONTEXT)
+    assert isinstance(bundle, StateSpaceBundle)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4])
+    runner.capture()
+    assert runner.state_ops is bundle.req_pool
+    assert Engine(bundle, runner).run(TRACE[:4]).outputs == {
+        r.rid: expected[r.rid] for r in TRACE[:4]
+    }
+    with pytest.raises(ValueError, match="advance each request's Mamba state twice"):
+        Engine(bundle, runner, check=True)
+    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+    with pytest.raises(ValueError, match="future_map: overlap scheduling is not supported"):
+        create_decode_runner(bundle, "eager", capture_sizes=[4], future_map=future)
+    other = create_decode_runner(_bundle(path), "eager", capture_sizes=[4])
+    with pytest.raises(ValueError, match="runner.state_ops is not the bundle's request pool"):
+        Engine(bundle, other)
+
+
 def _decode(
     bundle: StateSpaceBundle, runner: Any, batch: DecodeBatch, steps: int
 ) -> list[list[int]]:

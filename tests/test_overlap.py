@@ -216,3 +216,32 @@ def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyP
         torch.cuda.set_sync_debug_mode("default")
     # One wait per engine iteration (a step, or an admission while idle), no other sync.
     assert result.stats.steps <= len(waits) <= result.stats.steps + len(_trace())
+
+
+def test_overlap_is_a_schedule_of_the_one_engine():
+    trace = _trace()
+    outputs = []
+    for make in (
+        lambda b, r: OverlapEngine(b, r),
+        lambda b, r: Engine(b, r, overlap=True),
+    ):
+        bundle = default_model(max_requests=4, max_context_len=60)
+        future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+        runner = create_model_runner(bundle, "eager", capture_sizes=[2, 4], future_map=future)
+        runner.capture()
+        engine = make(bundle, runner)
+        assert type(engine.schedule).__name__ == "OverlapSchedule"
+        outputs.append(engine.run(trace).outputs)
+    assert outputs[0] == outputs[1]
+    plain_bundle = default_model(max_requests=4, max_context_len=60)
+    plain_runner = create_model_runner(plain_bundle, "eager", capture_sizes=[2, 4])
+    plain_runner.capture()
+    assert Engine(plain_bundle, plain_runner).run(trace).outputs == outputs[0]
+
+
+def test_overlap_with_check_is_refused():
+    bundle = default_model(max_requests=2, max_context_len=60)
+    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[2], future_map=future)
+    with pytest.raises(ValueError, match="check=True with overlap=True"):
+        Engine(bundle, runner, check=True, overlap=True)

@@ -28,8 +28,8 @@ import torch
 
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
-from graphrunner.io import load_model
-from graphrunner.io.gguf_cache import cache_root, checkpoint_dir
+from graphrunner.io import load_model, resolve_checkpoint
+from graphrunner.io.gguf_cache import cache_root
 from graphrunner.io.text import TextCodec
 from graphrunner.sizing.sizes import default_capture_sizes
 
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     kind = args.runner or ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda" if kind == "cuda" else "cpu"
-    checkpoint = checkpoint_dir(fetch_gguf(cache_root()))
+    checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
     codec = TextCodec.load(checkpoint, what="demo-real")
     questions = PROMPTS[: args.prompts]
     prompts = [codec.chat(q) for q in questions]

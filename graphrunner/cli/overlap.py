@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from graphrunner.core.future_map import FutureMap
-from graphrunner.engine.loop import EngineResult, create_model_runner
-from graphrunner.engine.overlap import OverlapEngine
+from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import Request
 from graphrunner.model.build import ModelBundle
 
@@ -50,7 +49,7 @@ def run_overlap(
         **mechanism_options,
     )
     runner.capture()
-    engine = OverlapEngine(bundle, runner, end_token=end_token)
+    engine = Engine(bundle, runner, end_token=end_token, overlap=True)
     return engine.run(trace, max_steps=max_steps, progress=True)
 
 

@@ -1,16 +1,16 @@
 """``graphrunner generate --checkpoint DIR`` for a Mamba or Jamba checkpoint.
 
-The Llama path's prompt reading, output and engine apply; what differs is the
-bundle (a hybrid request pool, Mamba state), the runner
-(:func:`~graphrunner.engine.state_space.create_state_space_runner`) and the engine
-(:class:`~graphrunner.engine.state_space.StateSpaceEngine`). ``--check`` (an eager
-rerun per step), ``--speculative`` and ``--overlap`` are refused here.
+The Llama path's prompt reading, output, runner factory
+(:func:`~graphrunner.engine.bundle.create_decode_runner`) and engine apply; what
+differs is the bundle :func:`graphrunner.io.load_any` returns (a hybrid request
+pool, Mamba state), whose decode step the runner and engine read from it.
+``--check`` (an eager rerun per step), ``--speculative`` and ``--overlap`` are
+refused here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,36 +21,34 @@ from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import text as cli_text
 from graphrunner.cli.common import UsageError, write_atomically
-from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner.engine.bundle import create_decode_runner
+from graphrunner.engine.loop import Engine
 from graphrunner.engine.workload import requests_from_prompts
-from graphrunner.io.checkpoint import CONFIG_FILE, read_weights
-from graphrunner.io.mamba_checkpoint import (
-    DEFAULT_CONTEXT,
-    load_state_space_model,
-    parse_config,
-    state_space_type,
-)
-from graphrunner.model.config import ModelConfig
+from graphrunner.io.checkpoint import load_any, read_any_config, state_space_kind
+from graphrunner.io.mamba_checkpoint import DEFAULT_CONTEXT, StateSpaceBundle
+from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
+from graphrunner.model.mamba import MambaConfig
 
 __all__ = ["generate", "is_state_space_checkpoint"]
 
 
 def is_state_space_checkpoint(path: Path | str | None) -> bool:
-    """Whether ``path`` is a checkpoint directory of a Mamba or Jamba model."""
-    file = None if path is None else Path(path) / CONFIG_FILE
-    if file is None or not file.is_file():
+    """Whether ``path`` is a checkpoint directory of a Mamba or Jamba model
+    (:func:`graphrunner.io.state_space_kind`; an unreadable ``config.json`` is
+    left to the Llama path to word)."""
+    if path is None:
         return False
     try:
-        hf = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False  # the Llama path words the error
-    return isinstance(hf, dict) and state_space_type(hf) is not None
+        return state_space_kind(path) is not None
+    except CheckpointError:
+        return False
 
 
-def _prompt_config(hf: dict[str, object]) -> ModelConfig:
+def _prompt_config(config: ModelConfig | MambaConfig | HybridConfig) -> ModelConfig:
     """The fields the prompt checks read (vocabulary, context) as a ModelConfig."""
-    config = parse_config(dict(hf))
+    if isinstance(config, ModelConfig):
+        return config
     if isinstance(config, HybridConfig):
         return config.attention
     return ModelConfig(
@@ -73,9 +71,8 @@ def generate(
     for flag in ("check", "speculative", "overlap"):
         if getattr(args, flag, False):
             raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
-    hf = json.loads((Path(args.checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
     try:
-        config = _prompt_config(hf)
+        config = _prompt_config(read_any_config(args.checkpoint))
     except ValueError as e:
         raise UsageError(str(e)) from None
     limit, inputs = cli_text.check_generate(args, config)
@@ -85,9 +82,8 @@ def generate(
     )
     torch.set_num_threads(args.threads)
     try:
-        bundle = load_state_space_model(
-            hf,
-            read_weights(args.checkpoint),
+        bundle = load_any(
+            args.checkpoint,
             max_requests=sizes[-1],
             max_context_len=cli_text.run_context(args, trace, 0, limit),
             device=args.device,
@@ -96,13 +92,13 @@ def generate(
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if not isinstance(bundle, StateSpaceBundle):
+        raise UsageError(f"--checkpoint {args.checkpoint}: expected a Mamba or Jamba model")
     options = cli_model.compile_option(args.compile)
-    runner = create_state_space_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
     )
-    engine = StateSpaceEngine(
-        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish
-    )
+    engine = Engine(bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish)
     with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
         runner.capture()
         result = engine.run(trace)

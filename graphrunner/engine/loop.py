@@ -1,12 +1,16 @@
 """A small engine loop: continuous batching over a request trace, every decode step
 through a runner, optionally checked against the eager forward.
 
-Per engine step: admit the requests that have arrived (while rows, request
-slots and KV room last), prefill each eagerly; run one decode step of the
-running batch through the runner; sample greedily on the device; read the
-step's tokens (and new KV slots) back to the host in ONE ``.tolist()``; retire
-finished requests (token budget or end token) via ``filter``, freeing their
-pool rows and KV pages; merge the prefilled ones in for the next step.
+Per engine step (the plain schedule): admit the requests that have arrived
+(while rows, request slots and KV room last), prefill each eagerly; run one
+decode step of the running batch through the runner; sample greedily on the
+device; read the step's tokens (and new KV slots) back to the host in ONE
+``.tolist()``; retire finished requests (token budget or end token) via
+``filter``, freeing their pool rows and KV pages; merge the prefilled ones in
+for the next step. ``Engine(overlap=True)`` schedules step N+1 while step N
+runs instead (:mod:`graphrunner.engine.overlap_schedule`): the scheduling is a strategy
+of the one engine, and the bundle kind (Llama or state-space) is data of it
+(:func:`~graphrunner.engine.bundle.decode_step`).
 
 KV is allocated in whole pages of ``bundle.page_size`` slots (1: one slot per
 token). A prefill takes the prompt's pages, its tokens in the first slots in
@@ -21,175 +25,88 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core.future_map import FutureMap
 from graphrunner.core.runner import GraphRunner
-from graphrunner.core.runners import create_runner
-from graphrunner.declare.decode import decode_buffer_specs
+from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
+from graphrunner.engine.check import checked_replay
+from graphrunner.engine.overlap_schedule import OverlapSchedule
+from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
+from graphrunner.engine.schedule import Schedule, SyncSchedule
 from graphrunner.engine.workload import Request, check_trace
+from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
 from graphrunner.pools import starts_page, whole_pages
-from graphrunner.sanitizer.padding import PaddingSanitizer
-from graphrunner.sizing.histogram import BatchSizeHistogram
-from graphrunner.sizing.sizes import PaddingWaste
 
-
-class AdmissionError(RuntimeError):
-    """An arrived request can never be admitted: nothing is running that could
-    free the rows or KV pages it needs (they are held outside the run)."""
-
-
-def create_model_runner(
-    bundle: ModelBundle,
-    kind: str,
-    *,
-    capture_sizes: Sequence[int] | None = None,
-    max_bs: int | None = None,
-    show_progress: bool = False,
-    check_padding: bool = False,
-    future_map: FutureMap | None = None,
-    **mechanism_options: Any,
-) -> GraphRunner:
-    """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
-    step, with its attention backend's hooks and pad value. Not yet captured.
-
-    ``check_padding=True`` guards the bundle's pools with a
-    :class:`~graphrunner.sanitizer.padding.PaddingSanitizer` around every replay (a
-    debug mode: it copies the KV cache per step). ``future_map`` lets
-    ``input_ids`` carry future references (overlap scheduling).
-    ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
-    for ``cuda``.
-    """
-    model = bundle.model
-    specs = decode_buffer_specs(
-        seq_len_fill_value=model.attn_backend.seq_len_fill_value, future=future_map is not None
-    )
-    sanitizer = None
-    if check_padding:
-        sanitizer = PaddingSanitizer.for_pools(
-            bundle.req_pool, bundle.kv_cache, kv_allocator=bundle.kv_alloc
-        )
-    return create_runner(
-        kind,
-        model.forward_decode,
-        specs,
-        device=bundle.device,
-        capture_sizes=capture_sizes,
-        max_bs=max_bs,
-        backend=model.attn_backend,
-        show_progress=show_progress,
-        sanitizer=sanitizer,
-        future_map=future_map,
-        **mechanism_options,
-    )
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What a run did. Seconds are wall time around the forward calls only,
-    with a device sync on CUDA so they measure the work, not the launch."""
-
-    steps: int = 0  # decode steps
-    prefills: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # live rows over all decode steps
-    decode_seconds: float = 0.0  # in runner.replay
-    eager_seconds: float = 0.0  # in the eager reference (check mode)
-    live_rows: int = 0
-    padded_rows: int = 0
-    checked_steps: int = 0
-    mismatches: int = 0  # checked steps outside tolerance
-    token_flips: int = 0  # rows whose greedy token differs (near-ties, inside tolerance)
-    max_logit_diff: float = 0.0
-    max_kv_diff: float = 0.0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode steps per live bs
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def eager_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.eager_seconds if self.eager_seconds else 0.0
-
-    @property
-    def padded_fraction(self) -> float:
-        return PaddingWaste(self.live_rows, self.padded_rows).fraction
-
-    @property
-    def histogram(self) -> BatchSizeHistogram:
-        """``batch_sizes`` as the runner keeps it, to write for ``graphrunner sizes``."""
-        return BatchSizeHistogram(self.batch_sizes)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineResult:
-    """Generated tokens per request id (prompt excluded); ``finished``: the ids
-    that reached their budget or the end token (others were cut by max_steps)."""
-
-    outputs: dict[int, list[int]]
-    finished: frozenset[int]
-    stats: EngineStats
-
-
-@dataclass(slots=True)
-class _Live:
-    request: Request
-    req_index: int
-    slots: list[int] = field(default_factory=list)  # KV slot per position, host ints
-    pages: list[int] = field(default_factory=list)  # every slot of its whole pages: to free
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Run:
-    """The state of one :meth:`Engine.run`; ``live[i]`` is row ``i`` of ``batch``."""
-
-    pending: deque[Request]
-    batch: DecodeBatch
-    outputs: dict[int, list[int]]
-    live: list[_Live] = field(default_factory=list)
-    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV pages to free
-    finished: set[int] = field(default_factory=set)
-    stats: EngineStats = field(default_factory=EngineStats)
-    clock: int = 0  # engine steps, idle ones included: what arrival_step counts
+__all__ = [
+    "AdmissionError",
+    "Engine",
+    "EngineResult",
+    "EngineStats",
+    "Schedule",
+    "SyncSchedule",
+    "create_model_runner",
+]
 
 
 class Engine:
     """Runs request traces on ``bundle``'s model with decode steps through ``runner``.
 
     Args:
-        bundle: the model and its pools; a run frees everything it allocated,
-            also when it raises.
-        runner: a captured runner over ``bundle.model.forward_decode``.
+        bundle: a Llama :class:`ModelBundle` or a :class:`StateSpaceBundle` (the
+            model and its pools); a run frees everything it allocated, also
+            when it raises.
+        runner: a captured runner over the bundle's decode step (see
+            :func:`~graphrunner.engine.bundle.create_decode_runner`).
         check: run the eager forward on every decode step and compare (see
-            :meth:`_checked_replay`); counts go to ``stats``.
+            :func:`~graphrunner.engine.check.checked_replay`); counts go to
+            ``stats``. Refused for a model with Mamba layers.
         end_token: a token that finishes its request (it is kept in the output).
         atol: tolerance on logits and KV values in check mode.
         on_finish: called with ``(rid, tokens)`` as each request finishes (text
             output streams through it); not for requests cut by ``max_steps``.
+        overlap: schedule step N+1 on the host while step N runs
+            (:class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`); the runner
+            needs a future map, and check mode is not available with it.
+
+    ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
+    ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
+    and ``join`` are the step operations a :class:`Schedule` composes.
     """
 
     def __init__(
         self,
-        bundle: ModelBundle,
+        bundle: ModelBundle | StateSpaceBundle,
         runner: GraphRunner,
         *,
         check: bool = False,
         end_token: int | None = None,
         atol: float = 1e-4,
         on_finish: Callable[[int, list[int]], None] | None = None,
+        overlap: bool = False,
     ) -> None:
-        self.bundle, self.runner = bundle, runner
+        self.decoder = decode_step(bundle)
+        if check and self.decoder.rerun_reason is not None:
+            raise ValueError(
+                f"check=True: {self.decoder.rerun_reason}; expected check=False for a model "
+                "with Mamba layers"
+            )
+        if self.decoder.state_ops is not None and runner.state_ops is not self.decoder.state_ops:
+            raise ValueError(
+                "runner.state_ops is not the bundle's request pool: its recorded state ops "
+                "would never run; build it with create_state_space_runner"
+            )
+        if overlap and check:
+            raise ValueError("check=True with overlap=True: expected one of them")
+        self.bundle: ServingBundle = bundle
+        self.runner = runner
         self.check, self.end_token, self.atol = check, end_token, atol
         self.on_finish = on_finish
         self.device = bundle.device
+        self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -210,6 +127,7 @@ class Engine:
             {r.rid: [] for r in trace},
         )
         start_live, start_pad = self.runner.stats.live_rows, self.runner.stats.padded_rows
+        self.schedule.begin(self, max_steps)
         try:
             with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
                 while (run.pending or run.live) and (
@@ -217,43 +135,17 @@ class Engine:
                 ):
                     if not run.live:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
-                    bar.update(self._step(run))
+                    bar.update(self.schedule.step(self, run))
                     run.clock += 1
             for req in run.live:  # cut by max_steps
                 run.outputs[req.request.rid] = req.tokens
         finally:  # on an error too: a failed run leaks no pool row or KV page
             for req in list(run.held.values()):
-                self._free(run, req)
+                self.free(run, req)
+            self.schedule.end(self)
         run.stats.live_rows = self.runner.stats.live_rows - start_live
         run.stats.padded_rows = self.runner.stats.padded_rows - start_pad
         return EngineResult(run.outputs, frozenset(run.finished), run.stats)
-
-    def _step(self, run: _Run) -> int:
-        """Admit, decode the running batch, read back, retire, merge. Returns decode steps run."""
-        joining = self._admit(run)
-        bs = len(run.live)
-        first_ids = torch.stack([ids for _, ids in joining]) if joining else self._empty()
-        next_ids, new_slots = self._decode(run.batch, run.stats) if bs else (self._empty(),) * 2
-        host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
-        page = self.bundle.page_size
-        keep = []
-        for i, req in enumerate(run.live):
-            slot = host[bs + i]
-            if starts_page(len(req.slots), page):  # a fresh page: slot is its first
-                req.pages.extend(range(slot, slot + page))
-            req.slots.append(slot)
-            if not self._advance(run, req, host[i]):
-                keep.append(i)
-        run.batch.input_ids = next_ids  # what each row feeds next step
-        if len(keep) < bs:
-            run.batch.filter(keep)
-            run.live[:] = [run.live[i] for i in keep]
-        stay = [
-            j for j, (req, _) in enumerate(joining) if not self._advance(run, req, host[2 * bs + j])
-        ]
-        if stay:
-            self._join(run, [joining[j][0] for j in stay], first_ids[stay])
-        return 1 if bs else 0
 
     def _validate(self, trace: Sequence[Request]) -> None:
         ctx, kv_room = self.bundle.max_context_len, self.bundle.kv_alloc.size
@@ -270,10 +162,10 @@ class Engine:
         """KV slots that ``tokens`` tokens take: whole pages."""
         return whole_pages(tokens, self.bundle.page_size)
 
-    def _empty(self) -> torch.Tensor:
+    def empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def _admit(self, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
+    def admit(self, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
         """Prefill arrived requests in order while they fit; returns each with its
         first token (a 0-d device tensor)."""
         b, pending = self.bundle, run.pending
@@ -313,14 +205,14 @@ class Engine:
         page = self.bundle.page_size
         return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
 
-    def _decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
         try:
             if self.check:
-                logits = self._checked_replay(batch, stats)
+                logits = checked_replay(self, batch, stats)
             else:
-                logits, seconds = self._timed(lambda: self._replay(batch))
+                logits, seconds = self.timed(lambda: self.replay(batch))
                 stats.decode_seconds += seconds
         except BaseException:  # the step's fresh pages are no request's yet: free them here
             self._free_fresh_pages(batch)
@@ -344,44 +236,8 @@ class Engine:
         ]
         self.bundle.kv_alloc.free(fresh)
 
-    def _checked_replay(self, batch: DecodeBatch, stats: EngineStats) -> torch.Tensor:
-        """Eager reference first, then the runner, on the same prepared batch.
-
-        Both write the new tokens' K/V at ``out_cache_loc`` before reading, so
-        the second run overwrites the first's writes and reads nothing else of
-        it. The reference goes first because it touches live rows only: every
-        value it reads is the true state. A snapshot of the KV cache between
-        the two then shows any write of the runner outside the live rows'
-        ``out_cache_loc`` (slot 0, the padding sink, excepted). The runner's
-        outputs drive the engine; this check syncs, it is not the hot path.
-        """
-        with torch.no_grad():
-            ref, eager_seconds = self._timed(lambda: self.bundle.model.forward_decode(batch))
-        kv = self.bundle.kv_cache
-        before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
-        out, seconds = self._timed(lambda: self._replay(batch))
-        stats.eager_seconds += eager_seconds
-        stats.decode_seconds += seconds
-        after = (*kv.k_buffers, *kv.v_buffers)
-        kv_diff = torch.stack(
-            [(a[1:] - b[1:]).abs().max() for a, b in zip(after, before, strict=True)]
-        ).max()
-        flips = (out.argmax(-1) != ref.argmax(-1)).sum()
-        logit_diff, kv_diff_f, n_flips = torch.stack(
-            [(out - ref).abs().max(), kv_diff.float(), flips.float()]
-        ).tolist()
-        stats.checked_steps += 1
-        stats.max_logit_diff = max(stats.max_logit_diff, logit_diff)
-        stats.max_kv_diff = max(stats.max_kv_diff, kv_diff_f)
-        stats.token_flips += int(n_flips)
-        # A token flip with logits inside atol is a near-tie (the two logits differ
-        # by at most 2 * atol), not a divergence.
-        if not (logit_diff <= self.atol and kv_diff_f <= self.atol):
-            stats.mismatches += 1
-        return out
-
-    def _replay(self, batch: DecodeBatch) -> torch.Tensor:
-        logits = self.runner.replay(batch)
+    def replay(self, batch: DecodeBatch) -> torch.Tensor:
+        logits = self.runner.replay(self.decoder.inputs(batch))
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
                 f"runner.replay returned {type(logits).__name__}; expected the "
@@ -389,21 +245,21 @@ class Engine:
             )
         return logits
 
-    def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
         self._sync()
         start = time.perf_counter()
         out = fn()
         self._sync()
         return out, time.perf_counter() - start
 
-    def _advance(self, run: _Run, req: _Live, token: int) -> bool:
+    def advance(self, run: _Run, req: _Live, token: int) -> bool:
         """Record ``token``; retire the request if it is done. Returns whether it was."""
-        done = self._record_token(run, req, token)
+        done = self.record_token(run, req, token)
         if done:
-            self._free(run, req)
+            self.free(run, req)
         return done
 
-    def _record_token(self, run: _Run, req: _Live, token: int) -> bool:
+    def record_token(self, run: _Run, req: _Live, token: int) -> bool:
         """Append ``token``; when the budget or the end token is reached, record
         the request's output as finished. Returns whether it is done."""
         req.tokens.append(token)
@@ -415,12 +271,12 @@ class Engine:
             self.on_finish(req.request.rid, req.tokens)
         return True
 
-    def _free(self, run: _Run, req: _Live) -> None:
+    def free(self, run: _Run, req: _Live) -> None:
         del run.held[req.request.rid]
         self.bundle.req_pool.free([req.req_index])
         self.bundle.kv_alloc.free(req.pages)
 
-    def _join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
+    def join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
         new = DecodeBatch.from_requests(
             [r.req_index for r in joining],
             [len(r.request.prompt) for r in joining],

@@ -1,54 +1,23 @@
-"""Overlap scheduling in the engine: step N+1 is scheduled on the host while
-step N runs on the device.
-
-Each step stores its sampled tokens in the runner's
-:class:`~graphrunner.core.future_map.FutureMap` and starts copying them to the host
-(pinned memory and an event on CUDA). While the device works, the host admits
-and prefills arrivals, retires the requests whose budget ends with this step,
-merges the new ones and prepares step N+1, whose ``input_ids`` are future
-references resolved by populate on the device. Only then does it wait for the
-copy (the one wait per step) to record tokens and slots and retire requests
-that met the end token; one of those already prepared for step N+1 is dropped
-from it before launch, with its fresh page freed (known on the host). On the
-CPU the same control flow runs synchronously. Tokens equal the plain engine's.
+"""Overlap scheduling: step N+1 is scheduled on the host while step N runs on
+the device. It is a scheduling strategy of the one engine,
+``Engine(bundle, runner, overlap=True)``
+(:class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`, where the
+protocol is described); :class:`OverlapEngine` is the earlier name of that
+binding, kept.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.loop import Engine
+from graphrunner.engine.overlap_schedule import OverlapSchedule, _HostCopy
+from graphrunner.model.build import ModelBundle
 
-import torch
-
-from graphrunner.core.future_map import FutureMap, future_refs
-from graphrunner.engine.loop import Engine, EngineResult, _Live, _Run
-from graphrunner.engine.workload import Request
-from graphrunner.pools import starts_page
-
-__all__ = ["OverlapEngine"]
-
-
-class _HostCopy:
-    """A device int64 vector on its way to the host: pinned buffer and event on CUDA."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
-        if values.device.type == "cuda":
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = values
-
-    def wait(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+__all__ = ["OverlapEngine", "OverlapSchedule", "_HostCopy"]
 
 
 class OverlapEngine(Engine):
-    """:class:`~graphrunner.engine.loop.Engine` with overlap scheduling (see the module doc).
+    """``Engine(bundle, runner, end_token=end_token, overlap=True)``.
 
     ``runner`` must be built with a future map (``create_model_runner(...,
     future_map=FutureMap(...))``). Check mode is not available with overlap:
@@ -56,125 +25,6 @@ class OverlapEngine(Engine):
     """
 
     def __init__(
-        self,
-        bundle: object,
-        runner: object,
-        *,
-        end_token: int | None = None,
+        self, bundle: ModelBundle, runner: GraphRunner, *, end_token: int | None = None
     ) -> None:
-        super().__init__(bundle, runner, end_token=end_token)  # type: ignore[arg-type]
-        future = getattr(runner, "future_map", None)
-        if not isinstance(future, FutureMap):
-            raise ValueError(
-                "OverlapEngine: the runner has no future map; build it with "
-                "create_model_runner(..., future_map=FutureMap(req_pool rows, device))"
-            )
-        self.future = future
-        # The next step, prepared before this one's tokens were read: the fresh
-        # page (first slot) each starting request took there, by request id.
-        self._prepared: dict[int, int] | None = None
-        self._max_steps: int | None = None
-
-    def run(
-        self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
-    ) -> EngineResult:
-        self._max_steps = max_steps
-        try:
-            return super().run(trace, max_steps=max_steps, progress=progress)
-        finally:  # a step prepared but never launched: its fresh pages are nobody's
-            self._release_prepared()
-
-    def _release_prepared(self) -> None:
-        if self._prepared is not None:
-            page = self.bundle.page_size
-            slots = [s + o for s in self._prepared.values() for o in range(page)]
-            self.bundle.kv_alloc.free(slots)
-            self._prepared = None
-
-    def _step(self, run: _Run) -> int:
-        # Wall time of the whole step, host work included: timing the replay
-        # alone would need a device sync, which overlap exists to avoid.
-        start = time.perf_counter()
-        stepped = list(run.live)
-        launched = self._launch(run) if stepped else (self._empty(), self._empty())
-        joining = self._admit(run)
-        first = torch.stack([ids for _, ids in joining]) if joining else self._empty()
-        if joining:
-            rows = [r.req_index for r, _ in joining]
-            self.future.store(self._device_ints(rows), first)
-        copy = _HostCopy(torch.cat([*launched, first]))
-        self._schedule(run, stepped, [r for r, _ in joining])
-        self._record(run, stepped, [r for r, _ in joining], copy.wait())
-        if stepped:
-            run.stats.decode_seconds += time.perf_counter() - start
-        return 1 if stepped else 0
-
-    def _device_ints(self, values: list[int]) -> torch.Tensor:
-        # non_blocking from host memory: torch.tensor(..., device=) would sync.
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def _launch(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step N on the prepared batch; its tokens go to the future map."""
-        batch = run.batch
-        self._prepared = None  # its fresh pages are recorded by this step's read
-        next_ids = self._replay(batch).argmax(-1)
-        self.future.store(batch.req_pool_indices, next_ids)
-        stats = run.stats
-        stats.steps += 1
-        stats.decode_tokens += batch.batch_size
-        stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
-        return next_ids, batch.out_cache_loc
-
-    def _schedule(self, run: _Run, stepped: list[_Live], joining: list[_Live]) -> None:
-        """Step N+1 while step N runs: keep the requests whose budget goes on,
-        merge the arrivals, prepare it with future references as input ids."""
-        keep = [i for i, r in enumerate(stepped) if len(r.tokens) + 1 < r.request.max_new_tokens]
-        if len(keep) < len(stepped):
-            run.batch.filter(keep)
-            run.live[:] = [stepped[i] for i in keep]
-        going = [r for r in joining if r.request.max_new_tokens > 1]
-        if going:
-            rows = self._device_ints([r.req_index for r in going])
-            self._join(run, going, future_refs(rows))
-        steps_left = self._max_steps is None or run.stats.steps < self._max_steps
-        if run.live and steps_left:
-            refs = future_refs(run.batch.req_pool_indices)
-            fresh = run.batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc, refs)
-            self._prepared = {run.live[i].request.rid: s for i, s in fresh.items()}
-
-    def _record(
-        self, run: _Run, stepped: list[_Live], joining: list[_Live], host: list[int]
-    ) -> None:
-        """After the one wait: slots and tokens of step N, first tokens of the arrivals."""
-        bs, page = len(stepped), self.bundle.page_size
-        done: list[_Live] = []
-        for i, req in enumerate(stepped):
-            slot = host[bs + i]
-            if starts_page(len(req.slots), page):
-                req.pages.extend(range(slot, slot + page))
-            req.slots.append(slot)
-            done += [req] if self._record_token(run, req, host[i]) else []
-        firsts = host[2 * bs :]
-        done += [r for r, t in zip(joining, firsts, strict=True) if self._record_token(run, r, t)]
-        self._retire(run, done)
-
-    def _retire(self, run: _Run, done: list[_Live]) -> None:
-        """Free finished requests; one already in the prepared step leaves it,
-        with the fresh page it took there."""
-        scheduled = {id(r) for r in run.live}
-        drop = [r for r in done if id(r) in scheduled]
-        if drop:
-            gone = {id(r) for r in drop}
-            keep = [i for i, r in enumerate(run.live) if id(r) not in gone]
-            run.batch.filter(keep)
-            run.live[:] = [run.live[i] for i in keep]
-            if self._prepared is not None:
-                page = self.bundle.page_size
-                for r in drop:
-                    first = self._prepared.pop(r.request.rid, None)
-                    if first is not None:
-                        self.bundle.kv_alloc.free(list(range(first, first + page)))
-            if not run.live:
-                self._prepared = None
-        for r in done:
-            self._free(run, r)
+        super().__init__(bundle, runner, end_token=end_token, overlap=True)

@@ -18,11 +18,14 @@ from safetensors.torch import load_file, save_file
 from graphrunner.io.mamba_checkpoint import (
     StateSpaceBundle,
     load_state_space_model,
+    parse_config,
     state_space_type,
 )
 from graphrunner.model.build import ModelBundle, build_model
 from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.llama import LlamaDecoder
+from graphrunner.model.mamba import MambaConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -86,10 +89,7 @@ def load_model(
     the unsupported architecture or field, or the first bad tensor. A ``.gguf``
     file is converted once into the cache (:mod:`graphrunner.io.gguf_cache`).
     """
-    if Path(path).suffix.lower() == ".gguf":
-        from graphrunner.io.gguf_cache import checkpoint_dir
-
-        path = checkpoint_dir(Path(path))
+    path = resolve_checkpoint(path)
     config = read_config(path)
     weights = read_weights(path)  # before allocating anything: fail fast on a bad file
     bundle = build_model(
@@ -104,7 +104,39 @@ def load_model(
     return bundle
 
 
-def load_any_model(
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The one GGUF entry point: a ``.gguf`` file becomes its converted directory
+    in the cache (converted once, :mod:`graphrunner.io.gguf_cache`); any other
+    path is returned as it is."""
+    from graphrunner.io.gguf_cache import checkpoint_dir
+
+    return checkpoint_dir(Path(path))
+
+
+def state_space_kind(path: str | Path) -> str | None:
+    """``"mamba"``, ``"mamba2"``, ``"jamba"`` or ``"bamba"`` when checkpoint
+    directory ``path`` holds such a model (by ``model_type`` or
+    ``architectures``), else None (a Llama, or a ``.gguf`` file: the only
+    architecture GGUF import reads). Raises :class:`CheckpointError` when its
+    ``config.json`` is missing or not a JSON object."""
+    root = Path(path)
+    if root.suffix.lower() == ".gguf" and not root.is_dir():
+        return None
+    return state_space_type(_read_json(root / CONFIG_FILE))
+
+
+def read_any_config(path: str | Path) -> ModelConfig | MambaConfig | HybridConfig:
+    """The config of checkpoint ``path`` of any supported kind (a ``.gguf`` file
+    is converted first): :class:`ModelConfig` for a Llama, the Mamba or hybrid
+    config for a state-space model."""
+    root = resolve_checkpoint(path)
+    hf = _read_json(root / CONFIG_FILE)
+    if state_space_type(hf) is not None:
+        return parse_config(hf)
+    return ModelConfig.from_hf_dict(hf)
+
+
+def load_any(
     path: str | Path,
     *,
     max_requests: int,
@@ -113,29 +145,35 @@ def load_any_model(
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
 ) -> ModelBundle | StateSpaceBundle:
-    """:func:`load_model`, or for a Mamba / Jamba checkpoint (by ``model_type``
-    or ``architectures``) a :class:`StateSpaceBundle` over a hybrid request pool.
-    A ``.gguf`` file is a Llama (the only architecture GGUF import reads)."""
-    if Path(path).suffix.lower() != ".gguf":
-        hf = _read_json(Path(path) / CONFIG_FILE)
-        if state_space_type(hf) is not None:
-            return load_state_space_model(
-                hf,
-                read_weights(path),
-                max_requests=max_requests,
-                max_context_len=max_context_len,
-                device=device,
-                dtype=dtype,
-                page_size=page_size,
-            )
+    """The one checkpoint dispatcher: a ``.gguf`` file through
+    :func:`resolve_checkpoint`, then by ``config.json`` a Mamba / Jamba / Bamba
+    model as a :class:`StateSpaceBundle` over a hybrid request pool, else a
+    Llama as :func:`load_model` builds it. The CLI and the library both load
+    through here."""
+    root = resolve_checkpoint(path)
+    hf = _read_json(root / CONFIG_FILE)
+    if state_space_type(hf) is not None:
+        return load_state_space_model(
+            hf,
+            read_weights(root),
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+            device=device,
+            dtype=dtype,
+            page_size=page_size,
+        )
     return load_model(
-        path,
+        root,
         max_requests=max_requests,
         max_context_len=max_context_len,
         device=device,
         dtype=dtype,
         page_size=page_size,
     )
+
+
+#: The earlier name of :func:`load_any`, kept.
+load_any_model = load_any
 
 
 def save_checkpoint(model: LlamaDecoder, path: str | Path) -> None:

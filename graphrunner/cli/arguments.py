@@ -1,0 +1,71 @@
+"""The arguments every command that serves (``demo``, ``generate``) shares."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import overlap as cli_overlap
+from graphrunner.cli import spec as cli_spec
+from graphrunner.cli import text as cli_text
+
+__all__ = ["add_common"]
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        help="cpu or cuda[:N] (default: the runner's: cuda for --runner cuda, cpu for "
+        "--runner cpu or eager; with neither given, cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=["cuda", "cpu", "eager"],
+        help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
+    )
+    cli_model.add_arguments(p)  # --compile/--no-compile, --model, --dtype
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="Hugging Face-layout directory (default: the embedded random model)",
+    )
+    p.add_argument(
+        "--max-bs",
+        type=int,
+        help="largest captured batch size (default 16; generate: at most the number of prompts); "
+        "refused past what the pools and graphs can take in the free memory",
+    )
+    p.add_argument(
+        "--capture-sizes",
+        help="comma-separated, e.g. 1,2,4,8 (default: graphrunner's policy up to --max-bs)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the embedded model's weights and of the demo's synthetic trace "
+        "(no effect on a --checkpoint's weights or on generate's prompts); 0..2**63-1",
+    )
+    p.add_argument(
+        "--check-padding",
+        action="store_true",
+        help="run the padding sanitizer around every replay (debug mode, slower)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="KV page size in token slots, 1..the run's context (1: one slot per token)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads, 1..this machine's cores (1: the small models here gain "
+        "nothing from more)",
+    )
+
+    cli_text.add_context_argument(p)
+    cli_spec.add_arguments(p)
+    cli_overlap.add_arguments(p)

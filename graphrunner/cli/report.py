@@ -1,0 +1,39 @@
+"""What ``demo`` prints after a run: the engine's statistics and the sanitizer's."""
+
+from __future__ import annotations
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.loop import EngineResult
+
+__all__ = ["report", "report_sanitizer"]
+
+
+def report(result: EngineResult) -> None:
+    s = result.stats
+    ratio = s.tokens_per_second / s.eager_tokens_per_second if s.eager_seconds else 0.0
+    print(
+        f"decode: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
+        f"requests, {s.prefill_tokens} tokens; finished {len(result.finished)} requests"
+    )
+    print(f"batch sizes (live bs: steps): {dict(sorted(s.batch_sizes.items()))}")
+    print(
+        f"tokens/s: graphs {s.tokens_per_second:,.0f}, eager {s.eager_tokens_per_second:,.0f}"
+        f", ratio {ratio:.2f}x"
+    )
+    print(
+        f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of {s.padded_rows + s.live_rows})"
+    )
+    print(
+        f"checked steps: {s.checked_steps}, max |logit diff| {s.max_logit_diff:.2e}, "
+        f"max |kv diff| {s.max_kv_diff:.2e}, near-tie token flips {s.token_flips}"
+    )
+    print(f"mismatches: {s.mismatches}")
+
+
+def report_sanitizer(runner: GraphRunner) -> None:
+    if runner.sanitizer is not None:
+        s = runner.sanitizer.stats
+        print(
+            f"padding sanitizer: {s.replays_checked} replays checked, no violation "
+            f"({s.seconds:.2f} s of checks)"
+        )

@@ -1,0 +1,210 @@
+"""The one bundle protocol the engine serves, and the one runner factory over it.
+
+A bundle is a model together with the pools it was built over: a Llama
+:class:`~graphrunner.model.build.ModelBundle` or a Mamba / hybrid
+:class:`~graphrunner.io.mamba_checkpoint.StateSpaceBundle`. The engine reads
+only what :class:`ServingBundle` names. What differs between the kinds is
+one value, a :class:`DecodeStep` (:func:`decode_step` picks it): the decode
+fields, the attention hooks, the sanitizer, the recorded state ops the runner
+runs before launch, and how a :class:`DecodeBatch` becomes the step's inputs.
+:func:`create_decode_runner` builds a runner for any bundle from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.core.future_map import FutureMap
+from graphrunner.core.runner import GraphRunner
+from graphrunner.core.runners import create_runner
+from graphrunner.declare.decode import decode_buffer_specs
+from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner.io.mamba_checkpoint import StateSpaceBundle
+from graphrunner.model.build import ModelBundle
+from graphrunner.model.hybrid import HybridLM
+from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from graphrunner.sanitizer.padding import PaddingSanitizer
+
+__all__ = [
+    "DecodeStep",
+    "ServingBundle",
+    "create_decode_runner",
+    "create_model_runner",
+    "decode_step",
+]
+
+
+class _Vocab(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class _DecodeModel(Protocol):
+    def forward_extend(
+        self, req_pool_index: int, token_ids: torch.Tensor, kv_slots: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class ServingBundle(Protocol):
+    """What the engine reads of a model and its pools (both bundle kinds have it).
+
+    ``req_pool.req_to_token`` is int32 ``[max_requests + 1, max_context_len]``;
+    ``kv_alloc`` hands out whole pages of ``page_size`` KV slots; ``kv_cache``
+    stores them (None for a model without attention layers).
+    """
+
+    @property
+    def model(self) -> _DecodeModel: ...
+    @property
+    def req_pool(self) -> ReqToTokenPool: ...
+    @property
+    def kv_alloc(self) -> TokenToKVPoolAllocator: ...
+    @property
+    def kv_cache(self) -> KVCache | None: ...
+    @property
+    def config(self) -> _Vocab: ...
+    @property
+    def max_context_len(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """How one bundle kind decodes, as data.
+
+    forward: the model's decode forward, ``inputs -> logits [bs, vocab]``.
+    backend: the attention hooks runners call (a no-op for pure Mamba).
+    inputs: a prepared :class:`DecodeBatch` -> what ``forward`` reads.
+    sanitizer: the bundle's pools -> a padding sanitizer (``check_padding``).
+    state_ops: the pool whose recorded state ops run before each launch.
+    mamba: the step's fields include each row's Mamba slot.
+    rerun_reason: why an eager rerun of a step (``Engine(check=True)``) would
+        be wrong for this kind; None where it is fine.
+    """
+
+    forward: Callable[[Any], torch.Tensor]
+    backend: GraphBackend
+    inputs: Callable[[DecodeBatch], object]
+    sanitizer: Callable[[], PaddingSanitizer]
+    state_ops: HybridReqToTokenPool | None = None
+    mamba: bool = False
+    rerun_reason: str | None = None
+
+
+def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> DecodeStep:
+    """The :class:`DecodeStep` of ``bundle``: a Llama bundle decodes the plain
+    fields; a state-space bundle adds each row's Mamba slot and runs its
+    request pool's recorded state ops before launch."""
+    if isinstance(bundle, StateSpaceBundle):
+        ssm = bundle
+        model = ssm.model
+        backend: GraphBackend = model.attn_backend if isinstance(model, HybridLM) else NullBackend()
+        return DecodeStep(
+            forward=model.forward_decode,
+            backend=backend,
+            inputs=lambda batch: StateSpaceInputs(batch, ssm.req_pool),
+            sanitizer=lambda: MambaSanitizer.for_pools(
+                ssm.req_pool, ssm.kv_cache, kv_allocator=ssm.kv_alloc, mamba_pool=ssm.mamba_pool
+            ),
+            state_ops=ssm.req_pool,
+            mamba=True,
+            rerun_reason="an eager rerun would advance each request's Mamba state twice",
+        )
+    if not isinstance(bundle, ModelBundle):
+        raise TypeError(
+            f"bundle={type(bundle).__name__}: expected a ModelBundle or a StateSpaceBundle"
+        )
+    llama = bundle
+    return DecodeStep(
+        forward=llama.model.forward_decode,
+        backend=llama.model.attn_backend,
+        inputs=lambda batch: batch,
+        sanitizer=lambda: PaddingSanitizer.for_pools(
+            llama.req_pool, llama.kv_cache, kv_allocator=llama.kv_alloc
+        ),
+    )
+
+
+def create_decode_runner(
+    bundle: ModelBundle | StateSpaceBundle,
+    kind: str,
+    *,
+    capture_sizes: Sequence[int] | None = None,
+    max_bs: int | None = None,
+    show_progress: bool = False,
+    check_padding: bool = False,
+    future_map: FutureMap | None = None,
+    **mechanism_options: Any,
+) -> GraphRunner:
+    """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
+    step (:func:`decode_step`), with its backend's hooks and pad value. Not yet
+    captured.
+
+    ``check_padding=True`` guards the bundle's pools with its padding sanitizer
+    around every replay (a debug mode: it copies the pools per step).
+    ``future_map`` lets ``input_ids`` carry future references (overlap
+    scheduling; Llama bundles only). ``mechanism_options`` go to the runner's
+    mechanism, e.g. ``compile=True`` for ``cuda``.
+    """
+    step = decode_step(bundle)
+    if future_map is not None and step.mamba:
+        raise ValueError(
+            "future_map: overlap scheduling is not supported for a model with Mamba "
+            "layers; expected future_map=None"
+        )
+    specs = decode_buffer_specs(
+        seq_len_fill_value=step.backend.seq_len_fill_value,
+        future=future_map is not None,
+        mamba=step.mamba,
+    )
+    options: dict[str, Any] = dict(mechanism_options)
+    if future_map is not None:
+        options["future_map"] = future_map
+    if step.state_ops is not None:
+        options["state_ops"] = step.state_ops
+    return create_runner(
+        kind,
+        step.forward,
+        specs,
+        device=bundle.device,
+        capture_sizes=capture_sizes,
+        max_bs=max_bs,
+        backend=step.backend,
+        show_progress=show_progress,
+        sanitizer=step.sanitizer() if check_padding else None,
+        **options,
+    )
+
+
+def create_model_runner(
+    bundle: ModelBundle,
+    kind: str,
+    *,
+    capture_sizes: Sequence[int] | None = None,
+    max_bs: int | None = None,
+    show_progress: bool = False,
+    check_padding: bool = False,
+    future_map: FutureMap | None = None,
+    **mechanism_options: Any,
+) -> GraphRunner:
+    """:func:`create_decode_runner` for a Llama :class:`ModelBundle` (its
+    earlier name, kept)."""
+    return create_decode_runner(
+        bundle,
+        kind,
+        capture_sizes=capture_sizes,
+        max_bs=max_bs,
+        show_progress=show_progress,
+        check_padding=check_padding,
+        future_map=future_map,
+        **mechanism_options,
+    )

@@ -1,0 +1,65 @@
+"""What a decode step of a model with Mamba layers adds to the plain one: each
+row's Mamba slot in the step inputs (:class:`StateSpaceInputs`) and the
+sanitizer that checks it (:class:`MambaSanitizer`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.pools import HybridReqToTokenPool
+from graphrunner.sanitizer.checks import PaddingViolation, live_ints
+from graphrunner.sanitizer.padding import PaddingSanitizer
+
+__all__ = ["MambaSanitizer", "StateSpaceInputs"]
+
+
+class StateSpaceInputs:
+    """A :class:`DecodeBatch` plus each row's Mamba slot (the decode fields of
+    ``decode_buffer_specs(mamba=True)``): every other attribute is the batch's.
+
+    mamba_track_indices: int64 ``[bs]``, ``req_pool.mamba_slots`` of the rows
+        (from the pool's host mapping: no device read).
+    mamba_track_mask: bool ``[bs]``, all True (every live row advances).
+    """
+
+    def __init__(self, batch: DecodeBatch, req_pool: HybridReqToTokenPool) -> None:
+        self._batch = batch
+        slots = req_pool.mamba_slots(batch.req_pool_indices_cpu)
+        host = torch.tensor(slots, dtype=torch.int64)
+        self.mamba_track_indices = host.to(batch.device, non_blocking=True)
+        self.mamba_track_mask = torch.ones(len(slots), dtype=torch.bool, device=batch.device)
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch.batch_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)
+
+
+class MambaSanitizer(PaddingSanitizer):
+    """The padding sanitizer that also checks each live row's Mamba slot: the
+    one its request row owns, never the sink 0, and its mask True. Build it
+    with :meth:`PaddingSanitizer.for_pools` over a hybrid request pool."""
+
+    def check_live_values(self, inputs: Any, raw_bs: int) -> None:
+        super().check_live_values(inputs, raw_bs)
+        rows = live_ints(inputs, "req_pool_indices", raw_bs)
+        slots = live_ints(inputs, "mamba_track_indices", raw_bs)
+        mask = getattr(inputs, "mamba_track_mask", None)
+        pool = self.req_pool
+        if rows is None or slots is None or not isinstance(pool, HybridReqToTokenPool):
+            return
+        owned = pool.mamba_slots(rows)
+        for i, (r, s, o) in enumerate(zip(rows, slots, owned, strict=True)):
+            if s != o or s == 0:
+                raise PaddingViolation(
+                    f"mamba_track_indices live row {i} = {s}: expected {o}, the Mamba slot "
+                    f"of request row {r} (never the sink 0)"
+                )
+        if isinstance(mask, torch.Tensor) and not bool(mask[:raw_bs].all()):
+            row = int((~mask[:raw_bs]).nonzero()[0, 0])
+            raise PaddingViolation(f"mamba_track_mask live row {row} is False: expected True")

@@ -1,0 +1,75 @@
+"""What one attention forward reads: the KV store protocol, the per-forward
+metadata (:class:`AttnMetadata`) and the grouped-query attention over gathered
+slots (:func:`attend`), shared by the module and its backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from graphrunner.model.attention_op import PagedRows, paged_attention
+
+__all__ = ["AttnMetadata", "KVStore", "attend"]
+
+
+class KVStore(Protocol):
+    """What attention needs of :class:`graphrunner.pools.KVCache`."""
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AttnMetadata:
+    """Which KV slots each query reads, shared by all layers of one forward.
+
+    slots: int64 ``[B, T]``, KV slot of each key column (``B`` is ``bs`` in decode,
+        1 in extend, where every query reads the same prompt row).
+    mask: bool ``[B, 1, R, T]``, True where a query row may read a key column
+        (``R`` = query heads per KV head in decode, ``tokens * that`` in extend).
+    decode: one query token per row (decode) rather than a whole prompt (extend).
+    keys: bool ``[B, T, 1, 1]``, True where a column holds a live key of the row
+        (decode); None where every column is some query's live key (extend).
+    paged: the rows for the Triton kernel (decode with ``kernel="triton"``),
+        which then replaces the gather; None for the torch attention.
+    """
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+    decode: bool
+    keys: torch.Tensor | None = None
+    paged: PagedRows | None = None
+
+
+def attend(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention over gathered KV slots.
+
+    q: ``[B, H_kv, R, D]``, the query rows that share each KV head.
+    k_buf, v_buf: the layer's KV pool, ``[num_slots + page_size, H_kv, D]``.
+    Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32 as in transformers.
+    """
+    if meta.paged is not None:
+        return paged_attention(q, k_buf, v_buf, meta.paged, scale)
+    k = k_buf[meta.slots].transpose(1, 2)  # [B, H_kv, T, D]
+    v = v_buf[meta.slots]
+    if meta.keys is not None:
+        # Masked columns read slot 0, the padding sink: a zero probability times
+        # a non-finite value there would be NaN, so their values are zeroed.
+        v = v.masked_fill(~meta.keys, 0)
+    v = v.transpose(1, 2)
+    if meta.decode:
+        # A broadcast product summed over D, not a matmul: compiled, the key gather
+        # fuses into the reduction and the gathered keys are never written out
+        # (the CPU step runs ~1.5x faster). Eager it costs about what the matmul
+        # does at decode sizes; a prompt's [T, T] scores take the matmul.
+        scores = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scale
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~meta.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
