@@ -53,3 +53,37 @@ def test_a_shard_that_is_not_a_string_is_refused_by_name(tmp_path: Path, shard: 
     root = _sharded(tmp_path / "ckpt", {"a": shard})
     with pytest.raises(CheckpointError, match=r"weight_map\['a'\] = .*expected a shard file name"):
         read_weights(root)
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A vocabulary of 4M and 20,000 layers over the weights of a tiny model:
+    # refused from the weights' names and shapes, nothing allocated for the claim.
+    from graphrunner.io import checkpoint, save_checkpoint
+    from graphrunner.model import default_model
+
+    bundle = default_model(max_requests=2, max_context_len=16)
+    save_checkpoint(bundle.model, tmp_path / "ckpt")
+    config_file = tmp_path / "ckpt" / "config.json"
+    config = json.loads(config_file.read_text())
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before its weights were checked")
+
+    monkeypatch.setattr(checkpoint, "build_model", never)
+    for key, value, message in [
+        (
+            "vocab_size",
+            4_000_000,
+            r"model.embed_tokens.weight' has shape \(256, 64\): expected \(4000000, 64\)",
+        ),
+        (
+            "num_hidden_layers",
+            20_000,
+            r"missing tensor 'model.layers.2.* \(19998 of 20000 layers missing\)",
+        ),
+    ]:
+        config_file.write_text(json.dumps({**config, key: value}))
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.load_model(tmp_path / "ckpt", max_requests=2, max_context_len=16)

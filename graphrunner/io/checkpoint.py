@@ -26,6 +26,7 @@ from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.llama import LlamaDecoder
 from graphrunner.model.mamba import MambaConfig
+from graphrunner.model.shapes import check_llama_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -92,6 +93,7 @@ def load_model(
     path = resolve_checkpoint(path)
     config = read_config(path)
     weights = read_weights(path)  # before allocating anything: fail fast on a bad file
+    check_llama_weights(_as_loaded(weights, config), config, str(path))
     bundle = build_model(
         config,
         max_requests=max_requests,
@@ -102,6 +104,18 @@ def load_model(
     )
     bundle.model.load_weights(weights)
     return bundle
+
+
+def _as_loaded(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Size]:
+    """The shapes :meth:`LlamaDecoder.load_weights` will check, by name: the
+    derived rotary frequencies and a tied head (compared to the embedding
+    there) left out."""
+    skip = "lm_head.weight" if config.tie_word_embeddings else None
+    return {
+        name: w.shape
+        for name, w in weights.items()
+        if not name.endswith("rotary_emb.inv_freq") and name != skip
+    }
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
