@@ -3,15 +3,20 @@
 The cache root is ``$GRAPHRUNNER_CACHE`` when set, else
 ``$XDG_CACHE_HOME/graphrunner``, else ``~/.cache/graphrunner``. A ``.gguf``
 given as ``--checkpoint`` is converted once into
-``<root>/checkpoints/<file stem>-<first 16 hex digits of its SHA-256>``:
-the same bytes are never converted twice, changed bytes get a new directory.
+``<root>/checkpoints/gguf-<first 32 hex digits of its SHA-256>``, named by
+content alone: the same bytes under another file name reuse it, changed
+bytes get a new directory. Processes converting the same file coordinate
+through a lock file beside it: one converts, the others wait and reuse.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from graphrunner.io.gguf_import import convert_gguf, open_gguf
@@ -36,7 +41,20 @@ def converted_dir(gguf: Path) -> Path:
     with open(gguf, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return cache_root() / "checkpoints" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+    return cache_root() / "checkpoints" / f"gguf-{digest.hexdigest()[:32]}"
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold the lock of cache entry ``out`` (a lock file beside it; released
+    by the OS if the holder dies)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -48,12 +66,16 @@ def checkpoint_dir(path: Path) -> Path:
         return path
     open_gguf(path)  # a missing or unreadable file fails here, before any hashing
     out = converted_dir(path)
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file():  # converted before: no lock needed to read it
         print(f"using {out} (converted from {path})", file=sys.stderr)
-    else:
+        return out
+    with _locked(out):
+        if (out / "config.json").is_file():  # another process converted it while we waited
+            print(f"using {out} (converted from {path})", file=sys.stderr)
+            return out
         convert_gguf(path, out)  # reported after: a failure prints its one error line only
-        print(
-            f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
-            file=sys.stderr,
-        )
+    print(
+        f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
+        file=sys.stderr,
+    )
     return out
