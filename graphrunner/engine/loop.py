@@ -40,6 +40,7 @@ from graphrunner.engine.workload import Request, check_trace
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
 from graphrunner.pools import starts_page, whole_pages
+from graphrunner.util.exclusive import Exclusive
 
 __all__ = [
     "AdmissionError",
@@ -106,6 +107,8 @@ class Engine:
         self.check, self.end_token, self.atol = check, end_token, atol
         self.on_finish = on_finish
         self.device = bundle.device
+        # Two threads in one run would interleave on the same pools and batch.
+        self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
@@ -120,6 +123,10 @@ class Engine:
         arrived request does not fit in the free request rows and KV pages
         (held outside this run): waiting would never end.
         """
+        with self._exclusive.held():
+            return self._run(trace, max_steps, progress)
+
+    def _run(self, trace: Sequence[Request], max_steps: int | None, progress: bool) -> EngineResult:
         self._validate(trace)
         run = _Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),

@@ -1,0 +1,46 @@
+"""One caller at a time: a guard that refuses a second entry instead of
+letting two threads interleave on shared state (a runner's static buffers, an
+engine's pools), which gives wrong results with no error."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["ConcurrentUseError", "Exclusive"]
+
+
+class ConcurrentUseError(RuntimeError):
+    """A second caller entered an object that serves one caller at a time."""
+
+
+class Exclusive:
+    """A non-blocking guard: ``with guard.held():`` enters, or raises
+    :class:`ConcurrentUseError` naming ``what`` and the thread inside (the same
+    thread re-entering from a callback is refused too).
+
+    Args:
+        what: how the guarded call is named in the error, e.g. ``"Engine.run"``.
+    """
+
+    __slots__ = ("_lock", "_owner", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._lock = threading.Lock()
+        self._owner: str | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{self.what} is already running (in thread {self._owner!r}); it serves one "
+                f"caller at a time: give each thread its own, or serialise the calls"
+            )
+        self._owner = threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()

@@ -1,0 +1,65 @@
+"""Concurrent misuse is an error, never wrong results: a second thread
+entering an engine's run while another is inside gets ConcurrentUseError;
+the run inside finishes correctly, and the engine serves again after."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import synthetic_trace
+from graphrunner.model import default_model
+from graphrunner.util.exclusive import ConcurrentUseError, Exclusive
+
+
+def test_a_second_entry_is_refused_naming_the_call_and_the_thread() -> None:
+    guard = Exclusive("Thing.call")
+    with (
+        guard.held(),
+        pytest.raises(
+            ConcurrentUseError, match=r"Thing.call is already running \(in thread 'MainThread'\)"
+        ),
+        guard.held(),
+    ):
+        pass
+    with guard.held():  # released: usable again
+        pass
+
+
+def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -> None:
+    bundle = default_model(max_requests=4, max_context_len=48)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    runner.capture()
+    trace = synthetic_trace(
+        num_requests=6,
+        vocab_size=bundle.model.config.vocab_size,
+        max_context_len=48,
+        prompt_len=(2, 8),
+        new_tokens=(2, 6),
+    )
+    expected = Engine(bundle, runner).run(trace).outputs
+
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def on_finish(rid: int, tokens: list[int]) -> None:
+        inside.set()
+        release.wait(timeout=60)
+
+    engine = Engine(bundle, runner, on_finish=on_finish)
+    results: list[dict[int, list[int]]] = []
+    first = threading.Thread(target=lambda: results.append(engine.run(trace).outputs))
+    first.start()
+    assert inside.wait(timeout=60)
+    try:
+        engine.run(trace)
+    except BaseException as e:  # the assertion below names it
+        errors.append(e)
+    release.set()
+    first.join(timeout=120)
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
+    assert "Engine.run is already running" in str(errors[0])
+    assert results == [expected]
+    assert engine.run(trace).outputs == expected  # released after the first run
