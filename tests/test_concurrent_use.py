@@ -63,3 +63,39 @@ def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -
     assert "Engine.run is already running" in str(errors[0])
     assert results == [expected]
     assert engine.run(trace).outputs == expected  # released after the first run
+
+
+def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
+    """KeyboardInterrupt raised inside the k-th replay, for every k: the run
+    unwinds, every request row and KV slot it handed out is free again, and
+    the engine serves the same trace exactly afterwards."""
+    bundle = default_model(max_requests=4, max_context_len=48)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner.capture()
+    trace = synthetic_trace(
+        num_requests=5,
+        vocab_size=bundle.model.config.vocab_size,
+        max_context_len=48,
+        prompt_len=(2, 8),
+        new_tokens=(2, 6),
+    )
+    engine = Engine(bundle, runner)
+    expected = engine.run(trace)
+    start = (bundle.req_pool.available_size(), bundle.kv_alloc.available_size())
+    replay = runner.replay
+    for k in range(1, expected.stats.steps + 1):
+        calls = 0
+
+        def interrupted(inputs: object, k: int = k) -> object:
+            nonlocal calls
+            calls += 1
+            if calls == k:
+                raise KeyboardInterrupt
+            return replay(inputs)
+
+        setattr(runner, "replay", interrupted)  # noqa: B010 - an instance override
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(trace)
+        del runner.replay  # the class method again
+        assert (bundle.req_pool.available_size(), bundle.kv_alloc.available_size()) == start, k
+    assert engine.run(trace).outputs == expected.outputs

@@ -46,6 +46,7 @@ from graphrunner.cli.common import (
     resolve_device,
     write_atomically,
 )
+from graphrunner.cli.exits import run_command
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.memory import available_memory, memory_estimate
@@ -55,7 +56,6 @@ from graphrunner.model import (
     ModelBundle,
     default_model,
 )
-from graphrunner.sanitizer.padding import PaddingViolation
 
 __all__ = [
     "UsageError",
@@ -69,14 +69,7 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except UsageError as e:
-        print(f"graphrunner {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except PaddingViolation as e:
-        print(f"graphrunner {args.command}: padding violation: {e}", file=sys.stderr)
-        return 1
+    return run_command(f"graphrunner {args.command}", lambda: int(args.func(args)))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,41 @@
+"""How a command stops: Ctrl-C exits 130 and SIGTERM 143, each with one line
+and no traceback; a reader that closes the pipe ends the command quietly."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+DEMO = [sys.executable, "-m", "graphrunner", "demo", "--runner", "eager", "--steps", "20000"]
+
+
+@pytest.mark.parametrize(
+    "sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_signal_mid_run_ends_with_one_line(sig: signal.Signals, code: int, word: str) -> None:
+    proc = subprocess.Popen(
+        DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # the run has started
+    assert first.startswith("device:"), first
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err
+    assert err.rstrip().splitlines()[-1] == f"graphrunner demo: {word}"
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    reader = "import sys; sys.stdin.readline()"  # one line, then close the pipe
+    demo = subprocess.Popen(DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen([sys.executable, "-c", reader], stdin=demo.stdout)
+    assert demo.stdout is not None
+    demo.stdout.close()  # only the reader holds the pipe now
+    head.wait(timeout=120)
+    _, err = demo.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err[-2000:]
+    assert demo.returncode == 141
