@@ -99,3 +99,24 @@ def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
         del runner.replay  # the class method again
         assert (bundle.req_pool.available_size(), bundle.kv_alloc.available_size()) == start, k
     assert engine.run(trace).outputs == expected.outputs
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rid": True}, r"request True: rid=True \(bool\); expected an int"),
+        ({"max_new_tokens": 2.0}, r"max_new_tokens=2.0 \(float\); expected an int"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0; expected >= 1"),
+        ({"arrival_step": "1"}, r"arrival_step='1' \(str\); expected an int"),
+        ({"prompt": (1, 2.5)}, r"prompt\[1\]=2.5 \(float\); expected an int"),
+        ({"prompt": [1, 2]}, r"prompt is a list; expected a tuple of int token ids"),
+    ],
+)
+def test_a_request_takes_exact_types_and_names_the_field(
+    kwargs: dict[str, object], message: str
+) -> None:
+    from graphrunner.engine.workload import Request
+
+    fields: dict[str, object] = {"rid": 0, "prompt": (1, 2), "max_new_tokens": 3, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=message):
+        Request(**fields)  # type: ignore[arg-type]

@@ -23,6 +23,15 @@ class Request:
     arrival_step: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("rid", "max_new_tokens", "arrival_step"):
+            _check_int(f"request {self.rid!r}: {name}", getattr(self, name))
+        if not isinstance(self.prompt, tuple):
+            raise TypeError(
+                f"request {self.rid}: prompt is a {type(self.prompt).__name__}; "
+                "expected a tuple of int token ids"
+            )
+        for i, token in enumerate(self.prompt):
+            _check_int(f"request {self.rid}: prompt[{i}]", token)
         if not self.prompt:
             raise ValueError(f"request {self.rid}: empty prompt; expected at least one token")
         if self.max_new_tokens < 1:
@@ -36,6 +45,13 @@ class Request:
     def max_len(self) -> int:
         """Tokens it can hold in the KV cache: the last generated token is never fed back."""
         return len(self.prompt) + self.max_new_tokens - 1
+
+
+def _check_int(what: str, value: object) -> None:
+    # bool is an int to Python, and a float or a tensor would pass a comparison:
+    # a request carries plain ints only.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}={value!r} ({type(value).__name__}); expected an int")
 
 
 def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
