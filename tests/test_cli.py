@@ -119,6 +119,9 @@ def test_generate_from_a_checkpoint_and_the_cpu_runner_writes_output(
             r"tokens needs a context of 265, longer than the model's 256",
         ),
         ("\n", r"has no prompts"),
+        ("[" * 100_000 + "]" * 100_000 + "\n", r"prompts.jsonl:1: .*nested too deeply"),
+        ("[1" + "0" * 5000 + "]\n", r"prompts.jsonl:1: .*(digits|token 0 = )"),
+        ("\ufeff[1, 2]\n[3, 256]\n", r"prompts.jsonl:2: token 1 = 256"),  # BOM: line 1 is fine
     ],
 )
 def test_generate_rejects_bad_prompts_before_any_work(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from graphrunner.model import ModelConfig
 from graphrunner.util.atomic import write_atomically
@@ -66,13 +67,25 @@ def check_output(path: Path) -> None:
         raise UsageError(f"--output {path}: is a directory")
 
 
+def json_line(line: str, where: str) -> Any:
+    """``line`` parsed as JSON; :class:`UsageError` naming ``where`` for invalid
+    JSON, an int past Python's digit limit or nesting past its recursion limit."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: not valid JSON ({e.msg}): {line[:60]!r}") from None
+    except (ValueError, RecursionError) as e:
+        kind = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise UsageError(f"{where}: not a list of token ids ({kind}): {line[:60]!r}") from None
+
+
 def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
     """Parse and validate a prompts file; :class:`UsageError` names the line and value."""
     if not path.is_file():
         raise UsageError(f"prompts file {str(path)!r} not found")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading BOM is not part of line 1
     except UnicodeDecodeError as e:
         # Lines counted as below: the valid text before the bad byte, split the same way.
         lineno = len((data[: e.start].decode("utf-8") + "x").splitlines())
@@ -82,10 +95,7 @@ def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[l
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        try:
-            prompt = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:60]!r}") from None
+        prompt = json_line(line.strip(), where)
         if not isinstance(prompt, list) or not prompt:
             raise UsageError(
                 f"{where}: expected a non-empty JSON list of token ids, got {line.strip()[:60]!r}"

@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphrunner.cli import sizes as cli_sizes
-from graphrunner.cli.common import MAX_STEPS, UsageError, check_output, check_range, read_prompts
+from graphrunner.cli.common import (
+    MAX_STEPS,
+    UsageError,
+    check_output,
+    check_range,
+    json_line,
+    read_prompts,
+)
 from graphrunner.engine.workload import Request
 from graphrunner.io.text import NoTokenizerError, StreamPrinter, TextCodec, has_tokenizer
 from graphrunner.model import ModelConfig
@@ -204,7 +211,7 @@ def _file_lines(path: Path | None) -> list[tuple[int, str]]:
     if not path.is_file():
         raise UsageError(f"prompts file {str(path)!r} not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM is not part of line 1
     except UnicodeDecodeError:
         return [(0, "[")]  # token-id mode: read_prompts names the bad line
     lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
@@ -218,10 +225,7 @@ def _is_ids(line: str) -> bool:
 
 
 def _ids(line: str, config: ModelConfig, where: str) -> list[int]:
-    try:
-        ids = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: not valid JSON ({e.msg}): {line[:60]!r}") from None
+    ids = json_line(line, where)
     ok = isinstance(ids, list) and ids and all(type(t) is int for t in ids)
     if not ok or not all(0 <= t < config.vocab_size for t in ids):
         raise UsageError(
