@@ -87,3 +87,22 @@ def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(
         config_file.write_text(json.dumps({**config, key: value}))
         with pytest.raises(CheckpointError, match=message):
             checkpoint.load_model(tmp_path / "ckpt", max_requests=2, max_context_len=16)
+
+
+@pytest.mark.parametrize("save", ["save_tiny_mamba", "save_tiny_jamba"])
+def test_a_state_space_config_larger_than_its_weights_is_refused_before_allocating(
+    tmp_path: Path, save: str
+) -> None:
+    # A vocabulary of 10**9 would ask the allocator for 100s of GB; the
+    # shapes are checked on the meta device first.
+    import hf_ssm
+    from graphrunner.io import load_any
+
+    getattr(hf_ssm, save)(tmp_path / "ckpt")
+    config_file = tmp_path / "ckpt" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "vocab_size": 10**9}))
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint: tensor '.*' has shape \(\d+, \d+\): expected \(1000000000, \d+\)",
+    ):
+        load_any(tmp_path / "ckpt", max_requests=2, max_context_len=16)

@@ -20,6 +20,7 @@ from graphrunner.model.config import CheckpointError
 from graphrunner.model.hybrid import HybridLM
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.mamba import MambaConfig, MambaLM
+from graphrunner.model.shapes import check_weight_shapes
 from graphrunner.model.weights import WeightError, copy_checked_weights
 from graphrunner.pools import (
     HybridReqToTokenPool,
@@ -169,6 +170,28 @@ def load_weights(bundle: StateSpaceBundle, weights: Mapping[str, torch.Tensor]) 
     copy_weights(model, weights, tied=tied)
 
 
+def _check_shapes_first(
+    config: MambaConfig | HybridConfig,
+    weights: Mapping[str, torch.Tensor],
+    context: int,
+    page_size: int,
+) -> None:
+    """Every weight's name and shape against the model of ``config``, built on
+    the ``meta`` device (shapes, no memory) before the real one is allocated:
+    a config that claims a vocabulary of 10**9 over a small file is refused
+    here, not by the allocator."""
+    with torch.device("meta"):
+        shadow = build_state_space_model(
+            config, max_requests=1, max_context_len=context, device="meta", page_size=page_size
+        )
+    model = shadow.model
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    given = {name: tuple(w.shape) for name, w in weights.items()}
+    if model.lm_head is None:  # tied: a saved copy of the head is compared at load
+        given.pop("lm_head.weight", None)
+    check_weight_shapes(given, expected, "checkpoint")
+
+
 #: Context when none is given: a Mamba checkpoint states no maximum.
 DEFAULT_CONTEXT = 2048
 
@@ -191,6 +214,7 @@ def load_state_space_model(
     context = DEFAULT_CONTEXT if max_context_len is None else max_context_len
     if isinstance(config, HybridConfig):
         context = min(context, config.attention.max_position_embeddings)
+    _check_shapes_first(config, weights, context, page_size)
     bundle = build_state_space_model(
         config,
         max_requests=max_requests,
