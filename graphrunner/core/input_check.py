@@ -61,7 +61,7 @@ def check_host_mirrors(inputs: object, raw_bs: int) -> None:
 
 
 def _batch_made(spec: BufferSpec) -> bool:
-    """A DecodeBatch builds this buffer's input itself: an int64 ``[bs]``
+    """A sealed decode batch builds this buffer's input itself: an int64 ``[bs]``
     device field, or a host mirror declared as a host buffer."""
     plain = spec.dtype == torch.int64 and spec.rows_per_request == 1 and not spec.extra_shape
     placed = spec.name in DECODE_FIELD_NAMES if not spec.host else spec.name in _MIRRORS
