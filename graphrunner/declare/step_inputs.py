@@ -14,11 +14,13 @@ replay, the checked live batch on the eager path).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
-__all__ = ["ReplayInputs", "StepTensors"]
+from graphrunner.declare.buffers import BufferView
+
+__all__ = ["ReplayInputs", "StepTensors", "view_tensors"]
 
 
 class ReplayInputs(Protocol):
@@ -37,3 +39,10 @@ class StepTensors(Protocol):
     buffer's rows (``[bs * rows_per_request, *extra_shape]``)."""
 
     def __getattr__(self, name: str) -> torch.Tensor: ...
+
+
+def view_tensors(view: BufferView) -> StepTensors:
+    """``view`` typed as a forward reads it: a :class:`BufferView`'s
+    attributes are its buffers' tensors by name (set from its mapping, so
+    the type checker cannot see them)."""
+    return cast(StepTensors, view)
