@@ -233,7 +233,7 @@ class GraphRunner:
         Runs under ``no_grad``.
         """
         raw_bs = batch_size_of(inputs)
-        if not self.is_captured:
+        if not self._graph_for:  # filled once every size is captured
             raise NotCapturedError(
                 f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
             )
@@ -256,7 +256,8 @@ class GraphRunner:
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step, run by both launch paths once the
         step's inputs passed their checks: the recorded state ops, once per step."""
-        self.state_ops_run += run_state_ops(self.state_ops)
+        if self.state_ops is not None:  # most runners record none: skip the call
+            self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:
         """Launch captured size ``bs`` again on the buffers as they are: no
