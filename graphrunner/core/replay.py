@@ -96,18 +96,18 @@ def launch_padded(
     when they were validated where they were made or on an earlier replay
     (:mod:`graphrunner.core.input_check`), then one staged write by the
     runner's writer, the backend's metadata, the launch, the slice. Under a
-    sanitizer every replay checks everything, and the parts are NVTX ranges."""
-    if parts.sanitizer is None and held is None:
-        with nvtx.range(f"replay bs={bs}"):
-            sources = parts.input_gate.sources(inputs, raw_bs, parts.backend)
-            parts.pre_launch()
-            ops = parts.writer.write(sources, raw_bs, bs)
-            parts.backend.init_replay_metadata(bs, raw_bs, parts.buffers.view(bs), inputs)
-            return parts.outputs.live(launcher(), raw_bs), ops
-    return _launch_checked(parts, launcher, inputs, raw_bs, bs, held)
+    sanitizer every replay checks everything; while a profiler or an NVTX tool
+    watches, the same steps run as named ranges (replay, populate, launch)."""
+    if parts.sanitizer is None and held is None and not nvtx.active():
+        sources = parts.input_gate.sources(inputs, raw_bs, parts.backend)
+        parts.pre_launch()
+        ops = parts.writer.write(sources, raw_bs, bs)
+        parts.backend.init_replay_metadata(bs, raw_bs, parts.buffers.view(bs), inputs)
+        return parts.outputs.live(launcher(), raw_bs), ops
+    return _launch_observed(parts, launcher, inputs, raw_bs, bs, held)
 
 
-def _launch_checked(
+def _launch_observed(
     parts: StepParts,
     launcher: Launcher,
     inputs: ReplayInputs,
@@ -115,6 +115,7 @@ def _launch_checked(
     bs: int,
     held: Outputs | None,
 ) -> tuple[Outputs, int]:
+    # Under a sanitizer (full checks, poisoned held outputs) or a profiler (ranges).
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
         sources = parts.input_gate.sources(inputs, raw_bs, backend, full=sanitizer is not None)
