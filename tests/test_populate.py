@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrunner.core.replay
 from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, populate
 from graphrunner.testing import ToyWorld
 
@@ -190,13 +189,14 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     sentinel = 2
     assert all(s.pad_value() != sentinel for s in runner.buffers.specs)
 
-    def copy_live_rows_only(bufs: StaticBuffers, sources: list, raw_bs: int, bs: int) -> int:
+    def copy_live_rows_only(sources: list, raw_bs: int, bs: int) -> int:
+        bufs = runner.buffers
         for spec, src in zip(bufs.specs, sources, strict=True):
             bufs.tensors[spec.name][:raw_bs].copy_(src)
         return 0
 
-    # The replay path's writer (the torch half of populate, after validation).
-    monkeypatch.setattr(graphrunner.core.replay, "write_sources", copy_live_rows_only)
+    # The replay path's writer (the runner's torch writer, after validation).
+    monkeypatch.setattr(runner.writer, "write", copy_live_rows_only)
     batch = world.make_batch(3, seed=0)
     for t in runner.buffers.tensors.values():
         t[3:].fill_(sentinel)
