@@ -24,6 +24,12 @@ profiler attached. Launches per step come from a torch profiler trace of
 Run on a GPU: ``.venv/bin/python -m bench.bench_replay_host`` (prints the
 table, writes ``bench/results/replay-host-<device>.md`` and ``.json``).
 Without a GPU it says so and exits; as a pytest item it is skipped.
+
+On a CPU, ``--cpu``: ``runner.replay()`` with a trivial forward (eager
+mechanism, the decode buffers, 7 live rows padded to 8) against the
+per-field populate alone (one copy and one fill per field), in the same run,
+checked to write the same bytes (:mod:`bench.replay_host_cpu`); writes
+``bench/results/replay-host-cpu.*``.
 """
 
 from __future__ import annotations
@@ -84,17 +90,28 @@ def _host_fields(batch: DecodeBatch) -> SpecBatch:
     )
 
 
-def _per_field(runner: GraphRunner, batch: Any, bs: int) -> Callable[[], None]:
-    """One copy and one fill per field, then the graph (no declared populate)."""
+def per_field_populate(runner: GraphRunner, batch: Any, bs: int) -> Callable[[], None]:
+    """The reference populate: one copy and one fill per field (how engines
+    without a declared populate write their buffers)."""
     raw_bs = batch.batch_size
-    graph = runner.graphs[bs]  # type: ignore[attr-defined]
     fields = [(runner.buffers.tensors[s.name], s.name, s.pad_value()) for s in runner.buffers.specs]
 
-    def step() -> None:
+    def populate() -> None:
         for buf, name, pad in fields:
             buf[:raw_bs].copy_(getattr(batch, name), non_blocking=True)
             if pad is not None and bs > raw_bs:
                 buf[raw_bs:bs].fill_(pad)
+
+    return populate
+
+
+def _per_field(runner: GraphRunner, batch: Any, bs: int) -> Callable[[], None]:
+    """One copy and one fill per field, then the graph (no declared populate)."""
+    graph = runner.graphs[bs]  # type: ignore[attr-defined]
+    populate = per_field_populate(runner, batch, bs)
+
+    def step() -> None:
+        populate()
         graph.replay()
 
     return step
@@ -229,8 +246,13 @@ def bench_replay_host() -> None:
 
 
 def main() -> int:
+    if "--cpu" in sys.argv[1:]:
+        from bench.replay_host_cpu import measure_cpu, write_cpu
+
+        print(write_cpu(measure_cpu()))
+        return 0
     if not torch.cuda.is_available():
-        print("bench_replay_host: no CUDA device; nothing measured (run it on a GPU)")
+        print("bench_replay_host: no CUDA device; nothing measured (run it on a GPU, or --cpu)")
         return 0
     print(write(measure()))
     return 0

@@ -218,7 +218,14 @@ def test_host_seq_lens_buffer_has_the_backend_fill():
             lambda v: v,
             [
                 *decode_buffer_specs(),
-                BufferSpec("seq_lens_cpu", torch.int64, PadRule.FILL, fill_value=3, host=True),
+                BufferSpec(
+                    "seq_lens_cpu",
+                    torch.int64,
+                    PadRule.FILL,
+                    fill_value=3,
+                    host=True,
+                    backend_fill=True,
+                ),
             ],
             device="cpu",
             max_bs=4,

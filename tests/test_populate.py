@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrunner.core.replay
 from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, populate
 from graphrunner.testing import ToyWorld
 
@@ -64,11 +63,10 @@ def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
 def test_device_ops_are_grouped_by_dtype():
     bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
     # Grouped by (device, dtype); on the CPU the host buffer joins the int64 group.
-    # copies: int64, int32, float32 -> 3; zeros: int64, float32 -> 2;
-    # fills: fill_i32, width_i64, fill_f32, host_lens -> 4
-    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3 + 2 + 4
-    assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 3  # no tail, no tail ops
-    assert populate(bufs, None, 0, 4) == 2 + 4
+    # One staged copy per group (live rows and padded tails): int64, int32, float32.
+    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3
+    assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 3  # no tail
+    assert populate(bufs, None, 0, 4) == 3  # tails only
 
 
 def test_each_buffer_has_its_own_rows_per_request():
@@ -191,13 +189,14 @@ def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     sentinel = 2
     assert all(s.pad_value() != sentinel for s in runner.buffers.specs)
 
-    def copy_live_rows_only(bufs: StaticBuffers, sources: list, raw_bs: int, bs: int) -> int:
+    def copy_live_rows_only(sources: list, raw_bs: int, bs: int) -> int:
+        bufs = runner.buffers
         for spec, src in zip(bufs.specs, sources, strict=True):
             bufs.tensors[spec.name][:raw_bs].copy_(src)
         return 0
 
-    # The replay path's writer (the torch half of populate, after validation).
-    monkeypatch.setattr(graphrunner.core.replay, "write_sources", copy_live_rows_only)
+    # The replay path's writer (the runner's torch writer, after validation).
+    monkeypatch.setattr(runner.writer, "write", copy_live_rows_only)
     batch = world.make_batch(3, seed=0)
     for t in runner.buffers.tensors.values():
         t[3:].fill_(sentinel)

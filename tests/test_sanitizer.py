@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrunner.core.replay
 from conftest import CapturedToy
-from graphrunner import BufferSpec, EagerRunner, PadRule, StaticBuffers, decode_buffer_specs
+from graphrunner import BufferSpec, EagerRunner, PadRule, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
@@ -61,13 +60,15 @@ def test_disabled_pad_rule_is_caught(
     batch = world.make_batch(RAW_BS, seed=1)
     stale = stale_values(world, batch)[field]
 
-    def populate_forgetting_one_rule(bufs: StaticBuffers, sources: list, raw_bs: int, bs: int):
+    bufs = sanitized.runner.buffers
+
+    def populate_forgetting_one_rule(sources: list, raw_bs: int, bs: int) -> int:
         ops = write_sources(bufs, sources, raw_bs, bs)
         bufs.tensors[field][raw_bs:bs].fill_(stale)  # the rule "was never applied"
         return ops
 
-    # The replay path's writer (populate's torch half, after validation).
-    monkeypatch.setattr(graphrunner.core.replay, "write_sources", populate_forgetting_one_rule)
+    # The replay path's writer (the runner's torch writer, after validation).
+    monkeypatch.setattr(sanitized.runner.writer, "write", populate_forgetting_one_rule)
     with pytest.raises(PaddingViolation, match=f"buffer '{field}' padded row {RAW_BS} .* holds"):
         sanitized.runner.replay(batch)
 

@@ -1,10 +1,9 @@
 """Validation once: a replay's inputs are checked where they are made, or
 fully on their first replay, and only cheaply after.
 
-* A :class:`~graphrunner.batch.decode_batch.DecodeBatch` validates its tensors when it
-  builds them (construction, ``prepare_decode``, ``filter``, ``merge``) and
-  stays *sealed* until someone assigns one of its fields from outside; a
-  sealed batch on the buffers' device skips the per-field checks.
+* Inputs that satisfy :class:`~graphrunner.declare.sealed.SealedInputs` (the
+  decode batch, which validates its tensors when it builds them) and are
+  *sealed*, on the buffers' device, skip the per-field checks.
 * Any other object (a foreign ``DecodeInputs``) is checked in full on its
   first replay; the tensors it held then are remembered (weakly), and a later
   replay whose fields are those very tensors, at the same batch size, skips
@@ -20,14 +19,14 @@ mirror's row set to 0): that is what the sanitizer is for.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
-from graphrunner.batch.decode_batch import DecodeBatch, host_min_max
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.declare.hooks import GraphBackend
+from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
+from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.writers.base import PopulateError, check_sources
 
 __all__ = ["InputGate", "check_host_mirrors", "host_range"]
@@ -35,7 +34,7 @@ __all__ = ["InputGate", "check_host_mirrors", "host_range"]
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
 
 
-def check_host_mirrors(inputs: Any, raw_bs: int) -> None:
+def check_host_mirrors(inputs: object, raw_bs: int) -> None:
     """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors,
     request rows >= 1: what can be checked on the host at no device cost (the
     backend checks its ranges; the sanitizer checks the device values)."""
@@ -62,7 +61,7 @@ def check_host_mirrors(inputs: Any, raw_bs: int) -> None:
 
 
 def _batch_made(spec: BufferSpec) -> bool:
-    """A DecodeBatch builds this buffer's input itself: an int64 ``[bs]``
+    """A sealed decode batch builds this buffer's input itself: an int64 ``[bs]``
     device field, or a host mirror declared as a host buffer."""
     plain = spec.dtype == torch.int64 and spec.rows_per_request == 1 and not spec.extra_shape
     placed = spec.name in DECODE_FIELD_NAMES if not spec.host else spec.name in _MIRRORS
@@ -84,17 +83,18 @@ class InputGate:
         self._batch_made = all(_batch_made(s) for s in buffers.specs)
         self._seen: list[weakref.ref[torch.Tensor] | None] = []
         self._seen_bs = -1
+        self.device = buffers.device
         #: Full checks run (a test and the bench read it).
         self.full_checks = 0
 
     def sources(
-        self, inputs: Any, raw_bs: int, backend: GraphBackend, *, full: bool = False
+        self, inputs: ReplayInputs, raw_bs: int, backend: GraphBackend, *, full: bool = False
     ) -> list[torch.Tensor]:
         """The inputs' tensors, one per declared buffer, validated: in full on
         ``full`` or first sight, else by identity. Raises before anything is
         written; the backend's own check runs every time."""
         if not full:
-            if self._batch_made and _sealed_on(inputs, self.buffers.device):
+            if self._batch_made and _sealed_on(inputs, self.device):
                 backend.validate_inputs(raw_bs, inputs)
                 return [getattr(inputs, n) for n in self._names]
             if raw_bs == self._seen_bs and self._same(inputs):
@@ -108,14 +108,14 @@ class InputGate:
             self._remember(inputs, raw_bs)
         return sources
 
-    def _same(self, inputs: Any) -> bool:
+    def _same(self, inputs: object) -> bool:
         for name, ref in zip(self._watched, self._seen, strict=True):
             value = getattr(inputs, name, None)
             if (None if ref is None else ref()) is not value:
                 return False
         return True
 
-    def _remember(self, inputs: Any, raw_bs: int) -> None:
+    def _remember(self, inputs: object, raw_bs: int) -> None:
         seen: list[weakref.ref[torch.Tensor] | None] = []
         for name in self._watched:
             value = getattr(inputs, name, None)
@@ -123,14 +123,15 @@ class InputGate:
         self._seen, self._seen_bs = seen, raw_bs
 
 
-def host_range(inputs: Any, name: str, values: torch.Tensor) -> tuple[int, int] | None:
+def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, int] | None:
     """``(min, max)`` of host mirror ``values`` (``inputs.<name>``), None when
-    empty: a :class:`DecodeBatch` answers from what it knew when it made the
-    mirror (a lookup); any other inputs object pays one host ``aminmax``."""
-    if type(inputs) is DecodeBatch:
+    empty: :class:`~graphrunner.declare.sealed.SealedInputs` answer from what
+    they knew when they made the mirror (a lookup); any other inputs object
+    pays one host ``aminmax``."""
+    if is_sealed_inputs(inputs):
         return inputs.host_range(name)
     return host_min_max(values)
 
 
-def _sealed_on(inputs: Any, device: torch.device) -> bool:
-    return type(inputs) is DecodeBatch and inputs.is_sealed() and inputs.device == device
+def _sealed_on(inputs: object, device: torch.device) -> bool:
+    return is_sealed_inputs(inputs) and inputs.is_sealed() and inputs.device == device

@@ -5,7 +5,7 @@ eager path for a batch above every captured size."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -13,11 +13,12 @@ from graphrunner.core.input_check import InputGate, check_host_mirrors
 from graphrunner.declare.buffers import StaticBuffers
 from graphrunner.declare.hooks import GraphBackend
 from graphrunner.declare.outputs import OutputLayout, Outputs, poison_outputs
-from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.declare.step_inputs import ReplayInputs, StepTensors
+from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.util import nvtx
-from graphrunner.writers.base import check_inputs, resolve_futures, write_sources
+from graphrunner.writers.base import check_inputs, resolve_futures
 
 __all__ = [
     "NotCapturedError",
@@ -33,9 +34,11 @@ class NotCapturedError(RuntimeError):
     """Replay asked for a size that was not captured (call ``capture()`` first)."""
 
 
-def batch_size_of(inputs: Any) -> int:
+def batch_size_of(inputs: ReplayInputs) -> int:
     """The live rows of ``inputs`` (its host-side ``batch_size``), at least 1."""
     raw_bs = getattr(inputs, "batch_size", None)
+    if type(raw_bs) is int and raw_bs >= 1:  # the common case, one type test
+        return raw_bs
     if isinstance(raw_bs, bool) or not isinstance(raw_bs, int):
         raise TypeError(
             f"{type(inputs).__name__} has no int batch_size (got {raw_bs!r}); replay takes "
@@ -43,16 +46,16 @@ def batch_size_of(inputs: Any) -> int:
         )
     if raw_bs < 1:
         raise BatchSizeError(f"batch_size {raw_bs}: replay needs at least one live row")
-    return raw_bs
+    return int(raw_bs)
 
 
-def validate_step(backend: GraphBackend, inputs: Any, raw_bs: int) -> None:
+def validate_step(backend: GraphBackend, inputs: ReplayInputs, raw_bs: int) -> None:
     """What every step checks before it writes anything, graph or eager."""
     check_host_mirrors(inputs, raw_bs)
     backend.validate_inputs(raw_bs, inputs)
 
 
-def _poison_held(held: Outputs | None, buffers: StaticBuffers, inputs: Any) -> None:
+def _poison_held(held: Outputs | None, buffers: StaticBuffers, inputs: ReplayInputs) -> None:
     """Poison the previous step's outputs, sparing what this step still reads."""
     if held is not None:
         fields = [getattr(inputs, s.name, None) for s in buffers.specs]
@@ -68,8 +71,9 @@ class StepParts(Protocol):
     backend: GraphBackend
     outputs: OutputLayout
     sanitizer: PaddingSanitizer | None
-    mechanism: CaptureMechanism
     input_gate: InputGate
+    #: Who writes the buffers at replay (the mechanism's writer, or the torch one).
+    writer: PopulateWriter
 
     def pre_launch(self) -> None:
         """Run once per step after the inputs passed their checks and before
@@ -79,7 +83,7 @@ class StepParts(Protocol):
 def launch_padded(
     parts: StepParts,
     launcher: Launcher,
-    inputs: Any,
+    inputs: ReplayInputs,
     raw_bs: int,
     bs: int,
     held: Outputs | None = None,
@@ -88,19 +92,36 @@ def launch_padded(
     live rows' outputs with the device operations populate issued. ``held``,
     the previous step's outputs under a sanitizer, is poisoned before launch.
 
-    Inputs are validated once (:mod:`graphrunner.core.input_check`; in full on
-    every replay under a sanitizer), then written by the mechanism's populate
-    writer, or by the torch writer of :mod:`graphrunner.writers.base`."""
+    Without a sanitizer this is the lean path: the inputs' checks cost O(1)
+    when they were validated where they were made or on an earlier replay
+    (:mod:`graphrunner.core.input_check`), then one staged write by the
+    runner's writer, the backend's metadata, the launch, the slice. Under a
+    sanitizer every replay checks everything; while a profiler or an NVTX tool
+    watches, the same steps run as named ranges (replay, populate, launch)."""
+    if parts.sanitizer is None and held is None and not nvtx.active():
+        sources = parts.input_gate.sources(inputs, raw_bs, parts.backend)
+        parts.pre_launch()
+        ops = parts.writer.write(sources, raw_bs, bs)
+        parts.backend.init_replay_metadata(bs, raw_bs, parts.buffers.view(bs), inputs)
+        return parts.outputs.live(launcher(), raw_bs), ops
+    return _launch_observed(parts, launcher, inputs, raw_bs, bs, held)
+
+
+def _launch_observed(
+    parts: StepParts,
+    launcher: Launcher,
+    inputs: ReplayInputs,
+    raw_bs: int,
+    bs: int,
+    held: Outputs | None,
+) -> tuple[Outputs, int]:
+    # Under a sanitizer (full checks, poisoned held outputs) or a profiler (ranges).
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
     with nvtx.range(f"replay bs={bs}"):
         sources = parts.input_gate.sources(inputs, raw_bs, backend, full=sanitizer is not None)
         parts.pre_launch()
         with nvtx.range(f"populate bs={bs}"):
-            writer = parts.mechanism.populate_writer
-            if writer is None:
-                ops = write_sources(buffers, sources, raw_bs, bs)
-            else:
-                ops = writer.write(sources, raw_bs, bs)
+            ops = parts.writer.write(sources, raw_bs, bs)
         backend.init_replay_metadata(bs, raw_bs, buffers.view(bs), inputs)
         check = sanitizer.before_launch(buffers, inputs, raw_bs, bs) if sanitizer else None
         _poison_held(held, buffers, inputs)
@@ -116,7 +137,7 @@ class _Resolved:
     fields on the device, future references resolved. The eager path reads
     its inputs directly, not through populate's buffers."""
 
-    def __init__(self, inputs: Any, buffers: StaticBuffers) -> None:
+    def __init__(self, inputs: ReplayInputs, buffers: StaticBuffers) -> None:
         self._inputs = inputs
         for spec in buffers.specs:
             given = getattr(inputs, spec.name)
@@ -127,11 +148,12 @@ class _Resolved:
             if value is not given:
                 setattr(self, spec.name, value)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inputs, name)
+    def __getattr__(self, name: str) -> torch.Tensor:
+        value: torch.Tensor = getattr(self._inputs, name)
+        return value
 
     @staticmethod
-    def needed(inputs: Any, buffers: StaticBuffers) -> bool:
+    def needed(inputs: ReplayInputs, buffers: StaticBuffers) -> bool:
         """Whether ``inputs`` differs from what the forward reads."""
         if buffers.future_tokens is not None:
             return True
@@ -144,7 +166,7 @@ class _Resolved:
 
 def run_eager(
     parts: StepParts,
-    inputs: Any,
+    inputs: ReplayInputs,
     raw_bs: int,
     warn_once: Callable[[], None],
     held: Outputs | None = None,
@@ -158,10 +180,12 @@ def run_eager(
     warn_once()
     check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
     _poison_held(held, parts.buffers, inputs)
+    # Checked above: every declared buffer is a tensor attribute of ``inputs``.
+    step = cast(StepTensors, inputs)
     if _Resolved.needed(inputs, parts.buffers):
-        inputs = _Resolved(inputs, parts.buffers)
+        step = _Resolved(inputs, parts.buffers)
     with nvtx.range(f"eager bs={raw_bs}"):
-        out = parts.forward(inputs)
+        out = parts.forward(step)
     parts.outputs.check(out, raw_bs, any_width=True)
     if check is not None:
         check.after_launch(out)

@@ -19,17 +19,18 @@ from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
 from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
-from graphrunner.declare.decode import SEQ_LEN_BUFFERS
-from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend, as_graph_backend
 from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
 from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
+from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.mechanisms import CaptureMechanism, create_mechanism
-from graphrunner.mechanisms.base import ForwardFn, Launcher
+from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
 from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
 from graphrunner.util.warn import warn_at_caller
+from graphrunner.writers.base import TorchWriter
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
 
@@ -45,12 +46,12 @@ def _resolve_sizes(capture_sizes: Sequence[int] | None, max_bs: int | None) -> l
     return sizes
 
 
-def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: GraphBackend) -> None:
+def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: BaseGraphBackend) -> None:
     # A seq_lens fill that differs from the backend's would send padded rows
     # somewhere the backend did not plan for.
     for spec in specs:
-        is_seq_lens_fill = spec.name in SEQ_LEN_BUFFERS and spec.rule is PadRule.FILL
-        if is_seq_lens_fill and spec.fill_value != backend.seq_len_fill_value:
+        is_backend_fill = spec.backend_fill and spec.rule is PadRule.FILL
+        if is_backend_fill and spec.fill_value != backend.seq_len_fill_value:
             raise ValueError(
                 f"{spec.name} fill_value {spec.fill_value} differs from the backend's "
                 f"seq_len_fill_value {backend.seq_len_fill_value}"
@@ -83,7 +84,9 @@ class GraphRunner:
         capture_sizes: sorted unique sizes to capture; default
             :func:`graphrunner.sizing.sizes.default_capture_sizes` of ``max_bs``.
         max_bs: the largest size (with the default sizes).
-        backend: the attention backend's hooks (default: none needed).
+        backend: the attention backend's hooks (default: none needed); one
+            lacking an optional hook (:data:`~graphrunner.declare.hooks.OPTIONAL_HOOKS`)
+            gets its default, one lacking a required hook is a TypeError.
         sanitizer: a :class:`graphrunner.sanitizer.padding.PaddingSanitizer` checking
             every replay (a debug mode), or None.
         future_map: the :class:`~graphrunner.core.future_map.FutureMap` that buffers
@@ -105,7 +108,7 @@ class GraphRunner:
         outputs: OutputsDecl | None = None,
         capture_sizes: Sequence[int] | None = None,
         max_bs: int | None = None,
-        backend: GraphBackend | None = None,
+        backend: BaseGraphBackend | None = None,
         sanitizer: PaddingSanitizer | None = None,
         show_progress: bool = True,
         future_map: FutureMap | None = None,
@@ -124,8 +127,11 @@ class GraphRunner:
         self.forward = forward
         self.mechanism: CaptureMechanism = mechanism
         self.outputs = OutputLayout(outputs)
-        self.backend: GraphBackend = backend if backend is not None else NullBackend()
-        _check_fill_matches_backend(specs, self.backend)
+        if backend is None:
+            backend = NullBackend()
+        if hasattr(backend, "seq_len_fill_value"):  # else refused as incomplete just below
+            _check_fill_matches_backend(specs, backend)
+        self.backend: GraphBackend = as_graph_backend(backend)
         self._sizes = _resolve_sizes(capture_sizes, max_bs)
         tokens = None if future_map is None else future_map.tokens
         self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
@@ -134,12 +140,15 @@ class GraphRunner:
         self.future_map = future_map
         self.mechanism.bind(self.buffers.device)
         self.mechanism.bind_buffers(self.buffers)
+        #: Who writes the buffers at replay: the mechanism's writer, or the torch one.
+        self.writer: PopulateWriter = self.mechanism.populate_writer or TorchWriter(self.buffers)
         self.sanitizer = sanitizer
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[int, Launcher] = {}
+        self._graph_for: dict[int, tuple[int, Launcher]] = {}  # raw size -> (size, launcher)
         self._warned_fallback = False
         # The last step's outputs, poisoned at the next step when sanitized.
         self._held: Outputs | None = None
@@ -198,9 +207,13 @@ class GraphRunner:
             self._launchers = {}
             self.mechanism.drop()
             raise
+        # Every raw size's graph, looked up once per replay.
+        for raw_bs in range(1, self.max_bs + 1):
+            bs = self.graph_size_for(raw_bs)
+            self._graph_for[raw_bs] = (bs, self._launchers[bs])
         return self.capture_report
 
-    def replay(self, inputs: Any) -> Outputs:
+    def replay(self, inputs: ReplayInputs) -> Outputs:
         """Run one step for ``inputs`` (a :class:`graphrunner.declare.inputs.DecodeInputs`,
         or any object with the declared buffers as attributes and a host-side
         int ``batch_size``).
@@ -220,7 +233,7 @@ class GraphRunner:
         Runs under ``no_grad``.
         """
         raw_bs = batch_size_of(inputs)
-        if not self.is_captured:
+        if not self._graph_for:  # filled once every size is captured
             raise NotCapturedError(
                 f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
             )
@@ -235,7 +248,7 @@ class GraphRunner:
             self._held = out
         return out
 
-    def _step(self, inputs: Any, raw_bs: int, reason: str | None) -> Outputs:
+    def _step(self, inputs: ReplayInputs, raw_bs: int, reason: str | None) -> Outputs:
         if reason is not None:
             return self._replay_eager(inputs, raw_bs, reason)
         return self._replay_graph(inputs, raw_bs)
@@ -243,7 +256,8 @@ class GraphRunner:
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step, run by both launch paths once the
         step's inputs passed their checks: the recorded state ops, once per step."""
-        self.state_ops_run += run_state_ops(self.state_ops)
+        if self.state_ops is not None:  # most runners record none: skip the call
+            self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:
         """Launch captured size ``bs`` again on the buffers as they are: no
@@ -262,13 +276,13 @@ class GraphRunner:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
         return None
 
-    def _replay_graph(self, inputs: Any, raw_bs: int) -> Outputs:
-        bs = self.graph_size_for(raw_bs)
-        out, ops = launch_padded(self, self._launchers[bs], inputs, raw_bs, bs, self._held)
+    def _replay_graph(self, inputs: ReplayInputs, raw_bs: int) -> Outputs:
+        bs, launcher = self._graph_for[raw_bs]
+        out, ops = launch_padded(self, launcher, inputs, raw_bs, bs, self._held)
         self.stats.count_replay(raw_bs, bs, ops)
         return out
 
-    def _replay_eager(self, inputs: Any, raw_bs: int, reason: str) -> Outputs:
+    def _replay_eager(self, inputs: ReplayInputs, raw_bs: int, reason: str) -> Outputs:
         def warn_once() -> None:
             if not self._warned_fallback:
                 self._warned_fallback = True

@@ -63,6 +63,9 @@ class BufferSpec:
         future: live values below 0 are future references ``-r`` that
             populate resolves from the runner's
             :class:`~graphrunner.core.future_map.FutureMap` (row ``r``'s next token).
+        backend_fill: the fill value is the attention backend's
+            ``seq_len_fill_value`` (``seq_lens``): a runner refuses a backend
+            whose value differs.
 
     Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
@@ -78,6 +81,7 @@ class BufferSpec:
     host: bool = False
     index: bool = False
     future: bool = False
+    backend_fill: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

@@ -33,7 +33,7 @@ _I64 = torch.int64
 DECODE_FIELDS: tuple[BufferSpec, ...] = (
     BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
     BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
-    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1),
+    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1, backend_fill=True),
     BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True),
     BufferSpec("positions", _I64, PadRule.ZERO, index=True),
 )
@@ -54,9 +54,6 @@ DECODE_HOST_MIRRORS: Mapping[str, str] = {
     "req_pool_indices": "req_pool_indices_cpu",
     "seq_lens": "seq_lens_cpu",
 }
-
-#: Buffers whose fill is the attention backend's ``seq_len_fill_value``.
-SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
 
 
 def decode_buffer_specs(
@@ -93,6 +90,7 @@ def decode_buffer_specs(
                 PadRule.FILL,
                 fill_value=seq_len_fill_value,
                 host=True,
+                backend_fill=True,
             )
         )
     return specs

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
+from graphrunner.declare.step_inputs import StepTensors, view_tensors
 
 __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 
 #: The model's step: reads named tensors (a BufferView, or a live batch for eager).
-ForwardFn = Callable[[Any], Outputs]
+ForwardFn = Callable[[StepTensors], Outputs]
 #: Runs a captured size on the static buffers; returns its static outputs.
 Launcher = Callable[[], Outputs]
 
@@ -61,7 +62,8 @@ class CaptureMechanism(abc.ABC):
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
         """The callable warmed up and captured for size ``bs``."""
-        return lambda: forward(view)
+        tensors = view_tensors(view)
+        return lambda: forward(tensors)
 
     def warmup(self, fn: Launcher) -> Outputs:
         """Run ``fn`` once outside capture (lazy initialisation, compilation)."""

@@ -10,6 +10,7 @@ import torch
 
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
+from graphrunner.declare.step_inputs import view_tensors
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
@@ -125,7 +126,8 @@ class CudaGraphCapture(CaptureMechanism):
             self._capturing_bs = bs
         if self.compiler is not None:
             return self.compiler.step_fn(bs, forward, view)
-        return lambda: forward(view)
+        tensors = view_tensors(view)
+        return lambda: forward(tensors)
 
     def warmup(self, fn: Launcher) -> Outputs:
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)

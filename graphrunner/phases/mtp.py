@@ -31,7 +31,9 @@ def mtp_buffer_specs(
     return [
         BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
         BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
-        BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=seq_len_fill_value),
+        BufferSpec(
+            "seq_lens", _I64, PadRule.FILL, fill_value=seq_len_fill_value, backend_fill=True
+        ),
         BufferSpec("positions", _I64, PadRule.ZERO, index=True),
         BufferSpec("hidden_states", hidden_dtype, PadRule.ZERO, extra_shape=(hidden_size,)),
     ]

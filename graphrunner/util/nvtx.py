@@ -22,7 +22,7 @@ import os
 import nvtx as _nvtx
 import torch
 
-__all__ = ["DOMAIN", "enabled", "range", "set_enabled"]
+__all__ = ["DOMAIN", "active", "enabled", "range", "set_enabled"]
 
 DOMAIN = "graphrunner"
 _domain = _nvtx.get_domain(DOMAIN)
@@ -84,9 +84,15 @@ class _Range:
 _NULL = contextlib.nullcontext()
 
 
+def active() -> bool:
+    """Whether :func:`range` pushes ranges now (enabled, and an NVTX tool
+    injected or a torch profiler running)."""
+    return _enabled and (_injected or _profiler_active())
+
+
 def range(name: str) -> contextlib.AbstractContextManager[None]:  # noqa: A001
     """A context manager marking ``name`` in Nsight (and in torch profiler
     traces); the shared no-op when disabled or when nothing is profiling."""
-    if not _enabled or not (_injected or _profiler_active()):
+    if not active():
         return _NULL
     return _Range(name)

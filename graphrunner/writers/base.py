@@ -27,6 +27,7 @@ from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 
 __all__ = [
     "PopulateError",
+    "TorchWriter",
     "check_inputs",
     "check_sources",
     "populate",
@@ -41,64 +42,83 @@ class PopulateError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class _CopyGroup:
-    """Live-row destinations of one (device, dtype), filled by one ``_foreach_copy_``."""
+    """Destinations of one (device, dtype), written by one ``_foreach_copy_``:
+    the live rows of the specs at ``index`` (from their sources), then the
+    padded tails (from ``pads``, precomputed rows of each rule's value)."""
 
     index: tuple[int, ...]  # positions of the group's specs in buffers.specs
-    dsts: list[torch.Tensor]
+    dsts: list[torch.Tensor]  # live heads (one per index), then padded tails
+    pads: list[torch.Tensor]  # the tails' sources, one per tail
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     copies: tuple[_CopyGroup, ...]
-    zeros: tuple[list[torch.Tensor], ...]  # padded tails by (device, dtype), one zero op each
-    fills: tuple[tuple[torch.Tensor, int | float], ...]
     gathers: tuple[torch.Tensor, ...]  # live rows holding future references to resolve
     future: torch.Tensor | None
 
     @property
     def device_ops(self) -> int:
         # A gather is one resolve (index, compare, select: counted as one).
-        return len(self.copies) + len(self.zeros) + len(self.fills) + len(self.gathers)
+        return len(self.copies) + len(self.gathers)
 
 
 _plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int, bool], _Plan]] = (
     weakref.WeakKeyDictionary()
 )
+_pad_rows: weakref.WeakKeyDictionary[StaticBuffers, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+#: A pad source up to this many bytes is materialized (a dense source keeps
+#: the foreach copy on its fast path); a larger one is one row, expanded.
+_DENSE_PAD_BYTES = 1 << 16
+
+
+def _pad_source(buffers: StaticBuffers, spec: BufferSpec, value: int | float) -> torch.Tensor:
+    """Rows of ``spec``'s pad value, as many as its buffer holds: made once
+    per buffers (plan time, never at replay), sliced per tail."""
+    value = 0 if value == 0 else value  # a fill of -0.0 pads +0, as the fused writer does
+    per_buffers = _pad_rows.setdefault(buffers, {})
+    rows = per_buffers.get(spec.name)
+    if rows is None:
+        buf = buffers.tensors[spec.name]
+        row = torch.full((1, *spec.extra_shape), value, dtype=spec.dtype, device=buf.device)
+        dense = buf.numel() * buf.element_size() <= _DENSE_PAD_BYTES
+        rows = row.expand(buf.shape).contiguous() if dense else row.expand(buf.shape)
+        per_buffers[spec.name] = rows
+    return rows
 
 
 def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool) -> _Plan:
-    # Grouped by (device, dtype): one foreach op per group, host buffers apart.
-    copies: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    zeros: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    fills: list[tuple[torch.Tensor, int | float]] = []
+    # Grouped by (device, dtype): one foreach copy per group, host buffers apart.
+    index: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    tails: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     specs = buffers.specs
     for i, spec in enumerate(specs):
         if host_only and not spec.host:
             continue
         group = (buffers.device_of(spec), spec.dtype)
-        buf = buffers.tensors[spec.name]
         live, total = spec.rows(raw_bs), spec.rows(bs)
         if live:
-            copies.setdefault(group, []).append(i)
+            index.setdefault(group, []).append(i)
         value = spec.pad_value()
         if total == live or value is None:
             continue
-        if value == 0:
-            zeros.setdefault(group, []).append(buf[live:total])
-        else:
-            fills.append((buf[live:total], value))
-    groups = tuple(
-        _CopyGroup(
-            tuple(index), [buffers.tensors[specs[i].name][: specs[i].rows(raw_bs)] for i in index]
-        )
-        for index in copies.values()
-    )
+        pad = _pad_source(buffers, spec, value)[: total - live]
+        tails.setdefault(group, []).append((buffers.tensors[spec.name][live:total], pad))
+    groups = []
+    for group in {**index, **tails}:
+        heads = index.get(group, [])
+        padded = tails.get(group, [])
+        dsts = [buffers.tensors[specs[i].name][: specs[i].rows(raw_bs)] for i in heads]
+        dsts.extend(t for t, _ in padded)
+        groups.append(_CopyGroup(tuple(heads), dsts, [p for _, p in padded]))
     gathers = tuple(
         buffers.tensors[s.name][: s.rows(raw_bs)]
         for s in specs
         if s.future and raw_bs and not host_only
     )
-    return _Plan(groups, tuple(zeros.values()), tuple(fills), gathers, buffers.future_tokens)
+    return _Plan(tuple(groups), gathers, buffers.future_tokens)
 
 
 def plan_for(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool = False) -> _Plan:
@@ -172,10 +192,10 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
 
     Returns:
         The number of operations issued: one ``torch._foreach_copy_`` per
-        (device, dtype) for the live rows, one ``torch._foreach_zero_`` per
-        (device, dtype) for zero tails, one ``fill_`` per filled tail (host
-        buffers' operations included). Every input is validated
-        before anything is written.
+        (device, dtype), writing the live rows and the padded tails (from
+        precomputed rows of each pad value) at once, host buffers' included;
+        one resolve per future buffer. Every input is validated before
+        anything is written.
     """
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
@@ -202,6 +222,29 @@ def write_sources(
     return _write_planned(plan_for(buffers, raw_bs, bs, host_only), sources)
 
 
+class TorchWriter:
+    """The torch writer of one runner's buffers as a
+    :class:`~graphrunner.mechanisms.base.PopulateWriter`: :func:`write_sources`
+    with its plans held in a plain dict (the replay path's default writer).
+
+    Args:
+        buffers: the static buffers it writes (``[max_bs * rows_per_request,
+            *extra_shape]`` each).
+    """
+
+    def __init__(self, buffers: StaticBuffers) -> None:
+        self.buffers = buffers
+        self._plans: dict[tuple[int, int], _Plan] = {}
+
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+        """Write ``raw_bs`` live requests' validated ``sources`` padded to
+        ``bs``; return the device operations issued (as :func:`populate`)."""
+        plan = self._plans.get((raw_bs, bs))
+        if plan is None:
+            plan = self._plans[(raw_bs, bs)] = plan_for(self.buffers, raw_bs, bs)
+        return _write_planned(plan, sources)
+
+
 def _write_planned(plan: _Plan, sources: Sequence[torch.Tensor]) -> int:
     # Without grad, an input with autograd history (hidden states from a
     # grad-enabled forward) is copied as data instead of failing halfway through
@@ -221,13 +264,11 @@ def _write(plan: _Plan, sources: Sequence[torch.Tensor]) -> None:
     # a pinned source before the step has run (the fused writers copy host
     # sources into their own ring instead, and have no such rule).
     for group in plan.copies:
-        torch._foreach_copy_(group.dsts, [sources[i] for i in group.index], non_blocking=True)
+        srcs = [sources[i] for i in group.index]
+        srcs.extend(group.pads)
+        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
     for live in plan.gathers:  # after the copies, on the same stream
         resolve_futures(live, plan.future)
-    for tails in plan.zeros:
-        torch._foreach_zero_(tails)
-    for tail, value in plan.fills:
-        tail.fill_(value)
 
 
 def resolve_futures(ids: torch.Tensor, future: torch.Tensor | None) -> None:

@@ -1,0 +1,179 @@
+"""The lean replay path: every buffer poisoned before every replay still ends
+with exactly its live rows and pad values (nothing stale read), outputs equal
+the eager model's; inputs that declare themselves sealed skip the per-field
+checks whatever their type; a backend of the older protocol still runs, an
+incomplete one is refused at construction; the seq_lens fill is spec data."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import graphrunner
+from graphrunner import BufferSpec, EagerRunner, PadRule, decode_buffer_specs
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.declare.sealed import is_sealed_inputs, is_sealed_type
+from graphrunner.testing import ToyWorld
+
+POISON = -5
+PACKAGE = pathlib.Path(graphrunner.__file__).parent
+
+
+def _runner(world: ToyWorld, backend: object = None, **specs: bool) -> EagerRunner:
+    runner = EagerRunner(
+        world.model,
+        decode_buffer_specs(**specs),
+        device="cpu",
+        capture_sizes=[1, 2, 4, 8],
+        backend=backend,  # type: ignore[arg-type]
+        show_progress=False,
+    )
+    runner.capture()
+    return runner
+
+
+@pytest.mark.parametrize("raw_bs", range(1, 9))
+def test_poisoned_buffers_hold_exactly_live_rows_and_pad_values_after_each_replay(raw_bs: int):
+    world = ToyWorld()
+    runner = _runner(world, host_seq_lens=True)
+    batch = world.make_batch(raw_bs, seed=raw_bs)
+    expected, _ = world.eager_reference(batch)
+    bs = runner.graph_size_for(raw_bs)
+    outs = []
+    for _ in range(2):  # the second replay takes the cheap path: it must write everything too
+        for t in runner.buffers.tensors.values():
+            t.fill_(POISON)
+        outs.append(runner.replay(batch).clone())
+        # Float tolerance only: the padded forward multiplies more rows (BLAS blocking).
+        torch.testing.assert_close(outs[-1], expected)
+        for spec in runner.buffers.specs:
+            buf = runner.buffers.tensors[spec.name]
+            assert torch.equal(buf[:raw_bs], getattr(batch, spec.name)), spec.name
+            pad = spec.pad_value()
+            assert buf[raw_bs:bs].tolist() == [pad] * (bs - raw_bs), spec.name
+            assert buf[bs:].tolist() == [POISON] * (runner.max_bs - bs), spec.name
+    assert torch.equal(outs[0], outs[1])
+    assert runner.input_gate.full_checks == 0  # a sealed DecodeBatch: never checked per field
+    assert (
+        runner.stats.last_populate_ops == 1
+    )  # one staged copy (the host buffer joins it on a CPU)
+
+
+class _OwnBatch:
+    """Not a DecodeBatch: an engine's own batch that seals itself."""
+
+    def __init__(self, batch: DecodeBatch, sealed: bool) -> None:
+        self.batch_size = batch.batch_size
+        self.device = batch.device
+        self._sealed = sealed
+        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+            setattr(self, name, getattr(batch, name))
+        self.req_pool_indices_cpu = batch.req_pool_indices_cpu
+        self.seq_lens_cpu = batch.seq_lens_cpu
+        self._ranges = {n: batch.host_range(n) for n in ("req_pool_indices_cpu", "seq_lens_cpu")}
+
+    def is_sealed(self) -> bool:
+        return self._sealed
+
+    def host_range(self, name: str) -> tuple[int, int] | None:
+        return self._ranges[name]
+
+
+def test_any_type_with_the_sealed_protocol_skips_the_checks_while_sealed():
+    world = ToyWorld()
+    runner = _runner(world)
+    batch = world.make_batch(3, seed=1)
+    expected, _ = world.eager_reference(batch)
+    assert is_sealed_type(DecodeBatch) and is_sealed_inputs(batch)
+    assert not is_sealed_inputs(object())
+    torch.testing.assert_close(runner.replay(_OwnBatch(batch, sealed=True)), expected)
+    assert runner.input_gate.full_checks == 0
+    torch.testing.assert_close(runner.replay(_OwnBatch(batch, sealed=False)), expected)
+    assert runner.input_gate.full_checks == 1  # unsealed: checked in full
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_generic_replay_code_imports_no_phase():
+    check = _imports(PACKAGE / "core" / "input_check.py")
+    assert not any(n.startswith("graphrunner.batch") for n in check)
+    tree = ast.parse((PACKAGE / "core" / "input_check.py").read_text())
+    assert "DecodeBatch" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    runner = _imports(PACKAGE / "core" / "runner.py")
+    assert not any(n.endswith("SEQ_LEN_BUFFERS") for n in runner)
+
+
+class _OldBackend:
+    """A backend written against the first protocol: no validate_inputs."""
+
+    seq_len_fill_value = 1
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def init_graph_state(self, max_bs: int) -> None:
+        pass
+
+    def init_capture_metadata(self, bs: int, view: object) -> None:
+        pass
+
+    def init_replay_metadata(self, bs: int, raw_bs: int, view: object, inputs: object) -> None:
+        self.replays += 1
+
+
+def test_a_backend_of_the_older_protocol_runs_graph_and_eager_steps():
+    world = ToyWorld()
+    old = _OldBackend()
+    runner = _runner(world, backend=old)
+    batch = world.make_batch(3, seed=2)
+    expected, _ = world.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(batch), expected)
+    assert old.replays == 1
+    big = world.make_batch(9, seed=3)  # above every graph: the eager path validates too
+    big_expected, _ = world.eager_reference(big)
+    with pytest.warns(RuntimeWarning, match="running it eagerly"):
+        torch.testing.assert_close(runner.replay(big), big_expected)
+
+
+@pytest.mark.parametrize("missing", ["init_replay_metadata", "init_capture_metadata"])
+def test_a_backend_missing_a_required_hook_is_refused_at_construction(missing: str):
+    incomplete = type(
+        "HalfBackend", (), {k: v for k, v in vars(_OldBackend).items() if k != missing}
+    )
+    with pytest.raises(TypeError, match=rf"backend HalfBackend does not define {missing}"):
+        EagerRunner(
+            lambda b: b.input_ids,
+            decode_buffer_specs(),
+            device="cpu",
+            max_bs=2,
+            backend=incomplete(),  # type: ignore[arg-type]
+            show_progress=False,
+        )
+
+
+def test_the_backend_fill_is_declared_by_the_spec_not_its_name():
+    class Backend(_OldBackend):
+        seq_len_fill_value = 2
+
+    flagged = BufferSpec("lens", torch.int64, PadRule.FILL, fill_value=1, backend_fill=True)
+    with pytest.raises(ValueError, match="lens fill_value 1 differs from the backend's"):
+        EagerRunner(lambda b: b.lens, [flagged], device="cpu", max_bs=2, backend=Backend())
+    # A seq_lens of another meaning, not flagged, keeps its own fill.
+    plain = BufferSpec("seq_lens", torch.int64, PadRule.FILL, fill_value=1)
+    EagerRunner(lambda b: b.seq_lens, [plain], device="cpu", max_bs=2, backend=Backend())
+    assert [s.name for s in decode_buffer_specs(host_seq_lens=True) if s.backend_fill] == [
+        "seq_lens",
+        "seq_lens_cpu",
+    ]
