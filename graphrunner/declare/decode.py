@@ -23,7 +23,9 @@ __all__ = [
     "DECODE_HOST_MIRRORS",
     "DECODE_FIELD_NAMES",
     "MAMBA_DECODE_FIELDS",
+    "PER_TOKEN_FIELD_NAMES",
     "decode_buffer_specs",
+    "per_token_fields",
 ]
 
 _I64 = torch.int64
@@ -55,6 +57,10 @@ DECODE_HOST_MIRRORS: Mapping[str, str] = {
     "seq_lens": "seq_lens_cpu",
 }
 
+#: The decode fields a multi-token step (verify, EAGLE draft extend) holds per
+#: token, ``W`` rows per request; the others stay per request.
+PER_TOKEN_FIELD_NAMES: tuple[str, ...] = ("input_ids", "out_cache_loc", "positions")
+
 #: Buffers whose fill is the attention backend's ``seq_len_fill_value``.
 SEQ_LEN_BUFFERS = frozenset({"seq_lens", "seq_lens_cpu"})
 
@@ -65,6 +71,7 @@ def decode_buffer_specs(
     host_seq_lens: bool = False,
     future: bool = False,
     mamba: bool = False,
+    without: frozenset[str] = frozenset(),
 ) -> list[BufferSpec]:
     """The decode step's buffers with the pad rules of the design table.
 
@@ -75,11 +82,13 @@ def decode_buffer_specs(
     ``future=True`` lets ``input_ids`` hold future references (overlap
     scheduling: :mod:`graphrunner.core.future_map`), resolved by populate.
     ``mamba=True`` adds :data:`MAMBA_DECODE_FIELDS` (models with Mamba layers
-    only: a Llama runner declares none of them).
+    only: a Llama runner declares none of them). ``without`` names decode
+    fields the phase does not read (frozen-KV MTP writes no ``out_cache_loc``).
     """
     specs = [
         dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
         for s in DECODE_FIELDS
+        if s.name not in without
     ]
     if future:
         specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
@@ -95,4 +104,28 @@ def decode_buffer_specs(
                 host=True,
             )
         )
+    return specs
+
+
+def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> list[BufferSpec]:
+    """:data:`DECODE_FIELDS` for a step of ``width`` tokens per request (target
+    verify, EAGLE draft extend), less the names in ``without``.
+
+    The :data:`PER_TOKEN_FIELD_NAMES` take ``width`` rows per request (int64
+    ``[bs * W]``); ``req_pool_indices`` stays per request (``[bs]``), and
+    ``seq_lens`` (``[bs]``, the length after the step) pads with ``W``: a
+    padded row is ``W`` tokens at slot 0 and its prefix ``seq_lens - W`` is 0,
+    never negative. Every other rule is decode's.
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width={width!r}; expected an int >= 1")
+    specs = []
+    for s in DECODE_FIELDS:
+        if s.name in without:
+            continue
+        if s.name in PER_TOKEN_FIELD_NAMES:
+            s = dataclasses.replace(s, rows_per_request=width)
+        elif s.name == "seq_lens":
+            s = dataclasses.replace(s, rule=PadRule.WIDTH, fill_value=None, width=width)
+        specs.append(s)
     return specs
