@@ -5,6 +5,7 @@ runner is a phase on a mechanism, and the width check is runner data."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 import warnings
 from typing import Any
 
@@ -13,8 +14,9 @@ import torch
 
 from graphrunner import EagerRunner, GraphRunner
 from graphrunner.declare.buffers import BufferSpec, PadRule
-from graphrunner.declare.decode import DECODE_FIELDS, per_token_fields
+from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_FIELDS, per_token_fields
 from graphrunner.declare.hooks import NullBackend
+from graphrunner.model.token_rows import TokenRows
 from graphrunner.phases import (
     Phase,
     SpecBatch,
@@ -28,6 +30,7 @@ from graphrunner.phases import (
     verify_buffer_specs,
     verify_phase,
 )
+from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
 from spec_world import SpecWorld
 
 I64 = torch.int64
@@ -174,3 +177,16 @@ def test_width_needs_a_buffer_of_that_many_rows() -> None:
     phase = Phase("decode", lambda b: b.input_ids, tuple(DECODE_FIELDS))
     with pytest.raises(ValueError, match="width=2; expected a device buffer of rows_per_request=2"):
         GraphRunner(**{**phase.runner_args(), "width": 2}, device="cpu", capture_sizes=[1])
+
+
+def test_each_phase_input_protocol_mirrors_its_buffers() -> None:
+    world = SpecWorld()
+    phases = {
+        VerifyInputs: verify_phase(world.model, 2),
+        EagleExtendInputs: eagle_draft_extend_phase(world.eagle, 2),
+        EagleDecodeInputs: eagle_draft_decode_phase(world.eagle),
+        MtpInputs: frozen_kv_mtp_phase(world.mtp),
+    }
+    for proto, phase in phases.items():
+        assert set(typing.get_type_hints(proto)) == {s.name for s in phase.specs}, proto
+    assert set(typing.get_type_hints(TokenRows)) == set(DECODE_FIELD_NAMES)

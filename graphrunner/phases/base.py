@@ -5,7 +5,7 @@ backend hooks, tokens per row), composed with a mechanism by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -85,6 +85,10 @@ class SpecBatch:
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices_cpu.shape[0])
+
+    if TYPE_CHECKING:  # its named tensors, as the phase input protocols see them
+
+        def __getattr__(self, name: str) -> torch.Tensor: ...
 
 
 def check_width(name: str, value: object) -> int:
