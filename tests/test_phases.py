@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphrunner import EagerRunner, GraphRunner
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_FIELDS, per_token_fields
 from graphrunner.declare.hooks import NullBackend
 from graphrunner.model.token_rows import TokenRows
@@ -34,6 +34,13 @@ from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpI
 from spec_world import SpecWorld
 
 I64 = torch.int64
+TOK, ROW, KV, POS, COUNT = (
+    Index.TOKEN,
+    Index.REQUEST_ROW,
+    Index.KV_SLOT,
+    Index.POSITION,
+    Index.COUNT,
+)
 
 
 def _by_name(specs: list[BufferSpec] | tuple[BufferSpec, ...]) -> dict[str, BufferSpec]:
@@ -43,11 +50,13 @@ def _by_name(specs: list[BufferSpec] | tuple[BufferSpec, ...]) -> dict[str, Buff
 def _per_token_oracle(w: int) -> dict[str, BufferSpec]:
     return _by_name(
         [
-            BufferSpec("input_ids", I64, PadRule.ZERO, rows_per_request=w, index=True),
-            BufferSpec("positions", I64, PadRule.ZERO, rows_per_request=w, index=True),
-            BufferSpec("out_cache_loc", I64, PadRule.ZERO, rows_per_request=w, index=True),
-            BufferSpec("req_pool_indices", I64, PadRule.ZERO, index=True),
-            BufferSpec("seq_lens", I64, PadRule.WIDTH, width=w),
+            BufferSpec("input_ids", I64, PadRule.ZERO, rows_per_request=w, index=True, indexes=TOK),
+            BufferSpec("positions", I64, PadRule.ZERO, rows_per_request=w, index=True, indexes=POS),
+            BufferSpec(
+                "out_cache_loc", I64, PadRule.ZERO, rows_per_request=w, index=True, indexes=KV
+            ),
+            BufferSpec("req_pool_indices", I64, PadRule.ZERO, index=True, indexes=ROW),
+            BufferSpec("seq_lens", I64, PadRule.WIDTH, width=w, indexes=Index.LENGTH),
         ]
     )
 
@@ -69,8 +78,8 @@ def test_eagle_extend_specs_add_hidden_and_lengths() -> None:
                 rows_per_request=w,
                 extra_shape=(hidden,),
             ),
-            BufferSpec("extend_lens", I64, PadRule.WIDTH, width=w, index=True),
-            BufferSpec("accept_lens", I64, PadRule.WIDTH, width=w, index=True),
+            BufferSpec("extend_lens", I64, PadRule.WIDTH, width=w, index=True, indexes=COUNT),
+            BufferSpec("accept_lens", I64, PadRule.WIDTH, width=w, index=True, indexes=COUNT),
         ]
     )
     assert _by_name(eagle_draft_extend_specs(w, hidden, torch.float32)) == expected
@@ -79,10 +88,10 @@ def test_eagle_extend_specs_add_hidden_and_lengths() -> None:
 def test_mtp_specs_are_decode_less_out_cache_loc_plus_hidden() -> None:
     expected = _by_name(
         [
-            BufferSpec("input_ids", I64, PadRule.ZERO, index=True),
-            BufferSpec("req_pool_indices", I64, PadRule.ZERO, index=True),
-            BufferSpec("seq_lens", I64, PadRule.FILL, fill_value=3),
-            BufferSpec("positions", I64, PadRule.ZERO, index=True),
+            BufferSpec("input_ids", I64, PadRule.ZERO, index=True, indexes=TOK),
+            BufferSpec("req_pool_indices", I64, PadRule.ZERO, index=True, indexes=ROW),
+            BufferSpec("seq_lens", I64, PadRule.FILL, fill_value=3, indexes=Index.LENGTH),
+            BufferSpec("positions", I64, PadRule.ZERO, index=True, indexes=POS),
             BufferSpec("hidden_states", torch.bfloat16, PadRule.ZERO, extra_shape=(6,)),
         ]
     )

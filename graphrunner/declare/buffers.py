@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-__all__ = ["BufferSpec", "BufferView", "PadRule", "StaticBuffers"]
+__all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers"]
 
 
 class PadRule(enum.Enum):
@@ -34,6 +34,19 @@ class PadRule(enum.Enum):
     FILL = "fill"  # a declared constant (e.g. the backend's seq_len fill value)
     WIDTH = "width"  # the buffer's declared width (speculative lengths: W tokens)
     KEEP = "keep"  # never read on padded rows; left as it is
+
+
+class Index(enum.Enum):
+    """What the live values of a buffer index, so the padding sanitizer can
+    check them whatever the phase (:attr:`BufferSpec.indexes`)."""
+
+    REQUEST_ROW = "request row"  # a req_to_token row: allocated, never the padding row 0, once
+    KV_SLOT = "KV slot"  # the slot a token writes: allocated, not 0, once, the one recorded
+    MAMBA_SLOT = "Mamba slot"  # a Mamba state slot: never the sink 0
+    TOKEN = "token"  # a token id: in the vocabulary (when the sanitizer knows its size)
+    POSITION = "position"  # a token's position: the req_to_token column the length implies
+    LENGTH = "length"  # tokens in the cache after the step: 1..the req_to_token width
+    COUNT = "count"  # a count of the step's tokens: 1..the buffer's width
 
 
 def _is_int(value: object) -> bool:
@@ -63,6 +76,9 @@ class BufferSpec:
         future: live values below 0 are future references ``-r`` that
             populate resolves from the runner's
             :class:`~graphrunner.core.future_map.FutureMap` (row ``r``'s next token).
+        indexes: what the live values index (:class:`Index`), which the
+            padding sanitizer checks; None: nothing it checks.
+            :attr:`Index.COUNT` needs :attr:`PadRule.WIDTH` (its top is the width).
 
     Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
@@ -78,6 +94,7 @@ class BufferSpec:
     host: bool = False
     index: bool = False
     future: bool = False
+    indexes: Index | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -97,6 +114,15 @@ class BufferSpec:
             raise ValueError(
                 f"buffer {self.name!r} holds indices and pads with {self.rule.name}; an index "
                 f"buffer must pad to slot 0 (PadRule.ZERO) or to the width (PadRule.WIDTH)"
+            )
+        if self.indexes is not None and not isinstance(self.indexes, Index):
+            raise ValueError(
+                f"buffer {self.name!r}: indexes={self.indexes!r}; expected an Index or None"
+            )
+        if self.indexes is Index.COUNT and self.rule is not PadRule.WIDTH:
+            raise ValueError(
+                f"buffer {self.name!r} declares indexes=Index.COUNT with rule={self.rule.name}; "
+                f"a count in 1..W needs PadRule.WIDTH (its width is W)"
             )
         self._check_rule_value("fill_value", self.fill_value, PadRule.FILL)
         self._check_rule_value("width", self.width, PadRule.WIDTH)

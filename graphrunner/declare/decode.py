@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 
 __all__ = [
     "DECODE_FIELDS",
@@ -33,11 +33,11 @@ _I64 = torch.int64
 #: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
 #: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
 DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
-    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
-    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1),
-    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True),
-    BufferSpec("positions", _I64, PadRule.ZERO, index=True),
+    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True, indexes=Index.TOKEN),
+    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True, indexes=Index.REQUEST_ROW),
+    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1, indexes=Index.LENGTH),
+    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True, indexes=Index.KV_SLOT),
+    BufferSpec("positions", _I64, PadRule.ZERO, index=True, indexes=Index.POSITION),
 )
 DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 
@@ -47,7 +47,7 @@ DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 #: ``[bs]``), True where the row's state advances, False on padded rows, whose
 #: update is discarded so the sink slot 0 stays bit-identical.
 MAMBA_DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True),
+    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True, indexes=Index.MAMBA_SLOT),
     BufferSpec("mamba_track_mask", torch.bool, PadRule.ZERO),
 )
 

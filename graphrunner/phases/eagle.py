@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.core.runner import GraphRunner
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import decode_buffer_specs, per_token_fields
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase, check_width
@@ -51,7 +51,10 @@ def eagle_draft_extend_specs(
     ``accept_lens`` (``W``: a padded row's select index ``row * W + W - 1``
     stays inside its own row)."""
     w = check_width("width", width)
-    lengths = [BufferSpec(n, _I64, PadRule.WIDTH, width=w, index=True) for n in EXTEND_LENGTHS]
+    lengths = [
+        BufferSpec(n, _I64, PadRule.WIDTH, width=w, index=True, indexes=Index.COUNT)
+        for n in EXTEND_LENGTHS
+    ]
     return [*per_token_fields(w), _hidden(hidden_size, hidden_dtype, w), *lengths]
 
 

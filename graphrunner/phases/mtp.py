@@ -60,9 +60,11 @@ class FrozenKvMtpRunner(GraphRunner):
         super().__init__(**frozen_kv_mtp_phase(head).runner_args(), **kwargs)
 
 
-def frozen_kv_sanitizer(req_pool: ReqToTokenPool, kv_cache: KVCache) -> PaddingSanitizer:
+def frozen_kv_sanitizer(
+    req_pool: ReqToTokenPool, kv_cache: KVCache, *, vocab_size: int | None = None
+) -> PaddingSanitizer:
     """A sanitizer for a read-only phase: no row of ``req_to_token`` or of any
-    KV layer may change, slot 0 included."""
+    KV layer may change, slot 0 included; ``vocab_size`` bounds live token ids."""
     guarded = [GuardedTensor("req_to_token", req_pool.req_to_token, None, sink_rows=0)]
     for layer in range(kv_cache.num_layers):
         k, v = kv_cache.get_kv(layer)
@@ -70,4 +72,4 @@ def frozen_kv_sanitizer(req_pool: ReqToTokenPool, kv_cache: KVCache) -> PaddingS
             GuardedTensor(f"k_cache[{layer}]", k, None, sink_rows=0),
             GuardedTensor(f"v_cache[{layer}]", v, None, sink_rows=0),
         ]
-    return PaddingSanitizer(guarded, req_pool=req_pool)
+    return PaddingSanitizer(guarded, req_pool=req_pool, vocab_size=vocab_size)
