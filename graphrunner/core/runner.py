@@ -18,7 +18,7 @@ from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
-from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
 from graphrunner.declare.decode import SEQ_LEN_BUFFERS
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
@@ -63,8 +63,7 @@ def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: GraphBacke
 
 
 def _width_field(specs: Sequence[BufferSpec], width: int) -> str:
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width={width!r}; expected an int >= 1")
+    check_width("width", width)
     for spec in specs:
         if spec.rows_per_request == width and not spec.host:
             return spec.name

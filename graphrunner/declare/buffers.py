@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-__all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers"]
+__all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers", "check_width"]
 
 
 class PadRule(enum.Enum):
@@ -51,6 +51,14 @@ class Index(enum.Enum):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_width(name: str, value: object) -> int:
+    """``value`` as a width (tokens per request: an int >= 1), or a
+    ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}; expected an int >= 1")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, Index, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule, check_width
 
 __all__ = [
     "DECODE_FIELDS",
@@ -117,8 +117,7 @@ def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> li
     padded row is ``W`` tokens at slot 0 and its prefix ``seq_lens - W`` is 0,
     never negative. Every other rule is decode's.
     """
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width={width!r}; expected an int >= 1")
+    check_width("width", width)
     specs = []
     for s in DECODE_FIELDS:
         if s.name in without:

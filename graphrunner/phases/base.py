@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec
+from graphrunner.declare.buffers import BufferSpec, check_width
 from graphrunner.declare.hooks import GraphBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
@@ -89,10 +89,3 @@ class SpecBatch:
     if TYPE_CHECKING:  # its named tensors, as the phase input protocols see them
 
         def __getattr__(self, name: str) -> torch.Tensor: ...
-
-
-def check_width(name: str, value: object) -> int:
-    """``value`` as a width (an int >= 1), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}; expected an int >= 1")
-    return value

@@ -9,7 +9,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.buffers import BufferSpec
 from graphrunner.declare.decode import per_token_fields
 from graphrunner.declare.outputs import OutputSpec
-from graphrunner.phases.base import Phase, check_width
+from graphrunner.phases.base import Phase
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
     from graphrunner.model.llama import LlamaDecoder
@@ -23,7 +23,7 @@ def verify_buffer_specs(width: int) -> list[BufferSpec]:
     ``input_ids``, ``positions``, ``out_cache_loc`` padded with 0 (slot 0); per
     request ``req_pool_indices`` (0) and ``seq_lens``, the length after the
     step, padded with ``W`` (a padded row's prefix ``seq_lens - W`` is 0)."""
-    return per_token_fields(check_width("width", width))
+    return per_token_fields(width)
 
 
 def verify_phase(model: LlamaDecoder, width: int) -> Phase:
