@@ -7,6 +7,7 @@ sanitizer knows its size."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -192,3 +193,20 @@ def test_count_declarations_need_the_width_rule() -> None:
 def test_vocab_size_is_checked_by_name(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"vocab_size=.*expected an int >= 1 or None"):
         PaddingSanitizer(vocab_size=bad)
+
+
+def test_a_live_mamba_slot_0_is_named_by_its_declaration() -> None:
+    sanitizer = PaddingSanitizer()
+    inputs = SimpleNamespace(batch_size=2, mamba_track_indices=torch.tensor([3, 0]))
+    with pytest.raises(
+        PaddingViolation, match=r"mamba_track_indices live row 1 = 0: expected a live Mamba slot"
+    ):
+        sanitizer.snapshot(inputs)
+
+
+def test_undeclared_fields_are_not_checked() -> None:
+    """Only what a buffer declares it indexes is checked: the same planted 0
+    in a buffer without a declaration passes."""
+    plain = BufferSpec("mamba_track_indices", torch.int64, PadRule.ZERO, index=True)
+    inputs = SimpleNamespace(batch_size=2, mamba_track_indices=torch.tensor([3, 0]))
+    PaddingSanitizer().snapshot(inputs, specs=[plain]).after_launch(torch.zeros(2))

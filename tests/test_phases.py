@@ -14,7 +14,12 @@ import torch
 
 from graphrunner import EagerRunner, GraphRunner
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
-from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_FIELDS, per_token_fields
+from graphrunner.declare.decode import (
+    DECODE_FIELD_NAMES,
+    DECODE_FIELDS,
+    PER_TOKEN_FIELD_NAMES,
+    per_token_fields,
+)
 from graphrunner.declare.hooks import NullBackend
 from graphrunner.model.token_rows import TokenRows
 from graphrunner.phases import (
@@ -199,3 +204,9 @@ def test_each_phase_input_protocol_mirrors_its_buffers() -> None:
     for proto, phase in phases.items():
         assert set(typing.get_type_hints(proto)) == {s.name for s in phase.specs}, proto
     assert set(typing.get_type_hints(TokenRows)) == set(DECODE_FIELD_NAMES)
+
+
+def test_per_token_fields_name_decode_fields() -> None:
+    assert set(PER_TOKEN_FIELD_NAMES) < set(DECODE_FIELD_NAMES)
+    kept = per_token_fields(2, without=frozenset({"out_cache_loc"}))
+    assert [s.name for s in kept] == [n for n in DECODE_FIELD_NAMES if n != "out_cache_loc"]
