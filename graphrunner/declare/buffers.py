@@ -24,6 +24,8 @@ from types import MappingProxyType
 
 import torch
 
+from graphrunner.declare.indexes import Index
+
 __all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers", "check_width"]
 
 
@@ -34,19 +36,6 @@ class PadRule(enum.Enum):
     FILL = "fill"  # a declared constant (e.g. the backend's seq_len fill value)
     WIDTH = "width"  # the buffer's declared width (speculative lengths: W tokens)
     KEEP = "keep"  # never read on padded rows; left as it is
-
-
-class Index(enum.Enum):
-    """What the live values of a buffer index, so the padding sanitizer can
-    check them whatever the phase (:attr:`BufferSpec.indexes`)."""
-
-    REQUEST_ROW = "request row"  # a req_to_token row: allocated, never the padding row 0, once
-    KV_SLOT = "KV slot"  # the slot a token writes: allocated, not 0, once, the one recorded
-    MAMBA_SLOT = "Mamba slot"  # a Mamba state slot: never the sink 0
-    TOKEN = "token"  # a token id: in the vocabulary (when the sanitizer knows its size)
-    POSITION = "position"  # a token's position: the req_to_token column the length implies
-    LENGTH = "length"  # tokens in the cache after the step: 1..the req_to_token width
-    COUNT = "count"  # a count of the step's tokens: 1..the buffer's width
 
 
 def _is_int(value: object) -> bool:
