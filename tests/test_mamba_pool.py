@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphrunner.core.runners import create_runner
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import MAMBA_DECODE_FIELDS, decode_buffer_specs
 from graphrunner.declare.state_ops import run_state_ops
 from graphrunner.pools import (
@@ -247,7 +247,9 @@ def test_mamba_fields_are_a_declaration_option() -> None:
     mamba = decode_buffer_specs(mamba=True)
     assert [s for s in mamba if s.name.startswith("mamba")] == list(MAMBA_DECODE_FIELDS)
     idx, mask = MAMBA_DECODE_FIELDS
-    assert idx == BufferSpec("mamba_track_indices", torch.int64, PadRule.ZERO, index=True)
+    assert idx == BufferSpec(
+        "mamba_track_indices", torch.int64, PadRule.ZERO, index=True, indexes=Index.MAMBA_SLOT
+    )
     assert mask.dtype == torch.bool and mask.pad_value() == 0  # pads to False
 
 

@@ -34,6 +34,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     assert _protocol_attributes(DecodeInputs) == fields | mirrors | {"batch_size"}
     geometry_and_seal = {"device", "max_context_len", "_sealed", "_host_ranges"}
     assert set(DecodeBatch.__slots__) == fields | mirrors | geometry_and_seal
+    assert set(typing.get_type_hints(DecodeBatch)) == fields | mirrors | {"_sealed", "_host_ranges"}
     assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]
     world = ToyWorld()
     batch = world.make_batch(2, seed=0)

@@ -1,1 +1,2 @@
-"""batch."""
+"""The decode batch (:mod:`.decode_batch`), its argument checks (:mod:`.checks`),
+host-side helpers (:mod:`.host`) and KV slot choice (:mod:`.paging`)."""

@@ -6,83 +6,27 @@ from collections.abc import Sequence
 
 import torch
 
+from graphrunner.batch.checks import check_input_ids, check_prepare, check_requests
+from graphrunner.batch.host import (
+    BatchError,
+    geometry,
+    host_ints,
+    host_min_max,
+    host_tensor,
+    mirror_ranges,
+    version_of,
+)
+from graphrunner.batch.paging import next_slots
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
 from graphrunner.pools.req_to_token import ReqToTokenPool
-from graphrunner.pools.slots import (
-    DeviceLike,
-    as_index_list,
-    bad_arg,
-    check_count,
-    check_device,
-    check_each,
-    check_tensor,
-    same_device,
-)
+from graphrunner.pools.slots import DeviceLike, bad_arg, check_each, same_device
 
-__all__ = ["BatchError", "DecodeBatch"]
-
-
-class BatchError(ValueError):
-    """A wrong argument value (a wrong type is a ``TypeError``); the batch (and any
-    pool) is left exactly as it was."""
-
+__all__ = ["BatchError", "DecodeBatch", "host_min_max"]
 
 #: Attributes whose assignment from outside breaks a batch's seal.
 _SEALED_FIELDS = frozenset((*DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values()))
-
-
-def _host(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-#: torch's ``Tensor._version`` descriptor, looked up once (the private name stays torch's).
-_VERSION = vars(torch._C.TensorBase)["_version"]
-
-
-def _version_of(tensor: torch.Tensor) -> int:
-    """The tensor's version counter, bumped by every in-place change."""
-    return int(_VERSION.__get__(tensor))
-
-
-def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:
-    """``(min, max)`` of a host int tensor (no device sync), None when empty."""
-    if not values.numel():
-        return None
-    low, high = values.aminmax()
-    return int(low), int(high)
-
-
-def _ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]]:
-    """The mirrors' (min, max) from the host ints they were made from (none when empty)."""
-    if not reqs:
-        return {}
-    return {
-        DECODE_HOST_MIRRORS["req_pool_indices"]: (min(reqs), max(reqs)),
-        DECODE_HOST_MIRRORS["seq_lens"]: (min(lens), max(lens)),
-    }
-
-
-def _host_ints(name: str, values: object, what: str = "ints") -> list[int]:
-    """Python or NumPy ints from a sequence or a 1-D integer CPU tensor, as the pools take."""
-    expected = f"a sequence of {what} (host ints or a 1-D integer CPU tensor)"
-    return as_index_list(values, name, expected=expected, error=BatchError)
-
-
-def _geometry(where: str, device: object, max_context_len: object) -> tuple[torch.device, int]:
-    return (
-        _indexed(check_device(f"{where}: device", device, BatchError)),
-        check_count(f"{where}: max_context_len", max_context_len, 1, error=BatchError),
-    )
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` as the CUDA device it means now (``cuda:0``), as a tensor made
-    there reports it: a runner compares a sealed batch's device exactly."""
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class DecodeBatch:
@@ -119,6 +63,16 @@ class DecodeBatch:
     )
     _sealed: bool
     _host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
+    # A static mirror of the declared fields and mirrors, for type checkers
+    # (the runtime slots and every assignment come from graphrunner.declare.decode;
+    # tests/test_structure.py keeps the two equal).
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
 
     def __setattr__(self, name: str, value: object) -> None:
         # A field assigned from outside breaks the seal (see is_sealed); the
@@ -139,7 +93,7 @@ class DecodeBatch:
         known: dict[str, tuple[torch.Tensor, int, int, int]] = {}
         for name, (low, high) in (ranges or {}).items():
             mirror = getattr(self, name)
-            known[name] = (mirror, _version_of(mirror), low, high)
+            known[name] = (mirror, version_of(mirror), low, high)
         object.__setattr__(self, "_host_ranges", known)
         object.__setattr__(self, "_sealed", True)
 
@@ -152,29 +106,36 @@ class DecodeBatch:
         and :meth:`from_requests`, which hold the host ints already."""
         mirror = getattr(self, name)
         entry = self._host_ranges.get(name)
-        if entry is not None and entry[0] is mirror and entry[1] == _version_of(mirror):
+        if entry is not None and entry[0] is mirror and entry[1] == version_of(mirror):
             return entry[2], entry[3]
         bounds = host_min_max(mirror)
         if bounds is not None:
-            self._host_ranges[name] = (mirror, _version_of(mirror), *bounds)
+            self._host_ranges[name] = (mirror, version_of(mirror), *bounds)
         return bounds
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""
-        self.device, self.max_context_len = _geometry("DecodeBatch", device, max_context_len)
-        self.req_pool_indices_cpu = _host([])
-        self.seq_lens_cpu = _host([])
-        self.req_pool_indices = self._to_device(self.req_pool_indices_cpu)
-        self.seq_lens = self._to_device(self.seq_lens_cpu)
-        self.input_ids = self._zeros(0)
-        self.out_cache_loc = self._zeros(0)
-        self.positions = self._zeros(0)
+        self.device, self.max_context_len = geometry("DecodeBatch", device, max_context_len)
+        self._fill({m: host_tensor([]) for m in DECODE_HOST_MIRRORS.values()}, {})
         self._seal()
+
+    def _fill(self, mirrors: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> None:
+        """Every declared field of ``bs`` rows: a field with a host mirror is
+        the device copy of ``mirrors[its mirror]`` (CPU int64 ``[bs]``), any
+        other the ``given`` tensor, or zeros (placeholders, "not prepared yet")."""
+        bs = int(next(iter(mirrors.values())).shape[0])
+        for name in DECODE_FIELD_NAMES:
+            mirror = DECODE_HOST_MIRRORS.get(name)
+            if mirror is not None:
+                setattr(self, mirror, mirrors[mirror])
+                setattr(self, name, self._to_device(mirrors[mirror]))
+            else:
+                setattr(self, name, given[name] if name in given else self._zeros(bs))
 
     @classmethod
     def empty(cls, device: DeviceLike, max_context_len: int) -> DecodeBatch:
         """The idle batch: ``bs == 0``, every tensor ``[0]``."""
-        return cls(*_geometry("empty", device, max_context_len))
+        return cls(*geometry("empty", device, max_context_len))
 
     @classmethod
     def from_requests(
@@ -197,24 +158,19 @@ class DecodeBatch:
         Host ints are Python or NumPy ints, in a sequence or a 1-D integer CPU
         tensor, as the pools take them.
         """
-        batch = cls(*_geometry("from_requests", device, max_context_len))
-        reqs = _host_ints("from_requests: req_pool_indices", req_pool_indices)
-        lens = _host_ints("from_requests: seq_lens", seq_lens)
+        batch = cls(*geometry("from_requests", device, max_context_len))
+        reqs = host_ints("from_requests: req_pool_indices", req_pool_indices)
+        lens = host_ints("from_requests: seq_lens", seq_lens)
         if len(reqs) != len(lens):
             raise BatchError(
                 f"from_requests: {len(reqs)} req_pool_indices but {len(lens)} seq_lens; "
                 "expected equal lengths"
             )
-        batch._check_requests(reqs, lens)
-        batch._check_input_ids("from_requests: input_ids", input_ids, len(reqs))
-        batch.req_pool_indices_cpu = _host(reqs)
-        batch.seq_lens_cpu = _host(lens)
-        batch.req_pool_indices = batch._to_device(batch.req_pool_indices_cpu)
-        batch.seq_lens = batch._to_device(batch.seq_lens_cpu)
-        batch.input_ids = input_ids
-        batch.out_cache_loc = batch._zeros(len(reqs))
-        batch.positions = batch._zeros(len(reqs))
-        batch._seal(_ranges(reqs, lens))
+        check_requests(reqs, lens, batch.max_context_len)
+        check_input_ids("from_requests: input_ids", input_ids, len(reqs), batch.device)
+        host = {"req_pool_indices": host_tensor(reqs), "seq_lens": host_tensor(lens)}
+        batch._fill({DECODE_HOST_MIRRORS[n]: t for n, t in host.items()}, {"input_ids": input_ids})
+        batch._seal(mirror_ranges(reqs, lens))
         return batch
 
     @property
@@ -257,9 +213,9 @@ class DecodeBatch:
         """
         reqs = self.req_pool_indices_cpu.tolist()
         lens = self.seq_lens_cpu.tolist()
-        self._check_prepare(req_pool, kv_alloc, reqs, lens)
+        check_prepare(req_pool, kv_alloc, reqs, lens, self.device, self.max_context_len)
         if input_ids is not None:
-            self._check_input_ids("prepare_decode: input_ids", input_ids, len(reqs))
+            check_input_ids("prepare_decode: input_ids", input_ids, len(reqs), self.device)
         page = kv_alloc.page_size
         starting = [i for i, n in enumerate(lens) if starts_page(n, page)]
         need = len(starting) * page
@@ -268,7 +224,9 @@ class DecodeBatch:
             raise PoolExhausted(need, kv_alloc.available_size(), "KV token slots", where)
         fresh = kv_alloc.alloc(need)
         try:
-            out_cache_loc = self._next_slots(req_pool, starting, fresh[::page])
+            out_cache_loc = next_slots(
+                req_pool, self.req_pool_indices, self.seq_lens, starting, fresh[::page]
+            )
             req_pool.write_tokens(reqs, lens, out_cache_loc)
         except BaseException:
             kv_alloc.free(fresh)
@@ -279,34 +237,18 @@ class DecodeBatch:
         self.out_cache_loc = out_cache_loc
         if input_ids is not None:
             self.input_ids = input_ids
-        self._seal(_ranges(reqs, [n + 1 for n in lens]))
+        self._seal(mirror_ranges(reqs, [n + 1 for n in lens]))
         return dict(zip(starting, fresh[::page], strict=True))
-
-    def _next_slots(
-        self, req_pool: ReqToTokenPool, starting: list[int], first_slots: list[int]
-    ) -> torch.Tensor:
-        """int64 ``[bs]`` on the device: ``first_slots`` for the ``starting`` rows,
-        the slot after the last token for the others."""
-        bs = self.batch_size
-        if len(starting) == bs:  # page size 1, or every row at a page boundary
-            return self._to_device(_host(first_slots))
-        last = (self.seq_lens - 1).clamp_(min=0)
-        after_last = req_pool.req_to_token[self.req_pool_indices, last].to(torch.int64) + 1
-        is_starting = torch.zeros(bs, dtype=torch.bool)
-        is_starting[starting] = True
-        fresh = torch.zeros(bs, dtype=torch.int64)
-        fresh[starting] = _host(first_slots)
-        return torch.where(self._to_device(is_starting), self._to_device(fresh), after_last)
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (host ints, unique, ``0..bs-1``), in that order."""
-        rows = _host_ints("filter: keep", keep, "row indices")
+        rows = host_ints("filter: keep", keep, "row indices")
         bs = self.batch_size
         what = f"a row index in 0..{bs - 1}" if bs else "no row (the batch is empty)"
         check_each("filter: keep", rows, 0, bs - 1, error=BatchError, what=what)
         if len(set(rows)) != len(rows):
             raise bad_arg("filter: keep", keep, "each row at most once", BatchError)
-        host_rows = _host(rows)
+        host_rows = host_tensor(rows)
         dev_rows = self._to_device(host_rows)
         self._assign(
             {n: getattr(self, n).index_select(0, dev_rows) for n in DECODE_FIELD_NAMES},
@@ -348,48 +290,3 @@ class DecodeBatch:
 
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int64, device=self.device)
-
-    def _check_requests(self, reqs: list[int], lens: list[int]) -> None:
-        row = "a pool row >= 1 (0 is padding)"
-        check_each("from_requests: req_pool_indices", reqs, 1, error=BatchError, what=row)
-        check_each("from_requests: seq_lens", lens, 0, self.max_context_len, error=BatchError)
-        if len(set(reqs)) != len(reqs):
-            raise bad_arg("from_requests: req_pool_indices", reqs, "each pool row once", BatchError)
-
-    def _check_input_ids(self, name: str, input_ids: object, bs: int) -> None:
-        devices = (self.device,)
-        check_tensor(
-            name, input_ids, dtype=torch.int64, shape=(bs,), devices=devices, error=BatchError
-        )
-
-    def _check_prepare(
-        self,
-        req_pool: ReqToTokenPool,
-        kv_alloc: TokenToKVPoolAllocator,
-        reqs: list[int],
-        lens: list[int],
-    ) -> None:
-        if not isinstance(req_pool, ReqToTokenPool):
-            raise bad_arg("prepare_decode: req_pool", req_pool, "a ReqToTokenPool")
-        if not isinstance(kv_alloc, TokenToKVPoolAllocator):
-            raise bad_arg("prepare_decode: kv_alloc", kv_alloc, "a TokenToKVPoolAllocator")
-        if not same_device(req_pool.device, self.device):
-            raise BatchError(
-                f"prepare_decode: req_pool is on {req_pool.device}; expected {self.device}"
-            )
-        if req_pool.max_context_len < self.max_context_len:
-            raise BatchError(
-                f"prepare_decode: req_pool.max_context_len {req_pool.max_context_len} is below "
-                f"the batch's {self.max_context_len}; expected at least that"
-            )
-        for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
-            if n + 1 > self.max_context_len:
-                raise BatchError(
-                    f"prepare_decode: row {i} (request {req}): seq_len {n} + 1 exceeds "
-                    f"max_context_len {self.max_context_len}; expected room for one more token"
-                )
-            if not req_pool.is_allocated(req):
-                raise BatchError(
-                    f"prepare_decode: row {i}: request {req} is not allocated in req_pool; "
-                    "expected live rows"
-                )

@@ -10,7 +10,7 @@ prepared, captured and launched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +18,7 @@ from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
-from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
 from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend, as_graph_backend
 from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
 from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
@@ -31,6 +31,11 @@ from graphrunner.sizing.report import CaptureReport, RunnerStats
 from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
+
+if TYPE_CHECKING:  # a phase is built above the core; the runner only reads it
+    from typing import Self
+
+    from graphrunner.phases.base import Phase
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
 
@@ -56,6 +61,14 @@ def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: BaseGraphB
                 f"{spec.name} fill_value {spec.fill_value} differs from the backend's "
                 f"seq_len_fill_value {backend.seq_len_fill_value}"
             )
+
+
+def _width_field(specs: Sequence[BufferSpec], width: int) -> str:
+    check_width("width", width)
+    for spec in specs:
+        if spec.rows_per_request == width and not spec.host:
+            return spec.name
+    raise ValueError(f"width={width}; expected a device buffer of rows_per_request={width}")
 
 
 def _default_mechanism(device: torch.device | str) -> CaptureMechanism:
@@ -96,6 +109,9 @@ class GraphRunner:
         state_ops: a pool whose recorded state ops (Mamba clears and copies)
             the runner's pre-launch step runs before every step's forward,
             graph or eager, on its stream (:mod:`graphrunner.declare.state_ops`).
+        width: tokens per request of the per-token buffers (those of
+            ``rows_per_request == width``), or None; a batch of another width
+            runs eagerly, counted and warned once, like any other fallback.
     """
 
     def __init__(
@@ -113,6 +129,7 @@ class GraphRunner:
         show_progress: bool = True,
         future_map: FutureMap | None = None,
         state_ops: StateOps | None = None,
+        width: int | None = None,
     ) -> None:
         if not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
@@ -154,6 +171,16 @@ class GraphRunner:
         self._held: Outputs | None = None
         self.state_ops = check_state_ops(state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
+        self.width = width
+        # The buffer whose host-side rows tell a batch's width (first per-token one).
+        self._width_field = None if width is None else _width_field(specs, width)
+
+    @classmethod
+    def from_phase(cls, phase: Phase, **kwargs: Any) -> Self:
+        """A runner of ``phase`` (:class:`graphrunner.phases.Phase`) on this
+        class's mechanism; ``kwargs`` are the mechanism's and the runner's
+        other arguments (device, sizes, sanitizer, ...)."""
+        return cls(**phase.runner_args(), **kwargs)
 
     @property
     def kind(self) -> str:
@@ -270,10 +297,16 @@ class GraphRunner:
 
     def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
         """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
-        counted and warned once), or None. A phase with a captured width adds
-        its own reason (a batch of another width)."""
+        counted and warned once), or None: a batch above the largest size, or
+        one of another width than the captured one (host shapes only)."""
         if raw_bs > self.max_bs:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
+        if self._width_field is not None and raw_bs >= 1:
+            t = getattr(inputs, self._width_field, None)
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                width = int(t.shape[0]) // raw_bs
+                if width != self.width:
+                    return f"batch width {width} differs from the captured width {self.width}"
         return None
 
     def _replay_graph(self, inputs: ReplayInputs, raw_bs: int) -> Outputs:

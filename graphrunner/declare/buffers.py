@@ -24,7 +24,9 @@ from types import MappingProxyType
 
 import torch
 
-__all__ = ["BufferSpec", "BufferView", "PadRule", "StaticBuffers"]
+from graphrunner.declare.indexes import Index
+
+__all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers", "check_width"]
 
 
 class PadRule(enum.Enum):
@@ -38,6 +40,14 @@ class PadRule(enum.Enum):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_width(name: str, value: object) -> int:
+    """``value`` as a width (tokens per request: an int >= 1), or a
+    ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}; expected an int >= 1")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,9 @@ class BufferSpec:
         backend_fill: the fill value is the attention backend's
             ``seq_len_fill_value`` (``seq_lens``): a runner refuses a backend
             whose value differs.
+        indexes: what the live values index (:class:`Index`), which the
+            padding sanitizer checks; None: nothing it checks.
+            :attr:`Index.COUNT` needs :attr:`PadRule.WIDTH` (its top is the width).
 
     Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
     """
@@ -82,6 +95,7 @@ class BufferSpec:
     index: bool = False
     future: bool = False
     backend_fill: bool = False
+    indexes: Index | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -101,6 +115,15 @@ class BufferSpec:
             raise ValueError(
                 f"buffer {self.name!r} holds indices and pads with {self.rule.name}; an index "
                 f"buffer must pad to slot 0 (PadRule.ZERO) or to the width (PadRule.WIDTH)"
+            )
+        if self.indexes is not None and not isinstance(self.indexes, Index):
+            raise ValueError(
+                f"buffer {self.name!r}: indexes={self.indexes!r}; expected an Index or None"
+            )
+        if self.indexes is Index.COUNT and self.rule is not PadRule.WIDTH:
+            raise ValueError(
+                f"buffer {self.name!r} declares indexes=Index.COUNT with rule={self.rule.name}; "
+                f"a count in 1..W needs PadRule.WIDTH (its width is W)"
             )
         self._check_rule_value("fill_value", self.fill_value, PadRule.FILL)
         self._check_rule_value("width", self.width, PadRule.WIDTH)

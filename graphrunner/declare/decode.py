@@ -16,14 +16,16 @@ from collections.abc import Mapping
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.declare.buffers import BufferSpec, Index, PadRule, check_width
 
 __all__ = [
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
     "DECODE_FIELD_NAMES",
     "MAMBA_DECODE_FIELDS",
+    "PER_TOKEN_FIELD_NAMES",
     "decode_buffer_specs",
+    "per_token_fields",
 ]
 
 _I64 = torch.int64
@@ -31,11 +33,13 @@ _I64 = torch.int64
 #: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
 #: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
 DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True),
-    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
-    BufferSpec("seq_lens", _I64, PadRule.FILL, fill_value=1, backend_fill=True),
-    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True),
-    BufferSpec("positions", _I64, PadRule.ZERO, index=True),
+    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True, indexes=Index.TOKEN),
+    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True, indexes=Index.REQUEST_ROW),
+    BufferSpec(
+        "seq_lens", _I64, PadRule.FILL, fill_value=1, backend_fill=True, indexes=Index.LENGTH
+    ),
+    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True, indexes=Index.KV_SLOT),
+    BufferSpec("positions", _I64, PadRule.ZERO, index=True, indexes=Index.POSITION),
 )
 DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 
@@ -45,7 +49,7 @@ DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 #: ``[bs]``), True where the row's state advances, False on padded rows, whose
 #: update is discarded so the sink slot 0 stays bit-identical.
 MAMBA_DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True),
+    BufferSpec("mamba_track_indices", _I64, PadRule.ZERO, index=True, indexes=Index.MAMBA_SLOT),
     BufferSpec("mamba_track_mask", torch.bool, PadRule.ZERO),
 )
 
@@ -55,6 +59,10 @@ DECODE_HOST_MIRRORS: Mapping[str, str] = {
     "seq_lens": "seq_lens_cpu",
 }
 
+#: The decode fields a multi-token step (verify, EAGLE draft extend) holds per
+#: token, ``W`` rows per request; the others stay per request.
+PER_TOKEN_FIELD_NAMES: tuple[str, ...] = ("input_ids", "out_cache_loc", "positions")
+
 
 def decode_buffer_specs(
     *,
@@ -62,6 +70,7 @@ def decode_buffer_specs(
     host_seq_lens: bool = False,
     future: bool = False,
     mamba: bool = False,
+    without: frozenset[str] = frozenset(),
 ) -> list[BufferSpec]:
     """The decode step's buffers with the pad rules of the design table.
 
@@ -72,11 +81,13 @@ def decode_buffer_specs(
     ``future=True`` lets ``input_ids`` hold future references (overlap
     scheduling: :mod:`graphrunner.core.future_map`), resolved by populate.
     ``mamba=True`` adds :data:`MAMBA_DECODE_FIELDS` (models with Mamba layers
-    only: a Llama runner declares none of them).
+    only: a Llama runner declares none of them). ``without`` names decode
+    fields the phase does not read (frozen-KV MTP writes no ``out_cache_loc``).
     """
     specs = [
         dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
         for s in DECODE_FIELDS
+        if s.name not in without
     ]
     if future:
         specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
@@ -93,4 +104,27 @@ def decode_buffer_specs(
                 backend_fill=True,
             )
         )
+    return specs
+
+
+def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> list[BufferSpec]:
+    """:data:`DECODE_FIELDS` for a step of ``width`` tokens per request (target
+    verify, EAGLE draft extend), less the names in ``without``.
+
+    The :data:`PER_TOKEN_FIELD_NAMES` take ``width`` rows per request (int64
+    ``[bs * W]``); ``req_pool_indices`` stays per request (``[bs]``), and
+    ``seq_lens`` (``[bs]``, the length after the step) pads with ``W``: a
+    padded row is ``W`` tokens at slot 0 and its prefix ``seq_lens - W`` is 0,
+    never negative. Every other rule is decode's.
+    """
+    check_width("width", width)
+    specs = []
+    for s in DECODE_FIELDS:
+        if s.name in without:
+            continue
+        if s.name in PER_TOKEN_FIELD_NAMES:
+            s = dataclasses.replace(s, rows_per_request=width)
+        elif s.name == "seq_lens":
+            s = dataclasses.replace(s, rule=PadRule.WIDTH, fill_value=None, width=width)
+        specs.append(s)
     return specs

@@ -27,6 +27,9 @@ class StepInputs(Protocol):
     A scheduler that builds these on the host may hand them over as CPU
     tensors (a runner's buffers take host-produced integer inputs; the fused
     populate stages them with its table, one copy for all of them).
+
+    A static mirror of :data:`graphrunner.declare.decode.DECODE_FIELDS` for
+    type checkers: tests/test_structure.py keeps its attributes equal to them.
     """
 
     input_ids: torch.Tensor

@@ -24,6 +24,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.core.runners import create_runner
 from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
@@ -93,7 +94,7 @@ class DecodeStep:
 
     forward: Callable[[Any], torch.Tensor]
     backend: GraphBackend
-    inputs: Callable[[DecodeBatch], object]
+    inputs: Callable[[DecodeBatch], ReplayInputs]
     sanitizer: Callable[[], PaddingSanitizer]
     state_ops: HybridReqToTokenPool | None = None
     mamba: bool = False

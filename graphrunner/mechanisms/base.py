@@ -12,12 +12,16 @@ import torch
 
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
-from graphrunner.declare.step_inputs import StepTensors, view_tensors
+from graphrunner.declare.step_inputs import view_tensors
 
 __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 
-#: The model's step: reads named tensors (a BufferView, or a live batch for eager).
-ForwardFn = Callable[[StepTensors], Outputs]
+#: The model's step: called with one argument, the step's named tensors (a
+#: :class:`~graphrunner.declare.step_inputs.StepTensors`: a BufferView, or the
+#: live batch on the eager path). Its parameter is left open (``...``) so a
+#: phase's forward may type it with its own inputs protocol (``VerifyInputs``,
+#: ``MtpInputs``...), which names the buffers that phase declares.
+ForwardFn = Callable[..., Outputs]
 #: Runs a captured size on the static buffers; returns its static outputs.
 Launcher = Callable[[], Outputs]
 

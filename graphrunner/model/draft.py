@@ -21,11 +21,13 @@ import math
 import torch
 from torch import nn
 
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.model.attention import AttnMetadata, attend
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, SwiGLUMLP
 from graphrunner.model.llama import LlamaDecoder, LlamaDecoderLayer
 from graphrunner.model.token_rows import TokenRows
+from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs
 from graphrunner.pools import KVCache
 
 __all__ = ["EagleHead", "FrozenKvMtpHead", "init_draft_weights"]
@@ -80,25 +82,18 @@ class EagleHead(nn.Module):
     def target(self) -> LlamaDecoder:
         return self._target[0]
 
-    def _run(self, rows: object, features: torch.Tensor) -> torch.Tensor:
+    def _run(self, rows: StepInputs, features: torch.Tensor) -> torch.Tensor:
         target = self.target
-        x = self.fusion(target.model.embed_tokens(rows.input_ids), features)  # type: ignore[attr-defined]
-        meta = target.attn_backend.decode_metadata(rows, target.config.num_kv_groups)  # type: ignore[arg-type]
-        h = self.layer(
-            x,
-            rows.positions,  # type: ignore[attr-defined]
-            rows.out_cache_loc,  # type: ignore[attr-defined]
-            self.kv_cache,
-            meta,
-            target.rotary,
-        )
+        x = self.fusion(target.model.embed_tokens(rows.input_ids), features)
+        meta = target.attn_backend.decode_metadata(rows, target.config.num_kv_groups)
+        h = self.layer(x, rows.positions, rows.out_cache_loc, self.kv_cache, meta, target.rotary)
         return self.norm(h)
 
     def _propose(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
         probs, ids = _topk_probs(self.target.logits(h), self.topk)
         return {"topk_p": probs, "topk_index": ids, "hidden": h}
 
-    def forward_extend(self, inputs: object) -> dict[str, torch.Tensor]:
+    def forward_extend(self, inputs: EagleExtendInputs) -> dict[str, torch.Tensor]:
         """Draft extend over ``W`` verified tokens per request.
 
         ``inputs``: per-token ``input_ids``, ``positions``, ``out_cache_loc``
@@ -110,13 +105,13 @@ class EagleHead(nn.Module):
         ``[bs, k]`` and the selected ``hidden`` ``[bs, hidden]``.
         """
         rows = TokenRows(inputs)
-        h = self._run(rows, inputs.hidden_states)  # type: ignore[attr-defined]
-        return self._propose(h[rows.select(inputs.accept_lens)])  # type: ignore[attr-defined]
+        h = self._run(rows, inputs.hidden_states)
+        return self._propose(h[rows.select(inputs.accept_lens)])
 
-    def forward_decode(self, inputs: object) -> dict[str, torch.Tensor]:
+    def forward_decode(self, inputs: EagleDecodeInputs) -> dict[str, torch.Tensor]:
         """One draft token per request: decode fields int64 ``[bs]`` plus
         ``hidden_states`` ``[bs, hidden]`` (the previous draft step's)."""
-        return self._propose(self._run(inputs, inputs.hidden_states))  # type: ignore[attr-defined]
+        return self._propose(self._run(inputs, inputs.hidden_states))
 
 
 def _slots(target: LlamaDecoder) -> int:
@@ -175,7 +170,7 @@ class FrozenKvMtpHead(nn.Module):
         h = self._block(self.fusion(t.model.embed_tokens(ids), features), positions, meta)
         return h, t.logits(h).log_softmax(-1)
 
-    def forward_draft(self, inputs: object) -> dict[str, torch.Tensor]:
+    def forward_draft(self, inputs: MtpInputs) -> dict[str, torch.Tensor]:
         """The whole draft loop for ``bs`` requests.
 
         ``inputs`` (per request): ``input_ids`` (the bonus token),
@@ -187,14 +182,14 @@ class FrozenKvMtpHead(nn.Module):
         each extends; -1 at the seed step), all ``[bs, steps, k]``.
         """
         b, k = inputs, self.topk
-        bs = b.req_pool_indices.shape[0]  # type: ignore[attr-defined]
-        meta = self._meta(b.req_pool_indices, b.seq_lens, 1)  # type: ignore[attr-defined]
-        h, logp = self._step(b.input_ids, b.hidden_states, b.positions, meta)  # type: ignore[attr-defined]
+        bs = b.req_pool_indices.shape[0]
+        meta = self._meta(b.req_pool_indices, b.seq_lens, 1)
+        h, logp = self._step(b.input_ids, b.hidden_states, b.positions, meta)
         score, token = logp.topk(k, dim=-1)  # [bs, k]
         tokens, scores = [token], [score]
         parents = [torch.full_like(token, -1)]
-        meta = self._meta(b.req_pool_indices, b.seq_lens, k)  # type: ignore[attr-defined]
-        positions = b.positions.repeat_interleave(k)  # type: ignore[attr-defined]
+        meta = self._meta(b.req_pool_indices, b.seq_lens, k)
+        positions = b.positions.repeat_interleave(k)
         features = h.repeat_interleave(k, 0)
         for _ in range(self.steps - 1):
             h, logp = self._step(token.reshape(-1), features, positions, meta)

@@ -20,6 +20,7 @@ from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from graphrunner.model.token_rows import TokenRows
 from graphrunner.model.weights import WeightError, copy_checked_weights
+from graphrunner.phases.inputs import VerifyInputs
 
 
 class ReqToToken(Protocol):
@@ -131,7 +132,7 @@ class LlamaDecoder(nn.Module):
         """
         return self.logits(self._step_hidden(inputs))
 
-    def forward_tokens(self, inputs: object) -> dict[str, torch.Tensor]:
+    def forward_tokens(self, inputs: VerifyInputs) -> dict[str, torch.Tensor]:
         """A multi-token step (target verify): ``W`` tokens per request.
 
         ``inputs``: per-token ``input_ids``, ``positions``, ``out_cache_loc``

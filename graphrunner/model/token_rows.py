@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from graphrunner.declare.decode import PER_TOKEN_FIELD_NAMES
+from graphrunner.declare.inputs import StepInputs
+
 __all__ = ["TokenRows"]
 
 
@@ -22,20 +25,30 @@ class TokenRows:
     """The :class:`~graphrunner.declare.inputs.StepInputs` of ``bs * W`` token rows.
 
     Args:
-        inputs: per-token ``input_ids``, ``positions``, ``out_cache_loc``
-            (int64 ``[bs * W]``) and per-request ``req_pool_indices`` (int64 ``[bs]``).
+        inputs: the decode fields of a ``W``-token step: the
+            :data:`~graphrunner.declare.decode.PER_TOKEN_FIELD_NAMES` (int64
+            ``[bs * W]``), copied as they are, and per-request
+            ``req_pool_indices`` (int64 ``[bs]``), repeated ``W`` times;
+            ``seq_lens`` becomes each token's ``position + 1``.
 
     ``W`` is read from the shapes (host-side, static in a graph).
     """
 
-    def __init__(self, inputs: object) -> None:
-        req = inputs.req_pool_indices  # type: ignore[attr-defined]
-        self.positions: torch.Tensor = inputs.positions  # type: ignore[attr-defined]
-        self.input_ids: torch.Tensor = inputs.input_ids  # type: ignore[attr-defined]
-        self.out_cache_loc: torch.Tensor = inputs.out_cache_loc  # type: ignore[attr-defined]
+    # A static mirror of the decode fields for type checkers (tests/test_phases.py
+    # keeps it equal to DECODE_FIELD_NAMES); the values come from the loop below.
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+
+    def __init__(self, inputs: StepInputs) -> None:
+        for name in PER_TOKEN_FIELD_NAMES:
+            setattr(self, name, getattr(inputs, name))
+        req = inputs.req_pool_indices
         self.width = self.positions.shape[0] // max(req.shape[0], 1)
-        self.req_pool_indices: torch.Tensor = req.repeat_interleave(self.width)
-        self.seq_lens: torch.Tensor = self.positions + 1
+        self.req_pool_indices = req.repeat_interleave(self.width)
+        self.seq_lens = self.positions + 1
 
     def select(self, accept_lens: torch.Tensor) -> torch.Tensor:
         """Each request's last accepted token row: ``row * W + accept_len - 1``,

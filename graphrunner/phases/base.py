@@ -1,26 +1,74 @@
-"""What the speculative phases share: a captured width, and their inputs."""
+"""A phase as a value: what a runner captures (buffers, outputs, forward,
+backend hooks, tokens per row), composed with a mechanism by
+:meth:`graphrunner.GraphRunner.from_phase`; and the inputs of a speculative step."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.declare.buffers import BufferSpec
+from graphrunner.declare.buffers import BufferSpec, check_width
+from graphrunner.declare.hooks import GraphBackend
+from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
 
-__all__ = ["SpecBatch", "WidthRunner", "batch_width"]
+__all__ = ["Phase", "PhaseArgs", "SpecBatch", "check_width"]
+
+
+class PhaseArgs(TypedDict):
+    """The :class:`~graphrunner.GraphRunner` arguments a :class:`Phase` fixes."""
+
+    forward: ForwardFn
+    specs: tuple[BufferSpec, ...]
+    outputs: OutputsDecl | None
+    backend: GraphBackend | None
+    width: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """What is captured, independent of how (the mechanism).
+
+    Args:
+        name: the phase's name (``decode``, ``verify``, ``eagle_extend``, ...).
+        forward: the step, called with the buffers' view (the phase's inputs).
+        specs: its static buffers, derived from
+            :data:`graphrunner.declare.decode.DECODE_FIELDS` plus its extras.
+        outputs: its declared outputs (None: one row per request on axis 0).
+        backend: the attention backend's hooks (None: none needed).
+        width: tokens per request of its per-token buffers (``W``), or None
+            for a one-token step; a batch of another width runs eagerly.
+    """
+
+    name: str
+    forward: ForwardFn
+    specs: tuple[BufferSpec, ...]
+    outputs: OutputsDecl | None = None
+    backend: GraphBackend | None = None
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.width is not None:
+            check_width("width", self.width)
+
+    def runner_args(self) -> PhaseArgs:
+        """The runner arguments this phase fixes (the mechanism's are the caller's)."""
+        return PhaseArgs(
+            forward=self.forward,
+            specs=self.specs,
+            outputs=self.outputs,
+            backend=self.backend,
+            width=self.width,
+        )
 
 
 class SpecBatch:
     """The inputs of a speculative step: named device tensors plus the host
     mirrors ``req_pool_indices_cpu`` and ``seq_lens_cpu`` (CPU int64 ``[bs]``).
 
-    ``batch_size`` comes from the host mirror (never a device read); ``width``
-    (tokens per request of the per-token fields) is given or read from the
-    host-side shape of ``input_ids``.
+    ``batch_size`` comes from the host mirror (never a device read).
     """
 
     def __init__(
@@ -38,43 +86,6 @@ class SpecBatch:
     def batch_size(self) -> int:
         return int(self.req_pool_indices_cpu.shape[0])
 
+    if TYPE_CHECKING:  # its named tensors, as the phase input protocols see them
 
-def batch_width(inputs: Any, raw_bs: int) -> int | None:
-    """Tokens per request of ``inputs``' per-token fields (host shapes only)."""
-    ids = getattr(inputs, "input_ids", None)
-    if not isinstance(ids, torch.Tensor) or ids.dim() == 0 or raw_bs < 1:
-        return None
-    return int(ids.shape[0]) // raw_bs
-
-
-class WidthRunner(GraphRunner):
-    """A phase captured at ``width`` tokens per request; a batch of another
-    width runs eagerly, counted and warned once, like any other fallback.
-
-    Args:
-        forward, specs: as :class:`GraphRunner`.
-        width: tokens per request of the per-token buffers.
-        **kwargs: the other :class:`GraphRunner` arguments.
-    """
-
-    def __init__(
-        self, forward: ForwardFn, specs: Sequence[BufferSpec], *, width: int, **kwargs: Any
-    ) -> None:
-        super().__init__(forward, specs, **kwargs)
-        self.width = width
-
-    def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
-        reason = super().eager_reason(inputs, raw_bs)
-        if reason is not None:
-            return reason
-        width = batch_width(inputs, raw_bs)
-        if width is not None and width != self.width:
-            return f"batch width {width} differs from the captured width {self.width}"
-        return None
-
-
-def check_width(name: str, value: object) -> int:
-    """``value`` as a width (an int >= 1), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}; expected an int >= 1")
-    return value
+        def __getattr__(self, name: str) -> torch.Tensor: ...

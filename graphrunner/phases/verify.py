@@ -5,38 +5,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from graphrunner.declare.buffers import BufferSpec, PadRule
+from graphrunner.core.runner import GraphRunner
+from graphrunner.declare.buffers import BufferSpec
+from graphrunner.declare.decode import per_token_fields
 from graphrunner.declare.outputs import OutputSpec
-from graphrunner.phases.base import WidthRunner, check_width
+from graphrunner.phases.base import Phase
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
     from graphrunner.model.llama import LlamaDecoder
 
-__all__ = ["TargetVerifyRunner", "verify_buffer_specs"]
-
-_I64 = torch.int64
+__all__ = ["TargetVerifyRunner", "verify_buffer_specs", "verify_phase"]
 
 
 def verify_buffer_specs(width: int) -> list[BufferSpec]:
-    """Per-token (``W`` rows per request): ``input_ids``, ``positions``,
-    ``out_cache_loc``, padded with 0 (slot 0). Per request: ``req_pool_indices``
-    (0) and ``seq_lens``, the length after the step, padded with ``W``: a
-    padded row is ``W`` tokens at slot 0 and its prefix ``seq_lens - W`` is 0,
-    never negative."""
-    w = check_width("width", width)
-    return [
-        BufferSpec("input_ids", _I64, PadRule.ZERO, rows_per_request=w, index=True),
-        BufferSpec("positions", _I64, PadRule.ZERO, rows_per_request=w, index=True),
-        BufferSpec("out_cache_loc", _I64, PadRule.ZERO, rows_per_request=w, index=True),
-        BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True),
-        BufferSpec("seq_lens", _I64, PadRule.WIDTH, width=w),
-    ]
+    """The decode fields at ``width`` tokens per request
+    (:func:`~graphrunner.declare.decode.per_token_fields`): per-token
+    ``input_ids``, ``positions``, ``out_cache_loc`` padded with 0 (slot 0); per
+    request ``req_pool_indices`` (0) and ``seq_lens``, the length after the
+    step, padded with ``W`` (a padded row's prefix ``seq_lens - W`` is 0)."""
+    return per_token_fields(width)
 
 
-class TargetVerifyRunner(WidthRunner):
-    """Captures the target's ``forward_tokens`` at ``width`` tokens per request.
+def verify_phase(model: LlamaDecoder, width: int) -> Phase:
+    """The target's ``forward_tokens`` at ``width`` tokens per request.
+
+    Outputs ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
+    ``[bs * W, hidden]``, ``W`` rows per request.
+    """
+    per_token = OutputSpec(rows_per_request=width)
+    return Phase(
+        "verify",
+        model.forward_tokens,
+        tuple(verify_buffer_specs(width)),
+        outputs={"logits": per_token, "hidden": per_token},
+        backend=model.attn_backend,
+        width=width,
+    )
+
+
+class TargetVerifyRunner(GraphRunner):
+    """:func:`verify_phase` on the mechanism given in ``kwargs``.
 
     Replay returns ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
     ``[bs * W, hidden]`` of the live requests. Every token's KV slot must be
@@ -45,12 +53,4 @@ class TargetVerifyRunner(WidthRunner):
     """
 
     def __init__(self, model: LlamaDecoder, width: int, **kwargs: Any) -> None:
-        per_token = OutputSpec(rows_per_request=width)
-        super().__init__(
-            model.forward_tokens,
-            verify_buffer_specs(width),
-            width=width,
-            outputs={"logits": per_token, "hidden": per_token},
-            backend=model.attn_backend,
-            **kwargs,
-        )
+        super().__init__(**verify_phase(model, width).runner_args(), **kwargs)

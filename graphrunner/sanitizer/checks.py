@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from graphrunner.declare.buffers import StaticBuffers
-from graphrunner.declare.decode import DECODE_HOST_MIRRORS
+from graphrunner.declare.decode import DECODE_FIELDS, DECODE_HOST_MIRRORS
 from graphrunner.declare.outputs import Outputs
 from graphrunner.pools import ReqToTokenPool
 
@@ -26,7 +26,6 @@ __all__ = [
     "check_kv_owner",
     "check_mirror",
     "check_kv_slots",
-    "check_lengths",
     "check_req_rows",
     "check_tails",
     "check_writers",
@@ -87,12 +86,10 @@ def check_finite(outputs: Outputs) -> None:
             raise PaddingViolation(f"output {name!r} live row {row} is not finite: {t[row]}")
 
 
-#: The fields whose live values the sanitizer checks, host mirrors included.
-VALUE_FIELDS = (
-    "req_pool_indices",
-    "seq_lens",
-    "positions",
-    "out_cache_loc",
+#: The decode fields whose live values the sanitizer checks (those declaring
+#: what they index), host mirrors included.
+VALUE_FIELDS: tuple[str, ...] = (
+    *(s.name for s in DECODE_FIELDS if s.indexes is not None),
     *DECODE_HOST_MIRRORS.values(),
 )
 
@@ -114,8 +111,8 @@ def _is_index_dtype(t: torch.Tensor) -> bool:
 def live_ints(inputs: Any, name: str, raw_bs: int) -> list[int] | None:
     """Field ``name``'s live values as host ints (a device read: debug mode
     only), or None when ``inputs`` has no 1-D integer ``name`` of ``raw_bs``
-    rows: another phase's inputs (several rows per request), whose checks
-    this sanitizer does not know, so they are skipped rather than guessed."""
+    rows (the live rows of its buffer: ``raw_bs * r`` for ``r`` rows per
+    request): a field of another layout is skipped rather than guessed."""
     t = getattr(inputs, name, None)
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != raw_bs:
         return None
@@ -154,18 +151,6 @@ def check_req_rows(req_pool: ReqToTokenPool, rows: list[int]) -> None:
                 "req_pool_indices", i, r, "an allocated request row (it is free: finished?)"
             )
     _check_once("req_pool_indices", rows, "request row")
-
-
-def check_lengths(seq_lens: list[int], positions: list[int] | None, width: int | None) -> None:
-    """``seq_lens`` in ``1..width`` (the new token counted) and ``positions ==
-    seq_lens - 1``, so the new token's ``req_to_token`` column is in range."""
-    top = f"..{width}" if width is not None else " or more"
-    for i, n in enumerate(seq_lens):
-        if n < 1 or (width is not None and n > width):
-            raise _violation("seq_lens", i, n, f"1{top} (the req_to_token width)")
-    for i, (n, p) in enumerate(zip(seq_lens, positions or [], strict=False)):
-        if p != n - 1:
-            raise _violation("positions", i, p, f"seq_lens - 1 = {n - 1}")
 
 
 def check_kv_slots(kv_allocator: SlotOwner | None, locs: list[int]) -> None:

@@ -32,25 +32,18 @@ from typing import Any
 
 import torch
 
-from graphrunner.declare.buffers import StaticBuffers
-from graphrunner.declare.decode import DECODE_HOST_MIRRORS
+from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.outputs import Outputs
 from graphrunner.pools import KVCache, MambaStatePool, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sanitizer.checks import (
-    VALUE_FIELDS,
     GuardedTensor,
     PaddingViolation,
     SlotOwner,
     check_finite,
-    check_kv_owner,
-    check_kv_slots,
-    check_lengths,
-    check_mirror,
-    check_req_rows,
     check_tails,
     check_writers,
-    live_ints,
 )
+from graphrunner.sanitizer.values import DEFAULT_VALUE_SPECS, ValueContext, check_declared_values
 
 __all__ = [
     "GuardedTensor",
@@ -83,6 +76,13 @@ class PaddingSanitizer:
             slots (default: the first :class:`TokenToKVPoolAllocator` in
             ``slot_pools``).
         slot_pools: other pools that must never have handed out slot 0.
+        vocab_size: if given, live token ids (a buffer declaring
+            ``indexes=Index.TOKEN``, e.g. ``input_ids``) must be in ``0..vocab_size - 1``.
+
+    Which live values are checked, and how, comes from what each buffer
+    declares it indexes (:class:`~graphrunner.declare.buffers.Index`): the
+    replaying runner's buffers before a graph launch, the decode step's where
+    no buffers are given (an eager fallback, a bare :meth:`snapshot`).
     """
 
     def __init__(
@@ -92,7 +92,15 @@ class PaddingSanitizer:
         req_pool: ReqToTokenPool | None = None,
         kv_allocator: SlotOwner | None = None,
         slot_pools: Sequence[Any] = (),
+        vocab_size: int | None = None,
     ) -> None:
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+        ):
+            raise ValueError(f"vocab_size={vocab_size!r}; expected an int >= 1 or None")
+        self.vocab_size = vocab_size
+        # The declarations the live-value checks of the current step follow.
+        self._value_specs: Sequence[BufferSpec] = DEFAULT_VALUE_SPECS
         self.guarded = list(guarded)
         self.req_pool = req_pool
         if kv_allocator is None:
@@ -113,12 +121,14 @@ class PaddingSanitizer:
         mamba_pool: MambaStatePool | None = None,
         mamba_writer: str = "mamba_track_indices",
         req_to_token_writer: str | None = None,
+        vocab_size: int | None = None,
     ) -> PaddingSanitizer:
         """Guard ``req_to_token``, every KV layer and (optionally) Mamba state.
 
         A decode step reads ``req_to_token`` and never writes it, so by default
         no row of it may change; a forward that assigns its live rows' slots
-        itself passes ``req_to_token_writer="req_pool_indices"``.
+        itself passes ``req_to_token_writer="req_pool_indices"``. ``vocab_size``
+        bounds live token ids (see the class).
         """
         guarded = [
             GuardedTensor("req_to_token", req_pool.req_to_token, req_to_token_writer, sink_rows=0)
@@ -140,7 +150,13 @@ class PaddingSanitizer:
                 GuardedTensor("mamba.ssm_state", mamba_pool.ssm_state, mamba_writer, sink_rows=0),
             ]
         pools = [mamba_pool] if mamba_pool is not None else []
-        return cls(guarded, req_pool=req_pool, kv_allocator=kv_allocator, slot_pools=pools)
+        return cls(
+            guarded,
+            req_pool=req_pool,
+            kv_allocator=kv_allocator,
+            slot_pools=pools,
+            vocab_size=vocab_size,
+        )
 
     def check_pools(self) -> None:
         if self.req_pool is not None and self.req_pool.req_to_token[0].any():
@@ -157,31 +173,12 @@ class PaddingSanitizer:
     def check_live_values(self, inputs: Any, raw_bs: int) -> None:
         """Every live index value is one the step may use; reads the device.
 
-        A check runs only when ``inputs`` has the fields it needs, each 1-D of
-        ``raw_bs`` rows (see :func:`live_ints`), and the pool it checks against.
+        The checks follow the buffers' index declarations (see the class);
+        each runs only when ``inputs`` has the fields it needs, in their
+        buffers' layout (``raw_bs * r`` rows), and the pool it checks against.
         """
-        live = {name: live_ints(inputs, name, raw_bs) for name in VALUE_FIELDS}
-        rows = live["req_pool_indices"]
-        if rows is not None and self.req_pool is not None:
-            check_req_rows(self.req_pool, rows)
-        check_mirror("req_pool_indices", rows, live[DECODE_HOST_MIRRORS["req_pool_indices"]])
-        self._check_positions(live)
-        self._check_out_cache_loc(live)
-
-    def _check_positions(self, live: dict[str, list[int] | None]) -> None:
-        seq_lens = live["seq_lens"]
-        check_mirror("seq_lens", seq_lens, live[DECODE_HOST_MIRRORS["seq_lens"]])
-        if seq_lens is not None:
-            width = None if self.req_pool is None else self.req_pool.req_to_token.shape[1]
-            check_lengths(seq_lens, live["positions"], width)
-
-    def _check_out_cache_loc(self, live: dict[str, list[int] | None]) -> None:
-        rows, positions, locs = live["req_pool_indices"], live["positions"], live["out_cache_loc"]
-        if locs is None:
-            return
-        check_kv_slots(self.kv_allocator, locs)
-        if self.req_pool is not None and rows is not None and positions is not None:
-            check_kv_owner(self.req_pool.req_to_token, rows, positions, locs)
+        ctx = ValueContext(self.req_pool, self.kv_allocator, self.vocab_size)
+        check_declared_values(self._value_specs, inputs, raw_bs, ctx)
 
     def before_launch(
         self, buffers: StaticBuffers, inputs: Any, raw_bs: int, bs: int
@@ -191,18 +188,26 @@ class PaddingSanitizer:
         start = time.perf_counter()
         check_tails(buffers, raw_bs, bs)
         self.stats.seconds += time.perf_counter() - start
-        return self.snapshot(inputs, raw_bs)
+        return self.snapshot(inputs, raw_bs, specs=buffers.specs)
 
-    def snapshot(self, inputs: Any, raw_bs: int | None = None) -> _ReplayCheck:
+    def snapshot(
+        self, inputs: Any, raw_bs: int | None = None, *, specs: Sequence[BufferSpec] | None = None
+    ) -> _ReplayCheck:
         """Check the pools, the live index values and the writer indices, and
         snapshot the guarded state. The eager fallback, which has no padded
         tails, starts its check here. ``raw_bs`` defaults to ``inputs.batch_size``;
-        without either, the live values are not checked (the writers still are)."""
+        without either, the live values are not checked (the writers still are).
+        ``specs``: the buffer declarations the value checks follow (default
+        the decode step's)."""
         start = time.perf_counter()
         self.check_pools()
         raw_bs = _batch_size(inputs) if raw_bs is None else raw_bs
         if raw_bs is not None:
-            self.check_live_values(inputs, raw_bs)
+            self._value_specs = DEFAULT_VALUE_SPECS if specs is None else specs
+            try:
+                self.check_live_values(inputs, raw_bs)
+            finally:
+                self._value_specs = DEFAULT_VALUE_SPECS
         for guard in self.guarded:
             check_writers(guard, inputs)
         check = _ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])

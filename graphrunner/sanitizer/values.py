@@ -1,0 +1,159 @@
+"""The sanitizer's live-value checks, driven by what each buffer declares it
+indexes (:attr:`~graphrunner.declare.buffers.BufferSpec.indexes`), so every
+phase (decode, verify, EAGLE, MTP) gets the checks its buffers call for.
+
+A buffer of ``r`` rows per request is read as ``raw_bs * r`` live values; a
+field missing from the inputs, or of another shape, is skipped (its check
+needs it), never guessed. Reads the device: the sanitizer is a debug mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from graphrunner.declare.buffers import BufferSpec, Index
+from graphrunner.declare.decode import DECODE_HOST_MIRRORS, decode_buffer_specs
+from graphrunner.pools import ReqToTokenPool
+from graphrunner.sanitizer.checks import (
+    PaddingViolation,
+    SlotOwner,
+    check_kv_owner,
+    check_kv_slots,
+    check_mirror,
+    check_req_rows,
+    live_ints,
+)
+
+__all__ = ["DEFAULT_VALUE_SPECS", "LiveValue", "ValueContext", "check_declared_values"]
+
+#: The declarations checked when a caller gives none: the decode step's.
+DEFAULT_VALUE_SPECS: tuple[BufferSpec, ...] = tuple(decode_buffer_specs(mamba=True))
+
+
+@dataclass(frozen=True, slots=True)
+class LiveValue:
+    """One declared buffer's live values (host ints, ``raw_bs * r`` of them)."""
+
+    spec: BufferSpec
+    values: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueContext:
+    """What the checks compare against: the request pool, the KV allocator and
+    the vocabulary size, each None when the sanitizer was not given it."""
+
+    req_pool: ReqToTokenPool | None
+    kv_allocator: SlotOwner | None
+    vocab_size: int | None
+
+
+def _violation(field: str, row: int, value: int, expected: str) -> PaddingViolation:
+    return PaddingViolation(f"{field} live row {row} = {value}: expected {expected}")
+
+
+def live_values(specs: Sequence[BufferSpec], inputs: Any, raw_bs: int) -> dict[Index, LiveValue]:
+    """The live values of each declared index (the first buffer of each kind;
+    counts are checked one by one in :func:`check_declared_values`)."""
+    found: dict[Index, LiveValue] = {}
+    for spec in specs:
+        if spec.indexes is None or spec.host or spec.indexes in found:
+            continue
+        values = live_ints(inputs, spec.name, spec.rows(raw_bs))
+        if values is not None:
+            found[spec.indexes] = LiveValue(spec, values)
+    return found
+
+
+def check_declared_values(
+    specs: Sequence[BufferSpec], inputs: Any, raw_bs: int, ctx: ValueContext
+) -> None:
+    """Every live value is one the step may use, as its buffer declares."""
+    live = live_values(specs, inputs, raw_bs)
+    rows = live.get(Index.REQUEST_ROW)
+    if rows is not None and ctx.req_pool is not None:
+        check_req_rows(ctx.req_pool, rows.values)
+    _check_mirrors(live, inputs, raw_bs)
+    _check_lengths(live, ctx.req_pool)
+    _check_kv(live, ctx)
+    _check_tokens(live.get(Index.TOKEN), ctx.vocab_size)
+    _check_counts(specs, inputs, raw_bs)
+    _check_mamba(live.get(Index.MAMBA_SLOT))
+
+
+def _check_mirrors(live: dict[Index, LiveValue], inputs: Any, raw_bs: int) -> None:
+    """Device values equal the host mirrors the scheduler planned from."""
+    by_name = {v.spec.name: v.values for v in live.values() if v.spec.rows_per_request == 1}
+    for field, mirror in DECODE_HOST_MIRRORS.items():
+        check_mirror(field, by_name.get(field), live_ints(inputs, mirror, raw_bs))
+
+
+def _check_lengths(live: dict[Index, LiveValue], req_pool: ReqToTokenPool | None) -> None:
+    """Lengths in ``1..width`` (the req_to_token width) and each request's
+    ``r`` positions the last ``r`` of its length: ``seq_lens - r + j`` for
+    its token ``j`` (decode: ``seq_lens - 1``)."""
+    lengths, positions = live.get(Index.LENGTH), live.get(Index.POSITION)
+    if lengths is None or lengths.spec.rows_per_request != 1:
+        return
+    name = lengths.spec.name
+    width = None if req_pool is None else int(req_pool.req_to_token.shape[1])
+    top = f"..{width}" if width is not None else " or more"
+    for i, n in enumerate(lengths.values):
+        if n < 1 or (width is not None and n > width):
+            raise _violation(name, i, n, f"1{top} (the req_to_token width)")
+    if positions is None:
+        return
+    r = positions.spec.rows_per_request
+    for k, p in enumerate(positions.values):
+        n, j = lengths.values[k // r], k % r
+        if p != n - r + j:
+            raise _violation(positions.spec.name, k, p, f"{name} - {r - j} = {n - r + j}")
+
+
+def _check_kv(live: dict[Index, LiveValue], ctx: ValueContext) -> None:
+    """Each live KV slot allocated, not 0, once, and the one its request
+    recorded at the token's position."""
+    locs = live.get(Index.KV_SLOT)
+    if locs is None:
+        return
+    check_kv_slots(ctx.kv_allocator, locs.values)
+    rows, positions = live.get(Index.REQUEST_ROW), live.get(Index.POSITION)
+    if ctx.req_pool is None or rows is None or positions is None:
+        return
+    r = locs.spec.rows_per_request
+    if positions.spec.rows_per_request != r or rows.spec.rows_per_request != 1:
+        return
+    per_token = [row for row in rows.values for _ in range(r)]
+    check_kv_owner(ctx.req_pool.req_to_token, per_token, positions.values, locs.values)
+
+
+def _check_tokens(tokens: LiveValue | None, vocab_size: int | None) -> None:
+    """Token ids in ``0..vocab_size - 1`` (future references ``< 0`` pass:
+    populate resolves them)."""
+    if tokens is None or vocab_size is None:
+        return
+    for i, t in enumerate(tokens.values):
+        if not (0 <= t < vocab_size or (t < 0 and tokens.spec.future)):
+            raise _violation(tokens.spec.name, i, t, f"a token id in 0..{vocab_size - 1}")
+
+
+def _check_counts(specs: Sequence[BufferSpec], inputs: Any, raw_bs: int) -> None:
+    """Each count in ``1..W``, the buffer's width."""
+    for spec in specs:
+        if spec.indexes is not Index.COUNT or spec.width is None:
+            continue
+        for i, c in enumerate(live_ints(inputs, spec.name, spec.rows(raw_bs)) or []):
+            if not 1 <= c <= spec.width:
+                raise _violation(spec.name, i, c, f"a count in 1..{spec.width}")
+
+
+def _check_mamba(slots: LiveValue | None) -> None:
+    """Live Mamba slots are never the sink 0 (whose slot a request owns is the
+    hybrid pool's to say: the engine's Mamba sanitizer checks that)."""
+    if slots is None:
+        return
+    for i, s in enumerate(slots.values):
+        if s == 0:
+            raise _violation(slots.spec.name, i, s, "a live Mamba slot, never the sink 0")
