@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import synthetic_trace
@@ -120,3 +121,34 @@ def test_a_request_takes_exact_types_and_names_the_field(
     fields: dict[str, object] = {"rid": 0, "prompt": (1, 2), "max_new_tokens": 3, **kwargs}
     with pytest.raises((TypeError, ValueError), match=message):
         Request(**fields)  # type: ignore[arg-type]
+
+
+def test_a_second_thread_in_a_runners_replay_is_refused() -> None:
+    from graphrunner import EagerRunner, decode_buffer_specs
+    from graphrunner.testing import ToyWorld
+
+    world = ToyWorld()
+    inside, release = threading.Event(), threading.Event()
+    blocking = False
+
+    def forward(view: object) -> torch.Tensor:
+        if blocking and not inside.is_set():  # the first replay waits inside its forward
+            inside.set()
+            release.wait(timeout=60)
+        return world.model.forward(view)
+
+    runner = EagerRunner(forward, decode_buffer_specs(), device="cpu", capture_sizes=[1, 2, 4])
+    runner.capture()
+    batch = world.make_batch(3, seed=0)
+    expected = runner.replay(batch).clone()
+    blocking = True
+    got: list[object] = []
+    first = threading.Thread(target=lambda: got.append(runner.replay(batch).clone()))
+    first.start()
+    assert inside.wait(timeout=60)
+    with pytest.raises(ConcurrentUseError, match=r"EagerRunner.replay is already running"):
+        runner.replay(batch)
+    release.set()
+    first.join(timeout=60)
+    assert len(got) == 1 and torch.equal(got[0], expected)
+    assert torch.equal(runner.replay(batch), expected)  # released after the first replay

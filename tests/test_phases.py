@@ -95,7 +95,9 @@ def test_mtp_specs_are_decode_less_out_cache_loc_plus_hidden() -> None:
         [
             BufferSpec("input_ids", I64, PadRule.ZERO, index=True, indexes=TOK),
             BufferSpec("req_pool_indices", I64, PadRule.ZERO, index=True, indexes=ROW),
-            BufferSpec("seq_lens", I64, PadRule.FILL, fill_value=3, indexes=Index.LENGTH),
+            BufferSpec(
+                "seq_lens", I64, PadRule.FILL, fill_value=3, backend_fill=True, indexes=Index.LENGTH
+            ),
             BufferSpec("positions", I64, PadRule.ZERO, index=True, indexes=POS),
             BufferSpec("hidden_states", torch.bfloat16, PadRule.ZERO, extra_shape=(6,)),
         ]

@@ -9,6 +9,7 @@ prepared, captured and launched.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,14 @@ from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
-from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
+from graphrunner.core.runner_setup import (
+    check_fill_matches_backend,
+    default_mechanism,
+    resolve_sizes,
+    width_field,
+    width_reason,
+)
+from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend, as_graph_backend
 from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
 from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
@@ -28,7 +36,8 @@ from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
-from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
+from graphrunner.sizing.sizes import pad_to
+from graphrunner.util.exclusive import ConcurrentUseError
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
 
@@ -38,42 +47,6 @@ if TYPE_CHECKING:  # a phase is built above the core; the runner only reads it
     from graphrunner.phases.base import Phase
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
-
-
-def _resolve_sizes(capture_sizes: Sequence[int] | None, max_bs: int | None) -> list[int]:
-    if capture_sizes is None:
-        if max_bs is None:
-            raise ValueError("give capture_sizes or max_bs")
-        return default_capture_sizes(max_bs)
-    sizes = validate_capture_sizes(capture_sizes)
-    if max_bs is not None and max_bs != sizes[-1]:
-        raise ValueError(f"max_bs={max_bs} disagrees with the largest capture size {sizes[-1]}")
-    return sizes
-
-
-def _check_fill_matches_backend(specs: Sequence[BufferSpec], backend: BaseGraphBackend) -> None:
-    # A seq_lens fill that differs from the backend's would send padded rows
-    # somewhere the backend did not plan for.
-    for spec in specs:
-        is_backend_fill = spec.backend_fill and spec.rule is PadRule.FILL
-        if is_backend_fill and spec.fill_value != backend.seq_len_fill_value:
-            raise ValueError(
-                f"{spec.name} fill_value {spec.fill_value} differs from the backend's "
-                f"seq_len_fill_value {backend.seq_len_fill_value}"
-            )
-
-
-def _width_field(specs: Sequence[BufferSpec], width: int) -> str:
-    check_width("width", width)
-    for spec in specs:
-        if spec.rows_per_request == width and not spec.host:
-            return spec.name
-    raise ValueError(f"width={width}; expected a device buffer of rows_per_request={width}")
-
-
-def _default_mechanism(device: torch.device | str) -> CaptureMechanism:
-    # Where nothing is said: CUDA graphs on a CUDA device, inductor programs elsewhere.
-    return create_mechanism("cuda" if torch.device(device).type == "cuda" else "cpu")
 
 
 class GraphRunner:
@@ -138,7 +111,7 @@ class GraphRunner:
         if isinstance(mechanism, str):
             mechanism = create_mechanism(mechanism)
         elif mechanism is None:
-            mechanism = _default_mechanism(device)
+            mechanism = default_mechanism(device)
         elif not isinstance(mechanism, CaptureMechanism):
             raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
         self.forward = forward
@@ -147,9 +120,9 @@ class GraphRunner:
         if backend is None:
             backend = NullBackend()
         if hasattr(backend, "seq_len_fill_value"):  # else refused as incomplete just below
-            _check_fill_matches_backend(specs, backend)
+            check_fill_matches_backend(specs, backend)
         self.backend: GraphBackend = as_graph_backend(backend)
-        self._sizes = _resolve_sizes(capture_sizes, max_bs)
+        self._sizes = resolve_sizes(capture_sizes, max_bs)
         tokens = None if future_map is None else future_map.tokens
         self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
         #: Checks each replay's inputs once (graphrunner.core.input_check).
@@ -172,8 +145,9 @@ class GraphRunner:
         self.state_ops = check_state_ops(state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
         self.width = width
+        self._replaying = threading.Lock()
         # The buffer whose host-side rows tell a batch's width (first per-token one).
-        self._width_field = None if width is None else _width_field(specs, width)
+        self._width_field = None if width is None else width_field(specs, width)
 
     @classmethod
     def from_phase(cls, phase: Phase, **kwargs: Any) -> Self:
@@ -241,24 +215,31 @@ class GraphRunner:
         return self.capture_report
 
     def replay(self, inputs: ReplayInputs) -> Outputs:
-        """Run one step for ``inputs`` (a :class:`graphrunner.declare.inputs.DecodeInputs`,
-        or any object with the declared buffers as attributes and a host-side
-        int ``batch_size``).
+        """Run one step for ``inputs``: any object with the declared buffers as
+        attributes and a host-side int ``batch_size`` (a :class:`DecodeBatch`).
 
-        Returns the outputs of the live rows, sliced by the declared outputs,
-        valid until the next replay on every mechanism: on CUDA they are views
-        of static memory that the next replay overwrites, and with a
-        sanitizer every mechanism poisons them at the next replay (NaN, or the
-        integer dtype's minimum), so holding one fails on the CPU too. Copy
-        what must outlive the step.
-
-        A batch larger than the largest captured size runs the eager forward
-        on the same checks (and sanitizer), warned once and counted in
-        ``stats.eager_fallbacks`` once it succeeded; a batch of no rows raises
-        :class:`~graphrunner.sizing.sizes.BatchSizeError`; any replay before
-        :meth:`capture` raises :class:`~graphrunner.core.replay.NotCapturedError`.
+        Returns the live rows' outputs, sliced by the declared outputs and valid
+        until the next replay (CUDA: views of static memory; with a sanitizer
+        every mechanism poisons them at the next replay): copy what must
+        outlive the step. A batch above the largest size runs eagerly on the
+        same checks, warned once and counted in ``stats.eager_fallbacks``; no
+        rows is a :class:`~graphrunner.sizing.sizes.BatchSizeError`; before
+        :meth:`capture`, a :class:`~graphrunner.core.replay.NotCapturedError`;
+        a second thread inside, a :class:`~graphrunner.util.exclusive.ConcurrentUseError`.
         Runs under ``no_grad``.
         """
+        # Two threads would interleave on the static buffers: refused (a plain lock, ~0.1 us).
+        if not self._replaying.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{type(self).__name__}.replay is already running; a runner serves one "
+                "caller at a time: give each thread its own runner, or serialise the calls"
+            )
+        try:
+            return self._replay(inputs)
+        finally:
+            self._replaying.release()
+
+    def _replay(self, inputs: ReplayInputs) -> Outputs:
         raw_bs = batch_size_of(inputs)
         if not self._graph_for:  # filled once every size is captured
             raise NotCapturedError(
@@ -301,12 +282,8 @@ class GraphRunner:
         one of another width than the captured one (host shapes only)."""
         if raw_bs > self.max_bs:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
-        if self._width_field is not None and raw_bs >= 1:
-            t = getattr(inputs, self._width_field, None)
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                width = int(t.shape[0]) // raw_bs
-                if width != self.width:
-                    return f"batch width {width} differs from the captured width {self.width}"
+        if self._width_field is not None and self.width is not None:
+            return width_reason(inputs, self._width_field, self.width, raw_bs)
         return None
 
     def _replay_graph(self, inputs: ReplayInputs, raw_bs: int) -> Outputs:

@@ -125,6 +125,8 @@ def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> li
         if s.name in PER_TOKEN_FIELD_NAMES:
             s = dataclasses.replace(s, rows_per_request=width)
         elif s.name == "seq_lens":
-            s = dataclasses.replace(s, rule=PadRule.WIDTH, fill_value=None, width=width)
+            s = dataclasses.replace(
+                s, rule=PadRule.WIDTH, fill_value=None, width=width, backend_fill=False
+            )
         specs.append(s)
     return specs
