@@ -20,8 +20,7 @@ from graphrunner.model.config import CheckpointError
 from graphrunner.model.hybrid import HybridLM
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.mamba import MambaConfig, MambaLM
-from graphrunner.model.shapes import check_weight_shapes
-from graphrunner.model.weights import WeightError, copy_checked_weights
+from graphrunner.model.weights import WeightError, check_weight_shapes, copy_checked_weights
 from graphrunner.pools import (
     HybridReqToTokenPool,
     KVCache,

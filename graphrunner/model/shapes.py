@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from graphrunner.model.config import ModelConfig
-from graphrunner.model.weights import WeightError
+from graphrunner.model.weights import WeightError, check_weight_shapes, layer_order
 
 __all__ = ["check_llama_weights", "check_weight_shapes", "llama_weight_shapes"]
 
@@ -54,7 +54,7 @@ def check_llama_weights(
     naming the first tensor missing, unexpected or misshapen. Layers the
     config claims and the file lacks are counted first, in the time the
     file's own names take."""
-    present = {_layer_order(name)[0] for name in given}
+    present = {layer_order(name)[0] for name in given}
     first = 0
     while first in present:
         first += 1
@@ -66,30 +66,3 @@ def check_llama_weights(
             f"{config.num_layers} layers missing)"
         )
     check_weight_shapes(given, llama_weight_shapes(config), where)
-
-
-def check_weight_shapes(
-    given: Mapping[str, Sequence[int]], expected: Mapping[str, tuple[int, ...]], where: str
-) -> None:
-    """:class:`WeightError` (prefixed with ``where``) naming the first tensor
-    that is missing, unexpected or misshapen in ``given`` (name -> shape)."""
-    missing = sorted(set(expected) - set(given), key=_layer_order)
-    unexpected = sorted(set(given) - set(expected), key=_layer_order)
-    if missing:
-        raise WeightError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if unexpected:
-        raise WeightError(
-            f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
-        )
-    for name, shape in expected.items():
-        if tuple(given[name]) != shape:
-            raise WeightError(
-                f"{where}: tensor {name!r} has shape {tuple(given[name])}: expected {shape}"
-            )
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    # model.layers.2.x before model.layers.10.x: the first problem in file order.
-    parts = name.split(".")
-    index = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1
-    return index, name

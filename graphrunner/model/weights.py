@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from graphrunner.model.config import CheckpointError
 
-__all__ = ["WeightError", "copy_checked_weights"]
+__all__ = ["WeightError", "check_weight_shapes", "copy_checked_weights", "layer_order"]
 
 
 class WeightError(CheckpointError):
@@ -25,19 +25,37 @@ def copy_checked_weights(model: nn.Module, given: Mapping[str, torch.Tensor]) ->
     the first missing, unexpected or misshapen tensor.
     """
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(given))
-    unexpected = sorted(set(given) - set(params))
-    if missing:
-        raise WeightError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if unexpected:
-        raise WeightError(
-            f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
-        )
-    for name, param in params.items():
-        if given[name].shape != param.shape:
-            raise WeightError(
-                f"tensor {name!r} has shape {tuple(given[name].shape)}: "
-                f"expected {tuple(param.shape)}"
-            )
+    check_weight_shapes(
+        {n: tuple(t.shape) for n, t in given.items()},
+        {n: tuple(p.shape) for n, p in params.items()},
+    )
     for name, param in params.items():
         param.copy_(given[name].to(param.dtype))
+
+
+def check_weight_shapes(
+    given: Mapping[str, Sequence[int]], expected: Mapping[str, tuple[int, ...]], where: str = ""
+) -> None:
+    """:class:`WeightError` (prefixed with ``where``, if given) naming the first
+    tensor that is missing, unexpected or misshapen in ``given`` (name -> shape)."""
+    where = f"{where}: " if where else ""
+    missing = sorted(set(expected) - set(given), key=layer_order)
+    unexpected = sorted(set(given) - set(expected), key=layer_order)
+    if missing:
+        raise WeightError(f"{where}missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    if unexpected:
+        raise WeightError(
+            f"{where}unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
+        )
+    for name, shape in expected.items():
+        if tuple(given[name]) != shape:
+            raise WeightError(
+                f"{where}tensor {name!r} has shape {tuple(given[name])}: expected {shape}"
+            )
+
+
+def layer_order(name: str) -> tuple[int, str]:
+    # model.layers.2.x before model.layers.10.x: the first problem in file order.
+    parts = name.split(".")
+    index = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1
+    return index, name
