@@ -31,7 +31,7 @@ from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.overlap import OverlapEngine
 from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
 from graphrunner.engine.workload import Request
-from graphrunner.io import load_model, read_config, save_checkpoint
+from graphrunner.io import load_any, load_model, read_config, save_checkpoint
 from graphrunner.io.mamba_checkpoint import build_state_space_model
 from graphrunner.mechanisms import (
     CaptureMechanism,
@@ -44,10 +44,17 @@ from graphrunner.model import ModelBundle, ModelConfig, build_model, default_mod
 from graphrunner.model.mamba import MambaConfig
 from graphrunner.model.mamba_mixer import MixerShape
 from graphrunner.phases import (
+    EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
+    Phase,
     SpecBatch,
     TargetVerifyRunner,
+    decode_phase,
+    eagle_draft_decode_phase,
+    eagle_draft_extend_phase,
+    frozen_kv_mtp_phase,
+    verify_phase,
 )
 from graphrunner.pools import (
     HybridReqToTokenPool,
@@ -62,6 +69,7 @@ from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.sizing.plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
 from graphrunner.sizing.report import CaptureReport, RunnerStats, SizeReport
 from graphrunner.sizing.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
+from graphrunner.util.exclusive import ConcurrentUseError
 from graphrunner.writers.base import PopulateError, populate
 
 __all__ = [
@@ -74,6 +82,7 @@ __all__ = [
     "BufferView",
     "CaptureMechanism",
     "CaptureReport",
+    "ConcurrentUseError",
     "CpuGraphRunner",
     "CudaGraphCapture",
     "CudaGraphRunner",
@@ -81,6 +90,7 @@ __all__ = [
     "DecodeInputs",
     "EagerCapture",
     "EagerRunner",
+    "EagleDraftDecodeRunner",
     "EagleDraftExtendRunner",
     "Engine",
     "EngineResult",
@@ -104,6 +114,7 @@ __all__ = [
     "PadRule",
     "PaddingSanitizer",
     "PaddingViolation",
+    "Phase",
     "PoolError",
     "PopulateError",
     "ReqToTokenPool",
@@ -127,9 +138,14 @@ __all__ = [
     "create_runner",
     "create_state_space_runner",
     "decode_buffer_specs",
+    "decode_phase",
     "default_capture_sizes",
     "default_model",
+    "eagle_draft_decode_phase",
+    "eagle_draft_extend_phase",
+    "frozen_kv_mtp_phase",
     "future_refs",
+    "load_any",
     "load_model",
     "optimal_capture_sizes",
     "pad_to",
@@ -138,4 +154,5 @@ __all__ = [
     "read_config",
     "read_histogram",
     "save_checkpoint",
+    "verify_phase",
 ]
