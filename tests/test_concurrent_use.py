@@ -5,14 +5,25 @@ the run inside finishes correctly, and the engine serves again after."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 
 from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import synthetic_trace
+from graphrunner.engine.workload import Request, synthetic_trace
 from graphrunner.model import default_model
 from graphrunner.util.exclusive import ConcurrentUseError, Exclusive
+
+
+def _trace(bundle: Any, requests: int) -> list[Request]:
+    return synthetic_trace(
+        num_requests=requests,
+        vocab_size=bundle.model.config.vocab_size,
+        max_context_len=48,
+        prompt_len=(2, 8),
+        new_tokens=(2, 6),
+    )
 
 
 def test_a_second_entry_is_refused_naming_the_call_and_the_thread() -> None:
@@ -33,13 +44,7 @@ def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -
     bundle = default_model(max_requests=4, max_context_len=48)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     runner.capture()
-    trace = synthetic_trace(
-        num_requests=6,
-        vocab_size=bundle.model.config.vocab_size,
-        max_context_len=48,
-        prompt_len=(2, 8),
-        new_tokens=(2, 6),
-    )
+    trace = _trace(bundle, 6)
     expected = Engine(bundle, runner).run(trace).outputs
 
     inside, release = threading.Event(), threading.Event()
@@ -73,13 +78,7 @@ def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
     bundle = default_model(max_requests=4, max_context_len=48)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
-    trace = synthetic_trace(
-        num_requests=5,
-        vocab_size=bundle.model.config.vocab_size,
-        max_context_len=48,
-        prompt_len=(2, 8),
-        new_tokens=(2, 6),
-    )
+    trace = _trace(bundle, 5)
     engine = Engine(bundle, runner)
     expected = engine.run(trace)
     start = (bundle.req_pool.available_size(), bundle.kv_alloc.available_size())
@@ -116,8 +115,6 @@ def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
 def test_a_request_takes_exact_types_and_names_the_field(
     kwargs: dict[str, object], message: str
 ) -> None:
-    from graphrunner.engine.workload import Request
-
     fields: dict[str, object] = {"rid": 0, "prompt": (1, 2), "max_new_tokens": 3, **kwargs}
     with pytest.raises((TypeError, ValueError), match=message):
         Request(**fields)  # type: ignore[arg-type]
