@@ -51,6 +51,8 @@ def draft_forward(b: object) -> dict[str, torch.Tensor]:
         "hidden_out": b.hidden * 2 + 1,  # type: ignore[attr-defined]  # [bs * W, hidden]
         "flat_topk": cands.reshape(-1),  # [bs * topk]
         "scale": torch.ones((), device=req.device),  # no batch axis
+        # [steps, bs * W, hidden]: a batch axis of 1 with W rows per request
+        "steps_hidden": b.hidden[None] * 3 + steps.float(),  # type: ignore[attr-defined]
     }
 
 
@@ -59,6 +61,7 @@ OUTPUTS = {
     "hidden_out": OutputSpec(rows_per_request=W),
     "flat_topk": OutputSpec(rows_per_request=TOPK),
     "scale": OutputSpec(batch_axis=None),
+    "steps_hidden": OutputSpec(batch_axis=1, rows_per_request=W),
 }
 
 
@@ -101,6 +104,7 @@ def test_declared_outputs_replay_padded_with_the_live_slices(
     assert out["hidden_out"].shape == (raw_bs * W, HIDDEN)
     assert out["flat_topk"].shape == (raw_bs * TOPK,)
     assert out["scale"].shape == ()
+    assert out["steps_hidden"].shape == (STEPS, raw_bs * W, HIDDEN)
     for name, value in expected.items():
         torch.testing.assert_close(out[name], value, rtol=0, atol=0, msg=name)
     # The padded tail of the width buffer holds the width.

@@ -325,6 +325,13 @@ BAD_VALUES: list[tuple[str, Plant, str]] = [
         lambda w, b: (_set(b, "seq_lens", 1, 65), _set(b, "seq_lens_cpu", 1, 65)),
         r"seq_lens live row 1 = 65: expected 1\.\.64",
     ),
+    (
+        # Zero on a live row, with its mirror and its position consistent with it
+        # (positions = seq_lens - 1 = -1 would be caught on its own: keep it 0 here).
+        "seq_lens 0 on a live row",
+        lambda w, b: (_set(b, "seq_lens", 1, 0), _set(b, "seq_lens_cpu", 1, 0)),
+        r"seq_lens live row 1 = 0: expected 1\.\.64",
+    ),
 ]
 
 
