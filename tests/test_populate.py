@@ -30,6 +30,40 @@ def all_rule_specs() -> list[BufferSpec]:
     ]
 
 
+#: What each buffer of all_rule_specs() pads with, written out from the rules'
+#: table (ZERO: 0, FILL: its value, WIDTH: the width, KEEP: untouched).
+PAD_TABLE: dict[str, float] = {
+    "zero_i64": 0,
+    "fill_i32": 5,
+    "width_i64": WIDTH,
+    "keep_f32": POISON,
+    "hidden": 0,
+    "fill_f32": 0.5,
+    "topk_ids": 0,
+    "host_lens": 7,
+}
+
+
+def test_a_smaller_batch_after_a_larger_one_leaves_no_stale_live_row() -> None:
+    """Rows 3..7 held live values of a batch of 8; a batch of 3 padded to 4
+    must pad row 3, and leave rows 4..7 (past the captured size) alone."""
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
+    populate(bufs, inputs_for(bufs, 8), 8, 8)
+    big = {n: t.clone() for n, t in bufs.tensors.items()}
+    small = inputs_for(bufs, 3)
+    for t in small.__dict__.values():
+        t.add_(1000)  # other values than the large batch's
+    populate(bufs, small, 3, 4)
+    for spec in bufs.specs:
+        buf = bufs.tensors[spec.name]
+        live, total = bufs.rows(spec, 3), bufs.rows(spec, 4)
+        assert torch.equal(buf[:live], getattr(small, spec.name)), spec.name
+        tail = buf[live:total]
+        pad = big[spec.name][live:total] if spec.rule is PadRule.KEEP else PAD_TABLE[spec.name]
+        assert torch.equal(tail, torch.full_like(tail, 0) + pad), spec.name
+        assert torch.equal(buf[total:], big[spec.name][total:]), spec.name
+
+
 def inputs_for(bufs: StaticBuffers, raw_bs: int) -> SimpleNamespace:
     fields = {}
     for spec in bufs.specs:
@@ -52,9 +86,8 @@ def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
         live, total = bufs.rows(spec, raw_bs), bufs.rows(spec, bs)
         if raw_bs:
             assert torch.equal(buf[:live], getattr(inputs, spec.name)), spec.name
-        value = spec.pad_value()
         tail = buf[live:total]
-        expected = POISON if value is None else value
+        expected = PAD_TABLE[spec.name]  # the design table, not spec.pad_value()
         assert torch.equal(tail, torch.full_like(tail, expected)), spec.name
         rest = buf[total:]
         assert torch.equal(rest, torch.full_like(rest, POISON)), f"{spec.name} past bs touched"
