@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from graphrunner.batch.host import BatchError
+from graphrunner.pools.checks import bad_arg, check_each, check_tensor, same_device
 from graphrunner.pools.kv import TokenToKVPoolAllocator
 from graphrunner.pools.req_to_token import ReqToTokenPool
-from graphrunner.pools.slots import bad_arg, check_each, check_tensor, same_device
 
 __all__ = ["check_input_ids", "check_prepare", "check_requests"]
 

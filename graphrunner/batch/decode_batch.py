@@ -18,10 +18,10 @@ from graphrunner.batch.host import (
 )
 from graphrunner.batch.paging import next_slots
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
+from graphrunner.pools.checks import DeviceLike, bad_arg, check_each, same_device
 from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
 from graphrunner.pools.req_to_token import ReqToTokenPool
-from graphrunner.pools.slots import DeviceLike, bad_arg, check_each, same_device
 
 __all__ = ["BatchError", "DecodeBatch", "host_min_max"]
 

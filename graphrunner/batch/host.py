@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS
-from graphrunner.pools.slots import as_index_list, check_count, check_device
+from graphrunner.pools.checks import as_index_list, check_count, check_device
 
 __all__ = [
     "BatchError",

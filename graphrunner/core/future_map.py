@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.pools.slots import DeviceLike
+from graphrunner.pools.checks import DeviceLike
 
 __all__ = ["FutureMap", "future_refs"]
 

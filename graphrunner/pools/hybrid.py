@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from graphrunner.pools.checks import DeviceLike, as_index_list, bad_arg, check_count
 from graphrunner.pools.errors import InvalidSlot, PoolError, PoolExhausted
 from graphrunner.pools.mamba import MambaStatePool, PendingStateOp
 from graphrunner.pools.req_to_token import ReqToTokenPool
-from graphrunner.pools.slots import DeviceLike, as_index_list, bad_arg, check_count
 
 __all__ = ["DecodeHybridReqToTokenPool", "HybridReqToTokenPool"]
 

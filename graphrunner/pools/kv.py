@@ -6,10 +6,8 @@ import collections
 
 import torch
 
-from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
-from graphrunner.pools.slots import (
+from graphrunner.pools.checks import (
     DeviceLike,
-    SlotAllocator,
     SlotIndices,
     as_index_list,
     bad_arg,
@@ -20,6 +18,8 @@ from graphrunner.pools.slots import (
     check_int,
     check_tensor,
 )
+from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
+from graphrunner.pools.slots import SlotAllocator
 
 __all__ = ["KVCache", "TokenToKVPoolAllocator", "starts_page", "whole_pages"]
 

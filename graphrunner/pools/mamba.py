@@ -8,17 +8,16 @@ from typing import Literal
 
 import torch
 
-from graphrunner.pools.errors import InvalidSlot, PoolError
-from graphrunner.pools.slots import (
+from graphrunner.pools.checks import (
     DeviceLike,
-    SlotAllocator,
-    SlotPool,
     as_index_list,
     bad_arg,
     check_count,
     check_device,
     check_float_dtype,
 )
+from graphrunner.pools.errors import InvalidSlot, PoolError
+from graphrunner.pools.slots import SlotAllocator, SlotPool
 
 __all__ = ["MambaStatePool", "PendingStateOp"]
 

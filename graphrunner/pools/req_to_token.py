@@ -6,11 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.pools.errors import InvalidSlot, PoolError
-from graphrunner.pools.slots import (
+from graphrunner.pools.checks import (
     DeviceLike,
-    SlotAllocator,
-    SlotPool,
     as_index_list,
     bad_arg,
     check_count,
@@ -18,6 +15,8 @@ from graphrunner.pools.slots import (
     check_each,
     check_tensor,
 )
+from graphrunner.pools.errors import InvalidSlot, PoolError
+from graphrunner.pools.slots import SlotAllocator, SlotPool
 
 __all__ = ["DecodeReqToTokenPool", "ReqToTokenPool"]
 

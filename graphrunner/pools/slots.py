@@ -1,7 +1,7 @@
 """The one host-side free list every pool uses; slot 0 is padding and never handed out.
 
 The argument checks it (and the other pools and the batch) use live in
-:mod:`graphrunner.pools.checks`; they are re-exported here for their callers.
+:mod:`graphrunner.pools.checks`.
 """
 
 from __future__ import annotations
@@ -9,40 +9,18 @@ from __future__ import annotations
 import heapq
 
 from graphrunner.pools.checks import (
-    DeviceLike,
     SlotIndices,
     as_index_list,
     bad_arg,
     check_count,
-    check_device,
     check_each,
-    check_float_dtype,
     check_int,
-    check_tensor,
-    describe,
     first_repeat,
     host_int,
-    same_device,
 )
 from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExhausted
 
-__all__ = [
-    "DeviceLike",
-    "SlotAllocator",
-    "SlotIndices",
-    "as_index_list",
-    "bad_arg",
-    "check_count",
-    "check_device",
-    "check_each",
-    "check_float_dtype",
-    "check_int",
-    "check_tensor",
-    "describe",
-    "first_repeat",
-    "host_int",
-    "same_device",
-]
+__all__ = ["SlotAllocator", "SlotPool"]
 
 
 class SlotAllocator:
