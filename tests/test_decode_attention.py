@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.model.attention import TorchPagedBackend, attend
+from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_meta import attend
 from graphrunner.model.attention_op import paged_decode_attention
 from graphrunner.model.kernels.decode_attention import (
     BLOCK_N,

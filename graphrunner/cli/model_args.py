@@ -16,7 +16,7 @@ import torch
 
 from graphrunner.cli.common import UsageError
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
-from graphrunner.model.attention import ATTENTIONS
+from graphrunner.model.attention_backend import ATTENTIONS
 
 __all__ = [
     "DTYPES",

@@ -24,7 +24,7 @@ from graphrunner.io.mamba_checkpoint import (
 from graphrunner.model.build import ModelBundle, build_model
 from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
-from graphrunner.model.llama import LlamaDecoder
+from graphrunner.model.llama import LlamaDecoder, is_derived
 from graphrunner.model.mamba import MambaConfig
 from graphrunner.model.shapes import check_llama_weights
 
@@ -111,11 +111,7 @@ def _as_loaded(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     derived rotary frequencies and a tied head (compared to the embedding
     there) left out."""
     skip = "lm_head.weight" if config.tie_word_embeddings else None
-    return {
-        name: w.shape
-        for name, w in weights.items()
-        if not name.endswith("rotary_emb.inv_freq") and name != skip
-    }
+    return {name: w.shape for name, w in weights.items() if not is_derived(name) and name != skip}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -6,7 +6,9 @@ through :mod:`graphrunner.io`.
 
 from __future__ import annotations
 
-from graphrunner.model.attention import AttnMetadata, PagedAttention, TorchPagedBackend
+from graphrunner.model.attention import PagedAttention
+from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_meta import AttnMetadata
 from graphrunner.model.build import ModelBundle, build_model
 from graphrunner.model.config import CheckpointError, ModelConfig, UnsupportedConfigError
 from graphrunner.model.default import (

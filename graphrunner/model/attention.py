@@ -24,21 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.model.attention_backend import ATTENTION_KERNELS, ATTENTIONS, TorchPagedBackend
 from graphrunner.model.attention_meta import AttnMetadata, KVStore, attend
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.fused import stack_weights
 from graphrunner.model.layers import RotaryEmbedding
 
-__all__ = [
-    "ATTENTIONS",
-    "ATTENTION_KERNELS",
-    "AttnMetadata",
-    "KVStore",
-    "PagedAttention",
-    "TorchPagedBackend",
-    "attend",
-]
+__all__ = ["PagedAttention"]
 
 
 class PagedAttention(nn.Module):

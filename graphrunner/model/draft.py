@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from graphrunner.declare.inputs import StepInputs
-from graphrunner.model.attention import AttnMetadata, attend
+from graphrunner.model.attention_meta import AttnMetadata, attend
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, SwiGLUMLP
 from graphrunner.model.llama import LlamaDecoder, LlamaDecoderLayer

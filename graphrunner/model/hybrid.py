@@ -16,7 +16,9 @@ from torch import nn
 
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.state_ops import run_state_ops
-from graphrunner.model.attention import AttnMetadata, KVStore, PagedAttention, TorchPagedBackend
+from graphrunner.model.attention import PagedAttention
+from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_meta import AttnMetadata, KVStore
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from graphrunner.model.mamba import MambaStepInputs

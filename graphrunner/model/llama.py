@@ -10,12 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.declare.inputs import StepInputs
-from graphrunner.model.attention import (
-    AttnMetadata,
-    KVStore,
-    PagedAttention,
-    TorchPagedBackend,
-)
+from graphrunner.model.attention import PagedAttention
+from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_meta import AttnMetadata, KVStore
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from graphrunner.model.token_rows import TokenRows
@@ -62,6 +59,13 @@ class LlamaBody(nn.Module):
             LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+def is_derived(name: str) -> bool:
+    """A checkpoint tensor the model derives instead of loading:
+    ``*.rotary_emb.inv_freq`` (older transformers saved it; it follows from
+    ``rope_theta``)."""
+    return name.endswith("rotary_emb.inv_freq")
 
 
 class LlamaDecoder(nn.Module):
@@ -231,7 +235,7 @@ class LlamaDecoder(nn.Module):
         saved it; it is derived from ``rope_theta``) and, for tied embeddings, an
         ``lm_head.weight`` equal to ``model.embed_tokens.weight``.
         """
-        given = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+        given = {k: v for k, v in weights.items() if not is_derived(k)}
         if self.lm_head is None and "lm_head.weight" in given:
             head = given.pop("lm_head.weight")
             embed = given.get("model.embed_tokens.weight")
