@@ -186,26 +186,6 @@ def create_decode_runner(
     )
 
 
-def create_model_runner(
-    bundle: ModelBundle,
-    kind: str,
-    *,
-    capture_sizes: Sequence[int] | None = None,
-    max_bs: int | None = None,
-    show_progress: bool = False,
-    check_padding: bool = False,
-    future_map: FutureMap | None = None,
-    **mechanism_options: Any,
-) -> GraphRunner:
-    """:func:`create_decode_runner` for a Llama :class:`ModelBundle` (its
-    earlier name, kept)."""
-    return create_decode_runner(
-        bundle,
-        kind,
-        capture_sizes=capture_sizes,
-        max_bs=max_bs,
-        show_progress=show_progress,
-        check_padding=check_padding,
-        future_map=future_map,
-        **mechanism_options,
-    )
+#: The earlier name of :func:`create_decode_runner`, from when it took a Llama
+#: :class:`ModelBundle` only; kept.
+create_model_runner = create_decode_runner

@@ -11,14 +11,9 @@ retiring it frees the slot; a prefill runs the recorded ops first itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.bundle import create_decode_runner
 from graphrunner.engine.loop import Engine
 from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
-from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 
 __all__ = ["MambaSanitizer", "StateSpaceEngine", "StateSpaceInputs", "create_state_space_runner"]
 
@@ -27,27 +22,9 @@ __all__ = ["MambaSanitizer", "StateSpaceEngine", "StateSpaceInputs", "create_sta
 StateSpaceEngine = Engine
 
 
-def create_state_space_runner(
-    bundle: StateSpaceBundle,
-    kind: str,
-    *,
-    capture_sizes: Sequence[int] | None = None,
-    max_bs: int | None = None,
-    show_progress: bool = False,
-    check_padding: bool = False,
-    **mechanism_options: Any,
-) -> GraphRunner:
-    """:func:`~graphrunner.engine.bundle.create_decode_runner` for a
-    :class:`StateSpaceBundle`: the decode fields with the Mamba ones, the
-    request pool's recorded state ops run before launch, and with
-    ``check_padding=True`` a :class:`MambaSanitizer` over ``req_to_token``, the
-    KV layers (hybrid) and the Mamba state."""
-    return create_decode_runner(
-        bundle,
-        kind,
-        capture_sizes=capture_sizes,
-        max_bs=max_bs,
-        show_progress=show_progress,
-        check_padding=check_padding,
-        **mechanism_options,
-    )
+#: :func:`~graphrunner.engine.bundle.create_decode_runner` under its earlier name
+#: for a :class:`StateSpaceBundle`: the decode fields with the Mamba ones, the
+#: request pool's recorded state ops run before launch, and with
+#: ``check_padding=True`` a :class:`MambaSanitizer` over ``req_to_token``, the
+#: KV layers (hybrid) and the Mamba state.
+create_state_space_runner = create_decode_runner
