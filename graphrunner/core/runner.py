@@ -9,7 +9,6 @@ prepared, captured and launched.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
 from graphrunner.sizing.sizes import pad_to
-from graphrunner.util.exclusive import ConcurrentUseError
+from graphrunner.util.exclusive import Exclusive
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
 
@@ -145,7 +144,7 @@ class GraphRunner:
         self.state_ops = check_state_ops(state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
         self.width = width
-        self._replaying = threading.Lock()
+        self._exclusive = Exclusive(f"{type(self).__name__}.replay")
         # The buffer whose host-side rows tell a batch's width (first per-token one).
         self._width_field = None if width is None else width_field(specs, width)
 
@@ -228,16 +227,11 @@ class GraphRunner:
         a second thread inside, a :class:`~graphrunner.util.exclusive.ConcurrentUseError`.
         Runs under ``no_grad``.
         """
-        # Two threads would interleave on the static buffers: refused (a plain lock, ~0.1 us).
-        if not self._replaying.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{type(self).__name__}.replay is already running; a runner serves one "
-                "caller at a time: give each thread its own runner, or serialise the calls"
-            )
+        self._exclusive.enter()  # two threads would interleave on the static buffers
         try:
             return self._replay(inputs)
         finally:
-            self._replaying.release()
+            self._exclusive.leave()
 
     def _replay(self, inputs: ReplayInputs) -> Outputs:
         raw_bs = batch_size_of(inputs)

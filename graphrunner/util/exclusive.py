@@ -16,9 +16,10 @@ class ConcurrentUseError(RuntimeError):
 
 
 class Exclusive:
-    """A non-blocking guard: ``with guard.held():`` enters, or raises
-    :class:`ConcurrentUseError` naming ``what`` and the thread inside (the same
-    thread re-entering from a callback is refused too).
+    """A non-blocking guard: ``with guard.held():`` (or ``enter()`` ...
+    ``leave()``) enters, or raises :class:`ConcurrentUseError` naming ``what``
+    and the thread inside (the same thread re-entering from a callback is
+    refused too).
 
     Args:
         what: how the guarded call is named in the error, e.g. ``"Engine.run"``.
@@ -29,18 +30,30 @@ class Exclusive:
     def __init__(self, what: str) -> None:
         self.what = what
         self._lock = threading.Lock()
-        self._owner: str | None = None
+        self._owner: int | None = None
+
+    def enter(self) -> None:
+        """Enter, or raise :class:`ConcurrentUseError`; pair with :meth:`leave`
+        (the hot path's form: no context manager to build)."""
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{self.what} is already running (in thread {_name_of(self._owner)!r}); it "
+                "serves one caller at a time: give each thread its own, or serialise the calls"
+            )
+        self._owner = threading.get_ident()  # an int: its name is looked up only for an error
+
+    def leave(self) -> None:
+        self._owner = None
+        self._lock.release()
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{self.what} is already running (in thread {self._owner!r}); it serves one "
-                f"caller at a time: give each thread its own, or serialise the calls"
-            )
-        self._owner = threading.current_thread().name
+        self.enter()
         try:
             yield
         finally:
-            self._owner = None
-            self._lock.release()
+            self.leave()
+
+
+def _name_of(ident: int | None) -> str | None:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), None)
