@@ -66,16 +66,16 @@ def checkpoint_dir(path: Path) -> Path:
         return path
     open_gguf(path)  # a missing or unreadable file fails here, before any hashing
     out = converted_dir(path)
-    if (out / "config.json").is_file():  # converted before: no lock needed to read it
-        print(f"using {out} (converted from {path})", file=sys.stderr)
-        return out
-    with _locked(out):
-        if (out / "config.json").is_file():  # another process converted it while we waited
-            print(f"using {out} (converted from {path})", file=sys.stderr)
-            return out
-        convert_gguf(path, out)  # reported after: a failure prints its one error line only
-    print(
-        f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME moves the cache)",
-        file=sys.stderr,
-    )
+    if not (out / "config.json").is_file():  # converted before: no lock needed to read it
+        with _locked(out):
+            # Checked again under the lock: another process may have converted it.
+            if not (out / "config.json").is_file():
+                convert_gguf(path, out)  # reported after: a failure prints its one line only
+                print(
+                    f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME "
+                    "moves the cache)",
+                    file=sys.stderr,
+                )
+                return out
+    print(f"using {out} (converted from {path})", file=sys.stderr)
     return out
