@@ -100,6 +100,7 @@ PLANTS: list[tuple[str, str, int, Any, str]] = [
         r"req_pool_indices live row 1 = 0: expected a live request row",
     ),
     ("eagle", "accept_lens", 1, 0, r"accept_lens live row 1 = 0: expected a count in 1\.\.3"),
+    ("eagle", "accept_lens", 0, W + 1, r"accept_lens live row 0 = 4: expected a count in 1\.\.3"),
     ("eagle", "extend_lens", 0, W + 1, r"extend_lens live row 0 = 4: expected a count in 1\.\.3"),
     ("eagle", "out_cache_loc", 2, -1, r"out_cache_loc live row 2 = -1: expected an allocated"),
     (
