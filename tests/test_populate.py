@@ -95,11 +95,26 @@ def test_each_rule_writes_its_value_on_the_tail_only(raw_bs: int, bs: int):
 
 def test_device_ops_are_grouped_by_dtype():
     bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
-    # Grouped by (device, dtype); on the CPU the host buffer joins the int64 group.
-    # One staged copy per group (live rows and padded tails): int64, int32, float32.
-    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 3
-    assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 3  # no tail
-    assert populate(bufs, None, 0, 4) == 3  # tails only
+    # On the CPU the int64 [bs] buffers (the host one too) share one
+    # allocation, written by one cat: into the storage itself at the largest
+    # size, else into staging plus one copy out. The others go by (device,
+    # dtype), one foreach copy each (live rows and padded tails): int64
+    # (top-k), int32, float32.
+    pack = next(p for p in bufs.packs if len(p.names) > 1)
+    assert pack.names == ("zero_i64", "width_i64", "host_lens")
+    assert populate(bufs, inputs_for(bufs, 2), 2, 4) == 2 + 3
+    assert populate(bufs, inputs_for(bufs, 4), 4, 4) == 2 + 3  # no tail
+    assert populate(bufs, None, 0, 4) == 2 + 3  # tails only
+    assert populate(bufs, inputs_for(bufs, 2), 2, 10) == 1 + 3  # the largest size
+
+
+def test_a_pack_is_one_allocation_of_contiguous_rows():
+    bufs = StaticBuffers(all_rule_specs(), max_bs=10, device="cpu")
+    for pack in bufs.packs:
+        for i, name in enumerate(pack.names):
+            buf = bufs.tensors[name]
+            assert buf.is_contiguous() and buf.data_ptr() == pack.storage[i].data_ptr()
+    assert sorted(n for p in bufs.packs for n in p.names) == sorted(bufs.tensors)
 
 
 def test_each_buffer_has_its_own_rows_per_request():

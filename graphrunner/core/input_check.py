@@ -19,6 +19,8 @@ mirror's row set to 0): that is what the sanitizer is for.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import torch
 
@@ -79,6 +81,8 @@ class InputGate:
     def __init__(self, buffers: StaticBuffers) -> None:
         self.buffers = buffers
         self._names = tuple(s.name for s in buffers.specs)
+        # The declared fields of an inputs object, in order, in one call.
+        self._fields = _fields_getter(self._names)
         self._watched = (*self._names, *(m for m in _MIRRORS if m not in self._names))
         self._batch_made = all(_batch_made(s) for s in buffers.specs)
         self._seen: list[weakref.ref[torch.Tensor] | None] = []
@@ -89,17 +93,17 @@ class InputGate:
 
     def sources(
         self, inputs: ReplayInputs, raw_bs: int, backend: GraphBackend, *, full: bool = False
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[torch.Tensor]:
         """The inputs' tensors, one per declared buffer, validated: in full on
         ``full`` or first sight, else by identity. Raises before anything is
         written; the backend's own check runs every time."""
         if not full:
             if self._batch_made and _sealed_on(inputs, self.device):
                 backend.validate_inputs(raw_bs, inputs)
-                return [getattr(inputs, n) for n in self._names]
+                return self._fields(inputs)
             if raw_bs == self._seen_bs and self._same(inputs):
                 backend.validate_inputs(raw_bs, inputs)
-                return [getattr(inputs, n) for n in self._names]
+                return self._fields(inputs)
         check_host_mirrors(inputs, raw_bs)
         backend.validate_inputs(raw_bs, inputs)
         sources = check_sources(self.buffers, inputs, raw_bs)
@@ -131,6 +135,13 @@ def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, in
     if is_sealed_inputs(inputs):
         return inputs.host_range(name)
     return host_min_max(values)
+
+
+def _fields_getter(names: tuple[str, ...]) -> Callable[[object], Sequence[torch.Tensor]]:
+    if len(names) == 1:
+        only = names[0]
+        return lambda inputs: (getattr(inputs, only),)
+    return attrgetter(*names)
 
 
 def _sealed_on(inputs: object, device: torch.device) -> bool:

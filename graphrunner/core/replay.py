@@ -5,12 +5,12 @@ eager path for a batch above every captured size."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 
 from graphrunner.core.input_check import InputGate, check_host_mirrors
-from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.hooks import GraphBackend
 from graphrunner.declare.outputs import OutputLayout, Outputs, poison_outputs
 from graphrunner.declare.step_inputs import ReplayInputs, StepTensors
@@ -21,6 +21,7 @@ from graphrunner.util import nvtx
 from graphrunner.writers.base import check_inputs, resolve_futures
 
 __all__ = [
+    "Graph",
     "NotCapturedError",
     "StepParts",
     "batch_size_of",
@@ -80,17 +81,25 @@ class StepParts(Protocol):
         anything is written for the step (the recorded state ops)."""
 
 
+class Graph(NamedTuple):
+    """One captured size as a replay reaches it (looked up by raw batch size)."""
+
+    bs: int
+    launcher: Launcher
+    view: BufferView  # the buffers' rows for ``bs`` requests (what it reads)
+
+
 def launch_padded(
     parts: StepParts,
-    launcher: Launcher,
+    graph: Graph,
     inputs: ReplayInputs,
     raw_bs: int,
-    bs: int,
     held: Outputs | None = None,
 ) -> tuple[Outputs, int]:
-    """Populate size ``bs`` with ``raw_bs`` live rows, launch it, and return the
-    live rows' outputs with the device operations populate issued. ``held``,
-    the previous step's outputs under a sanitizer, is poisoned before launch.
+    """Populate ``graph``'s size with ``raw_bs`` live rows, launch it, and
+    return the live rows' outputs with the device operations populate issued.
+    ``held``, the previous step's outputs under a sanitizer, is poisoned
+    before launch.
 
     Without a sanitizer this is the lean path: the inputs' checks cost O(1)
     when they were validated where they were made or on an earlier replay
@@ -99,24 +108,25 @@ def launch_padded(
     sanitizer every replay checks everything; while a profiler or an NVTX tool
     watches, the same steps run as named ranges (replay, populate, launch)."""
     if parts.sanitizer is None and held is None and not nvtx.active():
+        bs = graph.bs
         sources = parts.input_gate.sources(inputs, raw_bs, parts.backend)
         parts.pre_launch()
         ops = parts.writer.write(sources, raw_bs, bs)
-        parts.backend.init_replay_metadata(bs, raw_bs, parts.buffers.view(bs), inputs)
-        return parts.outputs.live(launcher(), raw_bs), ops
-    return _launch_observed(parts, launcher, inputs, raw_bs, bs, held)
+        parts.backend.init_replay_metadata(bs, raw_bs, graph.view, inputs)
+        return parts.outputs.live(graph.launcher(), raw_bs), ops
+    return _launch_observed(parts, graph, inputs, raw_bs, held)
 
 
 def _launch_observed(
     parts: StepParts,
-    launcher: Launcher,
+    graph: Graph,
     inputs: ReplayInputs,
     raw_bs: int,
-    bs: int,
     held: Outputs | None,
 ) -> tuple[Outputs, int]:
     # Under a sanitizer (full checks, poisoned held outputs) or a profiler (ranges).
     buffers, backend, sanitizer = parts.buffers, parts.backend, parts.sanitizer
+    bs, launcher = graph.bs, graph.launcher
     with nvtx.range(f"replay bs={bs}"):
         sources = parts.input_gate.sources(inputs, raw_bs, backend, full=sanitizer is not None)
         parts.pre_launch()

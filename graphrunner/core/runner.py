@@ -17,7 +17,13 @@ import torch
 from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
-from graphrunner.core.replay import NotCapturedError, batch_size_of, launch_padded, run_eager
+from graphrunner.core.replay import (
+    Graph,
+    NotCapturedError,
+    batch_size_of,
+    launch_padded,
+    run_eager,
+)
 from graphrunner.core.runner_setup import (
     check_fill_matches_backend,
     default_mechanism,
@@ -137,7 +143,7 @@ class GraphRunner:
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[int, Launcher] = {}
-        self._graph_for: dict[int, tuple[int, Launcher]] = {}  # raw size -> (size, launcher)
+        self._graph_for: dict[int, Graph] = {}  # raw size -> the graph it replays
         self._warned_fallback = False
         # The last step's outputs, poisoned at the next step when sanitized.
         self._held: Outputs | None = None
@@ -210,7 +216,7 @@ class GraphRunner:
         # Every raw size's graph, looked up once per replay.
         for raw_bs in range(1, self.max_bs + 1):
             bs = self.graph_size_for(raw_bs)
-            self._graph_for[raw_bs] = (bs, self._launchers[bs])
+            self._graph_for[raw_bs] = Graph(bs, self._launchers[bs], self.buffers.view(bs))
         return self.capture_report
 
     def replay(self, inputs: ReplayInputs) -> Outputs:
@@ -235,25 +241,33 @@ class GraphRunner:
 
     def _replay(self, inputs: ReplayInputs) -> Outputs:
         raw_bs = batch_size_of(inputs)
-        if not self._graph_for:  # filled once every size is captured
+        graph = self._graph_for.get(raw_bs)  # None: not captured, or above every size
+        if graph is None and not self._graph_for:
             raise NotCapturedError(
                 f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
             )
-        reason = self.eager_reason(inputs, raw_bs)
+        reason = None  # the common step (a captured size, one width) asks nothing more
+        if graph is None or self._width_field is not None:
+            reason = self.eager_reason(inputs, raw_bs)
         if torch.is_grad_enabled():
             with torch.no_grad():
-                out = self._step(inputs, raw_bs, reason)
+                out = self._step(inputs, raw_bs, graph, reason)
         else:  # an engine's loop under no_grad / inference_mode: skip the context
-            out = self._step(inputs, raw_bs, reason)
+            out = self._step(inputs, raw_bs, graph, reason)
         self.batch_sizes.add(raw_bs)
         if self.sanitizer is not None:
             self._held = out
         return out
 
-    def _step(self, inputs: ReplayInputs, raw_bs: int, reason: str | None) -> Outputs:
-        if reason is not None:
+    def _step(
+        self, inputs: ReplayInputs, raw_bs: int, graph: Graph | None, reason: str | None
+    ) -> Outputs:
+        if reason is not None or graph is None:
+            assert reason is not None  # no graph: above every size, which has a reason
             return self._replay_eager(inputs, raw_bs, reason)
-        return self._replay_graph(inputs, raw_bs)
+        out, ops = launch_padded(self, graph, inputs, raw_bs, self._held)
+        self.stats.count_replay(raw_bs, graph.bs, ops)
+        return out
 
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step, run by both launch paths once the
@@ -279,12 +293,6 @@ class GraphRunner:
         if self._width_field is not None and self.width is not None:
             return width_reason(inputs, self._width_field, self.width, raw_bs)
         return None
-
-    def _replay_graph(self, inputs: ReplayInputs, raw_bs: int) -> Outputs:
-        bs, launcher = self._graph_for[raw_bs]
-        out, ops = launch_padded(self, launcher, inputs, raw_bs, bs, self._held)
-        self.stats.count_replay(raw_bs, bs, ops)
-        return out
 
     def _replay_eager(self, inputs: ReplayInputs, raw_bs: int, reason: str) -> Outputs:
         def warn_once() -> None:

@@ -25,6 +25,7 @@ from types import MappingProxyType
 import torch
 
 from graphrunner.declare.indexes import Index
+from graphrunner.declare.packs import BufferPack, allocate_packed
 
 __all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers", "check_width"]
 
@@ -273,15 +274,11 @@ class StaticBuffers:
         # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
         self.device = torch.empty(0, device=device).device
         # Read-only: populate's cached plans and the captured graphs hold these
-        # exact tensors, so a buffer is never swapped for another.
-        self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(
-            {
-                s.name: torch.zeros(
-                    (s.rows(max_bs), *s.extra_shape), dtype=s.dtype, device=self.device_of(s)
-                )
-                for s in self.specs
-            }
-        )
+        # exact tensors, so a buffer is never swapped for another. Buffers of
+        # one layout are rows of one allocation (populate writes them at once).
+        tensors, packs = allocate_packed(self.specs, max_bs, self.device_of)
+        self.packs: tuple[BufferPack, ...] = packs
+        self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(tensors)
         self._views: dict[int, BufferView] = {}
 
     def device_of(self, spec: BufferSpec) -> torch.device:

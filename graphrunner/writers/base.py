@@ -17,13 +17,12 @@ must equal :func:`write_sources` bit for bit.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.writers.plan import CopyGroup, Plan, PopulateError, StagedPack, plan_for
 
 __all__ = [
     "PopulateError",
@@ -34,109 +33,6 @@ __all__ = [
     "resolve_futures",
     "write_sources",
 ]
-
-
-class PopulateError(ValueError):
-    """An input does not match its declared buffer (names the field)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _CopyGroup:
-    """Destinations of one (device, dtype), written by one ``_foreach_copy_``:
-    the live rows of the specs at ``index`` (from their sources), then the
-    padded tails (from ``pads``, precomputed rows of each rule's value)."""
-
-    index: tuple[int, ...]  # positions of the group's specs in buffers.specs
-    dsts: list[torch.Tensor]  # live heads (one per index), then padded tails
-    pads: list[torch.Tensor]  # the tails' sources, one per tail
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    copies: tuple[_CopyGroup, ...]
-    gathers: tuple[torch.Tensor, ...]  # live rows holding future references to resolve
-    future: torch.Tensor | None
-
-    @property
-    def device_ops(self) -> int:
-        # A gather is one resolve (index, compare, select: counted as one).
-        return len(self.copies) + len(self.gathers)
-
-
-_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int, bool], _Plan]] = (
-    weakref.WeakKeyDictionary()
-)
-_pad_rows: weakref.WeakKeyDictionary[StaticBuffers, dict[str, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-#: A pad source up to this many bytes is materialized (a dense source keeps
-#: the foreach copy on its fast path); a larger one is one row, expanded.
-_DENSE_PAD_BYTES = 1 << 16
-
-
-def _pad_source(buffers: StaticBuffers, spec: BufferSpec, value: int | float) -> torch.Tensor:
-    """Rows of ``spec``'s pad value, as many as its buffer holds: made once
-    per buffers (plan time, never at replay), sliced per tail."""
-    value = 0 if value == 0 else value  # a fill of -0.0 pads +0, as the fused writer does
-    per_buffers = _pad_rows.setdefault(buffers, {})
-    rows = per_buffers.get(spec.name)
-    if rows is None:
-        buf = buffers.tensors[spec.name]
-        row = torch.full((1, *spec.extra_shape), value, dtype=spec.dtype, device=buf.device)
-        dense = buf.numel() * buf.element_size() <= _DENSE_PAD_BYTES
-        rows = row.expand(buf.shape).contiguous() if dense else row.expand(buf.shape)
-        per_buffers[spec.name] = rows
-    return rows
-
-
-def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool) -> _Plan:
-    # Grouped by (device, dtype): one foreach copy per group, host buffers apart.
-    index: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    tails: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    specs = buffers.specs
-    for i, spec in enumerate(specs):
-        if host_only and not spec.host:
-            continue
-        group = (buffers.device_of(spec), spec.dtype)
-        live, total = spec.rows(raw_bs), spec.rows(bs)
-        if live:
-            index.setdefault(group, []).append(i)
-        value = spec.pad_value()
-        if total == live or value is None:
-            continue
-        pad = _pad_source(buffers, spec, value)[: total - live]
-        tails.setdefault(group, []).append((buffers.tensors[spec.name][live:total], pad))
-    groups = []
-    for group in {**index, **tails}:
-        heads = index.get(group, [])
-        padded = tails.get(group, [])
-        dsts = [buffers.tensors[specs[i].name][: specs[i].rows(raw_bs)] for i in heads]
-        dsts.extend(t for t, _ in padded)
-        groups.append(_CopyGroup(tuple(heads), dsts, [p for _, p in padded]))
-    gathers = tuple(
-        buffers.tensors[s.name][: s.rows(raw_bs)]
-        for s in specs
-        if s.future and raw_bs and not host_only
-    )
-    return _Plan(tuple(groups), gathers, buffers.future_tokens)
-
-
-def plan_for(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool = False) -> _Plan:
-    """The cached plan of ``(raw_bs, bs)`` (PopulateError outside ``0..max_bs``);
-    ``host_only``: of the host buffers alone."""
-    per_buffers = _plans.get(buffers)
-    if per_buffers is None:
-        per_buffers = _plans.setdefault(buffers, {})
-    plan = per_buffers.get((raw_bs, bs, host_only))
-    if plan is None:
-        if not 0 <= raw_bs <= bs <= buffers.max_bs:
-            raise PopulateError(
-                f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
-                f"max_bs={buffers.max_bs}"
-            )
-        plan = _make_plan(buffers, raw_bs, bs, host_only)
-        per_buffers[(raw_bs, bs, host_only)] = plan
-    return plan
 
 
 def _source(
@@ -191,11 +87,13 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
         bs: the captured size replayed, ``raw_bs <= bs <= max_bs``.
 
     Returns:
-        The number of operations issued: one ``torch._foreach_copy_`` per
-        (device, dtype), writing the live rows and the padded tails (from
-        precomputed rows of each pad value) at once, host buffers' included;
-        one resolve per future buffer. Every input is validated before
-        anything is written.
+        The number of operations issued (:mod:`graphrunner.writers.plan`):
+        on the CPU, one ``torch.cat`` per pack of buffers sharing an
+        allocation (plus one copy out of staging below the largest size);
+        one ``torch._foreach_copy_`` per (device, dtype) for the rest, writing
+        the live rows and the padded tails (from precomputed rows of each pad
+        value) at once, host buffers' included; one resolve per future
+        buffer. Every input is validated before anything is written.
     """
     if inputs is None and raw_bs:
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
@@ -234,7 +132,7 @@ class TorchWriter:
 
     def __init__(self, buffers: StaticBuffers) -> None:
         self.buffers = buffers
-        self._plans: dict[tuple[int, int], _Plan] = {}
+        self._plans: dict[tuple[int, int], Plan] = {}
 
     def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
         """Write ``raw_bs`` live requests' validated ``sources`` padded to
@@ -245,7 +143,7 @@ class TorchWriter:
         return _write_planned(plan, sources)
 
 
-def _write_planned(plan: _Plan, sources: Sequence[torch.Tensor]) -> int:
+def _write_planned(plan: Plan, sources: Sequence[torch.Tensor]) -> int:
     # Without grad, an input with autograd history (hidden states from a
     # grad-enabled forward) is copied as data instead of failing halfway through
     # the writes. Replay already runs under no_grad: skip the ~2 us context then.
@@ -257,18 +155,35 @@ def _write_planned(plan: _Plan, sources: Sequence[torch.Tensor]) -> int:
     return plan.device_ops
 
 
-def _write(plan: _Plan, sources: Sequence[torch.Tensor]) -> None:
+def _write(plan: Plan, sources: Sequence[torch.Tensor]) -> None:
     # A host source is copied as torch copies it without blocking: from
     # pageable memory the call returns once the bytes are staged; from pinned
     # memory the copy runs later on the stream, so the caller must not rewrite
     # a pinned source before the step has run (the fused writers copy host
     # sources into their own ring instead, and have no such rule).
+    for pack in plan.staged:
+        _staged_write(pack, sources)
     for group in plan.copies:
-        srcs = [sources[i] for i in group.index]
-        srcs.extend(group.pads)
-        torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
+        _copy(group, sources)
     for live in plan.gathers:  # after the copies, on the same stream
         resolve_futures(live, plan.future)
+
+
+def _staged_write(pack: StagedPack, sources: Sequence[torch.Tensor]) -> None:
+    """One pack in one ``cat`` (and one copy out of staging below its largest size)."""
+    parts = pack.parts
+    if pack.take is not None:
+        parts = parts.copy()
+        parts[pack.live] = pack.take(sources)
+    torch.cat(parts, out=pack.out)
+    if pack.dst is not None:
+        pack.dst[0].copy_(pack.dst[1])
+
+
+def _copy(group: CopyGroup, sources: Sequence[torch.Tensor]) -> None:
+    srcs = [sources[i] for i in group.index]
+    srcs.extend(group.pads)
+    torch._foreach_copy_(group.dsts, srcs, non_blocking=True)
 
 
 def resolve_futures(ids: torch.Tensor, future: torch.Tensor | None) -> None:

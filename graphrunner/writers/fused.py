@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
-from graphrunner.writers.base import plan_for, write_sources
+from graphrunner.writers.base import write_sources
 from graphrunner.writers.fused_kernel import BLOCK, COLUMNS, ROW, kernel
+from graphrunner.writers.plan import plan_for
 from graphrunner.writers.staging import TableStaging
 
 __all__ = ["FusedPopulate", "InGraphPopulate", "pad_pattern"]
