@@ -104,26 +104,27 @@ def test_generate_from_a_checkpoint_and_the_cpu_runner_writes_output(
     assert [line["tokens"] for line in _lines(out.read_text())] == _expected(5)
 
 
-@pytest.mark.parametrize(
-    "content, match",
-    [
-        ("[1, 2]\n[3, 4\n", r"prompts.jsonl:2: not valid JSON"),
-        ("[1, 2]\n\n[3, 256]\n", r"prompts.jsonl:3: token 1 = 256 is not a token id in 0..255"),
-        ("[1, -1]\n", r"prompts.jsonl:1: token 1 = -1"),
-        ('[1, "a"]\n', r"prompts.jsonl:1: token 1 = 'a'"),
-        ('{"ids": [1]}\n', r"prompts.jsonl:1: expected a non-empty JSON list"),
-        ("[]\n", r"prompts.jsonl:1: expected a non-empty JSON list"),
-        (
-            "[1]\n" + json.dumps([5] * 250) + "\n",
-            r"prompts.jsonl:2: prompt of 250 tokens \+ 16 new "
-            r"tokens needs a context of 265, longer than the model's 256",
-        ),
-        ("\n", r"has no prompts"),
-        ("[" * 100_000 + "]" * 100_000 + "\n", r"prompts.jsonl:1: .*nested too deeply"),
-        ("[1" + "0" * 5000 + "]\n", r"prompts.jsonl:1: .*(digits|token 0 = )"),
-        ("\ufeff[1, 2]\n[3, 256]\n", r"prompts.jsonl:2: token 1 = 256"),  # BOM: line 1 is fine
-    ],
-)
+#: Prompt files generate refuses (exit 2) before any work: (content, the error).
+BAD_PROMPT_FILES = [
+    ("[1, 2]\n[3, 4\n", r"prompts.jsonl:2: not valid JSON"),
+    ("[1, 2]\n\n[3, 256]\n", r"prompts.jsonl:3: token 1 = 256 is not a token id in 0..255"),
+    ("[1, -1]\n", r"prompts.jsonl:1: token 1 = -1"),
+    ('[1, "a"]\n', r"prompts.jsonl:1: token 1 = 'a'"),
+    ('{"ids": [1]}\n', r"prompts.jsonl:1: expected a non-empty JSON list"),
+    ("[]\n", r"prompts.jsonl:1: expected a non-empty JSON list"),
+    (
+        "[1]\n" + json.dumps([5] * 250) + "\n",
+        r"prompts.jsonl:2: prompt of 250 tokens \+ 16 new "
+        r"tokens needs a context of 265, longer than the model's 256",
+    ),
+    ("\n", r"has no prompts"),
+    ("[" * 100_000 + "]" * 100_000 + "\n", r"prompts.jsonl:1: .*nested too deeply"),
+    ("[1" + "0" * 5000 + "]\n", r"prompts.jsonl:1: .*(digits|token 0 = )"),
+    ("\ufeff[1, 2]\n[3, 256]\n", r"prompts.jsonl:2: token 1 = 256"),  # BOM: line 1 is fine
+]
+
+
+@pytest.mark.parametrize("content, match", BAD_PROMPT_FILES)
 def test_generate_rejects_bad_prompts_before_any_work(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

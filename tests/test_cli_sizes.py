@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,15 +145,47 @@ def test_every_bad_input_exits_2_naming_it_and_writes_nothing(tmp_path, capsys):
         assert sorted(tmp_path.iterdir()) == before, args  # nothing written, no temporary
 
 
-@pytest.mark.parametrize(
-    ("text", "message"), [("3\n-1\n", "trace.txt:2: '-1'"), ("", "no batch sizes"),
-                          ('{"format": "x"}', "format 'x'")],
-)  # fmt: skip
+DEEP, DIGITS = "[" * 100_000 + "]" * 100_000, "1" + "0" * 5000
+HISTOGRAM = '{"format": "graphrunner.batch_sizes", "version": 1, "counts": '
+
+#: --trace files that are no histogram: (text, what the one error line says).
+BAD_TRACE_FILES = [
+    ("3\n-1\n", "trace.txt:2: '-1'"),
+    ("", "no batch sizes"),
+    ('{"format": "x"}', "format 'x'"),
+    (DEEP + "\n", "trace.txt:1: '[[[["),
+    (f"3\n{DIGITS}\n", "trace.txt:2: '1000"),
+    (HISTOGRAM + DEEP + "}", "not a histogram (nested too deeply)"),
+    (HISTOGRAM + f'{{"4": {DIGITS}}}}}', "not a histogram (Exceeds the limit (4300 digits)"),
+    (HISTOGRAM + f'{{"{DIGITS}": 3}}}}', "counts: batch size '1000"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_TRACE_FILES)
 def test_bad_trace_files(tmp_path, capsys, text, message):
     trace = tmp_path / "trace.txt"
     trace.write_text(text)
     assert cli.main(["sizes", "--trace", str(trace), "--graphs", "2"]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("graphrunner sizes: error: --trace ") and message in err, err
+    assert err.count("\n") == 1
+
+
+REPORT = '{"format": "graphrunner.capture_report", "version": 1, "sizes": '
+
+#: --capture-report files past JSON's own limits: (text, what the error says).
+BAD_REPORT_TEXTS = [
+    (REPORT + DEEP + "}", "not a capture report (nested too deeply)"),
+    (REPORT + f'[{{"bs": {DIGITS}, "seconds": 1}}]}}', "(Exceeds the limit (4300 digits)"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_REPORT_TEXTS)
+def test_capture_reports_past_the_json_limits(tmp_path, text, message):
+    path = tmp_path / "r.json"
+    path.write_text(text)
+    with pytest.raises(ReportFileError, match=re.escape(f"{path}: ") + ".*" + re.escape(message)):
+        read_capture_report(path)
 
 
 def test_demo_refuses_bad_outputs_before_any_work(tmp_path, capsys):

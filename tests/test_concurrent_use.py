@@ -4,9 +4,11 @@ the run inside finishes correctly, and the engine serves again after."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +42,10 @@ def test_a_second_entry_is_refused_naming_the_call_and_the_thread() -> None:
         pass
 
 
-def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -> None:
+def engine_run_from_a_second_thread() -> tuple[list[BaseException], bool]:
+    """What a second thread's ``Engine.run`` raised while a first run was inside
+    (blocked in its finish hook), and whether the first run's outputs, and the
+    engine's next run, are exactly those of an undisturbed run."""
     bundle = default_model(max_requests=4, max_context_len=48)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     runner.capture()
@@ -61,20 +66,26 @@ def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -
     assert inside.wait(timeout=60)
     try:
         engine.run(trace)
-    except BaseException as e:  # the assertion below names it
+    except BaseException as e:  # the caller names it
         errors.append(e)
     release.set()
     first.join(timeout=120)
+    exact = results == [expected] and engine.run(trace).outputs == expected  # released after
+    return errors, exact
+
+
+def test_a_second_thread_in_engine_run_is_refused_and_the_first_run_is_exact() -> None:
+    errors, exact = engine_run_from_a_second_thread()
     assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
     assert "Engine.run is already running" in str(errors[0])
-    assert results == [expected]
-    assert engine.run(trace).outputs == expected  # released after the first run
+    assert exact
 
 
-def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
-    """KeyboardInterrupt raised inside the k-th replay, for every k: the run
-    unwinds, every request row and KV slot it handed out is free again, and
-    the engine serves the same trace exactly afterwards."""
+def interrupt_at_every_step() -> tuple[list[BaseException | None], list[bool], bool]:
+    """KeyboardInterrupt raised inside the k-th replay of one trace, for every
+    step k: what each run raised, whether every request row and KV slot it
+    handed out was free again after it, and whether the engine then serves
+    the trace exactly as before."""
     bundle = default_model(max_requests=4, max_context_len=48)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
@@ -83,6 +94,8 @@ def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
     expected = engine.run(trace)
     start = (bundle.req_pool.available_size(), bundle.kv_alloc.available_size())
     replay = runner.replay
+    raised: list[BaseException | None] = []
+    freed: list[bool] = []
     for k in range(1, expected.stats.steps + 1):
         calls = 0
 
@@ -94,24 +107,45 @@ def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
             return replay(inputs)
 
         setattr(runner, "replay", interrupted)  # noqa: B010 - an instance override
-        with pytest.raises(KeyboardInterrupt):
+        try:
             engine.run(trace)
-        del runner.replay  # the class method again
-        assert (bundle.req_pool.available_size(), bundle.kv_alloc.available_size()) == start, k
-    assert engine.run(trace).outputs == expected.outputs
+            raised.append(None)
+        except KeyboardInterrupt as e:
+            raised.append(e)
+        finally:
+            del runner.replay  # the class method again
+        freed.append((bundle.req_pool.available_size(), bundle.kv_alloc.available_size()) == start)
+    return raised, freed, engine.run(trace).outputs == expected.outputs
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"rid": True}, r"request True: rid=True \(bool\); expected an int"),
-        ({"max_new_tokens": 2.0}, r"max_new_tokens=2.0 \(float\); expected an int"),
-        ({"max_new_tokens": 0}, r"max_new_tokens=0; expected >= 1"),
-        ({"arrival_step": "1"}, r"arrival_step='1' \(str\); expected an int"),
-        ({"prompt": (1, 2.5)}, r"prompt\[1\]=2.5 \(float\); expected an int"),
-        ({"prompt": [1, 2]}, r"prompt is a list; expected a tuple of int token ids"),
-    ],
-)
+def test_an_interrupt_at_every_step_boundary_frees_every_slot() -> None:
+    raised, freed, exact = interrupt_at_every_step()
+    assert len(raised) > 1 and all(isinstance(e, KeyboardInterrupt) for e in raised)
+    assert all(freed), freed
+    assert exact
+
+
+#: Request fields refused by type or value: (the fields changed, the error).
+REQUEST_CASES: list[tuple[dict[str, object], str]] = [
+    ({"rid": True}, r"request True: rid=True \(bool\); expected an int"),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens=2.0 \(float\); expected an int"),
+    ({"max_new_tokens": 0}, r"max_new_tokens=0; expected >= 1"),
+    ({"arrival_step": "1"}, r"arrival_step='1' \(str\); expected an int"),
+    ({"prompt": (1, 2.5)}, r"prompt\[1\]=2.5 \(float\); expected an int"),
+    ({"prompt": [1, 2]}, r"prompt is a list; expected a tuple of int token ids"),
+    ({"prompt": (1.7,)}, r"prompt\[0\]=1.7 \(float\); expected an int"),
+    ({"prompt": (True, 2)}, r"prompt\[0\]=True \(bool\); expected an int"),
+    ({"prompt": (1, np.float32(2))}, r"prompt\[1\]=np.float32\(2.0\) \(float32\); expected an int"),
+    ({"prompt": "hello"}, r"request 0: prompt is a str; expected a tuple of int token ids"),
+    ({"prompt": torch.tensor([1, 2])}, r"request 0: prompt is a Tensor; expected a tuple"),
+    ({"prompt": ()}, r"request 0: empty prompt; expected at least one token"),
+    ({"max_new_tokens": 2.5}, r"max_new_tokens=2.5 \(float\); expected an int"),
+    ({"max_new_tokens": float("nan")}, r"max_new_tokens=nan \(float\); expected an int"),
+    ({"arrival_step": -1}, r"arrival_step=-1; expected >= 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", REQUEST_CASES)
 def test_a_request_takes_exact_types_and_names_the_field(
     kwargs: dict[str, object], message: str
 ) -> None:
@@ -120,7 +154,10 @@ def test_a_request_takes_exact_types_and_names_the_field(
         Request(**fields)  # type: ignore[arg-type]
 
 
-def test_a_second_thread_in_a_runners_replay_is_refused() -> None:
+def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
+    """What a second thread's ``runner.replay`` raised while a first replay was
+    inside its forward, and whether the first replay's output, and the next
+    replay's, are exactly those of an undisturbed replay."""
     from graphrunner import EagerRunner, decode_buffer_specs
     from graphrunner.testing import ToyWorld
 
@@ -139,13 +176,23 @@ def test_a_second_thread_in_a_runners_replay_is_refused() -> None:
     batch = world.make_batch(3, seed=0)
     expected = runner.replay(batch).clone()
     blocking = True
-    got: list[object] = []
+    got: list[torch.Tensor] = []
     first = threading.Thread(target=lambda: got.append(runner.replay(batch).clone()))
     first.start()
     assert inside.wait(timeout=60)
-    with pytest.raises(ConcurrentUseError, match=r"EagerRunner.replay is already running"):
+    errors: list[BaseException] = []
+    try:
         runner.replay(batch)
+    except BaseException as e:  # the caller names it
+        errors.append(e)
     release.set()
     first.join(timeout=60)
-    assert len(got) == 1 and torch.equal(got[0], expected)
-    assert torch.equal(runner.replay(batch), expected)  # released after the first replay
+    exact = len(got) == 1 and torch.equal(got[0], expected)
+    return errors, exact and torch.equal(runner.replay(batch), expected)  # released after
+
+
+def test_a_second_thread_in_a_runners_replay_is_refused() -> None:
+    errors, exact = replay_from_a_second_thread()
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
+    assert re.search(r"EagerRunner.replay is already running", str(errors[0]))
+    assert exact

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from graphrunner.io.gguf_cache import CACHE_ENV, checkpoint_dir
+from graphrunner.io.gguf_import import GGUFImportError
 from test_gguf_hostile import write
 
 # Each process says it is ready, waits for the others, and converts slowly, so
@@ -73,3 +74,15 @@ def test_processes_converting_one_file_at_once_all_get_it(tmp_path: Path) -> Non
     verbs = sorted(err.split()[0] for _, err, _ in results)
     assert verbs == ["converted", "using", "using"]
     assert (Path(results[0][0].strip()) / "config.json").is_file()
+
+
+def test_a_gguf_that_cannot_convert_is_named_and_leaves_no_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    bad = write(tmp_path / "bad.gguf", meta={"attention.head_count": 0})
+    with pytest.raises(GGUFImportError) as caught:
+        checkpoint_dir(bad)
+    assert str(caught.value) == (f"{bad}: GGUF llama.attention.head_count=0: expected an int >= 1")
+    entries = (tmp_path / "cache" / "checkpoints").iterdir()
+    assert [p.name for p in entries if not p.name.endswith(".lock")] == []

@@ -22,9 +22,9 @@ from transformers import PreTrainedTokenizerFast as EvilTokenizer
 """
 
 
-@pytest.fixture(scope="module")
-def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("remote") / "hf"
+def remote_code_checkpoint(path: Path) -> Path:
+    """A tiny text checkpoint at ``path`` whose tokenizer config maps
+    ``AutoTokenizer`` to its own module, which writes ``path / "RAN"`` if run."""
     tiny_text_checkpoint(path)
     (path / "evil.py").write_text(EVIL.format(marker=str(path / "RAN")))
     config_file = path / "tokenizer_config.json"
@@ -33,6 +33,11 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}
     config_file.write_text(json.dumps(config))
     return path
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return remote_code_checkpoint(tmp_path_factory.mktemp("remote") / "hf")
 
 
 def test_the_checkpoints_tokenizer_code_is_never_run(hostile: Path) -> None:

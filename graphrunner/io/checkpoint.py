@@ -171,6 +171,7 @@ def load_any(
             device=device,
             dtype=dtype,
             page_size=page_size,
+            where=str(root),
         )
     return load_model(
         root,

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from graphrunner.io.gguf_import import convert_gguf, open_gguf
+from graphrunner.io.gguf_import import GGUFImportError, convert_gguf, open_gguf
 
 __all__ = ["CACHE_ENV", "cache_root", "checkpoint_dir", "converted_dir"]
 
@@ -61,7 +61,8 @@ def checkpoint_dir(path: Path) -> Path:
     """``path`` itself when it is not a ``.gguf`` file; else its converted
     directory in the cache, converting it first when it is not there (the
     location is printed to stderr). Raises
-    :class:`~graphrunner.io.gguf_import.GGUFImportError` when it cannot convert."""
+    :class:`~graphrunner.io.gguf_import.GGUFImportError`, naming ``path``, when
+    it cannot convert."""
     if path.suffix.lower() != ".gguf" or path.is_dir():
         return path
     open_gguf(path)  # a missing or unreadable file fails here, before any hashing
@@ -70,7 +71,10 @@ def checkpoint_dir(path: Path) -> Path:
         with _locked(out):
             # Checked again under the lock: another process may have converted it.
             if not (out / "config.json").is_file():
-                convert_gguf(path, out)  # reported after: a failure prints its one line only
+                try:
+                    convert_gguf(path, out)  # reported after: a failure prints its one line only
+                except GGUFImportError as e:
+                    raise GGUFImportError(f"{path}: {e}") from None
                 print(
                     f"converted {path} into {out} (once; ${CACHE_ENV} or $XDG_CACHE_HOME "
                     "moves the cache)",

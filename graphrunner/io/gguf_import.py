@@ -12,14 +12,15 @@ second half alternate); :func:`unpermute_qk` undoes that, so the converted
 weights are those of the Hugging Face checkpoint the GGUF was made from.
 
 Everything is written to a temporary directory beside ``out`` and renamed
-into place at the end: an error leaves nothing behind.
+into place at the end: an error or SIGTERM leaves nothing behind, and the
+temporary a SIGKILLed conversion left is removed by the next conversion into
+the same ``out`` (:mod:`graphrunner.util.temp`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from graphrunner.io.gguf_meta import GGUFImportError, field, open_gguf
 from graphrunner.io.gguf_tokenizer import write_tokenizer
 from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.shapes import check_llama_weights
+from graphrunner.util.temp import remove_stale_temps, temp_path
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -232,9 +234,11 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
     """Write the Hugging Face layout of GGUF ``path`` into new directory ``out``
     (``config.json``, ``model.safetensors``, tokenizer files when the GGUF's
     tokenizer is one :mod:`graphrunner.io.gguf_tokenizer` builds). ``out`` must
-    not exist or be empty. Returns ``out``.
+    not exist or be empty. Returns ``out``. Temporaries that killed
+    conversions into ``out`` left are removed first.
     """
     dest = Path(out)
+    remove_stale_temps(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise GGUFImportError(f"--out {dest}: exists and is not an empty directory")
     reader = open_gguf(path)
@@ -242,7 +246,7 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
     check_gguf_tensors(reader, config)
     weights = read_gguf_weights(reader, config)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = temp_path(dest)
     try:
         tmp.mkdir()
         write_tokenizer(

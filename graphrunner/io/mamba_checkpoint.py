@@ -174,6 +174,7 @@ def _check_shapes_first(
     weights: Mapping[str, torch.Tensor],
     context: int,
     page_size: int,
+    where: str,
 ) -> None:
     """Every weight's name and shape against the model of ``config``, built on
     the ``meta`` device (shapes, no memory) before the real one is allocated:
@@ -188,7 +189,7 @@ def _check_shapes_first(
     given = {name: tuple(w.shape) for name, w in weights.items()}
     if model.lm_head is None:  # tied: a saved copy of the head is compared at load
         given.pop("lm_head.weight", None)
-    check_weight_shapes(given, expected, "checkpoint")
+    check_weight_shapes(given, expected, where)
 
 
 #: Context when none is given: a Mamba checkpoint states no maximum.
@@ -205,15 +206,17 @@ def load_state_space_model(
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
     track_buffers: bool = False,
+    where: str = "checkpoint",
 ) -> StateSpaceBundle:
     """Build the model of ``config.json`` ``hf`` over fresh pools (see
     :func:`build_state_space_model`) and load ``weights`` (read by
-    :func:`graphrunner.io.checkpoint.read_weights`) into it."""
+    :func:`graphrunner.io.checkpoint.read_weights`) into it. ``where`` (the
+    checkpoint's folder) starts the error of a weight that does not fit."""
     config = parse_config(hf)
     context = DEFAULT_CONTEXT if max_context_len is None else max_context_len
     if isinstance(config, HybridConfig):
         context = min(context, config.attention.max_position_embeddings)
-    _check_shapes_first(config, weights, context, page_size)
+    _check_shapes_first(config, weights, context, page_size, where)
     bundle = build_state_space_model(
         config,
         max_requests=max_requests,

@@ -15,8 +15,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from graphrunner.io.chat_template import ChatTemplateError, render_chat
+from graphrunner.model.config import CheckpointError
 
-__all__ = ["TOKENIZER_FILES", "NoTokenizerError", "StreamPrinter", "TextCodec", "has_tokenizer"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "NoTokenizerError",
+    "StreamPrinter",
+    "TextCodec",
+    "TokenizerVocabError",
+    "has_tokenizer",
+]
 
 #: Any of these in a checkpoint directory means it ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -24,6 +32,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 class NoTokenizerError(ValueError):
     """Text was given for a model without a tokenizer (or without a chat template)."""
+
+
+class TokenizerVocabError(CheckpointError):
+    """A checkpoint's tokenizer makes token ids its model has no embedding for."""
 
 
 def has_tokenizer(checkpoint: Path | None) -> bool:
@@ -44,9 +56,14 @@ class TextCodec:
         self.tokenizer = tokenizer
 
     @classmethod
-    def load(cls, checkpoint: Path | None, *, what: str) -> TextCodec:
+    def load(
+        cls, checkpoint: Path | None, *, what: str, vocab_size: int | None = None
+    ) -> TextCodec:
         """The tokenizer of ``checkpoint``; :class:`NoTokenizerError` naming
-        ``what`` (the argument that needs it) when there is none."""
+        ``what`` (the argument that needs it) when there is none. With
+        ``vocab_size`` (the model's), a tokenizer that makes ids past it is
+        refused here, before any run: :class:`TokenizerVocabError` names the
+        tokenizer file, its size and the model's."""
         if checkpoint is None or not has_tokenizer(checkpoint):
             model = f"--checkpoint {checkpoint}" if checkpoint else "the embedded random model"
             raise NoTokenizerError(
@@ -65,7 +82,22 @@ class TextCodec:
             raise NoTokenizerError(
                 f"--checkpoint {checkpoint}: tokenizer not loadable: {e}"
             ) from None
-        return cls(tokenizer)
+        codec = cls(tokenizer)
+        if vocab_size is not None and codec.vocab_size > vocab_size:
+            file = next(checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file())
+            raise TokenizerVocabError(
+                f"tokenizer {file}: a vocabulary of {codec.vocab_size} tokens (ids 0.."
+                f"{codec.vocab_size - 1}), more than the model's vocab_size {vocab_size}; "
+                f"expected at most {vocab_size}: ids past {vocab_size - 1} have no embedding"
+            )
+        return codec
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the tokenizer can make: its largest id + 1, added
+        tokens included."""
+        ids = self.tokenizer.get_vocab().values()
+        return max(len(self.tokenizer), max(ids, default=-1) + 1)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from graphrunner.util import json_text
 from graphrunner.util.atomic import write_atomically
 
 __all__ = ["HISTOGRAM_FORMAT", "BatchSizeHistogram", "HistogramFileError", "read_histogram"]
@@ -127,9 +128,11 @@ def read_histogram(path: str | Path) -> BatchSizeHistogram:
 
 def _parse_json(path: Path, text: str) -> BatchSizeHistogram:
     try:
-        data = json.loads(text)
+        data = json_text.loads(text)
     except json.JSONDecodeError as e:
         raise HistogramFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except json_text.JSONLimitError as e:
+        raise HistogramFileError(f"{path}: not a histogram ({e})") from None
     if data.get("format") != HISTOGRAM_FORMAT or data.get("version") != _VERSION:
         raise HistogramFileError(
             f"{path}: format {data.get('format')!r} version {data.get('version')!r}; "
@@ -140,7 +143,11 @@ def _parse_json(path: Path, text: str) -> BatchSizeHistogram:
         raise HistogramFileError(f"{path}: 'counts' is {counts!r}; expected an object")
     parsed: dict[int, int] = {}
     for key, n in counts.items():
-        bs = int(key) if key.isascii() and key.isdigit() else key
+        bs = _digits(key)
+        if bs is None:
+            raise HistogramFileError(
+                f"{path}: counts: batch size {key[:40]!r}; expected an int >= 1"
+            )
         try:
             _check_entry(bs, n, f"{path}: counts")
         except ValueError as e:
@@ -155,9 +162,21 @@ def _parse_lines(path: Path, text: str) -> BatchSizeHistogram:
         field = line.split("#", 1)[0].strip()
         if not field:
             continue
-        if not (field.isascii() and field.isdigit()) or int(field) < 1:
+        bs = _digits(field)
+        if bs is None or bs < 1:
             raise HistogramFileError(
                 f"{path}:{lineno}: {line.strip()[:40]!r}; expected one batch size (an int >= 1)"
             )
-        hist.add(int(field))
+        hist.add(bs)
     return hist
+
+
+def _digits(text: str) -> int | None:
+    """The int that ``text`` spells in ASCII digits, or None (other text, or
+    more digits than Python converts)."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # past the digit limit
+        return None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from graphrunner.sizing.report import CaptureReport, SizeReport
+from graphrunner.util import json_text
 from graphrunner.util.atomic import write_atomically
 
 __all__ = [
@@ -53,13 +54,15 @@ def read_capture_report(path: str | Path) -> tuple[CaptureReport, str]:
     """The report of a file :func:`write_capture_report` wrote, and its mechanism label."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json_text.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ReportFileError(f"{path}: no such file") from None
     except (IsADirectoryError, UnicodeDecodeError):
         raise ReportFileError(f"{path}: expected a UTF-8 JSON file") from None
     except json.JSONDecodeError as e:
         raise ReportFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except json_text.JSONLimitError as e:
+        raise ReportFileError(f"{path}: not a capture report ({e})") from None
     except OSError as e:
         raise ReportFileError(f"{path}: {e.strerror}") from None
     if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:

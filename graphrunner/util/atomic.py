@@ -11,14 +11,18 @@ place. What is already at the path decides how:
   since a rename would replace the device or the pipe its reader holds;
 * anything else (a directory, a block device, a socket): refused with an
   :class:`OSError` that names the path and what is there.
+
+A temporary that a killed write left beside the file is removed by the next
+write to it (:func:`~graphrunner.util.temp.remove_stale_temps`).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import uuid
 from pathlib import Path
+
+from graphrunner.util.temp import remove_stale_temps, temp_path
 
 __all__ = ["write_atomically"]
 
@@ -52,7 +56,8 @@ def write_atomically(path: Path, text: str) -> None:
             return
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise OSError(f"{path} is {kind}; expected a regular file, a FIFO or a character device")
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    remove_stale_temps(target)
+    tmp = temp_path(target)
     try:
         with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
