@@ -114,7 +114,11 @@ def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> Decod
             backend=backend,
             inputs=lambda batch: StateSpaceInputs(batch, ssm.req_pool),
             sanitizer=lambda: MambaSanitizer.for_pools(
-                ssm.req_pool, ssm.kv_cache, kv_allocator=ssm.kv_alloc, mamba_pool=ssm.mamba_pool
+                ssm.req_pool,
+                ssm.kv_cache,
+                kv_allocator=ssm.kv_alloc,
+                mamba_pool=ssm.mamba_pool,
+                vocab_size=ssm.config.vocab_size,
             ),
             state_ops=ssm.req_pool,
             mamba=True,
@@ -130,7 +134,10 @@ def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> Decod
         backend=llama.model.attn_backend,
         inputs=lambda batch: batch,
         sanitizer=lambda: PaddingSanitizer.for_pools(
-            llama.req_pool, llama.kv_cache, kv_allocator=llama.kv_alloc
+            llama.req_pool,
+            llama.kv_cache,
+            kv_allocator=llama.kv_alloc,
+            vocab_size=llama.config.vocab_size,
         ),
     )
 

@@ -44,7 +44,9 @@ class _Capture:
 
     def pools_sanitizer(self, kv: KVCache) -> PaddingSanitizer:
         b = self.bundle
-        return PaddingSanitizer.for_pools(b.req_pool, kv, kv_allocator=b.kv_alloc)
+        return PaddingSanitizer.for_pools(
+            b.req_pool, kv, kv_allocator=b.kv_alloc, vocab_size=b.config.vocab_size
+        )
 
 
 def _captured(runner: GraphRunner) -> GraphRunner:

@@ -1,0 +1,35 @@
+"""A decode runner built by the engine factory with ``check_padding`` bounds
+live token ids by its model's vocabulary: an id outside it is a named
+PaddingViolation before the step runs, not an index error inside the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrunner import DecodeBatch, PaddingViolation, create_model_runner, default_model
+from graphrunner.model import ModelBundle
+
+
+def _batch(bundle: ModelBundle, token: int) -> DecodeBatch:
+    reqs = bundle.req_pool.alloc(3)
+    ids = torch.tensor([5, token, 7])
+    batch = DecodeBatch.from_requests(
+        reqs, [4, 4, 4], ids, device=bundle.device, max_context_len=bundle.max_context_len
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    return batch
+
+
+@pytest.mark.parametrize("past_vocab", [False, True])
+def test_a_live_token_outside_the_vocabulary_is_named(past_vocab: bool):
+    bundle = default_model(max_requests=8, max_context_len=32, device="cpu")
+    runner = create_model_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner.capture()
+    vocab = bundle.config.vocab_size
+    bad = vocab if past_vocab else -1
+    batch = _batch(bundle, bad)
+    with pytest.raises(PaddingViolation, match=rf"input_ids live row 1 = {bad}"):
+        runner.replay(batch)
+    ok = _batch(bundle, vocab - 1)
+    assert runner.replay(ok).shape[0] == 3
