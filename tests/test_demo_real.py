@@ -166,3 +166,14 @@ def test_demo_bounds_exit_2_before_any_work(
     monkeypatch.setattr(demo_real, "fetch_gguf", no_fetch)
     assert demo_real.main(argv) == 2
     assert capsys.readouterr().err == f"demo-real: error: {message}\n"
+
+
+def test_ctrl_c_ends_with_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(root: Path) -> Path:
+        raise KeyboardInterrupt  # as Ctrl-C mid-download
+
+    monkeypatch.setattr(demo_real, "fetch_gguf", interrupted)
+    assert demo_real.main(["--runner", "eager"]) == 130
+    assert capsys.readouterr().err == "demo-real: interrupted\n"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from graphrunner.cli.exits import run_command
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
 from graphrunner.io import load_model, read_config, resolve_checkpoint
@@ -111,7 +112,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command: its exit status (Ctrl-C 130 and SIGTERM 143 with one line,
+    as every graphrunner command, see :mod:`graphrunner.cli.exits`)."""
     args = _parser().parse_args(argv)
+    return run_command("demo-real", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     for flag, value, lo, hi in (
         ("--prompts", args.prompts, 1, len(PROMPTS)),
         ("--max-new-tokens", args.max_new_tokens, 1, 64),
