@@ -15,7 +15,8 @@ are always True, "advance this row"):
   row, its KV slot, its Mamba slot, ...): a padded row that kept it would
   write over that live request's state;
 * ``max/bystander``: the largest finite float, and the index values of a
-  request outside the batch (its row, one of its cached slots, its Mamba slot).
+  request outside the batch (its row, one of its cached slots, its Mamba
+  slot); fields that index no request state take the last live row's value.
 
 The sink rows padded rows may write (KV slot 0) hold finite garbage, which
 a live row must never read.
@@ -148,21 +149,21 @@ def corrupted_rows(
 ) -> list[str]:
     """Rows of one state tensor that went wrong: changed outside the live and
     sink rows (bit for bit, NaN equal to NaN), or live rows unlike eager's."""
-    changed = ~(after == before) & ~(
-        after.isnan() & before.isnan() if after.is_floating_point() else False
-    )
+    changed = after != before
+    if after.is_floating_point():
+        changed &= ~(after.isnan() & before.isnan())
     changed_rows = changed.reshape(after.shape[0], -1).any(1)
-    live = sorted(live)
+    rows = sorted(live)
     allowed = torch.zeros_like(changed_rows)
-    allowed[[*live, *sinks]] = True
+    allowed[[*rows, *sinks]] = True
     found = [
         f"{name} row {r} changed, owned by no live row"
         for r in torch.nonzero(changed_rows & ~allowed).flatten().tolist()
     ]
-    if live:
-        ok = _same(after[live], expected[live]).reshape(len(live), -1).all(1)
+    if rows:
+        ok = _same(after[rows], expected[rows]).reshape(len(rows), -1).all(1)
         found += [
-            f"{name} live row {live[i]} differs from eager"
+            f"{name} live row {rows[i]} differs from eager"
             for i in torch.nonzero(~ok).flatten().tolist()
         ]
     return found
