@@ -1,7 +1,7 @@
 """The padding fuzz (``tests/padding_fuzz.py``) on every phase x every
 mechanism of this machine: each captured size replayed with every smaller
 live batch and a full one, each buffer's tail poisoned with every pattern
-first, the sanitizer on; counts of what was compared and what went wrong
+first, with the sanitizer on and on the lean path without it; counts of what was compared and what went wrong
 (mismatches, corruptions, sanitizer refusals and errors must all be 0).
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_padding_fuzz`` (writes
@@ -27,12 +27,13 @@ from graphrunner.testing import torch_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fuzz_cases import MECHANISMS, PHASES, make_case  # noqa: E402
-from padding_fuzz import PATTERNS, FuzzCounts, fuzz  # noqa: E402
+from padding_fuzz import PATHS, PATTERNS, FuzzCounts, fuzz  # noqa: E402
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_padding_fuzz"
 COLUMNS = (
     "phase",
     "mechanism",
+    "replay paths",
     "(captured, live) sizes replayed",
     "poison patterns",
     "replays",
@@ -54,6 +55,7 @@ def _row(c: FuzzCounts, seconds: float) -> list[str]:
     values = (
         c.phase,
         c.mechanism,
+        "+".join(c.paths),
         len(c.sizes),
         c.patterns,
         c.replays,
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{CMD}`",
         f"- captured sizes: {sizes}; live batches 1..{sizes[-1]} (every captured size "
         "with fewer live rows than it, and with as many)",
+        "- replay paths: `sanitized` (the phase's padding sanitizer on, vocab size given) and "
+        "`lean` (the same runner without it)",
         f"- fresh worlds (requests, lengths, bystanders) per size and pattern: {args.seeds}",
         f"- poison patterns (float tail / integer tail; bool tails True): {', '.join(PATTERNS)}",
         "- live rows compared with the eager forward of the unpadded batch (floats within "
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
         "seeds": args.seeds,
         "patterns": list(PATTERNS),
+        "paths": list(PATHS),
         "runs": raw,
     }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")

@@ -47,8 +47,9 @@ RTOL = ATOL = 1e-5
 class FuzzCounts:
     """What one phase on one mechanism replayed and found.
 
+    ``paths``: the replay paths taken (``sanitized``, ``lean``);
     ``sizes``: distinct (captured size, live rows) pairs replayed;
-    ``replays``: padded or full replays (sizes x patterns); ``live_rows``:
+    ``replays``: padded or full replays (paths x sizes x patterns x worlds); ``live_rows``:
     request rows whose outputs were compared; ``mismatches``: those that
     differed from eager; ``corruptions``: state rows that changed though no
     live row owns them, or live rows whose state differs from eager's;
@@ -59,6 +60,7 @@ class FuzzCounts:
 
     phase: str
     mechanism: str
+    paths: list[str] = field(default_factory=list)
     sizes: list[tuple[int, int]] = field(default_factory=list)
     patterns: int = 0
     replays: int = 0
@@ -183,7 +185,8 @@ def check_replay(case: FuzzCase, raw_bs: int, pattern: str, seed: int, counts: F
     case.restore(before)
     poison_tails(case, raw_bs, pattern, inputs)
     bs = case.runner.graph_size_for(raw_bs)
-    where = f"{case.phase}/{counts.mechanism} bs {bs} live {raw_bs} {pattern}"
+    path = "sanitized" if case.runner.sanitizer is not None else "lean"
+    where = f"{case.phase}/{counts.mechanism} {path} bs {bs} live {raw_bs} {pattern}"
     counts.replays += 1
     try:
         got = _outputs(case.runner.replay(inputs))
@@ -216,18 +219,40 @@ def check_replay(case: FuzzCase, raw_bs: int, pattern: str, seed: int, counts: F
             counts.note(f"{where}: {f}")
 
 
+#: The replay paths: under the case's sanitizer (every check, then the
+#: launch), and the lean path a runner without one takes.
+PATHS = ("sanitized", "lean")
+
+
 def fuzz(
-    make: Callable[[], FuzzCase], label: str, *, seeds: int = 1, patterns: Iterable[str] = PATTERNS
+    make: Callable[[], FuzzCase],
+    label: str,
+    *,
+    seeds: int = 1,
+    patterns: Iterable[str] = PATTERNS,
+    paths: Iterable[str] = PATHS,
 ) -> FuzzCounts:
     """Every live batch size 1..the largest captured size (so every captured
     size with fewer live rows than it, and with as many) under every pattern,
-    ``seeds`` fresh worlds each."""
+    ``seeds`` fresh worlds each, on each replay path (``sanitized`` needs a
+    case made with its sanitizer; ``lean`` replays the same runner without it)."""
     case = make()
-    runner, chosen = case.runner, list(patterns)
-    counts = FuzzCounts(case.phase, label, patterns=len(chosen))
-    for raw_bs in range(1, runner.max_bs + 1):
-        counts.sizes.append((runner.graph_size_for(raw_bs), raw_bs))
-        for p, pattern in enumerate(chosen):
-            for s in range(seeds):
-                check_replay(case, raw_bs, pattern, seed=1000 * raw_bs + 10 * p + s, counts=counts)
+    runner, chosen, ways = case.runner, list(patterns), list(paths)
+    counts = FuzzCounts(case.phase, label, patterns=len(chosen), paths=ways)
+    sanitizer = runner.sanitizer
+    if "sanitized" in ways and sanitizer is None:
+        raise ValueError("paths: 'sanitized' needs a case made with its sanitizer")
+    try:
+        for path in ways:
+            runner.sanitizer = sanitizer if path == "sanitized" else None
+            for raw_bs in range(1, runner.max_bs + 1):
+                pair = (runner.graph_size_for(raw_bs), raw_bs)
+                if pair not in counts.sizes:
+                    counts.sizes.append(pair)
+                for p, pattern in enumerate(chosen):
+                    for s in range(seeds):
+                        seed = 1000 * raw_bs + 10 * p + s
+                        check_replay(case, raw_bs, pattern, seed=seed, counts=counts)
+    finally:
+        runner.sanitizer = sanitizer
     return counts

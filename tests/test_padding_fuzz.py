@@ -1,7 +1,8 @@
 """The padding fuzz (:mod:`padding_fuzz`) on every phase and mechanism: every
 captured size replayed with fewer live rows and with as many, each buffer's
-tail poisoned (NaN, inf, -1, out of range, live and bystander indices), the
-sanitizer on; live outputs equal to eager, no state row corrupted.
+tail poisoned (NaN, inf, -1, out of range, live and bystander indices), with
+the sanitizer on and on the lean path without it; live outputs equal to
+eager, no state row corrupted.
 
 By default the compiled CPU runner fuzzes the decode phase alone, at one
 captured size (inductor compiles each size for seconds);
@@ -17,7 +18,7 @@ import torch
 
 from conftest import HAS_CUDA, SLOW
 from fuzz_cases import MECHANISMS, PHASES, FuzzCase, make_case
-from padding_fuzz import PATTERNS, fuzz
+from padding_fuzz import PATHS, PATTERNS, fuzz
 
 EAGER_SIZES = [1, 2, 4]
 COMPILED_SIZES = [1, 2, 4] if SLOW else [3]
@@ -45,8 +46,9 @@ def test_poisoned_tails_never_reach_live_rows_or_state(phase: str, label: str) -
     assert counts.clean, "\n".join(counts.failures)
     live = range(1, sizes[-1] + 1)
     assert counts.sizes == [(min(s for s in sizes if s >= n), n) for n in live]
-    assert counts.replays == len(live) * len(PATTERNS)
-    assert counts.live_rows == sum(live) * len(PATTERNS)
+    assert counts.paths == list(PATHS)
+    assert counts.replays == len(live) * len(PATTERNS) * len(PATHS)
+    assert counts.live_rows == sum(live) * len(PATTERNS) * len(PATHS)
 
 
 class _SkipsTail:
@@ -84,9 +86,11 @@ def test_the_fuzz_sees_a_populate_that_skips_a_tail(phase: str, field: str, find
         case.runner.writer = _SkipsTail(case, field)
         return case
 
-    counts = fuzz(broken, "eager")
+    counts = fuzz(broken, "eager", paths=["lean"])
     assert getattr(counts, finding) > 0, counts
-    with_sanitizer = fuzz(lambda: _with_skip(make_case(phase, "eager", [4]), field), "eager")
+    with_sanitizer = fuzz(
+        lambda: _with_skip(make_case(phase, "eager", [4]), field), "eager", paths=["sanitized"]
+    )
     # The sanitizer refuses the poison before launch (where it differs from
     # the pad value), so nothing reaches the state.
     assert with_sanitizer.violations > 0, with_sanitizer
