@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         "- replay paths: `sanitized` (the phase's padding sanitizer on, vocab size given) and "
         "`lean` (the same runner without it)",
         f"- fresh worlds (requests, lengths, bystanders) per size and pattern: {args.seeds}",
+        "- slot 0 of every KV layer and of the Mamba state (what padded rows read) holds "
+        "the pattern's float too",
         f"- poison patterns (float tail / integer tail; bool tails True): {', '.join(PATTERNS)}",
         "- live rows compared with the eager forward of the unpadded batch (floats within "
         "1e-5, integers exact); state corruptions: rows of req_to_token, KV or Mamba state "

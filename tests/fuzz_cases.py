@@ -61,6 +61,8 @@ class FuzzCase:
     ``sinks``: state name -> the rows padded rows may write (slot 0 of the KV
     the phase writes; none of a Mamba pool, whose padded rows discard their
     update). Every other row of every state tensor must stay bit-identical.
+    ``padding_reads``: state name -> the rows padded rows read (slot 0), which
+    the fuzz fills with hostile floats.
     """
 
     phase: str
@@ -68,6 +70,7 @@ class FuzzCase:
     forward: Callable[[Any], Any]
     vocab: int
     sinks: dict[str, list[int]]
+    padding_reads: dict[str, list[int]]
 
     def build(self, phase: Phase, label: str, sizes: list[int], sanitizer: Any, **kw: Any) -> None:
         kind, options = MECHANISMS[label]
@@ -131,6 +134,8 @@ class SpecCase(FuzzCase):
         self.build(made, label, sizes, sanitizer)
         self._written = [] if phase == "mtp" else self._kv_names(draft=phase.startswith("eagle"))
         self.sinks = {name: [0] for name in self._written}
+        read = [*self._kv_names(draft=False), *self._kv_names(draft=True)]
+        self.padding_reads = dict.fromkeys(read, [0])
 
     def _kv_names(self, *, draft: bool) -> list[str]:
         if draft:
@@ -191,7 +196,7 @@ BYSTANDERS = 2
 class MambaCase(FuzzCase):
     """The state-space decode of a small random Mamba-1 model: the decode
     fields plus each row's Mamba slot; the request pool's state ops run before
-    launch. Live and bystander slots hold random state, the sink slot 0 too."""
+    launch. Live and bystander slots hold random state, free slots too."""
 
     def __init__(self, label: str, sizes: list[int], *, sanitize: bool = True) -> None:
         self.phase = "mamba_decode"
@@ -213,6 +218,7 @@ class MambaCase(FuzzCase):
         phase = decode_phase(b.model.forward_decode, backend=NullBackend(), mamba=True)
         self.build(phase, label, sizes, sanitizer, state_ops=b.req_pool)
         self.sinks = {}
+        self.padding_reads = {"conv_state": [0], "ssm_state": [0]}
 
     def inputs(self, raw_bs: int, seed: int) -> Any:
         b, gen = self.bundle, torch.Generator().manual_seed(seed)

@@ -18,8 +18,8 @@ are always True, "advance this row"):
   request outside the batch (its row, one of its cached slots, its Mamba
   slot); fields that index no request state take the last live row's value.
 
-The sink rows padded rows may write (KV slot 0) hold finite garbage, which
-a live row must never read.
+The rows padded rows read (slot 0 of every KV layer and of the Mamba state)
+hold the pattern's float too, which no live row may ever read.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from graphrunner.sanitizer.padding import PaddingViolation
 
 #: Float tail, integer tail of each pattern (see the module doc).
 PATTERNS = ("nan/-1", "inf/out-of-range", "-inf/live", "max/bystander")
-#: What the sink rows hold during the fuzz: finite garbage.
-SINK_GARBAGE = 12345.0
 #: The tolerance the phase oracles use for floats (compiled programs round
 #: unlike eager); integers (token ids, parents, indices) must be equal.
 RTOL = ATOL = 1e-5
@@ -83,20 +81,23 @@ class FuzzCounts:
         return {**asdict(self), "sizes": [list(s) for s in self.sizes]}
 
 
+def float_poison(pattern: str, dtype: torch.dtype) -> float:
+    """The float ``pattern`` writes into float tails and the padding-read rows."""
+    floats = pattern.split("/")[0]
+    if floats == "max":
+        return torch.finfo(dtype).max
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[floats]
+
+
 def tail_value(
     pattern: str, spec: BufferSpec, tail: torch.Tensor, case: FuzzCase, inputs: Any
 ) -> float | int | bool:
     """The hostile value ``pattern`` writes into ``spec``'s padded tail."""
     if tail.dtype == torch.bool:
         return True
-    floats, ints = pattern.split("/")
+    ints = pattern.split("/")[1]
     if tail.is_floating_point():
-        return {
-            "nan": float("nan"),
-            "inf": float("inf"),
-            "-inf": float("-inf"),
-            "max": torch.finfo(tail.dtype).max,
-        }[floats]
+        return float_poison(pattern, tail.dtype)
     kind = spec.indexes.value if spec.indexes is not None else None
     if ints == "-1":
         return -1
@@ -175,8 +176,8 @@ def check_replay(case: FuzzCase, raw_bs: int, pattern: str, seed: int, counts: F
     """One poisoned replay of ``raw_bs`` live requests, compared with eager."""
     inputs = case.inputs(raw_bs, seed)
     garbage = case.state()
-    for name, rows in case.sinks.items():
-        garbage[name][rows] = SINK_GARBAGE
+    for name, rows in case.padding_reads.items():
+        garbage[name][rows] = float_poison(pattern, garbage[name].dtype)
     case.restore(garbage)
     before = case.state()
     with torch.no_grad():
