@@ -11,9 +11,9 @@ are always True, "advance this row"):
 * ``nan/-1``: NaN, and -1 (wraps onto the last row of whatever it indexes);
 * ``inf/out-of-range``: +inf, and the first value past each index's range
   (the vocabulary, request rows, KV slots, Mamba slots, context, width);
-* ``-inf/live``: -inf, and live row 0's own value of the field (its request
-  row, its KV slot, its Mamba slot, ...): a padded row that kept it would
-  write over that live request's state;
+* ``-inf/live``: -inf, and the live rows' own values of the field, cycled
+  over the tail (their request rows, KV slots, Mamba slots, ...): a padded
+  row that kept one would write over that live request's state;
 * ``max/bystander``: the largest finite float, and the index values of a
   request outside the batch (its row, one of its cached slots, its Mamba
   slot); fields that index no request state take the last live row's value.
@@ -92,7 +92,8 @@ def float_poison(pattern: str, dtype: torch.dtype) -> float:
 def tail_value(
     pattern: str, spec: BufferSpec, tail: torch.Tensor, case: FuzzCase, inputs: Any
 ) -> float | int | bool:
-    """The hostile value ``pattern`` writes into ``spec``'s padded tail."""
+    """The one hostile value ``pattern`` fills ``spec``'s padded tail with
+    (integer tails of ``live`` are copied from the live rows by :func:`poison_tails`)."""
     if tail.dtype == torch.bool:
         return True
     ints = pattern.split("/")[1]
@@ -103,8 +104,6 @@ def tail_value(
         return -1
     if ints == "out-of-range":
         return case.limits().get(kind or "", 2**31)
-    if ints == "live":
-        return int(getattr(inputs, spec.name).reshape(-1)[0])
     return case.bystander().get(kind or "", int(getattr(inputs, spec.name).reshape(-1)[-1]))
 
 
@@ -113,7 +112,11 @@ def poison_tails(case: FuzzCase, raw_bs: int, pattern: str, inputs: Any) -> None
     bufs = case.runner.buffers
     for spec in bufs.specs:
         tail = bufs.tensors[spec.name][bufs.rows(spec, raw_bs) :]
-        tail.fill_(tail_value(pattern, spec, tail, case, inputs))
+        if pattern.endswith("/live") and not (tail.is_floating_point() or tail.dtype == torch.bool):
+            live = getattr(inputs, spec.name).to(tail.device, tail.dtype)
+            tail.copy_(live[torch.arange(tail.shape[0], device=tail.device) % live.shape[0]])
+        else:
+            tail.fill_(tail_value(pattern, spec, tail, case, inputs))
 
 
 def _outputs(out: Any) -> dict[str, torch.Tensor]:
