@@ -1,0 +1,102 @@
+"""The padding fuzz (:mod:`padding_fuzz`) on every phase and mechanism: every
+captured size replayed with fewer live rows and with as many, each buffer's
+tail poisoned (NaN, inf, -1, out of range, live and bystander indices), with
+the sanitizer on and on the lean path without it; live outputs equal to
+eager, no state row corrupted.
+
+By default the compiled CPU runner fuzzes the decode phase alone, at one
+captured size (inductor compiles each size for seconds);
+``GRAPHRUNNER_SLOW=1`` and ``bench/bench_padding_fuzz.py`` fuzz every phase
+on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, SLOW
+from fuzz_cases import MECHANISMS, PHASES, FuzzCase, make_case
+from padding_fuzz import PATHS, PATTERNS, fuzz
+
+EAGER_SIZES = [1, 2, 4]
+COMPILED_SIZES = [1, 2, 4] if SLOW else [3]
+
+
+def _params() -> list[object]:
+    params: list[object] = []
+    for label in MECHANISMS:
+        cuda = label.startswith("cuda")
+        if cuda and not HAS_CUDA:
+            continue
+        for phase in PHASES:
+            if label == "cpu" and phase != "decode" and not SLOW:
+                continue
+            marks = [pytest.mark.cuda] if cuda else []
+            params.append(pytest.param(phase, label, marks=marks, id=f"{phase}-{label}"))
+    return params
+
+
+@pytest.mark.padded
+@pytest.mark.parametrize(("phase", "label"), _params())
+def test_poisoned_tails_never_reach_live_rows_or_state(phase: str, label: str) -> None:
+    sizes = EAGER_SIZES if label == "eager" else COMPILED_SIZES
+    counts = fuzz(lambda: make_case(phase, label, sizes), label)
+    assert counts.clean, "\n".join(counts.failures)
+    live = range(1, sizes[-1] + 1)
+    assert counts.sizes == [(min(s for s in sizes if s >= n), n) for n in live]
+    assert counts.paths == list(PATHS)
+    assert counts.replays == len(live) * len(PATTERNS) * len(PATHS)
+    assert counts.live_rows == sum(live) * len(PATTERNS) * len(PATHS)
+
+
+class _SkipsTail:
+    """A populate that leaves one buffer's padded tail as it found it."""
+
+    def __init__(self, case: FuzzCase, name: str) -> None:
+        self.inner, self.buffers, self.name = case.runner.writer, case.runner.buffers, name
+
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+        spec = next(s for s in self.buffers.specs if s.name == self.name)
+        tail = self.buffers.tensors[self.name][spec.rows(raw_bs) :]
+        kept = tail.clone()
+        ops = self.inner.write(sources, raw_bs, bs)
+        tail.copy_(kept)
+        return ops
+
+
+@pytest.mark.parametrize(
+    ("phase", "field", "finding"),
+    [
+        ("decode", "out_cache_loc", "corruptions"),
+        ("eagle_decode", "out_cache_loc", "corruptions"),
+        ("mamba_decode", "mamba_track_mask", "corruptions"),
+        ("verify", "out_cache_loc", "corruptions"),
+        ("eagle_extend", "accept_lens", "errors"),
+    ],
+)
+def test_the_fuzz_sees_a_populate_that_skips_a_tail(phase: str, field: str, finding: str) -> None:
+    """Without the sanitizer, the fuzz's own comparisons find the poison a
+    populate left behind (a padded row writing live state, or an index out of
+    range reaching a kernel); with it, the sanitizer refuses every padded replay."""
+
+    def broken() -> FuzzCase:
+        case = make_case(phase, "eager", [4], sanitize=False)
+        case.runner.writer = _SkipsTail(case, field)
+        return case
+
+    counts = fuzz(broken, "eager", paths=["lean"])
+    assert getattr(counts, finding) > 0, counts
+    with_sanitizer = fuzz(
+        lambda: _with_skip(make_case(phase, "eager", [4]), field), "eager", paths=["sanitized"]
+    )
+    # The sanitizer refuses the poison before launch (where it differs from
+    # the pad value), so nothing reaches the state.
+    assert with_sanitizer.violations > 0, with_sanitizer
+    assert with_sanitizer.mismatches == with_sanitizer.corruptions == with_sanitizer.errors == 0
+
+
+def _with_skip(case: FuzzCase, field: str) -> FuzzCase:
+    case.runner.writer = _SkipsTail(case, field)
+    return case
