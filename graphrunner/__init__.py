@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.core.future_map import FutureMap, future_refs
-from graphrunner.core.replay import NotCapturedError
+from graphrunner.core.replay import GraphKey, NotCapturedError
 from graphrunner.core.runner import GraphRunner
 from graphrunner.core.runners import (
     CpuGraphRunner,
@@ -97,6 +97,7 @@ __all__ = [
     "FrozenKvMtpRunner",
     "FutureMap",
     "GraphBackend",
+    "GraphKey",
     "GraphRunner",
     "HybridReqToTokenPool",
     "InductorCapture",

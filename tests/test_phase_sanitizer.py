@@ -29,11 +29,13 @@ W = 3
 RAW_BS = 2
 
 
-def _runner(world: SpecWorld, phase: str, vocab_size: int | None = None) -> GraphRunner:
+def _runner(
+    world: SpecWorld, phase: str, vocab_size: int | None = None, sizes: tuple[int, ...] = (4,)
+) -> GraphRunner:
     b = world.bundle
     common: dict[str, Any] = {
         "device": world.device,
-        "capture_sizes": [4],
+        "capture_sizes": list(sizes),
         "show_progress": False,
         "mechanism": "eager",
     }
@@ -146,6 +148,27 @@ def test_a_bad_value_in_each_phase_is_named_before_launch(
     after = world.state()
     for name, tensor in before.items():  # nothing was written
         assert torch.equal(after[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("phase", "field", "row", "value", "message"),
+    [p for p in PLANTS if p[1] in ("accept_lens", "positions")],
+    ids=[f"{p[0]}-{p[1]}-{p[2]}" for p in PLANTS if p[1] in ("accept_lens", "positions")],
+)
+def test_the_eager_fallback_checks_each_phase_s_own_fields(
+    phase: str, field: str, row: int, value: Any, message: str
+) -> None:
+    # Graphs of one request only: the two live requests run eagerly, where the
+    # checks must follow the phase's declarations as a replay's do.
+    world = SpecWorld()
+    runner = _runner(world, phase, sizes=(1,))
+    inputs = _inputs(world, phase, seed=5)
+    _set(inputs, field, row, value)
+    with (
+        pytest.warns(RuntimeWarning, match="running it eagerly"),
+        pytest.raises(PaddingViolation, match=message),
+    ):
+        runner.replay(inputs)
 
 
 def test_a_slot_of_another_request_is_named_in_verify() -> None:

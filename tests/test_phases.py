@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import EagerRunner, GraphRunner
+from graphrunner import EagerRunner, GraphKey, GraphRunner
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
@@ -212,3 +212,17 @@ def test_per_token_fields_name_decode_fields() -> None:
     assert set(PER_TOKEN_FIELD_NAMES) < set(DECODE_FIELD_NAMES)
     kept = per_token_fields(2, without=frozenset({"out_cache_loc"}))
     assert [s.name for s in kept] == [n for n in DECODE_FIELD_NAMES if n != "out_cache_loc"]
+
+
+def test_captures_are_keyed_by_size_and_tokens_per_row() -> None:
+    w = SpecWorld()
+    common: dict[str, Any] = {"device": w.device, "mechanism": "eager", "show_progress": False}
+    verify = GraphRunner.from_phase(verify_phase(w.model, 3), capture_sizes=[2, 4], **common)
+    decode = GraphRunner.from_phase(
+        decode_phase(lambda b: b.input_ids), capture_sizes=[1, 4], **common
+    )
+    assert verify.graph_keys == decode.graph_keys == []  # nothing before capture
+    verify.capture()
+    decode.capture()
+    assert verify.graph_keys == [GraphKey(2, 3), GraphKey(4, 3)]
+    assert decode.graph_keys == [GraphKey(1, 1), GraphKey(4, 1)]

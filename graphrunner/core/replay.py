@@ -22,6 +22,7 @@ from graphrunner.writers.base import check_inputs, resolve_futures
 
 __all__ = [
     "Graph",
+    "GraphKey",
     "NotCapturedError",
     "StepParts",
     "batch_size_of",
@@ -81,12 +82,24 @@ class StepParts(Protocol):
         anything is written for the step (the recorded state ops)."""
 
 
-class Graph(NamedTuple):
-    """One captured size as a replay reaches it (looked up by raw batch size)."""
+class GraphKey(NamedTuple):
+    """What a capture is keyed by: its batch size and tokens per row (the
+    phase's width; 1 for one token per request)."""
 
     bs: int
+    width: int
+
+
+class Graph(NamedTuple):
+    """One capture as a replay reaches it (looked up by raw batch size)."""
+
+    key: GraphKey
     launcher: Launcher
-    view: BufferView  # the buffers' rows for ``bs`` requests (what it reads)
+    view: BufferView  # the buffers' rows for ``key.bs`` requests (what it reads)
+
+    @property
+    def bs(self) -> int:
+        return self.key.bs
 
 
 def launch_padded(
@@ -180,15 +193,21 @@ def run_eager(
     raw_bs: int,
     warn_once: Callable[[], None],
     held: Outputs | None = None,
+    *,
+    same_width: bool = True,
 ) -> Outputs:
-    """The batch is larger than every graph: the same input checks, output
-    declarations and sanitizer (no padded tails here), through the eager
-    forward; ``warn_once`` is called once the inputs passed their checks."""
+    """The batch is larger than every graph (or of another width): the same
+    input checks, output declarations and sanitizer (no padded tails here),
+    through the eager forward; ``warn_once`` is called once the inputs passed
+    their checks. The sanitizer's value checks follow the buffers'
+    declarations when the batch has their width (``same_width``), the decode
+    step's otherwise."""
     validate_step(parts.backend, inputs, raw_bs)
     check_inputs(parts.buffers, inputs, raw_bs)
     parts.pre_launch()
     warn_once()
-    check = parts.sanitizer.snapshot(inputs) if parts.sanitizer else None
+    specs = parts.buffers.specs if same_width else None
+    check = parts.sanitizer.snapshot(inputs, raw_bs, specs=specs) if parts.sanitizer else None
     _poison_held(held, parts.buffers, inputs)
     # Checked above: every declared buffer is a tensor attribute of ``inputs``.
     step = cast(StepTensors, inputs)

@@ -19,6 +19,7 @@ from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.replay import (
     Graph,
+    GraphKey,
     NotCapturedError,
     batch_size_of,
     launch_padded,
@@ -26,7 +27,8 @@ from graphrunner.core.replay import (
 )
 from graphrunner.core.runner_setup import (
     check_fill_matches_backend,
-    default_mechanism,
+    graph_table,
+    resolve_mechanism,
     resolve_sizes,
     width_field,
     width_reason,
@@ -36,7 +38,7 @@ from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBacken
 from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
 from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
 from graphrunner.declare.step_inputs import ReplayInputs
-from graphrunner.mechanisms import CaptureMechanism, create_mechanism
+from graphrunner.mechanisms import CaptureMechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
@@ -113,14 +115,8 @@ class GraphRunner:
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
         if not specs:
             raise ValueError("specs must declare at least one static buffer")
-        if isinstance(mechanism, str):
-            mechanism = create_mechanism(mechanism)
-        elif mechanism is None:
-            mechanism = default_mechanism(device)
-        elif not isinstance(mechanism, CaptureMechanism):
-            raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
         self.forward = forward
-        self.mechanism: CaptureMechanism = mechanism
+        self.mechanism: CaptureMechanism = resolve_mechanism(mechanism, device)
         self.outputs = OutputLayout(outputs)
         if backend is None:
             backend = NullBackend()
@@ -142,7 +138,7 @@ class GraphRunner:
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
-        self._launchers: dict[int, Launcher] = {}
+        self._launchers: dict[GraphKey, Launcher] = {}
         self._graph_for: dict[int, Graph] = {}  # raw size -> the graph it replays
         self._warned_fallback = False
         # The last step's outputs, poisoned at the next step when sanitized.
@@ -183,6 +179,12 @@ class GraphRunner:
         return len(self._launchers) == len(self._sizes)
 
     @property
+    def graph_keys(self) -> list[GraphKey]:
+        """What each capture is keyed by, ``(batch size, tokens per row)``,
+        by size (empty before :meth:`capture`)."""
+        return sorted(self._launchers)
+
+    @property
     def direct_fallbacks(self) -> int:
         """Compiled sizes that run through dynamo, not their program called directly."""
         return self.mechanism.direct_fallbacks
@@ -200,7 +202,7 @@ class GraphRunner:
         if self._launchers:
             raise RuntimeError(f"{type(self).__name__} is already captured; build a new runner")
         try:
-            self._launchers, self.capture_report = capture_all(
+            launchers, self.capture_report = capture_all(
                 self._sizes,
                 self.forward,
                 self.buffers,
@@ -213,10 +215,9 @@ class GraphRunner:
             self._launchers = {}
             self.mechanism.drop()
             raise
-        # Every raw size's graph, looked up once per replay.
-        for raw_bs in range(1, self.max_bs + 1):
-            bs = self.graph_size_for(raw_bs)
-            self._graph_for[raw_bs] = Graph(bs, self._launchers[bs], self.buffers.view(bs))
+        self._launchers, self._graph_for = graph_table(
+            launchers, self._sizes, self.width or 1, self.buffers
+        )
         return self.capture_report
 
     def replay(self, inputs: ReplayInputs) -> Outputs:
@@ -243,9 +244,8 @@ class GraphRunner:
         raw_bs = batch_size_of(inputs)
         graph = self._graph_for.get(raw_bs)  # None: not captured, or above every size
         if graph is None and not self._graph_for:
-            raise NotCapturedError(
-                f"{type(self).__name__} is not captured (batch of {raw_bs}); call capture()"
-            )
+            name = type(self).__name__
+            raise NotCapturedError(f"{name} is not captured (batch of {raw_bs}); call capture()")
         reason = None  # the common step (a captured size, one width) asks nothing more
         if graph is None or self._width_field is not None:
             reason = self.eager_reason(inputs, raw_bs)
@@ -262,9 +262,8 @@ class GraphRunner:
     def _step(
         self, inputs: ReplayInputs, raw_bs: int, graph: Graph | None, reason: str | None
     ) -> Outputs:
-        if reason is not None or graph is None:
-            assert reason is not None  # no graph: above every size, which has a reason
-            return self._replay_eager(inputs, raw_bs, reason)
+        if graph is None or reason is not None:  # no graph: above every size (a reason)
+            return self._replay_eager(inputs, raw_bs, str(reason))
         out, ops = launch_padded(self, graph, inputs, raw_bs, self._held)
         self.stats.count_replay(raw_bs, graph.bs, ops)
         return out
@@ -279,10 +278,11 @@ class GraphRunner:
         """Launch captured size ``bs`` again on the buffers as they are: no
         populate, no checks, no stats (for tests that prove a graph leaves its
         inputs unchanged, and for benchmarks of the launch alone)."""
-        if bs not in self._launchers:
+        launcher = self._launchers.get(GraphKey(bs, self.width or 1))
+        if launcher is None:
             raise NotCapturedError(f"size {bs} is not captured (sizes {self._sizes})")
         with torch.no_grad():
-            return self._launchers[bs]()
+            return launcher()
 
     def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
         """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
@@ -290,9 +290,7 @@ class GraphRunner:
         one of another width than the captured one (host shapes only)."""
         if raw_bs > self.max_bs:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
-        if self._width_field is not None and self.width is not None:
-            return width_reason(inputs, self._width_field, self.width, raw_bs)
-        return None
+        return width_reason(inputs, self._width_field, self.width, raw_bs)
 
     def _replay_eager(self, inputs: ReplayInputs, raw_bs: int, reason: str) -> Outputs:
         def warn_once() -> None:
@@ -303,6 +301,7 @@ class GraphRunner:
                     f"(counted in runner.stats.eager_fallbacks, warned once)"
                 )
 
-        out = run_eager(self, inputs, raw_bs, warn_once, self._held)
+        same = width_reason(inputs, self._width_field, self.width, raw_bs) is None
+        out = run_eager(self, inputs, raw_bs, warn_once, self._held, same_width=same)
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
         return out

@@ -1,7 +1,7 @@
 """What a :class:`~graphrunner.GraphRunner` checks and resolves once, at
 construction (its sizes, its mechanism, the backend's fill against the
-declared buffers, the buffer that tells a batch's width), and the width test
-of a replay."""
+declared buffers, the buffer that tells a batch's width) and after capture
+(the graph of every raw size), and the width test of a replay."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, PadRule, check_width
+from graphrunner.core.replay import Graph, GraphKey
+from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.mechanisms import CaptureMechanism, create_mechanism
-from graphrunner.sizing.sizes import default_capture_sizes, validate_capture_sizes
+from graphrunner.mechanisms.base import Launcher
+from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
 
 __all__ = [
     "check_fill_matches_backend",
     "default_mechanism",
+    "graph_table",
+    "resolve_mechanism",
     "resolve_sizes",
     "width_field",
     "width_reason",
@@ -59,12 +63,42 @@ def default_mechanism(device: torch.device | str) -> CaptureMechanism:
     return create_mechanism("cuda" if torch.device(device).type == "cuda" else "cpu")
 
 
-def width_reason(inputs: object, field: str, width: int, raw_bs: int) -> str | None:
+def resolve_mechanism(
+    mechanism: CaptureMechanism | str | None, device: torch.device | str
+) -> CaptureMechanism:
+    """The runner's ``mechanism`` argument as a mechanism: a kind is created,
+    None is the device's default; anything else is a TypeError."""
+    if isinstance(mechanism, str):
+        return create_mechanism(mechanism)
+    if mechanism is None:
+        return default_mechanism(device)
+    if not isinstance(mechanism, CaptureMechanism):
+        raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
+    return mechanism
+
+
+def width_reason(inputs: object, field: str | None, width: int | None, raw_bs: int) -> str | None:
     """Why ``inputs`` cannot replay a graph captured at ``width`` tokens per
-    request (host shapes only: ``field``'s rows over ``raw_bs``), or None."""
+    request (host shapes only: ``field``'s rows over ``raw_bs``), or None
+    (also for a runner of no width: ``field`` or ``width`` None)."""
+    if field is None or width is None:
+        return None
     t = getattr(inputs, field, None)
     if isinstance(t, torch.Tensor) and t.dim() > 0 and raw_bs >= 1:
         got = int(t.shape[0]) // raw_bs
         if got != width:
             return f"batch width {got} differs from the captured width {width}"
     return None
+
+
+def graph_table(
+    launchers: dict[int, Launcher], sizes: Sequence[int], width: int, buffers: StaticBuffers
+) -> tuple[dict[GraphKey, Launcher], dict[int, Graph]]:
+    """The captures keyed by ``(size, width)``, and the graph every raw size
+    ``1..max(sizes)`` replays (looked up once per replay)."""
+    keyed = {GraphKey(bs, width): launch for bs, launch in launchers.items()}
+    table = {}
+    for raw_bs in range(1, sizes[-1] + 1):
+        key = GraphKey(pad_to(sizes, raw_bs), width)
+        table[raw_bs] = Graph(key, keyed[key], buffers.view(key.bs))
+    return keyed, table
