@@ -86,6 +86,13 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()  # a CLI command sets its own (--threads)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", params=RUNNER_PARAMS)
 def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
     yield CapturedToy(request.param, TEST_CAPTURE_SIZES)

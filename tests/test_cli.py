@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,6 @@ from test_engine import StrayWriter
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

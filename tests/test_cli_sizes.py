@@ -8,11 +8,9 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 import graphrunner.cli.checks as cli_checks
 import graphrunner.cli.main as cli
@@ -27,13 +25,6 @@ from graphrunner.sizing.report_file import (
 )
 
 EAGER = ["--runner", "eager"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the demo sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

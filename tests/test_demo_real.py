@@ -11,23 +11,14 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import graphrunner.cli.demo_real as demo_real
 from gguf_world import tiny_text_checkpoint, write_gguf
 from graphrunner.io.gguf_cache import CACHE_ENV
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

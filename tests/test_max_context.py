@@ -5,23 +5,14 @@ past N refused before any work, naming the prompt."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import graphrunner.cli.main as cli
 from graphrunner.model import ModelBundle
 from hf_tiny import save_tiny_llama
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

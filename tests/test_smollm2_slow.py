@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ pytestmark = [
 ]
 QUESTIONS = PROMPTS[:3]
 NEW_TOKENS = 16
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

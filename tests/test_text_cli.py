@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 import graphrunner.cli.main as cli
@@ -25,13 +23,6 @@ from hf_tiny import save_tiny_llama
 
 EAGER = ["--runner", "eager", "--max-new-tokens", "10"]
 TEXTS = ["hello world, hello graphs", "what is the capital of france?"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

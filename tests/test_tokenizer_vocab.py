@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 import graphrunner.cli.demo_real as demo_real
@@ -35,13 +33,6 @@ def oversized_tokenizer_checkpoint(root: Path) -> tuple[Path, Path]:
         if (text / name).is_file():
             shutil.copy(text / name, oversized / name)
     return text, oversized
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the CLI sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,6 @@ import torch
 
 import graphrunner.cli.main as cli
 from graphrunner.util import nvtx
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()  # the demo sets its own (--threads)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _range_names(path: Path) -> Counter[str]:
