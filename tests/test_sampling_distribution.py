@@ -78,7 +78,10 @@ def assert_follows(tokens: torch.Tensor, probs: torch.Tensor, where: str) -> Non
 def drawn() -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(tokens, draw-1 uniforms) of the batch, eager and compiled (one compile)."""
     batch = _batch()
-    compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(_step, dynamic=False)
+    # fullgraph: a graph break (a branch on data, a sync) fails the compile.
+    compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
+        _step, dynamic=False, fullgraph=True
+    )
     yield {"eager": _step(*batch), "compile": compiled(*batch)}
 
 

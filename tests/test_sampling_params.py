@@ -4,11 +4,12 @@ whose pad values sample finite numbers."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from graphrunner.declare.buffers import PadRule
+from graphrunner.declare.buffers import PadRule, StaticBuffers
 from graphrunner.sampling import (
     SAMPLING_FIELD_NAMES,
     SAMPLING_FIELDS,
@@ -18,6 +19,7 @@ from graphrunner.sampling import (
     sample,
     sampling_tensors,
 )
+from graphrunner.writers.base import populate
 
 
 @pytest.mark.parametrize(
@@ -120,3 +122,28 @@ def test_padded_rows_compute_finite_values(dtype):
     assert torch.allclose(probs.sum(-1), torch.ones(n))
     out = logprobs(logits, tokens, 5)
     assert torch.isfinite(out.chosen).all() and torch.isfinite(out.top).all()
+
+
+def test_populate_pads_the_sampling_buffers_and_live_rows_sample_as_unpadded():
+    """The declared fields through the one populate routine: the padded tail
+    holds the pad values over poisoned buffers, and the live rows' tokens
+    equal those of the unpadded batch."""
+    buffers = StaticBuffers(SAMPLING_FIELDS, 8, "cpu")
+    for tensor in buffers.tensors.values():
+        tensor.fill_(-7)  # stale values a pad rule must overwrite
+    params = [SamplingParams(0.8, 5, 0.9, 0.05), SamplingParams(), SamplingParams(1.2, 0, 0.5)]
+    rows = sampling_tensors(params, [3, 4, 2**62], "cpu")
+    populate(buffers, SimpleNamespace(**rows), 3, 8)
+    view = buffers.view(8).tensors()
+    for spec in SAMPLING_FIELDS:
+        assert torch.equal(view[spec.name][:3], rows[spec.name]), spec.name
+        assert (view[spec.name][3:] == spec.pad_value()).all(), spec.name
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 64, generator=g) * 3
+    position = torch.tensor([10, 11, 12, 0, 0, 0, 0, 0])
+    names = ("temperature", "top_k", "top_p", "min_p", "sampling_seed")
+    padded = sample(logits, *(view[n] for n in names), position)
+    live = sample(logits[:3], *(rows[n] for n in names), position[:3])
+    assert torch.equal(padded[:3], live)
+    assert ((padded >= 0) & (padded < 64)).all()
+    assert torch.isfinite(filtered_probs(logits, *(view[n] for n in names[:4]))).all()

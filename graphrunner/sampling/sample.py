@@ -20,7 +20,9 @@ descending sort, so equal logits keep their vocabulary order), one uniform
 ``u`` from :func:`graphrunner.sampling.random.uniform` (seed, position,
 draw 0), the first sorted token whose cumulative probability exceeds ``u``.
 One uniform per row and one sort (which top-k and top-p need anyway) is
-cheaper than Gumbel-max's ``[n, V]`` noise.
+cheaper than Gumbel-max's ``[n, V]`` noise. The uniform has 24 bits, so a
+token's drawn probability is its own within ``2**-24`` (a token below that
+may never be drawn at a given (seed, position)).
 
 Rows with ``temperature == 0`` take ``logits.argmax(-1)``, bit for bit (first
 index among ties); their other parameters still compute finite numbers and
