@@ -178,6 +178,7 @@ LAYERS = (
     "util",
     "pools",
     "declare",
+    "sampling",
     "batch",
     "writers",
     "sanitizer",

@@ -1,0 +1,25 @@
+"""sampling: per-request sampling parameters as declared buffers, a
+counter-based random stream, and a branch-free in-graph sampler."""
+
+from __future__ import annotations
+
+from graphrunner.sampling.params import (
+    SAMPLING_FIELD_NAMES,
+    SAMPLING_FIELDS,
+    SamplingParams,
+    sampling_tensors,
+)
+from graphrunner.sampling.random import uniform
+from graphrunner.sampling.sample import Logprobs, filtered_probs, logprobs, sample
+
+__all__ = [
+    "SAMPLING_FIELDS",
+    "SAMPLING_FIELD_NAMES",
+    "Logprobs",
+    "SamplingParams",
+    "filtered_probs",
+    "logprobs",
+    "sample",
+    "sampling_tensors",
+    "uniform",
+]
