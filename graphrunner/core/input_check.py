@@ -29,6 +29,7 @@ from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
 from graphrunner.declare.hooks import GraphBackend
 from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
 from graphrunner.declare.step_inputs import ReplayInputs
+from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.writers.base import PopulateError, check_sources
 
 __all__ = ["InputGate", "check_host_mirrors", "host_range"]
@@ -64,7 +65,10 @@ def check_host_mirrors(inputs: object, raw_bs: int) -> None:
 
 def _batch_made(spec: BufferSpec) -> bool:
     """A sealed decode batch builds this buffer's input itself: an int64 ``[bs]``
-    device field, or a host mirror declared as a host buffer."""
+    device field, or a host mirror declared as a host buffer; or it is a
+    sampling row, made and checked by ``sampling_tensors`` as declared."""
+    if spec in SAMPLING_FIELDS:
+        return True
     plain = spec.dtype == torch.int64 and spec.rows_per_request == 1 and not spec.extra_shape
     placed = spec.name in DECODE_FIELD_NAMES if not spec.host else spec.name in _MIRRORS
     return plain and placed

@@ -27,9 +27,12 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
+from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
 from graphrunner.model.hybrid import HybridLM
+from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.sanitizer.padding import PaddingSanitizer
 
 __all__ = [
@@ -151,6 +154,7 @@ def create_decode_runner(
     show_progress: bool = False,
     check_padding: bool = False,
     future_map: FutureMap | None = None,
+    sampling: bool = False,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -160,8 +164,12 @@ def create_decode_runner(
     ``check_padding=True`` guards the bundle's pools with its padding sanitizer
     around every replay (a debug mode: it copies the pools per step).
     ``future_map`` lets ``input_ids`` carry future references (overlap
-    scheduling; Llama bundles only). ``mechanism_options`` go to the runner's
-    mechanism, e.g. ``compile=True`` for ``cuda``.
+    scheduling; Llama bundles only). ``sampling=True`` picks each row's token
+    inside the step (:func:`~graphrunner.phases.sampled.sampled_forward`: the
+    sampling buffers join the decode ones, the outputs are ``{"logits",
+    "tokens"}``); an :class:`Engine` then samples each request by its
+    :class:`~graphrunner.sampling.SamplingParams`. ``mechanism_options`` go to
+    the runner's mechanism, e.g. ``compile=True`` for ``cuda``.
     """
     step = decode_step(bundle)
     if future_map is not None and step.mamba:
@@ -175,13 +183,18 @@ def create_decode_runner(
         mamba=step.mamba,
     )
     options: dict[str, Any] = dict(mechanism_options)
+    forward: ForwardFn = step.forward
+    if sampling:
+        specs = [*specs, *SAMPLING_FIELDS]
+        forward = sampled_forward(forward)
+        options["outputs"] = SAMPLED_OUTPUTS
     if future_map is not None:
         options["future_map"] = future_map
     if step.state_ops is not None:
         options["state_ops"] = step.state_ops
     return create_runner(
         kind,
-        step.forward,
+        forward,
         specs,
         device=bundle.device,
         capture_sizes=capture_sizes,

@@ -3,12 +3,14 @@ compared (logits, and the KV cache outside the live rows' new slots)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.results import EngineStats
+from graphrunner.engine.results import EngineStats, _Live
+from graphrunner.engine.sampling import StepOut, logits_of
 
 if TYPE_CHECKING:
     from graphrunner.engine.loop import Engine
@@ -16,9 +18,12 @@ if TYPE_CHECKING:
 __all__ = ["checked_replay"]
 
 
-def checked_replay(engine: Engine, batch: DecodeBatch, stats: EngineStats) -> torch.Tensor:
-    """Eager reference first, then the runner, on the same prepared batch;
-    returns the runner's logits ``[bs, vocab]``.
+def checked_replay(
+    engine: Engine, batch: DecodeBatch, stats: EngineStats, live: Sequence[_Live] = ()
+) -> StepOut:
+    """Eager reference first, then the runner, on the same prepared batch
+    (``live[i]`` its row ``i``); returns the runner's output (its logits
+    ``[bs, vocab]`` are compared).
 
     Both write the new tokens' K/V at ``out_cache_loc`` before reading, so
     the second run overwrites the first's writes and reads nothing else of
@@ -35,7 +40,8 @@ def checked_replay(engine: Engine, batch: DecodeBatch, stats: EngineStats) -> to
     with torch.no_grad():
         ref, eager_seconds = engine.timed(lambda: decoder.forward(decoder.inputs(batch)))
     before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
-    out, seconds = engine.timed(lambda: engine.replay(batch))
+    step, seconds = engine.timed(lambda: engine.replay(batch, live))
+    out = logits_of(step)
     stats.eager_seconds += eager_seconds
     stats.decode_seconds += seconds
     after = (*kv.k_buffers, *kv.v_buffers)
@@ -54,4 +60,4 @@ def checked_replay(engine: Engine, batch: DecodeBatch, stats: EngineStats) -> to
     # by at most 2 * atol), not a divergence.
     if not (logit_diff <= engine.atol and kv_diff_f <= engine.atol):
         stats.mismatches += 1
-    return out
+    return step

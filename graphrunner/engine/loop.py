@@ -25,22 +25,35 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.admission import admit
 from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
 from graphrunner.engine.check import checked_replay
 from graphrunner.engine.overlap_schedule import OverlapSchedule
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
+from graphrunner.engine.sampling import (
+    SampledRows,
+    StepOut,
+    check_greedy,
+    check_step_out,
+    tokens_of,
+)
 from graphrunner.engine.schedule import Schedule, SyncSchedule
 from graphrunner.engine.workload import Request, check_trace
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
+from graphrunner.phases.sampled import SampledInputs
 from graphrunner.pools import starts_page, whole_pages
+from graphrunner.sampling.params import check_seed
 from graphrunner.util.exclusive import Exclusive
+
+T = TypeVar("T")
 
 __all__ = [
     "AdmissionError",
@@ -72,6 +85,12 @@ class Engine:
         overlap: schedule step N+1 on the host while step N runs
             (:class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`); the runner
             needs a future map, and check mode is not available with it.
+        seed: the run seed: a request that samples without a seed of its own
+            draws from :func:`~graphrunner.sampling.request_seed` of it and its
+            id. With a runner built ``sampling=True`` every token (prefill's
+            first too) is drawn by each request's
+            :class:`~graphrunner.sampling.SamplingParams` (none: greedy);
+            otherwise every request must be greedy.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -88,7 +107,9 @@ class Engine:
         atol: float = 1e-4,
         on_finish: Callable[[int, list[int]], None] | None = None,
         overlap: bool = False,
+        seed: int = 0,
     ) -> None:
+        self.seed = check_seed("seed", seed)
         self.decoder = decode_step(bundle)
         if check and self.decoder.rerun_reason is not None:
             raise ValueError(
@@ -110,6 +131,8 @@ class Engine:
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
+        self.sampling = SampledRows.declared_by(runner)
+        self._rows = SampledRows(self.device)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -157,6 +180,8 @@ class Engine:
     def _validate(self, trace: Sequence[Request]) -> None:
         ctx, kv_room = self.bundle.max_context_len, self.bundle.kv_alloc.size
         check_trace(trace, self.bundle.config.vocab_size)
+        if not self.sampling:
+            check_greedy(trace)
         for r in trace:
             if r.max_len > min(ctx, kv_room):
                 raise ValueError(
@@ -165,7 +190,7 @@ class Engine:
                     f"max_context_len {ctx} and <= KV slots {kv_room}"
                 )
 
-    def _kv_need(self, tokens: int) -> int:
+    def kv_need(self, tokens: int) -> int:
         """KV slots that ``tokens`` tokens take: whole pages."""
         return whole_pages(tokens, self.bundle.page_size)
 
@@ -174,52 +199,24 @@ class Engine:
 
     def admit(self, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
         """Prefill arrived requests in order while they fit; returns each with its
-        first token (a 0-d device tensor)."""
-        b, pending = self.bundle, run.pending
-        joining: list[tuple[_Live, torch.Tensor]] = []
-        # KV slots (whole pages) promised to running requests but not yet allocated.
-        reserved = sum(self._kv_need(r.request.max_len) - len(r.pages) for r in run.live)
-        while pending and pending[0].arrival_step <= run.clock:
-            req = pending[0]
-            room = b.kv_alloc.available_size() - reserved
-            rows = b.req_pool.available_size()
-            need = self._kv_need(req.max_len)
-            if len(run.live) + len(joining) >= self.runner.max_bs or need > room or not rows:
-                if not run.live and not joining:  # nothing running will ever free room
-                    raise AdmissionError(
-                        f"request {req.rid} can never be admitted: it needs 1 request row "
-                        f"and {self._kv_amount(need)}, nothing is running, and "
-                        f"{rows} request rows and {self._kv_amount(room)} are free"
-                    )
-                break  # FIFO: later arrivals wait behind it
-            pending.popleft()
-            live_req = _Live(req, b.req_pool.alloc(1)[0])
-            run.held[req.rid] = live_req
-            live_req.pages = b.kv_alloc.alloc(self._kv_need(len(req.prompt)))
-            live_req.slots = live_req.pages[: len(req.prompt)]  # decode continues in the last page
-            reserved += need - len(live_req.pages)
-            ids = torch.tensor(req.prompt, dtype=torch.int64).to(self.device, non_blocking=True)
-            slots = torch.tensor(live_req.slots, dtype=torch.int64).to(
-                self.device, non_blocking=True
-            )
-            logits = b.model.forward_extend(live_req.req_index, ids, slots)
-            joining.append((live_req, logits.argmax()))
-            run.stats.prefills += 1
-            run.stats.prefill_tokens += len(req.prompt)
-        return joining
+        first token (a 0-d device tensor). See :func:`~graphrunner.engine.admission.admit`."""
+        return admit(self, run)
 
-    def _kv_amount(self, slots: int) -> str:
-        page = self.bundle.page_size
-        return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
+    def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+        """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
+        return self._rows.first_token(live, logits) if self.sampling else logits.argmax()
 
-    def decode(self, batch: DecodeBatch, stats: EngineStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step; returns greedy tokens and the rows' new KV slots, on device."""
+    def decode(
+        self, batch: DecodeBatch, stats: EngineStats, live: Sequence[_Live] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of ``live`` (row ``i`` is ``live[i]``); returns each
+        row's token and new KV slot, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
         try:
             if self.check:
-                logits = checked_replay(self, batch, stats)
+                out = checked_replay(self, batch, stats, live)
             else:
-                logits, seconds = self.timed(lambda: self.replay(batch))
+                out, seconds = self.timed(lambda: self.replay(batch, live))
                 stats.decode_seconds += seconds
         except BaseException:  # the step's fresh pages are no request's yet: free them here
             self._free_fresh_pages(batch)
@@ -227,7 +224,7 @@ class Engine:
         stats.steps += 1
         stats.decode_tokens += batch.batch_size
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
-        return logits.argmax(-1), batch.out_cache_loc
+        return tokens_of(out), batch.out_cache_loc
 
     def _free_fresh_pages(self, batch: DecodeBatch) -> None:
         """Free the pages :meth:`DecodeBatch.prepare_decode` just handed out: those of
@@ -243,16 +240,15 @@ class Engine:
         ]
         self.bundle.kv_alloc.free(fresh)
 
-    def replay(self, batch: DecodeBatch) -> torch.Tensor:
-        logits = self.runner.replay(self.decoder.inputs(batch))
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(
-                f"runner.replay returned {type(logits).__name__}; expected the "
-                "logits tensor [bs, vocab] of forward_decode"
-            )
-        return logits
+    def replay(self, batch: DecodeBatch, live: Sequence[_Live] = ()) -> StepOut:
+        """The runner's step on ``batch`` (``live[i]`` its row ``i``, whose
+        sampling rows go with it when the runner samples)."""
+        inputs = self.decoder.inputs(batch)
+        if self.sampling:
+            inputs = SampledInputs(inputs, self._rows.of(live))
+        return check_step_out(self.runner.replay(inputs))
 
-    def timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def timed(self, fn: Callable[[], T]) -> tuple[T, float]:
         self._sync()
         start = time.perf_counter()
         out = fn()

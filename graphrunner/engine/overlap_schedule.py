@@ -23,6 +23,7 @@ import torch
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.results import _Live, _Run
+from graphrunner.engine.sampling import tokens_of
 from graphrunner.pools import starts_page
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class OverlapSchedule:
         """Step N on the prepared batch; its tokens go to the future map."""
         batch = run.batch
         self._prepared = None  # its fresh pages are recorded by this step's read
-        next_ids = engine.replay(batch).argmax(-1)
+        next_ids = tokens_of(engine.replay(batch, run.live))
         self.future.store(batch.req_pool_indices, next_ids)
         stats = run.stats
         stats.steps += 1

@@ -75,6 +75,7 @@ class _Live:
     slots: list[int] = field(default_factory=list)  # KV slot per position, host ints
     pages: list[int] = field(default_factory=list)  # every slot of its whole pages: to free
     tokens: list[int] = field(default_factory=list)
+    seed: int = 0  # its sampling seed: its own, or derived from the run seed and its id
 
 
 @dataclass(slots=True)

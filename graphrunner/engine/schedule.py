@@ -46,7 +46,9 @@ class SyncSchedule:
         joining = engine.admit(run)
         bs = len(run.live)
         first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
-        next_ids, new_slots = engine.decode(run.batch, run.stats) if bs else (engine.empty(),) * 2
+        next_ids, new_slots = (
+            engine.decode(run.batch, run.stats, run.live) if bs else (engine.empty(),) * 2
+        )
         host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
         page = engine.bundle.page_size
         keep = []

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrunner.sampling import SamplingParams
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -15,12 +17,15 @@ class Request:
     rid: its id (outputs are keyed by it). prompt: token ids, at least one.
     max_new_tokens: tokens to generate at most (the first comes from prefill).
     arrival_step: the engine step at which it may first be admitted.
+    sampling: how it picks its tokens (:class:`~graphrunner.sampling.SamplingParams`);
+    None is greedy. Anything but greedy needs a runner built with ``sampling=True``.
     """
 
     rid: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     arrival_step: int = 0
+    sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("rid", "max_new_tokens", "arrival_step"):
@@ -40,6 +45,16 @@ class Request:
             )
         if self.arrival_step < 0:
             raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; expected >= 0")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise TypeError(
+                f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "
+                "a graphrunner.SamplingParams or None"
+            )
+
+    @property
+    def samples(self) -> bool:
+        """True when it draws its tokens (temperature > 0) rather than taking the argmax."""
+        return self.sampling is not None and not self.sampling.greedy
 
     @property
     def max_len(self) -> int:

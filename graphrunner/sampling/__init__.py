@@ -7,6 +7,7 @@ from graphrunner.sampling.params import (
     SAMPLING_FIELD_NAMES,
     SAMPLING_FIELDS,
     SamplingParams,
+    request_seed,
     sampling_tensors,
 )
 from graphrunner.sampling.random import uniform
@@ -19,6 +20,7 @@ __all__ = [
     "SamplingParams",
     "filtered_probs",
     "logprobs",
+    "request_seed",
     "sample",
     "sampling_tensors",
     "uniform",

@@ -24,6 +24,7 @@ __all__ = [
     "SAMPLING_FIELD_NAMES",
     "SamplingParams",
     "check_seed",
+    "request_seed",
     "sampling_tensors",
 ]
 
@@ -132,3 +133,15 @@ def sampling_tensors(
     return {
         s.name: torch.tensor(columns[s.name], dtype=s.dtype, device=device) for s in SAMPLING_FIELDS
     }
+
+
+def request_seed(run_seed: int, rid: int) -> int:
+    """The seed of request ``rid`` in a run seeded ``run_seed`` (when the
+    request gives none): a SplitMix64 mix of the two, in ``[0, 2**63)``, so
+    it depends on nothing but the run seed and the request id."""
+    check_seed("run_seed", run_seed)
+    mask = (1 << 64) - 1
+    x = (run_seed * 0x9E3779B97F4A7C15 + (rid & mask) + 0x632BE59BD9B4E019) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) >> 1

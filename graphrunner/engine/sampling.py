@@ -1,0 +1,133 @@
+"""The engine's side of in-graph sampling: each running request's sampling
+row, made once per batch composition, and the step's tokens read from a
+sampled step's outputs (or the argmax of a plain step's logits)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.results import _Live
+from graphrunner.engine.workload import Request
+from graphrunner.sampling import (
+    SAMPLING_FIELD_NAMES,
+    SamplingParams,
+    request_seed,
+    sample,
+    sampling_tensors,
+)
+
+__all__ = [
+    "SampledRows",
+    "StepOut",
+    "check_greedy",
+    "check_step_out",
+    "logits_of",
+    "sample_rows",
+    "seed_of",
+    "tokens_of",
+]
+
+#: What a decode runner returns: logits ``[bs, vocab]``, or a sampled step's
+#: ``{"logits": [bs, vocab], "tokens": [bs]}``.
+StepOut: TypeAlias = torch.Tensor | dict[str, torch.Tensor]
+
+_GREEDY = SamplingParams()
+
+
+def check_greedy(trace: Sequence[Request]) -> None:
+    """Every request of ``trace`` greedy (for a runner that does not sample),
+    or a ValueError naming the first that is not."""
+    for r in trace:
+        if r.samples and r.sampling is not None:
+            raise ValueError(
+                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
+                "samples; build it with create_model_runner(..., sampling=True)"
+            )
+
+
+def seed_of(request: Request, run_seed: int) -> int:
+    """The request's own seed, or the one derived from the run seed and its id."""
+    own = request.sampling.seed if request.sampling is not None else None
+    return own if own is not None else request_seed(run_seed, request.rid)
+
+
+def check_step_out(out: object) -> StepOut:
+    """``out`` if it is a decode step's output, else a TypeError saying what was expected."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and {"logits", "tokens"} <= set(out):
+        return out
+    raise TypeError(
+        f"runner.replay returned {type(out).__name__}; expected the logits tensor "
+        '[bs, vocab] of forward_decode, or a sampled step\'s {"logits", "tokens"}'
+    )
+
+
+def logits_of(out: StepOut) -> torch.Tensor:
+    return out["logits"] if isinstance(out, dict) else out
+
+
+def tokens_of(out: StepOut) -> torch.Tensor:
+    """Each row's token ``[bs]``: the sampled step's, or the logits' argmax."""
+    return out["tokens"] if isinstance(out, dict) else out.argmax(-1)
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: dict[str, torch.Tensor], positions: torch.Tensor
+) -> torch.Tensor:
+    """:func:`~graphrunner.sampling.sample` of ``logits [n, vocab]`` by the
+    sampling ``rows`` (each ``[n]``) at ``positions [n]``: tokens ``[n]``."""
+    return sample(
+        logits,
+        rows["temperature"],
+        rows["top_k"],
+        rows["top_p"],
+        rows["min_p"],
+        rows["sampling_seed"],
+        positions,
+    )
+
+
+class SampledRows:
+    """The sampling rows of the running requests (row ``i`` of request
+    ``live[i]``), rebuilt only when the batch's requests change.
+
+    Args:
+        device: where the rows go (built on the host, copied without a sync).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._live: list[_Live] = []  # held: their ids key the cache
+        self._key: tuple[int, ...] | None = None
+        self._rows: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def declared_by(runner: GraphRunner) -> bool:
+        """Whether ``runner``'s step samples (it declares the sampling buffers)."""
+        return all(name in runner.buffers.tensors for name in SAMPLING_FIELD_NAMES)
+
+    def of(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+        """``{name: [len(live)]}`` on the device, for the requests ``live`` in order."""
+        key = tuple(id(r) for r in live)
+        if key != self._key:
+            self._rows = self.build(live)
+            self._live, self._key = list(live), key
+        return self._rows
+
+    def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+        """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
+        drawn as a decode step draws, at the position of the prompt's last token."""
+        position = torch.tensor([len(live.request.prompt) - 1])
+        rows = self.build([live])
+        return sample_rows(logits.view(1, -1), rows, position.to(self.device, non_blocking=True))[0]
+
+    def build(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+        """The rows of ``live``, made now (not kept)."""
+        params = [r.request.sampling or _GREEDY for r in live]
+        host = sampling_tensors(params, [r.seed for r in live], "cpu")
+        return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}

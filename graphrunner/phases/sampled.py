@@ -1,0 +1,92 @@
+"""A step that picks its tokens inside the captured graph.
+
+:func:`sampled_forward` wraps a forward returning logits ``[bs, vocab]``: the
+step reads the per-request sampling buffers
+(:data:`~graphrunner.sampling.SAMPLING_FIELDS`, padded rows at temperature 1,
+top-k 1) and returns ``{"logits": [bs, vocab], "tokens": [bs]}``, the token
+of each row drawn by :func:`~graphrunner.sampling.sample` from the row's seed
+and the position of the token whose logits it reads (``positions``). A
+greedy row (temperature 0) takes ``argmax``, bit for bit.
+
+:class:`SampledInputs` hands a step its sampling rows beside any decode
+inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
+the replay path checks it in O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from graphrunner.declare.outputs import OutputSpec
+from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
+from graphrunner.mechanisms.base import ForwardFn
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample
+
+__all__ = ["SAMPLED_OUTPUTS", "SampledInputs", "sampled_forward"]
+
+#: The outputs of a sampled step: one row per request each.
+SAMPLED_OUTPUTS: Mapping[str, OutputSpec] = {"logits": OutputSpec(), "tokens": OutputSpec()}
+
+
+def sampled_forward(forward: ForwardFn) -> ForwardFn:
+    """``forward`` (logits ``[bs, vocab]``) followed by the in-graph sampler."""
+
+    def step(b: Any) -> dict[str, torch.Tensor]:
+        logits = forward(b)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(
+                f"a sampled step needs the forward's logits tensor [bs, vocab]; got "
+                f"{type(logits).__name__}"
+            )
+        tokens = sample(
+            logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, b.positions
+        )
+        return {"logits": logits, "tokens": tokens}
+
+    return step
+
+
+class SampledInputs:
+    """``base`` (any step inputs, e.g. a :class:`~graphrunner.DecodeBatch`)
+    with the sampling rows of its requests.
+
+    Args:
+        base: the step's other inputs; every attribute not a sampling field
+            is read from it (``batch_size``, the decode fields, host mirrors).
+        rows: :func:`~graphrunner.sampling.sampling_tensors` of the batch's
+            requests in row order: ``temperature``, ``top_p``, ``min_p``
+            float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``.
+    """
+
+    def __init__(self, base: object, rows: Mapping[str, torch.Tensor]) -> None:
+        missing = [n for n in SAMPLING_FIELD_NAMES if n not in rows]
+        if missing:
+            raise ValueError(f"rows: missing sampling fields {missing}")
+        self._base = base
+        self._rows = {n: rows[n] for n in SAMPLING_FIELD_NAMES}
+
+    def __getattr__(self, name: str) -> Any:
+        rows = self.__dict__.get("_rows")
+        if rows is not None and name in rows:
+            return rows[name]
+        return getattr(self.__dict__["_base"], name)
+
+    # The sealed-inputs protocol (graphrunner.declare.sealed), when the base
+    # speaks it: the sampling rows are made and checked by sampling_tensors.
+    @property
+    def device(self) -> torch.device:
+        device: torch.device = getattr(self._base, "device")  # noqa: B009
+        return device
+
+    def is_sealed(self) -> bool:
+        base = self._base
+        return is_sealed_inputs(base) and base.is_sealed()
+
+    def host_range(self, name: str) -> tuple[int, int] | None:
+        base = self._base
+        if is_sealed_inputs(base):
+            return base.host_range(name)
+        return host_min_max(getattr(base, name))
