@@ -121,8 +121,8 @@ class SampledRows:
 
     def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
-        drawn as a decode step draws, at the position of the prompt's last token."""
-        position = torch.tensor([len(live.request.prompt) - 1])
+        drawn as a decode step draws, at the position it takes (the prompt's length)."""
+        position = torch.tensor([len(live.request.prompt)])
         rows = self.build([live])
         return sample_rows(logits.view(1, -1), rows, position.to(self.device, non_blocking=True))[0]
 

@@ -5,8 +5,8 @@ step reads the per-request sampling buffers
 (:data:`~graphrunner.sampling.SAMPLING_FIELDS`, padded rows at temperature 1,
 top-k 1) and returns ``{"logits": [bs, vocab], "tokens": [bs]}``, the token
 of each row drawn by :func:`~graphrunner.sampling.sample` from the row's seed
-and the position of the token whose logits it reads (``positions``). A
-greedy row (temperature 0) takes ``argmax``, bit for bit.
+and the position the drawn token takes (``positions + 1``). A greedy row
+(temperature 0) takes ``argmax``, bit for bit.
 
 :class:`SampledInputs` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
@@ -42,7 +42,7 @@ def sampled_forward(forward: ForwardFn) -> ForwardFn:
                 f"{type(logits).__name__}"
             )
         tokens = sample(
-            logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, b.positions
+            logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, b.positions + 1
         )
         return {"logits": logits, "tokens": tokens}
 
