@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import EagerRunner, GraphKey, GraphRunner
+from graphrunner import DecodeBatch, EagerRunner, GraphKey, GraphRunner, OutputSpec, default_model
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
@@ -36,6 +36,8 @@ from graphrunner.phases import (
     verify_phase,
 )
 from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
+from graphrunner.phases.sampled import SampledInputs
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, SamplingParams, sampling_tensors
 from spec_world import SpecWorld
 
 I64 = torch.int64
@@ -226,3 +228,25 @@ def test_captures_are_keyed_by_size_and_tokens_per_row() -> None:
     decode.capture()
     assert verify.graph_keys == [GraphKey(2, 3), GraphKey(4, 3)]
     assert decode.graph_keys == [GraphKey(1, 1), GraphKey(4, 1)]
+
+
+def test_a_sampled_decode_phase_adds_the_sampling_buffers_and_picks_tokens() -> None:
+    bundle = default_model(max_requests=4, max_context_len=16)
+    phase = decode_phase(
+        bundle.model.forward_decode, backend=bundle.model.attn_backend, sampling=True
+    )
+    assert [s.name for s in phase.specs][-5:] == list(SAMPLING_FIELD_NAMES)
+    runner = GraphRunner.from_phase(phase, device="cpu", mechanism="eager", capture_sizes=[4])
+    runner.capture()
+    rows = bundle.req_pool.alloc(3)
+    batch = DecodeBatch.from_requests(
+        rows, [3, 3, 3], torch.tensor([4, 5, 6]), device="cpu", max_context_len=16
+    )
+    batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams()]
+    out = runner.replay(SampledInputs(batch, sampling_tensors(params, [1, 2, 3], "cpu")))
+    assert isinstance(out, dict) and out["tokens"].shape == (3,)
+    # Greedy rows and top-k 1 are the argmax; every row is a live request's.
+    assert torch.equal(out["tokens"], out["logits"].argmax(-1))
+    with pytest.raises(ValueError, match="declares its own"):
+        decode_phase(bundle.model.forward_decode, outputs=OutputSpec(), sampling=True)

@@ -8,6 +8,8 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
+from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward
+from graphrunner.sampling import SAMPLING_FIELDS
 
 __all__ = ["decode_phase"]
 
@@ -20,12 +22,21 @@ def decode_phase(
     host_seq_lens: bool = False,
     future: bool = False,
     mamba: bool = False,
+    sampling: bool = False,
 ) -> Phase:
     """``forward`` over the decode buffers (int64 ``[bs]`` each, see
     :func:`~graphrunner.declare.decode.decode_buffer_specs` for the flags),
-    ``seq_lens`` padded with the backend's fill value."""
+    ``seq_lens`` padded with the backend's fill value. ``sampling=True``:
+    ``forward`` returns logits ``[bs, vocab]`` and the phase picks each row's
+    token inside the step (:mod:`graphrunner.phases.sampled`: the sampling
+    buffers added, outputs ``{"logits", "tokens"}``; ``outputs`` must be None)."""
     fill = (backend if backend is not None else NullBackend()).seq_len_fill_value
     specs = decode_buffer_specs(
         seq_len_fill_value=fill, host_seq_lens=host_seq_lens, future=future, mamba=mamba
     )
+    if sampling:
+        if outputs is not None:
+            raise ValueError("outputs: a sampled decode phase declares its own; expected None")
+        specs = [*specs, *SAMPLING_FIELDS]
+        forward, outputs = sampled_forward(forward), SAMPLED_OUTPUTS
     return Phase("decode", forward, tuple(specs), outputs=outputs, backend=backend)
