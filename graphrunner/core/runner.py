@@ -284,7 +284,7 @@ class GraphRunner:
         with torch.no_grad():
             return launcher()
 
-    def eager_reason(self, inputs: Any, raw_bs: int) -> str | None:
+    def eager_reason(self, inputs: ReplayInputs, raw_bs: int) -> str | None:
         """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
         counted and warned once), or None: a batch above the largest size, or
         one of another width than the captured one (host shapes only)."""

@@ -45,7 +45,7 @@ class MambaSanitizer(PaddingSanitizer):
     one its request row owns, never the sink 0, and its mask True. Build it
     with :meth:`PaddingSanitizer.for_pools` over a hybrid request pool."""
 
-    def check_live_values(self, inputs: Any, raw_bs: int) -> None:
+    def check_live_values(self, inputs: object, raw_bs: int) -> None:
         super().check_live_values(inputs, raw_bs)
         rows = live_ints(inputs, "req_pool_indices", raw_bs)
         slots = live_ints(inputs, "mamba_track_indices", raw_bs)

@@ -8,7 +8,7 @@ They may read the device: the sanitizer is a debug mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -108,7 +108,7 @@ def _is_index_dtype(t: torch.Tensor) -> bool:
     return not (t.dtype == torch.bool or t.is_floating_point() or t.is_complex())
 
 
-def live_ints(inputs: Any, name: str, raw_bs: int) -> list[int] | None:
+def live_ints(inputs: object, name: str, raw_bs: int) -> list[int] | None:
     """Field ``name``'s live values as host ints (a device read: debug mode
     only), or None when ``inputs`` has no 1-D integer ``name`` of ``raw_bs``
     rows (the live rows of its buffer: ``raw_bs * r`` for ``r`` rows per
@@ -187,7 +187,7 @@ def check_kv_owner(
             )
 
 
-def check_writers(guard: GuardedTensor, inputs: Any) -> torch.Tensor | None:
+def check_writers(guard: GuardedTensor, inputs: object) -> torch.Tensor | None:
     """The indices ``guard`` lets this step write, flattened, each checked to be in
     ``[0, rows)``: a negative one wraps onto the last rows (another request's),
     so it may neither write nor exempt a row from the state check."""

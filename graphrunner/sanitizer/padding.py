@@ -170,7 +170,7 @@ class PaddingSanitizer:
             if pool.is_allocated(0):
                 raise PaddingViolation(f"{type(pool).__name__} handed out the reserved slot 0")
 
-    def check_live_values(self, inputs: Any, raw_bs: int) -> None:
+    def check_live_values(self, inputs: object, raw_bs: int) -> None:
         """Every live index value is one the step may use; reads the device.
 
         The checks follow the buffers' index declarations (see the class);
@@ -181,7 +181,7 @@ class PaddingSanitizer:
         check_declared_values(self._value_specs, inputs, raw_bs, ctx)
 
     def before_launch(
-        self, buffers: StaticBuffers, inputs: Any, raw_bs: int, bs: int
+        self, buffers: StaticBuffers, inputs: object, raw_bs: int, bs: int
     ) -> _ReplayCheck:
         """Check tails, then everything :meth:`snapshot` checks; snapshot guarded
         state for :meth:`_ReplayCheck.after_launch`."""
@@ -191,7 +191,11 @@ class PaddingSanitizer:
         return self.snapshot(inputs, raw_bs, specs=buffers.specs)
 
     def snapshot(
-        self, inputs: Any, raw_bs: int | None = None, *, specs: Sequence[BufferSpec] | None = None
+        self,
+        inputs: object,
+        raw_bs: int | None = None,
+        *,
+        specs: Sequence[BufferSpec] | None = None,
     ) -> _ReplayCheck:
         """Check the pools, the live index values and the writer indices, and
         snapshot the guarded state. The eager fallback, which has no padded
@@ -215,7 +219,7 @@ class PaddingSanitizer:
         return check
 
 
-def _batch_size(inputs: Any) -> int | None:
+def _batch_size(inputs: object) -> int | None:
     raw_bs = getattr(inputs, "batch_size", None)
     return raw_bs if isinstance(raw_bs, int) and not isinstance(raw_bs, bool) else None
 
@@ -238,7 +242,7 @@ class _ReplayCheck:
     """One replay's snapshot of the guarded state, taken before launch."""
 
     sanitizer: PaddingSanitizer
-    inputs: Any
+    inputs: object
     snapshots: list[torch.Tensor]
 
     def after_launch(self, outputs: Outputs) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from graphrunner.declare.buffers import BufferSpec, Index
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, decode_buffer_specs
@@ -54,7 +53,7 @@ def _violation(field: str, row: int, value: int, expected: str) -> PaddingViolat
     return PaddingViolation(f"{field} live row {row} = {value}: expected {expected}")
 
 
-def live_values(specs: Sequence[BufferSpec], inputs: Any, raw_bs: int) -> dict[Index, LiveValue]:
+def live_values(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> dict[Index, LiveValue]:
     """The live values of each declared index (the first buffer of each kind;
     counts are checked one by one in :func:`check_declared_values`)."""
     found: dict[Index, LiveValue] = {}
@@ -68,7 +67,7 @@ def live_values(specs: Sequence[BufferSpec], inputs: Any, raw_bs: int) -> dict[I
 
 
 def check_declared_values(
-    specs: Sequence[BufferSpec], inputs: Any, raw_bs: int, ctx: ValueContext
+    specs: Sequence[BufferSpec], inputs: object, raw_bs: int, ctx: ValueContext
 ) -> None:
     """Every live value is one the step may use, as its buffer declares."""
     live = live_values(specs, inputs, raw_bs)
@@ -83,7 +82,7 @@ def check_declared_values(
     _check_mamba(live.get(Index.MAMBA_SLOT))
 
 
-def _check_mirrors(live: dict[Index, LiveValue], inputs: Any, raw_bs: int) -> None:
+def _check_mirrors(live: dict[Index, LiveValue], inputs: object, raw_bs: int) -> None:
     """Device values equal the host mirrors the scheduler planned from."""
     by_name = {v.spec.name: v.values for v in live.values() if v.spec.rows_per_request == 1}
     for field, mirror in DECODE_HOST_MIRRORS.items():
@@ -139,7 +138,7 @@ def _check_tokens(tokens: LiveValue | None, vocab_size: int | None) -> None:
             raise _violation(tokens.spec.name, i, t, f"a token id in 0..{vocab_size - 1}")
 
 
-def _check_counts(specs: Sequence[BufferSpec], inputs: Any, raw_bs: int) -> None:
+def _check_counts(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> None:
     """Each count in ``1..W``, the buffer's width."""
     for spec in specs:
         if spec.indexes is not Index.COUNT or spec.width is None:
