@@ -163,10 +163,12 @@ def _write(plan: Plan, sources: Sequence[torch.Tensor]) -> None:
     # sources into their own ring instead, and have no such rule).
     for pack in plan.staged:
         _staged_write(pack, sources)
-    for group in plan.copies:
-        _copy(group, sources)
-    for live in plan.gathers:  # after the copies, on the same stream
-        resolve_futures(live, plan.future)
+    if plan.copies:
+        for group in plan.copies:
+            _copy(group, sources)
+    if plan.gathers:
+        for live in plan.gathers:  # after the copies, on the same stream
+            resolve_futures(live, plan.future)
 
 
 def _staged_write(pack: StagedPack, sources: Sequence[torch.Tensor]) -> None:

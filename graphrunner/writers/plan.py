@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 import torch
@@ -80,12 +80,13 @@ class Plan:
     copies: tuple[CopyGroup, ...]
     gathers: tuple[torch.Tensor, ...]  # live rows holding future references to resolve
     future: torch.Tensor | None
+    #: Device operations a write issues (a gather is one resolve: index,
+    #: compare, select counted as one); counted once, read every replay.
+    device_ops: int = field(init=False)
 
-    @property
-    def device_ops(self) -> int:
-        # A gather is one resolve (index, compare, select: counted as one).
+    def __post_init__(self) -> None:
         staged = sum(p.device_ops for p in self.staged)
-        return staged + len(self.copies) + len(self.gathers)
+        object.__setattr__(self, "device_ops", staged + len(self.copies) + len(self.gathers))
 
 
 _plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int, bool], Plan]] = (
