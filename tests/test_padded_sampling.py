@@ -131,6 +131,7 @@ def eager_rows(
         one.filter([i])
         with torch.no_grad():
             got = step(SampledInputs(one, {n: t[i : i + 1] for n, t in rows.items()}))
+        assert isinstance(got, dict)
         out.append({k: v.clone() for k, v in got.items()})
     return out
 
@@ -140,7 +141,9 @@ def kv_state(bundle: ModelBundle) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("kind", "size"), _params())
-def test_sampled_padded_rows_keep_pad_values_and_live_rows_match_eager(kind: str, size: int):
+def test_sampled_padded_rows_keep_pad_values_and_live_rows_match_eager(
+    kind: str, size: int
+) -> None:
     shared = captured(kind, size)
     bundle, runner = shared.bundle, shared.runner
     bufs = runner.buffers
@@ -154,6 +157,7 @@ def test_sampled_padded_rows_keep_pad_values_and_live_rows_match_eager(kind: str
             before = kv_state(bundle)
             poison(shared, raw_bs, bystander, floats, ints)
             out = runner.replay(SampledInputs(batch, rows))
+            assert isinstance(out, dict)
             where = f"{kind} bs {size} live {raw_bs} poison {floats}/{ints}"
             for name, pad in PAD.items():
                 buf = bufs.tensors[name]
