@@ -13,6 +13,7 @@ row alone.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -144,7 +145,36 @@ def kv_state(bundle: ModelBundle) -> list[torch.Tensor]:
 def test_sampled_padded_rows_keep_pad_values_and_live_rows_match_eager(
     kind: str, size: int
 ) -> None:
-    shared = captured(kind, size)
+    check_every_live_count(captured(kind, size), kind, size)
+
+
+class _KeepsTail:
+    """A populate that leaves one buffer's padded tail as it found it."""
+
+    def __init__(self, runner: GraphRunner, name: str) -> None:
+        self.inner, self.tensor = runner.writer, runner.buffers.tensors[name]
+
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+        kept = self.tensor[raw_bs:].clone()
+        ops = self.inner.write(sources, raw_bs, bs)
+        self.tensor[raw_bs:].copy_(kept)
+        return ops
+
+
+@pytest.mark.parametrize("name", list(PAD))
+def test_the_suite_sees_a_populate_that_skips_a_sampling_tail(name: str) -> None:
+    bundle = default_model(max_requests=8, max_context_len=CTX)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[2], sampling=True)
+    runner.capture()
+    runner.writer = _KeepsTail(runner, name)
+    # The pad check names the tail, or the poison the padded row kept makes
+    # the sampler fail first (a NaN min-p indexes out of range).
+    with pytest.raises((AssertionError, RuntimeError)) as found:
+        check_every_live_count(Sampled(bundle, runner), "eager", 2)
+    assert isinstance(found.value, RuntimeError) or f"{name} tail" in str(found.value)
+
+
+def check_every_live_count(shared: Sampled, kind: str, size: int) -> None:
     bundle, runner = shared.bundle, shared.runner
     bufs = runner.buffers
     for raw_bs in range(1, size + 1):
