@@ -2,10 +2,12 @@
 make its inputs for ``n`` live requests, its eager forward, and which state
 rows its live rows may write (the rest must stay bit-identical).
 
-Decode, target verify, EAGLE draft extend and draft decode and frozen-KV MTP
-run over :class:`spec_world.SpecWorld` (a small Llama target with prefilled
-requests and bystanders); the state-space decode over a small random Mamba-1
-model whose live and bystander slots hold random state.
+Decode, the sampled decode (the decode step picking its tokens in the
+graph, its sampling buffers' tails poisoned too), target verify, EAGLE draft
+extend and draft decode and frozen-KV MTP run over
+:class:`spec_world.SpecWorld` (a small Llama target with prefilled requests
+and bystanders); the state-space decode over a small random Mamba-1 model
+whose live and bystander slots hold random state.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sampled_rows import sampled_decode_phase, sampling_rows
 
 from graphrunner import GraphRunner, create_mechanism
 from graphrunner.batch.decode_batch import DecodeBatch
@@ -32,13 +35,22 @@ from graphrunner.phases import (
     frozen_kv_sanitizer,
     verify_phase,
 )
+from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from spec_world import CONTEXT, SpecWorld
 
 #: Tokens per request of the multi-token phases (verify, draft extend).
 W = 3
 #: The phases, in report order.
-PHASES = ("decode", "verify", "eagle_extend", "eagle_decode", "mtp", "mamba_decode")
+PHASES = (
+    "decode",
+    "sampled_decode",
+    "verify",
+    "eagle_extend",
+    "eagle_decode",
+    "mtp",
+    "mamba_decode",
+)
 #: Every mechanism by label: the runner kind and its options (CUDA ones need a GPU).
 MECHANISMS: dict[str, tuple[str, dict[str, Any]]] = {
     "eager": ("eager", {}),
@@ -125,6 +137,9 @@ class SpecCase(FuzzCase):
             )
         made = {
             "decode": lambda: decode_phase(model.forward_decode, backend=model.attn_backend),
+            "sampled_decode": lambda: sampled_decode_phase(
+                model.forward_decode, model.attn_backend
+            ),
             "verify": lambda: verify_phase(model, W),
             "eagle_extend": lambda: eagle_draft_extend_phase(w.eagle, W),
             "eagle_decode": lambda: eagle_draft_decode_phase(w.eagle),
@@ -152,6 +167,8 @@ class SpecCase(FuzzCase):
         if phase == "mtp":
             return w.mtp_inputs(requests, seed)
         fields = w.tokens_step(requests, 1, seed)
+        if phase == "sampled_decode":
+            return SampledInputs(SpecBatch(**fields), sampling_rows(raw_bs, seed, w.device))
         if phase == "eagle_decode":
             gen = torch.Generator().manual_seed(seed + 1)
             hidden = torch.randn(raw_bs, w.model.config.hidden_size, generator=gen)
