@@ -147,3 +147,20 @@ def test_logprobs_are_the_unfiltered_softmax_of_the_raw_logits():
     for bad in (-1, 101, True, 2.0):
         with pytest.raises(ValueError, match=f"n={bad!r}; expected an int in \\[0, 100\\]"):
             logprobs(logits, tokens, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+def test_a_parameter_that_is_not_a_number_never_indexes_out_of_range(field: str) -> None:
+    # Validated parameters never get here; a row of NaN (a tail nobody
+    # rewrote) must still give a token of the vocabulary, not a crash.
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    params = {
+        "temperature": torch.ones(3),
+        "top_k": torch.zeros(3, dtype=torch.int64),
+        "top_p": torch.ones(3),
+        "min_p": torch.zeros(3),
+    }
+    params[field] = torch.full((3,), float("nan"))
+    seed, position = torch.arange(3), torch.arange(3)
+    tokens = sample(logits, **params, seed=seed, position=position)
+    assert tokens.dtype == torch.int64 and bool(((tokens >= 0) & (tokens < 11)).all())

@@ -71,7 +71,9 @@ def _sorted_filtered(
     keep = keep & ((from_tail > (1 - top_p).unsqueeze(-1)) | first)
 
     probs = torch.softmax(torch.where(keep, values, neg_inf), dim=-1)
-    keep = keep & (probs >= (min_p.unsqueeze(-1) * probs[..., :1]))
+    # The most probable token always stays (as top-p keeps it): a row whose
+    # min-p is not a number still keeps one token.
+    keep = keep & ((probs >= (min_p.unsqueeze(-1) * probs[..., :1])) | first)
 
     return torch.softmax(torch.where(keep, values, neg_inf), dim=-1), ids
 
@@ -131,7 +133,9 @@ def sample(
     # The first sorted token whose cdf exceeds u; clamped to the last kept
     # token, should u * total round up to the total.
     last = (probs > 0).sum(-1, keepdim=True) - 1
-    index = torch.minimum((cdf <= u).sum(-1, keepdim=True), last)
+    # Never below 0: a row of no finite probability (a parameter that is not
+    # a number) picks its first sorted token instead of indexing out of range.
+    index = torch.minimum((cdf <= u).sum(-1, keepdim=True), last).clamp_(min=0)
     token = ids.gather(-1, index).squeeze(-1)
     return torch.where(temperature == 0, logits.argmax(-1), token)
 
