@@ -19,6 +19,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.model.draft import EagleHead
 from graphrunner.model.llama import LlamaDecoder
 from graphrunner.phases.base import SpecBatch
+from graphrunner.sampling.speculative import draft_sample
 
 __all__ = [
     "Drafter",
@@ -44,6 +45,7 @@ class SpecRequest:
     bonus: int = 0
     feature: torch.Tensor | None = None  # [hidden]: the draft's feature for the next round
     seed: torch.Tensor | None = None  # 0-d: EAGLE's first draft token for the next round
+    sampling_seed: int = 0  # the request's random stream (its own seed or the run's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +64,19 @@ class Verified:
 @dataclass(slots=True)
 class RoundState:
     """One round of ``bs`` requests: ``W = K + 1`` fresh KV slots each, for
-    positions ``L .. L + K`` (recorded in ``req_to_token`` before the round)."""
+    positions ``L .. L + K`` (recorded in ``req_to_token`` before the round).
+
+    ``sampling``: the requests' sampling rows (each ``[bs]``) when some
+    request samples, else None (every draft greedy, as always). A drafter
+    that draws its drafts sets ``draft_probs`` float32 ``[bs, K, V]``, the
+    ``q`` each was drawn from; None means deterministic drafts.
+    """
 
     live: list[SpecRequest]
     slots: list[list[int]]
     device: torch.device
+    sampling: dict[str, torch.Tensor] | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def lens(self) -> list[int]:
@@ -161,10 +171,17 @@ class TargetDrafter:
         pass
 
     def propose(self, state: RoundState) -> torch.Tensor:
-        ids, drafts = _stack_bonus(state), []
+        ids, drafts, probs = _stack_bonus(state), [], []
+        rows = state.sampling if self.shift == 0 else None  # shifted drafts stay deterministic
         for j in range(self.k):
-            ids = replay_tensor(self.decode, state.decode_step(j, ids)).argmax(-1)
+            logits = replay_tensor(self.decode, state.decode_step(j, ids))
+            if rows is None:
+                ids = logits.argmax(-1)
+            else:
+                ids, q = draft_sample(logits, rows, state.positions(j + 1))
+                probs.append(q)
             drafts.append(ids)
+        state.draft_probs = torch.stack(probs, 1) if probs else None
         vocab = self.model.config.vocab_size
         return (torch.stack(drafts, 1) + self.shift) % vocab
 
@@ -243,13 +260,26 @@ class EagleDrafter:
     def propose(self, state: RoundState) -> torch.Tensor:
         ids = torch.stack([r.seed for r in state.live])  # type: ignore[misc]
         features = torch.stack([r.feature for r in state.live])  # type: ignore[misc]
+        rows, probs = state.sampling, []
+        if rows is not None:  # draw the first draft from the feature it came from
+            ids, q = draft_sample(self._logits(features), rows, state.positions(1))
+            probs.append(q)
         drafts = [ids]
         for j in range(1, self.k):
             step = state.decode_step(j - 1, ids, hidden_states=features)
             out = replay_named(self.decode, step)  # type: ignore[arg-type]  # k > 1
             ids, features = out["topk_index"][:, 0], out["hidden"]
+            if rows is not None:
+                ids, q = draft_sample(self._logits(features), rows, state.positions(j + 1))
+                probs.append(q)
             drafts.append(ids)
+        state.draft_probs = torch.stack(probs, 1) if probs else None
         return torch.stack(drafts, 1)
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[bs, V]`` of its features (what its top-1 came from)."""
+        with torch.no_grad():
+            return self.head.target.logits(features)
 
     def accept(self, state: RoundState, verified: Verified) -> None:
         v, bs = verified, len(state.live)
