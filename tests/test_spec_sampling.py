@@ -1,7 +1,7 @@
 """Sampling through the speculative engine: temperature 0 is the greedy
 engine's output bit for bit (alone and beside sampling requests); a sampling
 request's tokens depend on its seed alone, not on its company, the captured
-sizes or arrivals; drafts drawn from the target itself always hold; and the
+sizes, arrivals or mechanism; drafts drawn from the target itself always hold; and the
 token a round emits follows the target's filtered distribution (chi-square
 against an eager forward of the target)."""
 
@@ -147,3 +147,12 @@ def test_the_round_token_follows_the_target_distribution():
         expected = p[support] * second.numel()
         chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
         assert chi2 < chi_square_critical(int(support.sum()) - 1), (first, chi2, counts[support])
+
+
+def test_compiled_runners_draw_the_same_tokens():
+    """The draws run outside the captured steps, on their logits: the compiled
+    CPU programs give the eager runners' tokens."""
+    trace = _trace(HOT)
+    eager = _spec(trace, "eagle", "random", sizes=[2, 4])
+    engine = speculative_engine(_bundle(), "cpu", method="eagle", k=3, capture_sizes=[2, 4])
+    assert engine.run(trace).outputs == eager
