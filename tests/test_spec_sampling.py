@@ -1,7 +1,8 @@
 """Sampling through the speculative engine: temperature 0 is the greedy
 engine's output bit for bit (alone and beside sampling requests); a sampling
 request's tokens depend on its seed alone, not on its company, the captured
-sizes, arrivals or mechanism; drafts drawn from the target itself always hold; and the
+sizes, arrivals or mechanism; the sampled MTP draft loop draws as its eager
+forward; drafts drawn from the target itself always hold; and the
 token a round emits follows the target's filtered distribution (chi-square
 against an eager forward of the target)."""
 
@@ -18,8 +19,13 @@ from graphrunner.engine.drafters import TargetDrafter
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.spec_factory import speculative_engine
 from graphrunner.engine.workload import Request
+from graphrunner.mechanisms import create_mechanism
 from graphrunner.model import ModelBundle, default_model
-from graphrunner.sampling import SamplingParams, filtered_probs
+from graphrunner.model.draft import FrozenKvMtpHead, init_draft_weights
+from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
+from graphrunner.phases.sampled import SampledInputs
+from graphrunner.sampling import SamplingParams, filtered_probs, sampling_tensors
+from spec_world import SpecWorld
 
 SIZES = [1, 2, 4]
 DRAFTS = [("eagle", "random"), ("mtp", "random"), ("mtp", "self")]
@@ -156,3 +162,31 @@ def test_compiled_runners_draw_the_same_tokens():
     eager = _spec(trace, "eagle", "random", sizes=[2, 4])
     engine = speculative_engine(_bundle(), "cpu", method="eagle", k=3, capture_sizes=[2, 4])
     assert engine.run(trace).outputs == eager
+
+
+def test_the_sampled_mtp_loop_draws_as_its_eager_forward_at_a_padded_size():
+    world = SpecWorld("cpu")
+    head = FrozenKvMtpHead(world.model, steps=3, topk=1)
+    init_draft_weights(head, seed=2)
+    b = world.bundle
+    runner = FrozenKvMtpRunner(
+        head,
+        sampling=True,
+        device=world.device,
+        capture_sizes=[4],
+        show_progress=False,
+        mechanism=create_mechanism("eager"),
+        sanitizer=frozen_kv_sanitizer(b.req_pool, b.kv_cache),
+    )
+    runner.capture()
+    inputs = world.mtp_inputs(world.reset(3, seed=5), seed=5)
+    params = [HOT[1], SamplingParams(), HOT[2]]  # a greedy row between two that sample
+    rows = sampling_tensors(params, [11, 12, 13], world.device)
+    out = runner.replay(SampledInputs(inputs, rows))
+    assert isinstance(out, dict)
+    expected = head.forward_draft_sampled(SampledInputs(inputs, rows))
+    assert torch.equal(out["tokens"], expected["tokens"])
+    assert torch.allclose(out["probs"], expected["probs"])
+    greedy = head.forward_draft(inputs)["tokens"]
+    assert torch.equal(out["tokens"][1], greedy[1])  # temperature 0: the argmax chain
+    assert not torch.equal(out["tokens"][[0, 2]], greedy[[0, 2]])

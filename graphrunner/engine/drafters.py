@@ -10,15 +10,17 @@ per request each round, and what it keeps between rounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner.model.draft import EagleHead
 from graphrunner.model.llama import LlamaDecoder
 from graphrunner.phases.base import SpecBatch
+from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling.speculative import draft_sample
 
 __all__ = [
@@ -30,97 +32,6 @@ __all__ = [
     "TargetDrafter",
     "Verified",
 ]
-
-
-@dataclass(slots=True)
-class SpecRequest:
-    """One running request: its pool row, the KV slot of every committed
-    position, the tokens emitted, the bonus token (emitted, not yet cached)
-    and the draft's state (device tensors)."""
-
-    request: Any
-    req_index: int
-    slots: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    bonus: int = 0
-    feature: torch.Tensor | None = None  # [hidden]: the draft's feature for the next round
-    seed: torch.Tensor | None = None  # 0-d: EAGLE's first draft token for the next round
-    sampling_seed: int = 0  # the request's random stream (its own seed or the run's)
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """A round's verify, on the device: ``drafts`` int64 ``[bs, K]``, the
-    target's greedy ``targets`` int64 ``[bs, W]`` (``targets[:, j]`` follows
-    the bonus and ``j`` drafts), its ``hidden`` ``[bs * W, hidden]`` and the
-    drafts ``accepted`` per request, int64 ``[bs]``."""
-
-    drafts: torch.Tensor
-    targets: torch.Tensor
-    hidden: torch.Tensor
-    accepted: torch.Tensor
-
-
-@dataclass(slots=True)
-class RoundState:
-    """One round of ``bs`` requests: ``W = K + 1`` fresh KV slots each, for
-    positions ``L .. L + K`` (recorded in ``req_to_token`` before the round).
-
-    ``sampling``: the requests' sampling rows (each ``[bs]``) when some
-    request samples, else None (every draft greedy, as always). A drafter
-    that draws its drafts sets ``draft_probs`` float32 ``[bs, K, V]``, the
-    ``q`` each was drawn from; None means deterministic drafts.
-    """
-
-    live: list[SpecRequest]
-    slots: list[list[int]]
-    device: torch.device
-    sampling: dict[str, torch.Tensor] | None = None
-    draft_probs: torch.Tensor | None = None
-
-    @property
-    def lens(self) -> list[int]:
-        """Committed tokens per request (``L``)."""
-        return [len(r.slots) for r in self.live]
-
-    def tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def batch(self, seq_lens: list[int], **tensors: torch.Tensor) -> SpecBatch:
-        """Inputs with the rows and ``seq_lens`` as host mirrors and device twins."""
-        rows = [r.req_index for r in self.live]
-        return SpecBatch(
-            req_pool_indices_cpu=torch.tensor(rows),
-            seq_lens_cpu=torch.tensor(seq_lens),
-            req_pool_indices=self.tensor(rows),
-            seq_lens=self.tensor(seq_lens),
-            **tensors,
-        )
-
-    def positions(self, offset: int, width: int = 1) -> torch.Tensor:
-        """Positions ``L + offset .. L + offset + width - 1`` per request, flattened."""
-        return self.tensor([n + offset + i for n in self.lens for i in range(width)])
-
-    def decode_step(self, j: int, ids: torch.Tensor, **extra: torch.Tensor) -> SpecBatch:
-        """Decode inputs of token ``j`` of the round (position ``L + j``, its fresh slot)."""
-        return self.batch(
-            [n + j + 1 for n in self.lens],
-            input_ids=ids,
-            positions=self.positions(j),
-            out_cache_loc=self.tensor([s[j] for s in self.slots]),
-            **extra,
-        )
-
-    def tokens_step(self, input_ids: torch.Tensor, **extra: torch.Tensor) -> SpecBatch:
-        """Inputs of all ``W`` tokens of the round (positions ``L .. L + K``)."""
-        width = len(self.slots[0]) if self.slots else 1
-        return self.batch(
-            [n + width for n in self.lens],
-            input_ids=input_ids,
-            positions=self.positions(0, width),
-            out_cache_loc=self.tensor(self.slots).reshape(-1),
-            **extra,
-        )
 
 
 class Drafter(Protocol):
@@ -196,25 +107,39 @@ def _rows_at(hidden: torch.Tensor, accepted: torch.Tensor, width: int) -> torch.
 
 
 class MtpDrafter:
-    """Frozen-KV MTP: one replay of the draft loop (``steps = K``, top-1)."""
+    """Frozen-KV MTP: one replay of the draft loop (``steps = K``, top-1).
 
-    def __init__(self, runner: GraphRunner, k: int) -> None:
-        self.runner, self.k = runner, k
+    ``sampled`` builds (once, on the first round where a request samples) the
+    captured loop that draws its tokens (``FrozenKvMtpRunner(sampling=True)``);
+    without it a sampling round takes the greedy loop's deterministic drafts.
+    """
+
+    def __init__(
+        self, runner: GraphRunner, k: int, sampled: Callable[[], GraphRunner] | None = None
+    ) -> None:
+        self.runner, self.k, self._build = runner, k, sampled
+        self._sampled: GraphRunner | None = None
 
     def prefill(self, req: SpecRequest, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         req.feature = hidden[-1]
 
     def propose(self, state: RoundState) -> torch.Tensor:
         features = torch.stack([r.feature for r in state.live])  # type: ignore[misc]
-        out = replay_named(
-            self.runner,
-            state.batch(
-                state.lens,
-                input_ids=_stack_bonus(state),
-                positions=state.positions(-1),
-                hidden_states=features,
-            ),
+        inputs = state.batch(
+            state.lens,
+            input_ids=_stack_bonus(state),
+            positions=state.positions(-1),
+            hidden_states=features,
         )
+        if state.sampling is not None and self._build is not None:
+            if self._sampled is None:
+                self._sampled = self._build()
+            out = self._sampled.replay(SampledInputs(inputs, state.sampling))
+            if not isinstance(out, dict):
+                raise TypeError(f"the sampled MTP loop returned {type(out).__name__}")
+            state.draft_probs = out["probs"].clone()
+        else:
+            out = replay_named(self.runner, inputs)
         return out["tokens"][:, :, 0].clone()
 
     def accept(self, state: RoundState, verified: Verified) -> None:

@@ -122,7 +122,13 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
         head = FrozenKvMtpHead(b.model, steps=k, topk=1)
         init_draft_weights(head, seed)
         sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-        return MtpDrafter(_captured(FrozenKvMtpRunner(head, **cap.common(sanitizer))), k)
+        runner = _captured(FrozenKvMtpRunner(head, **cap.common(sanitizer)))
+
+        def sampled() -> GraphRunner:
+            fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+            return _captured(FrozenKvMtpRunner(head, sampling=True, **cap.common(fresh)))
+
+        return MtpDrafter(runner, k, sampled)
     cfg = b.config
     draft_kv = KVCache(
         b.kv_alloc.size, 1, cfg.num_kv_heads, cfg.head_dim, b.kv_cache.dtype, b.device
