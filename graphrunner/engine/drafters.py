@@ -10,15 +10,18 @@ per request each round, and what it keeps between rounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner.model.draft import EagleHead
 from graphrunner.model.llama import LlamaDecoder
 from graphrunner.phases.base import SpecBatch
+from graphrunner.phases.sampled import SampledInputs
+from graphrunner.sampling.speculative import draft_sample
 
 __all__ = [
     "Drafter",
@@ -29,88 +32,6 @@ __all__ = [
     "TargetDrafter",
     "Verified",
 ]
-
-
-@dataclass(slots=True)
-class SpecRequest:
-    """One running request: its pool row, the KV slot of every committed
-    position, the tokens emitted, the bonus token (emitted, not yet cached)
-    and the draft's state (device tensors)."""
-
-    request: Any
-    req_index: int
-    slots: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    bonus: int = 0
-    feature: torch.Tensor | None = None  # [hidden]: the draft's feature for the next round
-    seed: torch.Tensor | None = None  # 0-d: EAGLE's first draft token for the next round
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """A round's verify, on the device: ``drafts`` int64 ``[bs, K]``, the
-    target's greedy ``targets`` int64 ``[bs, W]`` (``targets[:, j]`` follows
-    the bonus and ``j`` drafts), its ``hidden`` ``[bs * W, hidden]`` and the
-    drafts ``accepted`` per request, int64 ``[bs]``."""
-
-    drafts: torch.Tensor
-    targets: torch.Tensor
-    hidden: torch.Tensor
-    accepted: torch.Tensor
-
-
-@dataclass(slots=True)
-class RoundState:
-    """One round of ``bs`` requests: ``W = K + 1`` fresh KV slots each, for
-    positions ``L .. L + K`` (recorded in ``req_to_token`` before the round)."""
-
-    live: list[SpecRequest]
-    slots: list[list[int]]
-    device: torch.device
-
-    @property
-    def lens(self) -> list[int]:
-        """Committed tokens per request (``L``)."""
-        return [len(r.slots) for r in self.live]
-
-    def tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def batch(self, seq_lens: list[int], **tensors: torch.Tensor) -> SpecBatch:
-        """Inputs with the rows and ``seq_lens`` as host mirrors and device twins."""
-        rows = [r.req_index for r in self.live]
-        return SpecBatch(
-            req_pool_indices_cpu=torch.tensor(rows),
-            seq_lens_cpu=torch.tensor(seq_lens),
-            req_pool_indices=self.tensor(rows),
-            seq_lens=self.tensor(seq_lens),
-            **tensors,
-        )
-
-    def positions(self, offset: int, width: int = 1) -> torch.Tensor:
-        """Positions ``L + offset .. L + offset + width - 1`` per request, flattened."""
-        return self.tensor([n + offset + i for n in self.lens for i in range(width)])
-
-    def decode_step(self, j: int, ids: torch.Tensor, **extra: torch.Tensor) -> SpecBatch:
-        """Decode inputs of token ``j`` of the round (position ``L + j``, its fresh slot)."""
-        return self.batch(
-            [n + j + 1 for n in self.lens],
-            input_ids=ids,
-            positions=self.positions(j),
-            out_cache_loc=self.tensor([s[j] for s in self.slots]),
-            **extra,
-        )
-
-    def tokens_step(self, input_ids: torch.Tensor, **extra: torch.Tensor) -> SpecBatch:
-        """Inputs of all ``W`` tokens of the round (positions ``L .. L + K``)."""
-        width = len(self.slots[0]) if self.slots else 1
-        return self.batch(
-            [n + width for n in self.lens],
-            input_ids=input_ids,
-            positions=self.positions(0, width),
-            out_cache_loc=self.tensor(self.slots).reshape(-1),
-            **extra,
-        )
 
 
 class Drafter(Protocol):
@@ -161,10 +82,17 @@ class TargetDrafter:
         pass
 
     def propose(self, state: RoundState) -> torch.Tensor:
-        ids, drafts = _stack_bonus(state), []
+        ids, drafts, probs = _stack_bonus(state), [], []
+        rows = state.sampling if self.shift == 0 else None  # shifted drafts stay deterministic
         for j in range(self.k):
-            ids = replay_tensor(self.decode, state.decode_step(j, ids)).argmax(-1)
+            logits = replay_tensor(self.decode, state.decode_step(j, ids))
+            if rows is None:
+                ids = logits.argmax(-1)
+            else:
+                ids, q = draft_sample(logits, rows, state.positions(j + 1))
+                probs.append(q)
             drafts.append(ids)
+        state.draft_probs = torch.stack(probs, 1) if probs else None
         vocab = self.model.config.vocab_size
         return (torch.stack(drafts, 1) + self.shift) % vocab
 
@@ -179,25 +107,39 @@ def _rows_at(hidden: torch.Tensor, accepted: torch.Tensor, width: int) -> torch.
 
 
 class MtpDrafter:
-    """Frozen-KV MTP: one replay of the draft loop (``steps = K``, top-1)."""
+    """Frozen-KV MTP: one replay of the draft loop (``steps = K``, top-1).
 
-    def __init__(self, runner: GraphRunner, k: int) -> None:
-        self.runner, self.k = runner, k
+    ``sampled`` builds (once, on the first round where a request samples) the
+    captured loop that draws its tokens (``FrozenKvMtpRunner(sampling=True)``);
+    without it a sampling round takes the greedy loop's deterministic drafts.
+    """
+
+    def __init__(
+        self, runner: GraphRunner, k: int, sampled: Callable[[], GraphRunner] | None = None
+    ) -> None:
+        self.runner, self.k, self._build = runner, k, sampled
+        self._sampled: GraphRunner | None = None
 
     def prefill(self, req: SpecRequest, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         req.feature = hidden[-1]
 
     def propose(self, state: RoundState) -> torch.Tensor:
         features = torch.stack([r.feature for r in state.live])  # type: ignore[misc]
-        out = replay_named(
-            self.runner,
-            state.batch(
-                state.lens,
-                input_ids=_stack_bonus(state),
-                positions=state.positions(-1),
-                hidden_states=features,
-            ),
+        inputs = state.batch(
+            state.lens,
+            input_ids=_stack_bonus(state),
+            positions=state.positions(-1),
+            hidden_states=features,
         )
+        if state.sampling is not None and self._build is not None:
+            if self._sampled is None:
+                self._sampled = self._build()
+            out = self._sampled.replay(SampledInputs(inputs, state.sampling))
+            if not isinstance(out, dict):
+                raise TypeError(f"the sampled MTP loop returned {type(out).__name__}")
+            state.draft_probs = out["probs"].clone()
+        else:
+            out = replay_named(self.runner, inputs)
         return out["tokens"][:, :, 0].clone()
 
     def accept(self, state: RoundState, verified: Verified) -> None:
@@ -243,13 +185,26 @@ class EagleDrafter:
     def propose(self, state: RoundState) -> torch.Tensor:
         ids = torch.stack([r.seed for r in state.live])  # type: ignore[misc]
         features = torch.stack([r.feature for r in state.live])  # type: ignore[misc]
+        rows, probs = state.sampling, []
+        if rows is not None:  # draw the first draft from the feature it came from
+            ids, q = draft_sample(self._logits(features), rows, state.positions(1))
+            probs.append(q)
         drafts = [ids]
         for j in range(1, self.k):
             step = state.decode_step(j - 1, ids, hidden_states=features)
             out = replay_named(self.decode, step)  # type: ignore[arg-type]  # k > 1
             ids, features = out["topk_index"][:, 0], out["hidden"]
+            if rows is not None:
+                ids, q = draft_sample(self._logits(features), rows, state.positions(j + 1))
+                probs.append(q)
             drafts.append(ids)
+        state.draft_probs = torch.stack(probs, 1) if probs else None
         return torch.stack(drafts, 1)
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[bs, V]`` of its features (what its top-1 came from)."""
+        with torch.no_grad():
+            return self.head.target.logits(features)
 
     def accept(self, state: RoundState, verified: Verified) -> None:
         v, bs = verified, len(state.live)

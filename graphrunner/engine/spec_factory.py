@@ -67,6 +67,7 @@ def speculative_engine(
     check_padding: bool = False,
     show_progress: bool = False,
     end_token: int | None = None,
+    run_seed: int = 0,
     **mechanism_options: Any,
 ) -> SpeculativeEngine:
     """A :class:`SpeculativeEngine` over ``bundle`` with every runner captured.
@@ -78,7 +79,10 @@ def speculative_engine(
             target proposes its own tokens: every draft accepted) or ``wrong``
             (those tokens shifted by one: none accepted).
         k: draft tokens per round; the verify runs ``k + 1`` tokens per request.
+        seed: the seed of the random draft head's weights.
         check_padding: the padding sanitizer around every phase's replays.
+        run_seed: the run seed sampling requests without a seed of their own
+            derive theirs from (:class:`SpeculativeEngine`'s ``seed``).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {list(METHODS)}")
@@ -98,7 +102,7 @@ def speculative_engine(
         bundle.model, k + 1, **cap.common(cap.pools_sanitizer(bundle.kv_cache))
     )
     drafter = _drafter(cap, method, draft, k, seed)
-    return SpeculativeEngine(bundle, _captured(verify), drafter, end_token=end_token)
+    return SpeculativeEngine(bundle, _captured(verify), drafter, end_token=end_token, seed=run_seed)
 
 
 def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:
@@ -118,7 +122,13 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
         head = FrozenKvMtpHead(b.model, steps=k, topk=1)
         init_draft_weights(head, seed)
         sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-        return MtpDrafter(_captured(FrozenKvMtpRunner(head, **cap.common(sanitizer))), k)
+        runner = _captured(FrozenKvMtpRunner(head, **cap.common(sanitizer)))
+
+        def sampled() -> GraphRunner:
+            fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+            return _captured(FrozenKvMtpRunner(head, sampling=True, **cap.common(fresh)))
+
+        return MtpDrafter(runner, k, sampled)
     cfg = b.config
     draft_kv = KVCache(
         b.kv_alloc.size, 1, cfg.num_kv_heads, cfg.head_dim, b.kv_cache.dtype, b.device

@@ -2,6 +2,10 @@
 bonus token and the drafts in one target forward of width ``K + 1``, accept
 the longest matching prefix, emit the accepted tokens and the target's next
 token. Greedy, so the output equals plain greedy decoding token for token.
+A request that samples (``Request.sampling`` with temperature > 0) goes
+through rejection sampling (:mod:`graphrunner.sampling.speculative`) with its
+own counter-based stream, so its tokens follow the target's distribution and
+depend on its seed alone, not on the batch.
 
 Every round allocates ``K + 1`` fresh KV slots per request (positions
 ``L .. L + K``) and frees the rejected ones as soon as the verify is read, so
@@ -22,52 +26,16 @@ from tqdm.auto import tqdm
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.drafters import Drafter, RoundState, SpecRequest, Verified, replay_named
 from graphrunner.engine.loop import AdmissionError
+from graphrunner.engine.sampling import sample_rows, seed_of
+from graphrunner.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner.engine.workload import Request, check_trace
 from graphrunner.model.build import ModelBundle
+from graphrunner.sampling import SamplingParams, rejection_sample, sampling_tensors
+from graphrunner.sampling.params import check_seed
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]
 
-
-@dataclass(slots=True)
-class SpeculativeStats:
-    """What a speculative run did: rounds, tokens, and how many drafts held."""
-
-    steps: int = 0  # rounds (one verify each)
-    prefills: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # tokens emitted by rounds (prefill's first tokens excluded)
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    decode_seconds: float = 0.0  # drafting, verify and accept
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # rounds per live bs
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens a request gains per round, on average (1 + accepted drafts)."""
-        rows = self.request_rounds
-        return self.decode_tokens / rows if rows else 0.0
-
-    @property
-    def request_rounds(self) -> int:
-        """Rounds summed over requests (a round of ``bs`` requests counts ``bs``)."""
-        return sum(bs * n for bs, n in self.batch_sizes.items())
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeResult:
-    """Generated tokens per request id (prompt excluded), the finished ids, the stats."""
-
-    outputs: dict[int, list[int]]
-    finished: frozenset[int]
-    stats: SpeculativeStats
+_GREEDY = SamplingParams()
 
 
 @dataclass(slots=True)
@@ -89,6 +57,8 @@ class SpeculativeEngine:
             width ``drafter.k + 1`` over ``bundle.model``.
         drafter: proposes the drafts (:mod:`graphrunner.engine.drafters`).
         end_token: a token that finishes its request (kept in the output).
+        seed: the run seed: a request that samples without a seed of its own
+            draws from :func:`~graphrunner.sampling.request_seed` of it and its id.
     """
 
     def __init__(
@@ -98,6 +68,7 @@ class SpeculativeEngine:
         drafter: Drafter,
         *,
         end_token: int | None = None,
+        seed: int = 0,
     ) -> None:
         if bundle.page_size != 1:
             raise ValueError(
@@ -112,6 +83,8 @@ class SpeculativeEngine:
         self.bundle, self.verify, self.drafter = bundle, verify, drafter
         self.k, self.end_token = drafter.k, end_token
         self.device = bundle.device
+        self.seed = check_seed("seed", seed)
+        self._sampling = False  # whether the running trace has a request that samples
 
     def run(
         self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
@@ -119,6 +92,7 @@ class SpeculativeEngine:
         """Serve ``trace`` until every request finished or ``max_steps`` rounds
         ran; greedy outputs by request id (a cut request's so far)."""
         self._validate(trace)
+        self._sampling = any(r.samples for r in trace)
         run = _Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
             {r.rid: [] for r in trace},
@@ -178,13 +152,21 @@ class SpeculativeEngine:
 
     def _prefill(self, run: _Run, request: Request) -> None:
         b = self.bundle
-        live = SpecRequest(request, b.req_pool.alloc(1)[0])
+        live = SpecRequest(
+            request, b.req_pool.alloc(1)[0], sampling_seed=seed_of(request, self.seed)
+        )
         run.live.append(live)
         live.slots = b.kv_alloc.alloc(len(request.prompt))
         prompt = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
         slots = torch.tensor(live.slots, dtype=torch.int64, device=self.device)
         hidden = b.model.extend_hidden(live.req_index, prompt, slots)
-        live.bonus = int(b.model.logits(hidden[-1]).argmax())
+        logits = b.model.logits(hidden[-1]).view(1, -1)
+        if request.samples:  # drawn as the plain engine draws it: position len(prompt), draw 0
+            rows = self._rows([live])
+            at = torch.tensor([len(request.prompt)], device=self.device)
+            live.bonus = int(sample_rows(logits, rows, at)[0])
+        else:
+            live.bonus = int(logits.argmax())
         run.stats.prefills += 1
         run.stats.prefill_tokens += len(request.prompt)
         if self._emit(run, live, [live.bonus]):
@@ -195,12 +177,16 @@ class SpeculativeEngine:
         flat = b.kv_alloc.alloc((k + 1) * len(run.live))  # all or nothing
         slots = [flat[i : i + k + 1] for i in range(0, len(flat), k + 1)]
         state = RoundState(list(run.live), slots, self.device)
+        if self._sampling:
+            state.sampling = self._rows(state.live)
         try:  # the fresh slots are no request's until the verify is read: freed here
             for req, fresh in zip(state.live, slots, strict=True):
                 b.req_pool.write(req.req_index, len(req.slots), fresh)
             verified = self._verify(state)
             self.drafter.accept(state, verified)  # queued before the round's one read back
-            host = torch.cat([verified.targets.reshape(-1), verified.accepted]).tolist()
+            host = torch.cat(
+                [verified.targets.reshape(-1), verified.accepted, verified.drafts.reshape(-1)]
+            ).tolist()
         except BaseException:
             b.kv_alloc.free(flat)
             raise
@@ -212,9 +198,22 @@ class SpeculativeEngine:
         bonus = state.tensor([r.bonus for r in state.live])
         ids = torch.cat([bonus[:, None], drafts], 1).reshape(-1)
         out = replay_named(self.verify, state.tokens_step(ids))
-        targets = out["logits"].argmax(-1).view(len(state.live), self.k + 1)
-        accepted = (drafts == targets[:, :-1]).long().cumprod(1).sum(1)
+        bs, w = len(state.live), self.k + 1
+        if state.sampling is None:
+            targets = out["logits"].argmax(-1).view(bs, w)
+            accepted = (drafts == targets[:, :-1]).long().cumprod(1).sum(1)
+        else:
+            logits = out["logits"].view(bs, w, -1)
+            targets, accepted = rejection_sample(
+                logits, drafts, state.draft_probs, state.sampling, state.positions(1)
+            )
         return Verified(drafts, targets, out["hidden"], accepted)
+
+    def _rows(self, live: Sequence[SpecRequest]) -> dict[str, torch.Tensor]:
+        """The sampling rows of ``live`` (each ``[bs]``) on the device."""
+        params = [r.request.sampling or _GREEDY for r in live]
+        host = sampling_tensors(params, [r.sampling_seed for r in live], "cpu")
+        return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
 
     def _commit(self, run: _Run, state: RoundState, host: list[int]) -> None:
         """Keep each request's accepted slots, free the rejected ones, emit."""
@@ -223,7 +222,7 @@ class SpeculativeEngine:
         for i, (req, fresh) in enumerate(zip(state.live, state.slots, strict=True)):
             accepted = host[bs * w + i]
             targets = host[i * w : (i + 1) * w]
-            drafts_ok = targets[:accepted]  # accepted drafts equal the target's tokens
+            drafts_ok = host[bs * (w + 1) + i * self.k :][:accepted]  # greedy: the targets'
             req.slots.extend(fresh[: accepted + 1])
             self.bundle.kv_alloc.free(fresh[accepted + 1 :])
             req.bonus = targets[accepted]

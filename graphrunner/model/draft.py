@@ -29,6 +29,7 @@ from graphrunner.model.llama import LlamaDecoder, LlamaDecoderLayer
 from graphrunner.model.token_rows import TokenRows
 from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs
 from graphrunner.pools import KVCache
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, draft_sample
 
 __all__ = ["EagleHead", "FrozenKvMtpHead", "init_draft_weights"]
 
@@ -208,6 +209,31 @@ class FrozenKvMtpHead(nn.Module):
             "scores": torch.stack(scores, 1),
             "parents": torch.stack(parents, 1),
         }
+
+    def forward_draft_sampled(self, inputs: MtpInputs) -> dict[str, torch.Tensor]:
+        """The draft loop as a chain (``topk`` 1) whose tokens are drawn.
+
+        ``inputs``: :meth:`forward_draft`'s plus the sampling rows
+        (:data:`~graphrunner.sampling.SAMPLING_FIELDS`, each ``[bs]``). Step
+        ``s`` draws its token by :func:`~graphrunner.sampling.draft_sample`
+        at position ``positions + 2 + s`` (greedy rows: the argmax). Returns
+        ``tokens`` int64 ``[bs, steps, 1]`` and ``probs`` float32
+        ``[bs, steps, V]``, the ``q`` each token was drawn from.
+        """
+        b, t = inputs, self.target
+        if self.topk != 1:
+            raise ValueError(f"forward_draft_sampled: topk={self.topk}; expected 1 (a chain)")
+        rows = {n: getattr(b, n) for n in SAMPLING_FIELD_NAMES}
+        meta = self._meta(b.req_pool_indices, b.seq_lens, 1)
+        ids, features, tokens, probs = b.input_ids, b.hidden_states, [], []
+        for s in range(self.steps):
+            features = self._block(
+                self.fusion(t.model.embed_tokens(ids), features), b.positions, meta
+            )
+            ids, q = draft_sample(t.logits(features), rows, b.positions + 2 + s)
+            tokens.append(ids)
+            probs.append(q)
+        return {"tokens": torch.stack(tokens, 1).unsqueeze(-1), "probs": torch.stack(probs, 1)}
 
     def _meta(self, req: torch.Tensor, seq_lens: torch.Tensor, k: int) -> AttnMetadata:
         """Read exactly the committed length of each request, ``k`` candidate rows each."""

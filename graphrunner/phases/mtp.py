@@ -13,6 +13,7 @@ from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase
 from graphrunner.pools import KVCache, ReqToTokenPool
+from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.sanitizer.padding import GuardedTensor, PaddingSanitizer
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
@@ -36,9 +37,13 @@ def mtp_buffer_specs(
     return [*decode, hidden]
 
 
-def frozen_kv_mtp_phase(head: FrozenKvMtpHead) -> Phase:
+def frozen_kv_mtp_phase(head: FrozenKvMtpHead, *, sampling: bool = False) -> Phase:
     """:meth:`FrozenKvMtpHead.forward_draft` (the whole draft loop); outputs
-    ``tokens`` int64, ``scores`` float32 and ``parents`` int64, each ``[bs, steps, k]``."""
+    ``tokens`` int64, ``scores`` float32 and ``parents`` int64, each ``[bs, steps, k]``.
+
+    ``sampling``: :meth:`FrozenKvMtpHead.forward_draft_sampled` instead, over
+    the sampling buffers too (:data:`~graphrunner.sampling.SAMPLING_FIELDS`);
+    outputs ``tokens`` ``[bs, steps, 1]`` and ``probs`` ``[bs, steps, V]``."""
     target = head.target
     backend = target.attn_backend
     specs = mtp_buffer_specs(
@@ -46,18 +51,23 @@ def frozen_kv_mtp_phase(head: FrozenKvMtpHead) -> Phase:
         target.model.embed_tokens.weight.dtype,
         seq_len_fill_value=backend.seq_len_fill_value,
     )
-    return Phase("mtp", head.forward_draft, tuple(specs), outputs=OutputSpec(), backend=backend)
+    if sampling:
+        specs += SAMPLING_FIELDS
+    forward = head.forward_draft_sampled if sampling else head.forward_draft
+    return Phase("mtp", forward, tuple(specs), outputs=OutputSpec(), backend=backend)
 
 
 class FrozenKvMtpRunner(GraphRunner):
     """:func:`frozen_kv_mtp_phase` on the mechanism given in ``kwargs``.
 
     Replay returns ``tokens`` int64, ``scores`` float32 and ``parents`` int64,
-    each ``[bs, steps, k]``.
+    each ``[bs, steps, k]`` (``sampling``: ``tokens`` and ``probs``, see
+    :func:`frozen_kv_mtp_phase`).
     """
 
-    def __init__(self, head: FrozenKvMtpHead, **kwargs: Any) -> None:
-        super().__init__(**frozen_kv_mtp_phase(head).runner_args(), **kwargs)
+    def __init__(self, head: FrozenKvMtpHead, *, sampling: bool = False, **kwargs: Any) -> None:
+        phase = frozen_kv_mtp_phase(head, sampling=sampling)
+        super().__init__(**phase.runner_args(), **kwargs)
 
 
 def frozen_kv_sanitizer(

@@ -12,15 +12,19 @@ from graphrunner.sampling.params import (
 )
 from graphrunner.sampling.random import uniform
 from graphrunner.sampling.sample import Logprobs, filtered_probs, logprobs, sample
+from graphrunner.sampling.speculative import draft_sample, rejection_sample, rows_probs
 
 __all__ = [
     "SAMPLING_FIELDS",
     "SAMPLING_FIELD_NAMES",
     "Logprobs",
     "SamplingParams",
+    "draft_sample",
     "filtered_probs",
     "logprobs",
+    "rejection_sample",
     "request_seed",
+    "rows_probs",
     "sample",
     "sampling_tensors",
     "uniform",
