@@ -29,7 +29,7 @@ def _run(kind: str = "eager", logprobs: int = 3, seed: int = 11) -> EngineResult
     return Engine(bundle, runner, seed=seed, logprobs=logprobs).run(TRACE)
 
 
-def _eager_logits(bundle: ModelBundle, tokens: list[int]) -> torch.Tensor:
+def eager_last_logits(bundle: ModelBundle, tokens: list[int]) -> torch.Tensor:
     """The last logits ``[vocab]`` of a fresh prefill of ``tokens``."""
     row = bundle.req_pool.alloc(1)[0]
     slots = bundle.kv_alloc.alloc(len(tokens))
@@ -50,7 +50,7 @@ def test_logprobs_are_the_eager_log_softmax_of_each_token(kind: str) -> None:
         tokens, entries = result.outputs[r.rid], result.logprobs[r.rid]
         assert len(entries) == len(tokens) == r.max_new_tokens
         for i, (token, (chosen, top)) in enumerate(zip(tokens, entries, strict=True)):
-            lp = torch.log_softmax(_eager_logits(reference, [*r.prompt, *tokens[:i]]), -1)
+            lp = torch.log_softmax(eager_last_logits(reference, [*r.prompt, *tokens[:i]]), -1)
             assert chosen == pytest.approx(lp[token].item(), abs=1e-4)
             assert len(top) == 3
             values = [v for _, v in top]
