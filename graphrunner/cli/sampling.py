@@ -43,6 +43,8 @@ __all__ = [
 
 #: The sampling flags by SamplingParams field.
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
+#: The largest top-k: the sampling buffers hold int64.
+MAX_TOP_K = 2**63 - 1
 #: What a JSON-lines prompt may set besides its ``"prompt"``.
 LINE_FIELDS = ("max_new_tokens", *FLAGS, "seed")
 
@@ -95,6 +97,8 @@ def flag_params(args: argparse.Namespace) -> SamplingParams:
             SamplingParams(**{name: value})
         except ValueError as e:
             raise UsageError(f"{flag} {value}: {_reason(e)}") from None
+    if args.top_k > MAX_TOP_K:
+        raise UsageError(f"--top-k {args.top_k}: expected an int in 0..{MAX_TOP_K} (0: no limit)")
     check_range("--logprobs", getattr(args, "logprobs", 0), 0, MAX_LOGPROBS)
     return SamplingParams(**{name: getattr(args, name) for name in FLAGS})
 
@@ -119,6 +123,10 @@ def check_line(fields: Mapping[str, Any], where: str, limit: int) -> None:
                 SamplingParams(**{name: fields[name]})
             except ValueError as e:
                 raise UsageError(f"{where}: {e}") from None
+    if fields.get("top_k", 0) > MAX_TOP_K:
+        raise UsageError(
+            f"{where}: top_k={fields['top_k']}; expected an int in 0..{MAX_TOP_K} (0: no limit)"
+        )
 
 
 def apply(
