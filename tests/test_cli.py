@@ -649,8 +649,9 @@ def test_seed_help_says_what_it_seeds(capsys: pytest.CaptureFixture[str]) -> Non
     assert exit_.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert (
-        "--seed SEED seed of the embedded model's weights and of the demo's synthetic "
-        "trace (no effect on a --checkpoint's weights or on generate's prompts)"
+        "--seed SEED seed of the embedded model's weights, of the demo's synthetic trace "
+        "and of sampling (each request's seed derives from it and the request id unless a "
+        "prompt gives its own; no effect on a --checkpoint's weights)"
     ) in help_text
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import overlap as cli_overlap
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import text as cli_text
 
@@ -44,8 +45,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="seed of the embedded model's weights and of the demo's synthetic trace "
-        "(no effect on a --checkpoint's weights or on generate's prompts); 0..2**63-1",
+        help="seed of the embedded model's weights, of the demo's synthetic trace and of "
+        "sampling (each request's seed derives from it and the request id unless a prompt "
+        "gives its own; no effect on a --checkpoint's weights); 0..2**63-1",
     )
     p.add_argument(
         "--check-padding",
@@ -66,6 +68,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
         "nothing from more)",
     )
 
+    cli_sampling.add_arguments(p)  # --temperature, --top-k, --top-p, --min-p
     cli_text.add_context_argument(p)
     cli_spec.add_arguments(p)
     cli_overlap.add_arguments(p)

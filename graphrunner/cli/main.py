@@ -5,9 +5,11 @@ checkpoint), every decode step through a captured runner and checked against
 the eager forward; exits 1 on any mismatch (or, with ``--check-padding``, on
 any padding violation). ``generate`` serves text prompts (``--prompt``, or
 lines of ``--prompts``, through the checkpoint's tokenizer and, with
-``--chat``, its chat template) or token-id prompts (JSON lists) and prints
-the greedy answers, as text when the checkpoint has a tokenizer
-(:mod:`graphrunner.cli.text`). ``convert`` writes a GGUF file as a Hugging
+``--chat``, its chat template) or token-id prompts (JSON lists, or JSON
+objects with their own sampling fields) and prints the answers, greedy or
+sampled by ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p`` and
+``--seed`` (:mod:`graphrunner.cli.sampling`), as text when the checkpoint has
+a tokenizer (:mod:`graphrunner.cli.text`). ``convert`` writes a GGUF file as a Hugging
 Face checkpoint (:mod:`graphrunner.cli.convert`); ``--checkpoint`` also
 takes a ``.gguf``, converted once into the cache.
 
@@ -33,6 +35,7 @@ from graphrunner.cli import convert as cli_convert
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import modes as cli_modes
 from graphrunner.cli import report as cli_report
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import ssm as cli_ssm
@@ -50,6 +53,7 @@ from graphrunner.cli.exits import run_command
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.memory import available_memory, memory_estimate
+from graphrunner.engine.results import TokenLogprobs
 from graphrunner.engine.workload import requests_from_prompts, synthetic_trace
 from graphrunner.io import load_any
 from graphrunner.model import (
@@ -82,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cli_sizes.add_run_outputs(demo)
     demo.set_defaults(func=_demo)
-    gen = sub.add_parser("generate", help="greedy answers to text or token-id prompts")
+    gen = sub.add_parser("generate", help="answers to text or token-id prompts")
     add_common(gen)
+    cli_sampling.add_logprobs_argument(gen)
     cli_text.add_generate_arguments(gen)
     gen.add_argument("--output", type=Path, help="write JSON lines here (default stdout)")
     gen.add_argument("--max-new-tokens", type=int, default=16, help="1..the model's context (16)")
@@ -141,6 +146,7 @@ def _capture(
     *,
     check_padding: bool = False,
     compile: bool = False,
+    sampling: dict[str, Any] | None = None,
 ) -> GraphRunner:
     runner = create_model_runner(
         bundle,
@@ -149,6 +155,7 @@ def _capture(
         show_progress=True,
         check_padding=check_padding,
         **cli_model.compile_option(compile),
+        **(sampling or {}),
     )
     report = runner.capture()
     print(f"capture ({runner.mechanism.label}): sizes {sizes}, {report.total_seconds:.1f} s")
@@ -163,6 +170,7 @@ def _demo(args: argparse.Namespace) -> int:
         cli_checks.model_config(args),
     )
     check_range("--steps", args.steps, 1, MAX_STEPS)
+    params = cli_sampling.flag_params(args)
     cli_sizes.check_run_outputs(args)
     model_context = cli_text.context_limit(args, config)
     check_range("--page-size", args.page_size, 1, model_context, cli_text.limit_why(args))
@@ -183,30 +191,27 @@ def _demo(args: argparse.Namespace) -> int:
         new_tokens=(8, 64),
         mean_gap=4.0,
     )
+    trace = cli_sampling.apply(trace, params)
+    cli_sampling.check_modes(args, trace, "demo")
     context = cli_text.run_context(args, trace, extra, model_context)
     max_prompt_len = max(len(r.prompt) for r in trace)
     cli_checks.check_fits(
         args, config, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True
     )
     bundle = _build(args, sizes[-1], context)
-    source = args.checkpoint or f"embedded default (random, seed {args.seed})"
-    print(
-        f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s)"
-        + (f"   KV pages of {args.page_size} slots" if args.page_size > 1 else "")
-    )
-    print(
-        f"model: {source}: {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
-        f"context {context}"
-    )
+    cli_report.header(args, kind, config, context)
     with cli_sizes.profiled(args):
         if args.speculative or args.overlap:
             return cli_modes.demo_against_plain(args, bundle, trace, kind, sizes)
         runner = _capture(
-            bundle, kind, sizes, check_padding=args.check_padding, compile=args.compile
+            bundle,
+            kind,
+            sizes,
+            check_padding=args.check_padding,
+            compile=args.compile,
+            sampling=cli_sampling.runner_options(args, trace),
         )
-        engine = Engine(bundle, runner, check=True, atol=cli_model.check_atol(args))
+        engine = Engine(bundle, runner, check=True, atol=cli_model.check_atol(args), seed=args.seed)
         result = engine.run(trace, max_steps=args.steps, progress=True)
     cli_sizes.write_outputs(args, runner)
     cli_report.report(result)
@@ -218,13 +223,19 @@ def _generate(args: argparse.Namespace) -> int:
     if cli_ssm.is_state_space_checkpoint(args.checkpoint):  # Mamba / Jamba: own bundle
         return cli_ssm.generate(args, cli_checks.check_common(args), cli_checks.capture_sizes)
     kind, config = cli_checks.check_common(args), cli_checks.model_config(args)
+    params = cli_sampling.flag_params(args)
     model_context, inputs = cli_text.check_generate(args, config)
     prompts = inputs.prompts
     # No graph larger than the prompt count: each size costs a compile on the CPU.
     sizes = cli_checks.capture_sizes(args, default_max_bs=min(16, len(prompts)))
-    trace = requests_from_prompts(
-        prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+    trace = cli_sampling.apply(
+        requests_from_prompts(
+            prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+        ),
+        params,
+        inputs.fields,
     )
+    cli_sampling.check_modes(args, trace, "generate")
     context = cli_text.run_context(args, trace, cli_spec.extra_context(args), model_context)
     max_prompt_len = max(len(p) for p in prompts)
     cli_checks.check_fits(
@@ -234,8 +245,8 @@ def _generate(args: argparse.Namespace) -> int:
     bundle = _build(args, sizes[-1], context)
     # Reports go to stderr: stdout carries the answers.
     with cli_sizes.profiled(args, file=sys.stderr):
-        outputs, mismatches = _generate_outputs(args, bundle, trace, kind, sizes, inputs)
-    text = inputs.render(outputs, [r.rid for r in trace])
+        outputs, mismatches, logprobs = _generate_outputs(args, bundle, trace, kind, sizes, inputs)
+    text = inputs.render(outputs, [r.rid for r in trace], logprobs)
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -256,19 +267,26 @@ def _generate_outputs(
     kind: str,
     sizes: list[int],
     inputs: cli_text.Inputs,
-) -> tuple[dict[int, list[int]], int]:
-    """Greedy outputs by request, and the mismatches ``--check`` found: steps
-    off the eager forward, or (speculative) requests off plain greedy."""
+) -> tuple[dict[int, list[int]], int, dict[int, list[TokenLogprobs]]]:
+    """Outputs by request, the mismatches ``--check`` found (steps off the
+    eager forward, or (speculative) requests off plain greedy), and the
+    log-probabilities ``--logprobs`` asked for (else empty)."""
     options = cli_model.compile_option(args.compile)
     end = inputs.end_token
     if args.speculative or args.overlap:
         result = cli_modes.serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)
         if not args.check:
-            return result.outputs, 0
+            return result.outputs, 0, {}
         expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
-        return result.outputs, cli_spec.differing(result.outputs, expected)
+        return result.outputs, cli_spec.differing(result.outputs, expected), {}
+    sampling = cli_sampling.runner_options(args, trace)
     runner = create_model_runner(
-        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
+        bundle,
+        kind,
+        capture_sizes=sizes,
+        check_padding=args.check_padding,
+        **options,
+        **sampling,
     )
     runner.capture()
     engine = Engine(
@@ -278,7 +296,9 @@ def _generate_outputs(
         end_token=end,
         on_finish=inputs.on_finish,
         atol=cli_model.check_atol(args),
+        seed=args.seed,
+        logprobs=args.logprobs,
     )
-    greedy = engine.run(trace)
+    result = engine.run(trace)
     cli_sizes.write_outputs(args, runner, file=sys.stderr)
-    return greedy.outputs, greedy.stats.mismatches
+    return result.outputs, result.stats.mismatches, result.logprobs

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.core.future_map import FutureMap
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import Request
@@ -47,9 +48,10 @@ def run_overlap(
         check_padding=args.check_padding,
         future_map=future,
         **mechanism_options,
+        **cli_sampling.runner_options(args, trace),
     )
     runner.capture()
-    engine = Engine(bundle, runner, end_token=end_token, overlap=True)
+    engine = Engine(bundle, runner, end_token=end_token, overlap=True, seed=args.seed)
     return engine.run(trace, max_steps=max_steps, progress=True)
 
 

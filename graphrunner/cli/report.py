@@ -1,11 +1,32 @@
-"""What ``demo`` prints after a run: the engine's statistics and the sanitizer's."""
+"""What ``demo`` prints: the device and model before a run, the engine's
+statistics and the sanitizer's after it."""
 
 from __future__ import annotations
 
+import argparse
+
+import torch
+
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import EngineResult
+from graphrunner.model import ModelConfig
 
-__all__ = ["report", "report_sanitizer"]
+__all__ = ["header", "report", "report_sanitizer"]
+
+
+def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: int) -> None:
+    """The device, runner, torch and model of the run."""
+    source = args.checkpoint or f"embedded default (random, seed {args.seed})"
+    print(
+        f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)"
+        + (f"   KV pages of {args.page_size} slots" if args.page_size > 1 else "")
+    )
+    print(
+        f"model: {source}: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
+        f"context {context}"
+    )
 
 
 def report(result: EngineResult) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import text as cli_text
 from graphrunner.cli.common import UsageError, write_atomically
@@ -76,9 +77,14 @@ def generate(
     except ValueError as e:
         raise UsageError(str(e)) from None
     limit, inputs = cli_text.check_generate(args, config)
+    cli_sampling.refuse(args, inputs.fields, inputs.labels, "a Mamba or Jamba checkpoint")
     sizes = capture_sizes(args, min(16, len(inputs.prompts)))
-    trace = requests_from_prompts(
-        inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+    trace = cli_sampling.apply(  # greedy: only the lines' max_new_tokens
+        requests_from_prompts(
+            inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
+        ),
+        cli_sampling.flag_params(args),
+        inputs.fields,
     )
     torch.set_num_threads(args.threads)
     try:

@@ -5,9 +5,12 @@ pool for N tokens whatever the checkpoint declares, and refuses a prompt whose
 tokens plus its new tokens exceed N before any work, naming the prompt.
 
 ``generate`` reads prompts from ``--prompt TEXT`` (repeatable) and
-``--prompts FILE``: a line that starts with ``[`` or ``{`` is a JSON list of
-token ids, any other line is text. A file of token-id lines only is read
-exactly as before (:func:`~graphrunner.cli.common.read_prompts`). Text goes
+``--prompts FILE``: a line that starts with ``[`` is a JSON list of token ids,
+one that starts with ``{`` a JSON object: ``"prompt"`` (token ids or text)
+and any of ``"max_new_tokens"``, ``"temperature"``, ``"top_k"``, ``"top_p"``,
+``"min_p"``, ``"seed"`` (overriding the flags for that prompt,
+:mod:`graphrunner.cli.sampling`); any other line is text. A file of token-id
+lines only is read exactly as before (:func:`~graphrunner.cli.common.read_prompts`). Text goes
 through the checkpoint's tokenizer, with ``--chat`` through its chat template;
 generation stops at the tokenizer's end-of-sequence token unless
 ``--ignore-eos``; with a tokenizer, answers print as text, each as soon as its
@@ -21,7 +24,9 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli.common import (
     MAX_STEPS,
@@ -31,6 +36,7 @@ from graphrunner.cli.common import (
     json_line,
     read_prompts,
 )
+from graphrunner.engine.results import TokenLogprobs
 from graphrunner.engine.workload import Request
 from graphrunner.io.text import (
     NoTokenizerError,
@@ -126,7 +132,8 @@ def run_context(args: argparse.Namespace, trace: Sequence[Request], extra: int, 
 @dataclass(slots=True)
 class Inputs:
     """The prompts of a generate run: ``prompts[i]`` (token ids) is request ``i``,
-    named ``labels[i]`` in errors; ``codec`` the checkpoint's tokenizer, if any."""
+    named ``labels[i]`` in errors; ``codec`` the checkpoint's tokenizer, if any;
+    ``fields[i]`` its JSON-lines fields besides ``"prompt"`` (checked)."""
 
     prompts: list[list[int]]
     labels: list[str]
@@ -134,15 +141,24 @@ class Inputs:
     end_token: int | None
     as_text: bool
     printer: StreamPrinter | None = field(default=None)
+    fields: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def on_finish(self) -> Callable[[int, list[int]], None] | None:
         return self.printer
 
-    def render(self, outputs: dict[int, list[int]], rids: Sequence[int]) -> str:
-        """The output of the whole run: JSON lines, or the text blocks not yet streamed."""
+    def render(
+        self,
+        outputs: dict[int, list[int]],
+        rids: Sequence[int],
+        logprobs: dict[int, list[TokenLogprobs]] | None = None,
+    ) -> str:
+        """The output of the whole run: JSON lines (with ``"logprobs"`` when
+        given), or the text blocks not yet streamed."""
         if not self.as_text or self.codec is None:
-            return "".join(json.dumps({"prompt": r, "tokens": outputs[r]}) + "\n" for r in rids)
+            return "".join(
+                json.dumps(cli_sampling.output_line(r, outputs[r], logprobs)) + "\n" for r in rids
+            )
         done = self.printer.printed if self.printer is not None else set()
         return "".join(
             f"[{r}] {self.codec.decode(outputs[r]).strip()}\n\n" for r in rids if r not in done
@@ -178,7 +194,14 @@ def read_inputs(
     if args.prompts is None and not args.prompt:
         raise UsageError("generate needs --prompts FILE or --prompt TEXT")
     file_lines = _file_lines(args.prompts)
-    texts_in_file = any(not _is_ids(line) for _, line in file_lines)
+    objects = {
+        n: cli_sampling.prompt_object(line, f"{args.prompts}:{n}", limit)
+        for n, line in file_lines
+        if line[:1] == "{"
+    }
+    texts_in_file = any(not _is_ids(line) for _, line in file_lines) or any(
+        isinstance(o["prompt"], str) for o in objects.values()
+    )
     codec = None
     if has_tokenizer(args.checkpoint) or args.prompt or texts_in_file or args.chat:
         what = "--prompt" if args.prompt else "--chat" if args.chat else f"{args.prompts} (text)"
@@ -188,26 +211,38 @@ def read_inputs(
             raise UsageError(str(e)) from None
     prompts: list[list[int]] = []
     labels: list[str] = []
+    fields: list[dict[str, Any]] = []
     for i, text in enumerate(args.prompt):
         prompts.append(_encode(codec, text, args.chat, f"--prompt {i}"))
         labels.append(f"--prompt {i} ({text[:40]!r})")
-    if args.prompts is not None and not texts_in_file:
+    if args.prompts is not None and not texts_in_file and not objects:
         # Token ids only: the file is read, and its errors worded, as ever.
         prompts += read_prompts(args.prompts, config, args.max_new_tokens)
         labels += [f"{args.prompts}:{n}" for n, _ in file_lines]
     else:
         for n, line in file_lines:
             where = f"{args.prompts}:{n}"
-            ids = _ids(line, config, where) if _is_ids(line) else None
-            prompts.append(ids if ids is not None else _encode(codec, line, args.chat, where))
+            obj = objects.get(n)
+            if obj is None:
+                ids = _ids(line, config, where) if _is_ids(line) else None
+                prompts.append(ids if ids is not None else _encode(codec, line, args.chat, where))
+                fields.append({})
+            else:
+                prompt = obj.pop("prompt")
+                own = isinstance(prompt, list)
+                prompts.append(
+                    _ids(prompt, config, where) if own else _encode(codec, prompt, args.chat, where)
+                )
+                fields.append(obj)
             labels.append(where)
-    _check_lengths(args, prompts, labels, limit)
+    fields = [{} for _ in range(len(prompts) - len(fields))] + fields  # --prompt, id lines
+    _check_lengths(args, prompts, labels, limit, fields)
     end = args.end_token
     if end is None and codec is not None and not args.ignore_eos:
         end = codec.eos_token_id
-    as_text = codec is not None and not args.json
+    as_text = codec is not None and not args.json and not getattr(args, "logprobs", 0)
     printer = StreamPrinter(codec) if as_text and stream and codec is not None else None
-    return Inputs(prompts, labels, codec, end, as_text, printer)
+    return Inputs(prompts, labels, codec, end, as_text, printer, fields)
 
 
 def _file_lines(path: Path | None) -> list[tuple[int, str]]:
@@ -231,13 +266,15 @@ def _is_ids(line: str) -> bool:
     return line[:1] in ("[", "{")
 
 
-def _ids(line: str, config: ModelConfig, where: str) -> list[int]:
-    ids = json_line(line, where)
+def _ids(line: str | list[Any], config: ModelConfig, where: str) -> list[int]:
+    """Token ids from a JSON line (or an object's ``"prompt"`` list), checked."""
+    ids = json_line(line, where) if isinstance(line, str) else line
     ok = isinstance(ids, list) and ids and all(type(t) is int for t in ids)
     if not ok or not all(0 <= t < config.vocab_size for t in ids):
+        shown = line if isinstance(line, str) else json.dumps(line)
         raise UsageError(
             f"{where}: expected a non-empty JSON list of token ids in "
-            f"0..{config.vocab_size - 1}, got {line[:60]!r}"
+            f"0..{config.vocab_size - 1}, got {shown[:60]!r}"
         )
     return list(ids)
 
@@ -254,12 +291,17 @@ def _encode(codec: TextCodec | None, text: str, chat: bool, where: str) -> list[
 
 
 def _check_lengths(
-    args: argparse.Namespace, prompts: list[list[int]], labels: list[str], limit: int
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    labels: list[str],
+    limit: int,
+    fields: list[dict[str, Any]],
 ) -> None:
-    for ids, label in zip(prompts, labels, strict=True):
-        need = len(ids) + args.max_new_tokens - 1
+    for ids, label, own in zip(prompts, labels, fields, strict=True):
+        new = own.get("max_new_tokens", args.max_new_tokens)
+        need = len(ids) + new - 1
         if need > limit:
             raise UsageError(
-                f"{label}: prompt of {len(ids)} tokens + {args.max_new_tokens} new tokens "
+                f"{label}: prompt of {len(ids)} tokens + {new} new tokens "
                 f"needs a context of {need}, longer than {_limit_name(args, limit)}"
             )

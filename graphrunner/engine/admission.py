@@ -4,17 +4,19 @@ requests were promised), each with its first token."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphrunner.engine.results import AdmissionError, _Live, _Run
-from graphrunner.engine.sampling import seed_of
+from graphrunner.engine.sampling import check_greedy, seed_of
+from graphrunner.engine.workload import Request, check_trace
 
 if TYPE_CHECKING:
     from graphrunner.engine.loop import Engine
 
-__all__ = ["admit"]
+__all__ = ["admit", "validate_trace"]
 
 
 def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
@@ -42,6 +44,8 @@ def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
         pending.popleft()
         live = _Live(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
         run.held[req.rid] = live
+        if engine.logprobs:
+            run.logprobs[req.rid] = live.logprobs
         live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
         live.slots = live.pages[: len(req.prompt)]  # decode continues in the last page
         reserved += need - len(live.pages)
@@ -57,3 +61,19 @@ def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
 def _kv_amount(engine: Engine, slots: int) -> str:
     page = engine.bundle.page_size
     return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
+
+
+def validate_trace(engine: Engine, trace: Sequence[Request]) -> None:
+    """``trace`` checked before a run: valid requests, each fitting the
+    context and the KV pool, greedy unless the engine samples."""
+    ctx, kv_room = engine.bundle.max_context_len, engine.bundle.kv_alloc.size
+    check_trace(trace, engine.bundle.config.vocab_size)
+    if not engine.sampling:
+        check_greedy(trace)
+    for r in trace:
+        if r.max_len > min(ctx, kv_room):
+            raise ValueError(
+                f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
+                f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
+                f"max_context_len {ctx} and <= KV slots {kv_room}"
+            )

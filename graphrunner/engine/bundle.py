@@ -30,7 +30,7 @@ from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
 from graphrunner.model.hybrid import HybridLM
-from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward
+from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.sanitizer.padding import PaddingSanitizer
@@ -155,6 +155,7 @@ def create_decode_runner(
     check_padding: bool = False,
     future_map: FutureMap | None = None,
     sampling: bool = False,
+    logprobs: int = 0,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -168,7 +169,10 @@ def create_decode_runner(
     inside the step (:func:`~graphrunner.phases.sampled.sampled_forward`: the
     sampling buffers join the decode ones, the outputs are ``{"logits",
     "tokens"}``); an :class:`Engine` then samples each request by its
-    :class:`~graphrunner.sampling.SamplingParams`. ``mechanism_options`` go to
+    :class:`~graphrunner.sampling.SamplingParams`. ``logprobs=N`` (N >= 1,
+    with ``sampling=True``) adds each row's chosen-token log-probability
+    ``"logprob"`` ``[bs]`` and the top-N ``"top_logprobs"`` / ``"top_ids"``
+    ``[bs, N]`` to the outputs. ``mechanism_options`` go to
     the runner's mechanism, e.g. ``compile=True`` for ``cuda``.
     """
     step = decode_step(bundle)
@@ -184,10 +188,12 @@ def create_decode_runner(
     )
     options: dict[str, Any] = dict(mechanism_options)
     forward: ForwardFn = step.forward
+    if logprobs and not sampling:
+        raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if sampling:
         specs = [*specs, *SAMPLING_FIELDS]
-        forward = sampled_forward(forward)
-        options["outputs"] = SAMPLED_OUTPUTS
+        forward = sampled_forward(forward, logprobs_n=logprobs)
+        options["outputs"] = LOGPROB_OUTPUTS if logprobs else SAMPLED_OUTPUTS
     if future_map is not None:
         options["future_map"] = future_map
     if step.state_ops is not None:

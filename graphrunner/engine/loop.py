@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.core.runner import GraphRunner
-from graphrunner.engine.admission import admit
+from graphrunner.engine.admission import admit, validate_trace
 from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
 from graphrunner.engine.check import checked_replay
 from graphrunner.engine.overlap_schedule import OverlapSchedule
@@ -40,12 +40,15 @@ from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats
 from graphrunner.engine.sampling import (
     SampledRows,
     StepOut,
-    check_greedy,
+    check_logprobs,
     check_step_out,
+    first_logprobs,
+    record_logprobs,
+    step_logprobs,
     tokens_of,
 )
 from graphrunner.engine.schedule import Schedule, SyncSchedule
-from graphrunner.engine.workload import Request, check_trace
+from graphrunner.engine.workload import Request
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
 from graphrunner.phases.sampled import SampledInputs
@@ -91,6 +94,8 @@ class Engine:
             first too) is drawn by each request's
             :class:`~graphrunner.sampling.SamplingParams` (none: greedy);
             otherwise every request must be greedy.
+        logprobs: N >= 1 collects each token's log-probability and the top N
+            (``EngineResult.logprobs``); needs a runner built ``logprobs=N``.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -108,6 +113,7 @@ class Engine:
         on_finish: Callable[[int, list[int]], None] | None = None,
         overlap: bool = False,
         seed: int = 0,
+        logprobs: int = 0,
     ) -> None:
         self.seed = check_seed("seed", seed)
         self.decoder = decode_step(bundle)
@@ -133,6 +139,7 @@ class Engine:
         self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
         self.sampling = SampledRows.declared_by(runner)
         self._rows = SampledRows(self.device)
+        self.logprobs = check_logprobs(logprobs, self.sampling, overlap)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -150,7 +157,7 @@ class Engine:
             return self._run(trace, max_steps, progress)
 
     def _run(self, trace: Sequence[Request], max_steps: int | None, progress: bool) -> EngineResult:
-        self._validate(trace)
+        validate_trace(self, trace)
         run = _Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
             DecodeBatch.empty(self.device, self.bundle.max_context_len),
@@ -175,20 +182,7 @@ class Engine:
             self.schedule.end(self)
         run.stats.live_rows = self.runner.stats.live_rows - start_live
         run.stats.padded_rows = self.runner.stats.padded_rows - start_pad
-        return EngineResult(run.outputs, frozenset(run.finished), run.stats)
-
-    def _validate(self, trace: Sequence[Request]) -> None:
-        ctx, kv_room = self.bundle.max_context_len, self.bundle.kv_alloc.size
-        check_trace(trace, self.bundle.config.vocab_size)
-        if not self.sampling:
-            check_greedy(trace)
-        for r in trace:
-            if r.max_len > min(ctx, kv_room):
-                raise ValueError(
-                    f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
-                    f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
-                    f"max_context_len {ctx} and <= KV slots {kv_room}"
-                )
+        return EngineResult(run.outputs, frozenset(run.finished), run.stats, run.logprobs)
 
     def kv_need(self, tokens: int) -> int:
         """KV slots that ``tokens`` tokens take: whole pages."""
@@ -204,7 +198,10 @@ class Engine:
 
     def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
-        return self._rows.first_token(live, logits) if self.sampling else logits.argmax()
+        token = self._rows.first_token(live, logits) if self.sampling else logits.argmax()
+        if self.logprobs:
+            live.logprobs.append(first_logprobs(logits, token, self.logprobs))
+        return token
 
     def decode(
         self, batch: DecodeBatch, stats: EngineStats, live: Sequence[_Live] = ()
@@ -218,6 +215,8 @@ class Engine:
             else:
                 out, seconds = self.timed(lambda: self.replay(batch, live))
                 stats.decode_seconds += seconds
+            if self.logprobs:  # a read back of its own: only when asked
+                record_logprobs(live, step_logprobs(out, self.logprobs))
         except BaseException:  # the step's fresh pages are no request's yet: free them here
             self._free_fresh_pages(batch)
             raise

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.engine.workload import Request
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.sizes import PaddingWaste
 
-__all__ = ["AdmissionError", "EngineResult", "EngineStats"]
+__all__ = ["AdmissionError", "EngineResult", "EngineStats", "TokenLogprobs"]
+
+#: One generated token's log-probabilities (unfiltered softmax): its own, and
+#: the top N as ``(token id, log-probability)``, most probable first.
+TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
 
 
 class AdmissionError(RuntimeError):
@@ -61,11 +66,15 @@ class EngineStats:
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """Generated tokens per request id (prompt excluded); ``finished``: the ids
-    that reached their budget or the end token (others were cut by max_steps)."""
+    that reached their budget or the end token (others were cut by max_steps);
+    ``logprobs``: with ``Engine(logprobs=N)``, one :data:`TokenLogprobs` per
+    generated token by request id (``logprobs[rid][i]`` is
+    ``outputs[rid][i]``'s), else empty."""
 
     outputs: dict[int, list[int]]
     finished: frozenset[int]
     stats: EngineStats
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -76,6 +85,7 @@ class _Live:
     pages: list[int] = field(default_factory=list)  # every slot of its whole pages: to free
     tokens: list[int] = field(default_factory=list)
     seed: int = 0  # its sampling seed: its own, or derived from the run seed and its id
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass(slots=True)
@@ -86,6 +96,7 @@ class _Run:
     batch: DecodeBatch
     outputs: dict[int, list[int]]
     live: list[_Live] = field(default_factory=list)
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked
     held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV pages to free
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)

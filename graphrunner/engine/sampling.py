@@ -10,11 +10,12 @@ from typing import TypeAlias
 import torch
 
 from graphrunner.core.runner import GraphRunner
-from graphrunner.engine.results import _Live
+from graphrunner.engine.results import TokenLogprobs, _Live
 from graphrunner.engine.workload import Request
 from graphrunner.sampling import (
     SAMPLING_FIELD_NAMES,
     SamplingParams,
+    logprobs,
     request_seed,
     sample,
     sampling_tensors,
@@ -24,10 +25,14 @@ __all__ = [
     "SampledRows",
     "StepOut",
     "check_greedy",
+    "check_logprobs",
     "check_step_out",
+    "first_logprobs",
     "logits_of",
+    "record_logprobs",
     "sample_rows",
     "seed_of",
+    "step_logprobs",
     "tokens_of",
 ]
 
@@ -131,3 +136,52 @@ class SampledRows:
         params = [r.request.sampling or _GREEDY for r in live]
         host = sampling_tensors(params, [r.seed for r in live], "cpu")
         return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+
+
+#: The largest top-N of ``Engine(logprobs=N)`` (the CLI's ``--logprobs`` bound).
+MAX_LOGPROBS = 20
+
+
+def check_logprobs(n: object, sampling: bool, overlap: bool) -> int:
+    """``Engine(logprobs=n)`` checked: an int in ``0..MAX_LOGPROBS``, asked of
+    a runner that samples (``sampling``), without overlap scheduling."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs={n!r}; expected an int in 0..{MAX_LOGPROBS} (0: none)")
+    if n and not sampling:
+        raise ValueError(
+            f"logprobs={n}: the runner does not sample; build it with "
+            f"create_model_runner(..., sampling=True, logprobs={n})"
+        )
+    if n and overlap:
+        raise ValueError(f"logprobs={n} with overlap=True: expected one of them")
+    return n
+
+
+def _entries(chosen: torch.Tensor, top: torch.Tensor, ids: torch.Tensor) -> list[TokenLogprobs]:
+    c, t, i = chosen.tolist(), top.tolist(), ids.tolist()
+    return [(cv, list(zip(iv, tv, strict=True))) for cv, tv, iv in zip(c, t, i, strict=True)]
+
+
+def step_logprobs(out: StepOut, n: int) -> list[TokenLogprobs]:
+    """Each row's log-probabilities from a step built with ``logprobs=n``
+    (``"logprob"`` ``[bs]``, ``"top_logprobs"`` / ``"top_ids"`` ``[bs, n]``),
+    read back to the host."""
+    if not isinstance(out, dict) or "logprob" not in out or out["top_ids"].shape[-1] != n:
+        raise ValueError(
+            f"logprobs={n}: the runner's step does not return {n} top log-probabilities; "
+            f"build it with create_model_runner(..., sampling=True, logprobs={n})"
+        )
+    return _entries(out["logprob"], out["top_logprobs"], out["top_ids"])
+
+
+def first_logprobs(logits: torch.Tensor, token: torch.Tensor, n: int) -> TokenLogprobs:
+    """Prefill's first token's log-probabilities from its last logits ``[vocab]``
+    and the token (0-d), as the sampled step computes a decode token's."""
+    lp = logprobs(logits.view(1, -1), token.view(1), n)
+    return _entries(lp.chosen, lp.top, lp.top_ids)[0]
+
+
+def record_logprobs(live: Sequence[_Live], entries: list[TokenLogprobs]) -> None:
+    """Append row ``i``'s entry to ``live[i]``'s log-probabilities."""
+    for req, entry in zip(live, entries, strict=True):
+        req.logprobs.append(entry)

@@ -6,7 +6,11 @@ step reads the per-request sampling buffers
 top-k 1) and returns ``{"logits": [bs, vocab], "tokens": [bs]}``, the token
 of each row drawn by :func:`~graphrunner.sampling.sample` from the row's seed
 and the position the drawn token takes (``positions + 1``). A greedy row
-(temperature 0) takes ``argmax``, bit for bit.
+(temperature 0) takes ``argmax``, bit for bit. With ``logprobs=N`` (N >= 1)
+the step also returns the chosen tokens' log-probabilities ``"logprob"``
+``[bs]`` and the top-N ``"top_logprobs"`` ``[bs, N]`` (descending) with
+their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
+(:func:`~graphrunner.sampling.logprobs`).
 
 :class:`SampledInputs` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
@@ -23,16 +27,26 @@ import torch
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
 from graphrunner.mechanisms.base import ForwardFn
-from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
 
-__all__ = ["SAMPLED_OUTPUTS", "SampledInputs", "sampled_forward"]
+__all__ = ["LOGPROB_OUTPUTS", "SAMPLED_OUTPUTS", "SampledInputs", "sampled_forward"]
 
 #: The outputs of a sampled step: one row per request each.
 SAMPLED_OUTPUTS: Mapping[str, OutputSpec] = {"logits": OutputSpec(), "tokens": OutputSpec()}
+#: A sampled step's outputs with log-probabilities (``logprobs=N``): one row per request each.
+LOGPROB_OUTPUTS: Mapping[str, OutputSpec] = {
+    **SAMPLED_OUTPUTS,
+    "logprob": OutputSpec(),
+    "top_logprobs": OutputSpec(),
+    "top_ids": OutputSpec(),
+}
 
 
-def sampled_forward(forward: ForwardFn) -> ForwardFn:
-    """``forward`` (logits ``[bs, vocab]``) followed by the in-graph sampler."""
+def sampled_forward(forward: ForwardFn, *, logprobs_n: int = 0) -> ForwardFn:
+    """``forward`` (logits ``[bs, vocab]``) followed by the in-graph sampler;
+    ``logprobs_n`` >= 1 adds the log-probability outputs (:data:`LOGPROB_OUTPUTS`)."""
+    if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
+        raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
 
     def step(b: Any) -> dict[str, torch.Tensor]:
         logits = forward(b)
@@ -44,7 +58,16 @@ def sampled_forward(forward: ForwardFn) -> ForwardFn:
         tokens = sample(
             logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, b.positions + 1
         )
-        return {"logits": logits, "tokens": tokens}
+        if not logprobs_n:
+            return {"logits": logits, "tokens": tokens}
+        lp = logprobs(logits, tokens, logprobs_n)
+        return {
+            "logits": logits,
+            "tokens": tokens,
+            "logprob": lp.chosen,
+            "top_logprobs": lp.top,
+            "top_ids": lp.top_ids,
+        }
 
     return step
 
