@@ -200,8 +200,9 @@ def test_a_bad_sampling_flag_exits_2_naming_it(
         (["--logprobs", "21"], "--logprobs 21: expected 0..20"),
         (["--logprobs", "2", "--overlap"], "--logprobs 2 with --overlap: not combined yet"),
         (
-            ["--temperature", "1", "--speculative", "mtp"],
-            "--speculative with sampling (temperature > 0): not combined yet",
+            ["--temperature", "1", "--speculative", "mtp", "--check"],
+            "generate --speculative --check with sampling (temperature > 0): it compares "
+            "with plain greedy; expected temperature 0",
         ),
         (
             ["--temperature", "1", "--overlap", "--check"],
@@ -339,3 +340,17 @@ def test_a_text_prompt_object_samples_as_its_token_id_twin(
     greedy.write_text(json.dumps({"prompt": ids, "max_new_tokens": 5}) + "\n")
     assert cli.main([*base, "--prompts", str(greedy), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] != by_ids["tokens"]  # it sampled
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_generate_speculative_samples_reproducibly_by_the_seed(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str], method: str
+) -> None:
+    argv = ["--prompts", str(prompts_file), *HOT, "--speculative", method, "--draft", "self"]
+    first = _tokens(_generate(capsys, *argv, "--seed", "3"))
+    assert _tokens(_generate(capsys, *argv, "--seed", "3")) == first
+    assert _tokens(_generate(capsys, *argv, "--seed", "4")) != first
+    greedy = _tokens(_generate(capsys, "--prompts", str(prompts_file), "--seed", "3"))
+    assert first != greedy  # it samples
+    cold = ["--prompts", str(prompts_file), "--temperature", "0", "--speculative", method]
+    assert _tokens(_generate(capsys, *cold, "--draft", "self", "--seed", "3")) == greedy

@@ -161,7 +161,7 @@ def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[s
 
 
 def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:
-    """Refuse what sampling does not combine with yet: ``--speculative``;
+    """Refuse what sampling does not combine with yet: ``--speculative`` or
     ``--overlap`` in ``demo`` or with ``--check`` (both compare with plain
     greedy); ``--logprobs`` with either."""
     what = "--logprobs" if getattr(args, "logprobs", 0) else None
@@ -170,11 +170,10 @@ def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str
         raise UsageError(f"--logprobs {args.logprobs} with {mode}: not combined yet")
     if not samples(trace):
         return
-    if args.speculative:
-        raise UsageError("--speculative with sampling (temperature > 0): not combined yet")
-    if args.overlap and (command == "demo" or getattr(args, "check", False)):
+    mode = "--speculative" if args.speculative else "--overlap" if args.overlap else None
+    if mode and (command == "demo" or getattr(args, "check", False)):
         raise UsageError(
-            f"{command} --overlap{' --check' if command != 'demo' else ''} with sampling "
+            f"{command} {mode}{' --check' if command != 'demo' else ''} with sampling "
             "(temperature > 0): it compares with plain greedy; expected temperature 0"
         )
 

@@ -86,6 +86,7 @@ def run_speculative(
         k=args.draft_tokens,
         capture_sizes=sizes,
         seed=args.seed,
+        run_seed=args.seed,
         check_padding=args.check_padding,
         show_progress=True,
         end_token=end_token,
