@@ -36,7 +36,6 @@ __all__ = [
     "flag_params",
     "output_line",
     "prompt_object",
-    "refuse",
     "runner_options",
     "samples",
 ]
@@ -164,13 +163,12 @@ def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str
     """Refuse what sampling does not combine with yet: ``--speculative`` or
     ``--overlap`` in ``demo`` or with ``--check`` (both compare with plain
     greedy); ``--logprobs`` with either."""
-    what = "--logprobs" if getattr(args, "logprobs", 0) else None
-    if what and (args.speculative or args.overlap):
-        mode = "--speculative" if args.speculative else "--overlap"
+    mode = "--speculative" if args.speculative else "--overlap" if args.overlap else None
+    logprobs = int(getattr(args, "logprobs", 0))
+    if mode and logprobs:
         raise UsageError(f"--logprobs {args.logprobs} with {mode}: not combined yet")
     if not samples(trace):
         return
-    mode = "--speculative" if args.speculative else "--overlap" if args.overlap else None
     if mode and (command == "demo" or getattr(args, "check", False)):
         raise UsageError(
             f"{command} {mode}{' --check' if command != 'demo' else ''} with sampling "
@@ -205,29 +203,3 @@ def output_line(
             for t, (lp, top) in zip(tokens, logprobs[rid], strict=True)
         ]
     return line
-
-
-def refuse(
-    args: argparse.Namespace,
-    fields: Sequence[Mapping[str, Any]],
-    labels: Sequence[str],
-    where: str,
-) -> None:
-    """:class:`UsageError` when a flag or a prompt line (``fields[i]``, named
-    ``labels[i]``) asks for sampling or log-probabilities, which ``where``
-    does not support yet."""
-    greedy = SamplingParams()
-    asked = [
-        f"{f} {getattr(args, n)}"
-        for n, f in FLAGS.items()
-        if getattr(args, n) != getattr(greedy, n)
-    ]
-    asked += [f"--logprobs {args.logprobs}"] if getattr(args, "logprobs", 0) else []
-    asked += [
-        f'{label}: "{k}"'
-        for own, label in zip(fields, labels, strict=True)
-        for k in own
-        if k in (*FLAGS, "seed")
-    ]
-    if asked:
-        raise UsageError(f"{asked[0]}: sampling is not supported for {where}; expected greedy")

@@ -4,8 +4,9 @@ The Llama path's prompt reading, output, runner factory
 (:func:`~graphrunner.engine.bundle.create_decode_runner`) and engine apply; what
 differs is the bundle :func:`graphrunner.io.load_any` returns (a hybrid request
 pool, Mamba state), whose decode step the runner and engine read from it.
-``--check`` (an eager rerun per step), ``--speculative`` and ``--overlap`` are
-refused here.
+Sampling works as on the Llama path (the sampled step over the Mamba decode);
+``--check`` (an eager rerun per step), ``--speculative``, ``--overlap`` and
+``--logprobs`` are refused here.
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ def generate(
     except ValueError as e:
         raise UsageError(str(e)) from None
     limit, inputs = cli_text.check_generate(args, config)
-    cli_sampling.refuse(args, inputs.fields, inputs.labels, "a Mamba or Jamba checkpoint")
+    if getattr(args, "logprobs", 0):
+        raise UsageError(
+            f"--logprobs {args.logprobs}: not supported for a Mamba or Jamba checkpoint yet"
+        )
     sizes = capture_sizes(args, min(16, len(inputs.prompts)))
-    trace = cli_sampling.apply(  # greedy: only the lines' max_new_tokens
+    trace = cli_sampling.apply(
         requests_from_prompts(
             inputs.prompts, max_new_tokens=args.max_new_tokens, arrive_every=args.arrive_every
         ),
@@ -102,9 +106,16 @@ def generate(
         raise UsageError(f"--checkpoint {args.checkpoint}: expected a Mamba or Jamba model")
     options = cli_model.compile_option(args.compile)
     runner = create_decode_runner(
-        bundle, kind, capture_sizes=sizes, check_padding=args.check_padding, **options
+        bundle,
+        kind,
+        capture_sizes=sizes,
+        check_padding=args.check_padding,
+        **options,
+        **cli_sampling.runner_options(args, trace),
     )
-    engine = Engine(bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish)
+    engine = Engine(
+        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish, seed=args.seed
+    )
     with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
         runner.capture()
         result = engine.run(trace)
