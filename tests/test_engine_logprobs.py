@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import SLOW
 from graphrunner import Engine, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
 from graphrunner.model import ModelBundle
@@ -41,7 +42,15 @@ def eager_last_logits(bundle: ModelBundle, tokens: list[int]) -> torch.Tensor:
         bundle.kv_alloc.free(slots)
 
 
-@pytest.mark.parametrize("kind", ["eager", "cpu"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "eager",
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
+        ),
+    ],
+)
 def test_logprobs_are_the_eager_log_softmax_of_each_token(kind: str) -> None:
     result = _run(kind)
     reference = default_model(max_requests=4, max_context_len=CTX)  # same weights, own pools
