@@ -31,10 +31,10 @@ demo-real: install
 	$(BIN)/python -m graphrunner.cli.demo_real
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 test-slow: install
-	GRAPHRUNNER_SLOW=1 $(BIN)/python -m pytest -q
+	GRAPHRUNNER_SLOW=1 $(BIN)/python -m pytest -q -n auto
 
 bench: install
 	$(BIN)/python -m pytest bench -q --benchmark-enable --benchmark-only \
