@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import test_atomic
+import test_decode_runner_vocab as decode_vocab
 import test_phase_sanitizer as phases
 from hostile_table import Case, Outcome, World, api_outcome, cli_outcome, environ, first_line
 from test_cli_sizes import BAD_REPORT_TEXTS, BAD_TRACE_FILES
@@ -88,6 +89,14 @@ def _token_outside_vocab(phase: str, w: World) -> Outcome:
     inputs = phases._inputs(world, phase, seed=7)
     phases._set(inputs, "input_ids", 1, vocab)
     return api_outcome(lambda: runner.replay(inputs))
+
+
+def _decode_token_outside_vocab(w: World) -> Outcome:
+    bundle = default_model(max_requests=8, max_context_len=32)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner.capture()
+    batch = decode_vocab.batch_with_token(bundle, bundle.config.vocab_size)
+    return api_outcome(lambda: runner.replay(batch))
 
 
 def _free(bundle: Any) -> tuple[int, int]:
@@ -305,6 +314,12 @@ def run_cases() -> list[Case]:
              partial(_token_outside_vocab, phase), "PaddingViolation",
              r"input_ids live row 1 = \d+: expected a token id in 0\.\.")
         for phase in ("verify", "eagle", "mtp")
+    ]  # fmt: skip
+    cases += [
+        Case("Device values", "input_ids = vocab_size on a live row, decode",
+             "create_model_runner(..., check_padding=True).replay(batch)",
+             _decode_token_outside_vocab, "PaddingViolation",
+             r"input_ids live row 1 = \d+: expected a token id in 0\.\.")
     ]  # fmt: skip
     cases += [
         Case("Interruption", "on_finish raises an exception: every slot freed",

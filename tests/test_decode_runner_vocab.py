@@ -11,7 +11,8 @@ from graphrunner import DecodeBatch, PaddingViolation, create_model_runner, defa
 from graphrunner.model import ModelBundle
 
 
-def _batch(bundle: ModelBundle, token: int) -> DecodeBatch:
+def batch_with_token(bundle: ModelBundle, token: int) -> DecodeBatch:
+    """Three live requests; row 1 feeds ``token``."""
     reqs = bundle.req_pool.alloc(3)
     ids = torch.tensor([5, token, 7])
     batch = DecodeBatch.from_requests(
@@ -28,8 +29,8 @@ def test_a_live_token_outside_the_vocabulary_is_named(past_vocab: bool):
     runner.capture()
     vocab = bundle.config.vocab_size
     bad = vocab if past_vocab else -1
-    batch = _batch(bundle, bad)
+    batch = batch_with_token(bundle, bad)
     with pytest.raises(PaddingViolation, match=rf"input_ids live row 1 = {bad}"):
         runner.replay(batch)
-    ok = _batch(bundle, vocab - 1)
+    ok = batch_with_token(bundle, vocab - 1)
     assert runner.replay(ok).shape[0] == 3
