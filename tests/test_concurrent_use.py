@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,27 @@ def test_a_second_entry_is_refused_naming_the_call_and_the_thread() -> None:
         pass
 
 
+def _second_call_while_inside(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    inside: threading.Event,
+    release: threading.Event,
+) -> list[BaseException]:
+    """Run ``first`` in a thread until it signals ``inside``, then ``second``
+    here; return what ``second`` raised, after releasing and joining the first."""
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(timeout=60)
+    errors: list[BaseException] = []
+    try:
+        second()
+    except BaseException as e:  # the caller names it
+        errors.append(e)
+    release.set()
+    thread.join(timeout=120)
+    return errors
+
+
 def engine_run_from_a_second_thread() -> tuple[list[BaseException], bool]:
     """What a second thread's ``Engine.run`` raised while a first run was inside
     (blocked in its finish hook), and whether the first run's outputs, and the
@@ -53,7 +75,6 @@ def engine_run_from_a_second_thread() -> tuple[list[BaseException], bool]:
     expected = Engine(bundle, runner).run(trace).outputs
 
     inside, release = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
 
     def on_finish(rid: int, tokens: list[int]) -> None:
         inside.set()
@@ -61,15 +82,12 @@ def engine_run_from_a_second_thread() -> tuple[list[BaseException], bool]:
 
     engine = Engine(bundle, runner, on_finish=on_finish)
     results: list[dict[int, list[int]]] = []
-    first = threading.Thread(target=lambda: results.append(engine.run(trace).outputs))
-    first.start()
-    assert inside.wait(timeout=60)
-    try:
-        engine.run(trace)
-    except BaseException as e:  # the caller names it
-        errors.append(e)
-    release.set()
-    first.join(timeout=120)
+    errors = _second_call_while_inside(
+        lambda: results.append(engine.run(trace).outputs),
+        lambda: engine.run(trace),
+        inside,
+        release,
+    )
     exact = results == [expected] and engine.run(trace).outputs == expected  # released after
     return errors, exact
 
@@ -177,16 +195,12 @@ def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
     expected = runner.replay(batch).clone()
     blocking = True
     got: list[torch.Tensor] = []
-    first = threading.Thread(target=lambda: got.append(runner.replay(batch).clone()))
-    first.start()
-    assert inside.wait(timeout=60)
-    errors: list[BaseException] = []
-    try:
-        runner.replay(batch)
-    except BaseException as e:  # the caller names it
-        errors.append(e)
-    release.set()
-    first.join(timeout=60)
+    errors = _second_call_while_inside(
+        lambda: got.append(runner.replay(batch).clone()),
+        lambda: runner.replay(batch),
+        inside,
+        release,
+    )
     exact = len(got) == 1 and torch.equal(got[0], expected)
     return errors, exact and torch.equal(runner.replay(batch), expected)  # released after
 

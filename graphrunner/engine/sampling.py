@@ -17,7 +17,7 @@ from graphrunner.sampling import (
     SamplingParams,
     logprobs,
     request_seed,
-    sample,
+    sample_rows,
     sampling_tensors,
 )
 
@@ -30,7 +30,6 @@ __all__ = [
     "first_logprobs",
     "logits_of",
     "record_logprobs",
-    "sample_rows",
     "seed_of",
     "step_logprobs",
     "tokens_of",
@@ -79,22 +78,6 @@ def logits_of(out: StepOut) -> torch.Tensor:
 def tokens_of(out: StepOut) -> torch.Tensor:
     """Each row's token ``[bs]``: the sampled step's, or the logits' argmax."""
     return out["tokens"] if isinstance(out, dict) else out.argmax(-1)
-
-
-def sample_rows(
-    logits: torch.Tensor, rows: dict[str, torch.Tensor], positions: torch.Tensor
-) -> torch.Tensor:
-    """:func:`~graphrunner.sampling.sample` of ``logits [n, vocab]`` by the
-    sampling ``rows`` (each ``[n]``) at ``positions [n]``: tokens ``[n]``."""
-    return sample(
-        logits,
-        rows["temperature"],
-        rows["top_k"],
-        rows["top_p"],
-        rows["min_p"],
-        rows["sampling_seed"],
-        positions,
-    )
 
 
 class SampledRows:

@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.drafters import Drafter, RoundState, SpecRequest, Verified, replay_named
 from graphrunner.engine.loop import AdmissionError
-from graphrunner.engine.sampling import sample_rows, seed_of
+from graphrunner.engine.sampling import seed_of
 from graphrunner.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner.engine.workload import Request, check_trace
 from graphrunner.model.build import ModelBundle
-from graphrunner.sampling import SamplingParams, rejection_sample, sampling_tensors
+from graphrunner.sampling import SamplingParams, rejection_sample, sample_rows, sampling_tensors
 from graphrunner.sampling.params import check_seed
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]

@@ -11,8 +11,15 @@ from graphrunner.sampling.params import (
     sampling_tensors,
 )
 from graphrunner.sampling.random import uniform
-from graphrunner.sampling.sample import Logprobs, filtered_probs, logprobs, sample
-from graphrunner.sampling.speculative import draft_sample, rejection_sample, rows_probs
+from graphrunner.sampling.sample import (
+    Logprobs,
+    filtered_probs,
+    logprobs,
+    rows_probs,
+    sample,
+    sample_rows,
+)
+from graphrunner.sampling.speculative import draft_sample, rejection_sample
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -26,6 +33,7 @@ __all__ = [
     "request_seed",
     "rows_probs",
     "sample",
+    "sample_rows",
     "sampling_tensors",
     "uniform",
 ]

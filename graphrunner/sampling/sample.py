@@ -32,13 +32,14 @@ or allocates state: :func:`sample` captures in a CUDA graph and compiles.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
 from graphrunner.sampling.random import uniform
 
-__all__ = ["Logprobs", "filtered_probs", "logprobs", "sample"]
+__all__ = ["Logprobs", "filtered_probs", "logprobs", "rows_probs", "sample", "sample_rows"]
 
 
 def _sorted_filtered(
@@ -138,6 +139,29 @@ def sample(
     index = torch.minimum((cdf <= u).sum(-1, keepdim=True), last).clamp_(min=0)
     token = ids.gather(-1, index).squeeze(-1)
     return torch.where(temperature == 0, logits.argmax(-1), token)
+
+
+def rows_probs(logits: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`filtered_probs` of ``logits [n, V]`` under the sampling ``rows``
+    (``temperature``, ``top_k``, ``top_p``, ``min_p``, each ``[n]``): ``[n, V]``."""
+    return filtered_probs(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"])
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: Mapping[str, torch.Tensor], position: torch.Tensor
+) -> torch.Tensor:
+    """:func:`sample` of ``logits [n, V]`` by the sampling ``rows`` (the
+    :data:`~graphrunner.sampling.SAMPLING_FIELDS` by name, each ``[n]``) at
+    ``position [n]``: tokens int64 ``[n]``."""
+    return sample(
+        logits,
+        rows["temperature"],
+        rows["top_k"],
+        rows["top_p"],
+        rows["min_p"],
+        rows["sampling_seed"],
+        position,
+    )
 
 
 class Logprobs(NamedTuple):

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from graphrunner.sampling.random import uniform
-from graphrunner.sampling.sample import filtered_probs
+from graphrunner.sampling.sample import rows_probs
 
 __all__ = [
     "ACCEPT_DRAW",
@@ -35,19 +35,12 @@ __all__ = [
     "draft_sample",
     "inverse_cdf",
     "rejection_sample",
-    "rows_probs",
 ]
 
 #: Draw indices of the random stream at one position (0 is the plain sampler's).
 DRAFT_DRAW = 1
 ACCEPT_DRAW = 2
 RESIDUAL_DRAW = 3
-
-
-def rows_probs(logits: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """:func:`filtered_probs` of ``logits [n, V]`` under the sampling ``rows``
-    (``temperature``, ``top_k``, ``top_p``, ``min_p``, each ``[n]``): ``[n, V]``."""
-    return filtered_probs(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"])
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
