@@ -341,13 +341,16 @@ def test_a_text_prompt_object_samples_as_its_token_id_twin(
 
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
 def test_generate_speculative_samples_reproducibly_by_the_seed(
-    prompts_file: Path, capsys: pytest.CaptureFixture[str], method: str
+    prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
 ) -> None:
-    argv = ["--prompts", str(prompts_file), *HOT, "--speculative", method, "--draft", "self"]
+    ckpt = tmp_path / "ckpt"  # weights that --seed does not touch: only sampling sees it
+    save_checkpoint(default_model(max_requests=1).model, ckpt)
+    base = ["--prompts", str(prompts_file), "--checkpoint", str(ckpt), "--json"]
+    argv = [*base, *HOT, "--speculative", method, "--draft", "self"]
     first = _tokens(_generate(capsys, *argv, "--seed", "3"))
     assert _tokens(_generate(capsys, *argv, "--seed", "3")) == first
     assert _tokens(_generate(capsys, *argv, "--seed", "4")) != first
-    greedy = _tokens(_generate(capsys, "--prompts", str(prompts_file), "--seed", "3"))
+    greedy = _tokens(_generate(capsys, *base, "--seed", "3"))
     assert first != greedy  # it samples
-    cold = ["--prompts", str(prompts_file), "--temperature", "0", "--speculative", method]
-    assert _tokens(_generate(capsys, *cold, "--draft", "self", "--seed", "3")) == greedy
+    cold = [*base, "--temperature", "0", "--speculative", method, "--draft", "self"]
+    assert _tokens(_generate(capsys, *cold, "--seed", "3")) == greedy
