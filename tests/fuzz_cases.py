@@ -3,7 +3,8 @@ make its inputs for ``n`` live requests, its eager forward, and which state
 rows its live rows may write (the rest must stay bit-identical).
 
 Decode, the sampled decode (the decode step picking its tokens in the
-graph, its sampling buffers' tails poisoned too), target verify, EAGLE draft
+graph, its sampling buffers' tails poisoned too), target verify (plain, and
+sampling: rejection inside the graph, its ``q`` and sampling tails poisoned), EAGLE draft
 extend and draft decode and frozen-KV MTP run over
 :class:`spec_world.SpecWorld` (a small Llama target with prefilled requests
 and bystanders); the state-space decode over a small random Mamba-1 model
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sampled_rows import sampled_decode_phase, sampling_rows
+from sampled_rows import sampled_decode_phase, sampled_verify_inputs, sampling_rows
 
 from graphrunner import GraphRunner, create_mechanism
 from graphrunner.batch.decode_batch import DecodeBatch
@@ -46,6 +47,7 @@ PHASES = (
     "decode",
     "sampled_decode",
     "verify",
+    "sampled_verify",
     "eagle_extend",
     "eagle_decode",
     "mtp",
@@ -141,6 +143,7 @@ class SpecCase(FuzzCase):
                 model.forward_decode, model.attn_backend
             ),
             "verify": lambda: verify_phase(model, W),
+            "sampled_verify": lambda: verify_phase(model, W, sampling=True),
             "eagle_extend": lambda: eagle_draft_extend_phase(w.eagle, W),
             "eagle_decode": lambda: eagle_draft_decode_phase(w.eagle),
             "mtp": lambda: frozen_kv_mtp_phase(w.mtp),
@@ -162,6 +165,8 @@ class SpecCase(FuzzCase):
         requests = w.reset(raw_bs, seed)
         if phase == "verify":
             return w.verify_inputs(requests, W, seed)
+        if phase == "sampled_verify":
+            return sampled_verify_inputs(w.verify_inputs(requests, W, seed), W, self.vocab, seed)
         if phase == "eagle_extend":
             return w.eagle_inputs(requests, W, seed)
         if phase == "mtp":

@@ -1,6 +1,7 @@
 """The sampled decode step for the padded tests and the padding fuzz: the
-phase as ``create_decode_runner(..., sampling=True)`` builds it, and the
-sampling rows of a batch (greedy, hot, top-k, top-p, min-p, all at once)."""
+phase as ``create_decode_runner(..., sampling=True)`` builds it, the
+sampling rows of a batch (greedy, hot, top-k, top-p, min-p, all at once),
+and the inputs of the verify that samples."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import torch
 
-from graphrunner.phases import Phase, decode_phase
-from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward
+from graphrunner.phases import Phase, SpecBatch, decode_phase
+from graphrunner.phases.sampled import SAMPLED_OUTPUTS, SampledInputs, sampled_forward
 from graphrunner.sampling import SAMPLING_FIELDS, SamplingParams, sampling_tensors
 
 #: The rows' sampling, cycled over a batch.
@@ -28,6 +29,17 @@ def sampling_rows(raw_bs: int, seed: int, device: torch.device | str) -> dict[st
     each), parameters and seeds varying with ``seed``."""
     params = [SAMPLING_ROWS[(seed + i) % len(SAMPLING_ROWS)] for i in range(raw_bs)]
     return sampling_tensors(params, [seed * 101 + 7 * i for i in range(raw_bs)], device)
+
+
+def sampled_verify_inputs(verify: SpecBatch, width: int, vocab: int, seed: int) -> SampledInputs:
+    """``verify`` (``width`` tokens per request) with a ``q`` per draft (a
+    random distribution over the vocabulary, float32 ``[bs, width - 1,
+    vocab]``) and :func:`sampling_rows`."""
+    bs, device = verify.batch_size, verify.input_ids.device
+    gen = torch.Generator().manual_seed(seed + 2)
+    q = torch.randn(bs, width - 1, vocab, generator=gen).mul(3).softmax(-1).to(device)
+    inputs = SpecBatch(**vars(verify), draft_probs=q)
+    return SampledInputs(inputs, sampling_rows(bs, seed, device))
 
 
 def sampled_decode_phase(forward: Callable[[Any], Any], backend: Any) -> Phase:

@@ -1,5 +1,5 @@
-"""The speculative phases (target verify, EAGLE draft extend, frozen-KV MTP)
-at every batch size on every mechanism: poisoned tails (live indices, NaN
+"""The speculative phases (target verify, the verify that samples, EAGLE
+draft extend, frozen-KV MTP) at every batch size on every mechanism: poisoned tails (live indices, NaN
 hidden states), the sanitizer on, live outputs equal to the eager unpadded
 forward, state outside the live rows untouched."""
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from sampled_rows import sampled_verify_inputs
 
 from conftest import RUNNER_PARAMS, make_runner, runner_device
 from graphrunner import GraphRunner
@@ -20,12 +21,13 @@ from graphrunner.phases import (
     TargetVerifyRunner,
     frozen_kv_sanitizer,
 )
+from graphrunner.phases.verify import rejection_forward
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from spec_world import SpecWorld
 
 SIZES = [2, 4]
 W = 4  # > steps + 1 of the MTP loop (3): a stride bug between the two shows
-PHASES = ["verify", "eagle", "mtp"]
+PHASES = ["verify", "sampled_verify", "eagle", "mtp"]
 
 
 class Phase:
@@ -45,6 +47,9 @@ class Phase:
         if phase == "verify":
             self.runner: GraphRunner = TargetVerifyRunner(w.model, W, **common)
             self.forward: Callable[[Any], Any] = w.model.forward_tokens
+        elif phase == "sampled_verify":
+            self.runner = TargetVerifyRunner(w.model, W, sampling=True, **common)
+            self.forward = rejection_forward(w.model.forward_tokens, W)
         elif phase == "eagle":
             self.runner = EagleDraftExtendRunner(w.eagle, W, **common)
             self.forward = w.eagle.forward_extend
@@ -65,6 +70,8 @@ class Phase:
         requests = w.reset(raw_bs, seed)
         if self.phase == "verify":
             return w.verify_inputs(requests, W, seed)
+        if self.phase == "sampled_verify":
+            return sampled_verify_inputs(w.verify_inputs(requests, W, seed), W, 256, seed)
         if self.phase == "eagle":
             return w.eagle_inputs(requests, W, seed)
         return w.mtp_inputs(requests, seed)
@@ -150,7 +157,7 @@ def test_every_index_in_range_and_padded_rows_stay_in_their_own_row(phase: Phase
         select = torch.arange(bs) * W + view.accept_lens.cpu() - 1
         rows = select // W
         assert torch.equal(rows, torch.arange(bs))
-    if phase.phase in ("verify", "eagle"):
+    if phase.phase in ("verify", "sampled_verify", "eagle"):
         prefix = view.seq_lens - W
         assert int(prefix.min()) >= 0
 

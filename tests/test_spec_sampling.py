@@ -19,6 +19,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.drafters import TargetDrafter
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.spec_factory import speculative_engine
+from graphrunner.engine.speculative import SpeculativeEngine
 from graphrunner.engine.workload import Request
 from graphrunner.mechanisms import create_mechanism
 from graphrunner.model import ModelBundle, default_model
@@ -100,6 +101,25 @@ def test_a_sampling_request_depends_on_its_seed_alone(method: str, draft: str):
     assert _spec(trace, method, draft, run_seed=1)[0] != together[0]
 
 
+@pytest.mark.parametrize(("method", "draft"), [*DRAFTS, ("mtp", "wrong")])
+def test_the_verify_graph_accepts_and_rejects_as_the_rule_outside_it(method: str, draft: str):
+    """The factory's engine samples inside its captured verify; an engine
+    over the same runners without it tests the drafts on the verify's logits
+    (rejection_sample after the replay): the same tokens, bit for bit."""
+    trace = _trace([*HOT, None, SamplingParams(temperature=0.9, top_k=4)], arrive_every=1)
+    bundle = _bundle()
+    engine = speculative_engine(
+        bundle, "eager", method=method, draft=draft, k=3, capture_sizes=SIZES
+    )
+    inside = engine.run(trace)
+    assert engine._sampled_verify is not None  # the rounds went through it
+    if draft != "self":
+        assert inside.stats.accepted < inside.stats.proposed  # residual draws ran
+    outside = SpeculativeEngine(bundle, engine.verify, engine.drafter).run(trace)
+    assert outside.outputs == inside.outputs
+    assert outside.stats.accepted == inside.stats.accepted
+
+
 def test_drafts_drawn_from_the_target_itself_always_hold():
     bundle = _bundle()
     engine = speculative_engine(bundle, "eager", draft="self", k=3, capture_sizes=SIZES)
@@ -166,8 +186,8 @@ def test_the_round_token_follows_the_target_distribution():
 
 @pytest.mark.skipif(not SLOW, reason="compiled speculative runners run with GRAPHRUNNER_SLOW=1")
 def test_compiled_runners_draw_the_same_tokens():
-    """The draws run outside the captured steps, on their logits: the compiled
-    CPU programs give the eager runners' tokens."""
+    """The compiled CPU programs (the verify's rejection sampling inside its
+    program, EAGLE's draft draws on its logits) give the eager runners' tokens."""
     trace = _trace(HOT)
     eager = _spec(trace, "eagle", "random", sizes=[2, 4])
     engine = speculative_engine(_bundle(), "cpu", method="eagle", k=3, capture_sizes=[2, 4])

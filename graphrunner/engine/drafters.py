@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from graphrunner.core.runner import GraphRunner
+from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner.model.draft import EagleHead
 from graphrunner.model.llama import LlamaDecoder
@@ -51,7 +52,7 @@ class Drafter(Protocol):
         """After the verify (its outputs, valid until the next replay)."""
 
 
-def replay_named(runner: GraphRunner, inputs: SpecBatch) -> dict[str, torch.Tensor]:
+def replay_named(runner: GraphRunner, inputs: ReplayInputs) -> dict[str, torch.Tensor]:
     """``runner.replay(inputs)`` for a phase whose outputs are a dict."""
     out = runner.replay(inputs)
     if not isinstance(out, dict):

@@ -102,7 +102,21 @@ def speculative_engine(
         bundle.model, k + 1, **cap.common(cap.pools_sanitizer(bundle.kv_cache))
     )
     drafter = _drafter(cap, method, draft, k, seed)
-    return SpeculativeEngine(bundle, _captured(verify), drafter, end_token=end_token, seed=run_seed)
+
+    def sampled_verify() -> GraphRunner:
+        sanitizer = cap.pools_sanitizer(bundle.kv_cache)
+        return _captured(
+            TargetVerifyRunner(bundle.model, k + 1, sampling=True, **cap.common(sanitizer))
+        )
+
+    return SpeculativeEngine(
+        bundle,
+        _captured(verify),
+        drafter,
+        end_token=end_token,
+        seed=run_seed,
+        sampled_verify=sampled_verify,
+    )
 
 
 def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:

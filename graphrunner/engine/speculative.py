@@ -5,7 +5,10 @@ token. Greedy, so the output equals plain greedy decoding token for token.
 A request that samples (``Request.sampling`` with temperature > 0) goes
 through rejection sampling (:mod:`graphrunner.sampling.speculative`) with its
 own counter-based stream, so its tokens follow the target's distribution and
-depend on its seed alone, not on the batch.
+depend on its seed alone, not on the batch. Given a ``sampled_verify``
+runner (the factory's engines are), a round that samples accepts and rejects
+inside that captured verify (:func:`~graphrunner.phases.verify.rejection_forward`);
+without one, on the verify's logits after its replay (the same rule).
 
 Every round allocates ``K + 1`` fresh KV slots per request (positions
 ``L .. L + K``) and frees the rejected ones as soon as the verify is read, so
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +33,10 @@ from graphrunner.engine.sampling import seed_of
 from graphrunner.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner.engine.workload import Request, check_trace
 from graphrunner.model.build import ModelBundle
+from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, rejection_sample, sample_rows, sampling_tensors
 from graphrunner.sampling.params import check_seed
+from graphrunner.sampling.speculative import deterministic_probs
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]
 
@@ -59,6 +64,10 @@ class SpeculativeEngine:
         end_token: a token that finishes its request (kept in the output).
         seed: the run seed: a request that samples without a seed of its own
             draws from :func:`~graphrunner.sampling.request_seed` of it and its id.
+        sampled_verify: builds (once, on the first round where a request
+            samples) the captured verify that samples
+            (``TargetVerifyRunner(sampling=True)`` of the same width); None:
+            such rounds test the drafts on ``verify``'s logits, outside it.
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class SpeculativeEngine:
         *,
         end_token: int | None = None,
         seed: int = 0,
+        sampled_verify: Callable[[], GraphRunner] | None = None,
     ) -> None:
         if bundle.page_size != 1:
             raise ValueError(
@@ -85,6 +95,8 @@ class SpeculativeEngine:
         self.device = bundle.device
         self.seed = check_seed("seed", seed)
         self._sampling = False  # whether the running trace has a request that samples
+        self._build_sampled = sampled_verify
+        self._sampled_verify: GraphRunner | None = None
 
     def run(
         self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
@@ -197,6 +209,9 @@ class SpeculativeEngine:
         drafts = self.drafter.propose(state)
         bonus = state.tensor([r.bonus for r in state.live])
         ids = torch.cat([bonus[:, None], drafts], 1).reshape(-1)
+        if state.sampling is not None and self._build_sampled is not None:
+            out = self._verify_sampled(state, drafts, ids)
+            return Verified(drafts, out["targets"], out["hidden"], out["accepted"])
         out = replay_named(self.verify, state.tokens_step(ids))
         bs, w = len(state.live), self.k + 1
         if state.sampling is None:
@@ -208,6 +223,19 @@ class SpeculativeEngine:
                 logits, drafts, state.draft_probs, state.sampling, state.positions(1)
             )
         return Verified(drafts, targets, out["hidden"], accepted)
+
+    def _verify_sampled(
+        self, state: RoundState, drafts: torch.Tensor, ids: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The sampled verify's outputs (rejection sampling inside its graph)."""
+        if self._sampled_verify is None:
+            assert self._build_sampled is not None
+            self._sampled_verify = self._build_sampled()
+        q = state.draft_probs
+        if q is None:  # drafts not drawn: their one-hot
+            q = deterministic_probs(drafts, self.bundle.config.vocab_size)
+        inputs = state.tokens_step(ids, draft_probs=q)
+        return replay_named(self._sampled_verify, SampledInputs(inputs, state.sampling or {}))
 
     def _rows(self, live: Sequence[SpecRequest]) -> dict[str, torch.Tensor]:
         """The sampling rows of ``live`` (each ``[bs]``) on the device."""

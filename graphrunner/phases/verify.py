@@ -1,20 +1,42 @@
 """Target verify: the target model over ``W = K + 1`` tokens per request (the
-bonus token and ``K`` drafts), on the same buffers, populate and replay as decode."""
+bonus token and ``K`` drafts), on the same buffers, populate and replay as decode.
+
+With ``sampling=True`` the verify also accepts or rejects the drafts inside
+the captured step, by rejection sampling
+(:func:`~graphrunner.sampling.rejection_sample`): it reads the sampling rows
+(:data:`~graphrunner.sampling.SAMPLING_FIELDS`) and the ``q`` each draft was
+drawn from, and returns the tokens to emit and the drafts that hold, so a
+speculative round samples without leaving the graph. Greedy rows in the same
+batch keep the argmax rule bit for bit.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from graphrunner.core.runner import GraphRunner
-from graphrunner.declare.buffers import BufferSpec
+from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.declare.decode import per_token_fields
 from graphrunner.declare.outputs import OutputSpec
+from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, rejection_sample
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
     from graphrunner.model.llama import LlamaDecoder
 
-__all__ = ["TargetVerifyRunner", "verify_buffer_specs", "verify_phase"]
+__all__ = [
+    "DRAFT_PROBS",
+    "TargetVerifyRunner",
+    "rejection_forward",
+    "verify_buffer_specs",
+    "verify_phase",
+]
+
+#: The buffer of the drafts' distributions ``q`` a sampled verify reads.
+DRAFT_PROBS = "draft_probs"
 
 
 def verify_buffer_specs(width: int) -> list[BufferSpec]:
@@ -26,18 +48,63 @@ def verify_buffer_specs(width: int) -> list[BufferSpec]:
     return per_token_fields(width)
 
 
-def verify_phase(model: LlamaDecoder, width: int) -> Phase:
+def draft_probs_spec(width: int, vocab: int) -> BufferSpec:
+    """``draft_probs`` float32 ``[bs, K, vocab]`` (``K = width - 1``): the
+    distribution each draft was drawn from (one-hot for drafts not drawn);
+    padded rows 0, under which a padded row's test stays finite."""
+    return BufferSpec(DRAFT_PROBS, torch.float32, PadRule.ZERO, extra_shape=(width - 1, vocab))
+
+
+def rejection_forward(forward: ForwardFn, width: int) -> ForwardFn:
+    """``forward`` (the target's ``forward_tokens``) followed by rejection
+    sampling of its ``K = width - 1`` drafts: the drafts are the inputs'
+    ``input_ids`` after each row's bonus token, the first draft's position
+    ``positions`` of column 1. Adds ``targets`` int64 ``[bs, W]`` (column
+    ``j``: the token emitted when ``j`` drafts hold) and ``accepted`` int64
+    ``[bs]`` to the forward's outputs."""
+
+    def step(b: Any) -> dict[str, torch.Tensor]:
+        out = forward(b)
+        if not isinstance(out, dict):
+            raise TypeError(
+                f"a sampled verify needs the forward's dict of outputs; got {type(out).__name__}"
+            )
+        logits = out["logits"]
+        bs = logits.shape[0] // width
+        ids, positions = b.input_ids.view(bs, width), b.positions.view(bs, width)
+        rows = {name: getattr(b, name) for name in SAMPLING_FIELD_NAMES}
+        targets, accepted = rejection_sample(
+            logits.view(bs, width, -1), ids[:, 1:], getattr(b, DRAFT_PROBS), rows, positions[:, 1]
+        )
+        return {**out, "targets": targets, "accepted": accepted}
+
+    return step
+
+
+def verify_phase(model: LlamaDecoder, width: int, *, sampling: bool = False) -> Phase:
     """The target's ``forward_tokens`` at ``width`` tokens per request.
 
     Outputs ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
-    ``[bs * W, hidden]``, ``W`` rows per request.
+    ``[bs * W, hidden]``, ``W`` rows per request. ``sampling``: the step
+    also reads the sampling rows and ``draft_probs`` (:func:`draft_probs_spec`)
+    and returns ``targets`` ``[bs, W]`` and ``accepted`` ``[bs]``
+    (:func:`rejection_forward`); needs ``width >= 2``.
     """
     per_token = OutputSpec(rows_per_request=width)
+    specs = verify_buffer_specs(width)
+    outputs = {"logits": per_token, "hidden": per_token}
+    forward: ForwardFn = model.forward_tokens
+    if sampling:
+        if width < 2:
+            raise ValueError(f"width={width}: a sampled verify needs at least one draft (>= 2)")
+        specs += [*SAMPLING_FIELDS, draft_probs_spec(width, model.config.vocab_size)]
+        outputs |= {"targets": OutputSpec(), "accepted": OutputSpec()}
+        forward = rejection_forward(forward, width)
     return Phase(
         "verify",
-        model.forward_tokens,
-        tuple(verify_buffer_specs(width)),
-        outputs={"logits": per_token, "hidden": per_token},
+        forward,
+        tuple(specs),
+        outputs=outputs,
         backend=model.attn_backend,
         width=width,
     )
@@ -47,10 +114,14 @@ class TargetVerifyRunner(GraphRunner):
     """:func:`verify_phase` on the mechanism given in ``kwargs``.
 
     Replay returns ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
-    ``[bs * W, hidden]`` of the live requests. Every token's KV slot must be
-    recorded in ``req_to_token`` before the replay (as decode's
+    ``[bs * W, hidden]`` of the live requests (``sampling``: also
+    ``targets`` and ``accepted``, see :func:`verify_phase`). Every token's KV
+    slot must be recorded in ``req_to_token`` before the replay (as decode's
     ``prepare_decode`` does for one token).
     """
 
-    def __init__(self, model: LlamaDecoder, width: int, **kwargs: Any) -> None:
-        super().__init__(**verify_phase(model, width).runner_args(), **kwargs)
+    def __init__(
+        self, model: LlamaDecoder, width: int, *, sampling: bool = False, **kwargs: Any
+    ) -> None:
+        phase = verify_phase(model, width, sampling=sampling)
+        super().__init__(**phase.runner_args(), **kwargs)

@@ -32,6 +32,7 @@ __all__ = [
     "ACCEPT_DRAW",
     "DRAFT_DRAW",
     "RESIDUAL_DRAW",
+    "deterministic_probs",
     "draft_sample",
     "inverse_cdf",
     "rejection_sample",
@@ -52,6 +53,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     mark = u.unsqueeze(-1) * cdf[..., -1:]
     last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # the last positive index
     return torch.minimum((cdf <= mark).sum(-1, keepdim=True), last).squeeze(-1)
+
+
+def deterministic_probs(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The ``q`` of drafts that were not drawn: float32 ``[n, K, vocab]``,
+    each draft's one-hot (``drafts`` int64 ``[n, K]``)."""
+    q = torch.zeros(*drafts.shape, vocab, dtype=torch.float32, device=drafts.device)
+    return q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
 
 
 def draft_sample(
@@ -104,12 +112,12 @@ def rejection_sample(
             f"drafts has shape {tuple(drafts.shape)}; expected ({n}, {k}) for target logits "
             f"of shape {tuple(target_logits.shape)}"
         )
-    per_column = {name: t.repeat_interleave(w) for name, t in rows.items()}
+    # Each row's parameters repeated per column; expand, not repeat_interleave,
+    # which may read its output size back from the device inside a capture.
+    per_column = {name: t.unsqueeze(1).expand(n, w).reshape(-1) for name, t in rows.items()}
     p = rows_probs(target_logits.reshape(n * w, vocab), per_column).view(n, w, vocab)
-    if draft_probs is None:
-        q = torch.zeros_like(p[:, :k]).scatter(-1, drafts.unsqueeze(-1), 1.0)
-    else:
-        q = draft_probs.to(p.dtype)
+    q = deterministic_probs(drafts, vocab) if draft_probs is None else draft_probs
+    q = q.to(p.dtype)
     q = torch.cat([q, torch.zeros_like(p[:, :1])], 1)  # column K drafts nothing: residual p
     seed = per_column["sampling_seed"]
     where = (positions.unsqueeze(-1) + torch.arange(w, device=positions.device)).reshape(-1)
