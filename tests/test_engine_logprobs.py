@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import SLOW
-from graphrunner import Engine, Request, create_model_runner, default_model
+from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
 from graphrunner.model import ModelBundle
 from graphrunner.sampling import SamplingParams
@@ -21,13 +21,17 @@ TRACE = [
 ]
 
 
-def _run(kind: str = "eager", logprobs: int = 3, seed: int = 11) -> EngineResult:
+def _run(
+    kind: str = "eager", logprobs: int = 3, seed: int = 11, *, overlap: bool = False
+) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX)
+    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
     runner = create_model_runner(
-        bundle, kind, capture_sizes=[1, 2, 4], sampling=True, logprobs=logprobs
+        bundle, kind, capture_sizes=[1, 2, 4], sampling=True, logprobs=logprobs, future_map=future
     )
     runner.capture()
-    return Engine(bundle, runner, seed=seed, logprobs=logprobs).run(TRACE)
+    engine = Engine(bundle, runner, seed=seed, logprobs=logprobs, overlap=overlap)
+    return engine.run(TRACE)
 
 
 def eager_last_logits(bundle: ModelBundle, tokens: list[int]) -> torch.Tensor:
@@ -69,6 +73,15 @@ def test_logprobs_are_the_eager_log_softmax_of_each_token(kind: str) -> None:
             assert values == pytest.approx(expected.values.tolist(), abs=1e-4)
             if r.sampling is None:  # greedy: the chosen token is the most probable
                 assert top[0][0] == token and top[0][1] == chosen
+
+
+def test_overlap_scheduling_gives_the_same_tokens_and_logprobs() -> None:
+    """Step N's log-probabilities are read after the host scheduled step N+1
+    (requests retired, arrivals joined): each token keeps its own entry, in order."""
+    plain, overlapped = _run(), _run(overlap=True)
+    assert overlapped.outputs == plain.outputs
+    assert overlapped.logprobs == plain.logprobs
+    assert all(len(plain.logprobs[r.rid]) == r.max_new_tokens for r in TRACE)
 
 
 def test_logprobs_leave_the_tokens_alone_and_are_absent_unless_asked() -> None:

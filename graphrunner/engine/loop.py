@@ -139,7 +139,7 @@ class Engine:
         self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
         self.sampling = SampledRows.declared_by(runner)
         self._rows = SampledRows(self.device)
-        self.logprobs = check_logprobs(logprobs, self.sampling, overlap)
+        self.logprobs = check_logprobs(logprobs, self.sampling)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )

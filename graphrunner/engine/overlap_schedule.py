@@ -11,6 +11,9 @@ copy (the one wait per step) to record tokens and slots and retire requests
 that met the end token; one of those already prepared for step N+1 is dropped
 from it before launch, with its fresh page freed (known on the host). On the
 CPU the same control flow runs synchronously. Tokens equal the plain engine's.
+With ``Engine(logprobs=N)`` step N's log-probabilities are read back with
+its tokens, after the wait (no replay runs in between: they are the
+runner's outputs still).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import torch
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.results import _Live, _Run
-from graphrunner.engine.sampling import tokens_of
+from graphrunner.engine.sampling import (
+    host_logprobs,
+    logprob_outputs,
+    record_logprobs,
+    tokens_of,
+)
 from graphrunner.pools import starts_page
 
 if TYPE_CHECKING:
@@ -68,6 +76,8 @@ class OverlapSchedule:
         # page (first slot) each starting request took there, by request id.
         self._prepared: dict[int, int] | None = None
         self._max_steps: int | None = None
+        # Step N's log-probability outputs, read after the wait.
+        self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def begin(self, engine: Engine, max_steps: int | None) -> None:
         self._max_steps = max_steps
@@ -106,7 +116,10 @@ class OverlapSchedule:
         """Step N on the prepared batch; its tokens go to the future map."""
         batch = run.batch
         self._prepared = None  # its fresh pages are recorded by this step's read
-        next_ids = tokens_of(engine.replay(batch, run.live))
+        out = engine.replay(batch, run.live)
+        next_ids = tokens_of(out)
+        if engine.logprobs:
+            self._logprobs = logprob_outputs(out, engine.logprobs)
         self.future.store(batch.req_pool_indices, next_ids)
         stats = run.stats
         stats.steps += 1
@@ -138,6 +151,9 @@ class OverlapSchedule:
     ) -> None:
         """After the one wait: slots and tokens of step N, first tokens of the arrivals."""
         bs, page = len(stepped), engine.bundle.page_size
+        if stepped and self._logprobs is not None:
+            record_logprobs(stepped, host_logprobs(self._logprobs))
+            self._logprobs = None
         done: list[_Live] = []
         for i, req in enumerate(stepped):
             slot = host[bs + i]

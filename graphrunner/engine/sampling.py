@@ -28,6 +28,8 @@ __all__ = [
     "check_logprobs",
     "check_step_out",
     "first_logprobs",
+    "host_logprobs",
+    "logprob_outputs",
     "logits_of",
     "record_logprobs",
     "seed_of",
@@ -125,9 +127,9 @@ class SampledRows:
 MAX_LOGPROBS = 20
 
 
-def check_logprobs(n: object, sampling: bool, overlap: bool) -> int:
+def check_logprobs(n: object, sampling: bool) -> int:
     """``Engine(logprobs=n)`` checked: an int in ``0..MAX_LOGPROBS``, asked of
-    a runner that samples (``sampling``), without overlap scheduling."""
+    a runner that samples (``sampling``)."""
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
         raise ValueError(f"logprobs={n!r}; expected an int in 0..{MAX_LOGPROBS} (0: none)")
     if n and not sampling:
@@ -135,8 +137,6 @@ def check_logprobs(n: object, sampling: bool, overlap: bool) -> int:
             f"logprobs={n}: the runner does not sample; build it with "
             f"create_model_runner(..., sampling=True, logprobs={n})"
         )
-    if n and overlap:
-        raise ValueError(f"logprobs={n} with overlap=True: expected one of them")
     return n
 
 
@@ -145,16 +145,29 @@ def _entries(chosen: torch.Tensor, top: torch.Tensor, ids: torch.Tensor) -> list
     return [(cv, list(zip(iv, tv, strict=True))) for cv, tv, iv in zip(c, t, i, strict=True)]
 
 
-def step_logprobs(out: StepOut, n: int) -> list[TokenLogprobs]:
-    """Each row's log-probabilities from a step built with ``logprobs=n``
-    (``"logprob"`` ``[bs]``, ``"top_logprobs"`` / ``"top_ids"`` ``[bs, n]``),
-    read back to the host."""
+def logprob_outputs(out: StepOut, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probability outputs of a step built with ``logprobs=n``:
+    ``"logprob"`` ``[bs]``, ``"top_logprobs"`` and ``"top_ids"`` ``[bs, n]``
+    (views of the runner's outputs: valid until its next replay)."""
     if not isinstance(out, dict) or "logprob" not in out or out["top_ids"].shape[-1] != n:
         raise ValueError(
             f"logprobs={n}: the runner's step does not return {n} top log-probabilities; "
             f"build it with create_model_runner(..., sampling=True, logprobs={n})"
         )
-    return _entries(out["logprob"], out["top_logprobs"], out["top_ids"])
+    return out["logprob"], out["top_logprobs"], out["top_ids"]
+
+
+def step_logprobs(out: StepOut, n: int) -> list[TokenLogprobs]:
+    """Each row's log-probabilities from a step built with ``logprobs=n``
+    (:func:`logprob_outputs`), read back to the host."""
+    return _entries(*logprob_outputs(out, n))
+
+
+def host_logprobs(
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> list[TokenLogprobs]:
+    """:func:`logprob_outputs` (or copies of them) read back to the host."""
+    return _entries(*outputs)
 
 
 def first_logprobs(logits: torch.Tensor, token: torch.Tensor, n: int) -> TokenLogprobs:
