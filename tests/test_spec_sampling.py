@@ -112,7 +112,7 @@ def test_the_verify_graph_accepts_and_rejects_as_the_rule_outside_it(method: str
         bundle, "eager", method=method, draft=draft, k=3, capture_sizes=SIZES
     )
     inside = engine.run(trace)
-    assert engine._sampled_verify is not None  # the rounds went through it
+    assert engine.verifier.sampled is not None  # the rounds went through it
     if draft != "self":
         assert inside.stats.accepted < inside.stats.proposed  # residual draws ran
     outside = SpeculativeEngine(bundle, engine.verify, engine.drafter).run(trace)

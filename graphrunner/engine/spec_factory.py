@@ -68,6 +68,7 @@ def speculative_engine(
     show_progress: bool = False,
     end_token: int | None = None,
     run_seed: int = 0,
+    logprobs: int = 0,
     **mechanism_options: Any,
 ) -> SpeculativeEngine:
     """A :class:`SpeculativeEngine` over ``bundle`` with every runner captured.
@@ -83,6 +84,7 @@ def speculative_engine(
         check_padding: the padding sanitizer around every phase's replays.
         run_seed: the run seed sampling requests without a seed of their own
             derive theirs from (:class:`SpeculativeEngine`'s ``seed``).
+        logprobs: N >= 1 collects each token's log-probability and top N.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {list(METHODS)}")
@@ -116,6 +118,7 @@ def speculative_engine(
         end_token=end_token,
         seed=run_seed,
         sampled_verify=sampled_verify,
+        logprobs=logprobs,
     )
 
 

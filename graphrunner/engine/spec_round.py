@@ -23,6 +23,7 @@ class SpecRequest:
     req_index: int
     slots: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per token, when asked
     bonus: int = 0
     feature: torch.Tensor | None = None  # [hidden]: the draft's feature for the next round
     seed: torch.Tensor | None = None  # 0-d: EAGLE's first draft token for the next round
@@ -32,14 +33,17 @@ class SpecRequest:
 @dataclass(frozen=True, slots=True)
 class Verified:
     """A round's verify, on the device: ``drafts`` int64 ``[bs, K]``, the
-    target's greedy ``targets`` int64 ``[bs, W]`` (``targets[:, j]`` follows
-    the bonus and ``j`` drafts), its ``hidden`` ``[bs * W, hidden]`` and the
-    drafts ``accepted`` per request, int64 ``[bs]``."""
+    ``targets`` int64 ``[bs, W]`` (``targets[:, j]``: the token emitted when
+    ``j`` drafts hold: the target's argmax, or for a sampling request the
+    residual's draw), its ``hidden`` ``[bs * W, hidden]``, the drafts
+    ``accepted`` per request, int64 ``[bs]``, and its ``logits`` float32
+    ``[bs * W, vocab]`` (None when not kept)."""
 
     drafts: torch.Tensor
     targets: torch.Tensor
     hidden: torch.Tensor
     accepted: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["SpeculativeResult", "SpeculativeStats"]
 
@@ -42,8 +43,11 @@ class SpeculativeStats:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeResult:
-    """Generated tokens per request id (prompt excluded), the finished ids, the stats."""
+    """Generated tokens per request id (prompt excluded), the finished ids,
+    the stats, and with ``logprobs=N`` each token's log-probability and top N
+    by request id (as :class:`~graphrunner.engine.results.EngineResult`'s)."""
 
     outputs: dict[int, list[int]]
     finished: frozenset[int]
     stats: SpeculativeStats
+    logprobs: dict[int, list[Any]] = field(default_factory=dict)

@@ -27,20 +27,18 @@ import torch
 from tqdm.auto import tqdm
 
 from graphrunner.core.runner import GraphRunner
-from graphrunner.engine.drafters import Drafter, RoundState, SpecRequest, Verified, replay_named
+from graphrunner.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner.engine.loop import AdmissionError
-from graphrunner.engine.sampling import seed_of
+from graphrunner.engine.results import TokenLogprobs
+from graphrunner.engine.sampling import check_logprobs, first_logprobs, seed_of
 from graphrunner.engine.spec_stats import SpeculativeResult, SpeculativeStats
+from graphrunner.engine.spec_verify import RoundVerifier, round_logprobs
 from graphrunner.engine.workload import Request, check_trace
 from graphrunner.model.build import ModelBundle
-from graphrunner.phases.sampled import SampledInputs
-from graphrunner.sampling import SamplingParams, rejection_sample, sample_rows, sampling_tensors
+from graphrunner.sampling import sample_rows
 from graphrunner.sampling.params import check_seed
-from graphrunner.sampling.speculative import deterministic_probs
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]
-
-_GREEDY = SamplingParams()
 
 
 @dataclass(slots=True)
@@ -49,6 +47,7 @@ class _Run:
     outputs: dict[int, list[int]]
     live: list[SpecRequest] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     clock: int = 0
 
@@ -68,6 +67,9 @@ class SpeculativeEngine:
             samples) the captured verify that samples
             (``TargetVerifyRunner(sampling=True)`` of the same width); None:
             such rounds test the drafts on ``verify``'s logits, outside it.
+        logprobs: N >= 1 collects each emitted token's log-probability and
+            the top N from the target's unfiltered softmax
+            (``SpeculativeResult.logprobs``).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class SpeculativeEngine:
         end_token: int | None = None,
         seed: int = 0,
         sampled_verify: Callable[[], GraphRunner] | None = None,
+        logprobs: int = 0,
     ) -> None:
         if bundle.page_size != 1:
             raise ValueError(
@@ -95,8 +98,8 @@ class SpeculativeEngine:
         self.device = bundle.device
         self.seed = check_seed("seed", seed)
         self._sampling = False  # whether the running trace has a request that samples
-        self._build_sampled = sampled_verify
-        self._sampled_verify: GraphRunner | None = None
+        self.logprobs = check_logprobs(logprobs, True)
+        self.verifier = RoundVerifier(bundle, verify, sampled_verify)
 
     def run(
         self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
@@ -125,10 +128,12 @@ class SpeculativeEngine:
                     run.clock += 1
             for req in run.live:  # cut by max_steps
                 run.outputs[req.request.rid] = req.tokens
+                if self.logprobs:
+                    run.logprobs[req.request.rid] = req.logprobs
         finally:  # on an error too: a failed run leaks no row or slot
             for req in list(run.live):
                 self._free(req)
-        return SpeculativeResult(run.outputs, frozenset(run.finished), run.stats)
+        return SpeculativeResult(run.outputs, frozenset(run.finished), run.stats, run.logprobs)
 
     def _validate(self, trace: Sequence[Request]) -> None:
         ctx = self.bundle.max_context_len
@@ -174,14 +179,16 @@ class SpeculativeEngine:
         hidden = b.model.extend_hidden(live.req_index, prompt, slots)
         logits = b.model.logits(hidden[-1]).view(1, -1)
         if request.samples:  # drawn as the plain engine draws it: position len(prompt), draw 0
-            rows = self._rows([live])
+            rows = self.verifier.rows([live])
             at = torch.tensor([len(request.prompt)], device=self.device)
-            live.bonus = int(sample_rows(logits, rows, at)[0])
+            token = sample_rows(logits, rows, at)[0]
         else:
-            live.bonus = int(logits.argmax())
+            token = logits.argmax()
+        live.bonus = int(token)
         run.stats.prefills += 1
         run.stats.prefill_tokens += len(request.prompt)
-        if self._emit(run, live, [live.bonus]):
+        entries = [first_logprobs(logits[0], token, self.logprobs)] if self.logprobs else None
+        if self._emit(run, live, [live.bonus], entries):
             self.drafter.prefill(live, prompt, hidden)
 
     def _round(self, run: _Run) -> None:
@@ -190,61 +197,31 @@ class SpeculativeEngine:
         slots = [flat[i : i + k + 1] for i in range(0, len(flat), k + 1)]
         state = RoundState(list(run.live), slots, self.device)
         if self._sampling:
-            state.sampling = self._rows(state.live)
+            state.sampling = self.verifier.rows(state.live)
         try:  # the fresh slots are no request's until the verify is read: freed here
             for req, fresh in zip(state.live, slots, strict=True):
                 b.req_pool.write(req.req_index, len(req.slots), fresh)
-            verified = self._verify(state)
+            verified = self.verifier(state, self.drafter.propose(state))
             self.drafter.accept(state, verified)  # queued before the round's one read back
             host = torch.cat(
                 [verified.targets.reshape(-1), verified.accepted, verified.drafts.reshape(-1)]
             ).tolist()
+            entries = round_logprobs(verified, self.logprobs) if self.logprobs else None
         except BaseException:
             b.kv_alloc.free(flat)
             raise
-        self._commit(run, state, host)
+        self._commit(run, state, host, entries)
         self._count(run.stats, len(state.live), time.perf_counter() - start)
 
-    def _verify(self, state: RoundState) -> Verified:
-        drafts = self.drafter.propose(state)
-        bonus = state.tensor([r.bonus for r in state.live])
-        ids = torch.cat([bonus[:, None], drafts], 1).reshape(-1)
-        if state.sampling is not None and self._build_sampled is not None:
-            out = self._verify_sampled(state, drafts, ids)
-            return Verified(drafts, out["targets"], out["hidden"], out["accepted"])
-        out = replay_named(self.verify, state.tokens_step(ids))
-        bs, w = len(state.live), self.k + 1
-        if state.sampling is None:
-            targets = out["logits"].argmax(-1).view(bs, w)
-            accepted = (drafts == targets[:, :-1]).long().cumprod(1).sum(1)
-        else:
-            logits = out["logits"].view(bs, w, -1)
-            targets, accepted = rejection_sample(
-                logits, drafts, state.draft_probs, state.sampling, state.positions(1)
-            )
-        return Verified(drafts, targets, out["hidden"], accepted)
-
-    def _verify_sampled(
-        self, state: RoundState, drafts: torch.Tensor, ids: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """The sampled verify's outputs (rejection sampling inside its graph)."""
-        if self._sampled_verify is None:
-            assert self._build_sampled is not None
-            self._sampled_verify = self._build_sampled()
-        q = state.draft_probs
-        if q is None:  # drafts not drawn: their one-hot
-            q = deterministic_probs(drafts, self.bundle.config.vocab_size)
-        inputs = state.tokens_step(ids, draft_probs=q)
-        return replay_named(self._sampled_verify, SampledInputs(inputs, state.sampling or {}))
-
-    def _rows(self, live: Sequence[SpecRequest]) -> dict[str, torch.Tensor]:
-        """The sampling rows of ``live`` (each ``[bs]``) on the device."""
-        params = [r.request.sampling or _GREEDY for r in live]
-        host = sampling_tensors(params, [r.sampling_seed for r in live], "cpu")
-        return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-
-    def _commit(self, run: _Run, state: RoundState, host: list[int]) -> None:
-        """Keep each request's accepted slots, free the rejected ones, emit."""
+    def _commit(
+        self,
+        run: _Run,
+        state: RoundState,
+        host: list[int],
+        entries: list[list[TokenLogprobs]] | None,
+    ) -> None:
+        """Keep each request's accepted slots, free the rejected ones, emit
+        (with each token's log-probabilities when ``entries`` has them)."""
         w, bs = self.k + 1, len(state.live)
         stats = run.stats
         for i, (req, fresh) in enumerate(zip(state.live, state.slots, strict=True)):
@@ -257,17 +234,28 @@ class SpeculativeEngine:
             stats.proposed += self.k
             stats.accepted += accepted
             before = len(req.tokens)
-            self._emit(run, req, [*drafts_ok, req.bonus])
+            kept = entries[i][: accepted + 1] if entries is not None else None
+            self._emit(run, req, [*drafts_ok, req.bonus], kept)
             stats.decode_tokens += len(req.tokens) - before
 
-    def _emit(self, run: _Run, req: SpecRequest, tokens: list[int]) -> bool:
-        """Append ``tokens`` up to the budget or the end token; retire the
-        request when done. Returns whether it still runs."""
+    def _emit(
+        self,
+        run: _Run,
+        req: SpecRequest,
+        tokens: list[int],
+        entries: list[TokenLogprobs] | None = None,
+    ) -> bool:
+        """Append ``tokens`` (and their ``entries``) up to the budget or the
+        end token; retire the request when done. Returns whether it still runs."""
         budget = req.request.max_new_tokens
-        for token in tokens:
+        for i, token in enumerate(tokens):
             req.tokens.append(token)
+            if entries is not None:
+                req.logprobs.append(entries[i])
             if len(req.tokens) >= budget or token == self.end_token:
                 run.outputs[req.request.rid] = req.tokens
+                if entries is not None:
+                    run.logprobs[req.request.rid] = req.logprobs
                 run.finished.add(req.request.rid)
                 run.live.remove(req)
                 self._free(req)
