@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,13 +20,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a CI box
 
 import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from graphrunner.sizing.plan import expected_waste  # noqa: E402
-from graphrunner.sizing.report import CaptureReport  # noqa: E402
+from graphrunner.cli.sizes_plot import draw_padding  # noqa: E402
+from graphrunner.sizing.report import CaptureReport, SizeReport  # noqa: E402
 from graphrunner.sizing.report_file import read_capture_report  # noqa: E402
-from graphrunner.sizing.sizes import pad_to  # noqa: E402
 
 DPI = 120
 #: One colour per variant, the same in every picture.
@@ -68,7 +66,12 @@ def draw_all(results: Path) -> list[Path]:
         if len(per_bs) > 1 and any("eager" in v for v in per_bs.values()):
             written.append(table.with_suffix(".png"))
             step_times(doc.get("group", table.stem), per_bs, written[-1])
-    panels = [PaddingPanel.read(p) for p in sorted(results.glob("padding-*.json"))]
+    # padding-fuzz-*.json is a table, not a trace: a panel has counts and lists.
+    panels = [
+        PaddingPanel.read(p)
+        for p in sorted(results.glob("padding-*.json"))
+        if "counts" in json.loads(p.read_text())
+    ]
     if panels:
         written.append(results / "padding-per-size.png")
         padding_per_size(panels, written[-1])
@@ -110,59 +113,47 @@ def padding_per_size(panels: Sequence[PaddingPanel], path: Path) -> None:
 
 
 def _padding_panel(ax: Axes, panel: PaddingPanel) -> None:
-    sizes = sorted(panel.counts)
-    steps = sum(panel.counts.values())
-    wide = sizes[-1] > 64  # a log axis gives the small, busy sizes room
-    share = ax.twinx()
-    widths = [0.8 * b * 0.06 if wide else 0.8 for b in sizes]
-    share.bar(sizes, [100 * panel.counts[b] / steps for b in sizes], widths, color="0.85")
-    share.set_ylabel("share of steps (%), grey bars", color="0.45")
-    share.set_ylim(0, 2 * share.get_ylim()[1])  # bars in the lower half, under the legend
-    ax.set_zorder(share.get_zorder() + 1)  # lines over the bars
-    ax.patch.set_visible(False)
-    for (label, capture), style in zip(panel.lists.items(), ("-", "--", ":"), strict=False):
-        total = expected_waste(capture, panel.counts).fraction
-        fractions = [100 * (1 - b / pad_to(capture, b)) if b <= capture[-1] else 0 for b in sizes]
-        ax.plot(sizes, fractions, style, lw=1.2, marker="." if not wide else None,
-                label=f"{label}: {total:.2%} of all rows computed")  # fmt: skip
-    if wide:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set(title=f"{panel.title}\n{steps:,} steps", xlabel="live batch size")
-    ax.set_ylabel("padded rows / rows computed at that size (%)")
-    ax.set_ylim(0, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", fontsize="small", framealpha=0.9)
+    draw_padding(ax, panel.counts, panel.lists, panel.title)
 
 
 def capture_costs(reports: Mapping[str, CaptureReport], path: Path) -> None:
-    """Capture seconds (left) and pool bytes (right) per captured size, per mechanism."""
-    fig, (secs, mem) = plt.subplots(1, 2, figsize=(12, 4.2))
-    width = 0.8 / max(len(reports), 1)
-    pooled = False
-    for k, (label, report) in enumerate(sorted(reports.items())):
-        sizes = sorted(report.sizes, key=lambda s: s.bs)
-        xs = [i + (k - (len(reports) - 1) / 2) * width for i in range(len(sizes))]
-        colour = COLOURS.get(label)
-        secs.bar(xs, [s.seconds for s in sizes], width, label=label, color=colour)
-        if all(s.memory_bytes is not None for s in sizes):
-            pooled = True
-            mib = [(s.memory_bytes or 0) / 2**20 for s in sizes]
-            mem.bar(xs, mib, width, label=label, color=colour)
-        ticks = [str(s.bs) for s in sizes]
-    for ax in (secs, mem):
+    """Capture seconds per captured size, per mechanism, and beside it the pool
+    bytes of the mechanisms that pool memory (CUDA graphs), when any report
+    has them: a panel with nothing to show is not drawn."""
+    pooled = {
+        label: report
+        for label, report in reports.items()
+        if all(s.memory_bytes is not None for s in report.sizes)
+    }
+    panels = 2 if pooled else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    secs = axes[0][0]
+    ticks = _bars(secs, reports, lambda s: s.seconds)
+    secs.set(title="capture time per size (warm-up and compile included)", ylabel="seconds")
+    if pooled:
+        mem = axes[0][1]
+        _bars(mem, pooled, lambda s: (s.memory_bytes or 0) / 2**20)
+        mem.set(title="graph pool bytes each size added", ylabel="MiB")
+    for ax in axes[0]:
         ax.set_xticks(range(len(ticks)), ticks)
         ax.set_xlabel("captured batch size (captured largest first)")
         ax.grid(alpha=0.3, axis="y")
-    secs.set(title="capture time per size (warm-up and compile included)", ylabel="seconds")
-    secs.legend()
-    mem.set(title="graph pool bytes each size added", ylabel="MiB")
-    if pooled:
-        mem.legend()
-    else:
-        mem.text(0.5, 0.5, "no pooled memory on this device\n(CUDA graphs only)",
-                 ha="center", va="center", transform=mem.transAxes, color="0.4")  # fmt: skip
+        ax.legend()
     _save(fig, path)
+
+
+def _bars(
+    ax: Axes, reports: Mapping[str, CaptureReport], value: Callable[[SizeReport], float]
+) -> list[str]:
+    """One bar group per captured size, one bar per mechanism; returns the tick labels."""
+    width = 0.8 / max(len(reports), 1)
+    ticks: list[str] = []
+    for k, (label, report) in enumerate(sorted(reports.items())):
+        sizes = sorted(report.sizes, key=lambda s: s.bs)
+        xs = [i + (k - (len(reports) - 1) / 2) * width for i in range(len(sizes))]
+        ax.bar(xs, [value(s) for s in sizes], width, label=label, color=COLOURS.get(label))
+        ticks = [str(s.bs) for s in sizes]
+    return ticks
 
 
 def _save(fig: plt.Figure, path: Path) -> None:

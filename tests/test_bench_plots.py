@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bench import plots
 from bench.plots import PaddingPanel, draw_all
 from graphrunner.sizing.report import CaptureReport, SizeReport
 from graphrunner.sizing.report_file import write_capture_report
@@ -25,8 +26,22 @@ def test_draws_step_times_padding_and_capture_costs(tmp_path):
         "trace", {1: 5, 3: 2, 7: 1}, {"default": [1, 2, 4, 8], "optimum": [1, 3, 8]}
     )
     panel.write(tmp_path / "padding-trace.json")
+    (tmp_path / "padding-fuzz-cpu.json").write_text(json.dumps({"runs": []}))  # not a trace
     assert PaddingPanel.read(tmp_path / "padding-trace.json") == panel
     written = draw_all(tmp_path)
     names = ["model-step-cpu.png", "padding-per-size.png", "capture-costs.png"]
     assert written == [tmp_path / n for n in names]
     assert all(p.read_bytes().startswith(PNG) for p in written)
+
+
+def test_capture_costs_draws_no_empty_panel(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    cpu = CaptureReport([SizeReport(8, 1.5, None), SizeReport(4, 0.5, None)])
+    cuda = CaptureReport([SizeReport(8, 1.0, 2**20), SizeReport(4, 0.2, 2**18)])
+    plots.capture_costs({"cpu": cpu}, tmp_path / "cpu.png")
+    plots.capture_costs({"cpu": cpu, "cuda": cuda}, tmp_path / "both.png")
+    [alone], [secs, mem] = (figure.axes for figure in figures)
+    assert [p.get_height() for p in alone.patches] == [0.5, 1.5]  # sizes 4, 8
+    assert [p.get_height() for p in secs.patches] == [0.5, 1.5, 0.2, 1.0]
+    assert [p.get_height() for p in mem.patches] == [0.25, 1.0]  # MiB, cuda only

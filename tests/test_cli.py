@@ -140,7 +140,7 @@ def test_generate_rejects_bad_prompts_before_any_work(
         (["demo", "--capture-sizes", "1,x"], "--capture-sizes '1,x'"),
         (["demo", "--capture-sizes", "1,2", "--max-bs", "4"], "--max-bs 4"),
         (["demo", "--runner", "cuda", "--device", "cpu"], "--runner cuda does not run on"),
-        (["demo", "--checkpoint", "no/such/dir"], "no/such/dir/config.json"),
+        (["demo", "--checkpoint", "no/such/dir"], "--checkpoint no/such/dir: no such file"),
         (["demo", "--steps", "0"], "--steps 0"),
         (["demo", "--threads", "0"], "--threads 0: expected 1.."),
         (["demo", "--page-size", "0"], "--page-size 0: expected 1..256 (the model's context)"),

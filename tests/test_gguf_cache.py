@@ -3,6 +3,7 @@ the same file at once coordinate (one converts, the others reuse)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import graphrunner.io.gguf_cache as cache
 from graphrunner.io.gguf_cache import CACHE_ENV, checkpoint_dir
 from graphrunner.io.gguf_import import GGUFImportError
 from test_gguf_hostile import write
@@ -42,11 +44,38 @@ def test_the_same_bytes_under_another_name_reuse_one_conversion(
     first = write(tmp_path / "model.gguf")
     second = tmp_path / "renamed-copy.gguf"
     shutil.copy(first, second)
+    converted: list[Path] = []
+    convert = cache.convert_gguf
+
+    def counted(path: Path, out: Path) -> Path:
+        converted.append(path)
+        return convert(path, out)
+
+    monkeypatch.setattr(cache, "convert_gguf", counted)
     out = checkpoint_dir(first)
     assert checkpoint_dir(second) == out
+    assert converted == [first]  # the copy under another name did not convert again
     assert "converted" in capsys.readouterr().err.splitlines()[0]
     entries = [p.name for p in (tmp_path / "cache" / "checkpoints").iterdir()]
     assert [e for e in entries if not e.startswith(".")] == [out.name]
+
+
+def test_the_key_is_the_whole_content_hashed_with_progress_past_a_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    first = write(tmp_path / "model.gguf")
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit in the middle: the key must see it
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    digest = hashlib.sha256(first.read_bytes()).hexdigest()[:32]
+    assert cache.converted_dir(first) == tmp_path / "cache" / "checkpoints" / f"gguf-{digest}"
+    assert cache.converted_dir(other) != cache.converted_dir(first)
+    assert "hashing" not in capsys.readouterr().err  # small: no bar
+    monkeypatch.setattr(cache, "_PROGRESS_BYTES", 0)
+    cache.converted_dir(first)
+    assert "hashing model.gguf" in capsys.readouterr().err
 
 
 def test_processes_converting_one_file_at_once_all_get_it(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import overlap as cli_overlap
@@ -25,12 +24,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
         choices=["cuda", "cpu", "eager"],
         help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
     )
-    cli_model.add_arguments(p)  # --compile/--no-compile, --model, --dtype
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        help="Hugging Face-layout directory (default: the embedded random model)",
-    )
+    cli_model.add_arguments(p)  # --compile/--no-compile, --model/--checkpoint, --dtype
     p.add_argument(
         "--max-bs",
         type=int,

@@ -56,8 +56,6 @@ def check_common(args: argparse.Namespace) -> str:
     kind = runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)
-    if args.checkpoint is not None and args.model != "default":
-        raise UsageError(f"--model {args.model}: an embedded model, not with --checkpoint")
     return kind
 
 
@@ -157,7 +155,7 @@ def check_fits(
         else f"int32 KV slot indices allow {MAX_KV_SLOTS} slots"
     )
     if lo == 0:
-        model = f"--checkpoint {args.checkpoint}" if args.checkpoint else "the embedded model"
+        model = cli_model.model_source(args) if args.checkpoint else "the embedded model"
         raise UsageError(f"{model} at context {context}: no batch size fits ({why})")
     if args.capture_sizes is not None:
         raise UsageError(

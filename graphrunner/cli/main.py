@@ -73,7 +73,9 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return run_command(f"graphrunner {args.command}", lambda: int(args.func(args)))
+    return run_command(
+        f"graphrunner {args.command}", lambda: int(args.func(cli_model.resolve_model(args)))
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +123,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
             dtype=cli_model.dtype(args),
             seed=args.seed,
             page_size=args.page_size,
-            config=None if args.model == "default" else cli_model.embedded_config(args),
+            config=None if args.model == "embedded" else cli_model.embedded_config(args),
         )
     try:
         bundle = load_any(
@@ -135,7 +137,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not isinstance(bundle, ModelBundle):  # read_config refused it before
-        raise UsageError(f"--checkpoint {args.checkpoint}: expected a Llama-family model")
+        raise UsageError(f"{cli_model.model_source(args)}: expected a Llama-family model")
     return bundle
 
 

@@ -1,5 +1,10 @@
-"""CLI options of the model and how its step runs: ``--model`` (an embedded
-config), ``--dtype``, ``--attention`` and ``--compile/--no-compile``.
+"""CLI options of the model and how its step runs: ``--model`` (a checkpoint
+directory, a ``.gguf`` file or an embedded random model; ``--checkpoint`` is
+another name for it), ``--dtype``, ``--attention`` and ``--compile/--no-compile``.
+
+:func:`resolve_model` turns the two flags into what the rest of the CLI reads,
+once, right after parsing: ``args.checkpoint`` the path (or None) and
+``args.model`` the embedded model's name (None with a checkpoint).
 
 The CUDA runner captures the inductor-compiled forward by default (with the
 reference model's Triton decode attention inside); ``--no-compile`` captures
@@ -10,6 +15,9 @@ compiles, eager never does.
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +28,7 @@ from graphrunner.model.attention_backend import ATTENTIONS
 
 __all__ = [
     "DTYPES",
+    "EMBEDDED_MODELS",
     "add_arguments",
     "check_atol",
     "check_attention",
@@ -27,6 +36,8 @@ __all__ = [
     "embedded_config",
     "compile_option",
     "resolve_compile",
+    "model_source",
+    "resolve_model",
     "with_attention",
 ]
 
@@ -35,6 +46,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: Logit / KV tolerance of ``--check`` per dtype: a 16-bit model's graph and
 #: eager forwards round differently (fused vs separate ops) by far more than 1e-4.
 _CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+#: ``--model`` names of the embedded random models, and their configs' names.
+EMBEDDED_MODELS = {"embedded": "default", "embedded-1.1b": "1.1b"}
+#: Earlier names, still accepted (with a note on stderr).
+_DEPRECATED = {"default": "embedded", "1.1b": "embedded-1.1b"}
+#: ``org/name`` as the Hugging Face hub spells a model id.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_DOWNLOAD = (
+    "Hugging Face hub ids are not fetched; download a local copy first "
+    "(huggingface-cli download {id} --local-dir DIR), then --model DIR"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,11 +69,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        choices=sorted(EMBEDDED_CONFIGS),
-        default="default",
-        help="embedded random model when no --checkpoint: default (2 layers, hidden 64) "
-        "or 1.1b (the shape of a 1.1B Llama: 22 layers, hidden 2048, context 1024)",
+        default="embedded",
+        metavar="DIR|FILE.gguf|NAME",
+        help="a Hugging Face-layout checkpoint directory, a .gguf file (converted once into "
+        "the cache) or an embedded random model: embedded (the default: 2 layers, hidden 64) "
+        "or embedded-1.1b (the shape of a 1.1B Llama: 22 layers, hidden 2048, context 1024)",
     )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="DIR|FILE.gguf",
+        help="another name for --model PATH",
+    )
+    p.set_defaults(checkpoint_flag="--checkpoint")
     p.add_argument(
         "--attention",
         choices=["auto", *ATTENTIONS],
@@ -87,8 +116,68 @@ def compile_option(compile: bool) -> dict[str, Any]:
     return {"compile": True} if compile else {}
 
 
+def resolve_model(args: argparse.Namespace) -> argparse.Namespace:
+    """Resolve ``--model`` / ``--checkpoint`` in place (a no-op for commands
+    without them); returns ``args``. An embedded name wins over a path of the
+    same name (``./embedded`` is the path). Raises :class:`UsageError` for both
+    flags naming different models, a missing path (a hub id gets how to
+    download it), a directory without ``config.json`` or a file that is not a
+    ``.gguf``."""
+    if not hasattr(args, "model"):
+        return args
+    name, path = args.model, args.checkpoint
+    if name in _DEPRECATED:
+        print(
+            f"graphrunner: --model {name} is deprecated; use --model {_DEPRECATED[name]}",
+            file=sys.stderr,
+        )
+        name = _DEPRECATED[name]
+    if name in EMBEDDED_MODELS:
+        if path is not None and name != "embedded":
+            raise UsageError(
+                f"--model {args.model}: an embedded model, not with --checkpoint {path} "
+                "(--checkpoint is another name for --model: give one)"
+            )
+        args.model = None if path is not None else name
+        if path is not None:
+            _check_path("--checkpoint", path)
+        return args
+    if path is not None and Path(name) != path:
+        raise UsageError(
+            f"--model {name} and --checkpoint {path}: two different models "
+            "(--checkpoint is another name for --model: give one)"
+        )
+    args.model, args.checkpoint, args.checkpoint_flag = None, Path(name), "--model"
+    _check_path("--model", args.checkpoint)
+    return args
+
+
+def _check_path(flag: str, path: Path) -> None:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"{flag} {path}: missing {path / 'config.json'}; expected a Hugging Face-layout "
+                f"checkpoint directory ({_DOWNLOAD.format(id='ORG/NAME')})"
+            )
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UsageError(f"{flag} {path}: expected a checkpoint directory or a .gguf file")
+    elif _HUB_ID.fullmatch(str(path)) and path.suffix.lower() != ".gguf":
+        raise UsageError(f"{flag} {path}: no such file or directory; {_DOWNLOAD.format(id=path)}")
+    else:
+        raise UsageError(
+            f"{flag} {path}: no such file or directory; expected a checkpoint directory, "
+            f"a .gguf file or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+        )
+
+
+def model_source(args: argparse.Namespace) -> str:
+    """The checkpoint as the command line named it (``--model DIR``), for messages."""
+    return f"{args.checkpoint_flag} {args.checkpoint}"
+
+
 def embedded_config(args: argparse.Namespace) -> ModelConfig:
-    return EMBEDDED_CONFIGS[args.model]()
+    return EMBEDDED_CONFIGS[EMBEDDED_MODELS[args.model]]()
 
 
 def dtype(args: argparse.Namespace) -> torch.dtype:

@@ -16,7 +16,7 @@ __all__ = ["header", "report", "report_sanitizer"]
 
 def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: int) -> None:
     """The device, runner, torch and model of the run."""
-    source = args.checkpoint or f"embedded default (random, seed {args.seed})"
+    source = args.checkpoint or f"{args.model} (random, seed {args.seed})"
     print(
         f"device: {args.device}   runner: {kind}   torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s)"

@@ -5,6 +5,8 @@ torch profiler trace).
 The loop: ``graphrunner demo --batch-sizes-out sizes.json`` (run, collect),
 ``graphrunner sizes --trace sizes.json --graphs 8 --output list.txt``
 (optimise), ``graphrunner demo --capture-sizes $(cat list.txt)`` (recapture).
+``--plot FILE.png`` draws the trace, the chosen sizes and the padding per size
+(:mod:`graphrunner.cli.sizes_plot`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
+from graphrunner.cli import sizes_plot
 from graphrunner.cli.common import UsageError, check_range
 from graphrunner.core.runner import GraphRunner
 from graphrunner.sizing.histogram import HistogramFileError, read_histogram
@@ -78,6 +81,13 @@ def add_parser(sub: Any) -> None:
         help="a capture report written by demo --capture-report-out (with --memory-budget)",
     )
     p.add_argument("--output", type=Path, help="write the list here, as --capture-sizes takes it")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw the trace's histogram, the chosen sizes and the padding per size under "
+        "them and under the default list (needs matplotlib: the plots extra)",
+    )
     p.set_defaults(func=run)
 
 
@@ -93,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.output is not None:
         _check_output("--output", args.output)
+    if args.plot is not None:
+        _check_output("--plot", args.plot)
+        sizes_plot.check_plot(args.plot)
     try:
         counts = read_histogram(args.trace).counts()
     except HistogramFileError as e:
@@ -111,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         write_atomically(args.output, text + "\n")
         print(f"written to {args.output}")
+    if args.plot is not None:
+        sizes_plot.plot_plan(args.plot, f"trace {args.trace}", counts, plan.sizes)
+        print(f"picture written to {args.plot}")
     print(f"--capture-sizes {text}")
     return 0
 

@@ -1,4 +1,4 @@
-"""``graphrunner generate --checkpoint DIR`` for a Mamba or Jamba checkpoint.
+"""``graphrunner generate --model DIR`` for a Mamba or Jamba checkpoint.
 
 The Llama path's prompt reading, output, runner factory
 (:func:`~graphrunner.engine.bundle.create_decode_runner`) and engine apply; what
@@ -103,7 +103,7 @@ def generate(
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not isinstance(bundle, StateSpaceBundle):
-        raise UsageError(f"--checkpoint {args.checkpoint}: expected a Mamba or Jamba model")
+        raise UsageError(f"{cli_model.model_source(args)}: expected a Mamba or Jamba model")
     options = cli_model.compile_option(args.compile)
     runner = create_decode_runner(
         bundle,

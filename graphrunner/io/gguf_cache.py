@@ -5,7 +5,8 @@ The cache root is ``$GRAPHRUNNER_CACHE`` when set, else
 given as ``--checkpoint`` is converted once into
 ``<root>/checkpoints/gguf-<first 32 hex digits of its SHA-256>``, named by
 content alone: the same bytes under another file name reuse it, changed
-bytes get a new directory. Processes converting the same file coordinate
+bytes get a new directory (the file is hashed whole, in 1 MiB chunks, with
+a progress bar on stderr past 256 MiB). Processes converting the same file coordinate
 through a lock file beside it: one converts, the others wait and reuse.
 """
 
@@ -19,12 +20,17 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from graphrunner.io.gguf_import import GGUFImportError, convert_gguf, open_gguf
 
 __all__ = ["CACHE_ENV", "cache_root", "checkpoint_dir", "converted_dir"]
 
 #: The environment variable that overrides the cache root.
 CACHE_ENV = "GRAPHRUNNER_CACHE"
+#: Files at least this large show a progress bar while they are hashed.
+_PROGRESS_BYTES = 256 << 20
+_CHUNK = 1 << 20
 
 
 def cache_root() -> Path:
@@ -38,9 +44,21 @@ def cache_root() -> Path:
 def converted_dir(gguf: Path) -> Path:
     """The cache directory GGUF file ``gguf`` converts into (by content)."""
     digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+    size = gguf.stat().st_size
+    with (
+        open(gguf, "rb") as f,
+        tqdm(
+            total=size,
+            desc=f"hashing {gguf.name}",
+            unit="B",
+            unit_scale=True,
+            disable=size < _PROGRESS_BYTES,
+            leave=False,
+        ) as bar,
+    ):
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
+            bar.update(len(chunk))
     return cache_root() / "checkpoints" / f"gguf-{digest.hexdigest()[:32]}"
 
 
