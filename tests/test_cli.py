@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import graphrunner.cli.checks as cli_checks
+import graphrunner.cli.generate as cli_generate
 import graphrunner.cli.main as cli
 import graphrunner.engine.memory as memory
 from graphrunner.engine.loop import Engine, create_model_runner
@@ -338,6 +339,7 @@ def test_compile_reaches_the_runner_only_when_asked_for(
     monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 30, "a fake GPU"))
     monkeypatch.setattr(cli, "_build", lambda *a: object())
     monkeypatch.setattr(cli, "create_model_runner", create)
+    monkeypatch.setattr(cli_generate, "create_model_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
     with pytest.raises(_Stop):
         cli.main([*command, *argv, "--capture-sizes", "1,2"])
