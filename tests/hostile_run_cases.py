@@ -46,7 +46,7 @@ from test_gguf_hostile import write
 
 __all__ = ["run_cases"]
 
-EAGER = ["--runner", "eager", "--capture-sizes", "1,2"]
+EAGER = ["--runner", "eager", "--capture-sizes", "1,2", "--max-new-tokens", "16"]
 
 
 def _request(kwargs: dict[str, object], w: World) -> Outcome:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphrunner.cli import answers as cli_answers
 from graphrunner.cli import checks as cli_checks
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import modes as cli_modes
@@ -28,13 +28,15 @@ from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import ssm as cli_ssm
 from graphrunner.cli import text as cli_text
 from graphrunner.cli.arguments import add_common
-from graphrunner.cli.common import MAX_STEPS, write_atomically
+from graphrunner.cli.common import MAX_STEPS
 from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.results import TokenLogprobs
 from graphrunner.engine.workload import requests_from_prompts
 from graphrunner.model import ModelBundle
 
-__all__ = ["Build", "add_parser", "generate"]
+__all__ = ["DEFAULT_NEW_TOKENS", "Build", "add_parser", "generate"]
+
+#: ``--max-new-tokens`` by default: room for a chat answer (text stops at EOS).
+DEFAULT_NEW_TOKENS = 128
 
 #: Builds the run's model from the arguments, the largest batch and the context.
 Build = Callable[[argparse.Namespace, int, int], ModelBundle]
@@ -48,8 +50,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_common(gen)
     cli_sampling.add_logprobs_argument(gen)
     cli_text.add_generate_arguments(gen)
-    gen.add_argument("--output", type=Path, help="write JSON lines here (default stdout)")
-    gen.add_argument("--max-new-tokens", type=int, default=16, help="1..the model's context (16)")
+    cli_answers.add_arguments(gen)  # --output, --json, --no-stream, --quiet
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_NEW_TOKENS,
+        help=f"1..the model's context ({DEFAULT_NEW_TOKENS}; a text answer stops earlier at "
+        "the end-of-sequence token)",
+    )
     gen.add_argument(
         "--arrive-every",
         type=int,
@@ -90,60 +98,67 @@ def generate(args: argparse.Namespace, build: Build) -> int:
     bundle = build(args, sizes[-1], context)
     # Reports go to stderr: stdout carries the answers.
     with cli_sizes.profiled(args, file=sys.stderr):
-        outputs, mismatches, logprobs = _outputs(args, bundle, trace, kind, sizes, inputs)
-    text = inputs.render(outputs, [r.rid for r in trace], logprobs)
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        try:
-            write_atomically(args.output, text)
-        except OSError as e:
-            print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
-            return 1
+        served = _serve(args, bundle, trace, kind, sizes, inputs)
+    if cli_answers.emit(args, inputs, served):
+        return 1
     if args.check:
-        print(f"mismatches: {mismatches}", file=sys.stderr)
-    return 1 if mismatches else 0
+        print(f"mismatches: {served.mismatches}", file=sys.stderr)
+    return 1 if served.mismatches else 0
 
 
-def _outputs(
+def _serve(
     args: argparse.Namespace,
     bundle: ModelBundle,
     trace: list[Any],
     kind: str,
     sizes: list[int],
     inputs: cli_text.Inputs,
-) -> tuple[dict[int, list[int]], int, dict[int, list[TokenLogprobs]]]:
-    """Outputs by request, the mismatches ``--check`` found (steps off the
-    eager forward, or (speculative) requests off plain greedy), and the
-    log-probabilities ``--logprobs`` asked for (else empty)."""
+) -> cli_answers.Served:
+    """The run: outputs by request, the mismatches ``--check`` found (steps
+    off the eager forward, or (speculative) requests off plain greedy), the
+    log-probabilities ``--logprobs`` asked for, the summary's numbers."""
     options = cli_model.compile_option(args.compile)
     end = inputs.end_token
     if args.speculative or args.overlap:
         result = cli_modes.serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)
+        tps = result.stats.tokens_per_second
         if not args.check:
-            return result.outputs, 0, {}
+            return cli_answers.Served(result.outputs, tokens_per_second=tps)
         expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
-        return result.outputs, cli_spec.differing(result.outputs, expected), {}
-    sampling = cli_sampling.runner_options(args, trace)
+        diff = cli_spec.differing(result.outputs, expected)
+        return cli_answers.Served(result.outputs, diff, tokens_per_second=tps)
+    bars = cli_answers.progress(args)
     runner = create_model_runner(
         bundle,
         kind,
         capture_sizes=sizes,
         check_padding=args.check_padding,
+        show_progress=bars,
         **options,
-        **sampling,
+        **cli_sampling.runner_options(args, trace),
     )
-    runner.capture()
+    capture = runner.capture()
     engine = Engine(
         bundle,
         runner,
         check=args.check,
         end_token=end,
         on_finish=inputs.on_finish,
+        on_token=inputs.on_token,
         atol=cli_model.check_atol(args),
         seed=args.seed,
         logprobs=args.logprobs,
     )
-    result = engine.run(trace)
+    # Text streaming to a terminal is the run's progress: no bar to break its lines.
+    streaming = inputs.on_token is not None and sys.stdout.isatty()
+    result = engine.run(trace, progress=bars and not streaming)
     cli_sizes.write_outputs(args, runner, file=sys.stderr)
-    return result.outputs, result.stats.mismatches, result.logprobs
+    s = result.stats
+    return cli_answers.Served(
+        result.outputs,
+        s.mismatches,
+        result.logprobs,
+        s.tokens_per_second,
+        s.padded_fraction,
+        capture.total_seconds,
+    )
