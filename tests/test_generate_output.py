@@ -20,6 +20,7 @@ import graphrunner.cli.main as cli
 from gguf_world import tiny_text_checkpoint
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
+from graphrunner.io.text import StreamPrinter, TextCodec
 from graphrunner.model import default_model
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
@@ -258,3 +259,30 @@ def test_ids_format_reads_token_ids_as_auto_does(
 def test_the_default_budget_leaves_room_for_an_answer() -> None:
     args = cli._parser().parse_args(["generate", "--prompt", "hi"])
     assert args.max_new_tokens == cli_generate.DEFAULT_NEW_TOKENS == 128
+
+
+class _Letters(TextCodec):
+    """A codec stand-in: token i decodes to letter i, token 0 to a space."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(" " if i == 0 else chr(96 + i) for i in ids)
+
+
+def test_stream_printer_prints_in_prompt_order_holding_back_trailing_spaces() -> None:
+    out = io.StringIO()
+    printer = StreamPrinter(_Letters(), [0, 1], out)
+    seen = []
+    for rid, token in [(0, 0), (0, 1), (1, 3), (0, 0), (1, 4)]:
+        printer.token(rid, token)
+        seen.append(out.getvalue())
+    printer(1, [3, 4])  # request 1 finishes first: it waits for request 0
+    seen.append(out.getvalue())
+    printer.token(0, 2)
+    printer(0, [0, 1, 0, 2])
+    assert seen == ["[0] ", "[0] a", "[0] a", "[0] a", "[0] a", "[0] a"]
+    assert out.getvalue() == "[0] a b\n\n[1] cd\n\n"
+    printer.close({0: [0, 1, 0, 2], 1: [3, 4]})  # nothing left to print
+    assert out.getvalue() == "[0] a b\n\n[1] cd\n\n"

@@ -1,12 +1,14 @@
 """``graphrunner generate``: answers to text or token-id prompts.
 
 Text prompts (``--prompt``, or lines of ``--prompts``) go through the
-checkpoint's tokenizer and, with ``--chat``, its chat template; token-id
-prompts are JSON lists, or JSON objects with their own sampling fields
-(:mod:`graphrunner.cli.text`). Answers are greedy or sampled by
-``--temperature``, ``--top-k``, ``--top-p``, ``--min-p`` and ``--seed``
-(:mod:`graphrunner.cli.sampling`), printed as text when the checkpoint has a
-tokenizer. A Mamba or Jamba checkpoint is served by :mod:`graphrunner.cli.ssm`.
+checkpoint's tokenizer and, with ``--chat``, its chat template; prompt files
+are read as ``--prompts-format`` (:mod:`graphrunner.cli.prompts`). Answers are
+greedy or sampled by ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p``
+and ``--seed`` (:mod:`graphrunner.cli.sampling`), up to ``--max-new-tokens``
+(128 by default; text stops at the end-of-sequence token), and printed as text
+streamed token by token, or as one JSON record per request
+(:mod:`graphrunner.cli.answers`). A Mamba or Jamba checkpoint is served by
+:mod:`graphrunner.cli.ssm`.
 """
 
 from __future__ import annotations
