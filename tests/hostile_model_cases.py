@@ -28,7 +28,7 @@ from test_gguf_hostile import write
 
 __all__ = ["model_file_cases"]
 
-EAGER = ["--runner", "eager", "--capture-sizes", "1,2"]
+EAGER = ["--runner", "eager", "--capture-sizes", "1,2", "--max-new-tokens", "16"]
 
 
 def _gguf(kwargs: dict[str, Any], w: World) -> Outcome:

@@ -30,6 +30,7 @@ from test_concurrent_use import (
 )
 from test_killed_conversion import _dead_pid, test_an_output_write_removes_what_a_killed_write_left
 
+import graphrunner.cli.generate as cli_generate
 import graphrunner.cli.main as cli
 import graphrunner.io.gguf_cache as gguf_cache
 import graphrunner.io.gguf_import as gguf_import
@@ -45,7 +46,7 @@ from test_gguf_hostile import write
 
 __all__ = ["run_cases"]
 
-EAGER = ["--runner", "eager", "--capture-sizes", "1,2"]
+EAGER = ["--runner", "eager", "--capture-sizes", "1,2", "--max-new-tokens", "16"]
 
 
 def _request(kwargs: dict[str, object], w: World) -> Outcome:
@@ -149,7 +150,7 @@ def _signal_mid_generate(sig: signal.Signals, w: World) -> Outcome:
         return runner
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(cli, "create_model_runner", create)
+        m.setattr(cli_generate, "create_model_runner", create)
         outcome = cli_outcome(["generate", "--prompts", str(w.prompts), *EAGER])
     ((bundle, start),) = made
     assert _free(bundle) == start, "a slot was lost"

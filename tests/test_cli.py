@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import graphrunner.cli.checks as cli_checks
+import graphrunner.cli.generate as cli_generate
 import graphrunner.cli.main as cli
 import graphrunner.engine.memory as memory
 from graphrunner.engine.loop import Engine, create_model_runner
@@ -106,8 +107,8 @@ BAD_PROMPT_FILES = [
     ("[]\n", r"prompts.jsonl:1: expected a non-empty JSON list"),
     (
         "[1]\n" + json.dumps([5] * 250) + "\n",
-        r"prompts.jsonl:2: prompt of 250 tokens \+ 16 new "
-        r"tokens needs a context of 265, longer than the model's 256",
+        r"prompts.jsonl:2: prompt of 250 tokens \+ 128 new "
+        r"tokens needs a context of 377, longer than the model's 256",
     ),
     ("\n", r"has no prompts"),
     ("[" * 100_000 + "]" * 100_000 + "\n", r"prompts.jsonl:1: .*nested too deeply"),
@@ -338,6 +339,7 @@ def test_compile_reaches_the_runner_only_when_asked_for(
     monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 30, "a fake GPU"))
     monkeypatch.setattr(cli, "_build", lambda *a: object())
     monkeypatch.setattr(cli, "create_model_runner", create)
+    monkeypatch.setattr(cli_generate, "create_model_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
     with pytest.raises(_Stop):
         cli.main([*command, *argv, "--capture-sizes", "1,2"])
@@ -499,9 +501,9 @@ def test_python_dash_m_runs_the_demo() -> None:
         (["--device", "cuda:x"], "--device 'cuda:x': expected cpu, cuda or cuda:N"),
         (["--threads", "0"], "--threads 0: expected 1..{cores} (this machine's cores)"),
         (["--threads", "-2"], "--threads -2: expected 1..{cores} (this machine's cores)"),
-        # The longest prompt (8 tokens) + 16 new tokens - 1.
-        (["--page-size", "0"], "--page-size 0: expected 1..23 (the context of this run)"),
-        (["--page-size", "-4"], "--page-size -4: expected 1..23 (the context of this run)"),
+        # The longest prompt (8 tokens) + 128 new tokens (the default) - 1.
+        (["--page-size", "0"], "--page-size 0: expected 1..135 (the context of this run)"),
+        (["--page-size", "-4"], "--page-size -4: expected 1..135 (the context of this run)"),
     ],
 )
 def test_generate_rejects_bad_arguments_before_any_work(
@@ -743,11 +745,11 @@ def test_demo_refuses_a_number_out_of_range_before_any_work(
             ["--capture-sizes", "1,1000000000"],
             "--capture-sizes '1,1000000000': expected sizes in 1..1000000",
         ),
-        # The longest prompt (8 tokens) + 16 new tokens - 1 = 23.
-        (["--page-size", "24"], "--page-size 24: expected 1..23 (the context of this run)"),
+        # The longest prompt (8 tokens) + 128 new tokens (the default) - 1 = 135.
+        (["--page-size", "136"], "--page-size 136: expected 1..135 (the context of this run)"),
         (
             ["--page-size", "1000000000"],
-            "--page-size 1000000000: expected 1..23 (the context of this run)",
+            "--page-size 1000000000: expected 1..135 (the context of this run)",
         ),
     ],
 )

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_engine_logprobs import eager_last_logits
 
+import graphrunner.cli.generate as cli_generate
 import graphrunner.cli.main as cli
 from graphrunner import Engine, Request, create_model_runner, default_model
 from graphrunner.io import save_checkpoint
@@ -98,7 +99,7 @@ def test_temperature_0_is_the_greedy_output_bit_for_bit(
         built.append(k)
         return real(*a, **k)
 
-    monkeypatch.setattr(cli, "create_model_runner", spy)
+    monkeypatch.setattr(cli_generate, "create_model_runner", spy)
     lines = _generate(capsys, "--prompts", str(prompts_file), "--logprobs", "1", "--top-k", "3")
     assert _tokens(lines) == _tokens(greedy)
     _generate(capsys, "--prompts", str(prompts_file))

@@ -1,7 +1,7 @@
 """Text in, text out: ``generate --prompt/--prompts/--chat`` through the
 checkpoint's own tokenizer, against its token-id twin and transformers'
 ``apply_chat_template``; stopping at the end-of-sequence token; answers
-streamed as requests finish; text refused without a tokenizer."""
+streamed as they are generated; text refused without a tokenizer."""
 
 from __future__ import annotations
 
@@ -134,9 +134,11 @@ def test_text_output_decodes_each_answer(
     text = _run([*base, "--prompt", TEXTS[0], "--prompt", TEXTS[1]], capsys)
     decoded = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
     assert text == f"[0] {decoded[0]}\n\n[1] {decoded[1]}\n\n"
-    out = tmp_path / "answers.txt"
+    out = tmp_path / "answers.jsonl"
     assert _run([*base, "--prompt", TEXTS[0], "--output", str(out)], capsys) == ""
-    assert out.read_text() == f"[0] {decoded[0]}\n\n"
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["tokens"] == tokens[0]
+    assert record["text"] == tokenizer.decode(tokens[0], skip_special_tokens=True)
 
 
 def test_engine_reports_each_request_as_it_finishes() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from graphrunner.util.atomic import write_atomically
 
 __all__ = [
     "MAX_STEPS",
+    "parse_id_prompts",
+    "read_source",
     "UsageError",
     "check_output",
     "check_range",
@@ -79,22 +82,40 @@ def json_line(line: str, where: str) -> Any:
         raise UsageError(f"{where}: not a list of token ids ({kind}): {line[:60]!r}") from None
 
 
-def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
-    """Parse and validate a prompts file; :class:`UsageError` names the line and value."""
-    if not path.is_file():
+def read_source(path: Path) -> tuple[str, str]:
+    """The name and text of prompts file ``path`` (``-``: stdin, named
+    ``<stdin>``); :class:`UsageError` for a missing file or bytes that are not
+    UTF-8 (naming the line). A leading BOM is not part of line 1."""
+    if str(path) == "-":
+        name, data = "<stdin>", sys.stdin.buffer.read()
+    elif not path.is_file():
         raise UsageError(f"prompts file {str(path)!r} not found")
-    data = path.read_bytes()
+    else:
+        name, data = str(path), path.read_bytes()
     try:
-        text = data.decode("utf-8-sig")  # a leading BOM is not part of line 1
+        return name, data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         # Lines counted as below: the valid text before the bad byte, split the same way.
         lineno = len((data[: e.start].decode("utf-8") + "x").splitlines())
-        raise UsageError(f"{path}:{lineno}: not valid UTF-8") from None
+        raise UsageError(f"{name}:{lineno}: not valid UTF-8") from None
+
+
+def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[list[int]]:
+    """Parse and validate a prompts file of token-id lines (``-``: stdin);
+    :class:`UsageError` names the line and value."""
+    return parse_id_prompts(*read_source(path), config, max_new_tokens)
+
+
+def parse_id_prompts(
+    name: str, text: str, config: ModelConfig, max_new_tokens: int
+) -> list[list[int]]:
+    """The token-id prompts of ``text`` (one JSON list a line; blank lines
+    skipped) read from ``name``; :class:`UsageError` names the line and value."""
     prompts: list[list[int]] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
+        where = f"{name}:{lineno}"
         prompt = json_line(line.strip(), where)
         if not isinstance(prompt, list) or not prompt:
             raise UsageError(
@@ -115,5 +136,5 @@ def read_prompts(path: Path, config: ModelConfig, max_new_tokens: int) -> list[l
             )
         prompts.append(prompt)
     if not prompts:
-        raise UsageError(f"prompts file {str(path)!r} has no prompts")
+        raise UsageError(f"prompts file {name!r} has no prompts")
     return prompts

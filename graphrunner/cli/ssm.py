@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from graphrunner.cli import answers as cli_answers
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import text as cli_text
-from graphrunner.cli.common import UsageError, write_atomically
+from graphrunner.cli.common import UsageError
 from graphrunner.engine.bundle import create_decode_runner
 from graphrunner.engine.loop import Engine
 from graphrunner.engine.workload import requests_from_prompts
@@ -105,28 +106,34 @@ def generate(
     if not isinstance(bundle, StateSpaceBundle):
         raise UsageError(f"{cli_model.model_source(args)}: expected a Mamba or Jamba model")
     options = cli_model.compile_option(args.compile)
+    bars = cli_answers.progress(args)
     runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=sizes,
         check_padding=args.check_padding,
+        show_progress=bars,
         **options,
         **cli_sampling.runner_options(args, trace),
     )
     engine = Engine(
-        bundle, runner, end_token=inputs.end_token, on_finish=inputs.on_finish, seed=args.seed
+        bundle,
+        runner,
+        end_token=inputs.end_token,
+        on_finish=inputs.on_finish,
+        on_token=inputs.on_token,
+        seed=args.seed,
     )
+    streaming = inputs.on_token is not None and sys.stdout.isatty()
     with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
-        runner.capture()
-        result = engine.run(trace)
+        capture = runner.capture()
+        result = engine.run(trace, progress=bars and not streaming)
     cli_sizes.write_outputs(args, runner, file=sys.stderr)
-    text = inputs.render(result.outputs, [r.rid for r in trace])
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        write_atomically(args.output, text)
-    except OSError as e:
-        print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    s = result.stats
+    served = cli_answers.Served(
+        result.outputs,
+        tokens_per_second=s.tokens_per_second,
+        padded_fraction=s.padded_fraction,
+        capture_seconds=capture.total_seconds,
+    )
+    return cli_answers.emit(args, inputs, served)

@@ -85,6 +85,8 @@ class Engine:
         atol: tolerance on logits and KV values in check mode.
         on_finish: called with ``(rid, tokens)`` as each request finishes (text
             output streams through it); not for requests cut by ``max_steps``.
+        on_token: called with ``(rid, token)`` as each token is recorded,
+            before ``on_finish`` of the request's last.
         overlap: schedule step N+1 on the host while step N runs
             (:class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`); the runner
             needs a future map, and check mode is not available with it.
@@ -111,6 +113,7 @@ class Engine:
         end_token: int | None = None,
         atol: float = 1e-4,
         on_finish: Callable[[int, list[int]], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
         overlap: bool = False,
         seed: int = 0,
         logprobs: int = 0,
@@ -132,7 +135,7 @@ class Engine:
         self.bundle: ServingBundle = bundle
         self.runner = runner
         self.check, self.end_token, self.atol = check, end_token, atol
-        self.on_finish = on_finish
+        self.on_finish, self.on_token = on_finish, on_token
         self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
@@ -265,6 +268,8 @@ class Engine:
         """Append ``token``; when the budget or the end token is reached, record
         the request's output as finished. Returns whether it is done."""
         req.tokens.append(token)
+        if self.on_token is not None:
+            self.on_token(req.request.rid, token)
         if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
             return False
         run.outputs[req.request.rid] = req.tokens

@@ -11,6 +11,7 @@ transformers' ``apply_chat_template`` renders it, in a bounded sandbox
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -130,18 +131,64 @@ class TextCodec:
 
 
 class StreamPrinter:
-    """Print each request's decoded answer the moment it finishes.
+    """Print the answers as text while they are generated, in prompt order.
 
-    Call it with ``(rid, tokens)`` from the engine's finish hook; each answer
-    is one block ``[rid] text`` followed by a blank line, flushed at once.
+    Each answer is one block ``[rid] text`` and a blank line, where ``text`` is
+    ``codec.decode(tokens).strip()``. Wire :meth:`token` to the engine's
+    per-token hook and the printer itself to its finish hook: the first
+    unfinished request of ``rids`` streams its text as its tokens arrive (the
+    trailing whitespace and an incomplete character held back until more
+    follows); a later one prints, caught up at once, when every request before
+    it has finished. Without the token hook, each answer prints whole.
+    :meth:`close` prints what is left (requests no hook reported).
+
+    Args:
+        codec: the checkpoint's tokenizer.
+        rids: the request ids, in the order their answers print.
+        out: where to print (default: ``sys.stdout`` at the time of printing).
     """
 
-    def __init__(self, codec: TextCodec, out: TextIO | None = None) -> None:
+    def __init__(self, codec: TextCodec, rids: Sequence[int], out: TextIO | None = None) -> None:
         self.codec, self.out = codec, out
-        self.printed: set[int] = set()
+        self.order = list(rids)
+        self.tokens: dict[int, list[int]] = {r: [] for r in self.order}
+        self.shown: dict[int, str] = {}  # text printed so far, by request
+        self.done: set[int] = set()
+        self.printed: set[int] = set()  # whole blocks printed
+        self._head = 0
+
+    def token(self, rid: int, token: int) -> None:
+        """One more token of request ``rid``."""
+        self.tokens[rid].append(token)
+        if self._head < len(self.order) and rid == self.order[self._head]:
+            self._show(rid, final=False)
 
     def __call__(self, rid: int, tokens: list[int]) -> None:
-        out = self.out if self.out is not None else sys.stdout
-        out.write(f"[{rid}] {self.codec.decode(tokens).strip()}\n\n")
-        out.flush()
-        self.printed.add(rid)
+        """Request ``rid`` finished with ``tokens``."""
+        self.tokens[rid] = list(tokens)
+        self.done.add(rid)
+        while self._head < len(self.order) and self.order[self._head] in self.done:
+            self._show(self.order[self._head], final=True)
+            self._head += 1
+        if self._head < len(self.order) and self.tokens[self.order[self._head]]:
+            self._show(self.order[self._head], final=False)  # the new head catches up
+
+    def close(self, outputs: dict[int, list[int]]) -> None:
+        """Print every answer not printed yet, ``outputs`` by request id."""
+        for rid in self.order:
+            if rid not in self.done:
+                self(rid, outputs[rid])
+
+    def _show(self, rid: int, *, final: bool) -> None:
+        text = self.codec.decode(self.tokens[rid]).lstrip()
+        text = text.rstrip() if final else text.rstrip().rstrip("\ufffd")
+        shown = self.shown.get(rid)
+        new = ("" if shown is not None else f"[{rid}] ") + text[len(shown or "") :]
+        self.shown[rid] = text if text.startswith(shown or "") else shown or ""
+        if final:
+            new += "\n\n"
+            self.printed.add(rid)
+        if new:
+            out = self.out if self.out is not None else sys.stdout
+            out.write(new)
+            out.flush()
