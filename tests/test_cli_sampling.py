@@ -132,11 +132,12 @@ def test_a_prompt_line_s_fields_override_the_flags(
     assert got == _engine(params, seed=4, budgets=[NEW, 3, NEW, NEW])
 
 
+@pytest.mark.parametrize("mode", [[], ["--overlap"], ["--speculative", "eagle"]], ids=str)
 def test_logprobs_are_the_eager_log_softmax_of_each_written_token(
-    prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
 ) -> None:
     out = tmp_path / "out.jsonl"
-    argv = ["--prompts", str(prompts_file), *HOT, "--logprobs", "4", "--output", str(out)]
+    argv = ["--prompts", str(prompts_file), *HOT, "--logprobs", "4", "--output", str(out), *mode]
     assert _generate(capsys, *argv) == []
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     reference = default_model(max_requests=1)
@@ -199,7 +200,6 @@ def test_a_bad_sampling_flag_exits_2_naming_it(
     [
         (["--logprobs", "-1"], "--logprobs -1: expected 0..20"),
         (["--logprobs", "21"], "--logprobs 21: expected 0..20"),
-        (["--logprobs", "2", "--overlap"], "--logprobs 2 with --overlap: not combined yet"),
         (
             ["--temperature", "1", "--speculative", "mtp", "--check"],
             "generate --speculative --check with sampling (temperature > 0): it compares "

@@ -121,15 +121,27 @@ def _serve(
     log-probabilities ``--logprobs`` asked for, the summary's numbers."""
     options = cli_model.compile_option(args.compile)
     end = inputs.end_token
-    if args.speculative or args.overlap:
-        result = cli_modes.serve_mode(args, bundle, trace, kind, sizes, options, end_token=end)
-        tps = result.stats.tokens_per_second
-        if not args.check:
-            return cli_answers.Served(result.outputs, tokens_per_second=tps)
-        expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
-        diff = cli_spec.differing(result.outputs, expected)
-        return cli_answers.Served(result.outputs, diff, tokens_per_second=tps)
     bars = cli_answers.progress(args)
+    if args.speculative or args.overlap:
+        hooks = {"on_token": inputs.on_token, "on_finish": inputs.on_finish}
+        result = cli_modes.serve_mode(
+            args,
+            bundle,
+            trace,
+            kind,
+            sizes,
+            options,
+            end_token=end,
+            logprobs=args.logprobs,
+            progress=bars,
+            **({} if args.speculative else hooks),
+        )
+        diff = 0
+        if args.check:
+            expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
+            diff = cli_spec.differing(result.outputs, expected)
+        tps = result.stats.tokens_per_second
+        return cli_answers.Served(result.outputs, diff, result.logprobs, tps)
     runner = create_model_runner(
         bundle,
         kind,

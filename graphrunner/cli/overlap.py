@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphrunner.cli import sampling as cli_sampling
@@ -39,7 +39,13 @@ def run_overlap(
     *,
     end_token: int | None = None,
     max_steps: int | None = None,
+    logprobs: int = 0,
+    progress: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+    on_finish: Callable[[int, list[int]], None] | None = None,
 ) -> EngineResult:
+    """Serve ``trace`` with overlap scheduling (``logprobs`` and the
+    streaming hooks as :class:`~graphrunner.Engine` takes them)."""
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
     runner = create_model_runner(
         bundle,
@@ -51,8 +57,17 @@ def run_overlap(
         **cli_sampling.runner_options(args, trace),
     )
     runner.capture()
-    engine = Engine(bundle, runner, end_token=end_token, overlap=True, seed=args.seed)
-    return engine.run(trace, max_steps=max_steps, progress=True)
+    engine = Engine(
+        bundle,
+        runner,
+        end_token=end_token,
+        overlap=True,
+        seed=args.seed,
+        logprobs=logprobs,
+        on_token=on_token,
+        on_finish=on_finish,
+    )
+    return engine.run(trace, max_steps=max_steps, progress=progress)
 
 
 def report(result: EngineResult, plain_tps: float, diff: int) -> None:

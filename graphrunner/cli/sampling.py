@@ -162,11 +162,8 @@ def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[s
 def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:
     """Refuse what sampling does not combine with yet: ``--speculative`` or
     ``--overlap`` in ``demo`` or with ``--check`` (both compare with plain
-    greedy); ``--logprobs`` with either."""
+    greedy)."""
     mode = "--speculative" if args.speculative else "--overlap" if args.overlap else None
-    logprobs = int(getattr(args, "logprobs", 0))
-    if mode and logprobs:
-        raise UsageError(f"--logprobs {args.logprobs} with {mode}: not combined yet")
     if not samples(trace):
         return
     if mode and (command == "demo" or getattr(args, "check", False)):

@@ -77,6 +77,8 @@ def run_speculative(
     *,
     end_token: int | None = None,
     max_steps: int | None = None,
+    logprobs: int = 0,
+    progress: bool = True,
 ) -> SpeculativeResult:
     engine = speculative_engine(
         bundle,
@@ -88,11 +90,12 @@ def run_speculative(
         seed=args.seed,
         run_seed=args.seed,
         check_padding=args.check_padding,
-        show_progress=True,
+        show_progress=progress,
         end_token=end_token,
+        logprobs=logprobs,
         **mechanism_options,
     )
-    return engine.run(trace, max_steps=max_steps, progress=True)
+    return engine.run(trace, max_steps=max_steps, progress=progress)
 
 
 def plain_greedy(
