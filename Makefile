@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[all,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -45,8 +45,8 @@ plots: install
 	$(BIN)/python -m bench.plots
 
 lint: install
-	$(BIN)/ruff check graphrunner tests bench
-	$(BIN)/ruff format --check graphrunner tests bench
+	$(BIN)/ruff check graphrunner tests bench examples
+	$(BIN)/ruff format --check graphrunner tests bench examples
 	$(BIN)/mypy
 
 clean:

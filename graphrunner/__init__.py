@@ -1,6 +1,14 @@
 """graphrunner: capture decode steps as graphs at fixed batch sizes, replay them padded, safely.
 
-The public API is what ``__all__`` lists; everything else is internal.
+The public API is what ``__all__`` lists; everything else is internal. A
+model of one's own plugs in through the same names: pools whose slot 0 is
+reserved (:class:`ReqToTokenPool`, :class:`TokenToKVPoolAllocator`,
+:class:`KVCache`, :class:`MambaStatePool`), a batch (:class:`DecodeBatch`, or
+any object with the attributes of :class:`DecodeInputs`), buffer declarations
+(:class:`BufferSpec`, :class:`PadRule`, :class:`Index`, :func:`decode_buffer_specs`,
+:class:`OutputSpec`), a runner (:func:`create_runner`) and, while debugging,
+a :class:`PaddingSanitizer` guarding the model's own state
+(:class:`GuardedTensor`). ``examples/own_model.py`` is a complete example.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from graphrunner.declare.decode import (
     decode_buffer_specs,
 )
 from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.indexes import Index
 from graphrunner.declare.inputs import DecodeInputs, StepInputs
 from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.declare.state_ops import StateOps
@@ -64,15 +73,26 @@ from graphrunner.pools import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
+from graphrunner.sanitizer.padding import (
+    GuardedTensor,
+    PaddingSanitizer,
+    PaddingViolation,
+    SanitizerStats,
+)
 from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.sizing.plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
 from graphrunner.sizing.report import CaptureReport, RunnerStats, SizeReport
 from graphrunner.sizing.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
 from graphrunner.util.exclusive import ConcurrentUseError
+from graphrunner.util.extras import MissingExtraError
+from graphrunner.util.version import version as _version
 from graphrunner.writers.base import PopulateError, populate
 
+#: The installed distribution's version (the source tree's when not installed).
+__version__ = _version()
+
 __all__ = [
+    "__version__",
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
     "MAMBA_DECODE_FIELDS",
@@ -99,11 +119,14 @@ __all__ = [
     "GraphBackend",
     "GraphKey",
     "GraphRunner",
+    "GuardedTensor",
     "HybridReqToTokenPool",
+    "Index",
     "InductorCapture",
     "KVCache",
     "MambaConfig",
     "MambaStatePool",
+    "MissingExtraError",
     "MixerShape",
     "ModelBundle",
     "ModelConfig",
@@ -121,6 +144,7 @@ __all__ = [
     "ReqToTokenPool",
     "Request",
     "RunnerStats",
+    "SanitizerStats",
     "SizePlan",
     "SizeReport",
     "SpecBatch",

@@ -1,5 +1,6 @@
 """How a command ends: one line on stderr and an exit status for every way it
-can stop. A usage error exits 2, a padding violation 1, Ctrl-C 130 and SIGTERM
+can stop. A usage error (or an optional package missing, naming the extra
+that brings it) exits 2, a padding violation 1, Ctrl-C 130 and SIGTERM
 143 (both unwind, so every ``finally`` runs: a run frees the slots it handed
 out and leaves no temporary file), a closed stdout pipe 141 without a word,
 as Unix tools do."""
@@ -16,6 +17,7 @@ from types import FrameType
 
 from graphrunner.cli.common import UsageError
 from graphrunner.sanitizer.padding import PaddingViolation
+from graphrunner.util.extras import MissingExtraError
 
 __all__ = ["Terminated", "run_command", "stopped_by_signals"]
 
@@ -58,7 +60,7 @@ def run_command(name: str, call: Callable[[], int]) -> int:
     try:
         with stopped_by_signals():
             return call()
-    except UsageError as e:
+    except (UsageError, MissingExtraError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
     except PaddingViolation as e:

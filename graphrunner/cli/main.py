@@ -56,6 +56,7 @@ from graphrunner.model import (
     ModelBundle,
     default_model,
 )
+from graphrunner.util.version import version
 
 __all__ = [
     "UsageError",
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphrunner", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="engine loop on the embedded model, checked vs eager")
     add_common(demo)

@@ -32,6 +32,7 @@ from graphrunner.io.gguf_meta import GGUFImportError, field, open_gguf
 from graphrunner.io.gguf_tokenizer import write_tokenizer
 from graphrunner.model.config import CheckpointError, ModelConfig
 from graphrunner.model.shapes import check_llama_weights
+from graphrunner.util.extras import needs_extra
 from graphrunner.util.temp import remove_stale_temps, temp_path
 
 __all__ = [
@@ -207,7 +208,8 @@ def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Te
     projections back in Hugging Face row order. Types and names are checked
     for all tensors before any is dequantised (:func:`convert_gguf` checks
     shapes against the whole config first, :func:`check_gguf_tensors`)."""
-    import gguf
+    with needs_extra("gguf", "GGUF import"):
+        import gguf
 
     blocks = config.get("num_hidden_layers")
     for t in reader.tensors:

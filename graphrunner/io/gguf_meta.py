@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from graphrunner.model.config import CheckpointError
+from graphrunner.util.extras import needs_extra
 
 __all__ = ["GGUFImportError", "field", "open_gguf"]
 
@@ -18,7 +19,8 @@ class GGUFImportError(CheckpointError):
 def open_gguf(path: str | Path) -> Any:
     """A ``gguf.GGUFReader`` over ``path``; :class:`GGUFImportError` when the file
     is missing or not a readable GGUF file (truncated, wrong magic)."""
-    import gguf
+    with needs_extra("gguf", f"reading the GGUF file {str(path)!r}"):
+        import gguf
 
     file = Path(path)
     if not file.is_file():

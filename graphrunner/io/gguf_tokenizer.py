@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from graphrunner.io.gguf_meta import GGUFImportError, field
+from graphrunner.util.extras import MissingExtraError, needs_extra
 
 __all__ = ["BYTE_LEVEL_PRE_TOKENIZERS", "write_tokenizer"]
 
@@ -59,6 +60,8 @@ def write_tokenizer(reader: Any, out: Path, *, context: int, vocab_size: int | N
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False))
     try:
         tokenizer = _build(tokens, merges, types, pre=pre, bos=token_of("bos") if add_bos else None)
+    except MissingExtraError:
+        raise
     except Exception as e:  # tokenizers raises its own Exception for bad merges or vocab
         raise GGUFImportError(f"GGUF tokenizer cannot be built: {e}") from None
     tokenizer.save(str(out / "tokenizer.json"))
@@ -82,7 +85,8 @@ def write_tokenizer(reader: Any, out: Path, *, context: int, vocab_size: int | N
 def _build(
     tokens: list[str], merges: list[str], types: list[int], *, pre: str, bos: str | None
 ) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    with needs_extra("gguf", "the GGUF tokenizer"):
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     tokenizer = Tokenizer(

@@ -2,7 +2,7 @@
 
 The tokenizer is the checkpoint's ``tokenizer.json`` / ``tokenizer_config.json``
 loaded by transformers' ``AutoTokenizer`` (imported on first use: the token-id
-paths never pay for it); the chat template is the one in
+paths never pay for it, nor need the ``[text]`` extra); the chat template is the one in
 ``tokenizer_config.json`` (or ``chat_template.jinja``), rendered as
 transformers' ``apply_chat_template`` renders it, in a bounded sandbox
 (:mod:`graphrunner.io.chat_template`).
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from graphrunner.io.chat_template import ChatTemplateError, render_chat
 from graphrunner.model.config import CheckpointError
+from graphrunner.util.extras import needs_extra
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -71,7 +71,8 @@ class TextCodec:
                 f"{what} needs a tokenizer: {model} has none (expected one of "
                 f"{', '.join(TOKENIZER_FILES)}); give token ids instead (a JSON list per line)"
             )
-        from transformers import AutoTokenizer
+        with needs_extra("text", what):
+            from transformers import AutoTokenizer
 
         # Never the checkpoint's own Python: an `auto_map` in its tokenizer
         # config would otherwise make transformers ask on stdin, then run it.
@@ -115,6 +116,8 @@ class TextCodec:
         with the generation prompt appended, as ``apply_chat_template`` gives them."""
         if self.tokenizer.chat_template is None:
             raise NoTokenizerError("--chat: the checkpoint's tokenizer has no chat template")
+        with needs_extra("text", "--chat"):
+            from graphrunner.io.chat_template import ChatTemplateError, render_chat
         tokens = self.tokenizer.special_tokens_map
         try:
             text = render_chat(

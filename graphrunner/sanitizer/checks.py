@@ -41,10 +41,14 @@ class PaddingViolation(AssertionError):
 class GuardedTensor:
     """State a replay may write only at the live rows' own indices.
 
-    ``tensor`` is indexed by slot along dim 0; ``writer`` names the input field
-    whose live values are the rows a step may write (e.g. ``out_cache_loc`` for
-    KV), or is None for state a step only reads (``req_to_token`` in decode);
-    rows ``0..sink_rows-1`` are padding sinks any padded row may write.
+    ``tensor`` is ``[slots, ...]``, indexed by slot along dim 0 (a KV layer
+    ``[kv_slots, heads, head_dim]``, ``req_to_token`` ``[rows, context]``, a
+    model's own per-request state ``[rows, ...]``); ``writer`` names the input
+    field whose live values are the rows a step may write (e.g.
+    ``out_cache_loc`` for KV, ``req_pool_indices`` for per-request state), or
+    is None for state a step only reads (``req_to_token`` in decode); rows
+    ``0..sink_rows-1`` are padding sinks any padded row may write. A write
+    that leaves a row's value unchanged cannot be seen.
     """
 
     name: str

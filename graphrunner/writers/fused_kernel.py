@@ -26,11 +26,17 @@ for bit for any dtype.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
-import triton
-import triton.language as tl
+from graphrunner.util.extras import needs_extra
+
+# Without the [cuda] extra the module still imports (its pure-torch helpers,
+# the kernel bodies as plain functions); launching a kernel names the extra
+# (the bodies read `tl` only when Triton compiles or interprets them).
+with contextlib.suppress(ModuleNotFoundError):
+    import triton.language as tl
 
 __all__ = ["BLOCK", "COLUMNS", "ROW", "kernel"]
 
@@ -89,8 +95,11 @@ def kernel(interpret: bool) -> Any:
     """The kernel, compiled for the GPU or run by Triton's interpreter on the
     CPU. Chosen per call by the tensors' device, not by ``TRITON_INTERPRET``
     at import, so CPU tests and GPU runs share one process."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
+    with needs_extra("cuda", 'populate="fused" and populate="graph"'):
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_populate)
-    return triton.jit(_populate)
+            return InterpretedFunction(_populate)
+        import triton
+
+        return triton.jit(_populate)

@@ -27,14 +27,21 @@ attention.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+
+from graphrunner.util.extras import needs_extra
+
+# Without the [cuda] extra the module still imports (its pure-torch helpers,
+# the kernel bodies as plain functions); launching a kernel names the extra
+# (the bodies read `tl` only when Triton compiles or interprets them).
+with contextlib.suppress(ModuleNotFoundError):
+    import triton.language as tl
 
 __all__ = [
     "BLOCK_N",
@@ -344,14 +351,27 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
     interpreted (``TRITON_INTERPRET`` is read at launch rather than import, so
     one process can run both)."""
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
+        with _needs_triton():
+            from triton.runtime.interpreter import InterpretedFunction
 
         return tuple(InterpretedFunction(k) for k in _KERNELS)
-    return tuple(triton.jit(k) for k in _KERNELS)
+    return tuple(_triton().jit(k) for k in _KERNELS)
+
+
+def _needs_triton() -> contextlib.AbstractContextManager[None]:
+    return needs_extra("cuda", "the Triton decode attention (--attention torch runs without it)")
+
+
+def _triton() -> Any:
+    """The ``triton`` module; :class:`MissingExtraError` naming the extra without it."""
+    with _needs_triton():
+        import triton
+
+    return triton
 
 
 def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    knobs = getattr(_triton(), "knobs", None)  # Triton >= 3.4
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
@@ -364,7 +384,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _pow2(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, _triton().next_power_of_2(n))
 
 
 def _block_n(layout: str, kv_heads: int, head_dim: int, block_n: int | None) -> int:
