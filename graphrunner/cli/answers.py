@@ -23,6 +23,7 @@ from typing import Any
 
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.common import write_atomically
+from graphrunner.cli.groups import Options
 from graphrunner.cli.text import Inputs
 from graphrunner.engine.results import TokenLogprobs
 from graphrunner.io.text import TextCodec
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-def add_arguments(gen: argparse.ArgumentParser) -> None:
+def add_arguments(gen: Options) -> None:
     gen.add_argument(
         "--output",
         type=Path,

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
-
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import overlap as cli_overlap
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import text as cli_text
+from graphrunner.cli.groups import Groups
 
 __all__ = ["add_common"]
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
+def add_common(g: Groups) -> None:
+    """The options of every serving command, each in its help group."""
+    p = g.runner
     p.add_argument(
         "--device",
         help="cpu or cuda[:N] (default: the runner's: cuda for --runner cuda, cpu for "
@@ -24,7 +25,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
         choices=["cuda", "cpu", "eager"],
         help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
     )
-    cli_model.add_arguments(p)  # --compile/--no-compile, --model/--checkpoint, --dtype
+    cli_model.add_arguments(g)  # --compile/--no-compile, --model/--checkpoint, --dtype
     p.add_argument(
         "--max-bs",
         type=int,
@@ -35,7 +36,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
         "--capture-sizes",
         help="comma-separated, e.g. 1,2,4,8 (default: graphrunner's policy up to --max-bs)",
     )
-    p.add_argument(
+    g.sampling.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -62,7 +63,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
         "nothing from more)",
     )
 
-    cli_sampling.add_arguments(p)  # --temperature, --top-k, --top-p, --min-p
-    cli_text.add_context_argument(p)
-    cli_spec.add_arguments(p)
-    cli_overlap.add_arguments(p)
+    cli_sampling.add_arguments(g.sampling)  # --temperature, --top-k, --top-p, --min-p
+    cli_text.add_context_argument(g.model)
+    cli_spec.add_arguments(g.scheduling)
+    cli_overlap.add_arguments(g.scheduling)

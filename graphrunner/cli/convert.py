@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from graphrunner.cli.common import UsageError
+from graphrunner.cli.groups import add_command
 from graphrunner.io.gguf_import import GGUFImportError, convert_gguf, open_gguf
 from graphrunner.io.text import has_tokenizer
 
@@ -14,9 +15,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    conv = sub.add_parser(
-        "convert", help="write a Llama GGUF file as a Hugging Face checkpoint directory"
-    )
+    conv = add_command(sub, "convert")
     conv.add_argument("--gguf", type=Path, required=True, help="the .gguf file to read")
     conv.add_argument(
         "--out", type=Path, required=True, help="directory to write (must not exist, or be empty)"

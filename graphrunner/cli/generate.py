@@ -31,6 +31,7 @@ from graphrunner.cli import ssm as cli_ssm
 from graphrunner.cli import text as cli_text
 from graphrunner.cli.arguments import add_common
 from graphrunner.cli.common import MAX_STEPS
+from graphrunner.cli.groups import Groups, add_command
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import requests_from_prompts
 from graphrunner.model import ModelBundle
@@ -46,30 +47,29 @@ Build = Callable[[argparse.Namespace, int, int], ModelBundle]
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``generate`` subcommand's parser (its ``func`` is the caller's to set)."""
-    gen: argparse.ArgumentParser = sub.add_parser(
-        "generate", help="answers to text or token-id prompts"
-    )
-    add_common(gen)
-    cli_sampling.add_logprobs_argument(gen)
-    cli_text.add_generate_arguments(gen)
-    cli_answers.add_arguments(gen)  # --output, --json, --no-stream, --quiet
-    gen.add_argument(
+    gen = add_command(sub, "generate")
+    g = Groups.of(gen)
+    add_common(g)
+    cli_sampling.add_logprobs_argument(g.output)
+    cli_text.add_generate_arguments(g.prompts)
+    cli_answers.add_arguments(g.output)  # --output, --json, --no-stream, --quiet
+    g.prompts.add_argument(
         "--max-new-tokens",
         type=int,
         default=DEFAULT_NEW_TOKENS,
         help=f"1..the model's context ({DEFAULT_NEW_TOKENS}; a text answer stops earlier at "
         "the end-of-sequence token)",
     )
-    gen.add_argument(
+    g.scheduling.add_argument(
         "--arrive-every",
         type=int,
         default=0,
         metavar="K",
         help=f"prompt i arrives at engine step i*K, 0..{MAX_STEPS} (0: all at once)",
     )
-    gen.add_argument("--end-token", type=int, help="a token id that ends a request")
-    gen.add_argument("--check", action="store_true", help="check each step against eager")
-    cli_sizes.add_run_outputs(gen)
+    g.prompts.add_argument("--end-token", type=int, help="a token id that ends a request")
+    g.runner.add_argument("--check", action="store_true", help="check each step against eager")
+    cli_sizes.add_run_outputs(g.output)
     return gen
 
 

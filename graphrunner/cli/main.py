@@ -47,6 +47,7 @@ from graphrunner.cli.common import (
     resolve_device,
 )
 from graphrunner.cli.exits import run_command
+from graphrunner.cli.groups import Groups, add_command
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.memory import available_memory, memory_estimate
@@ -76,15 +77,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphrunner", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="graphrunner",
+        description="Capture LLM decode steps as graphs at fixed batch sizes and replay them "
+        "padded: demo, generate, sizes and convert. 'graphrunner COMMAND --help' shows a "
+        "command's options and examples.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="engine loop on the embedded model, checked vs eager")
-    add_common(demo)
-    demo.add_argument(
+    demo = add_command(sub, "demo")
+    g = Groups.of(demo, ("trace", "the synthetic requests served"))
+    add_common(g)
+    g.prompts.add_argument(
         "--steps", type=int, default=300, help=f"decode steps to run, 1..{MAX_STEPS} (300)"
     )
-    cli_sizes.add_run_outputs(demo)
+    cli_sizes.add_run_outputs(g.output)
     demo.set_defaults(func=_demo)
     gen = cli_generate.add_parser(sub)
     gen.set_defaults(func=lambda a: cli_generate.generate(a, _build))  # _build patchable

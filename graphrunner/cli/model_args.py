@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphrunner.cli.common import UsageError
+from graphrunner.cli.groups import Groups
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner.model.attention_backend import ATTENTIONS
 
@@ -58,7 +59,10 @@ _DOWNLOAD = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(g: Groups) -> None:
+    """``--compile`` in the runner group; ``--model``, ``--checkpoint``,
+    ``--attention`` and ``--dtype`` in the model group."""
+    p = g.runner
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -67,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "inside the CUDA graphs (the default for --runner cuda; --no-compile captures the "
         "eager forward)",
     )
+    p = g.model
     p.add_argument(
         "--model",
         default="embedded",

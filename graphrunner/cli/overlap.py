@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphrunner.cli import sampling as cli_sampling
+from graphrunner.cli.groups import Options
 from graphrunner.core.future_map import FutureMap
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import Request
@@ -15,7 +16,7 @@ from graphrunner.model.build import ModelBundle
 __all__ = ["add_arguments", "report", "run_overlap", "validate"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: Options) -> None:
     p.add_argument(
         "--overlap",
         action="store_true",

@@ -18,7 +18,6 @@ In ``ids`` and ``jsonl`` a bad line is an error naming the file and line.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.common import UsageError, json_line, read_source
+from graphrunner.cli.groups import Options
 
 __all__ = ["FORMATS", "PromptLine", "add_arguments", "read_lines"]
 
@@ -49,7 +49,7 @@ class PromptLine:
         return isinstance(self.prompt, list) and not self.from_object
 
 
-def add_arguments(gen: argparse.ArgumentParser) -> None:
+def add_arguments(gen: Options) -> None:
     gen.add_argument(
         "--prompts",
         type=Path,

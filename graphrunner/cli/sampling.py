@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from graphrunner.cli.common import UsageError, check_range, json_line
+from graphrunner.cli.groups import Options
 from graphrunner.engine.results import TokenLogprobs
 from graphrunner.engine.sampling import MAX_LOGPROBS
 from graphrunner.engine.workload import Request
@@ -48,7 +49,7 @@ MAX_TOP_K = 2**63 - 1
 LINE_FIELDS = ("max_new_tokens", *FLAGS, "seed")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: Options) -> None:
     p.add_argument(
         "--temperature",
         type=float,
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_logprobs_argument(p: argparse.ArgumentParser) -> None:
+def add_logprobs_argument(p: Options) -> None:
     p.add_argument(
         "--logprobs",
         type=int,

@@ -22,6 +22,7 @@ import torch
 
 from graphrunner.cli import sizes_plot
 from graphrunner.cli.common import UsageError, check_range
+from graphrunner.cli.groups import Options, add_command
 from graphrunner.core.runner import GraphRunner
 from graphrunner.sizing.histogram import HistogramFileError, read_histogram
 from graphrunner.sizing.plan import (
@@ -52,7 +53,7 @@ MAX_SEARCH_WORK = 20_000_000_000
 
 def add_parser(sub: Any) -> None:
     """Register ``sizes`` on the CLI's subparsers."""
-    p = sub.add_parser("sizes", help="capture sizes that minimise padding for a served trace")
+    p = add_command(sub, "sizes")
     p.add_argument(
         "--trace",
         type=Path,
@@ -223,7 +224,7 @@ def _check_output(flag: str, path: Path) -> None:
         raise UsageError(f"{flag} {path}: is a directory; expected a file path")
 
 
-def add_run_outputs(p: argparse.ArgumentParser) -> None:
+def add_run_outputs(p: Options) -> None:
     """A serving run's outputs (``demo``, ``generate``) for ``graphrunner sizes``
     and for a profiler."""
     p.add_argument(

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from graphrunner.cli.groups import Options
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.spec_factory import DRAFTS, METHODS, speculative_engine
 from graphrunner.engine.speculative import SpeculativeResult
@@ -27,7 +28,7 @@ __all__ = [
 MAX_DRAFT_TOKENS = 16
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: Options) -> None:
     p.add_argument(
         "--speculative",
         choices=METHODS,

@@ -29,6 +29,7 @@ from graphrunner.cli.common import (
     check_range,
     parse_id_prompts,
 )
+from graphrunner.cli.groups import Options
 from graphrunner.engine.workload import Request
 from graphrunner.io.text import (
     NoTokenizerError,
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 
-def add_context_argument(p: argparse.ArgumentParser) -> None:
+def add_context_argument(p: Options) -> None:
     p.add_argument(
         "--max-context-len",
         type=int,
@@ -61,7 +62,7 @@ def add_context_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+def add_generate_arguments(gen: Options) -> None:
     cli_prompts.add_arguments(gen)  # --prompts, --prompts-format
     gen.add_argument(
         "--prompt",

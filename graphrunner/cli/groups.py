@@ -1,0 +1,103 @@
+"""How ``demo`` and ``generate`` present their options: one help group per
+concern, a one-line summary and examples per command, plain text throughout.
+
+Each module that adds options takes the group its options belong to (an
+:data:`Options` target: a parser or one of its groups), or :class:`Groups`
+when it adds to several, so ``--help`` lists them under these titles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["COMMANDS", "Groups", "Options", "add_command"]
+
+#: Where options are added: a parser, or one of its argument groups.
+Options = argparse._ActionsContainer
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """The help groups of a serving command."""
+
+    model: Options
+    runner: Options
+    scheduling: Options
+    sampling: Options
+    prompts: Options
+    output: Options
+
+    @classmethod
+    def of(
+        cls,
+        parser: argparse.ArgumentParser,
+        prompts: tuple[str, str] = ("prompts", "what is asked, how much is answered"),
+    ) -> Groups:
+        """The groups on ``parser``, in help order; ``prompts``: the title and
+        description of the group of what is served (the demo's is its trace)."""
+        add = parser.add_argument_group
+        return cls(
+            model=add("model", "which model, its dtype, attention and context"),
+            runner=add("runner and graphs", "how each step runs, what is captured and checked"),
+            scheduling=add("scheduling", "how requests are batched and decoded"),
+            sampling=add("sampling", "how tokens are picked (default: greedy)"),
+            prompts=add(*prompts),
+            output=add("output", "what is printed or written"),
+        )
+
+
+#: Each command's one-line summary, description and examples (shown by its --help).
+COMMANDS: dict[str, tuple[str, str, list[str]]] = {
+    "demo": (
+        "serve a synthetic trace on a captured runner, every step checked against eager",
+        "Serves a seeded synthetic trace of requests with continuous batching, every "
+        "decode step replayed (padded) from a captured graph and compared with the eager "
+        "forward. Exits 1 on any mismatch or, with --check-padding, any padding violation.",
+        [
+            "graphrunner demo",
+            "graphrunner demo --runner eager --steps 50 --temperature 0.8 --seed 3",
+            "graphrunner demo --speculative eagle --draft self --draft-tokens 4",
+        ],
+    ),
+    "generate": (
+        "answer text or token-id prompts with a checkpoint or an embedded model",
+        "Answers prompts (--prompt, or --prompts FILE / - for stdin) with continuous "
+        "batching on a captured runner: text through the checkpoint's tokenizer (and chat "
+        "template with --chat), or token ids. Greedy by default; --temperature and the "
+        "other sampling options sample inside the captured step.",
+        [
+            "graphrunner generate --model smollm2/ --chat --prompt 'Name a colour.'",
+            "graphrunner generate --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7",
+            "graphrunner generate --model model.gguf --prompts - --json < questions.txt",
+        ],
+    ),
+    "sizes": (
+        "choose the capture sizes that minimise padding for a served trace",
+        "Reads the batch sizes a run served (demo --batch-sizes-out) and picks at most "
+        "--graphs capture sizes minimising the padded rows; --plot draws the result.",
+        ["graphrunner sizes --trace sizes.json --graphs 4 --output list.txt --plot sizes.png"],
+    ),
+    "convert": (
+        "write a Llama GGUF file as a Hugging Face checkpoint directory",
+        "Dequantizes a Llama GGUF file into a Hugging Face checkpoint (config.json, "
+        "float32 safetensors, tokenizer files) that --model takes.",
+        ["graphrunner convert --gguf model.gguf --out model/"],
+    ),
+}
+
+
+def add_command(sub: Any, name: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` on ``sub`` with its summary, description and examples."""
+    summary, description, examples = COMMANDS[name]
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=summary,
+        description=textwrap.fill(description, 78),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
