@@ -142,14 +142,18 @@ class MultiStepSchedule:
             raise PoolExhausted(total, b.kv_alloc.available_size(), "KV token slots", "launch")
         fresh_all = b.kv_alloc.alloc(total) if total else []
         plan, at = [], 0
-        for req, (budget, pages) in zip(live, needs, strict=True):
-            fresh = [fresh_all[at + k * page : at + (k + 1) * page] for k in range(pages)]
-            at += pages * page
-            owned = req.pages + [s for p in fresh for s in p]
-            length = len(req.slots)
-            slots = owned[length : length + budget]
-            b.req_pool.write(req.req_index, length, slots)
-            plan.append(Reservation(slots, budget, fresh))
+        try:
+            for req, (budget, pages) in zip(live, needs, strict=True):
+                fresh = [fresh_all[at + k * page : at + (k + 1) * page] for k in range(pages)]
+                at += pages * page
+                owned = req.pages + [s for p in fresh for s in p]
+                length = len(req.slots)
+                slots = owned[length : length + budget]
+                b.req_pool.write(req.req_index, length, slots)
+                plan.append(Reservation(slots, budget, fresh))
+        except BaseException:  # no request owns them yet
+            b.kv_alloc.free(fresh_all)
+            raise
         return plan
 
     def launch(
