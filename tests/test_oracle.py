@@ -133,3 +133,25 @@ def test_overlap_and_speculative_equal_transformers_generate(
         outputs = engine.run(TRACE).outputs
     assert outputs == expected
     assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("steps", [4, 8])
+def test_several_steps_per_launch_equal_transformers_generate(
+    oracle: tuple[Path, dict[int, list[int]]], steps: int, page_size: int
+) -> None:
+    """The oracle workload with N decode steps per launch (the sanitizer on):
+    transformers' greedy tokens, one read back per launch, every page freed."""
+    path, expected = oracle
+    bundle = load_model(
+        path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT, page_size=page_size
+    )
+    runner = create_model_runner(
+        bundle, "eager", capture_sizes=CAPTURE_SIZES, check_padding=True, steps_per_launch=steps
+    )
+    runner.capture()
+    result = Engine(bundle, runner, steps_per_launch=steps).run(TRACE)
+    assert result.outputs == expected
+    assert result.stats.syncs == result.stats.launches == runner.stats.replays
+    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+    assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size

@@ -81,6 +81,8 @@ class NullBackend:
     """For models whose forward needs no metadata beyond the static buffers."""
 
     seq_len_fill_value: int = 1
+    #: Nothing is planned on the host per step (a multi-step phase accepts it).
+    metadata_on_device: bool = True
 
     def init_graph_state(self, max_bs: int) -> None:
         pass

@@ -13,6 +13,9 @@ class Index(enum.Enum):
 
     REQUEST_ROW = "request row"  # a req_to_token row: allocated, never the padding row 0, once
     KV_SLOT = "KV slot"  # the slot a token writes: allocated, not 0, once, the one recorded
+    #: a slot reserved for a step a row may take (multi-step decode): allocated
+    #: and once, or 0 where the row takes no such step
+    RESERVED_KV_SLOT = "reserved KV slot"
     MAMBA_SLOT = "Mamba slot"  # a Mamba state slot: never the sink 0
     TOKEN = "token"  # a token id: in the vocabulary (when the sanitizer knows its size)
     POSITION = "position"  # a token's position: the req_to_token column the length implies

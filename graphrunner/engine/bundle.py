@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -30,6 +31,13 @@ from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
 from graphrunner.model.hybrid import HybridLM
+from graphrunner.phases.multistep import (
+    MULTISTEP_OUTPUTS,
+    check_device_metadata,
+    check_steps_per_launch,
+    multistep_buffer_specs,
+    multistep_forward,
+)
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sampling import SAMPLING_FIELDS
@@ -41,7 +49,17 @@ __all__ = [
     "create_decode_runner",
     "create_model_runner",
     "decode_step",
+    "multistep_of",
 ]
+
+#: Runners built with ``steps_per_launch`` N > 1: (N, their end token).
+_MULTISTEP: WeakKeyDictionary[GraphRunner, tuple[int, int | None]] = WeakKeyDictionary()
+
+
+def multistep_of(runner: GraphRunner) -> tuple[int, int | None]:
+    """``(steps per launch, end token)`` of a runner from :func:`create_decode_runner`:
+    ``(1, None)`` for a one-step runner."""
+    return _MULTISTEP.get(runner, (1, None))
 
 
 class _Vocab(Protocol):
@@ -156,6 +174,8 @@ def create_decode_runner(
     future_map: FutureMap | None = None,
     sampling: bool = False,
     logprobs: int = 0,
+    steps_per_launch: int = 1,
+    end_token: int | None = None,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -172,10 +192,31 @@ def create_decode_runner(
     :class:`~graphrunner.sampling.SamplingParams`. ``logprobs=N`` (N >= 1,
     with ``sampling=True``) adds each row's chosen-token log-probability
     ``"logprob"`` ``[bs]`` and the top-N ``"top_logprobs"`` / ``"top_ids"``
-    ``[bs, N]`` to the outputs. ``mechanism_options`` go to
-    the runner's mechanism, e.g. ``compile=True`` for ``cuda``.
+    ``[bs, N]`` to the outputs. ``steps_per_launch=N`` (2..8) captures N
+    decode steps per launch (:mod:`graphrunner.phases.multistep`; outputs
+    ``{"tokens", "count", "logits"}``), rows stopping at ``end_token`` (the
+    engine's); Llama bundles only, without ``future_map`` or ``logprobs``.
+    ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
+    for ``cuda``.
     """
     step = decode_step(bundle)
+    steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
+    if steps > 1:
+        return _multistep_runner(
+            bundle,
+            step,
+            kind,
+            steps,
+            end_token,
+            future_map,
+            logprobs,
+            sampling,
+            capture_sizes=capture_sizes,
+            max_bs=max_bs,
+            show_progress=show_progress,
+            check_padding=check_padding,
+            **mechanism_options,
+        )
     if future_map is not None and step.mamba:
         raise ValueError(
             "future_map: overlap scheduling is not supported for a model with Mamba "
@@ -210,6 +251,49 @@ def create_decode_runner(
         sanitizer=step.sanitizer() if check_padding else None,
         **options,
     )
+
+
+def _multistep_runner(
+    bundle: ModelBundle | StateSpaceBundle,
+    step: DecodeStep,
+    kind: str,
+    steps: int,
+    end_token: int | None,
+    future_map: FutureMap | None,
+    logprobs: int,
+    sampling: bool,
+    *,
+    check_padding: bool,
+    **options: Any,
+) -> GraphRunner:
+    """:func:`create_decode_runner` with ``steps_per_launch=steps`` (> 1)."""
+    refused = {
+        "a model with Mamba layers": step.mamba,
+        "future_map (overlap scheduling)": future_map is not None,
+        f"logprobs={logprobs}": bool(logprobs),
+    }
+    for what, given in refused.items():
+        if given:
+            raise ValueError(
+                f"steps_per_launch={steps} with {what}: not supported; expected steps_per_launch=1"
+            )
+    check_device_metadata(step.backend)
+    fill = step.backend.seq_len_fill_value
+    runner = create_runner(
+        kind,
+        multistep_forward(
+            step.forward, steps, seq_len_fill_value=fill, end_token=end_token, sampling=sampling
+        ),
+        multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling),
+        device=bundle.device,
+        backend=step.backend,
+        outputs=MULTISTEP_OUTPUTS,
+        width=steps,
+        sanitizer=step.sanitizer() if check_padding else None,
+        **options,
+    )
+    _MULTISTEP[runner] = (steps, end_token)
+    return runner
 
 
 #: The earlier name of :func:`create_decode_runner`, from when it took a Llama

@@ -35,6 +35,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.admission import admit, validate_trace
 from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
 from graphrunner.engine.check import checked_replay
+from graphrunner.engine.multistep import MultiStepSchedule, check_multistep
 from graphrunner.engine.overlap_schedule import OverlapSchedule
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
 from graphrunner.engine.sampling import (
@@ -98,6 +99,11 @@ class Engine:
             otherwise every request must be greedy.
         logprobs: N >= 1 collects each token's log-probability and the top N
             (``EngineResult.logprobs``); needs a runner built ``logprobs=N``.
+        steps_per_launch: N in 1..8 decode steps per runner launch
+            (:class:`~graphrunner.engine.multistep.MultiStepSchedule`); the
+            runner is built with the same N and end token. Not with
+            ``overlap``, ``check`` or ``logprobs``; ``max_steps`` counts a
+            launch's N steps whole.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -117,8 +123,10 @@ class Engine:
         overlap: bool = False,
         seed: int = 0,
         logprobs: int = 0,
+        steps_per_launch: int = 1,
     ) -> None:
         self.seed = check_seed("seed", seed)
+        steps = check_multistep(runner, steps_per_launch, end_token, overlap, check, logprobs)
         self.decoder = decode_step(bundle)
         if check and self.decoder.rerun_reason is not None:
             raise ValueError(
@@ -140,8 +148,10 @@ class Engine:
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
+        if steps > 1:
+            self.schedule = MultiStepSchedule(steps)
         self.sampling = SampledRows.declared_by(runner)
-        self._rows = SampledRows(self.device)
+        self.sampling_rows = SampledRows(self.device)
         self.logprobs = check_logprobs(logprobs, self.sampling)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
@@ -201,7 +211,7 @@ class Engine:
 
     def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
-        token = self._rows.first_token(live, logits) if self.sampling else logits.argmax()
+        token = self.sampling_rows.first_token(live, logits) if self.sampling else logits.argmax()
         if self.logprobs:
             live.logprobs.append(first_logprobs(logits, token, self.logprobs))
         return token
@@ -224,6 +234,7 @@ class Engine:
             self._free_fresh_pages(batch)
             raise
         stats.steps += 1
+        stats.launches += 1
         stats.decode_tokens += batch.batch_size
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
         return tokens_of(out), batch.out_cache_loc
@@ -247,7 +258,7 @@ class Engine:
         sampling rows go with it when the runner samples)."""
         inputs = self.decoder.inputs(batch)
         if self.sampling:
-            inputs = SampledInputs(inputs, self._rows.of(live))
+            inputs = SampledInputs(inputs, self.sampling_rows.of(live))
         return check_step_out(self.runner.replay(inputs))
 
     def timed(self, fn: Callable[[], T]) -> tuple[T, float]:

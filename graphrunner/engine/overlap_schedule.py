@@ -106,6 +106,7 @@ class OverlapSchedule:
         self._record(engine, run, stepped, [r for r, _ in joining], copy.wait())
         if stepped:
             run.stats.decode_seconds += time.perf_counter() - start
+            run.stats.syncs += 1
         return 1 if stepped else 0
 
     def _device_ints(self, engine: Engine, values: list[int]) -> torch.Tensor:
@@ -123,6 +124,7 @@ class OverlapSchedule:
         self.future.store(batch.req_pool_indices, next_ids)
         stats = run.stats
         stats.steps += 1
+        stats.launches += 1
         stats.decode_tokens += batch.batch_size
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
         return next_ids, batch.out_cache_loc

@@ -43,7 +43,17 @@ class EngineStats:
     token_flips: int = 0  # rows whose greedy token differs (near-ties, inside tolerance)
     max_logit_diff: float = 0.0
     max_kv_diff: float = 0.0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode steps per live bs
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode launches per live bs
+    launches: int = 0  # runner launches (N decode steps each with steps_per_launch=N)
+    syncs: int = 0  # device-to-host reads of decode tokens
+
+    @property
+    def launches_per_token(self) -> float:
+        return self.launches / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def syncs_per_token(self) -> float:
+        return self.syncs / self.decode_tokens if self.decode_tokens else 0.0
 
     @property
     def tokens_per_second(self) -> float:

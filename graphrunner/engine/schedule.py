@@ -50,6 +50,7 @@ class SyncSchedule:
             engine.decode(run.batch, run.stats, run.live) if bs else (engine.empty(),) * 2
         )
         host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
+        run.stats.syncs += 1 if bs else 0
         page = engine.bundle.page_size
         keep = []
         for i, req in enumerate(run.live):

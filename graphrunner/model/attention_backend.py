@@ -45,6 +45,10 @@ class TorchPagedBackend:
     - ``init_replay_metadata``: nothing to do.
 
     ``seq_len_fill_value`` is 1: a padded row attends to exactly one key, slot 0.
+    ``metadata_on_device`` is True: both decode attentions (the torch gather
+    and the Triton kernel, whose split count is a function of the shapes) read
+    only device tensors of the step, so a multi-step phase
+    (:mod:`graphrunner.phases.multistep`) may change them between its steps.
 
     ``kernel`` picks the decode attention: ``"torch"`` (the gather above, the
     reference) or ``"triton"`` (the split-KV kernel through an opaque op, with
@@ -58,6 +62,7 @@ class TorchPagedBackend:
     """
 
     seq_len_fill_value: int = 1
+    metadata_on_device: bool = True
 
     def __init__(
         self,

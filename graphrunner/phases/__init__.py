@@ -1,7 +1,7 @@
 """The phases, each a value (:class:`Phase`: buffers, outputs, forward, backend
 hooks, tokens per row) derived from the one decode declaration, and the thin
 runner bindings of the speculative ones: target verify, EAGLE draft extend and
-draft decode, frozen-KV MTP."""
+draft decode, frozen-KV MTP; several decode steps per launch."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from graphrunner.phases.mtp import (
     frozen_kv_sanitizer,
     mtp_buffer_specs,
 )
+from graphrunner.phases.multistep import multistep_phase
 from graphrunner.phases.verify import TargetVerifyRunner, verify_buffer_specs, verify_phase
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "frozen_kv_mtp_phase",
     "frozen_kv_sanitizer",
     "mtp_buffer_specs",
+    "multistep_phase",
     "verify_buffer_specs",
     "verify_phase",
 ]

@@ -77,6 +77,7 @@ def check_declared_values(
     _check_mirrors(live, inputs, raw_bs)
     _check_lengths(live, ctx.req_pool)
     _check_kv(live, ctx)
+    _check_reserved(live.get(Index.RESERVED_KV_SLOT), ctx)
     _check_tokens(live.get(Index.TOKEN), ctx.vocab_size)
     _check_counts(specs, inputs, raw_bs)
     _check_mamba(live.get(Index.MAMBA_SLOT))
@@ -126,6 +127,13 @@ def _check_kv(live: dict[Index, LiveValue], ctx: ValueContext) -> None:
         return
     per_token = [row for row in rows.values for _ in range(r)]
     check_kv_owner(ctx.req_pool.req_to_token, per_token, positions.values, locs.values)
+
+
+def _check_reserved(locs: LiveValue | None, ctx: ValueContext) -> None:
+    """Reserved KV slots (a multi-step launch's): each non-zero one allocated
+    and once; a 0 is a step the row does not take (it writes the sink)."""
+    if locs is not None:
+        check_kv_slots(ctx.kv_allocator, [s for s in locs.values if s != 0])
 
 
 def _check_tokens(tokens: LiveValue | None, vocab_size: int | None) -> None:

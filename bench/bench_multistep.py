@@ -1,0 +1,177 @@
+"""Several decode steps per launch: engine tokens/s and host time per token at
+N = 1, 2, 4, 8 (``Engine(steps_per_launch=N)``), against N = 1 in the same run.
+
+For each batch size, ``bs`` greedy requests (a 4-token prompt, ``--new``
+tokens each) arrive together and run to their budget through the engine;
+every N runs the same trace (its tokens are checked equal to N = 1's). The
+N values are timed round-robin (one run each per round), so drift on a shared
+machine hits them alike; medians over the rounds.
+
+- tokens/s: decode tokens / the run's wall time (its prefills included: the
+  same bs short prompts for every N);
+- launch ms/token: seconds inside ``runner.replay`` per decode token (on the
+  CPU the whole step: populate, the compiled program, the read of outputs);
+- host µs/token: the rest of the run per decode token: the engine's host
+  work outside the launch (scheduling, reservation, read back, retire) and
+  the prefills;
+- launches and syncs per token from the engine's stats.
+
+On the CPU: the compiled CPU runner (inductor), one torch thread, the
+embedded default model. Run: ``PYTHONPATH=. .venv/bin/python -m
+bench.bench_multistep`` (writes ``bench/results/multistep-cpu.md`` and
+``.json``; on a CUDA machine ``multistep-<device>.md``). Not collected as a
+test or a pytest benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench.conftest import RESULTS_DIR, machine
+from graphrunner import Engine, Request, create_model_runner, default_model
+from graphrunner.engine.results import EngineResult
+from graphrunner.testing import torch_threads
+
+CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep"
+STEPS = (1, 2, 4, 8)
+
+
+def trace(bs: int, new: int) -> list[Request]:
+    return [Request(i, (3 + i, 5 + i, 7 + i, 11 + i), new) for i in range(bs)]
+
+
+def measure(
+    bs: int, steps: Sequence[int], *, new: int, rounds: int, kind: str, device: str
+) -> list[dict[str, Any]]:
+    """Median tokens/s and host time per token of every N at batch size ``bs``."""
+    engines: dict[int, Engine] = {}
+    t0 = time.perf_counter()
+    for n in steps:
+        bundle = default_model(max_requests=bs, max_context_len=new + 8, device=device)
+        runner = create_model_runner(bundle, kind, capture_sizes=[bs], steps_per_launch=n)
+        runner.capture()
+        engines[n] = Engine(bundle, runner, steps_per_launch=n)
+    print(f"bs {bs}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    requests = trace(bs, new)
+    runs: dict[int, list[tuple[float, EngineResult]]] = {n: [] for n in steps}
+    for n, engine in engines.items():  # warm-up, and the tokens every N must emit
+        runs[n].append((0.0, engine.run(requests)))
+    reference = runs[steps[0]][0][1].outputs
+    for _ in range(rounds):
+        for n, engine in engines.items():
+            start = time.perf_counter()
+            result = engine.run(requests)
+            runs[n].append((time.perf_counter() - start, result))
+    rows, base = [], 0.0
+    for n in steps:
+        timed = runs[n][1:]
+        wall = statistics.median(w for w, _ in timed)
+        launch = statistics.median(r.stats.decode_seconds for _, r in timed)
+        stats = timed[0][1].stats
+        tokens = stats.decode_tokens
+        tps = tokens / wall
+        base = base or tps
+        row = {
+            "bs": bs,
+            "steps_per_launch": n,
+            "tokens_per_s": tps,
+            "ratio_vs_1": tps / base,
+            "launch_ms_per_token": launch / tokens * 1e3,
+            "host_us_per_token": (wall - launch) / tokens * 1e6,
+            "launches_per_token": stats.launches_per_token,
+            "syncs_per_token": stats.syncs_per_token,
+            "decode_tokens": tokens,
+            "tokens_equal_n1": all(r.outputs == reference for _, r in runs[n]),
+        }
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+COLUMNS = (
+    "| bs | N | tokens/s | vs N=1 | launch ms/token | host µs/token | launches/token | "
+    "syncs/token | tokens = N=1 |"
+)
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['bs']} | {r['steps_per_launch']} | {r['tokens_per_s']:.0f} | "
+        f"{r['ratio_vs_1']:.2f}x | {r['launch_ms_per_token']:.3f} | "
+        f"{r['host_us_per_token']:.1f} | {r['launches_per_token']:.3f} | "
+        f"{r['syncs_per_token']:.3f} | {r['tokens_equal_n1']} |"
+    )
+
+
+def write(result: dict[str, Any], slug: str) -> str:
+    out = RESULTS_DIR / f"multistep-{slug}.md"
+    lines = [
+        "# several decode steps per launch: engine tokens/s against N = 1",
+        "",
+        *(f"- {k}: {v}" for k, v in result["machine"].items()),
+        f"- command: `{result['command']}`",
+        f"- mechanism: {result['mechanism']}; torch threads {result['threads']}; the embedded "
+        f"default model; bs greedy requests of a 4-token prompt and {result['new']} new tokens "
+        "each, arriving together",
+        f"- medians of {result['rounds']} engine runs per N, the N values round-robin; "
+        "tokens/s over the run's wall time (prefills included); launch: time inside "
+        "runner.replay; host: the rest of the run",
+        f"- load average at the start: {result['load_before']}, at the end: "
+        f"{result['load_after']} (a shared machine)",
+        "",
+        COLUMNS,
+        "|---|---|---|---|---|---|---|---|---|",
+        *(_line(r) for r in result["rows"]),
+    ]
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return str(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1,8", help="batch sizes (each captured exactly)")
+    parser.add_argument("--steps", default=",".join(map(str, STEPS)), help="N values (1 first)")
+    parser.add_argument("--new", type=int, default=96, help="new tokens per request")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    args = parser.parse_args(argv)
+    steps = [int(s) for s in args.steps.split(",")]
+    kind, device = ("cuda", "cuda") if cuda else ("cpu", "cpu")
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    print(COLUMNS)
+    with torch_threads(args.threads), torch.no_grad():
+        for bs in (int(s) for s in args.sizes.split(",")):
+            rows += measure(bs, steps, new=args.new, rounds=args.rounds, kind=kind, device=device)
+    info = machine()
+    slug = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-") if cuda else "cpu"
+    result = {
+        "machine": info,
+        "command": CMD + (f" {' '.join(sys.argv[1:])}" if argv is None and sys.argv[1:] else ""),
+        "mechanism": "cuda (CUDA graphs)" if cuda else "cpu (inductor-compiled program)",
+        "threads": args.threads,
+        "new": args.new,
+        "rounds": args.rounds,
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "rows": rows,
+    }
+    print(f"results written to {write(result, slug)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

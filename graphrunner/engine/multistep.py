@@ -1,0 +1,226 @@
+"""Several decode steps per launch: the :class:`MultiStepSchedule` of
+``Engine(steps_per_launch=N)``.
+
+Per engine step: admit and prefill the arrived requests; give each running
+row the KV slots of its next ``s = min(N, tokens it may still emit)``
+positions (page size 1: ``s`` fresh slots; pages of ``P``: the rest of its
+last page, then fresh whole pages up to its ``s``-th position), recorded in
+``req_to_token`` before the launch; run the runner's ``N``-step launch
+(:mod:`graphrunner.phases.multistep`, each row's budget ``s`` and the
+engine's end token stop it on the device); read every row's tokens and
+count back in ONE ``.tolist()`` with the joining requests' first tokens;
+record the tokens, keep the slots (whole pages) the row used, free the
+others, retire the finished requests and merge the joining ones.
+
+A row that continues took all ``N`` steps (a row stopping earlier has
+emitted its end token or spent its budget), so the batch advances by ``N``
+positions and each row feeds its last token to the next launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.declare.step_inputs import ReplayInputs
+from graphrunner.engine.bundle import multistep_of
+from graphrunner.engine.results import EngineStats, _Live, _Run
+from graphrunner.engine.sampling import check_step_out
+from graphrunner.phases import SpecBatch
+from graphrunner.phases.multistep import STEPS_LEFT, check_steps_per_launch
+from graphrunner.phases.sampled import SampledInputs
+from graphrunner.pools import PoolExhausted
+
+if TYPE_CHECKING:
+    from graphrunner.engine.loop import Engine
+
+__all__ = ["MultiStepSchedule", "Reservation", "check_multistep"]
+
+
+def check_multistep(
+    runner: GraphRunner,
+    steps_per_launch: object,
+    end_token: int | None,
+    overlap: bool,
+    check: bool,
+    logprobs: object,
+) -> int:
+    """``steps_per_launch`` checked against the engine's other options and the
+    runner's (steps, end token); returns it."""
+    steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
+    built, built_end = multistep_of(runner)
+    if built != steps:
+        raise ValueError(
+            f"steps_per_launch={steps}: the runner runs {built} decode step(s) per launch; "
+            f"build it with create_model_runner(..., steps_per_launch={steps})"
+        )
+    if steps == 1:
+        return steps
+    if built_end != end_token:
+        raise ValueError(
+            f"end_token={end_token!r}: the runner's multi-step launch stops rows at "
+            f"{built_end!r}; build it with create_model_runner(..., end_token={end_token!r})"
+        )
+    for name, given in (("overlap=True", overlap), ("check=True", check)):
+        if given:
+            raise ValueError(
+                f"steps_per_launch={steps} with {name}: not supported; expected "
+                f"steps_per_launch=1 or {name.split('=')[0]}=False"
+            )
+    if logprobs:
+        raise ValueError(
+            f"steps_per_launch={steps} with logprobs={logprobs!r}: not supported; expected "
+            f"logprobs=0"
+        )
+    return steps
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One row's KV for a launch (host ints): ``slots[j]`` is the slot of its
+    step ``j`` (``budget`` of them); ``fresh`` the whole pages allocated for it,
+    page by page (page size 1: the slots themselves)."""
+
+    slots: list[int]
+    budget: int
+    fresh: list[list[int]]
+
+
+class MultiStepSchedule:
+    """Admit, reserve, launch ``N`` decode steps, read back once, retire, merge."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def begin(self, engine: Engine, max_steps: int | None) -> None:
+        pass
+
+    def end(self, engine: Engine) -> None:
+        pass
+
+    def step(self, engine: Engine, run: _Run) -> int:
+        joining = engine.admit(run)
+        first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
+        bs, n = len(run.live), self.steps
+        if not bs:
+            host = first_ids.tolist()
+        else:
+            plan = self.reserve(engine, run.live)
+            try:
+                tokens, count = self.launch(engine, run, plan)
+            except BaseException:  # the fresh pages are no request's yet
+                engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])
+                raise
+            host = torch.cat([tokens.flatten(), count, first_ids]).tolist()  # the one sync
+            run.stats.syncs += 1
+            batch = run.batch  # a row that continues took every step: it feeds its last
+            batch.input_ids = tokens[:, -1]
+            batch.seq_lens, batch.seq_lens_cpu = batch.seq_lens + n, batch.seq_lens_cpu + n
+            self.retire(engine, run, plan, host[: bs * n], host[bs * n : bs * n + bs])
+        stay = [
+            j
+            for j, (req, _) in enumerate(joining)
+            if not engine.advance(run, req, host[-len(joining) + j])
+        ]
+        if stay:
+            engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
+        return n if bs else 0
+
+    def reserve(self, engine: Engine, live: list[_Live]) -> list[Reservation]:
+        """Each row's slots for the launch, recorded in ``req_to_token``."""
+        b, page = engine.bundle, engine.bundle.page_size
+        needs = []
+        for req in live:
+            budget = min(self.steps, req.request.max_new_tokens - len(req.tokens))
+            length = len(req.slots)
+            needs.append((budget, -(-max(length + budget - len(req.pages), 0) // page)))
+        total = sum(pages for _, pages in needs) * page
+        if total > b.kv_alloc.available_size():
+            raise PoolExhausted(total, b.kv_alloc.available_size(), "KV token slots", "launch")
+        fresh_all = b.kv_alloc.alloc(total) if total else []
+        plan, at = [], 0
+        try:
+            for req, (budget, pages) in zip(live, needs, strict=True):
+                fresh = [fresh_all[at + k * page : at + (k + 1) * page] for k in range(pages)]
+                at += pages * page
+                owned = req.pages + [s for p in fresh for s in p]
+                length = len(req.slots)
+                slots = owned[length : length + budget]
+                b.req_pool.write(req.req_index, length, slots)
+                plan.append(Reservation(slots, budget, fresh))
+        except BaseException:  # no request owns them yet
+            b.kv_alloc.free(fresh_all)
+            raise
+        return plan
+
+    def launch(
+        self, engine: Engine, run: _Run, plan: list[Reservation]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The runner's launch; returns ``tokens`` int64 ``[bs, N]`` and ``count`` ``[bs]``."""
+        batch, n = run.batch, self.steps
+        lens = batch.seq_lens_cpu
+        slots = [r.slots + [0] * (n - r.budget) for r in plan]
+        inputs: ReplayInputs = SpecBatch(
+            req_pool_indices_cpu=batch.req_pool_indices_cpu,
+            seq_lens_cpu=lens + 1,
+            req_pool_indices=batch.req_pool_indices,
+            input_ids=batch.input_ids,
+            positions=lens,
+            seq_lens=lens + 1,
+            out_cache_loc=torch.tensor([s for row in slots for s in row], dtype=torch.int64),
+            **{STEPS_LEFT: torch.tensor([r.budget for r in plan], dtype=torch.int64)},
+        )
+        if engine.sampling:
+            inputs = SampledInputs(inputs, engine.sampling_rows.of(run.live))
+        out, seconds = engine.timed(lambda: check_step_out(engine.runner.replay(inputs)))
+        if not isinstance(out, dict):
+            raise TypeError("a multi-step runner returns a dict of outputs; got a tensor")
+        stats: EngineStats = run.stats
+        stats.decode_seconds += seconds
+        stats.steps += n
+        stats.launches += 1
+        stats.batch_sizes[len(plan)] = stats.batch_sizes.get(len(plan), 0) + 1
+        return out["tokens"], out["count"]
+
+    def retire(
+        self,
+        engine: Engine,
+        run: _Run,
+        plan: list[Reservation],
+        tokens: list[int],
+        count: list[int],
+    ) -> None:
+        """Record each row's tokens, keep the KV it used, free the rest, retire the finished."""
+        page, n, keep = engine.bundle.page_size, self.steps, []
+        for i, (req, r) in enumerate(zip(list(run.live), plan, strict=True)):
+            c = count[i]
+            length = len(req.slots) + c  # its KV length after the launch
+            # fresh page k starts at position len(req.pages) + k * page
+            used = sum(1 for k in range(len(r.fresh)) if len(req.pages) + k * page < length)
+            for p in r.fresh[:used]:
+                req.pages.extend(p)
+            engine.bundle.kv_alloc.free([s for p in r.fresh[used:] for s in p])
+            req.slots.extend(r.slots[:c])
+            run.stats.decode_tokens += c
+            done = False
+            for k, token in enumerate(tokens[i * n : i * n + c]):
+                done = engine.record_token(run, req, token)
+                if done and k != c - 1:
+                    raise RuntimeError(
+                        f"request {req.request.rid} finished at step {k} of the launch but the "
+                        f"runner kept it for {c}: its end token differs from the engine's"
+                    )
+            if done:
+                engine.free(run, req)
+            elif c != n:
+                raise RuntimeError(
+                    f"request {req.request.rid} took {c} of {n} steps and did not finish"
+                )
+            else:
+                keep.append(i)
+        if len(keep) < len(run.live):
+            run.batch.filter(keep)
+            run.live[:] = [run.live[i] for i in keep]
