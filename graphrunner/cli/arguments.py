@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import multistep as cli_multistep
 from graphrunner.cli import overlap as cli_overlap
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import spec as cli_spec
@@ -67,3 +68,4 @@ def add_common(g: Groups) -> None:
     cli_text.add_context_argument(g.model)
     cli_spec.add_arguments(g.scheduling)
     cli_overlap.add_arguments(g.scheduling)
+    cli_multistep.add_arguments(g.scheduling)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import multistep as cli_multistep
 from graphrunner.cli import overlap as cli_overlap
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli.common import UsageError, check_range, resolve_device
@@ -53,6 +54,7 @@ def check_common(args: argparse.Namespace) -> str:
     check_range("--seed", args.seed, 0, MAX_SEED)
     cli_spec.validate(args, UsageError)
     cli_overlap.validate(args, UsageError)
+    cli_multistep.validate(args)
     kind = runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)

@@ -24,6 +24,7 @@ from graphrunner.cli import answers as cli_answers
 from graphrunner.cli import checks as cli_checks
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import modes as cli_modes
+from graphrunner.cli import multistep as cli_multistep
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import spec as cli_spec
@@ -150,6 +151,7 @@ def _serve(
         show_progress=bars,
         **options,
         **cli_sampling.runner_options(args, trace),
+        **cli_multistep.options(args, end),
     )
     capture = runner.capture()
     engine = Engine(
@@ -162,6 +164,7 @@ def _serve(
         atol=cli_model.check_atol(args),
         seed=args.seed,
         logprobs=args.logprobs,
+        steps_per_launch=args.steps_per_launch,
     )
     # Text streaming to a terminal is the run's progress: no bar to break its lines.
     streaming = inputs.on_token is not None and sys.stdout.isatty()

@@ -33,6 +33,7 @@ from graphrunner.cli import convert as cli_convert
 from graphrunner.cli import generate as cli_generate
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import modes as cli_modes
+from graphrunner.cli import multistep as cli_multistep
 from graphrunner.cli import report as cli_report
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
@@ -195,6 +196,9 @@ def _demo(args: argparse.Namespace) -> int:
     with cli_sizes.profiled(args):
         if args.speculative or args.overlap:
             return cli_modes.demo_against_plain(args, bundle, trace, kind, sizes)
+        if args.steps_per_launch > 1:
+            options = cli_model.compile_option(args.compile)
+            return cli_multistep.demo(args, bundle, trace, kind, sizes, options)
         runner = _capture(
             bundle,
             kind,

@@ -1,0 +1,90 @@
+"""``--steps-per-launch N`` on the command line: ``generate`` prints the
+tokens of N = 1 (greedy, sampled, paged, with an end token), the demo checks
+N against N = 1 and exits 0, and every combination N > 1 does not take is
+refused by name before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import graphrunner.cli.main as cli
+
+PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4], [5, 6]]
+EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4", "--max-new-tokens", "9"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def _tokens(capsys: pytest.CaptureFixture[str], prompts: Path, *argv: str) -> list[list[int]]:
+    assert cli.main(["generate", "--prompts", str(prompts), "--json", *EAGER, *argv]) == 0
+    return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--temperature", "0.9", "--top-k", "20", "--seed", "5"],
+        ["--page-size", "4", "--check-padding"],
+        ["--end-token", "17", "--arrive-every", "2"],
+    ],
+    ids=["greedy", "sampled", "paged", "end-token"],
+)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_generate_prints_the_tokens_of_one_step_per_launch(
+    capsys: pytest.CaptureFixture[str], prompts_file: Path, n: int, extra: list[str]
+) -> None:
+    single = _tokens(capsys, prompts_file, *extra)
+    assert _tokens(capsys, prompts_file, "--steps-per-launch", str(n), *extra) == single
+    assert len(single) == len(PROMPTS)
+
+
+def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--runner", "eager", "--steps", "24", "--max-bs", "4"]
+    assert cli.main([*argv, "--steps-per-launch", "4", "--temperature", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "steps per launch 4:" in out
+    assert "mismatches: 0" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps-per-launch", "0"], "--steps-per-launch 0: expected 1..8"),
+        (["--steps-per-launch", "9"], "--steps-per-launch 9: expected 1..8"),
+        (
+            ["--steps-per-launch", "4", "--overlap"],
+            "--steps-per-launch 4 with --overlap: not supported; expected one of them",
+        ),
+        (
+            ["--steps-per-launch", "2", "--speculative", "mtp"],
+            "--steps-per-launch 2 with --speculative: not supported; expected one of them",
+        ),
+        (
+            ["--steps-per-launch", "2", "--check"],
+            "--steps-per-launch 2 with --check: not supported; expected one of them",
+        ),
+        (
+            ["--steps-per-launch", "8", "--logprobs", "2"],
+            "--steps-per-launch 8 with --logprobs: not supported; expected one of them",
+        ),
+    ],
+)
+def test_generate_refuses_what_several_steps_per_launch_cannot_serve(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    prompts_file: Path,
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    assert cli.main(["generate", "--prompts", str(prompts_file), *EAGER, *argv]) == 2
+    assert capsys.readouterr() == ("", f"graphrunner generate: error: {message}\n")
