@@ -304,10 +304,30 @@ def test_a_state_space_checkpoint_samples_by_the_seed(
     hot = [run(*HOT, "--seed", s) for s in ("1", "2", "1")]
     assert hot[0] == hot[2] and hot[0] != greedy
     assert hot[0][:2] != hot[1][:2] and hot[0][2] == hot[1][2]  # line 3 has its own seed
-    capsys.readouterr()
-    assert cli.main(["generate", *base, "--logprobs", "2"]) == 2
-    message = "--logprobs 2: not supported for a Mamba or Jamba checkpoint yet"
-    assert capsys.readouterr().err == f"graphrunner generate: error: {message}\n"
+
+
+def test_a_state_space_checkpoint_gives_the_transformers_log_softmax(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hf_ssm import save_tiny_mamba
+
+    hf = save_tiny_mamba(tmp_path / "ck").eval()
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2]\n[3, 4, 5]\n")
+    argv = ["generate", "--checkpoint", str(tmp_path / "ck"), "--prompts", str(path)]
+    argv += ["--runner", "eager", "--max-new-tokens", "4", *HOT, "--logprobs", "3"]
+    assert cli.main(argv) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    for prompt, line in zip([[1, 2], [3, 4, 5]], lines, strict=True):
+        tokens = line["tokens"]
+        assert len(line["logprobs"]) == len(tokens) == 4
+        for i, entry in enumerate(line["logprobs"]):
+            with torch.no_grad():
+                logits = hf(torch.tensor([[*prompt, *tokens[:i]]])).logits[0, -1]
+            lp = torch.log_softmax(logits.float(), -1)
+            assert entry["token"] == tokens[i]
+            assert entry["logprob"] == pytest.approx(lp[tokens[i]].item(), abs=1e-4)
+            assert [t for t, _ in entry["top"]] == torch.topk(lp, 3).indices.tolist()
 
 
 def test_a_text_prompt_object_samples_as_its_token_id_twin(

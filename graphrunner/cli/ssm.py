@@ -5,8 +5,8 @@ The Llama path's prompt reading, output, runner factory
 differs is the bundle :func:`graphrunner.io.load_any` returns (a hybrid request
 pool, Mamba state), whose decode step the runner and engine read from it.
 Sampling works as on the Llama path (the sampled step over the Mamba decode);
-``--check`` (an eager rerun per step), ``--speculative``, ``--overlap`` and
-``--logprobs`` are refused here.
+``--logprobs`` too; ``--check`` (an eager rerun per step), ``--speculative``
+and ``--overlap`` are refused here.
 """
 
 from __future__ import annotations
@@ -79,10 +79,6 @@ def generate(
     except ValueError as e:
         raise UsageError(str(e)) from None
     limit, inputs = cli_text.check_generate(args, config)
-    if getattr(args, "logprobs", 0):
-        raise UsageError(
-            f"--logprobs {args.logprobs}: not supported for a Mamba or Jamba checkpoint yet"
-        )
     sizes = capture_sizes(args, min(16, len(inputs.prompts)))
     trace = cli_sampling.apply(
         requests_from_prompts(
@@ -123,6 +119,7 @@ def generate(
         on_finish=inputs.on_finish,
         on_token=inputs.on_token,
         seed=args.seed,
+        logprobs=args.logprobs,
     )
     streaming = inputs.on_token is not None and sys.stdout.isatty()
     with cli_sizes.profiled(args, file=sys.stderr):  # stdout carries the answers
@@ -132,6 +129,7 @@ def generate(
     s = result.stats
     served = cli_answers.Served(
         result.outputs,
+        logprobs=result.logprobs,
         tokens_per_second=s.tokens_per_second,
         padded_fraction=s.padded_fraction,
         capture_seconds=capture.total_seconds,
