@@ -145,5 +145,5 @@ def test_the_options_it_does_not_support_are_refused_by_name():
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
     with pytest.raises(ValueError, match="steps_per_launch=4 with future_map"):
         create_model_runner(bundle, "eager", steps_per_launch=4, future_map=future)
-    with pytest.raises(ValueError, match="steps_per_launch=4 with logprobs=2"):
-        create_model_runner(bundle, "eager", steps_per_launch=4, sampling=True, logprobs=2)
+    with pytest.raises(ValueError, match="logprobs=2 needs sampling=True"):
+        create_model_runner(bundle, "eager", steps_per_launch=4, logprobs=2)

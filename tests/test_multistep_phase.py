@@ -18,7 +18,7 @@ from graphrunner.declare.hooks import NullBackend
 from graphrunner.phases import SpecBatch
 from graphrunner.phases.multistep import multistep_phase
 from graphrunner.phases.sampled import SampledInputs
-from graphrunner.sampling import sample
+from graphrunner.sampling import logprobs, sample
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from spec_world import SpecWorld
 
@@ -28,9 +28,18 @@ SIZES = [2, 4]
 class MultiStep:
     """A runner of ``steps`` decode steps per launch over a world."""
 
-    def __init__(self, label: str, steps: int, *, sampling: bool, end_token: int | None) -> None:
+    def __init__(
+        self,
+        label: str,
+        steps: int,
+        *,
+        sampling: bool,
+        end_token: int | None,
+        logprobs: int = 0,
+    ) -> None:
         self.world = w = SpecWorld(runner_device(label))
         self.steps, self.sampling, self.end_token = steps, sampling, end_token
+        self.step_logits: dict[tuple[int, int], torch.Tensor] = {}  # (row, step): [vocab]
         kind, options = MECHANISMS[label]
         b = w.bundle
         phase = multistep_phase(
@@ -39,6 +48,7 @@ class MultiStep:
             backend=w.model.attn_backend,
             end_token=end_token,
             sampling=sampling,
+            logprobs=logprobs,
         )
         self.runner = GraphRunner.from_phase(
             phase,
@@ -108,6 +118,7 @@ class MultiStep:
             else:
                 token = logits.argmax(-1)
             ids[at], pos[at] = token, pos[at] + 1
+            self.step_logits.update({(i, j): logits[k] for k, i in enumerate(alive)})
             out[alive, j] = token.cpu()
             alive = [
                 i
@@ -216,3 +227,24 @@ def test_a_backend_planning_on_the_host_is_refused():
     for bad in bad_steps:
         with pytest.raises(ValueError, match="steps"):
             multistep_phase(lambda b: b, bad)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_each_steps_logprobs_are_those_of_its_logits_and_token(n: int, sampling: bool):
+    ms = MultiStep("eager", n, sampling=sampling, end_token=None, logprobs=3)
+    budgets = [n, 0, n - 1, 1]
+    inputs = ms.inputs(4, 13, budgets)
+    before = ms.world.state()
+    expected = ms.reference(inputs)
+    ms.world.restore(before)
+    out = ms.runner.replay(inputs)
+    assert torch.equal(out["tokens"].cpu(), expected)
+    assert out["logprob"].shape == (4, n)
+    assert out["top_logprobs"].shape == out["top_ids"].shape == (4, n, 3)
+    assert len(ms.step_logits) == sum(budgets)
+    for (i, j), logits in ms.step_logits.items():
+        lp = logprobs(logits.view(1, -1), expected[i, j].view(1).to(logits.device), 3)
+        torch.testing.assert_close(out["logprob"][i, j], lp.chosen[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out["top_logprobs"][i, j], lp.top[0], rtol=0, atol=1e-5)
+        assert torch.equal(out["top_ids"][i, j], lp.top_ids[0])

@@ -32,6 +32,7 @@ from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
 from graphrunner.model.hybrid import HybridLM
 from graphrunner.phases.multistep import (
+    MULTISTEP_LOGPROB_OUTPUTS,
     MULTISTEP_OUTPUTS,
     check_device_metadata,
     check_steps_per_launch,
@@ -194,13 +195,16 @@ def create_decode_runner(
     ``"logprob"`` ``[bs]`` and the top-N ``"top_logprobs"`` / ``"top_ids"``
     ``[bs, N]`` to the outputs. ``steps_per_launch=N`` (2..8) captures N
     decode steps per launch (:mod:`graphrunner.phases.multistep`; outputs
-    ``{"tokens", "count", "logits"}``), rows stopping at ``end_token`` (the
-    engine's); Llama bundles only, without ``future_map`` or ``logprobs``.
+    ``{"tokens", "count", "logits"}``, with ``logprobs`` each step's ``[bs, N]``
+    / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
+    bundles only, without ``future_map``.
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
     for ``cuda``.
     """
     step = decode_step(bundle)
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
+    if logprobs and not sampling:
+        raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if steps > 1:
         return _multistep_runner(
             bundle,
@@ -229,8 +233,6 @@ def create_decode_runner(
     )
     options: dict[str, Any] = dict(mechanism_options)
     forward: ForwardFn = step.forward
-    if logprobs and not sampling:
-        raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if sampling:
         specs = [*specs, *SAMPLING_FIELDS]
         forward = sampled_forward(forward, logprobs_n=logprobs)
@@ -270,7 +272,6 @@ def _multistep_runner(
     refused = {
         "a model with Mamba layers": step.mamba,
         "future_map (overlap scheduling)": future_map is not None,
-        f"logprobs={logprobs}": bool(logprobs),
     }
     for what, given in refused.items():
         if given:
@@ -282,12 +283,17 @@ def _multistep_runner(
     runner = create_runner(
         kind,
         multistep_forward(
-            step.forward, steps, seq_len_fill_value=fill, end_token=end_token, sampling=sampling
+            step.forward,
+            steps,
+            seq_len_fill_value=fill,
+            end_token=end_token,
+            sampling=sampling,
+            logprobs_n=logprobs,
         ),
         multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling),
         device=bundle.device,
         backend=step.backend,
-        outputs=MULTISTEP_OUTPUTS,
+        outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
         width=steps,
         sanitizer=step.sanitizer() if check_padding else None,
         **options,

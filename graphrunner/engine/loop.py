@@ -101,8 +101,8 @@ class Engine:
             (``EngineResult.logprobs``); needs a runner built ``logprobs=N``.
         steps_per_launch: N in 1..8 decode steps per runner launch
             (:class:`~graphrunner.engine.multistep.MultiStepSchedule`); the
-            runner is built with the same N and end token. Not with
-            ``overlap``, ``check`` or ``logprobs``; ``max_steps`` counts a
+            runner is built with the same N and end token (and ``logprobs``).
+            Not with ``overlap`` or ``check``; ``max_steps`` counts a
             launch's N steps whole.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;

@@ -70,11 +70,6 @@ def check_multistep(
                 f"steps_per_launch={steps} with {name}: not supported; expected "
                 f"steps_per_launch=1 or {name.split('=')[0]}=False"
             )
-    if logprobs:
-        raise ValueError(
-            f"steps_per_launch={steps} with logprobs={logprobs!r}: not supported; expected "
-            f"logprobs=0"
-        )
     return steps
 
 
@@ -110,12 +105,15 @@ class MultiStepSchedule:
         else:
             plan = self.reserve(engine, run.live)
             try:
-                tokens, count = self.launch(engine, run, plan)
+                out = self.launch(engine, run, plan)
             except BaseException:  # the fresh pages are no request's yet
                 engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])
                 raise
+            tokens, count = out["tokens"], out["count"]
             host = torch.cat([tokens.flatten(), count, first_ids]).tolist()  # the one sync
             run.stats.syncs += 1
+            if engine.logprobs:  # a read back of its own: only when asked
+                self.record_logprobs(engine, run.live, out, host[bs * n : bs * n + bs])
             batch = run.batch  # a row that continues took every step: it feeds its last
             batch.input_ids = tokens[:, -1]
             batch.seq_lens, batch.seq_lens_cpu = batch.seq_lens + n, batch.seq_lens_cpu + n
@@ -156,10 +154,9 @@ class MultiStepSchedule:
             raise
         return plan
 
-    def launch(
-        self, engine: Engine, run: _Run, plan: list[Reservation]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The runner's launch; returns ``tokens`` int64 ``[bs, N]`` and ``count`` ``[bs]``."""
+    def launch(self, engine: Engine, run: _Run, plan: list[Reservation]) -> dict[str, torch.Tensor]:
+        """The runner's launch; returns its outputs: ``tokens`` int64 ``[bs, N]``,
+        ``count`` ``[bs]`` (and the log-probabilities when the runner has them)."""
         batch, n = run.batch, self.steps
         lens = batch.seq_lens_cpu
         slots = [r.slots + [0] * (n - r.budget) for r in plan]
@@ -178,12 +175,35 @@ class MultiStepSchedule:
         out, seconds = engine.timed(lambda: check_step_out(engine.runner.replay(inputs)))
         if not isinstance(out, dict):
             raise TypeError("a multi-step runner returns a dict of outputs; got a tensor")
+        lp = engine.logprobs
+        if lp and ("logprob" not in out or out["top_ids"].shape[-1] != lp):
+            raise ValueError(
+                f"logprobs={lp}: the runner's launch does not return {lp} top log-probabilities; "
+                f"build it with create_model_runner(..., sampling=True, logprobs={lp})"
+            )
         stats: EngineStats = run.stats
         stats.decode_seconds += seconds
         stats.steps += n
         stats.launches += 1
         stats.batch_sizes[len(plan)] = stats.batch_sizes.get(len(plan), 0) + 1
-        return out["tokens"], out["count"]
+        return out
+
+    def record_logprobs(
+        self, engine: Engine, live: list[_Live], out: dict[str, torch.Tensor], count: list[int]
+    ) -> None:
+        """Append each row's entries of the steps it took (``count[i]`` of
+        ``live[i]``), in order, from the launch's ``[bs, N]`` / ``[bs, N, n]``
+        log-probability outputs."""
+        n = engine.logprobs
+        steps = self.steps
+        parts = [out[k].flatten().double() for k in ("logprob", "top_logprobs", "top_ids")]
+        host = torch.cat(parts).tolist()  # float64 holds float32 values and ids exactly
+        rows = len(live) * steps
+        chosen, top, ids = host[:rows], host[rows : rows * (1 + n)], host[rows * (1 + n) :]
+        for i, (req, c) in enumerate(zip(live, count, strict=True)):
+            for k in range(i * steps, i * steps + c):
+                pairs = zip(ids[k * n : (k + 1) * n], top[k * n : (k + 1) * n], strict=True)
+                req.logprobs.append((chosen[k], [(int(t), v) for t, v in pairs]))
 
     def retire(
         self,

@@ -24,7 +24,12 @@ live row's reserved slots changes (the padding sanitizer checks the launch).
 
 Outputs: ``tokens`` int64 ``[bs, N]`` (-1 where the row took no step),
 ``count`` int64 ``[bs]`` (its valid tokens, a prefix of the row) and
-``logits`` float32 ``[bs, vocab]`` of each row's last step taken.
+``logits`` float32 ``[bs, vocab]`` of each row's last step taken. With
+``logprobs=n`` (n >= 1) also each step's chosen-token log-probability
+``logprob`` float32 ``[bs, N]`` and its top ``n`` ``top_logprobs`` /
+``top_ids`` ``[bs, N, n]`` (:func:`~graphrunner.sampling.logprobs` of the
+step's logits and token, as :func:`~graphrunner.phases.sampled.sampled_forward`
+computes them; a step the row did not take holds a padding row's values).
 
 The backend must compute its decode metadata from the step's device tensors
 (``metadata_on_device``): a backend that plans on the host per step would see
@@ -46,10 +51,11 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
-from graphrunner.sampling import SAMPLING_FIELDS, sample
+from graphrunner.sampling import SAMPLING_FIELDS, logprobs, sample
 
 __all__ = [
     "MAX_STEPS_PER_LAUNCH",
+    "MULTISTEP_LOGPROB_OUTPUTS",
     "MULTISTEP_OUTPUTS",
     "STEPS_LEFT",
     "check_device_metadata",
@@ -68,6 +74,13 @@ MULTISTEP_OUTPUTS: Mapping[str, OutputSpec] = {
     "tokens": OutputSpec(),
     "count": OutputSpec(),
     "logits": OutputSpec(),
+}
+#: :data:`MULTISTEP_OUTPUTS` with each step's log-probabilities (``logprobs=n``).
+MULTISTEP_LOGPROB_OUTPUTS: Mapping[str, OutputSpec] = {
+    **MULTISTEP_OUTPUTS,
+    "logprob": OutputSpec(),
+    "top_logprobs": OutputSpec(),
+    "top_ids": OutputSpec(),
 }
 
 
@@ -132,10 +145,14 @@ def multistep_forward(
     seq_len_fill_value: int = 1,
     end_token: int | None = None,
     sampling: bool = False,
+    logprobs_n: int = 0,
 ) -> ForwardFn:
     """``steps`` decode steps of ``forward`` (one step's logits ``[bs, vocab]``)
-    in one forward over :func:`multistep_buffer_specs`; see the module."""
+    in one forward over :func:`multistep_buffer_specs`; ``logprobs_n`` >= 1
+    adds each step's log-probabilities; see the module."""
     check_steps_per_launch("steps", steps)
+    if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
+        raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
     fill = seq_len_fill_value
 
     def step(b: Any) -> dict[str, torch.Tensor]:
@@ -151,6 +168,7 @@ def multistep_forward(
         )
         tokens: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
+        lps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for j in range(steps):
             inputs = _Step(
                 input_ids=torch.where(alive, ids, zero),
@@ -167,6 +185,9 @@ def multistep_forward(
                 )
             token = _pick(out, inputs.positions, b) if sampling else out.argmax(-1)
             tokens.append(torch.where(alive, token, invalid))
+            if logprobs_n:
+                lp = logprobs(out, token, logprobs_n)
+                lps.append((lp.chosen, lp.top, lp.top_ids))
             # each row's last step taken: a stopped row keeps the logits it had
             logits.append(out if j == 0 else torch.where(alive[:, None], out, logits[-1]))
             stop = left <= j + 1
@@ -175,7 +196,11 @@ def multistep_forward(
             alive = alive & ~stop
             ids, pos, lens = token, pos + 1, lens + 1
         taken = torch.stack(tokens, 1)
-        return {"tokens": taken, "count": (taken >= 0).sum(1), "logits": logits[-1]}
+        result = {"tokens": taken, "count": (taken >= 0).sum(1), "logits": logits[-1]}
+        if logprobs_n:
+            chosen, top, ids = (torch.stack(t, 1) for t in zip(*lps, strict=True))
+            result |= {"logprob": chosen, "top_logprobs": top, "top_ids": ids}
+        return result
 
     return step
 
@@ -192,9 +217,11 @@ def multistep_phase(
     backend: GraphBackend | None = None,
     end_token: int | None = None,
     sampling: bool = False,
+    logprobs: int = 0,
 ) -> Phase:
     """``steps`` decode steps of ``forward`` per launch (see the module);
-    ``end_token`` stops a row inside the launch (None: only its budget does).
+    ``end_token`` stops a row inside the launch (None: only its budget does);
+    ``logprobs=n`` adds each step's log-probabilities and top ``n``.
 
     Raises:
         ValueError: ``steps`` not in ``1..8``, or a backend that plans on the host.
@@ -205,13 +232,18 @@ def multistep_phase(
     fill = hooks.seq_len_fill_value
     specs = multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling)
     step = multistep_forward(
-        forward, steps, seq_len_fill_value=fill, end_token=end_token, sampling=sampling
+        forward,
+        steps,
+        seq_len_fill_value=fill,
+        end_token=end_token,
+        sampling=sampling,
+        logprobs_n=logprobs,
     )
     return Phase(
         f"multistep{steps}",
         step,
         tuple(specs),
-        outputs=MULTISTEP_OUTPUTS,
+        outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
         backend=backend,
         width=steps if steps > 1 else None,
     )
