@@ -69,6 +69,18 @@ def test_generate_logprobs_equal_those_of_one_step_per_launch(
     assert all(len(r["logprobs"]) == len(r["tokens"]) for r in single)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_generate_checks_each_launch_against_eager_steps(
+    capsys: pytest.CaptureFixture[str], prompts_file: Path, n: int
+) -> None:
+    single = _tokens(capsys, prompts_file, "--end-token", "17")
+    argv = ["--steps-per-launch", str(n), "--check", "--end-token", "17"]
+    assert cli.main(["generate", "--prompts", str(prompts_file), "--json", *EAGER, *argv]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["tokens"] for line in out.splitlines()] == single
+    assert "mismatches: 0" in err
+
+
 def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--runner", "eager", "--steps", "24", "--max-bs", "4"]
     assert cli.main([*argv, "--steps-per-launch", "4", "--temperature", "0.8"]) == 0
@@ -89,10 +101,6 @@ def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str])
         (
             ["--steps-per-launch", "2", "--speculative", "mtp"],
             "--steps-per-launch 2 with --speculative: not supported; expected one of them",
-        ),
-        (
-            ["--steps-per-launch", "2", "--check"],
-            "--steps-per-launch 2 with --check: not supported; expected one of them",
         ),
     ],
 )

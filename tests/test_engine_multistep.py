@@ -127,7 +127,6 @@ def test_the_options_it_does_not_support_are_refused_by_name():
     plain = create_model_runner(bundle, "eager", capture_sizes=[2])
     for options, words in (
         ({"overlap": True}, ("steps_per_launch=4", "overlap")),
-        ({"check": True}, ("steps_per_launch=4", "check")),
         ({"end_token": 5}, ("end_token=5", "end_token=5")),
     ):
         with pytest.raises(ValueError, match=".*".join(words)):

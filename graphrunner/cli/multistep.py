@@ -30,8 +30,7 @@ def add_arguments(p: Options) -> None:
         default=1,
         metavar="N",
         help=f"decode steps per graph launch, 1..{MAX_STEPS_PER_LAUNCH} (1); the tokens "
-        "equal N = 1's; not with --overlap, --speculative, --check or a Mamba/Jamba "
-        "checkpoint",
+        "equal N = 1's; not with --overlap, --speculative or a Mamba/Jamba checkpoint",
     )
 
 
@@ -44,7 +43,6 @@ def validate(args: argparse.Namespace) -> None:
     others = [
         ("--overlap", args.overlap),
         ("--speculative", args.speculative is not None),
-        ("--check", getattr(args, "check", False)),
     ]
     for flag, given in others:
         if given:

@@ -101,9 +101,9 @@ class Engine:
             (``EngineResult.logprobs``); needs a runner built ``logprobs=N``.
         steps_per_launch: N in 1..8 decode steps per runner launch
             (:class:`~graphrunner.engine.multistep.MultiStepSchedule`); the
-            runner is built with the same N and end token (and ``logprobs``).
-            Not with ``overlap`` or ``check``; ``max_steps`` counts a
-            launch's N steps whole.
+            runner is built with the same N and end token (and ``logprobs``);
+            ``check`` checks each launch (:func:`~graphrunner.engine.check.checked_launch`).
+            Not with ``overlap``; ``max_steps`` counts a launch's N steps whole.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``

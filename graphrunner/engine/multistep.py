@@ -10,7 +10,9 @@ last page, then fresh whole pages up to its ``s``-th position), recorded in
 engine's end token stop it on the device); read every row's tokens and
 count back in ONE ``.tolist()`` with the joining requests' first tokens;
 record the tokens, keep the slots (whole pages) the row used, free the
-others, retire the finished requests and merge the joining ones.
+others, retire the finished requests and merge the joining ones. With
+``Engine(logprobs=n)`` each step's entries come back in one more read; with
+``Engine(check=True)`` each launch is checked against single eager steps.
 
 A row that continues took all ``N`` steps (a row stopping earlier has
 emitted its end token or spent its budget), so the batch advances by ``N``
@@ -27,8 +29,9 @@ import torch
 from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.bundle import multistep_of
+from graphrunner.engine.check import checked_launch
 from graphrunner.engine.results import EngineStats, _Live, _Run
-from graphrunner.engine.sampling import check_step_out
+from graphrunner.engine.sampling import StepOut, check_step_out
 from graphrunner.phases import SpecBatch
 from graphrunner.phases.multistep import STEPS_LEFT, check_steps_per_launch
 from graphrunner.phases.sampled import SampledInputs
@@ -49,7 +52,9 @@ def check_multistep(
     logprobs: object,
 ) -> int:
     """``steps_per_launch`` checked against the engine's other options and the
-    runner's (steps, end token); returns it."""
+    runner's (steps, end token); returns it. ``check`` and ``logprobs``
+    combine with every N (each launch checked by
+    :func:`~graphrunner.engine.check.checked_launch`; each step's entry read)."""
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     built, built_end = multistep_of(runner)
     if built != steps:
@@ -64,12 +69,11 @@ def check_multistep(
             f"end_token={end_token!r}: the runner's multi-step launch stops rows at "
             f"{built_end!r}; build it with create_model_runner(..., end_token={end_token!r})"
         )
-    for name, given in (("overlap=True", overlap), ("check=True", check)):
-        if given:
-            raise ValueError(
-                f"steps_per_launch={steps} with {name}: not supported; expected "
-                f"steps_per_launch=1 or {name.split('=')[0]}=False"
-            )
+    if overlap:
+        raise ValueError(
+            f"steps_per_launch={steps} with overlap=True: not supported; expected "
+            f"steps_per_launch=1 or overlap=False"
+        )
     return steps
 
 
@@ -172,7 +176,16 @@ class MultiStepSchedule:
         )
         if engine.sampling:
             inputs = SampledInputs(inputs, engine.sampling_rows.of(run.live))
-        out, seconds = engine.timed(lambda: check_step_out(engine.runner.replay(inputs)))
+        stats: EngineStats = run.stats
+
+        def replay() -> StepOut:
+            return check_step_out(engine.runner.replay(inputs))
+
+        if engine.check:
+            out = checked_launch(engine, inputs, [r.budget for r in plan], stats, replay)
+        else:
+            out, seconds = engine.timed(replay)
+            stats.decode_seconds += seconds
         if not isinstance(out, dict):
             raise TypeError("a multi-step runner returns a dict of outputs; got a tensor")
         lp = engine.logprobs
@@ -181,8 +194,6 @@ class MultiStepSchedule:
                 f"logprobs={lp}: the runner's launch does not return {lp} top log-probabilities; "
                 f"build it with create_model_runner(..., sampling=True, logprobs={lp})"
             )
-        stats: EngineStats = run.stats
-        stats.decode_seconds += seconds
         stats.steps += n
         stats.launches += 1
         stats.batch_sizes[len(plan)] = stats.batch_sizes.get(len(plan), 0) + 1
