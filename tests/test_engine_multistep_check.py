@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from conftest import SLOW
 from graphrunner import Engine, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
 from graphrunner.sampling import SamplingParams
@@ -41,11 +42,12 @@ def _run(
     page_size: int = 1,
     check: bool = True,
     plant: Callable[[Any, Any], None] | None = None,
+    kind: str = "eager",
 ) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX, page_size=page_size)
     runner = create_model_runner(
         bundle,
-        "eager",
+        kind,
         capture_sizes=[2, 4],
         sampling=sampled,
         steps_per_launch=n,
@@ -95,6 +97,13 @@ def test_rows_stopping_at_the_end_token_are_checked_too(n: int) -> None:
     assert result.outputs == _reference(False, end)
     assert any(out[-1] == end and len(out) > 1 for out in result.outputs.values())
     assert result.stats.mismatches == 0
+
+
+@pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
+def test_a_compiled_launch_has_no_mismatch() -> None:
+    result = _run(2, True, kind="cpu")
+    assert result.outputs == _reference(True, None)
+    assert result.stats.mismatches == 0 and result.stats.checked_steps > 0
 
 
 def _wrong_token(out: Any, bundle: Any) -> None:

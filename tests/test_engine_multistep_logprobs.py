@@ -9,6 +9,7 @@ import functools
 
 import pytest
 
+from conftest import SLOW
 from graphrunner import Engine, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
 from graphrunner.sampling import SamplingParams
@@ -32,11 +33,13 @@ def _trace(sampled: bool) -> list[Request]:
 
 
 @functools.cache
-def _run(n: int, sampled: bool, end_token: int | None, logprobs: int = 3) -> EngineResult:
+def _run(
+    n: int, sampled: bool, end_token: int | None, logprobs: int = 3, kind: str = "eager"
+) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX)
     runner = create_model_runner(
         bundle,
-        "eager",
+        kind,
         capture_sizes=[4],  # one padded size: each row computed in the same shape as N = 1's
         sampling=True,
         logprobs=logprobs,
@@ -78,6 +81,13 @@ def test_rows_stopping_at_the_end_token_keep_their_entries(n: int, sampled: bool
     assert multi.outputs == single.outputs
     assert multi.logprobs == single.logprobs
     assert all(len(multi.logprobs[rid]) == len(out) for rid, out in multi.outputs.items())
+
+
+@pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
+def test_a_compiled_launch_has_the_entries_of_one_compiled_step() -> None:
+    single, multi = _run(1, True, None, kind="cpu"), _run(2, True, None, kind="cpu")
+    assert multi.outputs == single.outputs
+    assert multi.logprobs == single.logprobs
 
 
 def test_a_runner_without_the_top_n_is_refused_when_read() -> None:

@@ -229,10 +229,11 @@ def test_a_backend_planning_on_the_host_is_refused():
             multistep_phase(lambda b: b, bad)
 
 
+@pytest.mark.parametrize("label", ["eager", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-def test_each_steps_logprobs_are_those_of_its_logits_and_token(n: int, sampling: bool):
-    ms = MultiStep("eager", n, sampling=sampling, end_token=None, logprobs=3)
+def test_each_steps_logprobs_are_those_of_its_logits_and_token(label: str, n: int, sampling: bool):
+    ms = MultiStep(label, n, sampling=sampling, end_token=None, logprobs=3)
     budgets = [n, 0, n - 1, 1]
     inputs = ms.inputs(4, 13, budgets)
     before = ms.world.state()
