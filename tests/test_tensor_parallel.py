@@ -1,0 +1,116 @@
+"""Tensor parallelism on the CPU: the default model sharded over two gloo ranks
+gives the tokens of the whole model in one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tp_world import join_group, run_ranks
+
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import Request, synthetic_trace
+from graphrunner.model import default_config, default_model
+from graphrunner.model.parallel import (
+    SINGLE,
+    TensorParallel,
+    kv_head_range,
+    local_config,
+    shard_weights,
+)
+
+MAX_BS = 4
+WORLD = 2
+
+
+def _trace() -> list[Request]:
+    return synthetic_trace(
+        num_requests=6,
+        vocab_size=256,
+        max_context_len=256,
+        seed=5,
+        prompt_len=(1, 12),
+        new_tokens=(2, 8),
+        mean_gap=1.0,
+    )
+
+
+def _generate(tp: TensorParallel, kind: str) -> dict[int, list[int]]:
+    bundle = default_model(max_requests=MAX_BS, tp=tp)
+    runner = create_model_runner(bundle, kind, capture_sizes=[1, 2, 4])
+    runner.capture()
+    return Engine(bundle, runner).run(_trace()).outputs
+
+
+def _rank_generate(rank: int, world: int, store: Path, out: Path, kind: str) -> None:
+    join_group(rank, world, store)
+    try:
+        tokens = _generate(TensorParallel(rank, world), kind)
+        (out / f"rank{rank}.json").write_text(json.dumps(tokens))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_tokens(tmp_path: Path, kind: str) -> list[dict[int, list[int]]]:
+    run_ranks(_rank_generate, WORLD, WORLD, tmp_path / "store", tmp_path, kind)
+    return [
+        {int(k): v for k, v in json.loads((tmp_path / f"rank{r}.json").read_text()).items()}
+        for r in range(WORLD)
+    ]
+
+
+def test_sharded_eager_decode_equals_one_process(tmp_path: Path) -> None:
+    whole = _generate(SINGLE, "eager")
+    ranks = _sharded_tokens(tmp_path, "eager")
+    assert ranks[0] == whole
+    assert all(r == ranks[0] for r in ranks)
+
+
+def _rank_raises(rank: int, world: int, store: Path) -> None:
+    join_group(rank, world, store)
+    if rank == 1:
+        raise ValueError("rank 1 gave up")
+    TensorParallel(rank, world).all_reduce(torch.ones(2))  # rank 0 waits for rank 1
+
+
+def test_a_rank_raising_ends_the_run_with_its_error(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 gave up"):
+        run_ranks(_rank_raises, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shards_put_back_together_are_the_whole(world: int) -> None:
+    config = default_config()
+    whole = default_model(max_requests=1, max_context_len=1).model.state_dict()
+    shards = [shard_weights(whole, config, TensorParallel(r, world)) for r in range(world)]
+    d = config.head_dim
+    for name, tensor in whole.items():
+        parts = [s[name] for s in shards]
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, 1), tensor), name
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            heads = [kv_head_range(config, TensorParallel(r, world)) for r in range(world)]
+            for part, (first, count) in zip(parts, heads, strict=True):
+                assert torch.equal(part, tensor[first * d : (first + count) * d]), name
+        elif "norm" in name:
+            assert all(torch.equal(p, tensor) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts, 0), tensor), name
+
+
+def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:
+    config = default_config()  # 4 query heads, 2 KV heads
+    heads = [kv_head_range(config, TensorParallel(r, 4)) for r in range(4)]
+    assert heads == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert local_config(config, TensorParallel(0, 4)).num_heads == 1
+
+
+def test_unshardable_sizes_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="num_heads=4: expected a multiple"):
+        local_config(default_config(), TensorParallel(0, 3))
+    with pytest.raises(ValueError, match="rank=2: expected 0..world - 1 = 1"):
+        TensorParallel(2, 2)
