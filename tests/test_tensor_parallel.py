@@ -39,35 +39,44 @@ def _trace() -> list[Request]:
     )
 
 
-def _generate(tp: TensorParallel, kind: str) -> dict[int, list[int]]:
+#: Capture sizes per runner kind: the CPU runner compiles one (a cold compile
+#: of a sharded size takes 20-30 s), every batch of 1..4 rows padded to it.
+SIZES = {"eager": [1, 2, 4], "cpu": [4]}
+
+
+def _generate(tp: TensorParallel, kind: str) -> tuple[dict[int, list[int]], list[int]]:
+    """Greedy tokens by request id, and the CPU runner's inductor programs per
+    size (one each: the collectives compiled inside, no graph break) minus its
+    sizes launched through dynamo (none)."""
     bundle = default_model(max_requests=MAX_BS, tp=tp)
-    runner = create_model_runner(bundle, kind, capture_sizes=[1, 2, 4])
+    runner = create_model_runner(bundle, kind, capture_sizes=SIZES[kind])
     runner.capture()
-    return Engine(bundle, runner).run(_trace()).outputs
+    tokens = Engine(bundle, runner).run(_trace()).outputs
+    programs = [runner.mechanism.programs(bs) for bs in SIZES[kind]]
+    return tokens, [p - runner.direct_fallbacks for p in programs if p is not None]
 
 
 def _rank_generate(rank: int, world: int, store: Path, out: Path, kind: str) -> None:
     join_group(rank, world, store)
     try:
-        tokens = _generate(TensorParallel(rank, world), kind)
-        (out / f"rank{rank}.json").write_text(json.dumps(tokens))
+        tokens, programs = _generate(TensorParallel(rank, world), kind)
+        (out / f"rank{rank}.json").write_text(json.dumps([tokens, programs]))
     finally:
         dist.destroy_process_group()
 
 
-def _sharded_tokens(tmp_path: Path, kind: str) -> list[dict[int, list[int]]]:
+def _sharded(tmp_path: Path, kind: str) -> list[tuple[dict[int, list[int]], list[int]]]:
+    """Each rank's :func:`_generate` on ``WORLD`` gloo ranks."""
     run_ranks(_rank_generate, WORLD, WORLD, tmp_path / "store", tmp_path, kind)
-    return [
-        {int(k): v for k, v in json.loads((tmp_path / f"rank{r}.json").read_text()).items()}
-        for r in range(WORLD)
-    ]
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [({int(k): v for k, v in tokens.items()}, programs) for tokens, programs in found]
 
 
 def test_sharded_eager_decode_equals_one_process(tmp_path: Path) -> None:
-    whole = _generate(SINGLE, "eager")
-    ranks = _sharded_tokens(tmp_path, "eager")
-    assert ranks[0] == whole
-    assert all(r == ranks[0] for r in ranks)
+    whole, _ = _generate(SINGLE, "eager")
+    ranks = _sharded(tmp_path, "eager")
+    assert ranks[0][0] == whole
+    assert all(tokens == whole for tokens, _ in ranks)
 
 
 def _rank_raises(rank: int, world: int, store: Path) -> None:
@@ -114,3 +123,14 @@ def test_unshardable_sizes_are_refused_by_name() -> None:
         local_config(default_config(), TensorParallel(0, 3))
     with pytest.raises(ValueError, match="rank=2: expected 0..world - 1 = 1"):
         TensorParallel(2, 2)
+
+
+def test_sharded_cpu_runner_equals_one_process(tmp_path: Path) -> None:
+    """torch.compile over gloo: each size one inductor program with its
+    collectives inside, called directly; tokens the eager TP=1 engine's."""
+    whole, _ = _generate(SINGLE, "eager")
+    ranks = _sharded(tmp_path, "cpu")
+    assert ranks[0][0] == whole
+    for tokens, programs in ranks:
+        assert tokens == whole
+        assert programs == [1] * len(SIZES["cpu"])
