@@ -3,6 +3,7 @@ gives the tokens of the whole model in one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,41 +43,58 @@ def _trace() -> list[Request]:
 #: Capture sizes per runner kind: the CPU runner compiles one (a cold compile
 #: of a sharded size takes 20-30 s), every batch of 1..4 rows padded to it.
 SIZES = {"eager": [1, 2, 4], "cpu": [4]}
+#: The models the sharded runs cover: the default (2 KV heads, one per rank),
+#: and one KV head (replicated on both ranks) with tied embeddings.
+CONFIGS = {
+    "default": None,
+    "one_kv_head": dataclasses.replace(default_config(), num_kv_heads=1, tie_word_embeddings=True),
+}
+
+Found = tuple[dict[int, list[int]], list[int]]
 
 
-def _generate(tp: TensorParallel, kind: str) -> tuple[dict[int, list[int]], list[int]]:
-    """Greedy tokens by request id, and the CPU runner's inductor programs per
-    size (one each: the collectives compiled inside, no graph break) minus its
-    sizes launched through dynamo (none)."""
-    bundle = default_model(max_requests=MAX_BS, tp=tp)
-    runner = create_model_runner(bundle, kind, capture_sizes=SIZES[kind])
+def _generate(tp: TensorParallel, kind: str, model: str) -> Found:
+    """Greedy tokens by request id, padded, with the sanitizer and the eager
+    check on every step; and the CPU runner's inductor programs per size (one
+    each: the collectives compiled inside, no graph break) minus its sizes
+    launched through dynamo (none)."""
+    bundle = default_model(max_requests=MAX_BS, tp=tp, config=CONFIGS[model])
+    runner = create_model_runner(bundle, kind, capture_sizes=SIZES[kind], check_padding=True)
     runner.capture()
-    tokens = Engine(bundle, runner).run(_trace()).outputs
+    tokens = Engine(bundle, runner, check=True).run(_trace()).outputs
     programs = [runner.mechanism.programs(bs) for bs in SIZES[kind]]
     return tokens, [p - runner.direct_fallbacks for p in programs if p is not None]
 
 
-def _rank_generate(rank: int, world: int, store: Path, out: Path, kind: str) -> None:
+def _rank_generate(
+    rank: int, world: int, store: Path, out: Path, kind: str, models: list[str]
+) -> None:
     join_group(rank, world, store)
     try:
-        tokens, programs = _generate(TensorParallel(rank, world), kind)
-        (out / f"rank{rank}.json").write_text(json.dumps([tokens, programs]))
+        found = {m: _generate(TensorParallel(rank, world), kind, m) for m in models}
+        (out / f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
 
-def _sharded(tmp_path: Path, kind: str) -> list[tuple[dict[int, list[int]], list[int]]]:
-    """Each rank's :func:`_generate` on ``WORLD`` gloo ranks."""
-    run_ranks(_rank_generate, WORLD, WORLD, tmp_path / "store", tmp_path, kind)
+def _sharded(tmp_path: Path, kind: str, models: list[str]) -> list[dict[str, Found]]:
+    """Each rank's :func:`_generate` of each model, on ``WORLD`` gloo ranks."""
+    run_ranks(_rank_generate, WORLD, WORLD, tmp_path / "store", tmp_path, kind, models)
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return [({int(k): v for k, v in tokens.items()}, programs) for tokens, programs in found]
+    return [
+        {
+            m: ({int(k): v for k, v in tokens.items()}, programs)
+            for m, (tokens, programs) in f.items()
+        }
+        for f in found
+    ]
 
 
 def test_sharded_eager_decode_equals_one_process(tmp_path: Path) -> None:
-    whole, _ = _generate(SINGLE, "eager")
-    ranks = _sharded(tmp_path, "eager")
-    assert ranks[0][0] == whole
-    assert all(tokens == whole for tokens, _ in ranks)
+    ranks = _sharded(tmp_path, "eager", list(CONFIGS))
+    for model in CONFIGS:
+        whole, _ = _generate(SINGLE, "eager", model)
+        assert all(r[model][0] == whole for r in ranks), model
 
 
 def _rank_raises(rank: int, world: int, store: Path) -> None:
@@ -128,9 +146,8 @@ def test_unshardable_sizes_are_refused_by_name() -> None:
 def test_sharded_cpu_runner_equals_one_process(tmp_path: Path) -> None:
     """torch.compile over gloo: each size one inductor program with its
     collectives inside, called directly; tokens the eager TP=1 engine's."""
-    whole, _ = _generate(SINGLE, "eager")
-    ranks = _sharded(tmp_path, "cpu")
-    assert ranks[0][0] == whole
-    for tokens, programs in ranks:
+    whole, _ = _generate(SINGLE, "eager", "default")
+    for found in _sharded(tmp_path, "cpu", ["default"]):
+        tokens, programs = found["default"]
         assert tokens == whole
         assert programs == [1] * len(SIZES["cpu"])
