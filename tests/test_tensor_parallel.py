@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from tp_world import join_group, run_ranks
 
 from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.ranks import replay_size_check
 from graphrunner.engine.workload import Request, synthetic_trace
 from graphrunner.model import default_config, default_model
 from graphrunner.model.parallel import (
@@ -107,6 +108,41 @@ def _rank_raises(rank: int, world: int, store: Path) -> None:
 def test_a_rank_raising_ends_the_run_with_its_error(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 gave up"):
         run_ranks(_rank_raises, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
+
+
+def _rank_capture_sizes(rank: int, world: int, store: Path) -> None:
+    join_group(rank, world, store)
+    bundle = default_model(max_requests=MAX_BS, tp=TensorParallel(rank, world))
+    create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4] if rank == 0 else [1, 2])
+
+
+def test_ranks_with_different_capture_sizes_are_refused_naming_both(tmp_path: Path) -> None:
+    expected = (
+        r"capture sizes differ across tensor-parallel ranks: rank 0 \[1, 2, 4\], rank 1 \[1, 2\]"
+    )
+    with pytest.raises(mp.ProcessRaisedException, match=expected):
+        run_ranks(_rank_capture_sizes, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
+
+
+def _rank_replay_sizes(rank: int, world: int, store: Path) -> None:
+    join_group(rank, world, store)
+    bundle = default_model(max_requests=MAX_BS, tp=TensorParallel(rank, world))
+    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    check = replay_size_check(bundle, runner)
+    assert check is not None
+    check(2 + rank)  # rank 0 replays 2 rows at size 2, rank 1 3 rows at size 4
+
+
+def test_sanitized_replays_of_different_sizes_are_an_error_naming_both(tmp_path: Path) -> None:
+    expected = r"replay sizes \[raw, padded\] differ .*: rank 0 \[2, 2\], rank 1 \[3, 4\]"
+    with pytest.raises(mp.ProcessRaisedException, match=expected):
+        run_ranks(_rank_replay_sizes, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
+
+
+def test_replay_sizes_go_unchecked_alone() -> None:
+    bundle = default_model(max_requests=MAX_BS)
+    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    assert replay_size_check(bundle, runner) is None
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

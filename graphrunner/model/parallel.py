@@ -86,6 +86,22 @@ class TensorParallel:
             return x
         return _waited(funcol.all_gather_single(x, x.dim() - 1, self._group()))
 
+    def agree(self, what: str, value: list[int]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank passed the same
+        ``value``; the message names ``what`` and each rank's value. A host-side
+        exchange (not for a captured step); nothing when alone."""
+        if self.world == 1:
+            return
+        found: list[list[int] | None] = [None] * self.world
+        dist.all_gather_object(found, list(value), group=self._group())
+        if any(v != found[0] for v in found):
+            each = ", ".join(f"rank {r} {v}" for r, v in enumerate(found))
+            raise ValueError(
+                f"{what} differ across tensor-parallel ranks: {each}; expected the "
+                "same on every rank (ranks that disagree would wait on each other's "
+                "collectives)"
+            )
+
 
 #: One process, no communication.
 SINGLE = TensorParallel()
