@@ -37,6 +37,7 @@ __all__ = [
     "check_shardable",
     "kv_head_range",
     "local_config",
+    "shard_slice",
     "shard_weights",
 ]
 
@@ -154,39 +155,39 @@ def local_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     )
 
 
-def shard_weights(
-    weights: Mapping[str, torch.Tensor], config: ModelConfig, tp: TensorParallel
-) -> dict[str, torch.Tensor]:
-    """Rank ``tp.rank``'s slices of a full transformers-named Llama state dict.
-
-    Tensors of names it does not shard (norms) are passed through whole.
-    """
+def shard_slice(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, int, int] | None:
+    """``(dim, start, length)``: the slice of the full tensor ``name`` (a
+    transformers Llama name) rank ``tp.rank`` holds, or None when it holds it
+    whole (norms)."""
     check_shardable(config, tp)
     d, r, w = config.head_dim, tp.rank, tp.world
     q_rows = config.num_heads // w * d
     kv_first, kv_count = kv_head_range(config, tp)
     inter = config.intermediate_size // w
     vocab = config.vocab_size // w
-    rows = {
-        "q_proj": (r * q_rows, q_rows),
-        "k_proj": (kv_first * d, kv_count * d),
-        "v_proj": (kv_first * d, kv_count * d),
-        "gate_proj": (r * inter, inter),
-        "up_proj": (r * inter, inter),
-        "embed_tokens": (r * vocab, vocab),
-        "lm_head": (r * vocab, vocab),
+    slices = {
+        "q_proj": (0, r * q_rows, q_rows),
+        "k_proj": (0, kv_first * d, kv_count * d),
+        "v_proj": (0, kv_first * d, kv_count * d),
+        "gate_proj": (0, r * inter, inter),
+        "up_proj": (0, r * inter, inter),
+        "embed_tokens": (0, r * vocab, vocab),
+        "lm_head": (0, r * vocab, vocab),
+        "o_proj": (1, r * q_rows, q_rows),
+        "down_proj": (1, r * inter, inter),
     }
-    columns = {"o_proj": (r * q_rows, q_rows), "down_proj": (r * inter, inter)}
+    return slices.get(name.removesuffix(".weight").rsplit(".", 1)[-1])
+
+
+def shard_weights(
+    weights: Mapping[str, torch.Tensor], config: ModelConfig, tp: TensorParallel
+) -> dict[str, torch.Tensor]:
+    """Rank ``tp.rank``'s slices (:func:`shard_slice`) of a full transformers-named
+    Llama state dict; tensors it holds whole are passed through."""
     out = {}
     for name, tensor in weights.items():
-        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if module in rows:
-            start, n = rows[module]
-            tensor = tensor.narrow(0, start, n)
-        elif module in columns:
-            start, n = columns[module]
-            tensor = tensor.narrow(1, start, n)
-        out[name] = tensor.contiguous()
+        where = shard_slice(name, config, tp)
+        out[name] = tensor if where is None else tensor.narrow(*where).contiguous()
     return out
 
 
