@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tp_world import join_group, run_ranks
 
+from graphrunner.engine.launch import join_group, run_ranks
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.ranks import replay_size_check
 from graphrunner.engine.workload import Request, synthetic_trace

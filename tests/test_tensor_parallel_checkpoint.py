@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tp_world import join_group, run_ranks
 
+from graphrunner.engine.launch import join_group, run_ranks
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import Request
 from graphrunner.io import load_model, read_config

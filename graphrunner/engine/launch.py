@@ -1,9 +1,10 @@
-"""Run a function on N gloo ranks in spawned processes, with bounded waits.
+"""Start the ranks of a tensor-parallel run: N spawned processes, bounded waits.
 
 Each rank joins a process group over a file store (no port to pick), with a
 bounded collective timeout; :func:`run_ranks` returns once every rank exits
 cleanly, raises the first failing rank's error (killing the others), or kills
-them all past its timeout: no run hangs, no process outlives it.
+them all past its timeout: no run hangs, no process outlives it. The tests
+and the CPU bench start their gloo ranks here (``--tp`` will too).
 """
 
 from __future__ import annotations
@@ -18,18 +19,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["COLLECTIVE_TIMEOUT_S", "join_group", "run_ranks"]
+
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def join_group(rank: int, world: int, store: Path) -> None:
-    """Join the gloo group of ``world`` ranks that meet at the file ``store``."""
-    torch.set_num_threads(1)  # the ranks share the machine's cores
+def join_group(
+    rank: int,
+    world: int,
+    store: Path,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    threads: int = 1,
+) -> None:
+    """Join the ``backend`` group of ``world`` ranks that meet at the file
+    ``store`` (which must not exist before the first rank joins), every
+    collective bounded by ``timeout_s``; torch runs ``threads`` intra-op
+    threads (the ranks share the machine's cores)."""
+    torch.set_num_threads(threads)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
