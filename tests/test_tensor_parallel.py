@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,18 @@ def _rank_raises(rank: int, world: int, store: Path) -> None:
 def test_a_rank_raising_ends_the_run_with_its_error(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 gave up"):
         run_ranks(_rank_raises, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
+
+
+def _rank_dies(rank: int, world: int, store: Path) -> None:
+    join_group(rank, world, store)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no exception, no goodbye
+    TensorParallel(rank, world).all_reduce(torch.ones(2))  # rank 0 waits for rank 1
+
+
+def test_a_killed_rank_ends_the_run(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal"):
+        run_ranks(_rank_dies, WORLD, WORLD, tmp_path / "store", timeout_s=60.0)
 
 
 def _rank_capture_sizes(rank: int, world: int, store: Path) -> None:

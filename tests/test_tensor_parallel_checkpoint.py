@@ -13,8 +13,10 @@ import torch.distributed as dist
 from graphrunner.engine.launch import join_group, run_ranks
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import Request
-from graphrunner.io import load_model, read_config
+from graphrunner.io import load_any, load_model, read_config
+from graphrunner.model import ModelBundle
 from graphrunner.model.parallel import TensorParallel, shard_weights
+from hf_ssm import save_tiny_mamba
 from hf_tiny import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -42,6 +44,21 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(tmp_path: Path, tie: bool)
         assert shard.keys() == expected.keys()
         for name, tensor in expected.items():
             assert torch.equal(shard[name], tensor), name
+
+
+def test_load_any_shards_a_llama_and_refuses_a_mamba(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path / "llama")
+    tp = TensorParallel(1, WORLD)
+    shard = load_any(tmp_path / "llama", max_requests=1, max_context_len=1, tp=tp)
+    direct = load_model(tmp_path / "llama", max_requests=1, max_context_len=1, tp=tp)
+    assert isinstance(shard, ModelBundle)
+    for name, tensor in direct.model.state_dict().items():
+        assert torch.equal(shard.model.state_dict()[name], tensor), name
+    save_tiny_mamba(tmp_path / "mamba")
+    with pytest.raises(
+        ValueError, match="tp.world=2: .* holds a mamba model, which is not sharded"
+    ):
+        load_any(tmp_path / "mamba", max_requests=1, tp=tp)
 
 
 def _rank_serve(rank: int, world: int, store: Path, path: Path) -> None:

@@ -128,15 +128,22 @@ def load_any(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
+    tp: TensorParallel = SINGLE,
 ) -> ModelBundle | StateSpaceBundle:
     """The one checkpoint dispatcher: a ``.gguf`` file through
     :func:`resolve_checkpoint`, then by ``config.json`` a Mamba / Jamba / Bamba
     model as a :class:`StateSpaceBundle` over a hybrid request pool, else a
     Llama as :func:`load_model` builds it. The CLI and the library both load
-    through here."""
+    through here. ``tp``: a Llama's tensor-parallel shard (see :func:`load_model`);
+    a state-space model is not sharded (``ValueError`` with ``tp.world > 1``)."""
     root = resolve_checkpoint(path)
     hf = read_json(root / CONFIG_FILE)
     if state_space_type(hf) is not None:
+        if tp.world > 1:
+            raise ValueError(
+                f"tp.world={tp.world}: {root} holds a {state_space_type(hf)} model, which "
+                "is not sharded; expected tp.world=1"
+            )
         return load_state_space_model(
             hf,
             read_weights(root),
@@ -154,6 +161,7 @@ def load_any(
         device=device,
         dtype=dtype,
         page_size=page_size,
+        tp=tp,
     )
 
 
