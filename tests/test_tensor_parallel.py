@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from graphrunner.engine.launch import join_group, run_ranks
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.ranks import replay_size_check
+from graphrunner.engine.spec_factory import speculative_engine
 from graphrunner.engine.workload import Request, synthetic_trace
 from graphrunner.model import default_config, default_model
 from graphrunner.model.parallel import (
@@ -157,6 +158,12 @@ def test_replay_sizes_go_unchecked_alone() -> None:
     bundle = default_model(max_requests=MAX_BS)
     runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     assert replay_size_check(bundle, runner) is None
+
+
+def test_speculative_decoding_refuses_a_shard() -> None:
+    bundle = default_model(max_requests=MAX_BS, tp=TensorParallel(0, WORLD))
+    with pytest.raises(ValueError, match="speculative decoding .*tp.world=2"):
+        speculative_engine(bundle, "eager")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -14,13 +14,20 @@ from collections.abc import Callable
 from graphrunner.core.runner import GraphRunner
 from graphrunner.model.parallel import SINGLE, TensorParallel
 
-__all__ = ["agree_on_sizes", "bundle_tp", "replay_size_check"]
+__all__ = ["agree_on_sizes", "bundle_tp", "refuse_sharded", "replay_size_check"]
 
 
 def bundle_tp(bundle: object) -> TensorParallel:
     """The tensor-parallel place of ``bundle``'s model (alone for a model without one)."""
     tp = getattr(getattr(bundle, "model", None), "tp", SINGLE)
     return tp if isinstance(tp, TensorParallel) else SINGLE
+
+
+def refuse_sharded(bundle: object, what: str) -> None:
+    """``ValueError`` naming ``what`` when ``bundle``'s model is a tensor-parallel shard."""
+    tp = bundle_tp(bundle)
+    if tp.world > 1:
+        raise ValueError(f"{what}: a tensor-parallel model (tp.world={tp.world}); expected 1")
 
 
 def agree_on_sizes(bundle: object, runner: GraphRunner) -> GraphRunner:
