@@ -27,6 +27,7 @@ from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner.engine.ranks import agree_on_sizes
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
@@ -199,14 +200,15 @@ def create_decode_runner(
     / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
     bundles only, without ``future_map``.
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
-    for ``cuda``.
+    for ``cuda``. A tensor-parallel model's ranks must resolve the same capture
+    sizes (checked across ranks: ``ValueError`` naming each rank's list).
     """
     step = decode_step(bundle)
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if steps > 1:
-        return _multistep_runner(
+        multistep = _multistep_runner(
             bundle,
             step,
             kind,
@@ -221,6 +223,7 @@ def create_decode_runner(
             check_padding=check_padding,
             **mechanism_options,
         )
+        return agree_on_sizes(bundle, multistep)
     if future_map is not None and step.mamba:
         raise ValueError(
             "future_map: overlap scheduling is not supported for a model with Mamba "
@@ -241,7 +244,7 @@ def create_decode_runner(
         options["future_map"] = future_map
     if step.state_ops is not None:
         options["state_ops"] = step.state_ops
-    return create_runner(
+    runner = create_runner(
         kind,
         forward,
         specs,
@@ -253,6 +256,7 @@ def create_decode_runner(
         sanitizer=step.sanitizer() if check_padding else None,
         **options,
     )
+    return agree_on_sizes(bundle, runner)
 
 
 def _multistep_runner(

@@ -37,6 +37,7 @@ from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode
 from graphrunner.engine.check import checked_replay
 from graphrunner.engine.multistep import MultiStepSchedule, check_multistep
 from graphrunner.engine.overlap_schedule import OverlapSchedule
+from graphrunner.engine.ranks import replay_size_check
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
 from graphrunner.engine.sampling import (
     SampledRows,
@@ -153,6 +154,7 @@ class Engine:
         self.sampling = SampledRows.declared_by(runner)
         self.sampling_rows = SampledRows(self.device)
         self.logprobs = check_logprobs(logprobs, self.sampling)
+        self._rank_check = replay_size_check(bundle, runner)  # sharded, sanitized runs
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -256,6 +258,8 @@ class Engine:
     def replay(self, batch: DecodeBatch, live: Sequence[_Live] = ()) -> StepOut:
         """The runner's step on ``batch`` (``live[i]`` its row ``i``, whose
         sampling rows go with it when the runner samples)."""
+        if self._rank_check is not None:
+            self._rank_check(batch.batch_size)
         inputs = self.decoder.inputs(batch)
         if self.sampling:
             inputs = SampledInputs(inputs, self.sampling_rows.of(live))

@@ -8,6 +8,7 @@ from typing import Any
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
 from graphrunner.engine.loop import create_model_runner
+from graphrunner.engine.ranks import refuse_sharded
 from graphrunner.engine.speculative import SpeculativeEngine
 from graphrunner.mechanisms import create_mechanism
 from graphrunner.model.build import ModelBundle
@@ -86,6 +87,7 @@ def speculative_engine(
             derive theirs from (:class:`SpeculativeEngine`'s ``seed``).
         logprobs: N >= 1 collects each token's log-probability and top N.
     """
+    refuse_sharded(bundle, "speculative decoding (draft heads are not sharded)")
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {list(METHODS)}")
     if draft not in DRAFTS:

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner.engine.loop import AdmissionError
+from graphrunner.engine.ranks import refuse_sharded
 from graphrunner.engine.results import TokenLogprobs
 from graphrunner.engine.sampling import check_logprobs, first_logprobs, seed_of
 from graphrunner.engine.spec_stats import SpeculativeResult, SpeculativeStats
@@ -88,6 +89,7 @@ class SpeculativeEngine:
                 f"speculative decoding: page_size={bundle.page_size}; expected 1 (one slot "
                 f"per token)"
             )
+        refuse_sharded(bundle, "speculative decoding (draft heads are not sharded)")
         width = getattr(verify, "width", None)
         if width != drafter.k + 1:
             raise ValueError(

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from graphrunner.io.mamba_checkpoint import (
     StateSpaceBundle,
@@ -21,58 +19,27 @@ from graphrunner.io.mamba_checkpoint import (
     parse_config,
     state_space_type,
 )
+from graphrunner.io.safetensors_files import (
+    WEIGHTS_FILE,
+    read_json,
+    read_rank_weights,
+    read_shapes,
+    read_weights,
+)
 from graphrunner.model.build import ModelBundle, build_model
-from graphrunner.model.config import CheckpointError, ModelConfig
+from graphrunner.model.config import ModelConfig
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.llama import LlamaDecoder, is_derived
 from graphrunner.model.mamba import MambaConfig
+from graphrunner.model.parallel import SINGLE, TensorParallel
 from graphrunner.model.shapes import check_llama_weights
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path``."""
-    return ModelConfig.from_hf_dict(_read_json(Path(path) / CONFIG_FILE))
-
-
-def _shard_name(root: Path, tensor: object, shard: object) -> str:
-    """``weight_map[tensor]``, checked: a plain file name inside ``root``, never
-    a path that leaves the checkpoint folder."""
-    where = f"{root / INDEX_FILE}: weight_map[{tensor!r}]"
-    if not isinstance(shard, str):
-        raise CheckpointError(f"{where} = {shard!r}; expected a shard file name (a string)")
-    plain = shard == Path(shard).name and shard not in {"", ".", ".."} and "\\" not in shard
-    if not plain:
-        raise CheckpointError(
-            f"{where} = {shard!r}; expected a file name inside the checkpoint folder"
-        )
-    return shard
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of checkpoint directory ``path``, on the CPU, by name."""
-    root = Path(path)
-    if (root / WEIGHTS_FILE).is_file():
-        return _load_file(root / WEIGHTS_FILE)
-    if not (root / INDEX_FILE).is_file():
-        raise CheckpointError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {root}")
-    weight_map = _read_json(root / INDEX_FILE).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{root / INDEX_FILE}: expected a non-empty 'weight_map' object")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted({_shard_name(root, name, value) for name, value in weight_map.items()}):
-        if not (root / shard).is_file():
-            raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing from {root}")
-        tensors.update(_load_file(root / shard))
-    listed_missing = sorted(set(weight_map) - set(tensors))
-    if listed_missing:
-        raise CheckpointError(
-            f"tensor {listed_missing[0]!r} is listed in {INDEX_FILE} but in no shard"
-        )
-    return tensors
+    return ModelConfig.from_hf_dict(read_json(Path(path) / CONFIG_FILE))
 
 
 def load_model(
@@ -83,8 +50,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
+    tp: TensorParallel = SINGLE,
 ) -> ModelBundle:
     """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
+
+    With ``tp.world > 1``: rank ``tp.rank``'s shard, which reads only its
+    slices of the safetensors files (the shapes checked first, from the headers).
 
     Raises :class:`CheckpointError` (or a subclass) naming the missing file,
     the unsupported architecture or field, or the first bad tensor. A ``.gguf``
@@ -92,8 +63,10 @@ def load_model(
     """
     path = resolve_checkpoint(path)
     config = read_config(path)
-    weights = read_weights(path)  # before allocating anything: fail fast on a bad file
-    check_llama_weights(_as_loaded(weights, config), config, str(path))
+    # Before allocating anything: fail fast on a bad file.
+    weights = read_weights(path) if tp.world == 1 else None
+    shapes = read_shapes(path) if weights is None else {k: v.shape for k, v in weights.items()}
+    check_llama_weights(_as_loaded(shapes, config), config, str(path))
     bundle = build_model(
         config,
         max_requests=max_requests,
@@ -101,17 +74,18 @@ def load_model(
         device=device,
         dtype=dtype,
         page_size=page_size,
+        tp=tp,
     )
-    bundle.model.load_weights(weights)
+    bundle.model.load_weights(read_rank_weights(path, config, tp) if weights is None else weights)
     return bundle
 
 
-def _as_loaded(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Size]:
+def _as_loaded(shapes: dict[str, torch.Size], config: ModelConfig) -> dict[str, torch.Size]:
     """The shapes :meth:`LlamaDecoder.load_weights` will check, by name: the
     derived rotary frequencies and a tied head (compared to the embedding
     there) left out."""
     skip = "lm_head.weight" if config.tie_word_embeddings else None
-    return {name: w.shape for name, w in weights.items() if not is_derived(name) and name != skip}
+    return {name: s for name, s in shapes.items() if not is_derived(name) and name != skip}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -132,7 +106,7 @@ def state_space_kind(path: str | Path) -> str | None:
     root = Path(path)
     if root.suffix.lower() == ".gguf" and not root.is_dir():
         return None
-    return state_space_type(_read_json(root / CONFIG_FILE))
+    return state_space_type(read_json(root / CONFIG_FILE))
 
 
 def read_any_config(path: str | Path) -> ModelConfig | MambaConfig | HybridConfig:
@@ -140,7 +114,7 @@ def read_any_config(path: str | Path) -> ModelConfig | MambaConfig | HybridConfi
     is converted first): :class:`ModelConfig` for a Llama, the Mamba or hybrid
     config for a state-space model."""
     root = resolve_checkpoint(path)
-    hf = _read_json(root / CONFIG_FILE)
+    hf = read_json(root / CONFIG_FILE)
     if state_space_type(hf) is not None:
         return parse_config(hf)
     return ModelConfig.from_hf_dict(hf)
@@ -154,15 +128,22 @@ def load_any(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
+    tp: TensorParallel = SINGLE,
 ) -> ModelBundle | StateSpaceBundle:
     """The one checkpoint dispatcher: a ``.gguf`` file through
     :func:`resolve_checkpoint`, then by ``config.json`` a Mamba / Jamba / Bamba
     model as a :class:`StateSpaceBundle` over a hybrid request pool, else a
     Llama as :func:`load_model` builds it. The CLI and the library both load
-    through here."""
+    through here. ``tp``: a Llama's tensor-parallel shard (see :func:`load_model`);
+    a state-space model is not sharded (``ValueError`` with ``tp.world > 1``)."""
     root = resolve_checkpoint(path)
-    hf = _read_json(root / CONFIG_FILE)
+    hf = read_json(root / CONFIG_FILE)
     if state_space_type(hf) is not None:
+        if tp.world > 1:
+            raise ValueError(
+                f"tp.world={tp.world}: {root} holds a {state_space_type(hf)} model, which "
+                "is not sharded; expected tp.world=1"
+            )
         return load_state_space_model(
             hf,
             read_weights(root),
@@ -180,6 +161,7 @@ def load_any(
         device=device,
         dtype=dtype,
         page_size=page_size,
+        tp=tp,
     )
 
 
@@ -194,24 +176,3 @@ def save_checkpoint(model: LlamaDecoder, path: str | Path) -> None:
     (root / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, root / WEIGHTS_FILE, metadata={"format": "pt"})
-
-
-def _load_file(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(file)
-    except SafetensorError as e:  # truncated or corrupt: not a ValueError of its own
-        raise CheckpointError(f"{file} is not a valid safetensors file: {e}") from None
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise CheckpointError(f"missing {file}")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{file} is not valid UTF-8: {e}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data

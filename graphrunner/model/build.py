@@ -8,6 +8,7 @@ import torch
 
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.llama import LlamaDecoder
+from graphrunner.model.parallel import SINGLE, TensorParallel, local_config
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, whole_pages
 
 
@@ -53,6 +54,7 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
+    tp: TensorParallel = SINGLE,
 ) -> ModelBundle:
     """Allocate pools and an (uninitialised) model over them.
 
@@ -60,7 +62,9 @@ def build_model(
     ``kv_slots`` to ``max_requests`` times ``max_context_len`` rounded up to
     whole pages, enough that ``max_requests`` requests of full length never
     exhaust the KV pool. ``page_size`` (>= 1) is the KV page in token slots;
-    an explicit ``kv_slots`` must be a multiple of it.
+    an explicit ``kv_slots`` must be a multiple of it. With ``tp.world > 1``
+    the model is rank ``tp.rank``'s shard and the KV cache holds its KV heads
+    only (see :mod:`graphrunner.model.parallel`).
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
@@ -81,11 +85,11 @@ def build_model(
     kv_cache = KVCache(
         slots,
         config.num_layers,
-        config.num_kv_heads,
+        local_config(config, tp).num_kv_heads,
         config.head_dim,
         dtype,
         device,
         page_size=page_size,
     )
-    model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype)
+    model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype, tp=tp)
     return ModelBundle(model, req_pool, kv_alloc, kv_cache)

@@ -18,6 +18,7 @@ import torch
 
 from graphrunner.model.build import ModelBundle, build_model
 from graphrunner.model.config import ModelConfig
+from graphrunner.model.parallel import SINGLE, TensorParallel, shard_weights
 
 DEFAULT_SEED = 0
 
@@ -94,6 +95,7 @@ def default_model(
     seed: int = DEFAULT_SEED,
     page_size: int = 1,
     config: ModelConfig | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> ModelBundle:
     """The default config (or ``config``) over fresh pools, weights from ``seed``.
 
@@ -102,14 +104,25 @@ def default_model(
     :func:`build_model`; the weights depend on neither. The default config's
     weights are drawn on the CPU, the same on every device; another config's
     are drawn on ``device`` (see :func:`init_random_weights`).
+
+    With ``tp.world > 1`` the bundle is rank ``tp.rank``'s shard of the same
+    weights: the whole model is drawn (over one-slot pools), then sliced
+    (:func:`~graphrunner.model.parallel.shard_weights`).
     """
+    cfg = default_config() if config is None else config
     bundle = build_model(
-        default_config() if config is None else config,
+        cfg,
         max_requests=max_requests,
         max_context_len=max_context_len,
         device=device,
         dtype=dtype,
         page_size=page_size,
+        tp=tp,
     )
-    init_random_weights(bundle, seed, on_device=config is not None)
+    if tp.world == 1:
+        init_random_weights(bundle, seed, on_device=config is not None)
+        return bundle
+    whole = build_model(cfg, max_requests=1, max_context_len=1, device=device, dtype=dtype)
+    init_random_weights(whole, seed, on_device=config is not None)
+    bundle.model.load_weights(shard_weights(whole.model.state_dict(), cfg, tp))
     return bundle

@@ -15,6 +15,12 @@ from graphrunner.model.attention_backend import TorchPagedBackend
 from graphrunner.model.attention_meta import AttnMetadata, KVStore
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from graphrunner.model.parallel import (
+    SINGLE,
+    TensorParallel,
+    VocabParallelEmbedding,
+    local_config,
+)
 from graphrunner.model.token_rows import TokenRows
 from graphrunner.model.weights import WeightError, copy_checked_weights
 from graphrunner.phases.inputs import VerifyInputs
@@ -29,8 +35,19 @@ class KVBuffers(KVStore, Protocol):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    """One block; ``config`` is the shape this rank holds (see
+    :func:`~graphrunner.model.parallel.local_config`): o_proj's and down_proj's
+    partial sums are all-reduced over ``tp``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -47,16 +64,24 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
+        h = h + self.tp.all_reduce(attn)
+        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            if tp.world == 1
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
+        )
+        local = local_config(config, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)
+            LlamaDecoderLayer(local, i, dtype, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -79,6 +104,12 @@ class LlamaDecoder(nn.Module):
             ``[num_slots + page_size, H_kv, D]``; slot 0 is the padding sink (the
             rest of the padding page is never written).
         dtype: parameter and activation dtype; logits are always float32.
+        tp: this rank's place in a tensor-parallel group (default: alone). With
+            ``world > 1`` the model holds rank ``tp.rank``'s shard
+            (:mod:`graphrunner.model.parallel`): its query and KV heads (the KV
+            cache must have this rank's ``H_kv``), its MLP slice, its
+            ``vocab / world`` rows of the embedding and LM head; its outputs
+            (logits ``[..., vocab]``) are the whole model's, gathered.
 
     The model is built on the KV cache's device, with gradients off.
     ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to;
@@ -93,8 +124,10 @@ class LlamaDecoder(nn.Module):
         kv_cache: KVBuffers,
         *,
         dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        local = local_config(config, tp)
         req_to_token = req_to_token_pool.req_to_token
         if req_to_token.shape[1] > config.max_position_embeddings:
             raise ValueError(
@@ -106,21 +139,28 @@ class LlamaDecoder(nn.Module):
                 f"kv_cache has {len(kv_cache.k_buffers)} layers: expected "
                 f"num_layers={config.num_layers}"
             )
-        self.config = config
+        if kv_cache.k_buffers[0].shape[1] != local.num_kv_heads:
+            raise ValueError(
+                f"kv_cache has {kv_cache.k_buffers[0].shape[1]} KV heads: expected "
+                f"{local.num_kv_heads} (rank {tp.rank} of {tp.world})"
+            )
+        self.config, self.tp = config, tp
+        self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
         kernel = "triton" if req_to_token.device.type == "cuda" else "torch"
         self.attn_backend = TorchPagedBackend(
             req_to_token,
             kernel=kernel,
-            kv_heads=config.num_kv_heads,
-            heads=config.num_heads,
+            kv_heads=local.num_kv_heads,
+            heads=local.num_heads,
             head_dim=config.head_dim,
         )
-        self.model = LlamaBody(config, dtype)
+        self.model = LlamaBody(config, dtype, tp)
+        vocab = config.vocab_size // tp.world
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            else nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
@@ -155,7 +195,7 @@ class LlamaDecoder(nn.Module):
         return {"logits": self.logits(h), "hidden": h}
 
     def _step_hidden(self, inputs: StepInputs) -> torch.Tensor:
-        meta = self.attn_backend.decode_metadata(inputs, self.config.num_kv_groups)
+        meta = self.attn_backend.decode_metadata(inputs, self.num_kv_groups)
         return self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
 
     @torch.no_grad()
@@ -204,7 +244,7 @@ class LlamaDecoder(nn.Module):
         self.attn_backend.req_to_token[req_pool_index, prefix_len:width] = kv_slots
         positions = torch.arange(prefix_len, width, device=token_ids.device)
         meta = self.attn_backend.extend_metadata(
-            req_pool_index, positions, width, self.config.num_kv_groups
+            req_pool_index, positions, width, self.num_kv_groups
         )
         return self._hidden(token_ids, positions, kv_slots, meta)
 
@@ -217,12 +257,14 @@ class LlamaDecoder(nn.Module):
         return self.model.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head: float32 logits ``[..., vocab]`` of final-norm hidden states."""
-        return F.linear(h, self.lm_head_weight).float()
+        """The LM head: float32 logits ``[..., vocab]`` of final-norm hidden states
+        (each rank's vocabulary slice, gathered)."""
+        return self.tp.all_gather(F.linear(h, self.lm_head_weight).float())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab, hidden]``: the LM head, or the embedding when tied (draft heads share it)."""
+        """``[vocab / tp.world, hidden]``: the LM head, or the embedding when tied
+        (draft heads share it)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.weight
 

@@ -1,0 +1,63 @@
+"""Start the ranks of a tensor-parallel run: N spawned processes, bounded waits.
+
+Each rank joins a process group over a file store (no port to pick), with a
+bounded collective timeout; :func:`run_ranks` returns once every rank exits
+cleanly, raises the first failing rank's error (killing the others), or kills
+them all past its timeout: no run hangs, no process outlives it. The tests
+and the CPU bench start their gloo ranks here (``--tp`` will too).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "join_group", "run_ranks"]
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def join_group(
+    rank: int,
+    world: int,
+    store: Path,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    threads: int = 1,
+) -> None:
+    """Join the ``backend`` group of ``world`` ranks that meet at the file
+    ``store`` (which must not exist before the first rank joins), every
+    collective bounded by ``timeout_s``; torch runs ``threads`` intra-op
+    threads (the ranks share the machine's cores)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 240.0) -> None:
+    """Call ``fn(rank, *args)`` on ranks ``0..world - 1``, each in a spawned
+    process (``fn`` must be importable: a module-level function)."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"run_ranks: {world} ranks still running after {timeout_s} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
