@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -27,19 +26,13 @@ from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner.engine.multistep_runner import multistep_of, multistep_runner
 from graphrunner.engine.ranks import agree_on_sizes
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.model.build import ModelBundle
 from graphrunner.model.hybrid import HybridLM
-from graphrunner.phases.multistep import (
-    MULTISTEP_LOGPROB_OUTPUTS,
-    MULTISTEP_OUTPUTS,
-    check_device_metadata,
-    check_steps_per_launch,
-    multistep_buffer_specs,
-    multistep_forward,
-)
+from graphrunner.phases.multistep import check_steps_per_launch
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sampling import SAMPLING_FIELDS
@@ -53,15 +46,6 @@ __all__ = [
     "decode_step",
     "multistep_of",
 ]
-
-#: Runners built with ``steps_per_launch`` N > 1: (N, their end token).
-_MULTISTEP: WeakKeyDictionary[GraphRunner, tuple[int, int | None]] = WeakKeyDictionary()
-
-
-def multistep_of(runner: GraphRunner) -> tuple[int, int | None]:
-    """``(steps per launch, end token)`` of a runner from :func:`create_decode_runner`:
-    ``(1, None)`` for a one-step runner."""
-    return _MULTISTEP.get(runner, (1, None))
 
 
 class _Vocab(Protocol):
@@ -208,7 +192,7 @@ def create_decode_runner(
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if steps > 1:
-        multistep = _multistep_runner(
+        multistep = multistep_runner(
             bundle,
             step,
             kind,
@@ -257,53 +241,6 @@ def create_decode_runner(
         **options,
     )
     return agree_on_sizes(bundle, runner)
-
-
-def _multistep_runner(
-    bundle: ModelBundle | StateSpaceBundle,
-    step: DecodeStep,
-    kind: str,
-    steps: int,
-    end_token: int | None,
-    future_map: FutureMap | None,
-    logprobs: int,
-    sampling: bool,
-    *,
-    check_padding: bool,
-    **options: Any,
-) -> GraphRunner:
-    """:func:`create_decode_runner` with ``steps_per_launch=steps`` (> 1)."""
-    refused = {
-        "a model with Mamba layers": step.mamba,
-        "future_map (overlap scheduling)": future_map is not None,
-    }
-    for what, given in refused.items():
-        if given:
-            raise ValueError(
-                f"steps_per_launch={steps} with {what}: not supported; expected steps_per_launch=1"
-            )
-    check_device_metadata(step.backend)
-    fill = step.backend.seq_len_fill_value
-    runner = create_runner(
-        kind,
-        multistep_forward(
-            step.forward,
-            steps,
-            seq_len_fill_value=fill,
-            end_token=end_token,
-            sampling=sampling,
-            logprobs_n=logprobs,
-        ),
-        multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling),
-        device=bundle.device,
-        backend=step.backend,
-        outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
-        width=steps,
-        sanitizer=step.sanitizer() if check_padding else None,
-        **options,
-    )
-    _MULTISTEP[runner] = (steps, end_token)
-    return runner
 
 
 #: The earlier name of :func:`create_decode_runner`, from when it took a Llama

@@ -28,8 +28,8 @@ import torch
 
 from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.step_inputs import ReplayInputs
-from graphrunner.engine.bundle import multistep_of
 from graphrunner.engine.check import checked_launch
+from graphrunner.engine.multistep_runner import multistep_of
 from graphrunner.engine.results import EngineStats, _Live, _Run
 from graphrunner.engine.sampling import StepOut, check_step_out
 from graphrunner.phases import SpecBatch
