@@ -52,6 +52,7 @@ from graphrunner.mechanisms import (
 from graphrunner.model import ModelBundle, ModelConfig, build_model, default_model
 from graphrunner.model.mamba import MambaConfig
 from graphrunner.model.mamba_mixer import MixerShape
+from graphrunner.model.parallel import TensorParallel
 from graphrunner.phases import (
     EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
@@ -153,6 +154,7 @@ __all__ = [
     "StaticBuffers",
     "StepInputs",
     "TargetVerifyRunner",
+    "TensorParallel",
     "TokenToKVPoolAllocator",
     "best_runner_kind",
     "budget_capture_sizes",
