@@ -13,7 +13,7 @@ import pytest
 import torch
 from sampled_rows import sampled_verify_inputs
 
-from conftest import RUNNER_PARAMS, make_runner, runner_device
+from conftest import RUNNER_PARAMS, SLOW, make_runner, runner_device
 from graphrunner import GraphRunner
 from graphrunner.phases import (
     EagleDraftExtendRunner,
@@ -87,10 +87,19 @@ def _label(param: Any) -> str:
     return param.values[0] if hasattr(param, "values") else param
 
 
+def _marks(phase: str, param: Any) -> list[Any]:
+    """The runner's marks; the sampled verify's CPU program (a cold inductor
+    compile of the verify and its sampler) runs with ``GRAPHRUNNER_SLOW=1``."""
+    marks = list(getattr(param, "marks", ()))
+    if phase == "sampled_verify" and _label(param) == "cpu":
+        marks.append(pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1"))
+    return marks
+
+
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param((p, _label(m)), marks=getattr(m, "marks", ()), id=f"{p}-{_label(m)}")
+        pytest.param((p, _label(m)), marks=_marks(p, m), id=f"{p}-{_label(m)}")
         for p in PHASES
         for m in RUNNER_PARAMS
     ],
