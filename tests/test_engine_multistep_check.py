@@ -10,28 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_engine_multistep_logprobs import CTX, _trace
 
 from conftest import SLOW
-from graphrunner import Engine, Request, create_model_runner, default_model
+from graphrunner import Engine, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
-from graphrunner.sampling import SamplingParams
-
-CTX = 64
-HOT = [SamplingParams(temperature=1.0), None, SamplingParams(temperature=0.7, top_k=5, seed=9)]
-
-
-def _trace(sampled: bool) -> list[Request]:
-    """Budgets 1..9 (finishing at every position of a launch), staggered arrivals."""
-    return [
-        Request(
-            i,
-            tuple(range(2 + i, 6 + 2 * i)),
-            1 + i,
-            i // 2,
-            sampling=HOT[i % 3] if sampled else None,
-        )
-        for i in range(9)
-    ]
 
 
 def _run(
