@@ -1,7 +1,8 @@
 """Masked key columns contribute exactly zero: a non-finite value planted in
 the padding sink (KV slot 0, which every masked column reads in the torch
 attention) leaves every live row's logits finite and bit-equal to a clean run,
-for the torch attention and the Triton kernel (interpreted on CPU)."""
+for the torch attention, the Triton kernel (interpreted on CPU) and the CPU's
+live-width attention."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ def _live_batch(bundle: ModelBundle) -> DecodeBatch:
     return batch
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+KERNELS = ["torch", "triton"] + ([] if DEVICE == "cuda" else ["live"])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
 def test_a_non_finite_sink_slot_leaves_live_rows_alone(kernel: str, poison: float) -> None:
     bundle = default_model(max_requests=4, max_context_len=64, device=DEVICE)

@@ -48,8 +48,10 @@ def _prefilled(attention: str, **kwargs: Any) -> tuple[ModelBundle, DecodeBatch]
 
 def test_backend_kernel_is_checked_and_defaults_by_device() -> None:
     bundle = default_model(max_requests=1, device=DEVICE)
-    assert bundle.model.attn_backend.kernel == ("triton" if DEVICE == "cuda" else "torch")
-    with pytest.raises(ValueError, match=r"kernel='cuda': expected one of \('torch', 'triton'\)"):
+    assert bundle.model.attn_backend.kernel == ("triton" if DEVICE == "cuda" else "live")
+    with pytest.raises(
+        ValueError, match=r"kernel='cuda': expected one of \('torch', 'triton', 'live'\)"
+    ):
         bundle.model.attn_backend.kernel = "cuda"
     with pytest.raises(
         ValueError, match=r"layout='rows': expected one of \('per_head', 'all_heads'\)"
@@ -57,7 +59,7 @@ def test_backend_kernel_is_checked_and_defaults_by_device() -> None:
         bundle.model.attn_backend.layout = "rows"
     with pytest.raises(
         ValueError,
-        match=r"attention='flash': expected one of \('torch', 'triton', 'triton-all-heads'\)",
+        match=r"attention='flash': expected one of \('torch', 'live', 'triton', 'triton-all-heads'\)",
     ):
         bundle.model.attn_backend.use("flash")
     assert bundle.model.attn_backend.layout == "per_head"  # the measured default

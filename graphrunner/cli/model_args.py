@@ -91,9 +91,11 @@ def add_arguments(g: Groups) -> None:
         "--attention",
         choices=["auto", *ATTENTIONS],
         default="auto",
-        help="decode attention of the model: auto (the Triton kernel on CUDA, torch on the "
-        "CPU), torch (the reference everywhere), triton (CUDA only) or triton-all-heads "
-        "(CUDA only: the kernel's other split launch, one program over every KV head)",
+        help="decode attention of the model: auto (the Triton kernel on CUDA, live on the "
+        "CPU), torch (the reference everywhere: reads the whole --max-context-len of every "
+        "row), live (CPU only: reads up to the batch's longest live row), triton (CUDA "
+        "only) or triton-all-heads (CUDA only: the kernel's other split launch, one "
+        "program over every KV head)",
     )
     p.add_argument(
         "--dtype",
@@ -194,12 +196,18 @@ def check_atol(args: argparse.Namespace) -> float:
 
 
 def check_attention(args: argparse.Namespace) -> None:
-    """``--attention triton*`` needs a CUDA device (``args.device`` resolved)."""
-    triton = args.attention != "auto" and ATTENTIONS[args.attention][0] == "triton"
-    if triton and not str(args.device).startswith("cuda"):
+    """``--attention triton*`` needs a CUDA device, ``live`` the CPU (``args.device`` resolved)."""
+    kernel = "auto" if args.attention == "auto" else ATTENTIONS[args.attention][0]
+    on_cuda = str(args.device).startswith("cuda")
+    if kernel == "triton" and not on_cuda:
         raise UsageError(
             f"--attention {args.attention} needs a CUDA device; the device here is {args.device} "
-            "(the CPU runs the torch attention)"
+            "(the CPU runs the live attention)"
+        )
+    if kernel == "live" and on_cuda:
+        raise UsageError(
+            f"--attention live runs on the CPU; the device here is {args.device} "
+            "(on CUDA, triton reads only the live tokens)"
         )
 
 

@@ -9,20 +9,29 @@ import torch
 from graphrunner.core.input_check import host_range
 from graphrunner.declare.buffers import BufferView
 from graphrunner.declare.inputs import StepInputs
+from graphrunner.model.attention_live import LiveRows
 from graphrunner.model.attention_meta import AttnMetadata
 from graphrunner.model.attention_op import PagedRows
 from graphrunner.model.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 
-__all__ = ["ATTENTIONS", "ATTENTION_KERNELS", "TorchPagedBackend"]
+__all__ = ["ATTENTIONS", "ATTENTION_KERNELS", "TorchPagedBackend", "device_attention"]
 
 #: The decode attentions a :class:`TorchPagedBackend` can run.
-ATTENTION_KERNELS = ("torch", "triton")
+ATTENTION_KERNELS = ("torch", "triton", "live")
 #: Named decode attentions (``--attention``): name -> (kernel, Triton layout).
 ATTENTIONS = {
     "torch": ("torch", "per_head"),
+    "live": ("live", "per_head"),
     "triton": ("triton", "per_head"),
     "triton-all-heads": ("triton", "all_heads"),
 }
+
+
+def device_attention(device: torch.device) -> str:
+    """The decode attention a model on ``device`` runs unless told otherwise:
+    the Triton kernel on CUDA, the live-width attention elsewhere (both read
+    only each row's live tokens; the full-width torch gather is the reference)."""
+    return "triton" if device.type == "cuda" else "live"
 
 
 class TorchPagedBackend:
@@ -102,13 +111,19 @@ class TorchPagedBackend:
 
     @property
     def kernel(self) -> str:
-        """The decode attention: ``"torch"`` or ``"triton"``."""
+        """The decode attention: ``"torch"``, ``"triton"`` or ``"live"``."""
         return self._kernel
 
     @kernel.setter
     def kernel(self, kernel: str) -> None:
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(f"kernel={kernel!r}: expected one of {ATTENTION_KERNELS}")
+        if kernel == "live" and self.req_to_token.device.type == "cuda":
+            # Its width is a host read per step: no CUDA graph could hold it.
+            raise ValueError(
+                "kernel='live' on a CUDA device: expected 'triton' (which reads only the "
+                "live tokens on the device) or 'torch'"
+            )
         self._kernel = kernel
         self._size_scratch(self.req_to_token.shape[0] - 1)
 
@@ -131,6 +146,10 @@ class TorchPagedBackend:
     ) -> AttnMetadata:
         """:meth:`decode_metadata` of rows given as tensors (int64 ``[n]``): each
         row reads ``req_to_token[req_pool_indices, :seq_lens]``."""
+        if self._kernel == "live":  # the op gathers its own live columns
+            none = seq_lens.new_zeros(seq_lens.shape[0], 0)
+            rows = LiveRows(self.req_to_token, req_pool_indices, seq_lens)
+            return AttnMetadata(none, none.bool()[:, None, None, :], decode=True, live=rows)
         mask = self.kv_columns < seq_lens[:, None]
         # Columns past seq_len read slot 0 instead of whatever stale slot the row
         # holds there: their scores are masked anyway, and one hot row costs far

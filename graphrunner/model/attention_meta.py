@@ -9,7 +9,9 @@ from typing import Protocol
 
 import torch
 
+from graphrunner.model.attention_live import LiveRows, live_attention
 from graphrunner.model.attention_op import PagedRows, paged_attention
+from graphrunner.model.attention_torch import gathered_attention
 
 __all__ = ["AttnMetadata", "KVStore", "attend"]
 
@@ -35,6 +37,8 @@ class AttnMetadata:
         (decode); None where every column is some query's live key (extend).
     paged: the rows for the Triton kernel (decode with ``kernel="triton"``),
         which then replaces the gather; None for the torch attention.
+    live: the rows for the CPU live-width attention (decode with
+        ``kernel="live"``), which then replaces the full-width gather.
     """
 
     slots: torch.Tensor
@@ -42,6 +46,7 @@ class AttnMetadata:
     decode: bool
     keys: torch.Tensor | None = None
     paged: PagedRows | None = None
+    live: LiveRows | None = None
 
 
 def attend(
@@ -55,21 +60,6 @@ def attend(
     """
     if meta.paged is not None:
         return paged_attention(q, k_buf, v_buf, meta.paged, scale)
-    k = k_buf[meta.slots].transpose(1, 2)  # [B, H_kv, T, D]
-    v = v_buf[meta.slots]
-    if meta.keys is not None:
-        # Masked columns read slot 0, the padding sink: a zero probability times
-        # a non-finite value there would be NaN, so their values are zeroed.
-        v = v.masked_fill(~meta.keys, 0)
-    v = v.transpose(1, 2)
-    if meta.decode:
-        # A broadcast product summed over D, not a matmul: compiled, the key gather
-        # fuses into the reduction and the gathered keys are never written out
-        # (the CPU step runs ~1.5x faster). Eager it costs about what the matmul
-        # does at decode sizes; a prompt's [T, T] scores take the matmul.
-        scores = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scale
-    else:
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~meta.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if meta.live is not None:
+        return live_attention(q, k_buf, v_buf, meta.live, scale)
+    return gathered_attention(q, k_buf, v_buf, meta.slots, meta.mask, meta.keys, meta.decode, scale)

@@ -136,7 +136,9 @@ class HybridLM(nn.Module):
         self.config = config
         self.req_pool = req_pool
         self.kv = _LayerKV(kv_cache, {j: i for i, j in enumerate(config.attention_layers)})
-        self.attn_backend = TorchPagedBackend(req_pool.req_to_token)
+        # No Triton kernel here: its scratch needs the head counts, unknown to the backend.
+        kernel = "torch" if req_pool.req_to_token.device.type == "cuda" else "live"
+        self.attn_backend = TorchPagedBackend(req_pool.req_to_token, kernel=kernel)
         self.model = HybridBody(config, dtype)
         c = config.attention
         self.lm_head = (

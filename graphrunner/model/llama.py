@@ -11,7 +11,7 @@ from torch import nn
 
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.model.attention import PagedAttention
-from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_backend import TorchPagedBackend, device_attention
 from graphrunner.model.attention_meta import AttnMetadata, KVStore
 from graphrunner.model.config import ModelConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -147,7 +147,7 @@ class LlamaDecoder(nn.Module):
         self.config, self.tp = config, tp
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
-        kernel = "triton" if req_to_token.device.type == "cuda" else "torch"
+        kernel = device_attention(req_to_token.device)
         self.attn_backend = TorchPagedBackend(
             req_to_token,
             kernel=kernel,
