@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 from test_engine_multistep import CTX, _end_token, _reference, _trace
+from test_engine_multistep_logprobs import _end_token as _logprobs_end
+from test_engine_multistep_logprobs import _run as _logprobs_run
+from test_engine_multistep_logprobs import _trace as _logprobs_trace
 
 from conftest import SLOW
 from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
@@ -30,6 +33,8 @@ def _run(
     page_size: int = 1,
     sizes: Sequence[int] = (2, 4),
     future: list[FutureMap] | None = None,
+    logprobs: int = 0,
+    seed: int = 3,
     **run: Any,
 ) -> EngineResult:
     bundle = default_model(max_requests=max(sizes), max_context_len=CTX, page_size=page_size)
@@ -38,7 +43,8 @@ def _run(
         bundle,
         kind,
         capture_sizes=list(sizes),
-        sampling=sampled,
+        sampling=sampled or bool(logprobs),
+        logprobs=logprobs,
         steps_per_launch=n,
         end_token=end_token,
         future_map=futures,
@@ -46,7 +52,15 @@ def _run(
     )
     runner.capture()
     free = (bundle.kv_alloc.available_size(), bundle.req_pool.available_size())
-    engine = Engine(bundle, runner, end_token=end_token, steps_per_launch=n, overlap=True, seed=3)
+    engine = Engine(
+        bundle,
+        runner,
+        end_token=end_token,
+        steps_per_launch=n,
+        overlap=True,
+        seed=seed,
+        logprobs=logprobs,
+    )
     assert isinstance(engine.schedule, MultiStepOverlapSchedule)
     result = engine.run(trace, **run)
     assert (bundle.kv_alloc.available_size(), bundle.req_pool.available_size()) == free
@@ -89,6 +103,15 @@ def test_the_launch_stores_each_rows_last_valid_token_in_the_future_map():
     assert out[-1] == end and len(out) == 5
     stored = futures[0].tokens
     assert stored[stored != 0].tolist() == [end]  # tokens[row, count - 1], not the -1 after
+
+
+def test_each_token_has_the_log_probabilities_of_one_step_per_launch():
+    end = _logprobs_end()
+    single = _logprobs_run(1, True, end)
+    trace = _logprobs_trace(True)
+    multi = _run(trace, 4, end_token=end, sizes=(4,), logprobs=3, seed=5)
+    assert multi.outputs == single.outputs
+    assert multi.logprobs == single.logprobs
 
 
 def test_a_run_cut_by_max_steps_holds_a_prefix_and_frees_everything():
