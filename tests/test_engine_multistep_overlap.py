@@ -135,3 +135,38 @@ def test_overlap_needs_the_runner_built_with_a_future_map():
     runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)
     with pytest.raises(ValueError, match="no future map.*future_map=FutureMap"):
         Engine(bundle, runner, steps_per_launch=4, overlap=True)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_one_wait_per_launch_is_the_only_sync(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    import graphrunner.engine.overlap_schedule as ov
+
+    trace = _trace(False)
+    bundle = default_model(max_requests=4, max_context_len=CTX, device="cuda")
+    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+    runner = create_model_runner(
+        bundle, "cuda", capture_sizes=[2, 4], steps_per_launch=4, future_map=future
+    )
+    runner.capture()
+    real_wait, waits = ov._HostCopy.wait, []
+
+    def wait_allowed(self: Any) -> list[int]:
+        waits.append(1)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real_wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(ov._HostCopy, "wait", wait_allowed)
+    engine = Engine(bundle, runner, overlap=True, steps_per_launch=4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = engine.run(trace)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.stats.launches <= len(waits) <= result.stats.launches + len(trace)
+    assert result.finished == frozenset(range(len(trace)))
