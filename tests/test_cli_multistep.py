@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import graphrunner.cli.main as cli
+from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4], [5, 6]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4", "--max-new-tokens", "9"]
@@ -81,6 +83,50 @@ def test_generate_checks_each_launch_against_eager_steps(
     assert "mismatches: 0" in err
 
 
+def _overlapped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps per launch of each overlapped multi-step schedule built from now on."""
+    built: list[int] = []
+    init = MultiStepOverlapSchedule.__init__
+
+    def spy(self: MultiStepOverlapSchedule, runner: Any, steps: int) -> None:
+        built.append(steps)
+        init(self, runner, steps)
+
+    monkeypatch.setattr(MultiStepOverlapSchedule, "__init__", spy)
+    return built
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--end-token", "17", "--arrive-every", "2"], ["--page-size", "4", "--check-padding"]],
+    ids=["end-token", "paged"],
+)
+def test_generate_with_overlap_prints_the_tokens_of_one_step_per_launch(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    prompts_file: Path,
+    extra: list[str],
+) -> None:
+    single = _tokens(capsys, prompts_file, "--steps-per-launch", "1", *extra)
+    built = _overlapped(monkeypatch)
+    argv = ["--steps-per-launch", "4", "--overlap", *extra]
+    assert _tokens(capsys, prompts_file, *argv) == single
+    assert built == [4]  # the run was the overlapped one of 4 steps per launch
+    assert len(single) == len(PROMPTS)
+
+
+def test_the_overlap_demo_checks_n_steps_against_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = _overlapped(monkeypatch)
+    argv = ["demo", "--runner", "eager", "--steps", "24", "--max-bs", "4", "--overlap"]
+    assert cli.main([*argv, "--steps-per-launch", "4"]) == 0
+    assert built == [4]
+    out = capsys.readouterr().out
+    assert "outputs equal to plain greedy" in out
+    assert "mismatches: 0" in out
+
+
 def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--runner", "eager", "--steps", "24", "--max-bs", "4"]
     assert cli.main([*argv, "--steps-per-launch", "4", "--temperature", "0.8"]) == 0
@@ -94,10 +140,6 @@ def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str])
     [
         (["--steps-per-launch", "0"], "--steps-per-launch 0: expected 1..8"),
         (["--steps-per-launch", "9"], "--steps-per-launch 9: expected 1..8"),
-        (
-            ["--steps-per-launch", "4", "--overlap"],
-            "--steps-per-launch 4 with --overlap: not supported; expected one of them",
-        ),
         (
             ["--steps-per-launch", "2", "--speculative", "mtp"],
             "--steps-per-launch 2 with --speculative: not supported; expected one of them",

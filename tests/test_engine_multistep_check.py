@@ -112,5 +112,5 @@ def test_check_mode_still_refuses_overlap() -> None:
     bundle = default_model(max_requests=2, max_context_len=CTX)
     runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=2)
     assert Engine(bundle, runner, check=True, steps_per_launch=2).check
-    with pytest.raises(ValueError, match="steps_per_launch=2 with overlap=True"):
+    with pytest.raises(ValueError, match="check=True with overlap=True"):
         Engine(bundle, runner, check=True, overlap=True, steps_per_launch=2)

@@ -2,6 +2,8 @@
 runner launch (:class:`~graphrunner.engine.multistep.MultiStepSchedule`), the
 host out of the per-token loop. The tokens equal N = 1's; the demo checks
 exactly that, against a run of the same trace at N = 1 on the same pools.
+With ``--overlap`` the run is :func:`~graphrunner.cli.overlap.run_overlap`'s
+(the demo compares it with plain greedy at N = 1, as for N = 1).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def add_arguments(p: Options) -> None:
         default=1,
         metavar="N",
         help=f"decode steps per graph launch, 1..{MAX_STEPS_PER_LAUNCH} (1); the tokens "
-        "equal N = 1's; not with --overlap, --speculative or a Mamba/Jamba checkpoint",
+        "equal N = 1's; with --overlap, launch i+1 is prepared while launch i runs; not with "
+        "--speculative or a Mamba/Jamba checkpoint",
     )
 
 
@@ -40,15 +43,10 @@ def validate(args: argparse.Namespace) -> None:
     check_range("--steps-per-launch", n, 1, MAX_STEPS_PER_LAUNCH)
     if n == 1:
         return
-    others = [
-        ("--overlap", args.overlap),
-        ("--speculative", args.speculative is not None),
-    ]
-    for flag, given in others:
-        if given:
-            raise UsageError(
-                f"--steps-per-launch {n} with {flag}: not supported; expected one of them"
-            )
+    if args.speculative is not None:
+        raise UsageError(
+            f"--steps-per-launch {n} with --speculative: not supported; expected one of them"
+        )
     if cli_ssm.is_state_space_checkpoint(args.checkpoint):
         raise UsageError(
             f"--steps-per-launch {n}: not supported for a Mamba or Jamba checkpoint; expected 1"

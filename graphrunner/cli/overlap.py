@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphrunner.cli import multistep as cli_multistep
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.groups import Options
 from graphrunner.core.future_map import FutureMap
@@ -21,7 +22,8 @@ def add_arguments(p: Options) -> None:
         "--overlap",
         action="store_true",
         help="overlap scheduling: prepare step N+1 on the host while step N runs "
-        "(input tokens as future references resolved on the device)",
+        "(input tokens as future references resolved on the device); with "
+        "--steps-per-launch N, launch i+1 while launch i runs",
     )
 
 
@@ -45,8 +47,9 @@ def run_overlap(
     on_token: Callable[[int, int], None] | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
 ) -> EngineResult:
-    """Serve ``trace`` with overlap scheduling (``logprobs`` and the
-    streaming hooks as :class:`~graphrunner.Engine` takes them)."""
+    """Serve ``trace`` with overlap scheduling, ``--steps-per-launch`` decode
+    steps per launch (``logprobs`` and the streaming hooks as
+    :class:`~graphrunner.Engine` takes them)."""
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
     runner = create_model_runner(
         bundle,
@@ -56,6 +59,7 @@ def run_overlap(
         future_map=future,
         **mechanism_options,
         **cli_sampling.runner_options(args, trace),
+        **cli_multistep.options(args, end_token),
     )
     runner.capture()
     engine = Engine(
@@ -67,6 +71,7 @@ def run_overlap(
         logprobs=logprobs,
         on_token=on_token,
         on_finish=on_finish,
+        steps_per_launch=args.steps_per_launch,
     )
     return engine.run(trace, max_steps=max_steps, progress=progress)
 

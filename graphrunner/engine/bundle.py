@@ -182,7 +182,7 @@ def create_decode_runner(
     decode steps per launch (:mod:`graphrunner.phases.multistep`; outputs
     ``{"tokens", "count", "logits"}``, with ``logprobs`` each step's ``[bs, N]``
     / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
-    bundles only, without ``future_map``.
+    bundles only (with ``future_map`` each launch stores each row's last token there).
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
     for ``cuda``. A tensor-parallel model's ranks must resolve the same capture
     sizes (checked across ranks: ``ValueError`` naming each rank's list).

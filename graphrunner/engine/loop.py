@@ -35,8 +35,7 @@ from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.admission import admit, validate_trace
 from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
 from graphrunner.engine.check import checked_replay
-from graphrunner.engine.multistep import MultiStepSchedule, check_multistep
-from graphrunner.engine.overlap_schedule import OverlapSchedule
+from graphrunner.engine.multistep import check_multistep
 from graphrunner.engine.ranks import replay_size_check
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
 from graphrunner.engine.sampling import (
@@ -49,7 +48,7 @@ from graphrunner.engine.sampling import (
     step_logprobs,
     tokens_of,
 )
-from graphrunner.engine.schedule import Schedule, SyncSchedule
+from graphrunner.engine.schedule import Schedule, SyncSchedule, schedule_for
 from graphrunner.engine.workload import Request
 from graphrunner.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner.model.build import ModelBundle
@@ -103,8 +102,10 @@ class Engine:
         steps_per_launch: N in 1..8 decode steps per runner launch
             (:class:`~graphrunner.engine.multistep.MultiStepSchedule`); the
             runner is built with the same N and end token (and ``logprobs``);
-            ``check`` checks each launch (:func:`~graphrunner.engine.check.checked_launch`).
-            Not with ``overlap``; ``max_steps`` counts a launch's N steps whole.
+            ``check`` checks each launch (:func:`~graphrunner.engine.check.checked_launch`);
+            ``overlap`` prepares launch i+1 while launch i runs
+            (:class:`~graphrunner.engine.multistep_overlap.MultiStepOverlapSchedule`);
+            ``max_steps`` counts a launch's N steps whole.
 
     ``decoder`` is the bundle's :class:`~graphrunner.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -148,9 +149,7 @@ class Engine:
         self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
-        self.schedule: Schedule = OverlapSchedule(runner) if overlap else SyncSchedule()
-        if steps > 1:
-            self.schedule = MultiStepSchedule(steps)
+        self.schedule: Schedule = schedule_for(runner, steps, overlap)
         self.sampling = SampledRows.declared_by(runner)
         self.sampling_rows = SampledRows(self.device)
         self.logprobs = check_logprobs(logprobs, self.sampling)

@@ -21,6 +21,7 @@ positions and each row feeds its last token to the next launch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ from graphrunner.pools import PoolExhausted
 if TYPE_CHECKING:
     from graphrunner.engine.loop import Engine
 
-__all__ = ["MultiStepSchedule", "Reservation", "check_multistep"]
+__all__ = ["MultiStepSchedule", "Reservation", "check_multistep", "keep_used"]
 
 
 def check_multistep(
@@ -52,9 +53,11 @@ def check_multistep(
     logprobs: object,
 ) -> int:
     """``steps_per_launch`` checked against the engine's other options and the
-    runner's (steps, end token); returns it. ``check`` and ``logprobs``
-    combine with every N (each launch checked by
-    :func:`~graphrunner.engine.check.checked_launch`; each step's entry read)."""
+    runner's (steps, end token); returns it. ``overlap``, ``check`` and
+    ``logprobs`` combine with every N (launch i+1 prepared while launch i runs:
+    :class:`~graphrunner.engine.multistep_overlap.MultiStepOverlapSchedule`;
+    each launch checked by :func:`~graphrunner.engine.check.checked_launch`;
+    each step's entry read)."""
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     built, built_end = multistep_of(runner)
     if built != steps:
@@ -68,11 +71,6 @@ def check_multistep(
         raise ValueError(
             f"end_token={end_token!r}: the runner's multi-step launch stops rows at "
             f"{built_end!r}; build it with create_model_runner(..., end_token={end_token!r})"
-        )
-    if overlap:
-        raise ValueError(
-            f"steps_per_launch={steps} with overlap=True: not supported; expected "
-            f"steps_per_launch=1 or overlap=False"
         )
     return steps
 
@@ -131,12 +129,17 @@ class MultiStepSchedule:
             engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
         return n if bs else 0
 
-    def reserve(self, engine: Engine, live: list[_Live]) -> list[Reservation]:
-        """Each row's slots for the launch, recorded in ``req_to_token``."""
+    def reserve(
+        self, engine: Engine, live: list[_Live], ahead: Sequence[int] | None = None
+    ) -> list[Reservation]:
+        """Each row's slots for the launch, recorded in ``req_to_token``;
+        ``ahead[i]``: tokens ``live[i]`` emits before it that are not in its
+        ``tokens`` yet (overlap: not read back; its ``slots`` already hold them)."""
         b, page = engine.bundle, engine.bundle.page_size
         needs = []
-        for req in live:
-            budget = min(self.steps, req.request.max_new_tokens - len(req.tokens))
+        for i, req in enumerate(live):
+            left = req.request.max_new_tokens - len(req.tokens) - (ahead[i] if ahead else 0)
+            budget = min(self.steps, left)
             length = len(req.slots)
             needs.append((budget, -(-max(length + budget - len(req.pages), 0) // page)))
         total = sum(pages for _, pages in needs) * page
@@ -158,9 +161,12 @@ class MultiStepSchedule:
             raise
         return plan
 
-    def launch(self, engine: Engine, run: _Run, plan: list[Reservation]) -> dict[str, torch.Tensor]:
+    def launch(
+        self, engine: Engine, run: _Run, plan: list[Reservation], *, timed: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The runner's launch; returns its outputs: ``tokens`` int64 ``[bs, N]``,
-        ``count`` ``[bs]`` (and the log-probabilities when the runner has them)."""
+        ``count`` ``[bs]`` (and the log-probabilities when the runner has them).
+        ``timed=False``: no device sync around it (overlap times its whole step)."""
         batch, n = run.batch, self.steps
         lens = batch.seq_lens_cpu
         slots = [r.slots + [0] * (n - r.budget) for r in plan]
@@ -183,6 +189,8 @@ class MultiStepSchedule:
 
         if engine.check:
             out = checked_launch(engine, inputs, [r.budget for r in plan], stats, replay)
+        elif not timed:
+            out = replay()
         else:
             out, seconds = engine.timed(replay)
             stats.decode_seconds += seconds
@@ -225,33 +233,44 @@ class MultiStepSchedule:
         count: list[int],
     ) -> None:
         """Record each row's tokens, keep the KV it used, free the rest, retire the finished."""
-        page, n, keep = engine.bundle.page_size, self.steps, []
+        n, keep = self.steps, []
         for i, (req, r) in enumerate(zip(list(run.live), plan, strict=True)):
-            c = count[i]
-            length = len(req.slots) + c  # its KV length after the launch
-            # fresh page k starts at position len(req.pages) + k * page
-            used = sum(1 for k in range(len(r.fresh)) if len(req.pages) + k * page < length)
-            for p in r.fresh[:used]:
-                req.pages.extend(p)
-            engine.bundle.kv_alloc.free([s for p in r.fresh[used:] for s in p])
-            req.slots.extend(r.slots[:c])
-            run.stats.decode_tokens += c
-            done = False
-            for k, token in enumerate(tokens[i * n : i * n + c]):
-                done = engine.record_token(run, req, token)
-                if done and k != c - 1:
-                    raise RuntimeError(
-                        f"request {req.request.rid} finished at step {k} of the launch but the "
-                        f"runner kept it for {c}: its end token differs from the engine's"
-                    )
-            if done:
+            keep_used(engine, req, r, count[i])
+            if self.record(engine, run, req, tokens[i * n : (i + 1) * n], count[i]):
                 engine.free(run, req)
-            elif c != n:
-                raise RuntimeError(
-                    f"request {req.request.rid} took {c} of {n} steps and did not finish"
-                )
             else:
                 keep.append(i)
         if len(keep) < len(run.live):
             run.batch.filter(keep)
             run.live[:] = [run.live[i] for i in keep]
+
+    def record(self, engine: Engine, run: _Run, req: _Live, tokens: list[int], c: int) -> bool:
+        """Record the ``c`` tokens ``req`` took of its row ``tokens`` (``N``);
+        returns whether it finished (a row that did not took all ``N``)."""
+        run.stats.decode_tokens += c
+        done = False
+        for k, token in enumerate(tokens[:c]):
+            done = engine.record_token(run, req, token)
+            if done and k != c - 1:
+                raise RuntimeError(
+                    f"request {req.request.rid} finished at step {k} of the launch but the "
+                    f"runner kept it for {c}: its end token differs from the engine's"
+                )
+        if not done and c != self.steps:
+            raise RuntimeError(
+                f"request {req.request.rid} took {c} of {self.steps} steps and did not finish"
+            )
+        return done
+
+
+def keep_used(engine: Engine, req: _Live, r: Reservation, c: int) -> None:
+    """``req`` took ``c`` steps of its reservation ``r``: it keeps the fresh
+    pages its KV reaches and those steps' slots; the other pages are freed."""
+    page = engine.bundle.page_size
+    length = len(req.slots) + c  # its KV length after the launch
+    # fresh page k starts at position len(req.pages) + k * page
+    used = sum(1 for k in range(len(r.fresh)) if len(req.pages) + k * page < length)
+    for p in r.fresh[:used]:
+        req.pages.extend(p)
+    engine.bundle.kv_alloc.free([s for p in r.fresh[used:] for s in p])
+    req.slots.extend(r.slots[:c])

@@ -48,16 +48,14 @@ def multistep_runner(
     check_padding: bool,
     **options: Any,
 ) -> GraphRunner:
-    """:func:`create_decode_runner` with ``steps_per_launch=steps`` (> 1)."""
-    refused = {
-        "a model with Mamba layers": step.mamba,
-        "future_map (overlap scheduling)": future_map is not None,
-    }
-    for what, given in refused.items():
-        if given:
-            raise ValueError(
-                f"steps_per_launch={steps} with {what}: not supported; expected steps_per_launch=1"
-            )
+    """:func:`create_decode_runner` with ``steps_per_launch=steps`` (> 1); with
+    ``future_map`` (overlap scheduling) its first step's ``input_ids`` may be
+    future references and each launch stores each row's last token there."""
+    if step.mamba:
+        raise ValueError(
+            f"steps_per_launch={steps} with a model with Mamba layers: not supported; "
+            f"expected steps_per_launch=1"
+        )
     check_device_metadata(step.backend)
     fill = step.backend.seq_len_fill_value
     runner = create_runner(
@@ -69,13 +67,17 @@ def multistep_runner(
             end_token=end_token,
             sampling=sampling,
             logprobs_n=logprobs,
+            future_tokens=None if future_map is None else future_map.tokens,
         ),
-        multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling),
+        multistep_buffer_specs(
+            steps, seq_len_fill_value=fill, sampling=sampling, future=future_map is not None
+        ),
         device=bundle.device,
         backend=step.backend,
         outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
         width=steps,
         sanitizer=step.sanitizer() if check_padding else None,
+        future_map=future_map,
         **options,
     )
     _MULTISTEP[runner] = (steps, end_token)

@@ -37,7 +37,24 @@ from graphrunner.pools import starts_page
 if TYPE_CHECKING:
     from graphrunner.engine.loop import Engine
 
-__all__ = ["OverlapSchedule"]
+__all__ = ["OverlapSchedule", "device_ints", "future_map_of"]
+
+
+def future_map_of(runner: GraphRunner) -> FutureMap:
+    """The future map ``runner`` was built with; a ValueError when it has none."""
+    future = getattr(runner, "future_map", None)
+    if not isinstance(future, FutureMap):
+        raise ValueError(
+            "overlap scheduling: the runner has no future map; build it with "
+            "create_model_runner(..., future_map=FutureMap(req_pool rows, device))"
+        )
+    return future
+
+
+def device_ints(engine: Engine, values: list[int]) -> torch.Tensor:
+    """``values`` as int64 on the engine's device, without a sync (non_blocking
+    from host memory: ``torch.tensor(..., device=)`` would sync)."""
+    return torch.tensor(values, dtype=torch.int64).to(engine.device, non_blocking=True)
 
 
 class _HostCopy:
@@ -65,13 +82,7 @@ class OverlapSchedule:
     a future map (``create_model_runner(..., future_map=FutureMap(...))``)."""
 
     def __init__(self, runner: GraphRunner) -> None:
-        future = getattr(runner, "future_map", None)
-        if not isinstance(future, FutureMap):
-            raise ValueError(
-                "overlap scheduling: the runner has no future map; build it with "
-                "create_model_runner(..., future_map=FutureMap(req_pool rows, device))"
-            )
-        self.future = future
+        self.future = future_map_of(runner)
         # The next step, prepared before this one's tokens were read: the fresh
         # page (first slot) each starting request took there, by request id.
         self._prepared: dict[int, int] | None = None
@@ -100,7 +111,7 @@ class OverlapSchedule:
         first = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
         if joining:
             rows = [r.req_index for r, _ in joining]
-            self.future.store(self._device_ints(engine, rows), first)
+            self.future.store(device_ints(engine, rows), first)
         copy = _HostCopy(torch.cat([*launched, first]))
         self._schedule(engine, run, stepped, [r for r, _ in joining])
         self._record(engine, run, stepped, [r for r, _ in joining], copy.wait())
@@ -108,10 +119,6 @@ class OverlapSchedule:
             run.stats.decode_seconds += time.perf_counter() - start
             run.stats.syncs += 1
         return 1 if stepped else 0
-
-    def _device_ints(self, engine: Engine, values: list[int]) -> torch.Tensor:
-        # non_blocking from host memory: torch.tensor(..., device=) would sync.
-        return torch.tensor(values, dtype=torch.int64).to(engine.device, non_blocking=True)
 
     def _launch(self, engine: Engine, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Step N on the prepared batch; its tokens go to the future map."""
@@ -140,7 +147,7 @@ class OverlapSchedule:
             run.live[:] = [stepped[i] for i in keep]
         going = [r for r in joining if r.request.max_new_tokens > 1]
         if going:
-            rows = self._device_ints(engine, [r.req_index for r in going])
+            rows = device_ints(engine, [r.req_index for r in going])
             engine.join(run, going, future_refs(rows))
         steps_left = self._max_steps is None or run.stats.steps < self._max_steps
         if run.live and steps_left:

@@ -1,7 +1,9 @@
 """How the engine orders a step's host and device work: the :class:`Schedule`
-strategy of :class:`~graphrunner.engine.loop.Engine` and its plain
-:class:`SyncSchedule` (the overlap one is
-:class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`)."""
+strategy of :class:`~graphrunner.engine.loop.Engine`, its plain
+:class:`SyncSchedule`, and :func:`schedule_for`, which picks one (the
+others: :class:`~graphrunner.engine.overlap_schedule.OverlapSchedule`,
+:class:`~graphrunner.engine.multistep.MultiStepSchedule` and
+:class:`~graphrunner.engine.multistep_overlap.MultiStepOverlapSchedule`)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from graphrunner.core.runner import GraphRunner
+from graphrunner.engine.multistep import MultiStepSchedule
+from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
+from graphrunner.engine.overlap_schedule import OverlapSchedule
 from graphrunner.engine.results import _Run
 from graphrunner.pools import starts_page
 
 if TYPE_CHECKING:
     from graphrunner.engine.loop import Engine
 
-__all__ = ["Schedule", "SyncSchedule"]
+__all__ = ["Schedule", "SyncSchedule", "schedule_for"]
 
 
 class Schedule(Protocol):
@@ -72,3 +78,10 @@ class SyncSchedule:
         if stay:
             engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
         return 1 if bs else 0
+
+
+def schedule_for(runner: GraphRunner, steps: int, overlap: bool) -> Schedule:
+    """The schedule of ``steps`` decode steps per launch, with or without overlap."""
+    if steps > 1:
+        return MultiStepOverlapSchedule(runner, steps) if overlap else MultiStepSchedule(steps)
+    return OverlapSchedule(runner) if overlap else SyncSchedule()

@@ -31,6 +31,11 @@ Outputs: ``tokens`` int64 ``[bs, N]`` (-1 where the row took no step),
 step's logits and token, as :func:`~graphrunner.phases.sampled.sampled_forward`
 computes them; a step the row did not take holds a padding row's values).
 
+With overlap scheduling (a future map), ``input_ids`` may hold future
+references and the launch stores each row's last valid token
+(``tokens[row, count - 1]``) in the map at its request-pool row, on the
+device: the next launch, prepared before this one's read back, reads it.
+
 The backend must compute its decode metadata from the step's device tensors
 (``metadata_on_device``): a backend that plans on the host per step would see
 only the first step's plan, so it is refused.
@@ -111,17 +116,18 @@ def check_device_metadata(backend: object) -> None:
 
 
 def multistep_buffer_specs(
-    steps: int, *, seq_len_fill_value: int = 1, sampling: bool = False
+    steps: int, *, seq_len_fill_value: int = 1, sampling: bool = False, future: bool = False
 ) -> list[BufferSpec]:
     """The decode fields with ``out_cache_loc`` at ``steps`` rows per request
     (reserved slots, pad 0), ``steps_left`` (int64 ``[bs]``, pad 0) and, with
-    ``sampling``, the sampling fields."""
+    ``sampling``, the sampling fields; ``future=True`` lets ``input_ids``
+    hold future references (overlap scheduling)."""
     check_steps_per_launch("steps", steps)
     specs = [
         dataclasses.replace(s, rows_per_request=steps, indexes=Index.RESERVED_KV_SLOT)
         if s.name == "out_cache_loc"
         else s
-        for s in decode_buffer_specs(seq_len_fill_value=seq_len_fill_value)
+        for s in decode_buffer_specs(seq_len_fill_value=seq_len_fill_value, future=future)
     ]
     specs.append(BufferSpec(STEPS_LEFT, torch.int64, PadRule.ZERO))
     return [*specs, *SAMPLING_FIELDS] if sampling else specs
@@ -146,10 +152,13 @@ def multistep_forward(
     end_token: int | None = None,
     sampling: bool = False,
     logprobs_n: int = 0,
+    future_tokens: torch.Tensor | None = None,
 ) -> ForwardFn:
     """``steps`` decode steps of ``forward`` (one step's logits ``[bs, vocab]``)
     in one forward over :func:`multistep_buffer_specs`; ``logprobs_n`` >= 1
-    adds each step's log-probabilities; see the module."""
+    adds each step's log-probabilities; ``future_tokens`` (a future map's
+    int64 ``[rows]``) receives each row's last valid token at its request-pool
+    row, on the device (padded rows write 0 to row 0); see the module."""
     check_steps_per_launch("steps", steps)
     if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
         raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
@@ -196,7 +205,11 @@ def multistep_forward(
             alive = alive & ~stop
             ids, pos, lens = token, pos + 1, lens + 1
         taken = torch.stack(tokens, 1)
-        result = {"tokens": taken, "count": (taken >= 0).sum(1), "logits": logits[-1]}
+        count = (taken >= 0).sum(1)
+        if future_tokens is not None:  # the next launch's input ids, before any read back
+            last = taken.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+            future_tokens.index_copy_(0, rows, torch.where(count > 0, last, zero))
+        result = {"tokens": taken, "count": count, "logits": logits[-1]}
         if logprobs_n:
             chosen, top, ids = (torch.stack(t, 1) for t in zip(*lps, strict=True))
             result |= {"logprob": chosen, "top_logprobs": top, "top_ids": ids}
