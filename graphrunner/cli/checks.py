@@ -58,6 +58,7 @@ def check_common(args: argparse.Namespace) -> str:
     kind = runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)
+    cli_model.note_half_precision(args)
     return kind
 
 

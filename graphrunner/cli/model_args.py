@@ -26,6 +26,7 @@ from graphrunner.cli.common import UsageError
 from graphrunner.cli.groups import Groups
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner.model.attention_backend import ATTENTIONS
+from graphrunner.util.cpu_features import half_precision_note
 
 __all__ = [
     "DTYPES",
@@ -38,6 +39,7 @@ __all__ = [
     "compile_option",
     "resolve_compile",
     "model_source",
+    "note_half_precision",
     "resolve_model",
     "with_attention",
 ]
@@ -193,6 +195,14 @@ def dtype(args: argparse.Namespace) -> torch.dtype:
 
 def check_atol(args: argparse.Namespace) -> float:
     return _CHECK_ATOL[dtype(args)]
+
+
+def note_half_precision(args: argparse.Namespace) -> None:
+    """One line on stderr when ``--dtype`` is half precision on a CPU whose
+    matrix units cannot run it natively (``args.device`` resolved)."""
+    note = half_precision_note(dtype(args), str(args.device))
+    if note is not None and not getattr(args, "quiet", False):
+        print(f"graphrunner: {note}", file=sys.stderr)
 
 
 def check_attention(args: argparse.Namespace) -> None:
