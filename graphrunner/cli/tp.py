@@ -179,10 +179,10 @@ def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> in
             f"{world} or no --tp"
         )
     backend = _backend(_check(args, world, spawned=False))
-    stderr = _silence() if rank else sys.stderr.fileno()
+    stderr = os.fdopen(_silence(), "w") if rank else sys.stderr  # its failure's line only
     result = _as_rank(args, rank, world, local, lambda: join_env_group(backend=backend), None)
     if isinstance(result, _Failure):
-        os.write(stderr, f"graphrunner {args.command}: rank {rank}: {result.line}\n".encode())
+        print(f"graphrunner {args.command}: rank {rank}: {result.line}", file=stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return result.code if isinstance(result, _Failure) else result
