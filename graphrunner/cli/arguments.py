@@ -8,6 +8,7 @@ from graphrunner.cli import overlap as cli_overlap
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import text as cli_text
+from graphrunner.cli import tp as cli_tp
 from graphrunner.cli.groups import Groups
 
 __all__ = ["add_common"]
@@ -27,6 +28,7 @@ def add_common(g: Groups) -> None:
         help="default: the device's (cuda on a CUDA device, else cpu); eager runs on any device",
     )
     cli_model.add_arguments(g)  # --compile/--no-compile, --model/--checkpoint, --dtype
+    cli_tp.add_argument(p)
     p.add_argument(
         "--max-bs",
         type=int,

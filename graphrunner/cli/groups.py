@@ -72,6 +72,7 @@ COMMANDS: dict[str, tuple[str, str, list[str]]] = {
             "graphrunner generate --model smollm2/ --chat --prompt 'Name a colour.'",
             "graphrunner generate --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7",
             "graphrunner generate --model model.gguf --prompts - --json < questions.txt",
+            "graphrunner generate --model smollm2/ --tp 2 --prompts questions.txt",
         ],
     ),
     "sizes": (

@@ -23,6 +23,7 @@ imply) are checked against the available memory through
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import sizes as cli_sizes
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import text as cli_text
+from graphrunner.cli import tp as cli_tp
 from graphrunner.cli.arguments import add_common
 from graphrunner.cli.common import (
     MAX_STEPS,
@@ -71,10 +73,18 @@ __all__ = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    line = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(line)
+    # Alone, or as --tp N ranks (spawned here, or this one of torchrun's).
     return run_command(
-        f"graphrunner {args.command}", lambda: int(args.func(cli_model.resolve_model(args)))
+        f"graphrunner {args.command}",
+        lambda: cli_tp.run(cli_model.resolve_model(args), line, _parse),
     )
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, its model resolved: how a tensor-parallel rank reads it."""
+    return cli_model.resolve_model(_parser().parse_args(argv))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,6 +125,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
             seed=args.seed,
             page_size=args.page_size,
             config=None if args.model == "embedded" else cli_model.embedded_config(args),
+            tp=cli_tp.place(args),
         )
     try:
         bundle = load_any(
@@ -124,6 +135,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
             device=args.device,
             dtype=cli_model.dtype(args),
             page_size=args.page_size,
+            tp=cli_tp.place(args),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

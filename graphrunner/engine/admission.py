@@ -23,32 +23,23 @@ def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
     """Prefill ``run``'s arrived requests in order while they fit; returns each
     with its first token (a 0-d device tensor: drawn by its sampling
     parameters when the engine samples, else the argmax). Raises
-    :class:`AdmissionError` when nothing runs and the next one can never fit."""
+    :class:`AdmissionError` when nothing runs and the next one can never fit.
+    ``engine.admission`` (when not None) turns the count that fits into the
+    count admitted: a sharded model's ranks admit rank 0's
+    (:func:`~graphrunner.engine.ranks.rank0_admits`)."""
     b, pending = engine.bundle, run.pending
     joining: list[tuple[_Live, torch.Tensor]] = []
-    # KV slots (whole pages) promised to running requests but not yet allocated.
-    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
-    while pending and pending[0].arrival_step <= run.clock:
-        req = pending[0]
-        room = b.kv_alloc.available_size() - reserved
-        rows = b.req_pool.available_size()
-        need = engine.kv_need(req.max_len)
-        if len(run.live) + len(joining) >= engine.runner.max_bs or need > room or not rows:
-            if not run.live and not joining:  # nothing running will ever free room
-                raise AdmissionError(
-                    f"request {req.rid} can never be admitted: it needs 1 request row "
-                    f"and {_kv_amount(engine, need)}, nothing is running, and "
-                    f"{rows} request rows and {_kv_amount(engine, room)} are free"
-                )
-            break  # FIFO: later arrivals wait behind it
-        pending.popleft()
+    count = _fitting(engine, run)
+    if engine.admission is not None:
+        count = engine.admission(count)
+    for _ in range(count):
+        req = pending.popleft()
         live = _Live(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
         run.held[req.rid] = live
         if engine.logprobs:
             run.logprobs[req.rid] = live.logprobs
         live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
         live.slots = live.pages[: len(req.prompt)]  # decode continues in the last page
-        reserved += need - len(live.pages)
         ids = torch.tensor(req.prompt, dtype=torch.int64).to(engine.device, non_blocking=True)
         slots = torch.tensor(live.slots, dtype=torch.int64).to(engine.device, non_blocking=True)
         logits = b.model.forward_extend(live.req_index, ids, slots)
@@ -56,6 +47,32 @@ def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
         run.stats.prefills += 1
         run.stats.prefill_tokens += len(req.prompt)
     return joining
+
+
+def _fitting(engine: Engine, run: _Run) -> int:
+    """How many of the arrived requests, in order, fit: a free request row
+    each, KV pages for its whole budget beside what the running requests were
+    promised, and a row of the runner's largest batch."""
+    b = engine.bundle
+    # KV slots (whole pages) promised to running requests but not yet allocated.
+    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
+    room = b.kv_alloc.available_size() - reserved
+    rows = b.req_pool.available_size()
+    count = 0
+    for req in run.pending:
+        if req.arrival_step > run.clock:
+            break
+        need = engine.kv_need(req.max_len)
+        if len(run.live) + count >= engine.runner.max_bs or need > room or not rows:
+            if not run.live and not count:  # nothing running will ever free room
+                raise AdmissionError(
+                    f"request {req.rid} can never be admitted: it needs 1 request row "
+                    f"and {_kv_amount(engine, need)}, nothing is running, and "
+                    f"{rows} request rows and {_kv_amount(engine, room)} are free"
+                )
+            break  # FIFO: later arrivals wait behind it
+        room, rows, count = room - need, rows - 1, count + 1
+    return count
 
 
 def _kv_amount(engine: Engine, slots: int) -> str:

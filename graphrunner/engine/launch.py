@@ -3,8 +3,8 @@
 Each rank joins a process group over a file store (no port to pick), with a
 bounded collective timeout; :func:`run_ranks` returns once every rank exits
 cleanly, raises the first failing rank's error (killing the others), or kills
-them all past its timeout: no run hangs, no process outlives it. The tests
-and the CPU bench start their gloo ranks here (``--tp`` will too).
+them all past its timeout: no run hangs, no process outlives it. The tests,
+the CPU bench and ``--tp N`` on the command line start their ranks here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "join_group", "run_ranks"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "join_env_group", "join_group", "run_ranks"]
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -44,6 +44,18 @@ def join_group(
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def join_env_group(
+    *, backend: str = "gloo", timeout_s: float = COLLECTIVE_TIMEOUT_S, threads: int = 1
+) -> None:
+    """Join the group a launcher such as ``torchrun`` describes in the
+    environment (``env://``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), bounded like :func:`join_group`."""
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
     )
 
 

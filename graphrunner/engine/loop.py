@@ -36,7 +36,7 @@ from graphrunner.engine.admission import admit, validate_trace
 from graphrunner.engine.bundle import ServingBundle, create_model_runner, decode_step
 from graphrunner.engine.check import checked_replay
 from graphrunner.engine.multistep import check_multistep
-from graphrunner.engine.ranks import replay_size_check
+from graphrunner.engine.ranks import rank0_admits, replay_size_check
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
 from graphrunner.engine.sampling import (
     SampledRows,
@@ -153,7 +153,7 @@ class Engine:
         self.sampling = SampledRows.declared_by(runner)
         self.sampling_rows = SampledRows(self.device)
         self.logprobs = check_logprobs(logprobs, self.sampling)
-        self._rank_check = replay_size_check(bundle, runner)  # sharded, sanitized runs
+        self._rank_check, self.admission = replay_size_check(bundle, runner), rank0_admits(bundle)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )

@@ -1,6 +1,7 @@
 """Checks that the ranks of a tensor-parallel model agree before they would
 wait on each other: the same capture sizes before capture, and, under the
-padding sanitizer, the same raw and padded size on every replay.
+padding sanitizer, the same raw and padded size on every replay; and the one
+decision rank 0 makes for all, how many arrived requests each engine step admits.
 
 Every rank runs the same engine on the same trace (SPMD), so a disagreement
 is a bug; these checks turn it into an error naming each rank's value where
@@ -14,7 +15,13 @@ from collections.abc import Callable
 from graphrunner.core.runner import GraphRunner
 from graphrunner.model.parallel import SINGLE, TensorParallel
 
-__all__ = ["agree_on_sizes", "bundle_tp", "refuse_sharded", "replay_size_check"]
+__all__ = [
+    "agree_on_sizes",
+    "bundle_tp",
+    "rank0_admits",
+    "refuse_sharded",
+    "replay_size_check",
+]
 
 
 def bundle_tp(bundle: object) -> TensorParallel:
@@ -53,3 +60,24 @@ def replay_size_check(bundle: object, runner: GraphRunner) -> Callable[[int], No
         tp.agree("replay sizes [raw, padded]", [raw_bs, padded])
 
     return check
+
+
+def rank0_admits(bundle: object) -> Callable[[int], int] | None:
+    """For a sharded model: the engine's admission hook (``Engine.admission``),
+    ``fits -> admitted``: every rank admits rank 0's count of the arrived
+    requests that fit, so every rank's batch (and padded size) is rank 0's;
+    ``ValueError`` naming both counts when a rank fits fewer. None alone (no cost)."""
+    tp = bundle_tp(bundle)
+    if tp.world == 1:
+        return None
+
+    def admitted(fits: int) -> int:
+        (count,) = tp.broadcast([fits])
+        if count > fits:
+            raise ValueError(
+                f"admission: rank 0 admits {count} requests, rank {tp.rank} fits {fits}; "
+                "expected every rank's pools to fit rank 0's batch"
+            )
+        return count
+
+    return admitted

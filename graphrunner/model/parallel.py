@@ -87,6 +87,16 @@ class TensorParallel:
             return x
         return _waited(funcol.all_gather_single(x, x.dim() - 1, self._group()))
 
+    def broadcast(self, value: list[int]) -> list[int]:
+        """Rank 0's ``value`` on every rank: a host-side exchange (not for a
+        captured step); ``value`` itself when alone."""
+        if self.world == 1:
+            return list(value)
+        box: list[list[int] | None] = [list(value)]
+        group = self._group()
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return list(box[0] or [])
+
     def agree(self, what: str, value: list[int]) -> None:
         """Raise ``ValueError`` on every rank unless every rank passed the same
         ``value``; the message names ``what`` and each rank's value. A host-side

@@ -1,0 +1,296 @@
+"""``--tp N``: ``generate`` and ``demo`` on N tensor-parallel ranks.
+
+Without ``torchrun`` the command starts its N worker processes itself
+(spawned by :func:`~graphrunner.engine.launch.run_ranks`, meeting at a file
+store in a temporary directory; gloo on the CPU, NCCL with one GPU a rank on
+CUDA). Every rank parses the same arguments, loads its shard and runs the
+same engine on the same trace (SPMD). Rank 0 decides: each engine step admits
+rank 0's count of requests (:func:`~graphrunner.engine.ranks.rank0_admits`),
+and a stdin prompt list is rank 0's (forwarded to it by the launching
+process), broadcast to the others. Rank 0 alone prints and writes outputs:
+the other ranks' stdout and stderr go to /dev/null and their output-file
+arguments are cleared. Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK`` set) the process is one rank of the ``env://`` group and
+spawns nothing; ``--tp`` is then omitted or equals ``WORLD_SIZE``.
+
+A rank that raises or dies ends the run: the others are killed, and the
+command prints one line naming the first rank to fail and its error (exit 1,
+2 for a usage error). What does not combine with ``--tp`` yet is refused
+before any rank starts (exit 2, naming the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import multiprocessing.util
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphrunner.cli import checks as cli_checks
+from graphrunner.cli import model_args as cli_model
+from graphrunner.cli import ssm as cli_ssm
+from graphrunner.cli.common import UsageError, check_range, resolve_device
+from graphrunner.cli.exits import quiet_stdout
+from graphrunner.cli.groups import Options
+from graphrunner.engine.launch import join_env_group, join_group, run_ranks
+from graphrunner.model.parallel import SINGLE, TensorParallel, check_shardable
+from graphrunner.sanitizer.padding import PaddingViolation
+from graphrunner.util.extras import MissingExtraError
+
+__all__ = ["FAIL_RANK_ENV", "Parse", "add_argument", "place", "run"]
+
+#: A rank number: that worker raises right after joining its group (for tests).
+FAIL_RANK_ENV = "GRAPHRUNNER_TP_FAIL_RANK"
+#: Output-file arguments only rank 0 acts on (cleared on the other ranks).
+_RANK0_FILES = ("output", "batch_sizes_out", "capture_report_out", "trace_out")
+#: A bound on a spawned run, not a budget: a hang ends at a collective's timeout.
+_RUN_TIMEOUT_S = 7 * 24 * 3600.0
+
+#: Parses a command line as the command does (``--model`` resolved).
+Parse = Callable[[list[str]], argparse.Namespace]
+
+
+def add_argument(p: Options) -> None:
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="tensor-parallel ranks: the model sharded over N worker processes started "
+        "here (gloo on the CPU, NCCL and one GPU a rank on CUDA), rank 0 printing; "
+        "1..this machine's cores (CPU) or GPUs (1; under torchrun: its WORLD_SIZE). "
+        "Not with --speculative, --overlap, --steps-per-launch > 1 or a Mamba/Jamba model",
+    )
+
+
+def place(args: argparse.Namespace) -> TensorParallel:
+    """This process's rank of the run: :data:`SINGLE` unless it runs as a rank."""
+    tp = getattr(args, "tensor_parallel", SINGLE)
+    return tp if isinstance(tp, TensorParallel) else SINGLE
+
+
+def run(args: argparse.Namespace, argv: list[str], parse: Parse) -> int:
+    """The command of ``args`` (parsed from ``argv`` by ``parse``): here alone,
+    as this ``torchrun`` rank, or on ``--tp N`` spawned ranks."""
+    env = _torchrun_env()
+    if not hasattr(args, "tp") or (env is None and args.tp in (None, 1)):
+        return int(args.func(args))
+    if env is not None:
+        return _torchrun(args, *env)
+    device = _check(args, args.tp, spawned=True)
+    stdin = sys.stdin.buffer.read() if _reads_stdin(args) else None
+    with tempfile.TemporaryDirectory(prefix="graphrunner-tp-") as tmp:
+        where = Path(tmp)
+        try:
+            ranks = (args.tp, _backend(device), parse, argv, stdin, where)
+            with _quiet_spawn_log():  # torch's line per rank it ends: ours names the cause
+                run_ranks(_worker, args.tp, *ranks, timeout_s=_RUN_TIMEOUT_S)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as e:
+            return _failed(f"graphrunner {args.command}", where, e)
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet_spawn_log() -> Iterator[None]:
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _torchrun_env() -> tuple[int, int, int] | None:
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(n in os.environ for n in names):
+        return None
+    try:
+        rank, world, local = (int(os.environ[n]) for n in names)
+    except ValueError:
+        found = ", ".join(f"{n}={os.environ[n]!r}" for n in names)
+        raise UsageError(f"torchrun environment {found}: expected ints") from None
+    return rank, world, local
+
+
+def _check(args: argparse.Namespace, world: int, *, spawned: bool) -> str:
+    """Refuse (UsageError naming the flag) what ``--tp world`` cannot run;
+    returns the device the ranks run on."""
+    _, device = resolve_device(args.runner, args.device, torch.cuda.is_available())
+    if spawned:
+        cuda = device != "cpu"
+        limit = torch.cuda.device_count() if cuda else os.cpu_count() or 1
+        check_range("--tp", world, 1, limit, "this machine's " + ("GPUs" if cuda else "cores"))
+    flag = f"--tp {world}"
+    if device.startswith("cuda:") and world > 1:
+        raise UsageError(f"{flag} with --device {device}: expected --device cuda (rank r: cuda:r)")
+    for given, other in (
+        (args.speculative, "--speculative"),
+        (args.overlap, "--overlap"),
+        (args.steps_per_launch > 1, f"--steps-per-launch {args.steps_per_launch}"),
+    ):
+        if given:
+            raise UsageError(f"{flag} with {other}: not combined yet; expected one of them")
+    if cli_ssm.is_state_space_checkpoint(args.checkpoint):
+        source = cli_model.model_source(args)
+        raise UsageError(f"{flag}: {source} is a Mamba/Jamba model, not sharded; expected --tp 1")
+    try:  # a .gguf file is converted here, once, before the ranks read the cache
+        check_shardable(cli_checks.model_config(args), TensorParallel(0, world))
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    return device
+
+
+def _backend(device: str) -> str:
+    return "gloo" if device == "cpu" else "nccl"
+
+
+def _reads_stdin(args: argparse.Namespace) -> bool:
+    return str(getattr(args, "prompts", None)) == "-"
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """How a rank failed: its exit status, its error in one line, when."""
+
+    rank: int
+    code: int
+    line: str
+    time: float
+
+
+def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> int:
+    if args.tp is not None and args.tp != world:
+        raise UsageError(
+            f"--tp {args.tp}: torchrun started WORLD_SIZE={world} ranks; expected --tp "
+            f"{world} or no --tp"
+        )
+    backend = _backend(_check(args, world, spawned=False))
+    stderr = os.fdopen(_silence(), "w") if rank else sys.stderr  # its failure's line only
+    result = _as_rank(args, rank, world, local, lambda: join_env_group(backend=backend), None)
+    if isinstance(result, _Failure):
+        print(f"graphrunner {args.command}: rank {rank}: {result.line}", file=stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result.code if isinstance(result, _Failure) else result
+
+
+def _worker(
+    rank: int,
+    world: int,
+    backend: str,
+    parse: Parse,
+    argv: list[str],
+    stdin: bytes | None,
+    where: Path,
+) -> None:
+    """A spawned rank: its exit status is the command's; a failure is also
+    written to ``where`` for the launching process to report."""
+    if rank:
+        _silence()
+    args = parse(argv)
+    store = where / "store"
+    join = lambda: join_group(rank, world, store, backend=backend)  # noqa: E731
+    result = _as_rank(args, rank, world, rank, join, stdin if rank == 0 else None)
+    if isinstance(result, _Failure):  # written before this rank's connections close
+        (where / f"rank{rank}.failure.json").write_text(json.dumps(dataclasses.asdict(result)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Out without the interpreter's teardown (seconds with torch loaded; the
+    # group's connections close with the process): multiprocessing's own exit
+    # steps (its finalizers: no semaphore left to its tracker), then the status.
+    vars(multiprocessing.util)["_exit_function"]()
+    os._exit(result.code if isinstance(result, _Failure) else result)
+
+
+def _as_rank(
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    local: int,
+    join: Callable[[], None],
+    stdin: bytes | None,
+) -> int | _Failure:
+    """Run the command as rank ``rank`` of ``world`` (``stdin``: rank 0's, when
+    forwarded); its exit status, or how it failed."""
+    try:
+        _, device = resolve_device(args.runner, args.device, torch.cuda.is_available())
+        if device != "cpu":  # NCCL needs the rank's device current before it joins
+            args.device = f"cuda:{local}"
+            torch.cuda.set_device(local)
+        join()  # the caller leaves the group (after reporting a failure)
+        if os.environ.get(FAIL_RANK_ENV) == str(rank):
+            raise RuntimeError(f"{FAIL_RANK_ENV}={rank}: a planted failure")
+        args.tensor_parallel = TensorParallel(rank, world)
+        for name in _RANK0_FILES if rank else ():
+            if hasattr(args, name):
+                setattr(args, name, None)
+        if _reads_stdin(args):
+            _share_stdin(rank, stdin)
+        return int(args.func(args))
+    except BrokenPipeError:
+        quiet_stdout()
+        return 141
+    except (UsageError, MissingExtraError) as e:
+        return _Failure(rank, 2, f"error: {_one_line(e)}", time.monotonic())
+    except PaddingViolation as e:
+        return _Failure(rank, 1, f"padding violation: {_one_line(e)}", time.monotonic())
+    except Exception as e:
+        return _Failure(rank, 1, f"{type(e).__name__}: {_one_line(e)}", time.monotonic())
+
+
+def _share_stdin(rank: int, stdin: bytes | None) -> None:
+    """Every rank's stdin becomes rank 0's (read there, broadcast)."""
+    mine = (stdin if stdin is not None else sys.stdin.buffer.read()) if rank == 0 else None
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    sys.stdin = io.TextIOWrapper(io.BytesIO(box[0] or b""), encoding="utf-8")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or repr(e)
+
+
+def _silence() -> int:
+    """Point stdout and stderr at /dev/null; returns a descriptor of the former stderr."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    return saved
+
+
+def _failed(name: str, where: Path, e: Exception) -> int:
+    """The run's exit status once a rank failed, after one line on stderr
+    naming the first rank to fail (rank 0's own exit status 1 without a
+    failure: its report is printed already)."""
+    found = [json.loads(p.read_text()) for p in where.glob("rank*.failure.json")]
+    if found:
+        first = min(found, key=lambda f: f["time"])
+        print(f"{name}: rank {first['rank']}: {first['line']}", file=sys.stderr)
+        return int(first["code"])
+    if isinstance(e, mp.ProcessExitedException) and e.error_index == 0 and e.exit_code > 0:
+        return int(e.exit_code)
+    if isinstance(e, mp.ProcessExitedException) and e.signal_name is not None:
+        print(f"{name}: rank {e.error_index}: killed by {e.signal_name}", file=sys.stderr)
+    elif isinstance(e, mp.ProcessRaisedException):
+        print(f"{name}: rank {e.error_index}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+    else:
+        print(f"{name}: {_one_line(e)}", file=sys.stderr)
+    return 1
