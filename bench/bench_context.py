@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     largest, rows = max(args.capacities), []
+    load_before = os.getloadavg()[0]
     with torch_threads(1):
         for kind in args.runners.split(","):
             for attention in args.attentions.split(","):
@@ -129,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "new_tokens": args.new,
         "batch": BATCH,
         "rows": rows,
+        "load": [load_before, os.getloadavg()[0]],
     }
     print(f"results written to {write(result)}")
     return 0 if all(r["same_tokens"] for r in rows) else 1
@@ -151,6 +154,8 @@ def write(result: dict[str, Any]) -> str:
         *(f"- {k}: {v}" for k, v in result["machine"].items()),
         f"- batch {result['batch']}, live prompt lengths {rows[0]['live']}, "
         f"{result['new_tokens']} new tokens each, one torch thread; steady-state decode",
+        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
+        f"(a shared {os.cpu_count()}-core machine)",
         "",
         "| runner | attention | "
         + " | ".join(f"cap {c}" for c in _caps(rows))
