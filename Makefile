@@ -30,11 +30,13 @@ demo: install
 demo-real: install
 	$(BIN)/python -m graphrunner.cli.demo_real
 
+# --dist loadscope: a module's tests share one worker, so a module-scoped
+# fixture (a compiled runner) is built once, not once per worker.
 test: install
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
 test-slow: install
-	GRAPHRUNNER_SLOW=1 $(BIN)/python -m pytest -q -n auto
+	GRAPHRUNNER_SLOW=1 $(BIN)/python -m pytest -q -n auto --dist loadscope
 
 bench: install
 	$(BIN)/python -m pytest bench -q --benchmark-enable --benchmark-only \

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from conftest import SLOW
 from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
 from graphrunner.sampling import SamplingParams, request_seed
 
@@ -72,6 +73,9 @@ def test_same_seed_same_tokens_whatever_the_runner_sizes_arrivals_and_overlap():
     assert alone == reference
 
 
+# The compiled sampled step equals eager per padded size in CI
+# (tests/test_padded_sampling.py, tests/test_sampling_distribution.py).
+@pytest.mark.skipif(not SLOW, reason="compiled engine: GRAPHRUNNER_SLOW=1")
 def test_a_compiled_runner_samples_the_eager_runner_s_tokens():
     assert _run(_trace(HOT[:2]), kind="cpu") == _run(_trace(HOT[:2]))
 
