@@ -17,7 +17,7 @@ largest capacity; random weights) or ``--model smollm2`` (SmolLM2-135M-Instruct,
 fetched as ``make demo-real`` does, chat prompts). One torch thread.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_context [--model smollm2]``
-(writes ``bench/results/context-<model>-cpu.md`` and ``.json``).
+(writes ``bench/results/context-<model>[-<tag>]-cpu.md`` and ``.json``).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the full-width torch attention only at capacities up to this (it is slow)",
     )
     p.add_argument("--new", type=int, default=48, help="new tokens per request (48)")
+    p.add_argument("--tag", default="", help="added to the results file's name")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     largest, rows = max(args.capacities), []
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": f"{CMD} {' '.join(argv)}".strip(),
         "machine": machine(),
         "model": args.model,
+        "tag": args.tag,
         "new_tokens": args.new,
         "batch": BATCH,
         "rows": rows,
@@ -175,7 +177,8 @@ def write(result: dict[str, Any]) -> str:
             + " | ".join(cells)
             + f" | {ratio:.2f}x | {'same' if same else 'DIFFERENT'} |"
         )
-    out = RESULTS_DIR / f"context-{result['model']}-cpu.md"
+    tag = f"-{result['tag']}" if result["tag"] else ""
+    out = RESULTS_DIR / f"context-{result['model']}{tag}-cpu.md"
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     return str(out)

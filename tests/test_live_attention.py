@@ -22,7 +22,7 @@ from graphrunner.cli.model_args import check_attention
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import Request
 from graphrunner.model import default_model
-from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_backend import LIVE_FROM_CAPACITY, TorchPagedBackend
 from graphrunner.model.attention_live import COLUMN_STEP, live_decode_attention
 from graphrunner.model.default import default_config
 
@@ -107,9 +107,14 @@ def test_the_model_gives_the_reference_tokens_at_any_capacity(kind: str, capacit
     assert _serve("live", capacity, kind).outputs == expected
 
 
-def test_a_model_on_the_cpu_runs_the_live_attention_by_default() -> None:
-    backend = default_model(max_requests=1).model.attn_backend
-    assert backend.kernel == "live"
+def test_a_model_on_the_cpu_runs_the_live_attention_from_its_capacity_up() -> None:
+    def kernel(capacity: int) -> str:
+        bundle = default_model(max_requests=1, max_context_len=capacity, config=CONFIG)
+        return bundle.model.attn_backend.kernel
+
+    assert kernel(LIVE_FROM_CAPACITY - 1) == "torch"  # the fused full width is faster
+    assert kernel(LIVE_FROM_CAPACITY) == "live"
+    backend = default_model(max_requests=1, max_context_len=2048, config=CONFIG).model.attn_backend
     backend.use("torch")  # the reference stays one call away
     assert backend.kernel == "torch"
 

@@ -25,7 +25,7 @@ import torch
 from graphrunner.cli.common import UsageError
 from graphrunner.cli.groups import Groups
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
-from graphrunner.model.attention_backend import ATTENTIONS
+from graphrunner.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
 from graphrunner.util.cpu_features import half_precision_note
 
 __all__ = [
@@ -93,11 +93,12 @@ def add_arguments(g: Groups) -> None:
         "--attention",
         choices=["auto", *ATTENTIONS],
         default="auto",
-        help="decode attention of the model: auto (the Triton kernel on CUDA, live on the "
-        "CPU), torch (the reference everywhere: reads the whole --max-context-len of every "
-        "row), live (CPU only: reads up to the batch's longest live row), triton (CUDA "
-        "only) or triton-all-heads (CUDA only: the kernel's other split launch, one "
-        "program over every KV head)",
+        help="decode attention of the model: auto (the Triton kernel on CUDA; on the CPU "
+        f"live from --max-context-len {LIVE_FROM_CAPACITY} up, torch below), torch (the "
+        "reference everywhere: reads the whole --max-context-len of every row), live (CPU "
+        "only: reads up to the batch's longest live row), triton (CUDA only) or "
+        "triton-all-heads (CUDA only: the kernel's other split launch, one program over "
+        "every KV head)",
     )
     p.add_argument(
         "--dtype",

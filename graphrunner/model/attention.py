@@ -12,7 +12,7 @@ zeros), so they attend to KV slot 0 only, the sink their own writes land in.
 
 With ``kernel="triton"`` the decode reads go through the Triton split-KV
 kernel instead (:mod:`graphrunner.model.attention_op`), which reads only each
-row's live tokens; with ``kernel="live"`` (the CPU's default) through an op
+row's live tokens; with ``kernel="live"`` (the CPU's default from 512 columns up) through an op
 that gathers only the columns up to the batch's longest live row
 (:mod:`graphrunner.model.attention_live`). This full-width torch attention
 stays the reference both must equal.

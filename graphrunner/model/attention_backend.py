@@ -14,7 +14,13 @@ from graphrunner.model.attention_meta import AttnMetadata
 from graphrunner.model.attention_op import PagedRows
 from graphrunner.model.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 
-__all__ = ["ATTENTIONS", "ATTENTION_KERNELS", "TorchPagedBackend", "device_attention"]
+__all__ = [
+    "ATTENTIONS",
+    "ATTENTION_KERNELS",
+    "LIVE_FROM_CAPACITY",
+    "TorchPagedBackend",
+    "device_attention",
+]
 
 #: The decode attentions a :class:`TorchPagedBackend` can run.
 ATTENTION_KERNELS = ("torch", "triton", "live")
@@ -27,11 +33,22 @@ ATTENTIONS = {
 }
 
 
-def device_attention(device: torch.device) -> str:
-    """The decode attention a model on ``device`` runs unless told otherwise:
-    the Triton kernel on CUDA, the live-width attention elsewhere (both read
-    only each row's live tokens; the full-width torch gather is the reference)."""
-    return "triton" if device.type == "cuda" else "live"
+#: From this capacity (``max_context_len``) up, a CPU model runs the live-width
+#: attention by default. Below it the full-width gather, which inductor fuses
+#: into the score reduction, is as fast or faster (embedded model, compiled, at
+#: 128 columns: 10.1k tok/s full width, 6.3k live; at 1024: 5.1k and 6.5k;
+#: ``bench/results/context-embedded-cpu.md``).
+LIVE_FROM_CAPACITY = 512
+
+
+def device_attention(device: torch.device, capacity: int) -> str:
+    """The decode attention a model on ``device`` with rows of ``capacity``
+    columns runs unless told otherwise: the Triton kernel on CUDA; on the CPU
+    the live-width attention from :data:`LIVE_FROM_CAPACITY` columns up, the
+    full-width torch gather (the reference) below."""
+    if device.type == "cuda":
+        return "triton"
+    return "live" if capacity >= LIVE_FROM_CAPACITY else "torch"
 
 
 class TorchPagedBackend:

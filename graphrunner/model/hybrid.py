@@ -17,7 +17,7 @@ from torch import nn
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.state_ops import run_state_ops
 from graphrunner.model.attention import PagedAttention
-from graphrunner.model.attention_backend import TorchPagedBackend
+from graphrunner.model.attention_backend import TorchPagedBackend, device_attention
 from graphrunner.model.attention_meta import AttnMetadata, KVStore
 from graphrunner.model.hybrid_config import HybridConfig
 from graphrunner.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -137,8 +137,11 @@ class HybridLM(nn.Module):
         self.req_pool = req_pool
         self.kv = _LayerKV(kv_cache, {j: i for i, j in enumerate(config.attention_layers)})
         # No Triton kernel here: its scratch needs the head counts, unknown to the backend.
-        kernel = "torch" if req_pool.req_to_token.device.type == "cuda" else "live"
-        self.attn_backend = TorchPagedBackend(req_pool.req_to_token, kernel=kernel)
+        table = req_pool.req_to_token
+        kernel = device_attention(table.device, table.shape[1])
+        self.attn_backend = TorchPagedBackend(
+            table, kernel="torch" if kernel == "triton" else kernel
+        )
         self.model = HybridBody(config, dtype)
         c = config.attention
         self.lm_head = (

@@ -147,7 +147,7 @@ class LlamaDecoder(nn.Module):
         self.config, self.tp = config, tp
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
-        kernel = device_attention(req_to_token.device)
+        kernel = device_attention(req_to_token.device, req_to_token.shape[1])
         self.attn_backend = TorchPagedBackend(
             req_to_token,
             kernel=kernel,
