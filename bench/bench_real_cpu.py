@@ -1,0 +1,182 @@
+"""SmolLM2-135M-Instruct on the CPU: graphrunner's CPU runner and eager runner
+against transformers' own ``generate``, steady-state decode, in one run.
+
+The same 8 chat prompts (the checkpoint ``make demo-real`` fetches and
+converts), ``--new`` greedy tokens each (the end token ignored, so every run
+decodes the same number of tokens), one torch thread, float32:
+
+- batch 8: the 8 prompts together (graphrunner: one captured size of 8;
+  transformers: one left-padded ``generate`` call);
+- batch 1: the prompts one at a time (graphrunner: a pool of one request,
+  one captured size of 1; transformers: one ``generate`` call per prompt).
+
+Decode tokens/s excludes prefill: graphrunner's engine times its decode
+replays; transformers' is (the new tokens after the first) over the time of
+``generate(new)`` minus ``generate(1)`` on the same inputs. The tokens of
+each graphrunner run are compared with transformers' (rows whose first
+``--new`` tokens agree). bfloat16 and int8 are not measured here (see
+``graphrunner.util.cpu_features``: on a CPU without AMX or AVX-512-bf16 they
+are slower than float32).
+
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
+``bench/results/real-smollm2-cpu.md`` and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.bench_context import EXTRA_QUESTIONS
+from bench.conftest import RESULTS_DIR, machine
+from graphrunner import Engine, Request, create_model_runner
+from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
+from graphrunner.io import load_model, read_config, resolve_checkpoint
+from graphrunner.io.gguf_cache import cache_root
+from graphrunner.io.text import TextCodec
+from graphrunner.testing import torch_threads
+
+CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
+
+
+def _prompts(checkpoint: Path) -> list[list[int]]:
+    codec = TextCodec.load(checkpoint, what="bench", vocab_size=read_config(checkpoint).vocab_size)
+    return [codec.chat(q) for q in (PROMPTS + EXTRA_QUESTIONS)[:8]]
+
+
+def graphrunner_run(
+    checkpoint: Path, prompts: list[list[int]], kind: str, bs: int, new: int
+) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s and each prompt's new tokens (in prompt order)."""
+    context = max(len(p) for p in prompts) + new
+    bundle = load_model(checkpoint, max_requests=bs, max_context_len=context)
+    runner = create_model_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
+    runner.capture()
+    trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
+    result = Engine(bundle, runner).run(trace)
+    stats = result.stats
+    return stats.decode_tokens / stats.decode_seconds, [
+        result.outputs[i] for i in range(len(prompts))
+    ]
+
+
+def transformers_run(
+    checkpoint: Path, prompts: list[list[int]], bs: int, new: int
+) -> tuple[float, list[list[int]]]:
+    """transformers' decode tokens/s (prefill subtracted) and new tokens."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # No end token: every row decodes all its tokens, as the engine's do (no
+    # early stop, and no end-token logit masked either).
+    model.generation_config.eos_token_id = None
+    pad = (
+        model.config.eos_token_id
+        if model.config.pad_token_id is None
+        else model.config.pad_token_id
+    )
+    outputs: list[list[int]] = []
+    decode_s = 0.0
+    for start in range(0, len(prompts), bs):
+        group = prompts[start : start + bs]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+
+        _, first_s = _generate(model, ids, mask, 1, pad)
+        out, all_s = _generate(model, ids, mask, new, pad)
+        decode_s += all_s - first_s
+        outputs += [row[width:].tolist() for row in out]
+    return len(prompts) * (new - 1) / decode_s, outputs
+
+
+def _generate(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, pad: int
+) -> tuple[torch.Tensor, float]:
+    """``n`` greedy tokens and the seconds they took."""
+    begin = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    return out, time.perf_counter() - begin
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
+    p.add_argument("--batches", default="8,1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
+    prompts = _prompts(checkpoint)
+    rows: list[dict[str, Any]] = []
+    load = os.getloadavg()[0]
+    with torch_threads(1):
+        for bs in (int(b) for b in args.batches.split(",")):
+            hf_tps, hf_tokens = transformers_run(checkpoint, prompts, bs, args.new)
+            rows.append(
+                {"bs": bs, "who": "transformers generate", "tokens_per_s": hf_tps, "agree": 8}
+            )
+            print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
+            for kind in ("eager", "cpu"):
+                tps, tokens = graphrunner_run(checkpoint, prompts, kind, bs, args.new)
+                agree = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
+                who = f"graphrunner {kind} runner"
+                rows.append({"bs": bs, "who": who, "tokens_per_s": tps, "agree": agree})
+                print(f"bs {bs} {who}: {tps:.1f} tok/s, {agree}/8 rows as transformers", flush=True)
+    result = {
+        "command": f"{CMD} {' '.join(argv)}".strip(),
+        "machine": machine(),
+        "new_tokens": args.new,
+        "load": [load, os.getloadavg()[0]],
+        "prompt_lengths": [len(q) for q in prompts],
+        "rows": rows,
+    }
+    print(f"results written to {write(result)}")
+    return 0
+
+
+def write(result: dict[str, Any]) -> str:
+    lines = [
+        "# SmolLM2-135M-Instruct on the CPU: decode tokens/s against transformers",
+        "",
+        f"- command: `{result['command']}`",
+        *(f"- {k}: {v}" for k, v in result["machine"].items()),
+        f"- float32, one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
+        f"8 chat prompts of {min(result['prompt_lengths'])}-{max(result['prompt_lengths'])} "
+        "tokens; steady-state decode (prefill excluded)",
+        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
+        f"(a shared {os.cpu_count()}-core machine)",
+        "",
+        "| batch | who | decode tok/s | vs transformers | rows with transformers' tokens |",
+        "|---|---|---|---|---|",
+    ]
+    base = {
+        r["bs"]: r["tokens_per_s"] for r in result["rows"] if r["who"].startswith("transformers")
+    }
+    for r in result["rows"]:
+        ratio = r["tokens_per_s"] / base[r["bs"]]
+        lines.append(
+            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {r['agree']}/8 |"
+        )
+    out = RESULTS_DIR / "real-smollm2-cpu.md"
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return str(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
