@@ -3,7 +3,8 @@
 attention (the reference) for random lengths, groups, pages and padded rows,
 never lets a NaN outside the live slots through, gathers no column past the
 batch's longest live row (rounded up), and the model running it gives the
-same greedy tokens whatever the pool's capacity, eagerly and compiled."""
+same greedy tokens whatever the pool's capacity, eagerly, compiled and with
+several decode steps per launch (each step reads its own width)."""
 
 from __future__ import annotations
 
@@ -89,22 +90,32 @@ def test_bfloat16_matches_the_reference_within_its_precision() -> None:
 CONFIG = dataclasses.replace(default_config(), max_position_embeddings=2048)
 
 
-def _serve(attention: str, capacity: int, kind: str) -> EngineResult:
+def _serve(attention: str, capacity: int, kind: str, steps: int = 1) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=capacity, config=CONFIG)
     bundle.model.attn_backend.use(attention)
-    runner = create_model_runner(bundle, kind, capture_sizes=[4], show_progress=False)
+    multi = {"steps_per_launch": steps} if steps > 1 else {}
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=[4], show_progress=False, check_padding=True, **multi
+    )
     runner.capture()
     trace = [
         Request(rid=i, prompt=tuple(range(3 + i, 3 + i + n)), max_new_tokens=m, arrival_step=i)
-        for i, (n, m) in enumerate([(20, 12), (44, 9), (31, 14), (5, 10)])
+        for i, (n, m) in enumerate([(20, 12), (60, 9), (31, 14), (5, 10)])
     ]
-    return Engine(bundle, runner).run(trace)
+    return Engine(bundle, runner, **multi).run(trace)
 
 
 @pytest.mark.parametrize(("kind", "capacity"), [("eager", 128), ("eager", 2048), ("cpu", 2048)])
 def test_the_model_gives_the_reference_tokens_at_any_capacity(kind: str, capacity: int) -> None:
     expected = _serve("torch", 128, "eager").outputs
     assert _serve("live", capacity, kind).outputs == expected
+
+
+def test_each_step_of_a_multi_step_launch_reads_its_own_live_width() -> None:
+    # The rows grow inside the launch: a width fixed at its first step would
+    # drop the newest keys (the sanitizer is on in every run).
+    expected = _serve("torch", 128, "eager").outputs
+    assert _serve("live", 2048, "eager", steps=4).outputs == expected
 
 
 def test_a_model_on_the_cpu_runs_the_live_attention_from_its_capacity_up() -> None:
