@@ -12,6 +12,7 @@ from graphrunner.declare.inputs import StepInputs
 from graphrunner.model.attention_live import LiveRows
 from graphrunner.model.attention_meta import AttnMetadata
 from graphrunner.model.attention_op import PagedRows
+from graphrunner.model.attention_torch import decode_columns
 from graphrunner.model.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 
 __all__ = [
@@ -167,11 +168,9 @@ class TorchPagedBackend:
             none = seq_lens.new_zeros(seq_lens.shape[0], 0)
             rows = LiveRows(self.req_to_token, req_pool_indices, seq_lens)
             return AttnMetadata(none, none.bool()[:, None, None, :], decode=True, live=rows)
-        mask = self.kv_columns < seq_lens[:, None]
-        # Columns past seq_len read slot 0 instead of whatever stale slot the row
-        # holds there: their scores are masked anyway, and one hot row costs far
-        # less than a scattered read per column.
-        slots = torch.where(mask, self.req_to_token[req_pool_indices], 0).long()
+        slots, mask, keys = decode_columns(
+            self.req_to_token, req_pool_indices, seq_lens, self.kv_columns, group
+        )
         paged = None
         if self._kernel == "triton":
             splits = choose_splits(
@@ -180,13 +179,7 @@ class TorchPagedBackend:
             paged = PagedRows(
                 self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch, self._layout
             )
-        return AttnMetadata(
-            slots,
-            mask[:, None, None, :].expand(-1, 1, group, -1),
-            decode=True,
-            keys=mask[:, :, None, None],
-            paged=paged,
-        )
+        return AttnMetadata(slots, mask, decode=True, keys=keys, paged=paged)
 
     def extend_metadata(
         self, req_pool_index: int, positions: torch.Tensor, width: int, group: int

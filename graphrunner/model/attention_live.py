@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.model.attention_torch import gathered_attention
+from graphrunner.model.attention_torch import decode_columns, gathered_attention
 
 __all__ = ["COLUMN_STEP", "LiveRows", "live_attention", "live_decode_attention"]
 
@@ -60,13 +60,10 @@ def live_decode_attention(
     longest = int(seq_lens.max()) if seq_lens.numel() else 1
     width = min(capacity, -(-max(longest, 1) // COLUMN_STEP) * COLUMN_STEP)
     columns = torch.arange(width, device=seq_lens.device)
-    live = columns < seq_lens[:, None]  # [B, width]
-    # Dead columns read slot 0, as the reference's do: one hot row, masked out.
-    slots = torch.where(live, req_to_token[req_pool_indices, :width], 0).long()
-    mask = live[:, None, None, :].expand(-1, 1, q.shape[2], -1)
-    return gathered_attention(
-        q, k_buf, v_buf, slots, mask, live[:, :, None, None], True, scale
-    ).contiguous()
+    slots, mask, keys = decode_columns(
+        req_to_token, req_pool_indices, seq_lens, columns, q.shape[2]
+    )
+    return gathered_attention(q, k_buf, v_buf, slots, mask, keys, True, scale).contiguous()
 
 
 @live_decode_attention.register_fake

@@ -1,11 +1,33 @@
 """The torch attention over gathered KV slots: the reference every other
-decode attention must equal (:func:`gathered_attention`)."""
+decode attention must equal (:func:`gathered_attention`), and the decode
+rows' slots and masks it reads over a given set of columns
+(:func:`decode_columns`)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gathered_attention"]
+__all__ = ["decode_columns", "gathered_attention"]
+
+
+def decode_columns(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    columns: torch.Tensor,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What decode rows read over the first ``T = len(columns)`` columns
+    (``columns``: ``arange(T)``): row ``b`` of ``[B]`` reads
+    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``. Returns the slots
+    int64 ``[B, T]``, the mask bool ``[B, 1, group, T]`` and the live keys
+    bool ``[B, T, 1, 1]`` of :func:`gathered_attention`."""
+    live = columns < seq_lens[:, None]
+    # Columns past seq_len read slot 0 instead of whatever stale slot the row
+    # holds there: their scores are masked anyway, and one hot row costs far
+    # less than a scattered read per column.
+    slots = torch.where(live, req_to_token[req_pool_indices, : columns.shape[0]], 0).long()
+    return slots, live[:, None, None, :].expand(-1, 1, group, -1), live[:, :, None, None]
 
 
 def gathered_attention(
