@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,18 +54,25 @@ def _embedded(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int,
     return bundle, prompts
 
 
-def _smollm2(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int, ...]]]:
+def smollm2_chats() -> tuple[Path, list[list[int]]]:
+    """The SmolLM2 checkpoint ``make demo-real`` fetches and converts, and
+    :data:`BATCH` chat prompts for it (token ids)."""
     from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
-    from graphrunner.io import load_model, read_config, resolve_checkpoint
+    from graphrunner.io import read_config, resolve_checkpoint
     from graphrunner.io.gguf_cache import cache_root
     from graphrunner.io.text import TextCodec
 
     checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
     codec = TextCodec.load(checkpoint, what="bench", vocab_size=read_config(checkpoint).vocab_size)
-    questions = (PROMPTS + EXTRA_QUESTIONS)[:BATCH]
-    prompts = [tuple(codec.chat(q)) for q in questions]
+    return checkpoint, [codec.chat(q) for q in (PROMPTS + EXTRA_QUESTIONS)[:BATCH]]
+
+
+def _smollm2(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int, ...]]]:
+    from graphrunner.io import load_model
+
+    checkpoint, prompts = smollm2_chats()
     bundle = load_model(checkpoint, max_requests=BATCH, max_context_len=capacity)
-    return bundle, prompts
+    return bundle, [tuple(p) for p in prompts]
 
 
 MODELS = {"embedded": _embedded, "smollm2": _smollm2}

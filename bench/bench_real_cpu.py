@@ -35,21 +35,13 @@ from typing import Any
 
 import torch
 
-from bench.bench_context import EXTRA_QUESTIONS
+from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import Engine, Request, create_model_runner
-from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
-from graphrunner.io import load_model, read_config, resolve_checkpoint
-from graphrunner.io.gguf_cache import cache_root
-from graphrunner.io.text import TextCodec
+from graphrunner.io import load_model
 from graphrunner.testing import torch_threads
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
-
-
-def _prompts(checkpoint: Path) -> list[list[int]]:
-    codec = TextCodec.load(checkpoint, what="bench", vocab_size=read_config(checkpoint).vocab_size)
-    return [codec.chat(q) for q in (PROMPTS + EXTRA_QUESTIONS)[:8]]
 
 
 def graphrunner_run(
@@ -120,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batches", default="8,1")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
-    prompts = _prompts(checkpoint)
+    checkpoint, prompts = smollm2_chats()
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
