@@ -59,6 +59,7 @@ def check_common(args: argparse.Namespace) -> str:
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)
     cli_model.note_half_precision(args)
+    cli_model.check_quantize(args)
     return kind
 
 

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
-    return cli_model.with_attention(args, _build_model(args, max_requests, context))
+    bundle = cli_model.with_attention(args, _build_model(args, max_requests, context))
+    return cli_model.with_quantization(args, bundle)
 
 
 def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:

@@ -1,6 +1,7 @@
 """CLI options of the model and how its step runs: ``--model`` (a checkpoint
 directory, a ``.gguf`` file or an embedded random model; ``--checkpoint`` is
-another name for it), ``--dtype``, ``--attention`` and ``--compile/--no-compile``.
+another name for it), ``--dtype``, ``--quantize``, ``--attention`` and
+``--compile/--no-compile``.
 
 :func:`resolve_model` turns the two flags into what the rest of the CLI reads,
 once, right after parsing: ``args.checkpoint`` the path (or None) and
@@ -26,7 +27,8 @@ from graphrunner.cli.common import UsageError
 from graphrunner.cli.groups import Groups
 from graphrunner.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
-from graphrunner.util.cpu_features import half_precision_note
+from graphrunner.model.quantize import QUANTIZATIONS, quantize_model
+from graphrunner.util.cpu_features import half_precision_note, int8_weight_only_note
 
 __all__ = [
     "DTYPES",
@@ -34,6 +36,7 @@ __all__ = [
     "add_arguments",
     "check_atol",
     "check_attention",
+    "check_quantize",
     "dtype",
     "embedded_config",
     "compile_option",
@@ -42,6 +45,7 @@ __all__ = [
     "note_half_precision",
     "resolve_model",
     "with_attention",
+    "with_quantization",
 ]
 
 #: ``--dtype`` names.
@@ -105,6 +109,15 @@ def add_arguments(g: Groups) -> None:
         choices=list(DTYPES),
         default="float32",
         help="weights, activations and KV cache (float32); logits are always float32",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="CPU, Llama models: compact weights for every projection and the LM head. "
+        "int8: int8 per output channel, activations in --dtype (fast with AVX-512 or AMX); "
+        "fp16: float16 weights, float32 activations and accumulation (--dtype float32; "
+        "half the weight bytes, fast on AVX2)",
     )
 
 
@@ -204,6 +217,35 @@ def note_half_precision(args: argparse.Namespace) -> None:
     note = half_precision_note(dtype(args), str(args.device))
     if note is not None and not getattr(args, "quiet", False):
         print(f"graphrunner: {note}", file=sys.stderr)
+
+
+def check_quantize(args: argparse.Namespace) -> None:
+    """``--quantize`` on the CPU, ``fp16`` with ``--dtype float32``
+    (``args.device`` resolved); a note where the weight-only product is slow."""
+    mode = getattr(args, "quantize", None)
+    if mode is None:
+        return
+    if not str(args.device).startswith("cpu"):
+        raise UsageError(f"--quantize {mode} runs on the CPU; the device here is {args.device}")
+    if mode == "fp16" and dtype(args) != torch.float32:
+        raise UsageError(
+            f"--quantize fp16 runs float32 activations over float16 weights; --dtype "
+            f"{args.dtype} (use --quantize int8 with a half-precision model)"
+        )
+    note = int8_weight_only_note() if mode == "int8" else None
+    if note is not None and not getattr(args, "quiet", False):
+        print(f"graphrunner: {note}", file=sys.stderr)
+
+
+def with_quantization(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
+    """``bundle`` with its model quantized as ``--quantize`` says (unchanged without it)."""
+    mode = getattr(args, "quantize", None)
+    if mode is not None:
+        try:
+            quantize_model(bundle.model, mode)
+        except ValueError as e:
+            raise UsageError(f"--quantize {mode}: {e}") from None
+    return bundle
 
 
 def check_attention(args: argparse.Namespace) -> None:

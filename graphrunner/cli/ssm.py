@@ -71,7 +71,7 @@ def generate(
     capture_sizes: Callable[[argparse.Namespace, int], list[int]],
 ) -> int:
     """Serve ``args``' prompts on the checkpoint's model; print or write the outputs."""
-    for flag in ("check", "speculative", "overlap"):
+    for flag in ("check", "speculative", "overlap", "quantize"):
         if getattr(args, flag, False):
             raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
     try:

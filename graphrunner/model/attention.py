@@ -21,7 +21,8 @@ stays the reference both must equal.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ class PagedAttention(nn.Module):
     writes the new tokens' K/V for layer ``layer_id`` at ``out_loc`` *before*
     reading, so a token attends to itself, then returns ``[n, hidden]``.
     The q/k/v projections run as one product over ``qkv_weight``, of which
-    their weights are views (:func:`~graphrunner.model.fused.stack_weights`).
+    their weights are views (:func:`~graphrunner.model.fused.stack_weights`),
+    or, once :meth:`quantize` ran, as ``qkv_proj`` (an int8 linear).
     """
 
     qkv_weight: torch.Tensor
@@ -53,12 +55,15 @@ class PagedAttention(nn.Module):
         super().__init__()
         c = config
         self.layer_id = layer_id
+        #: The stacked q/k/v projection once quantized (None: ``qkv_weight``).
+        self.qkv_proj: nn.Module | None = None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dtype)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        heads_width = c.num_heads * c.head_dim
+        self.o_proj: nn.Module = nn.Linear(heads_width, c.hidden_size, bias=False, dtype=dtype)
         self._stack_qkv()
 
     def _stack_qkv(self) -> None:
@@ -68,8 +73,16 @@ class PagedAttention(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> PagedAttention:
         # Moving or casting the module gives each parameter fresh storage: restack.
         super()._apply(fn, recurse)
-        self._stack_qkv()
+        if self.qkv_proj is None:
+            self._stack_qkv()
         return self
+
+    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Replace the stacked q/k/v and the output projections by ``make(weight)``
+        (an int8 linear); the float weights are dropped."""
+        self.qkv_proj = make(self.qkv_weight)
+        self.o_proj = make(cast(torch.Tensor, self.o_proj.weight))
+        del self.q_proj, self.k_proj, self.v_proj, self.qkv_weight
 
     def forward(
         self,
@@ -81,9 +94,8 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         n, kv_width = x.shape[0], self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight).split(
-            [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
-        )
+        qkv = F.linear(x, self.qkv_weight) if self.qkv_proj is None else self.qkv_proj(x)
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)

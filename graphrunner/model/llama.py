@@ -115,6 +115,8 @@ class LlamaDecoder(nn.Module):
     ``attn_backend`` is the :class:`TorchPagedBackend` runners hand their hooks to;
     its decode attention is the Triton kernel on a CUDA device and the torch
     attention elsewhere (``attn_backend.kernel`` switches it before capture).
+    :func:`~graphrunner.model.quantize.quantize_model` sets ``quantization``
+    and ``head_proj`` (the int8 LM head).
     """
 
     def __init__(
@@ -145,6 +147,10 @@ class LlamaDecoder(nn.Module):
                 f"{local.num_kv_heads} (rank {tp.rank} of {tp.world})"
             )
         self.config, self.tp = config, tp
+        #: The int8 LM head once quantized (None: ``lm_head_weight`` in the model's dtype).
+        self.head_proj: nn.Module | None = None
+        #: The ``quantize`` mode applied, or None.
+        self.quantization: str | None = None
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
         kernel = device_attention(req_to_token.device, req_to_token.shape[1])
@@ -259,7 +265,8 @@ class LlamaDecoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[..., vocab]`` of final-norm hidden states
         (each rank's vocabulary slice, gathered)."""
-        return self.tp.all_gather(F.linear(h, self.lm_head_weight).float())
+        head = F.linear(h, self.lm_head_weight) if self.head_proj is None else self.head_proj(h)
+        return self.tp.all_gather(head.float())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

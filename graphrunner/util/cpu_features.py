@@ -4,14 +4,18 @@ bfloat16 (and float16) matmuls run on dedicated units only on some CPUs:
 AMX tiles (Intel Sapphire Rapids and later) or AVX-512-bf16; elsewhere
 they are emulated (measured on an AVX2 CPU: a 576 x 1536 bfloat16 linear
 2-4x slower than float32's), so a half-precision model saves memory, not
-time. :func:`half_precision_note` says so, once, where it applies.
+time. :func:`half_precision_note` says so, once, where it applies. The
+same holds for torch's weight-only int8 product (``--quantize int8``):
+measured 10-40x slower than float32 on that AVX2 CPU, while float16
+weights with float32 activations (``--quantize fp16``, fbgemm) run there
+1.2-5x faster; :func:`int8_weight_only_note` says so.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["half_precision_note", "half_precision_units"]
+__all__ = ["half_precision_note", "half_precision_units", "int8_weight_only_note"]
 
 
 def half_precision_units() -> list[str]:
@@ -39,4 +43,17 @@ def half_precision_note(dtype: torch.dtype, device: str) -> str | None:
         f"note: this CPU ({capability}) has no AMX or AVX-512-bf16 units: {name} matmuls "
         f"are emulated and run slower than float32 here; --dtype {name} saves memory, "
         "--dtype float32 is the fast path"
+    )
+
+
+def int8_weight_only_note() -> str | None:
+    """A one-line note for weight-only int8 on a CPU without AVX-512 or AMX
+    (None where there is nothing to say)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512") or half_precision_units():
+        return None
+    return (
+        f"note: this CPU ({capability}) has no AVX-512 or AMX: weight-only int8 matmuls run "
+        "slower than float32 here; --quantize fp16 (float16 weights, float32 activations) is "
+        "the fast compact path"
     )

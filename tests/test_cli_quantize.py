@@ -1,0 +1,120 @@
+"""``--quantize int8 | fp16`` on ``generate`` and ``demo``: the tokens of
+transformers holding the same compact weights, and every refusal naming the
+flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_quantize import _stored_copy
+from torch import nn
+
+from graphrunner.cli import main as cli
+from hf_tiny import save_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4, 31]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+    path = tmp_path_factory.mktemp("cli-quantize")
+    return path, save_tiny_llama(path)
+
+
+def _hf_tokens(hf: nn.Module, mode: str) -> list[list[int]]:
+    model = _stored_copy(hf, mode)
+    model.generation_config.eos_token_id = None
+    tokens = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW,
+                pad_token_id=0,
+            )
+        tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
+
+
+@pytest.mark.parametrize(("mode", "runner"), [("int8", "eager"), ("fp16", "cpu")])
+def test_generate_quantized_prints_transformers_tokens(
+    tiny: tuple[Path, nn.Module],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    mode: str,
+    runner: str,
+) -> None:
+    path, hf = tiny
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--quantize", mode]
+    argv += ["--runner", runner, "--capture-sizes", "1,2,4", "--max-new-tokens", str(NEW)]
+    assert cli.main([*argv, "--json", "--check", "--check-padding", "--quiet"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in records] == _hf_tokens(hf, mode)
+
+
+def test_demo_quantized_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--quantize", "fp16", "--runner", "cpu", "--max-bs", "4", "--steps", "20"]
+    assert cli.main(argv) == 0
+    assert "mismatches: 0" in capsys.readouterr().out
+
+
+def test_an_unknown_mode_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--runner", "eager", "--quantize", "int4"])
+    assert stop.value.code == 2
+    assert "argument --quantize: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_fp16_weights_on_a_half_precision_model_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "demo",
+        "--runner",
+        "eager",
+        "--steps",
+        "5",
+        "--quantize",
+        "fp16",
+        "--dtype",
+        "bfloat16",
+    ]
+    assert cli.main(argv) == 2
+    assert "--quantize fp16 runs float32 activations over float16 weights; --dtype bfloat16" in (
+        capsys.readouterr().err
+    )
+
+
+def test_quantize_on_a_mamba_checkpoint_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hf_ssm import save_tiny_mamba
+
+    save_tiny_mamba(tmp_path / "ck")
+    argv = ["generate", "--model", str(tmp_path / "ck"), "--prompt", "[1, 2]", "--quantize", "int8"]
+    assert cli.main([*argv, "--runner", "eager"]) == 2
+    assert "--quantize is not supported for a Mamba or Jamba checkpoint" in capsys.readouterr().err
+
+
+def test_int8_on_a_cpu_without_avx512_notes_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graphrunner.util import cpu_features
+
+    monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_features, "half_precision_units", lambda: [])
+    assert cli.main(["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]) == 0
+    err = capsys.readouterr().err
+    assert "weight-only int8 matmuls run slower than float32 here; --quantize fp16" in err
+    monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert cli.main(["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]) == 0
+    assert "weight-only int8" not in capsys.readouterr().err
