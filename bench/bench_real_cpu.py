@@ -13,10 +13,16 @@ decodes the same number of tokens), one torch thread, float32:
 Decode tokens/s excludes prefill: graphrunner's engine times its decode
 replays; transformers' is (the new tokens after the first) over the time of
 ``generate(new)`` minus ``generate(1)`` on the same inputs. The tokens of
-each graphrunner run are compared with transformers' (rows whose first
-``--new`` tokens agree). bfloat16 and int8 are not measured here (see
-``graphrunner.util.cpu_features``: on a CPU without AMX or AVX-512-bf16 they
-are slower than float32).
+each graphrunner run are compared with transformers' float32 ones: rows
+whose ``--new`` tokens all agree, and the mean number of leading tokens that
+agree.
+
+Variants (``--variants``): the eager and CPU runners in float32, and the CPU
+runner with compact weights: ``fp16`` (float16 weights, float32 activations),
+``int8`` (per-channel int8, torch's weight-only product) and ``bf16``
+(``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
+AVX-512 or AMX the last two run emulated and slower than float32
+(``graphrunner.util.cpu_features``); they are measured all the same.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
 ``bench/results/real-smollm2-cpu.md`` and ``.json``).
@@ -39,17 +45,29 @@ from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import Engine, Request, create_model_runner
 from graphrunner.io import load_model
+from graphrunner.model.quantize import quantize_model
 from graphrunner.testing import torch_threads
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
+#: ``--variants`` names: (runner kind, dtype, quantize mode) and the row's label.
+VARIANTS = {
+    "eager": ("eager", torch.float32, None, "graphrunner eager runner"),
+    "cpu": ("cpu", torch.float32, None, "graphrunner cpu runner"),
+    "fp16": ("cpu", torch.float32, "fp16", "graphrunner cpu runner, --quantize fp16"),
+    "int8": ("cpu", torch.float32, "int8", "graphrunner cpu runner, --quantize int8"),
+    "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
+}
 
 
 def graphrunner_run(
-    checkpoint: Path, prompts: list[list[int]], kind: str, bs: int, new: int
+    checkpoint: Path, prompts: list[list[int]], variant: str, bs: int, new: int
 ) -> tuple[float, list[list[int]]]:
     """Decode tokens/s and each prompt's new tokens (in prompt order)."""
+    kind, dtype, quantize, _ = VARIANTS[variant]
     context = max(len(p) for p in prompts) + new
-    bundle = load_model(checkpoint, max_requests=bs, max_context_len=context)
+    bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
+    if quantize is not None:
+        quantize_model(bundle.model, quantize)
     runner = create_model_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
     runner.capture()
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
@@ -110,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
     p.add_argument("--batches", default="8,1")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     checkpoint, prompts = smollm2_chats()
@@ -119,15 +138,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for bs in (int(b) for b in args.batches.split(",")):
             hf_tps, hf_tokens = transformers_run(checkpoint, prompts, bs, args.new)
             rows.append(
-                {"bs": bs, "who": "transformers generate", "tokens_per_s": hf_tps, "agree": 8}
+                {
+                    "bs": bs,
+                    "who": "transformers generate",
+                    "tokens_per_s": hf_tps,
+                    **agreement(hf_tokens, hf_tokens),
+                }
             )
             print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
-            for kind in ("eager", "cpu"):
-                tps, tokens = graphrunner_run(checkpoint, prompts, kind, bs, args.new)
-                agree = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
-                who = f"graphrunner {kind} runner"
-                rows.append({"bs": bs, "who": who, "tokens_per_s": tps, "agree": agree})
-                print(f"bs {bs} {who}: {tps:.1f} tok/s, {agree}/8 rows as transformers", flush=True)
+            for variant in args.variants.split(","):
+                tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
+                row = {"bs": bs, "who": VARIANTS[variant][3], "tokens_per_s": tps}
+                rows.append({**row, **agreement(tokens, hf_tokens)})
+                print(
+                    f"bs {bs} {row['who']}: {tps:.1f} tok/s, {rows[-1]['agree']}/8 rows and "
+                    f"{rows[-1]['prefix']:.1f} leading tokens as transformers",
+                    flush=True,
+                )
     result = {
         "command": f"{CMD} {' '.join(argv)}".strip(),
         "machine": machine(),
@@ -140,20 +167,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+    """Rows equal to ``reference`` and the mean count of leading tokens that agree."""
+    prefixes = []
+    for got, want in zip(tokens, reference, strict=True):
+        same = [a == b for a, b in zip(got, want, strict=True)] + [False]
+        prefixes.append(same.index(False))
+    equal = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    return {"agree": equal, "prefix": sum(prefixes) / len(prefixes)}
+
+
 def write(result: dict[str, Any]) -> str:
     lines = [
         "# SmolLM2-135M-Instruct on the CPU: decode tokens/s against transformers",
         "",
         f"- command: `{result['command']}`",
         *(f"- {k}: {v}" for k, v in result["machine"].items()),
-        f"- float32, one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
+        f"- one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
         f"8 chat prompts of {min(result['prompt_lengths'])}-{max(result['prompt_lengths'])} "
         "tokens; steady-state decode (prefill excluded)",
         f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
         f"(a shared {os.cpu_count()}-core machine)",
         "",
-        "| batch | who | decode tok/s | vs transformers | rows with transformers' tokens |",
-        "|---|---|---|---|---|",
+        "- agreement: with transformers' float32 tokens (rows whose every token agrees; "
+        "mean leading tokens that agree)",
+        "",
+        "| batch | who | decode tok/s | vs transformers | rows as transformers | "
+        "leading tokens as transformers |",
+        "|---|---|---|---|---|---|",
     ]
     base = {
         r["bs"]: r["tokens_per_s"] for r in result["rows"] if r["who"].startswith("transformers")
@@ -161,7 +202,8 @@ def write(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         ratio = r["tokens_per_s"] / base[r["bs"]]
         lines.append(
-            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {r['agree']}/8 |"
+            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
         )
     out = RESULTS_DIR / "real-smollm2-cpu.md"
     out.write_text("\n".join(lines) + "\n")

@@ -50,6 +50,7 @@ from graphrunner.mechanisms import (
     create_mechanism,
 )
 from graphrunner.model import ModelBundle, ModelConfig, build_model, default_model
+from graphrunner.model.quantize import QUANTIZATIONS, quantize_model
 from graphrunner.model.mamba import MambaConfig
 from graphrunner.model.mamba_mixer import MixerShape
 from graphrunner.model.parallel import TensorParallel
@@ -96,6 +97,7 @@ __all__ = [
     "__version__",
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
+    "QUANTIZATIONS",
     "MAMBA_DECODE_FIELDS",
     "BatchSizeError",
     "BatchSizeHistogram",
@@ -178,6 +180,7 @@ __all__ = [
     "pad_to",
     "padding_waste",
     "populate",
+    "quantize_model",
     "read_config",
     "read_histogram",
     "save_checkpoint",

@@ -34,7 +34,7 @@ def test_a_cpu_without_units_gets_a_note_naming_the_dtype(monkeypatch: pytest.Mo
     note = half_precision_note(torch.bfloat16, "cpu")
     capability = torch.backends.cpu.get_cpu_capability()
     assert note is not None and note.startswith(f"note: this CPU ({capability}) has no AMX")
-    assert "--dtype bfloat16 saves memory, --dtype float32 is the fast path" in note
+    assert "--dtype bfloat16 saves memory, --dtype float32 --quantize fp16" in note
     assert "float16 matmuls" in (half_precision_note(torch.float16, "cpu") or "")
     assert half_precision_note(torch.float32, "cpu") is None
     assert half_precision_note(torch.bfloat16, "cuda:0") is None

@@ -98,6 +98,9 @@ def test_quantize_refusals_name_what_is_wrong() -> None:
         check_quantization("int4", torch.float32, "cpu")
     with pytest.raises(ValueError, match="runs on the CPU; the model is on cuda"):
         check_quantization("int8", torch.float32, "cuda")
+    twice = quantize_model(default_model(max_requests=1).model, "fp16")
+    with pytest.raises(ValueError, match="already quantized \\('fp16'\\)"):
+        quantize_model(twice, "int8")
     bf16 = default_model(max_requests=1, dtype=torch.bfloat16).model
     with pytest.raises(ValueError, match="quantize='fp16'.*torch.bfloat16"):
         quantize_model(bf16, "fp16")

@@ -61,14 +61,19 @@ def _factory(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Modul
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """Quantize ``model`` (a :class:`~graphrunner.model.llama.LlamaDecoder`,
     weights loaded) in place with ``mode`` (a :data:`QUANTIZATIONS` name);
-    returns it. Raises ValueError for another model, an unknown mode, a CUDA
-    model or ``fp16`` on a half-precision model."""
+    returns it. Raises ValueError for another model, one already quantized,
+    an unknown mode, a CUDA model or ``fp16`` on a half-precision model."""
     from graphrunner.model.attention import PagedAttention
     from graphrunner.model.llama import LlamaDecoder
 
     if not isinstance(model, LlamaDecoder):
         raise ValueError(
             f"quantize={mode!r}: supported for Llama models; this model is {type(model).__name__}"
+        )
+    if model.quantization is not None:
+        raise ValueError(
+            f"quantize={mode!r}: the model is already quantized ({model.quantization!r}); "
+            "load it again to quantize it another way"
         )
     dtype = model.model.norm.weight.dtype
     check_quantization(mode, dtype, model.model.norm.weight.device)

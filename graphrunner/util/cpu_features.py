@@ -2,13 +2,14 @@
 
 bfloat16 (and float16) matmuls run on dedicated units only on some CPUs:
 AMX tiles (Intel Sapphire Rapids and later) or AVX-512-bf16; elsewhere
-they are emulated (measured on an AVX2 CPU: a 576 x 1536 bfloat16 linear
-2-4x slower than float32's), so a half-precision model saves memory, not
-time. :func:`half_precision_note` says so, once, where it applies. The
-same holds for torch's weight-only int8 product (``--quantize int8``):
-measured 10-40x slower than float32 on that AVX2 CPU, while float16
-weights with float32 activations (``--quantize fp16``, fbgemm) run there
-1.2-5x faster; :func:`int8_weight_only_note` says so.
+they are emulated. Measured on an AVX2 CPU (SmolLM2-135M, one thread,
+``bench/results/real-smollm2-cpu.md``): a bfloat16 model decoded 1.4x
+float32's tokens/s at batch 1 (half the weight bytes) but 0.47x at batch 8
+(the emulated arithmetic), while float16 weights with float32 arithmetic
+(``--quantize fp16``, fbgemm) ran 1.6x and 1.9x. :func:`half_precision_note`
+says so, once, where it applies. Torch's weight-only int8 product
+(``--quantize int8``) ran 0.37x and 0.09x there; :func:`int8_weight_only_note`
+says so.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def half_precision_note(dtype: torch.dtype, device: str) -> str | None:
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     return (
         f"note: this CPU ({capability}) has no AMX or AVX-512-bf16 units: {name} matmuls "
-        f"are emulated and run slower than float32 here; --dtype {name} saves memory, "
-        "--dtype float32 is the fast path"
+        f"are emulated here (slower than float32 from a few rows up); --dtype {name} saves "
+        "memory, --dtype float32 --quantize fp16 (float16 weights, float32 arithmetic) is "
+        "the fast path"
     )
 
 
