@@ -50,10 +50,10 @@ from graphrunner.mechanisms import (
     create_mechanism,
 )
 from graphrunner.model import ModelBundle, ModelConfig, build_model, default_model
-from graphrunner.model.quantize import QUANTIZATIONS, quantize_model
 from graphrunner.model.mamba import MambaConfig
 from graphrunner.model.mamba_mixer import MixerShape
 from graphrunner.model.parallel import TensorParallel
+from graphrunner.model.quantize import QUANTIZATIONS, quantize_model
 from graphrunner.phases import (
     EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
