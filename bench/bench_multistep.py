@@ -16,6 +16,12 @@ machine hits them alike; medians over the rounds.
   the prefills;
 - launches and syncs per token from the engine's stats.
 
+``--overlap`` adds, for every N, the same engine with overlap scheduling
+(``Engine(overlap=True, steps_per_launch=N)``: launch i+1 prepared while
+launch i runs, one read back per launch), timed in the same rounds and
+compared with plain N = 1. On the CPU the program runs on the host thread
+itself, so overlap has nothing to hide there; its rows show its cost.
+
 On the CPU: the compiled CPU runner (inductor), one torch thread, the
 embedded default model. Run: ``PYTHONPATH=. .venv/bin/python -m
 bench.bench_multistep`` (writes ``bench/results/multistep-cpu.md`` and
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, Request, create_model_runner, default_model
+from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
 from graphrunner.testing import torch_threads
 
@@ -50,31 +56,45 @@ def trace(bs: int, new: int) -> list[Request]:
     return [Request(i, (3 + i, 5 + i, 7 + i, 11 + i), new) for i in range(bs)]
 
 
+def _engine(bs: int, n: int, overlap: bool, *, new: int, kind: str, device: str) -> Engine:
+    bundle = default_model(max_requests=bs, max_context_len=new + 8, device=device)
+    futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=[bs], steps_per_launch=n, future_map=futures
+    )
+    runner.capture()
+    return Engine(bundle, runner, steps_per_launch=n, overlap=overlap)
+
+
 def measure(
-    bs: int, steps: Sequence[int], *, new: int, rounds: int, kind: str, device: str
+    bs: int,
+    steps: Sequence[int],
+    *,
+    new: int,
+    rounds: int,
+    kind: str,
+    device: str,
+    overlap: bool = False,
 ) -> list[dict[str, Any]]:
-    """Median tokens/s and host time per token of every N at batch size ``bs``."""
-    engines: dict[int, Engine] = {}
+    """Median tokens/s and host time per token of every N (and with
+    ``overlap``, every N overlapped) at batch size ``bs``."""
+    keys = [(n, False) for n in steps] + ([(n, True) for n in steps] if overlap else [])
     t0 = time.perf_counter()
-    for n in steps:
-        bundle = default_model(max_requests=bs, max_context_len=new + 8, device=device)
-        runner = create_model_runner(bundle, kind, capture_sizes=[bs], steps_per_launch=n)
-        runner.capture()
-        engines[n] = Engine(bundle, runner, steps_per_launch=n)
+    engines = {k: _engine(bs, *k, new=new, kind=kind, device=device) for k in keys}
     print(f"bs {bs}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
     requests = trace(bs, new)
-    runs: dict[int, list[tuple[float, EngineResult]]] = {n: [] for n in steps}
-    for n, engine in engines.items():  # warm-up, and the tokens every N must emit
-        runs[n].append((0.0, engine.run(requests)))
-    reference = runs[steps[0]][0][1].outputs
+    runs: dict[tuple[int, bool], list[tuple[float, EngineResult]]] = {k: [] for k in keys}
+    for k, engine in engines.items():  # warm-up, and the tokens every N must emit
+        runs[k].append((0.0, engine.run(requests)))
+    reference = runs[keys[0]][0][1].outputs
     for _ in range(rounds):
-        for n, engine in engines.items():
+        for k, engine in engines.items():
             start = time.perf_counter()
             result = engine.run(requests)
-            runs[n].append((time.perf_counter() - start, result))
+            runs[k].append((time.perf_counter() - start, result))
     rows, base = [], 0.0
-    for n in steps:
-        timed = runs[n][1:]
+    for n, overlapped in keys:
+        timed = runs[(n, overlapped)][1:]
         wall = statistics.median(w for w, _ in timed)
         launch = statistics.median(r.stats.decode_seconds for _, r in timed)
         stats = timed[0][1].stats
@@ -84,6 +104,7 @@ def measure(
         row = {
             "bs": bs,
             "steps_per_launch": n,
+            "overlap": overlapped,
             "tokens_per_s": tps,
             "ratio_vs_1": tps / base,
             "launch_ms_per_token": launch / tokens * 1e3,
@@ -91,7 +112,7 @@ def measure(
             "launches_per_token": stats.launches_per_token,
             "syncs_per_token": stats.syncs_per_token,
             "decode_tokens": tokens,
-            "tokens_equal_n1": all(r.outputs == reference for _, r in runs[n]),
+            "tokens_equal_n1": all(r.outputs == reference for _, r in runs[(n, overlapped)]),
         }
         rows.append(row)
         print(_line(row), flush=True)
@@ -99,14 +120,15 @@ def measure(
 
 
 COLUMNS = (
-    "| bs | N | tokens/s | vs N=1 | launch ms/token | host µs/token | launches/token | "
+    "| bs | N | overlap | tokens/s | vs N=1 | launch ms/token | host µs/token | launches/token | "
     "syncs/token | tokens = N=1 |"
 )
 
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"| {r['bs']} | {r['steps_per_launch']} | {r['tokens_per_s']:.0f} | "
+        f"| {r['bs']} | {r['steps_per_launch']} | {'yes' if r.get('overlap') else 'no'} | "
+        f"{r['tokens_per_s']:.0f} | "
         f"{r['ratio_vs_1']:.2f}x | {r['launch_ms_per_token']:.3f} | "
         f"{r['host_us_per_token']:.1f} | {r['launches_per_token']:.3f} | "
         f"{r['syncs_per_token']:.3f} | {r['tokens_equal_n1']} |"
@@ -130,7 +152,7 @@ def write(result: dict[str, Any], slug: str) -> str:
         f"{result['load_after']} (a shared machine)",
         "",
         COLUMNS,
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(_line(r) for r in result["rows"]),
     ]
     RESULTS_DIR.mkdir(exist_ok=True)
@@ -147,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=96, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    parser.add_argument(
+        "--overlap", action="store_true", help="also time every N with overlap scheduling"
+    )
     args = parser.parse_args(argv)
     steps = [int(s) for s in args.steps.split(",")]
     kind, device = ("cuda", "cuda") if cuda else ("cpu", "cpu")
@@ -155,7 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(COLUMNS)
     with torch_threads(args.threads), torch.no_grad():
         for bs in (int(s) for s in args.sizes.split(",")):
-            rows += measure(bs, steps, new=args.new, rounds=args.rounds, kind=kind, device=device)
+            rows += measure(
+                bs,
+                steps,
+                new=args.new,
+                rounds=args.rounds,
+                kind=kind,
+                device=device,
+                overlap=args.overlap,
+            )
     info = machine()
     slug = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-") if cuda else "cpu"
     result = {

@@ -30,3 +30,24 @@ def save_tiny_llama(path: Path, *, tie: bool = False, seed: int = 0) -> Any:
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
+
+
+def hf_greedy(model: Any, requests: Any) -> dict[int, list[int]]:
+    """transformers' greedy new tokens of each request alone (``rid``,
+    ``prompt``, ``max_new_tokens``), every request run to its budget."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    tokens = {}
+    for req in requests:
+        ids = torch.tensor([req.prompt])
+        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=req.max_new_tokens,
+                pad_token_id=0,
+            )
+        tokens[req.rid] = out[0, len(req.prompt) :].tolist()
+    return tokens

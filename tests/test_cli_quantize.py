@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from test_quantize import _stored_copy
 from torch import nn
 
 from graphrunner.cli import main as cli
-from hf_tiny import save_tiny_llama
+from graphrunner.engine.workload import Request
+from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,21 +28,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
 
 
 def _hf_tokens(hf: nn.Module, mode: str) -> list[list[int]]:
-    model = _stored_copy(hf, mode)
-    model.generation_config.eos_token_id = None
-    tokens = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW,
-                pad_token_id=0,
-            )
-        tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
+    requests = [Request(i, tuple(p), NEW) for i, p in enumerate(PROMPTS)]
+    tokens = hf_greedy(_stored_copy(hf, mode), requests)
+    return [tokens[i] for i in range(len(PROMPTS))]
 
 
 @pytest.mark.parametrize(("mode", "runner"), [("int8", "eager"), ("fp16", "cpu")])
@@ -64,7 +52,7 @@ def test_generate_quantized_prints_transformers_tokens(
 
 
 def test_demo_quantized_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--quantize", "fp16", "--runner", "cpu", "--max-bs", "4", "--steps", "20"]
+    argv = ["demo", "--quantize", "fp16", "--runner", "eager", "--max-bs", "4", "--steps", "20"]
     assert cli.main(argv) == 0
     assert "mismatches: 0" in capsys.readouterr().out
 
@@ -118,3 +106,28 @@ def test_int8_on_a_cpu_without_avx512_notes_the_fast_path(
     monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert cli.main(["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]) == 0
     assert "weight-only int8" not in capsys.readouterr().err
+
+
+def test_int8_from_gguf_q8_0_and_q4_weights_gives_transformers_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GGUF holding Q8_0, Q4_0 and Q4_1 projections: generate --quantize int8
+    requantizes the dequantized weights per channel and prints the tokens of
+    transformers holding those int8 values."""
+    from gguf_world import MIXED_TYPES, tiny_text_checkpoint, write_gguf
+    from graphrunner.io import resolve_checkpoint
+    from graphrunner.io.gguf_cache import CACHE_ENV
+
+    assert {"Q8_0", "Q4_0", "Q4_1"} <= set(MIXED_TYPES.values())
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    write_gguf(tiny_text_checkpoint(tmp_path / "hf"), tmp_path / "hf", tmp_path / "m.gguf")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    argv = ["generate", "--model", str(tmp_path / "m.gguf"), "--prompts", str(prompts)]
+    argv += ["--quantize", "int8", "--runner", "eager", "--max-new-tokens", str(NEW)]
+    assert cli.main([*argv, "--prompts-format", "ids", "--json", "--quiet"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    converted = transformers.LlamaForCausalLM.from_pretrained(
+        resolve_checkpoint(tmp_path / "m.gguf")
+    ).eval()
+    assert [r["tokens"] for r in records] == _hf_tokens(converted, "int8")

@@ -19,10 +19,10 @@ from conftest import SLOW
 from graphrunner.cli.tp import FAIL_RANK_ENV
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.ranks import rank0_admits
-from graphrunner.engine.workload import requests_from_prompts
+from graphrunner.engine.workload import Request, requests_from_prompts
 from graphrunner.model import default_model
 from hf_ssm import save_tiny_mamba
-from hf_tiny import save_tiny_llama
+from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,21 +37,9 @@ SUMMARY = "generate: 5 requests"
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     """A tiny Llama checkpoint and transformers' greedy tokens for PROMPTS."""
     path = tmp_path_factory.mktemp("tp") / "llama"
-    hf = save_tiny_llama(path)
-    hf.generation_config.eos_token_id = None  # every request runs to its budget
-    expected = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-        expected.append(out[0, len(prompt) :].tolist())
-    return path, expected
+    requests = [Request(i, tuple(p), NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    tokens = hf_greedy(save_tiny_llama(path), requests)
+    return path, [tokens[i] for i in range(len(PROMPTS))]
 
 
 def _generate(model: Path, output: Path, *extra: str) -> list[str]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.io import load_model
-from hf_tiny import save_tiny_llama
+from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,23 +30,6 @@ BF16_ATOL = 0.1
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
     path = tmp_path_factory.mktemp("bf16")
     return path, save_tiny_llama(path)
-
-
-def _float32_tokens(hf: nn.Module) -> dict[int, list[int]]:
-    hf.generation_config.eos_token_id = None
-    out = {}
-    for req in TRACE:
-        ids = torch.tensor([req.prompt])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=req.max_new_tokens,
-                pad_token_id=0,
-            )
-        out[req.rid] = gen[0, len(req.prompt) :].tolist()
-    return out
 
 
 def test_bfloat16_cpu_runner_within_tolerance_of_eager_and_near_float32_tokens(
@@ -64,7 +47,7 @@ def test_bfloat16_cpu_runner_within_tolerance_of_eager_and_near_float32_tokens(
     assert stats.padded_rows > 0
     # Against float32 transformers: the share of tokens before each request's
     # first divergence (bfloat16 rounds every weight, so a near tie may flip).
-    want = _float32_tokens(hf)
+    want = hf_greedy(hf, TRACE)
     leading = total = 0
     for req in TRACE:
         got, ref = result.outputs[req.rid], want[req.rid]

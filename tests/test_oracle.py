@@ -20,7 +20,7 @@ from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
 from graphrunner.engine.workload import Request
 from graphrunner.io import load_model
-from hf_tiny import save_tiny_llama
+from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,21 +47,7 @@ TRACE = _trace()
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[int]]]:
     """The checkpoint directory and transformers' greedy tokens per request."""
     path = tmp_path_factory.mktemp("oracle")
-    hf = save_tiny_llama(path)
-    hf.generation_config.eos_token_id = None  # run every request to its budget
-    expected = {}
-    for req in TRACE:
-        ids = torch.tensor([req.prompt])
-        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=req.max_new_tokens,
-                pad_token_id=0,
-            )
-        expected[req.rid] = out[0, len(req.prompt) :].tolist()
-    return path, expected
+    return path, hf_greedy(save_tiny_llama(path), TRACE)
 
 
 def _serve(path: Path, label: str, page_size: int) -> EngineResult:

@@ -17,7 +17,7 @@ from graphrunner.io import load_any, load_model, read_config
 from graphrunner.model import ModelBundle
 from graphrunner.model.parallel import TensorParallel, shard_weights
 from hf_ssm import save_tiny_mamba
-from hf_tiny import save_tiny_llama
+from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,20 +76,7 @@ def _rank_serve(rank: int, world: int, store: Path, path: Path) -> None:
 
 def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    hf = save_tiny_llama(path)
-    hf.generation_config.eos_token_id = None  # run every request to its budget
-    expected = {}
-    for req in TRACE:
-        ids = torch.tensor([req.prompt])
-        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=req.max_new_tokens,
-                pad_token_id=0,
-            )
-        expected[str(req.rid)] = out[0, len(req.prompt) :].tolist()
+    expected = {str(rid): t for rid, t in hf_greedy(save_tiny_llama(path), TRACE).items()}
     run_ranks(_rank_serve, WORLD, WORLD, tmp_path / "store", path)
     for rank in range(WORLD):
         assert json.loads((path / f"rank{rank}.json").read_text()) == expected, rank

@@ -21,7 +21,7 @@ from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import Request
 from graphrunner.io import load_model
 from graphrunner.model import ModelBundle, default_model, shape_1b_config
-from hf_tiny import save_tiny_llama
+from hf_tiny import hf_greedy, save_tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: The compiled runner of this machine: inductor inside CUDA graphs, or called directly.
@@ -152,17 +152,9 @@ def test_compiled_cuda_runner_with_triton_gives_transformers_tokens(tmp_path: Pa
     runner = create_model_runner(bundle, "cuda", capture_sizes=[1, 2, 4, 8], compile=True)
     runner.capture()
     result = Engine(bundle, runner).run(trace)
+    expected = hf_greedy(hf, trace)
     for req in trace:
-        ids = torch.tensor([req.prompt])
-        with torch.no_grad():
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=req.max_new_tokens,
-                pad_token_id=0,
-            )
-        assert result.outputs[req.rid] == out[0, len(req.prompt) :].tolist(), req.rid
+        assert result.outputs[req.rid] == expected[req.rid], req.rid
 
 
 @pytest.mark.cuda
