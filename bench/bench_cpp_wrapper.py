@@ -10,10 +10,11 @@ wrapper's share shows) and, with ``--quantize fp16``, the same with its
 projections through the float16-weight op and the live attention.
 
 Decode µs per step: the engine's decode seconds over its steps, median of
-``--rounds`` runs of ``--new`` tokens per request; capture seconds of the
-first (cold) capture of each wrapper in this process.
+``--rounds`` runs of ``--new`` tokens per request; capture seconds of each
+size (cold only with an empty inductor cache, as the command below runs it).
 
-Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper`` (writes
+Run: ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m
+bench.bench_cpp_wrapper`` (writes
 ``bench/results/cpp-wrapper-cpu.md``). Not collected as a test.
 """
 
@@ -30,7 +31,9 @@ from bench.conftest import RESULTS_DIR, machine
 from graphrunner import Engine, Request, create_model_runner, default_model, quantize_model
 from graphrunner.testing import torch_threads
 
-CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
+CMD = (
+    "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
+)
 WRAPPERS = {"python": {}, "c++": {"cpp_wrapper": True}}
 
 
@@ -86,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- command: `{CMD}`",
         *(f"- {k}: {v}" for k, v in machine().items()),
         f"- one torch thread; bs requests of a 3-token prompt, {args.new} greedy tokens each; "
-        f"decode µs per step, median of {args.rounds} engine runs; capture: the cold first "
-        "capture of the size",
+        f"decode µs per step, median of {args.rounds} engine runs; capture: seconds to "
+        f"capture the size (inductor cache at the start: {_cache_state()})",
         f"- load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} (a shared machine)",
         "",
         "| model | bs | wrapper | decode µs/step | speed-up | capture s | tokens equal |",
@@ -98,6 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text("\n".join(lines) + "\n")
     print(f"results written to {out}")
     return 0
+
+
+def _cache_state() -> str:
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return f"{cache}, empty at the start" if cache else "the default one (captures may be warm)"
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -3,12 +3,12 @@
 bfloat16 (and float16) matmuls run on dedicated units only on some CPUs:
 AMX tiles (Intel Sapphire Rapids and later) or AVX-512-bf16; elsewhere
 they are emulated. Measured on an AVX2 CPU (SmolLM2-135M, one thread,
-``bench/results/real-smollm2-cpu.md``): a bfloat16 model decoded 1.4x
-float32's tokens/s at batch 1 (half the weight bytes) but 0.47x at batch 8
+``bench/results/real-smollm2-cpu.md``): a bfloat16 model decoded 1.57x
+float32's tokens/s at batch 1 (half the weight bytes) but 0.51x at batch 8
 (the emulated arithmetic), while float16 weights with float32 arithmetic
-(``--quantize fp16``, fbgemm) ran 1.6x and 1.9x. :func:`half_precision_note`
+(``--quantize fp16``, fbgemm) ran 1.77x and 2.14x. :func:`half_precision_note`
 says so, once, where it applies. Torch's weight-only int8 product
-(``--quantize int8``) ran 0.37x and 0.09x there; :func:`int8_weight_only_note`
+(``--quantize int8``) ran 0.41x and 0.10x there; :func:`int8_weight_only_note`
 says so.
 """
 
