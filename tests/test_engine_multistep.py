@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from conftest import SLOW
-from graphrunner import Engine, Request, create_model_runner, default_model
+from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
+from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
 from graphrunner.engine.results import EngineResult
 from graphrunner.sampling import SamplingParams
 
@@ -50,25 +51,45 @@ def _run(
     end_token: int | None = None,
     page_size: int = 1,
     sizes: Sequence[int] = (2, 4),
-    **engine: Any,
+    overlap: bool = False,
+    future: list[FutureMap] | None = None,
+    logprobs: int = 0,
+    seed: int = 3,
+    **run: Any,
 ) -> EngineResult:
+    """``trace`` served at N = ``n`` with the sanitizer on (with ``overlap``,
+    through the overlapped multi-step schedule, its future map appended to
+    ``future``); every pool back to its start afterwards."""
     bundle = default_model(max_requests=max(sizes), max_context_len=CTX, page_size=page_size)
+    futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
     runner = create_model_runner(
         bundle,
         kind,
         capture_sizes=list(sizes),
-        sampling=sampled,
+        sampling=sampled or bool(logprobs),
+        logprobs=logprobs,
         steps_per_launch=n,
         end_token=end_token,
+        future_map=futures,
         check_padding=True,
     )
     runner.capture()
     free = (bundle.kv_alloc.available_size(), bundle.req_pool.available_size())
-    result = Engine(bundle, runner, end_token=end_token, steps_per_launch=n, seed=3, **engine).run(
-        trace
+    engine = Engine(
+        bundle,
+        runner,
+        end_token=end_token,
+        steps_per_launch=n,
+        overlap=overlap,
+        seed=seed,
+        logprobs=logprobs,
     )
+    assert isinstance(engine.schedule, MultiStepOverlapSchedule) == overlap
+    result = engine.run(trace, **run)
     assert (bundle.kv_alloc.available_size(), bundle.req_pool.available_size()) == free
     assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+    if future is not None and futures is not None:
+        future.append(futures)
     return result
 
 

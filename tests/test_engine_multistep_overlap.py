@@ -8,66 +8,21 @@ back per launch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from typing import Any
 
 import pytest
 from test_engine_multistep import CTX, _end_token, _reference, _trace
+from test_engine_multistep import _run as _multistep_run
 from test_engine_multistep_logprobs import _end_token as _logprobs_end
 from test_engine_multistep_logprobs import _run as _logprobs_run
 from test_engine_multistep_logprobs import _trace as _logprobs_trace
 
 from conftest import SLOW
-from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
-from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
-from graphrunner.engine.results import EngineResult
+from graphrunner import Engine, FutureMap, create_model_runner, default_model
 
-
-def _run(
-    trace: Sequence[Request],
-    n: int,
-    *,
-    kind: str = "eager",
-    sampled: bool = False,
-    end_token: int | None = None,
-    page_size: int = 1,
-    sizes: Sequence[int] = (2, 4),
-    future: list[FutureMap] | None = None,
-    logprobs: int = 0,
-    seed: int = 3,
-    **run: Any,
-) -> EngineResult:
-    bundle = default_model(max_requests=max(sizes), max_context_len=CTX, page_size=page_size)
-    futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(
-        bundle,
-        kind,
-        capture_sizes=list(sizes),
-        sampling=sampled or bool(logprobs),
-        logprobs=logprobs,
-        steps_per_launch=n,
-        end_token=end_token,
-        future_map=futures,
-        check_padding=True,
-    )
-    runner.capture()
-    free = (bundle.kv_alloc.available_size(), bundle.req_pool.available_size())
-    engine = Engine(
-        bundle,
-        runner,
-        end_token=end_token,
-        steps_per_launch=n,
-        overlap=True,
-        seed=seed,
-        logprobs=logprobs,
-    )
-    assert isinstance(engine.schedule, MultiStepOverlapSchedule)
-    result = engine.run(trace, **run)
-    assert (bundle.kv_alloc.available_size(), bundle.req_pool.available_size()) == free
-    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
-    if future is not None:
-        future.append(futures)
-    return result
+#: The multi-step test's run, through the overlapped schedule.
+_run = functools.partial(_multistep_run, overlap=True)
 
 
 @pytest.mark.parametrize("n", [2, 4])
