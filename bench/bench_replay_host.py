@@ -16,13 +16,20 @@ reference model, in one run:
 * the parts, no graph launched: the torch populate alone, the fused populate
   alone (table staging, copy, launch), the Triton launch alone.
 
-Host time: the GPU is idle before each call (synchronized, not timed), the
-call alone is timed; median and p90 of ``ROUNDS`` calls. NVTX is on, no
-profiler attached. Launches per step come from a torch profiler trace of
-``TRACED`` steps (CUDA runtime and driver launch, copy and set calls).
+Host time (:mod:`bench.host_timing`): every call timed on its own, after a
+warm-up, in two modes: **idle** (the GPU drained before each call, untimed)
+and **busy** (calls back to back queued behind a ``torch.cuda._sleep``, the
+host running ahead, checked to still be busy after the last call); median
+and p10-p90 of each, each variant against the bare launch of the same mode
+and size measured in the same run. NVTX is on, no profiler attached while
+timing. Launches per step come from a torch profiler trace of ``TRACED``
+steps (CUDA runtime and driver launch, copy and set calls).
 
-Run on a GPU: ``.venv/bin/python -m bench.bench_replay_host`` (prints the
-table, writes ``bench/results/replay-host-<device>.md`` and ``.json``).
+Run on a GPU: ``.venv/bin/python -m bench.bench_replay_host`` or
+``bash bench/gpu_steps.sh replay`` (prints the table, writes
+``bench/results/replay-host-<device>.md`` and ``.json``, naming the command,
+device, driver, CUDA and torch versions, the method and the 15 µs goal:
+:mod:`bench.replay_host_report`).
 Without a GPU it says so and exits; as a pytest item it is skipped.
 
 On a CPU, ``--cpu``: ``runner.replay()`` with a trivial forward (eager
@@ -34,18 +41,19 @@ checked to write the same bytes (:mod:`bench.replay_host_cpu`); writes
 
 from __future__ import annotations
 
-import json
 import re
-import statistics
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bench.conftest import RESULTS_DIR, machine
+from bench.conftest import RESULTS_DIR
+from bench.cuda_host_timing import cuda_host_times, sleep_cycles_per_us
+from bench.host_timing import HostTimes
+from bench.replay_host_report import gpu_info, write_results
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.decode import DECODE_FIELD_NAMES
@@ -54,13 +62,27 @@ from graphrunner.model import ModelBundle, default_model
 from graphrunner.phases.base import SpecBatch
 from graphrunner.writers.base import check_sources, write_sources
 from graphrunner.writers.fused import FusedPopulate
+from graphrunner.writers.staging import DEPTH
 
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded
 MODES = ["torch", "fused", "graph"]
-ROUNDS = 200
 WARMUP = 30
+IDLE_BLOCKS, IDLE_CALLS = 10, 40
+#: Busy blocks of DEPTH calls: a fused or in-graph populate further ahead than
+#: its staging ring would wait for the GPU (the busy check would refuse it).
+BUSY_BLOCKS, BUSY_CALLS = 50, DEPTH
+OCCUPY_MIN_US = 2000.0  # the busy mode's sleep per block, at least
+OCCUPY_TRIES = 4  # doubling the sleep each time the GPU went idle under the calls
 TRACED = 20
+PARAMS = {
+    "warmup": WARMUP,
+    "idle_blocks": IDLE_BLOCKS,
+    "idle_calls_per_block": IDLE_CALLS,
+    "busy_blocks": BUSY_BLOCKS,
+    "busy_calls": BUSY_CALLS,
+    "traced": TRACED,
+}
 #: Profiler event names that put work on the device (per step, besides nothing else).
 _LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaMemcpy|cudaMemset|cudaGraphLaunch)")
 
@@ -145,18 +167,19 @@ def _variants(
     }
 
 
-def _host_us(fn: Callable[[], Any]) -> tuple[float, float]:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        start = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - start) / 1e3)
-    torch.cuda.synchronize()
-    times.sort()
-    return statistics.median(times), times[int(0.9 * len(times))]
+def host_times(fn: Callable[[], Any], cycles_per_us: float) -> tuple[HostTimes, HostTimes, float]:
+    """(idle, busy, the busy mode's sleep per block in µs) with this bench's counts."""
+    return cuda_host_times(
+        fn,
+        cycles_per_us,
+        warmup=WARMUP,
+        idle_blocks=IDLE_BLOCKS,
+        idle_calls=IDLE_CALLS,
+        busy_blocks=BUSY_BLOCKS,
+        busy_calls=BUSY_CALLS,
+        occupy_min_us=OCCUPY_MIN_US,
+        tries=OCCUPY_TRIES,
+    )
 
 
 def _launches(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -180,21 +203,23 @@ def measure() -> list[dict[str, Any]]:
     for mode in MODES:
         runners[mode] = create_model_runner(bundle, "cuda", capture_sizes=SIZES, populate=mode)
         runners[mode].capture()
+    cycles_per_us = sleep_cycles_per_us()
     rows = []
     for bs in SIZES:
         raw_bs = RAW[bs]
         batch = _batch(bundle, raw_bs)
         variants = _variants(runners, batch, bs)
         for name, fn in variants.items():
-            median, p90 = _host_us(fn)
+            idle, busy, occupy_us = host_times(fn, cycles_per_us)
             launches, graphs = _launches(fn)
             rows.append(
                 {
                     "raw_bs": raw_bs,
                     "bs": bs,
                     "variant": name,
-                    "host_us_median": round(median, 2),
-                    "host_us_p90": round(p90, 2),
+                    "idle": idle.summary(),
+                    "busy": busy.summary(),
+                    "occupy_us": round(occupy_us),
                     "device_calls_per_step": launches,
                     "besides_graph": launches - graphs,
                 }
@@ -203,39 +228,14 @@ def measure() -> list[dict[str, Any]]:
     return rows
 
 
-def write(rows: list[dict[str, Any]]) -> str:
-    info = machine()
-    bare = {r["bs"]: r["host_us_median"] for r in rows if r["variant"] == "bare"}
-    medians = {(r["bs"], r["variant"]): r["host_us_median"] for r in rows}
-    lines = [
-        f"# Replay host time: {info['device']}",
-        "",
-        f"torch {info['torch']}, python {info['python']}, {info['date']}. Host µs per call "
-        f"(GPU idle before each, {ROUNDS} calls), device calls per step from a profiler "
-        f"trace ({TRACED} steps). Per-field / this: against per-field with the same "
-        f"inputs (device fields, or host fields for the rows marked so).",
-        "",
-        "| raw -> graph | variant | median µs | p90 µs | x bare | per-field / this "
-        "| device calls | besides graph |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        bs = r["bs"]
-        host = r["variant"].endswith("(host fields)")
-        per_field = medians[(bs, "per-field (host fields)" if host else "per-field")]
-        lines.append(
-            f"| {r['raw_bs']} -> {bs} | {r['variant']} | {r['host_us_median']:.1f} | "
-            f"{r['host_us_p90']:.1f} | {r['host_us_median'] / bare[bs]:.1f} | "
-            f"{per_field / r['host_us_median']:.2f} | {r['device_calls_per_step']:g} | "
-            f"{r['besides_graph']:g} |"
-        )
-    text = "\n".join(lines) + "\n"
-    slug = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-")
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"replay-host-{slug}.md").write_text(text)
-    payload = {"machine": info, "rows": rows}
-    (RESULTS_DIR / f"replay-host-{slug}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    return text
+def write(
+    rows: list[dict[str, Any]],
+    info: dict[str, str] | None = None,
+    results_dir: Path = RESULTS_DIR,
+) -> str:
+    """Write the table (:mod:`bench.replay_host_report`) and return its text."""
+    path = write_results(rows, gpu_info() if info is None else info, PARAMS, results_dir)
+    return path.read_text()
 
 
 def bench_replay_host() -> None:

@@ -16,9 +16,7 @@ Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_replay_host --cpu``
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 from bench.bench_replay_host import per_field_populate
 from bench.conftest import RESULTS_DIR, machine
+from bench.host_timing import HostTimes, summarize, time_idle
 from graphrunner import GraphRunner, decode_buffer_specs, populate
 from graphrunner.testing import ToyWorld, torch_threads
 from graphrunner.writers.base import check_sources
@@ -68,11 +67,17 @@ def _check_same_bytes(runner: GraphRunner, variants: dict[str, Callable[[], Any]
             assert torch.equal(t, other[name]), f"{name}: the variants wrote different values"
 
 
+def _no_sync() -> None:
+    """Nothing to drain: a CPU step is done when its call returns."""
+
+
 def measure_cpu(rounds: int = 40, calls: int = 500) -> dict[str, Any]:
     """On the CPU: ``runner.replay()`` (eager mechanism, decode buffers, a
     trivial forward) against the per-field populate alone, 7 live rows padded
     to 8, one thread, under ``no_grad``; the variants interleaved in
-    ``rounds`` blocks of ``calls`` individually timed calls; medians."""
+    ``rounds`` blocks of ``calls`` individually timed calls
+    (:func:`bench.host_timing.time_idle`, nothing to drain on the CPU);
+    medians and p10-p90 over all blocks."""
     world = ToyWorld()
     batch = world.make_batch(7, seed=0)
     runner = GraphRunner(
@@ -97,18 +102,18 @@ def measure_cpu(rounds: int = 40, calls: int = 500) -> dict[str, Any]:
         ),
         "replay": lambda: runner.replay(batch),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch_threads(1), torch.no_grad():
         _check_same_bytes(runner, variants)
         for _ in range(rounds):
             for name, fn in variants.items():
-                for _ in range(calls):
-                    start = time.perf_counter_ns()
-                    fn()
-                    times[name].append((time.perf_counter_ns() - start) / 1e3)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+                block = time_idle(fn, sync=_no_sync, blocks=1, calls_per_block=calls, warmup=0)
+                samples[name].extend(block.samples_us)
+    times: dict[str, HostTimes] = {name: summarize(t, "idle") for name, t in samples.items()}
+    medians = {name: t.median_us for name, t in times.items()}
     return {
         "medians_us": {k: round(v, 2) for k, v in medians.items()},
+        "spreads_us": {k: t.spread() for k, t in times.items()},
         "ratio": round(medians["replay"] / medians["per-field populate"], 3),
         "ratios": {k: round(medians["replay"] / v, 3) for k, v in medians.items()},
         "calls": rounds * calls,
@@ -131,11 +136,15 @@ def write_cpu(result: dict[str, Any]) -> str:
                 *(f"- {k}: {v}" for k, v in info.items()),
                 "",
                 "7 live rows padded to 8, eager mechanism, decode buffers, trivial forward, "
-                f"under no_grad; medians of {result['calls']} calls each, interleaved.",
+                f"under no_grad; each call timed on its own (bench/host_timing.py), medians and "
+                f"p10-p90 of {result['calls']} calls each, interleaved.",
                 "",
-                "| variant | median µs | replay / this |",
-                "|---|---|---|",
-                *(f"| {k} | {v:.2f} | {result['ratios'][k]:.2f} |" for k, v in m.items()),
+                "| variant | median µs | p10-p90 µs | replay / this |",
+                "|---|---|---|---|",
+                *(
+                    f"| {k} | {v:.2f} | {result['spreads_us'][k]} | {result['ratios'][k]:.2f} |"
+                    for k, v in m.items()
+                ),
                 "",
                 f"replay / {MAIN_POPULATE}: **{against:.2f}x** (goal at most {GOAL}x: "
                 f"{'met' if against <= GOAL else 'NOT met'}); replay / per-field populate: "
