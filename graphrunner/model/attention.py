@@ -93,8 +93,21 @@ class PagedAttention(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        n, kv_width = x.shape[0], self.num_kv_heads * self.head_dim
         qkv = F.linear(x, self.qkv_weight) if self.qkv_proj is None else self.qkv_proj(x)
+        return self.o_proj(self.attend_qkv(qkv, positions, out_loc, kv, meta, rotary))
+
+    def attend_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv: KVStore,
+        meta: AttnMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the stacked projection ``qkv [n, (H + 2 H_kv) D]``
+        to the heads' outputs ``[n, H D]``, before ``o_proj``."""
+        n, kv_width = qkv.shape[0], self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -103,7 +116,7 @@ class PagedAttention(nn.Module):
         kv.set_kv(self.layer_id, out_loc, k, v)
         k_buf, v_buf = kv.get_kv(self.layer_id)
         out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale)
-        return self.o_proj(self._unrows(out, n))
+        return self._unrows(out, n)
 
     def _rows(self, q: torch.Tensor, b: int) -> torch.Tensor:
         """``[n, H, D]`` to ``[b, H_kv, R, D]``: in decode (b == n) the rows of a KV

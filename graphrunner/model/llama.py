@@ -21,6 +21,7 @@ from graphrunner.model.parallel import (
     VocabParallelEmbedding,
     local_config,
 )
+from graphrunner.model.small_batch import fits, small_batch_layer, small_batch_linear
 from graphrunner.model.token_rows import TokenRows
 from graphrunner.model.weights import WeightError, copy_checked_weights
 from graphrunner.phases.inputs import VerifyInputs
@@ -48,6 +49,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        #: Steps of at most this many token rows run the small-batch linears
+        #: (:func:`~graphrunner.model.small_batch.use_small_batch_linears`).
+        self.small_batch_rows = 0
         self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -64,6 +68,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
+        if fits(h.shape[0], self.small_batch_rows):
+            return small_batch_layer(self, h, positions, out_loc, kv, meta, rotary)
         attn = self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
         h = h + self.tp.all_reduce(attn)
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
@@ -151,6 +157,8 @@ class LlamaDecoder(nn.Module):
         self.head_proj: nn.Module | None = None
         #: The ``quantize`` mode applied, or None.
         self.quantization: str | None = None
+        #: Steps of at most this many rows run the small-batch linears (0: none).
+        self.small_batch_rows = 0
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
         kernel = device_attention(req_to_token.device, req_to_token.shape[1])
@@ -265,7 +273,12 @@ class LlamaDecoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits ``[..., vocab]`` of final-norm hidden states
         (each rank's vocabulary slice, gathered)."""
-        head = F.linear(h, self.lm_head_weight) if self.head_proj is None else self.head_proj(h)
+        if self.head_proj is not None:
+            head = self.head_proj(h)
+        elif h.dim() == 2 and fits(h.shape[0], self.small_batch_rows):
+            head = small_batch_linear(h, self.lm_head_weight)
+        else:
+            head = F.linear(h, self.lm_head_weight)
         return self.tp.all_gather(head.float())
 
     @property

@@ -1,0 +1,103 @@
+"""A Llama decoder's projections through the Triton small-batch linears.
+
+:func:`use_small_batch_linears` routes every step of at most ``max_rows``
+token rows through :func:`~graphrunner.model.kernels.gemv.gemv`, four
+launches a layer where the torch path runs a norm, a product, a gate and a
+multiply apiece:
+
+* input RMSNorm + stacked q/k/v projection (one launch);
+* the output projection;
+* post-attention RMSNorm + gate and up projections + SiLU gate (one launch);
+* the down projection;
+
+and the LM head. Larger steps keep the torch path (cuBLAS's GEMMs win there).
+The kernels are an opaque ``torch.library`` op, as the attention is: inductor
+compiles what lies between them and a CUDA graph captures them. Row by row
+the arithmetic is the torch modules' (see the kernel's roundings), so a
+padded row cannot reach a live one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from graphrunner.model.kernels.gemv import MAX_ROWS, gemv
+
+if TYPE_CHECKING:
+    from graphrunner.model.attention_meta import AttnMetadata, KVStore
+    from graphrunner.model.layers import RotaryEmbedding
+    from graphrunner.model.llama import LlamaDecoder, LlamaDecoderLayer
+
+__all__ = ["fits", "small_batch_layer", "small_batch_linear", "use_small_batch_linears"]
+
+
+@torch.library.custom_op("graphrunner::small_batch_linear", mutates_args=())
+def small_batch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight2: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """:func:`~graphrunner.model.kernels.gemv.gemv` as an op: ``x [M, K]`` to a
+    new ``[M, N]`` (``M <= MAX_ROWS``)."""
+    return gemv(x.contiguous(), weight, weight2=weight2, norm_weight=norm_weight, eps=eps)
+
+
+@small_batch_linear.register_fake
+def _fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight2: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def use_small_batch_linears(model: LlamaDecoder, max_rows: int) -> None:
+    """Run ``model``'s steps of at most ``max_rows`` token rows (``0``: none,
+    the default) through the small-batch linears. Call it before capture: a
+    captured size keeps the path it was captured with.
+
+    Raises ``ValueError`` for ``max_rows`` outside ``0..MAX_ROWS`` or a
+    quantized model (its linears hold compact weights the kernels do not read).
+    """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 0 <= max_rows <= MAX_ROWS:
+        raise ValueError(
+            f"use_small_batch_linears: max_rows={max_rows!r}: expected an int in 0..{MAX_ROWS}"
+        )
+    if model.quantization is not None and max_rows:
+        raise ValueError(
+            f"use_small_batch_linears: the model is quantized ({model.quantization!r}); "
+            "the small-batch linears read float weights (leave max_rows=0)"
+        )
+    model.small_batch_rows = max_rows
+    for layer in model.model.layers:
+        cast("LlamaDecoderLayer", layer).small_batch_rows = max_rows
+
+
+def small_batch_layer(
+    layer: LlamaDecoderLayer,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    kv: KVStore,
+    meta: AttnMetadata,
+    rotary: RotaryEmbedding,
+) -> torch.Tensor:
+    """``layer.forward`` through the small-batch linears (``h [n, hidden]``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    qkv = small_batch_linear(h, attn.qkv_weight, None, norm1.weight, norm1.eps)
+    heads = attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
+    h = h + layer.tp.all_reduce(small_batch_linear(heads, cast(torch.Tensor, attn.o_proj.weight)))
+    gated = small_batch_linear(h, mlp.gate_proj.weight, mlp.up_proj.weight, norm2.weight, norm2.eps)
+    return h + layer.tp.all_reduce(small_batch_linear(gated, mlp.down_proj.weight))
+
+
+def fits(rows: int, max_rows: int) -> bool:
+    """Whether a step of ``rows`` token rows takes the small-batch path."""
+    return 0 < rows <= max_rows
