@@ -10,7 +10,10 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
 - ``graph+compile+triton``: the CUDA runner over the inductor-compiled forward
   with the Triton attention (the reference model's default on CUDA);
 - ``graph+compile+triton-all-heads``: the same with the kernel's
-  ``"all_heads"`` split launch.
+  ``"all_heads"`` split launch;
+- ``graph+compile+triton+gemv``: ``graph+compile+triton`` whose steps of at
+  most 16 rows run the Triton small-batch linears
+  (:func:`~graphrunner.model.small_batch.use_small_batch_linears`).
 
 The floor is the bytes a step must read (every weight once, the embedding
 rows it looks up, every row's cached K and V) over the device's copy
@@ -40,6 +43,8 @@ import torch
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import ModelBundle, default_model, shape_1b_config
+from graphrunner.model.kernels.gemv import MAX_ROWS
+from graphrunner.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
 SIZES = [1, 8, 32, 64]
@@ -51,7 +56,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "graph+compile+triton": ("triton", {"compile": True}),
     # The kernel's other split launch (one program over every KV head of a chunk).
     "graph+compile+triton-all-heads": ("triton-all-heads", {"compile": True}),
+    # The Triton small-batch linears (norm + q/k/v, o, norm + gate/up + SiLU,
+    # down, LM head) for steps of at most MAX_ROWS rows, cuBLAS above.
+    "graph+compile+triton+gemv": ("triton", {"compile": True}),
 }
+#: Variants whose model runs the small-batch linears, and up to how many rows.
+SMALL_BATCH_ROWS = {"graph+compile+triton+gemv": MAX_ROWS}
 #: With ``--autotune``: inductor's GEMM templates autotuned against cuBLAS
 #: (minutes of compilation per size; batch 1's projections are GEMVs).
 AUTOTUNED: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -120,6 +130,7 @@ def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -
     """Seconds per step of ``variant`` on ``batch`` (captured at exactly its size)."""
     attention, options = {**VARIANTS, **AUTOTUNED}[variant]
     bundle.model.attn_backend.use(attention)
+    use_small_batch_linears(bundle.model, SMALL_BATCH_ROWS.get(variant, 0))
     bs = batch.req_pool_indices.shape[0]
     if options is None:
         with torch.no_grad():

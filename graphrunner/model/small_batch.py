@@ -6,11 +6,12 @@ launches a layer where the torch path runs a norm, a product, a gate and a
 multiply apiece:
 
 * input RMSNorm + stacked q/k/v projection (one launch);
-* the output projection;
+* the output projection and the residual add;
 * post-attention RMSNorm + gate and up projections + SiLU gate (one launch);
-* the down projection;
+* the down projection and the residual add;
 
-and the LM head. Larger steps keep the torch path (cuBLAS's GEMMs win there).
+and the LM head (tensor-parallel, the adds follow the all-reduces). Larger
+steps keep the torch path (cuBLAS's GEMMs win there).
 The kernels are an opaque ``torch.library`` op, as the attention is: inductor
 compiles what lies between them and a CUDA graph captures them. Row by row
 the arithmetic is the torch modules' (see the kernel's roundings), so a
@@ -39,11 +40,19 @@ def small_batch_linear(
     weight: torch.Tensor,
     weight2: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """:func:`~graphrunner.model.kernels.gemv.gemv` as an op: ``x [M, K]`` to a
     new ``[M, N]`` (``M <= MAX_ROWS``)."""
-    return gemv(x.contiguous(), weight, weight2=weight2, norm_weight=norm_weight, eps=eps)
+    return gemv(
+        x.contiguous(),
+        weight,
+        weight2=weight2,
+        norm_weight=norm_weight,
+        residual=residual,
+        eps=eps,
+    )
 
 
 @small_batch_linear.register_fake
@@ -52,6 +61,7 @@ def _fake(
     weight: torch.Tensor,
     weight2: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
@@ -91,11 +101,23 @@ def small_batch_layer(
     """``layer.forward`` through the small-batch linears (``h [n, hidden]``)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv = small_batch_linear(h, attn.qkv_weight, None, norm1.weight, norm1.eps)
+    qkv = small_batch_linear(h, attn.qkv_weight, norm_weight=norm1.weight, eps=norm1.eps)
     heads = attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
-    h = h + layer.tp.all_reduce(small_batch_linear(heads, cast(torch.Tensor, attn.o_proj.weight)))
-    gated = small_batch_linear(h, mlp.gate_proj.weight, mlp.up_proj.weight, norm2.weight, norm2.eps)
-    return h + layer.tp.all_reduce(small_batch_linear(gated, mlp.down_proj.weight))
+    h = _add_projected(layer, h, heads, cast(torch.Tensor, attn.o_proj.weight))
+    gated = small_batch_linear(
+        h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps
+    )
+    return _add_projected(layer, h, gated, mlp.down_proj.weight)
+
+
+def _add_projected(
+    layer: LlamaDecoderLayer, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """``h + all_reduce(x @ weight.T)``: alone on its rank, the add is the
+    kernel's epilogue; tensor-parallel, it follows the all-reduce."""
+    if layer.tp.world == 1:
+        return small_batch_linear(x, weight, residual=h)
+    return h + layer.tp.all_reduce(small_batch_linear(x, weight))
 
 
 def fits(rows: int, max_rows: int) -> bool:

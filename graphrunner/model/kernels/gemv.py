@@ -9,7 +9,9 @@ few rows ``x [M, K]`` (``M <= MAX_ROWS``), optionally with
   program sums the squares of its rows (``K`` values, a few KB) before it
   streams its weight tile, so the normed activations never go to memory;
 * a second weight ``W2`` and the SwiGLU gate after it:
-  ``silu(x @ W.T) * (x @ W2.T)``, both products from one read of ``x``.
+  ``silu(x @ W.T) * (x @ W2.T)``, both products from one read of ``x``;
+* a residual added to the result (``h + o_proj(...)``), so the residual
+  stream's add is not a kernel of its own.
 
 Each program owns ``BLOCK_N`` output columns of every row and loops over
 ``K`` in ``BLOCK_K`` chunks, accumulating in float32; nothing is atomic, so
@@ -90,6 +92,7 @@ def _gemv_kernel(
     W: tl.tensor,
     W2: tl.tensor,
     NormW: tl.tensor,
+    Res: tl.tensor,
     Y: tl.tensor,
     M: tl.int32,
     N: tl.int32,
@@ -97,6 +100,7 @@ def _gemv_kernel(
     stride_xm: tl.int32,
     stride_wn: tl.int32,
     stride_w2n: tl.int32,
+    stride_rm: tl.int32,
     stride_ym: tl.int32,
     eps: tl.float32,
     BLOCK_M: tl.constexpr,
@@ -104,6 +108,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_NORM: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ) -> None:
     """Program ``pid`` writes ``Y[:M, pid * BLOCK_N : (pid + 1) * BLOCK_N]``."""
     dtype = X.dtype.element_ty
@@ -143,8 +148,12 @@ def _gemv_kernel(
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = act * acc2.to(dtype).to(tl.float32)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:  # the product rounded to the dtype, then the add (torch's order)
+        res = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        out = out.to(dtype).to(tl.float32) + res.to(tl.float32)
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -159,7 +168,12 @@ def _kernel(interpret: bool) -> Any:
         return triton.jit(_gemv_kernel)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight2: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
     ok = (
         x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
@@ -177,6 +191,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor | None) 
             f"{weight.dtype}{second}: expected x [M, K] with 1 <= M <= {MAX_ROWS}, weights "
             "[N, K] of x's dtype (one shape for both), unit stride on K"
         )
+    want = (x.shape[0], weight.shape[0])
+    if residual is not None and (
+        residual.shape != want or residual.dtype != x.dtype or residual.stride(1) != 1
+    ):
+        raise ValueError(
+            f"gemv: residual {tuple(residual.shape)} {residual.dtype}: expected {want} "
+            f"{x.dtype} with unit stride on N"
+        )
 
 
 def gemv(
@@ -185,6 +207,7 @@ def gemv(
     *,
     weight2: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     eps: float = 1e-6,
     blocks: GemvBlocks | None = None,
     out: torch.Tensor | None = None,
@@ -193,23 +216,26 @@ def gemv(
 
     norm_weight: ``[K]``; if given, ``x`` is RMS-normed first (``eps``).
     weight2: ``[N, K]``; if given, returns ``silu(x @ weight.T) * (x @ weight2.T)``.
+    residual: ``[M, N]``; if given, added to the result.
     blocks: the tiling (tuning); :func:`choose_blocks` otherwise.
     out: optional ``[M, N]`` in ``x``'s dtype to write into.
     """
-    _check(x, weight, weight2)
+    _check(x, weight, weight2, residual)
     (m, k), n = x.shape, weight.shape[0]
     blocks = blocks or choose_blocks(m, n, k)
     if out is None:
         out = x.new_empty((m, n))
     kernel = _kernel(x.device.type != "cuda")
+    # An absent operand's pointer is any tensor: its constexpr flag keeps it unread.
     kernel[(-(-n // blocks.block_n),)](
         x, weight, weight if weight2 is None else weight2,
-        x if norm_weight is None else norm_weight, out,
+        x if norm_weight is None else norm_weight, out if residual is None else residual, out,
         m, n, k, x.stride(0), weight.stride(0),
-        weight.stride(0) if weight2 is None else weight2.stride(0), out.stride(0), eps,
+        weight.stride(0) if weight2 is None else weight2.stride(0),
+        out.stride(0) if residual is None else residual.stride(0), out.stride(0), eps,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
         HAS_NORM=norm_weight is not None, GATED=weight2 is not None,
-        num_warps=blocks.num_warps,
+        HAS_RESIDUAL=residual is not None, num_warps=blocks.num_warps,
     )  # fmt: skip
     return out
 
@@ -220,11 +246,15 @@ def reference(
     *,
     weight2: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """:func:`gemv` in torch ops, the modules' arithmetic (RMSNorm, linear, SwiGLU)."""
+    """:func:`gemv` in torch ops, the modules' arithmetic (RMSNorm, linear,
+    SwiGLU, the residual add)."""
     if norm_weight is not None:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         x = norm_weight * normed.to(x.dtype)
     y = F.linear(x, weight)
-    return y if weight2 is None else F.silu(y) * F.linear(x, weight2)
+    if weight2 is not None:
+        y = F.silu(y) * F.linear(x, weight2)
+    return y if residual is None else residual + y
