@@ -1,11 +1,13 @@
 """The Triton small-batch linears against torch's, on a GPU, per 1.1B-shape product.
 
-For each product of a 1.1B-shape layer (norm + q/k/v, o, norm + gate/up +
-SiLU, down) and the LM head, at 1, 4, 8 and 16 rows, in bfloat16, in one run:
+For each product of a 1.1B-shape layer (norm + q/k/v, o + residual, norm +
+gate/up + SiLU, down + residual) and the LM head, at 1, 4, 8 and 16 rows, in bfloat16, in one run:
 
 * ``torch``: the modules' ops (RMSNorm, ``F.linear`` on cuBLAS, SiLU, multiply);
 * ``triton``: :func:`~graphrunner.model.kernels.gemv.gemv` with the tiling
   :func:`~graphrunner.model.kernels.gemv.choose_blocks` picks;
+* ``triton pdl``: ``triton`` launched programmatically (sm_90+), so each
+  call of the graph overlaps its launch with the previous call's tail;
 * ``triton bn=B``: the same with ``B`` output columns per program (the sweep
   that tunes ``choose_blocks``).
 
@@ -32,6 +34,7 @@ import torch
 from bench.bench_gpu_model import RESULTS_DIR, copy_bandwidth
 from graphrunner.model import shape_1b_config
 from graphrunner.model.kernels.gemv import choose_blocks, gemv, reference
+from graphrunner.model.kernels.pdl import supported
 
 ROWS = [1, 4, 8, 16]
 REPEATS = 20
@@ -39,22 +42,24 @@ ROUNDS = 30
 SWEEP = [4, 8, 16]
 
 
-def products() -> dict[str, tuple[int, int, bool, bool]]:
-    """Name -> (N, K, norm, gated) of the 1.1B shape's products."""
+def products() -> dict[str, tuple[int, int, bool, bool, bool]]:
+    """Name -> (N, K, norm, gated, residual) of the 1.1B shape's products, as
+    the model runs them (:mod:`graphrunner.model.small_batch`)."""
     c = shape_1b_config()
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     return {
-        "norm+qkv": (qkv, c.hidden_size, True, False),
-        "o": (c.hidden_size, c.num_heads * c.head_dim, False, False),
-        "norm+gate/up+silu": (c.intermediate_size, c.hidden_size, True, True),
-        "down": (c.hidden_size, c.intermediate_size, False, False),
-        "lm head": (c.vocab_size, c.hidden_size, False, False),
+        "norm+qkv": (qkv, c.hidden_size, True, False, False),
+        "o+residual": (c.hidden_size, c.num_heads * c.head_dim, False, False, True),
+        "norm+gate/up+silu": (c.intermediate_size, c.hidden_size, True, True, False),
+        "down+residual": (c.hidden_size, c.intermediate_size, False, False, True),
+        "lm head": (c.vocab_size, c.hidden_size, False, False, False),
     }
 
 
 def _graph_ms(fn: Callable[[], object]) -> float:
     """Median ms of one call, from a CUDA graph of REPEATS calls."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the operands are made on the default one
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
@@ -79,11 +84,13 @@ def _variants(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     x, w = ops["x"], ops["w"]
     assert x is not None and w is not None
-    kwargs = {"weight2": ops["w2"], "norm_weight": ops["g"], "eps": 1e-5}
+    kwargs = {"weight2": ops["w2"], "norm_weight": ops["g"], "residual": ops["r"], "eps": 1e-5}
     variants = {
         "torch": lambda: reference(x, w, **kwargs),  # type: ignore[arg-type]
         "triton": lambda: gemv(x, w, **kwargs),  # type: ignore[arg-type]
     }
+    if supported(x.device):
+        variants["triton pdl"] = lambda: gemv(x, w, pdl=True, **kwargs)  # type: ignore[arg-type]
     base = choose_blocks(x.shape[0], n, k)
     for bn in SWEEP:
         blocks = type(base)(
@@ -96,7 +103,7 @@ def _variants(
 def measure() -> tuple[list[dict[str, object]], float]:
     bandwidth = copy_bandwidth()
     rows: list[dict[str, object]] = []
-    for name, (n, k, norm, gated) in products().items():
+    for name, (n, k, norm, gated, residual) in products().items():
         gen = torch.Generator(device="cuda").manual_seed(n)
 
         def rand(*shape: int, g: torch.Generator = gen) -> torch.Tensor:
@@ -106,7 +113,7 @@ def measure() -> tuple[list[dict[str, object]], float]:
         g = rand(k) if norm else None
         nbytes = sum(t.numel() * 2 for t in weights.values() if t is not None)
         for m in ROWS:
-            ops = {**weights, "x": rand(m, k), "g": g}
+            ops = {**weights, "x": rand(m, k), "g": g, "r": rand(m, n) if residual else None}
             variants = _variants(ops, n, k)
             want = variants["torch"]().float()
             for label, fn in variants.items():

@@ -13,7 +13,10 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
   ``"all_heads"`` split launch;
 - ``graph+compile+triton+gemv``: ``graph+compile+triton`` whose steps of at
   most 16 rows run the Triton small-batch linears
-  (:func:`~graphrunner.model.small_batch.use_small_batch_linears`).
+  (:func:`~graphrunner.model.small_batch.use_small_batch_linears`);
+- ``graph+compile+triton+pdl`` and ``graph+compile+triton+gemv+pdl``: those
+  two with every Triton kernel of the step, inductor's too, launched
+  programmatically (:mod:`graphrunner.model.programmatic_launch`).
 
 The floor is the bytes a step must read (every weight once, the embedding
 rows it looks up, every row's cached K and V) over the device's copy
@@ -21,7 +24,8 @@ bandwidth, measured here with a device-to-device copy; each variant is shown
 as a percentage of that floor. Results go to ``bench/results/`` named by the
 device. Without a GPU the script says so and exits 0. Run:
 ``.venv/bin/python bench/bench_gpu_model.py`` (``--sizes 1,64`` for fewer;
-``--autotune`` adds inductor's autotuned GEMMs, slow to compile).
+``--variants a,b`` for some; ``--autotune`` adds inductor's autotuned GEMMs,
+slow to compile).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.engine.loop import create_model_runner
 from graphrunner.model import ModelBundle, default_model, shape_1b_config
 from graphrunner.model.kernels.gemv import MAX_ROWS
+from graphrunner.model.kernels.pdl import INDUCTOR_OPTIONS
+from graphrunner.model.programmatic_launch import use_programmatic_launch
 from graphrunner.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -59,9 +65,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
     # The Triton small-batch linears (norm + q/k/v, o, norm + gate/up + SiLU,
     # down, LM head) for steps of at most MAX_ROWS rows, cuBLAS above.
     "graph+compile+triton+gemv": ("triton", {"compile": True}),
+    # Programmatic dependent launch for the Triton kernels, ours and inductor's.
+    "graph+compile+triton+pdl": ("triton", {"compile": True, "inductor_options": INDUCTOR_OPTIONS}),
+    "graph+compile+triton+gemv+pdl": (
+        "triton",
+        {"compile": True, "inductor_options": INDUCTOR_OPTIONS},
+    ),
 }
 #: Variants whose model runs the small-batch linears, and up to how many rows.
-SMALL_BATCH_ROWS = {"graph+compile+triton+gemv": MAX_ROWS}
+SMALL_BATCH_ROWS = {
+    "graph+compile+triton+gemv": MAX_ROWS,
+    "graph+compile+triton+gemv+pdl": MAX_ROWS,
+}
+#: Variants whose model's Triton kernels launch programmatically.
+PROGRAMMATIC = {"graph+compile+triton+pdl", "graph+compile+triton+gemv+pdl"}
 #: With ``--autotune``: inductor's GEMM templates autotuned against cuBLAS
 #: (minutes of compilation per size; batch 1's projections are GEMVs).
 AUTOTUNED: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -131,6 +148,7 @@ def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -
     attention, options = {**VARIANTS, **AUTOTUNED}[variant]
     bundle.model.attn_backend.use(attention)
     use_small_batch_linears(bundle.model, SMALL_BATCH_ROWS.get(variant, 0))
+    use_programmatic_launch(bundle.model, variant in PROGRAMMATIC)
     bs = batch.req_pool_indices.shape[0]
     if options is None:
         with torch.no_grad():
@@ -174,6 +192,8 @@ def run(
         batch = filled_batch(bundle, bs, context)
         floor = step_bytes(bundle, bs, context) / bandwidth
         for variant in variants:
+            if bs > SMALL_BATCH_ROWS.get(variant, bs):
+                continue  # past the small-batch rows the step is its torch-path twin's
             t0 = time.perf_counter()
             seconds = measure(bundle, variant, batch, iters)
             gc.collect()  # the variant's graphs and their pool go before the next
@@ -229,11 +249,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"also run {', '.join(AUTOTUNED)} (slow to compile)",
     )
+    parser.add_argument(
+        "--variants", default=None, help=f"comma-separated, of: {', '.join(VARIANTS)} (all)"
+    )
     args = parser.parse_args(argv)
+    variants = [*VARIANTS, *(AUTOTUNED if args.autotune else ())]
+    if args.variants is not None:
+        chosen = args.variants.split(",")
+        unknown = [v for v in chosen if v not in {**VARIANTS, **AUTOTUNED}]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}: expected some of {variants}")
+        variants = chosen
     if not torch.cuda.is_available():
         print("bench_gpu_model: no CUDA device here; nothing measured")
         return 0
-    variants = [*VARIANTS, *(AUTOTUNED if args.autotune else ())]
     result = run([int(s) for s in args.sizes.split(",")], args.context, args.iters, variants)
     print(f"results written to {write(result)}")
     return 0

@@ -14,20 +14,25 @@ import sys
 import textwrap
 from pathlib import Path
 
-#: Defines ``compile(fn, types, consts)``: the cubin of ``fn`` (a function
-#: still to be jitted) for sm_90, argument types in Triton's signature strings.
+#: Defines ``compile(fn, types, consts, kind="cubin")``: the cubin (or
+#: ``kind="ptx"``) of ``fn`` (a function still to be jitted) for sm_90, argument
+#: types in Triton's signature strings; and ``programmatic(ptx)``: whether the
+#: code carries the programmatic-launch wait and release.
 _PRELUDE = textwrap.dedent(
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def compile(fn, types, consts):
+    def compile(fn, types, consts, kind="cubin"):
         fn = triton.jit(fn)
         sig = dict(zip(fn.arg_names, types))
         sig.update(dict.fromkeys(consts, "constexpr"))
         src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm[kind]
+
+    def programmatic(ptx):  # waits on its predecessor grid, releases its dependents
+        return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     """
 )
 

@@ -258,16 +258,23 @@ def test_custom_op_is_registered_with_a_fake() -> None:
 _COMPILE_ATTENTION = """
     import graphrunner.model.kernels.decode_attention as da
 
-    for dt, prec, group, dim in (("bf16", "tf32", 8, 64), ("fp32", "ieee", 2, 16)):
+    # Each kernel with and without programmatic launch: the wait and release
+    # are in the code exactly when PDL is set.
+    cases = (("bf16", "tf32", 8, 64, False), ("fp32", "ieee", 2, 16, False),
+             ("bf16", "tf32", 8, 64, True))
+    for dt, prec, group, dim, pdl in cases:
         ptrs = ["*" + dt] * 3 + ["*i32", "*i64", "*i64", "*fp32", "*fp32", "fp32"]
         consts = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=max(16, dim),
-                      BLOCK=da.BLOCK_N, NUM_SPLITS=3, PRECISION=prec)
-        assert compile(da._split_kernel, ptrs + ["i32"] * 12, consts)
+                      BLOCK=da.BLOCK_N, NUM_SPLITS=3, PRECISION=prec, PDL=pdl)
+        ptx = [compile(da._split_kernel, ptrs + ["i32"] * 12, consts, "ptx")]
         for kv_heads in (1, 4):  # a batch of one KV head; the 1.1B shape's 4
             consts.update(KV_HEADS=kv_heads, BLOCK_H=kv_heads, BLOCK=16)
-            assert compile(da._split_all_heads_kernel, ptrs + ["i32"] * 12, consts)
-        consts = dict(HEAD_DIM=dim, BLOCK_D=max(16, dim), NUM_SPLITS=3, BLOCK_S=4)
-        assert compile(da._merge_kernel, ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7, consts)
+            ptx.append(compile(da._split_all_heads_kernel, ptrs + ["i32"] * 12, consts, "ptx"))
+        consts = dict(HEAD_DIM=dim, BLOCK_D=max(16, dim), NUM_SPLITS=3, BLOCK_S=4, PDL=pdl)
+        types = ["*fp32", "*fp32", "*" + dt] + ["i32"] * 7
+        ptx.append(compile(da._merge_kernel, types, consts, "ptx"))
+        assert all(programmatic(code) == pdl for code in ptx), (dt, pdl)
+        assert all("griddepcontrol" not in code for code in ptx if not pdl)
     print("compiled")
 """
 

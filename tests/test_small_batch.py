@@ -203,10 +203,10 @@ _COMPILE_GEMV = """
     fn = triton.jit(g._gemv_kernel)
     types = ["*bf16"] * 6 + ["i32"] * 8 + ["fp32"]
     aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)}
-    for norm, gated, residual in ((False, False, True), (True, True, False)):
+    for norm, gated, residual, pdl in ((False, False, True, False), (True, True, False, True)):
         b = g.choose_blocks(1, 2560, 2048)
         consts = dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
-                      HAS_NORM=norm, GATED=gated, HAS_RESIDUAL=residual)
+                      HAS_NORM=norm, GATED=gated, HAS_RESIDUAL=residual, PDL=pdl)
         sig = dict(zip(fn.arg_names, types))
         sig.update(dict.fromkeys(consts, "constexpr"))
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
@@ -217,6 +217,8 @@ _COMPILE_GEMV = """
         vector = sum(".v4." in op for op in loads)
         assert vector >= b.block_n * b.block_k * 2 // (128 * 16) * (2 if gated else 1), loads
         assert len(loads) - vector <= (b.block_n if residual else 0), loads
+        # The programmatic-launch wait and release exactly when PDL is set.
+        assert programmatic(ptx) == pdl and ("griddepcontrol" in ptx) == pdl
     print("compiled")
 """
 

@@ -109,6 +109,9 @@ class TorchPagedBackend:
         self.scratch: DecodeScratch | None = None
         self.kernel = kernel
         self.layout = layout
+        #: Launch the Triton kernel programmatically (PDL; see
+        #: :func:`~graphrunner.model.programmatic_launch.use_programmatic_launch`).
+        self.programmatic_launch = False
 
     def use(self, attention: str) -> None:
         """Run the decode attention named ``attention`` (a key of :data:`ATTENTIONS`)."""
@@ -177,8 +180,9 @@ class TorchPagedBackend:
                 seq_lens.shape[0], self.kv_heads, self.max_context_len, layout=self._layout
             )
             paged = PagedRows(
-                self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch, self._layout
-            )
+                self.req_to_token, req_pool_indices, seq_lens, splits, self.scratch,
+                self._layout, self.programmatic_launch,
+            )  # fmt: skip
         return AttnMetadata(slots, mask, decode=True, keys=keys, paged=paged)
 
     def extend_metadata(

@@ -31,6 +31,8 @@ class PagedRows:
     scratch: the chunks' partial results, allocated once by the backend; None
         (or too small, e.g. for more token rows than requests) and each call
         allocates its own (inside a graph: once, from the graph's pool).
+    pdl: launch the kernels programmatically
+        (:mod:`~graphrunner.model.kernels.pdl`).
     """
 
     req_to_token: torch.Tensor
@@ -39,6 +41,7 @@ class PagedRows:
     num_splits: int
     scratch: DecodeScratch | None = None
     layout: str = "per_head"
+    pdl: bool = False
 
 
 # The scratch is declared mutated: inductor then passes the backend's buffers
@@ -58,6 +61,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     layout: str = "per_head",
+    pdl: bool = False,
 ) -> torch.Tensor:
     """:func:`~graphrunner.model.kernels.decode_attention.decode_attention` as an op:
     q ``[bs, heads, head_dim]`` to a new contiguous ``[bs, heads, head_dim]``,
@@ -75,6 +79,7 @@ def paged_decode_attention(
         out=out,
         scratch=DecodeScratch(partial_out, partial_lse),
         layout=layout,
+        pdl=pdl,
     )
 
 
@@ -91,6 +96,7 @@ def _fake(
     scale: float,
     num_splits: int,
     layout: str = "per_head",
+    pdl: bool = False,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -117,5 +123,6 @@ def paged_attention(
         scale,
         rows.num_splits,
         rows.layout,
+        rows.pdl,
     )
     return out.view(b, kv_heads, group, head_dim)

@@ -49,9 +49,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        #: Steps of at most this many token rows run the small-batch linears
-        #: (:func:`~graphrunner.model.small_batch.use_small_batch_linears`).
-        self.small_batch_rows = 0
+        #: Steps of at most this many token rows run the small-batch linears, with
+        #: or without PDL (``use_small_batch_linears``, ``use_programmatic_launch``).
+        self.small_batch_rows, self.programmatic_launch = 0, False
         self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -157,8 +157,9 @@ class LlamaDecoder(nn.Module):
         self.head_proj: nn.Module | None = None
         #: The ``quantize`` mode applied, or None.
         self.quantization: str | None = None
-        #: Steps of at most this many rows run the small-batch linears (0: none).
-        self.small_batch_rows = 0
+        #: Steps of at most this many rows run the small-batch linears (0: none);
+        #: whether the model's Triton kernels launch programmatically (PDL).
+        self.small_batch_rows, self.programmatic_launch = 0, False
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
         kernel = device_attention(req_to_token.device, req_to_token.shape[1])
@@ -276,7 +277,7 @@ class LlamaDecoder(nn.Module):
         if self.head_proj is not None:
             head = self.head_proj(h)
         elif h.dim() == 2 and fits(h.shape[0], self.small_batch_rows):
-            head = small_batch_linear(h, self.lm_head_weight)
+            head = small_batch_linear(h, self.lm_head_weight, pdl=self.programmatic_launch)
         else:
             head = F.linear(h, self.lm_head_weight)
         return self.tp.all_gather(head.float())

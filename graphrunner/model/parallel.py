@@ -30,6 +30,10 @@ from torch import nn
 
 from graphrunner.model.config import ModelConfig
 
+# torch 2.13 names it all_gather_single (all_gather_tensor stays, deprecated);
+# older releases (the GPU image's 2.11) have only all_gather_tensor.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 __all__ = [
     "SINGLE",
     "TensorParallel",
@@ -85,7 +89,7 @@ class TensorParallel:
         dim: ``[..., world * n]``; ``x`` itself when alone."""
         if self.world == 1:
             return x
-        return _waited(funcol.all_gather_single(x, x.dim() - 1, self._group()))
+        return _waited(_all_gather(x, x.dim() - 1, self._group()))
 
     def broadcast(self, value: list[int]) -> list[int]:
         """Rank 0's ``value`` on every rank: a host-side exchange (not for a

@@ -42,6 +42,7 @@ def small_batch_linear(
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """:func:`~graphrunner.model.kernels.gemv.gemv` as an op: ``x [M, K]`` to a
     new ``[M, N]`` (``M <= MAX_ROWS``)."""
@@ -52,6 +53,7 @@ def small_batch_linear(
         norm_weight=norm_weight,
         residual=residual,
         eps=eps,
+        pdl=pdl,
     )
 
 
@@ -63,6 +65,7 @@ def _fake(
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -101,12 +104,14 @@ def small_batch_layer(
     """``layer.forward`` through the small-batch linears (``h [n, hidden]``)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv = small_batch_linear(h, attn.qkv_weight, norm_weight=norm1.weight, eps=norm1.eps)
+    pdl = layer.programmatic_launch
+    qkv = small_batch_linear(h, attn.qkv_weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
     heads = attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
     h = _add_projected(layer, h, heads, cast(torch.Tensor, attn.o_proj.weight))
     gated = small_batch_linear(
-        h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps
-    )
+        h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps,
+        pdl=pdl,
+    )  # fmt: skip
     return _add_projected(layer, h, gated, mlp.down_proj.weight)
 
 
@@ -115,9 +120,10 @@ def _add_projected(
 ) -> torch.Tensor:
     """``h + all_reduce(x @ weight.T)``: alone on its rank, the add is the
     kernel's epilogue; tensor-parallel, it follows the all-reduce."""
+    pdl = layer.programmatic_launch
     if layer.tp.world == 1:
-        return small_batch_linear(x, weight, residual=h)
-    return h + layer.tp.all_reduce(small_batch_linear(x, weight))
+        return small_batch_linear(x, weight, residual=h, pdl=pdl)
+    return h + layer.tp.all_reduce(small_batch_linear(x, weight, pdl=pdl))
 
 
 def fits(rows: int, max_rows: int) -> bool:

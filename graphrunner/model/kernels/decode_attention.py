@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from graphrunner.model.kernels.pdl import check_device, triton_launch
 from graphrunner.util.extras import needs_extra
 
 # Without the [cuda] extra the module still imports (its pure-torch helpers,
@@ -42,6 +43,8 @@ from graphrunner.util.extras import needs_extra
 # (the bodies read `tl` only when Triton compiles or interprets them).
 with contextlib.suppress(ModuleNotFoundError):
     import triton.language as tl
+with contextlib.suppress(ImportError):  # Triton >= 3.4; read only by a kernel launched with PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = [
     "BLOCK_N",
@@ -154,7 +157,11 @@ def _split_kernel(
     BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    if PDL:  # launched early (kernels/pdl.py): wait before any access, then release the next
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -245,6 +252,7 @@ def _split_all_heads_kernel(
     PRECISION: tl.constexpr,
     KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     """The ``"all_heads"`` layout: one program per (row, chunk) over every KV
     head, so a token's K (and V) load is its whole slot, ``[kv_heads,
@@ -252,6 +260,9 @@ def _split_all_heads_kernel(
     the accumulator ``[BLOCK_H, BLOCK_G, BLOCK_D]``, scores ``[BLOCK_H,
     BLOCK_G, BLOCK]``, one batched ``tl.dot`` per key block (no product
     between a query head and another group's keys)."""
+    if PDL:  # launched early (kernels/pdl.py): wait before any access, then release the next
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(SeqLens + row).to(tl.int32)
@@ -323,7 +334,11 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
+    if PDL:  # launched early (kernels/pdl.py): wait before any access, then release the next
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -433,6 +448,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged KV.
 
@@ -452,9 +468,13 @@ def decode_attention(
         ``(bs, splits)``, each program over every KV head of its chunk.
     block_n: keys per block of the split loop (tuning; see :func:`_block_n`).
     num_warps, num_stages: the split launch's Triton settings (tuning).
+    pdl: launch both kernels programmatically (:mod:`~graphrunner.model.kernels.pdl`;
+        CUDA sm_90+).
     Returns ``out`` (or a new tensor). The softmax runs in float32.
     """
     _check_args(q, k_buf, v_buf, num_splits, layout)
+    if pdl:
+        check_device(q.device, "decode_attention")
     bs, heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -482,13 +502,13 @@ def decode_attention(
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        **consts, num_warps=num_warps, num_stages=num_stages,
+        **consts, num_warps=num_warps, num_stages=num_stages, **triton_launch(pdl),
     )  # fmt: skip
     merge_kernel[(bs, heads)](
         po, pl, out,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=_pow2(num_splits, 2),
+        BLOCK_S=_pow2(num_splits, 2), **triton_launch(pdl),
     )  # fmt: skip
     return out

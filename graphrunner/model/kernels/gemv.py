@@ -35,10 +35,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphrunner.model.kernels.pdl import check_device, triton_launch
 from graphrunner.util.extras import needs_extra
 
 with contextlib.suppress(ModuleNotFoundError):
     import triton.language as tl
+with contextlib.suppress(ImportError):  # Triton >= 3.4; read only by a kernel launched with PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["MAX_ROWS", "GemvBlocks", "choose_blocks", "gemv", "reference"]
 
@@ -109,8 +112,12 @@ def _gemv_kernel(
     HAS_NORM: tl.constexpr,
     GATED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ) -> None:
     """Program ``pid`` writes ``Y[:M, pid * BLOCK_N : (pid + 1) * BLOCK_N]``."""
+    if PDL:  # launched early (kernels/pdl.py): wait before any access, then release the next
+        gdc_wait()
+        gdc_launch_dependents()
     dtype = X.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,6 +218,7 @@ def gemv(
     eps: float = 1e-6,
     blocks: GemvBlocks | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` for ``M <= MAX_ROWS``, in ``x``'s dtype.
 
@@ -219,8 +227,11 @@ def gemv(
     residual: ``[M, N]``; if given, added to the result.
     blocks: the tiling (tuning); :func:`choose_blocks` otherwise.
     out: optional ``[M, N]`` in ``x``'s dtype to write into.
+    pdl: launch programmatically (:mod:`~graphrunner.model.kernels.pdl`; CUDA sm_90+).
     """
     _check(x, weight, weight2, residual)
+    if pdl:
+        check_device(x.device, "gemv")
     (m, k), n = x.shape, weight.shape[0]
     blocks = blocks or choose_blocks(m, n, k)
     if out is None:
@@ -235,7 +246,7 @@ def gemv(
         out.stride(0) if residual is None else residual.stride(0), out.stride(0), eps,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
         HAS_NORM=norm_weight is not None, GATED=weight2 is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=blocks.num_warps,
+        HAS_RESIDUAL=residual is not None, num_warps=blocks.num_warps, **triton_launch(pdl),
     )  # fmt: skip
     return out
 
