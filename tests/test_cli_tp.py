@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import graphrunner.cli.main as cli
+import graphrunner.model.parallel as parallel
 from conftest import SLOW
 from graphrunner.cli.tp import FAIL_RANK_ENV
 from graphrunner.engine.loop import Engine, create_model_runner
@@ -138,6 +139,37 @@ def test_a_mamba_checkpoint_is_refused_with_tp(
     rc = cli.main(["generate", "--model", str(tmp_path / "mamba"), "--prompt", "1", "--tp", "2"])
     assert rc == 2
     assert "--tp 2: --model" in capsys.readouterr().err
+
+
+def test_tp_one_runs_the_collectives_in_a_group_of_its_own(
+    checkpoint: tuple[Path, list[list[int]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """--tp 1: no worker spawned, this process joins a group of one and the
+    sharded model's all-reduces and all-gather run (counted), with the
+    tokens of the run without --tp and transformers'; combinations --tp N
+    refuses run alone (--overlap here); the group is left afterwards."""
+    model, expected = checkpoint
+    calls = {"all_reduce": 0}
+    reduce = parallel.funcol.all_reduce
+
+    def counted(*args: object) -> torch.Tensor:
+        calls["all_reduce"] += 1
+        return reduce(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parallel.funcol, "all_reduce", counted)
+    for extra in ([], ["--overlap"]):
+        _stdin(monkeypatch)
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        assert cli.main(_generate(model, out, "--runner", "eager", "--tp", "1", *extra)) == 0
+        assert _tokens(out) == expected, extra
+        assert not torch.distributed.is_initialized()
+    assert calls["all_reduce"] > 0
+    assert multiprocessing.active_children() == []
+    err = capfd.readouterr().err
+    assert err.count("mismatches: 0") == 2, err
 
 
 def _free_port() -> int:

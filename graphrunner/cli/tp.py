@@ -11,12 +11,15 @@ process), broadcast to the others. Rank 0 alone prints and writes outputs:
 the other ranks' stdout and stderr go to /dev/null and their output-file
 arguments are cleared. Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` set) the process is one rank of the ``env://`` group and
-spawns nothing; ``--tp`` is then omitted or equals ``WORLD_SIZE``.
+spawns nothing; ``--tp`` is then omitted or equals ``WORLD_SIZE``. ``--tp 1``
+spawns nothing either: the process joins a group of its own and runs the
+sharded model's collectives over it (TP = N's path, with one process's
+numbers); without ``--tp`` no group is joined and nothing is communicated.
 
 A rank that raises or dies ends the run: the others are killed, and the
 command prints one line naming the first rank to fail and its error (exit 1,
-2 for a usage error). What does not combine with ``--tp`` yet is refused
-before any rank starts (exit 2, naming the flag).
+2 for a usage error). What does not combine with ``--tp N`` (N > 1) yet is
+refused before any rank starts (exit 2, naming the flag).
 """
 
 from __future__ import annotations
@@ -24,16 +27,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import io
 import json
 import logging
 import multiprocessing.util
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,19 +44,20 @@ from graphrunner.cli import checks as cli_checks
 from graphrunner.cli import model_args as cli_model
 from graphrunner.cli import ssm as cli_ssm
 from graphrunner.cli.common import UsageError, check_range, resolve_device
-from graphrunner.cli.exits import quiet_stdout
 from graphrunner.cli.groups import Options
+from graphrunner.cli.tp_rank import (
+    FAIL_RANK_ENV,
+    Failure,
+    as_rank,
+    one_line,
+    reads_stdin,
+    silence,
+)
 from graphrunner.engine.launch import join_env_group, join_group, run_ranks
 from graphrunner.model.parallel import SINGLE, TensorParallel, check_shardable
-from graphrunner.sanitizer.padding import PaddingViolation
-from graphrunner.util.extras import MissingExtraError
 
 __all__ = ["FAIL_RANK_ENV", "Parse", "add_argument", "place", "run"]
 
-#: A rank number: that worker raises right after joining its group (for tests).
-FAIL_RANK_ENV = "GRAPHRUNNER_TP_FAIL_RANK"
-#: Output-file arguments only rank 0 acts on (cleared on the other ranks).
-_RANK0_FILES = ("output", "batch_sizes_out", "capture_report_out", "trace_out")
 #: A bound on a spawned run, not a budget: a hang ends at a collective's timeout.
 _RUN_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -72,7 +73,8 @@ def add_argument(p: Options) -> None:
         help="tensor-parallel ranks: the model sharded over N worker processes started "
         "here (gloo on the CPU, NCCL and one GPU a rank on CUDA), rank 0 printing; "
         "1..this machine's cores (CPU) or GPUs (1; under torchrun: its WORLD_SIZE). "
-        "Not with --speculative, --overlap, --steps-per-launch > 1 or a Mamba/Jamba model",
+        "N > 1 not with --speculative, --overlap, --steps-per-launch > 1 or a Mamba/Jamba "
+        "model; --tp 1 runs the collectives in a group of one process",
     )
 
 
@@ -86,12 +88,14 @@ def run(args: argparse.Namespace, argv: list[str], parse: Parse) -> int:
     """The command of ``args`` (parsed from ``argv`` by ``parse``): here alone,
     as this ``torchrun`` rank, or on ``--tp N`` spawned ranks."""
     env = _torchrun_env()
-    if not hasattr(args, "tp") or (env is None and args.tp in (None, 1)):
+    if not hasattr(args, "tp") or (env is None and args.tp is None):
         return int(args.func(args))
     if env is not None:
         return _torchrun(args, *env)
+    if args.tp == 1:
+        return _one_rank(args)
     device = _check(args, args.tp, spawned=True)
-    stdin = sys.stdin.buffer.read() if _reads_stdin(args) else None
+    stdin = sys.stdin.buffer.read() if reads_stdin(args) else None
     with tempfile.TemporaryDirectory(prefix="graphrunner-tp-") as tmp:
         where = Path(tmp)
         try:
@@ -137,6 +141,8 @@ def _check(args: argparse.Namespace, world: int, *, spawned: bool) -> str:
     flag = f"--tp {world}"
     if device.startswith("cuda:") and world > 1:
         raise UsageError(f"{flag} with --device {device}: expected --device cuda (rank r: cuda:r)")
+    if world == 1:  # one rank decides alone: every schedule and model runs as without --tp
+        return device
     for given, other in (
         (args.speculative, "--speculative"),
         (args.overlap, "--overlap"),
@@ -158,18 +164,22 @@ def _backend(device: str) -> str:
     return "gloo" if device == "cpu" else "nccl"
 
 
-def _reads_stdin(args: argparse.Namespace) -> bool:
-    return str(getattr(args, "prompts", None)) == "-"
-
-
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    """How a rank failed: its exit status, its error in one line, when."""
-
-    rank: int
-    code: int
-    line: str
-    time: float
+def _one_rank(args: argparse.Namespace) -> int:
+    """``--tp 1``: this process as the one rank of a group of its own (nothing
+    spawned), so the sharded model's collectives run, compiled and captured,
+    as they do on N ranks."""
+    device = _check(args, 1, spawned=True)
+    local = torch.device(device).index or 0
+    with tempfile.TemporaryDirectory(prefix="graphrunner-tp-") as tmp:
+        store = Path(tmp) / "store"
+        join = lambda: join_group(0, 1, store, backend=_backend(device))  # noqa: E731
+        result = as_rank(args, 0, 1, local, join, None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if isinstance(result, Failure):
+        print(f"graphrunner {args.command}: rank 0: {result.line}", file=sys.stderr, flush=True)
+        return result.code
+    return result
 
 
 def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> int:
@@ -179,13 +189,13 @@ def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> in
             f"{world} or no --tp"
         )
     backend = _backend(_check(args, world, spawned=False))
-    stderr = os.fdopen(_silence(), "w") if rank else sys.stderr  # its failure's line only
-    result = _as_rank(args, rank, world, local, lambda: join_env_group(backend=backend), None)
-    if isinstance(result, _Failure):
+    stderr = os.fdopen(silence(), "w") if rank else sys.stderr  # its failure's line only
+    result = as_rank(args, rank, world, local, lambda: join_env_group(backend=backend), None)
+    if isinstance(result, Failure):
         print(f"graphrunner {args.command}: rank {rank}: {result.line}", file=stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return result.code if isinstance(result, _Failure) else result
+    return result.code if isinstance(result, Failure) else result
 
 
 def _worker(
@@ -200,12 +210,12 @@ def _worker(
     """A spawned rank: its exit status is the command's; a failure is also
     written to ``where`` for the launching process to report."""
     if rank:
-        _silence()
+        silence()
     args = parse(argv)
     store = where / "store"
     join = lambda: join_group(rank, world, store, backend=backend)  # noqa: E731
-    result = _as_rank(args, rank, world, rank, join, stdin if rank == 0 else None)
-    if isinstance(result, _Failure):  # written before this rank's connections close
+    result = as_rank(args, rank, world, rank, join, stdin if rank == 0 else None)
+    if isinstance(result, Failure):  # written before this rank's connections close
         (where / f"rank{rank}.failure.json").write_text(json.dumps(dataclasses.asdict(result)))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -213,67 +223,7 @@ def _worker(
     # group's connections close with the process): multiprocessing's own exit
     # steps (its finalizers: no semaphore left to its tracker), then the status.
     vars(multiprocessing.util)["_exit_function"]()
-    os._exit(result.code if isinstance(result, _Failure) else result)
-
-
-def _as_rank(
-    args: argparse.Namespace,
-    rank: int,
-    world: int,
-    local: int,
-    join: Callable[[], None],
-    stdin: bytes | None,
-) -> int | _Failure:
-    """Run the command as rank ``rank`` of ``world`` (``stdin``: rank 0's, when
-    forwarded); its exit status, or how it failed."""
-    try:
-        _, device = resolve_device(args.runner, args.device, torch.cuda.is_available())
-        if device != "cpu":  # NCCL needs the rank's device current before it joins
-            args.device = f"cuda:{local}"
-            torch.cuda.set_device(local)
-        join()  # the caller leaves the group (after reporting a failure)
-        if os.environ.get(FAIL_RANK_ENV) == str(rank):
-            raise RuntimeError(f"{FAIL_RANK_ENV}={rank}: a planted failure")
-        args.tensor_parallel = TensorParallel(rank, world)
-        for name in _RANK0_FILES if rank else ():
-            if hasattr(args, name):
-                setattr(args, name, None)
-        if _reads_stdin(args):
-            _share_stdin(rank, stdin)
-        return int(args.func(args))
-    except BrokenPipeError:
-        quiet_stdout()
-        return 141
-    except (UsageError, MissingExtraError) as e:
-        return _Failure(rank, 2, f"error: {_one_line(e)}", time.monotonic())
-    except PaddingViolation as e:
-        return _Failure(rank, 1, f"padding violation: {_one_line(e)}", time.monotonic())
-    except Exception as e:
-        return _Failure(rank, 1, f"{type(e).__name__}: {_one_line(e)}", time.monotonic())
-
-
-def _share_stdin(rank: int, stdin: bytes | None) -> None:
-    """Every rank's stdin becomes rank 0's (read there, broadcast)."""
-    mine = (stdin if stdin is not None else sys.stdin.buffer.read()) if rank == 0 else None
-    box = [mine]
-    dist.broadcast_object_list(box, src=0)
-    sys.stdin = io.TextIOWrapper(io.BytesIO(box[0] or b""), encoding="utf-8")
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or repr(e)
-
-
-def _silence() -> int:
-    """Point stdout and stderr at /dev/null; returns a descriptor of the former stderr."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    return saved
+    os._exit(result.code if isinstance(result, Failure) else result)
 
 
 def _failed(name: str, where: Path, e: Exception) -> int:
@@ -292,5 +242,5 @@ def _failed(name: str, where: Path, e: Exception) -> int:
     elif isinstance(e, mp.ProcessRaisedException):
         print(f"{name}: rank {e.error_index}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
     else:
-        print(f"{name}: {_one_line(e)}", file=sys.stderr)
+        print(f"{name}: {one_line(e)}", file=sys.stderr)
     return 1

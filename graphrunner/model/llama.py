@@ -82,7 +82,7 @@ class LlamaBody(nn.Module):
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-            if tp.world == 1
+            if tp.alone
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         )
         local = local_config(config, tp)

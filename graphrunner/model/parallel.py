@@ -52,12 +52,16 @@ class TensorParallel:
 
     ``group``: the process group the collectives run over (``None``: the
     default group, which must be initialised before the first collective when
-    ``world > 1``). With ``world == 1`` nothing is communicated.
+    ``world > 1``). With ``world == 1`` nothing is communicated, unless
+    ``communicate_alone``: then the one rank runs the sharded model's
+    collectives over its group of one (``--tp 1``: the path TP = N takes,
+    compiled and captured, with the numbers of one process).
     """
 
     rank: int = 0
     world: int = 1
     group: dist.ProcessGroup | None = None
+    communicate_alone: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
@@ -68,6 +72,15 @@ class TensorParallel:
             raise ValueError(
                 f"TensorParallel.rank={self.rank}: expected 0..world - 1 = {self.world - 1}"
             )
+        if not isinstance(self.communicate_alone, bool):
+            raise ValueError(
+                f"TensorParallel.communicate_alone={self.communicate_alone!r}: expected a bool"
+            )
+
+    @property
+    def alone(self) -> bool:
+        """Whether the collectives are skipped (one rank, not ``communicate_alone``)."""
+        return self.world == 1 and not self.communicate_alone
 
     def _group(self) -> dist.ProcessGroup:
         group = dist.group.WORLD if self.group is None else self.group
@@ -80,14 +93,14 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (same shape), a new tensor; ``x`` itself when alone."""
-        if self.world == 1:
+        if self.alone:
             return x
         return _waited(funcol.all_reduce(x, "sum", self._group()))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x [..., n]`` concatenated in rank order along the last
         dim: ``[..., world * n]``; ``x`` itself when alone."""
-        if self.world == 1:
+        if self.alone:
             return x
         return _waited(_all_gather(x, x.dim() - 1, self._group()))
 
@@ -208,7 +221,7 @@ def shard_weights(
 class VocabParallelEmbedding(nn.Embedding):
     """An embedding holding rows ``[rank * n, (rank + 1) * n)`` of a ``world * n``
     vocabulary: ``ids [...]`` int64 to ``[..., dim]``, the rows other ranks hold
-    summed in by an all-reduce. With ``world == 1``: :class:`torch.nn.Embedding`."""
+    summed in by an all-reduce. Alone (:attr:`TensorParallel.alone`): an nn.Embedding."""
 
     def __init__(
         self, vocab_size: int, dim: int, tp: TensorParallel, *, dtype: torch.dtype | None = None
@@ -218,7 +231,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.first = tp.rank * (vocab_size // tp.world)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.world == 1:
+        if self.tp.alone:
             return super().forward(ids)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_embeddings)

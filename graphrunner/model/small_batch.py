@@ -121,7 +121,7 @@ def _add_projected(
     """``h + all_reduce(x @ weight.T)``: alone on its rank, the add is the
     kernel's epilogue; tensor-parallel, it follows the all-reduce."""
     pdl = layer.programmatic_launch
-    if layer.tp.world == 1:
+    if layer.tp.alone:
         return small_batch_linear(x, weight, residual=h, pdl=pdl)
     return h + layer.tp.all_reduce(small_batch_linear(x, weight, pdl=pdl))
 

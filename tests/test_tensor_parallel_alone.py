@@ -1,0 +1,139 @@
+"""TP = 1 through the collectives: one rank in a process group of its own
+(gloo on the CPU, NCCL on CUDA) runs the sharded model's all-reduces and
+all-gather, compiled and captured as TP = N runs them, and gives the tokens
+of the model built without a group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphrunner.model.parallel as parallel
+from graphrunner.engine.launch import join_group
+from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.workload import Request, synthetic_trace
+from graphrunner.model import default_model
+from graphrunner.model.parallel import SINGLE, TensorParallel
+
+ALONE = TensorParallel(0, 1, communicate_alone=True)
+
+
+def _trace() -> list[Request]:
+    return synthetic_trace(
+        num_requests=5, vocab_size=256, max_context_len=64, seed=3, prompt_len=(1, 9),
+        new_tokens=(2, 7), mean_gap=1.0,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[None]:
+    """This process as rank 0 of a group of one (``param``: the backend)."""
+    backend = getattr(request, "param", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    threads = torch.get_num_threads()
+    join_group(0, 1, tmp_path / "store", backend=backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _tokens(
+    tp: TensorParallel, kind: str, sizes: list[int], device: str = "cpu", **options: object
+) -> dict[int, list[int]]:
+    bundle = default_model(max_requests=4, max_context_len=64, tp=tp, device=device)
+    runner = create_model_runner(bundle, kind, capture_sizes=sizes, check_padding=True, **options)
+    runner.capture()
+    return Engine(bundle, runner).run(_trace()).outputs
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the functional collectives the model calls (traced or eager)."""
+    calls = {"all_reduce": 0, "all_gather": 0}
+    reduce, gather = parallel.funcol.all_reduce, parallel._all_gather
+
+    def counted_reduce(*args: object) -> torch.Tensor:
+        calls["all_reduce"] += 1
+        return reduce(*args)  # type: ignore[arg-type]
+
+    def counted_gather(*args: object) -> torch.Tensor:
+        calls["all_gather"] += 1
+        return gather(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parallel.funcol, "all_reduce", counted_reduce)
+    monkeypatch.setattr(parallel, "_all_gather", counted_gather)
+    return calls
+
+
+def test_alone_is_a_property_of_one_rank_without_communication() -> None:
+    assert SINGLE.alone and not ALONE.alone and not TensorParallel(0, 2).alone
+    x = torch.randn(3)
+    assert SINGLE.all_reduce(x) is x and SINGLE.all_gather(x) is x
+    with pytest.raises(ValueError, match=r"communicate_alone=1: expected a bool"):
+        TensorParallel(0, 1, communicate_alone=1)  # type: ignore[arg-type]
+
+
+def test_without_a_group_communicating_alone_names_the_missing_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a default group exists in this process")
+    with pytest.raises(RuntimeError, match=r"no process group: expected torch.distributed"):
+        ALONE.all_reduce(torch.ones(2))
+
+
+@pytest.mark.usefixtures("group_of_one")
+def test_eager_tokens_through_the_collectives_equal_no_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    whole = _tokens(SINGLE, "eager", [1, 2, 4])
+    calls = _counting(monkeypatch)
+    assert _tokens(ALONE, "eager", [1, 2, 4]) == whole
+    # Each step: the embedding's and two a layer's all-reduces, the logits' gather.
+    assert calls["all_reduce"] > 0 and calls["all_gather"] > 0
+    assert calls["all_reduce"] == calls["all_gather"] * 5  # 2 layers x 2 + the embedding
+
+
+def _collective_ops(run: Callable[[], object]) -> set[str]:
+    """The functional collectives' ops ``run`` executes (by the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return {e.name for e in prof.events() if "_c10d_functional::" in e.name}
+
+
+@pytest.mark.usefixtures("group_of_one")
+def test_compiled_cpu_programs_hold_the_collectives_and_equal_no_group() -> None:
+    whole = _tokens(SINGLE, "eager", [4])
+    bundle = default_model(max_requests=4, max_context_len=64, tp=ALONE)
+    runner = create_model_runner(bundle, "cpu", capture_sizes=[4], check_padding=True)
+    runner.capture()
+    found: dict[int, list[int]] = {}
+    ops = _collective_ops(lambda: found.update(Engine(bundle, runner).run(_trace()).outputs))
+    assert found == whole
+    assert {"_c10d_functional::all_reduce_", "_c10d_functional::all_gather_into_tensor"} <= ops
+    programs = runner.mechanism.programs(4)
+    assert programs is not None and programs - runner.direct_fallbacks == 1  # no graph break
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("group_of_one", ["nccl"], indirect=True)
+@pytest.mark.usefixtures("group_of_one")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_capture_the_nccl_collectives_token_exact(
+    compile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = _tokens(SINGLE, "cuda", [1, 2, 4], "cuda", compile=compile)
+    calls = _counting(monkeypatch)
+    bundle = default_model(max_requests=4, max_context_len=64, tp=ALONE, device="cuda")
+    runner = create_model_runner(
+        bundle, "cuda", capture_sizes=[1, 2, 4], check_padding=True, compile=compile
+    )
+    runner.capture()
+    captured = dict(calls)
+    assert captured["all_reduce"] > 0 and captured["all_gather"] > 0
+    assert Engine(bundle, runner).run(_trace()).outputs == whole
+    assert calls == captured  # replays ran the graphs' collectives, no Python call
