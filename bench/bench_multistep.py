@@ -23,10 +23,13 @@ compared with plain N = 1. On the CPU the program runs on the host thread
 itself, so overlap has nothing to hide there; its rows show its cost.
 
 On the CPU: the compiled CPU runner (inductor), one torch thread, the
-embedded default model. Run: ``PYTHONPATH=. .venv/bin/python -m
-bench.bench_multistep`` (writes ``bench/results/multistep-cpu.md`` and
-``.json``; on a CUDA machine ``multistep-<device>.md``). Not collected as a
-test or a pytest benchmark.
+embedded default model. On a GPU: the CUDA runner, by default over the 1.1B
+shape in bfloat16 at batch 1 (``--shape``, ``--sizes``), its graphs over the
+eager forward with the Triton attention (``--compile`` puts inductor's
+program inside them: minutes of compilation for N = 8's unrolled steps).
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_multistep`` (writes
+``bench/results/multistep-cpu.md`` and ``.json``; on a CUDA machine
+``multistep-<device>.md``). Not collected as a test or a pytest benchmark.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import torch
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
 from graphrunner.engine.results import EngineResult
+from graphrunner.model import shape_1b_config
 from graphrunner.testing import torch_threads
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep"
@@ -56,11 +60,35 @@ def trace(bs: int, new: int) -> list[Request]:
     return [Request(i, (3 + i, 5 + i, 7 + i, 11 + i), new) for i in range(bs)]
 
 
-def _engine(bs: int, n: int, overlap: bool, *, new: int, kind: str, device: str) -> Engine:
-    bundle = default_model(max_requests=bs, max_context_len=new + 8, device=device)
+#: ``--shape`` -> (model config (None: the embedded default), dtype).
+SHAPES: dict[str, tuple[Any, torch.dtype]] = {
+    "default": (None, torch.float32),
+    "1.1b": (shape_1b_config(), torch.bfloat16),
+}
+
+
+#: ``--shape`` as the results file names it.
+MODELS = {"default": "the embedded default", "1.1b": "the 1.1B shape, random weights, bfloat16"}
+
+
+def _engine(
+    bs: int,
+    n: int,
+    overlap: bool,
+    *,
+    new: int,
+    kind: str,
+    device: str,
+    shape: str = "default",
+    options: dict[str, Any] | None = None,
+) -> Engine:
+    config, dtype = SHAPES[shape]
+    bundle = default_model(
+        max_requests=bs, max_context_len=new + 8, device=device, config=config, dtype=dtype
+    )
     futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
     runner = create_model_runner(
-        bundle, kind, capture_sizes=[bs], steps_per_launch=n, future_map=futures
+        bundle, kind, capture_sizes=[bs], steps_per_launch=n, future_map=futures, **(options or {})
     )
     runner.capture()
     return Engine(bundle, runner, steps_per_launch=n, overlap=overlap)
@@ -75,12 +103,17 @@ def measure(
     kind: str,
     device: str,
     overlap: bool = False,
+    shape: str = "default",
+    options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Median tokens/s and host time per token of every N (and with
     ``overlap``, every N overlapped) at batch size ``bs``."""
     keys = [(n, False) for n in steps] + ([(n, True) for n in steps] if overlap else [])
     t0 = time.perf_counter()
-    engines = {k: _engine(bs, *k, new=new, kind=kind, device=device) for k in keys}
+    engines = {
+        k: _engine(bs, *k, new=new, kind=kind, device=device, shape=shape, options=options)
+        for k in keys
+    }
     print(f"bs {bs}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
     requests = trace(bs, new)
     runs: dict[tuple[int, bool], list[tuple[float, EngineResult]]] = {k: [] for k in keys}
@@ -142,8 +175,10 @@ def write(result: dict[str, Any], slug: str) -> str:
         "",
         *(f"- {k}: {v}" for k, v in result["machine"].items()),
         f"- command: `{result['command']}`",
-        f"- mechanism: {result['mechanism']}; torch threads {result['threads']}; the embedded "
-        f"default model; bs greedy requests of a 4-token prompt and {result['new']} new tokens "
+        f"- mechanism: {result['mechanism']}"
+        f"{' over the compiled forward' if result.get('compile') else ''}; torch threads "
+        f"{result['threads']}; model: {MODELS[result.get('shape', 'default')]}; "
+        f"bs greedy requests of a 4-token prompt and {result['new']} new tokens "
         "each, arriving together",
         f"- medians of {result['rounds']} engine runs per N, the N values round-robin; "
         "tokens/s over the run's wall time (prefills included); launch: time inside "
@@ -164,8 +199,16 @@ def write(result: dict[str, Any], slug: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1,8", help="batch sizes (each captured exactly)")
-    parser.add_argument("--steps", default=",".join(map(str, STEPS)), help="N values (1 first)")
+    parser.add_argument(
+        "--sizes", default="1" if cuda else "1,8", help="batch sizes (each captured exactly)"
+    )
+    parser.add_argument(
+        "--steps", default="1,4,8" if cuda else ",".join(map(str, STEPS)), help="N values (1 first)"
+    )
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="1.1b" if cuda else "default")
+    parser.add_argument(
+        "--compile", action="store_true", help="CUDA: inductor's program inside the graphs"
+    )
     parser.add_argument("--new", type=int, default=96, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
@@ -188,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kind=kind,
                 device=device,
                 overlap=args.overlap,
+                shape=args.shape,
+                options={"compile": True} if cuda and args.compile else None,
             )
     info = machine()
     slug = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-") if cuda else "cpu"
@@ -196,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": CMD + (f" {' '.join(sys.argv[1:])}" if argv is None and sys.argv[1:] else ""),
         "mechanism": "cuda (CUDA graphs)" if cuda else "cpu (inductor-compiled program)",
         "threads": args.threads,
+        "shape": args.shape,
+        "compile": bool(cuda and args.compile),
         "new": args.new,
         "rounds": args.rounds,
         "load_before": [round(x, 2) for x in load_before],

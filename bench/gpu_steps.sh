@@ -12,6 +12,9 @@
 #              MODEL_SIZES and MODEL_VARIANTS pick what it times, see below)
 #   attention  bench/bench_decode_attention.py (the kernel's split sweep)
 #   gemv       bench/bench_gemv.py         (the small-batch linears against torch's)
+#   sampling   bench/bench_sampling.py     (in-graph sampling's share of the 1.1B step, bs 1 and 64)
+#   multistep  bench/bench_multistep.py    (N steps a launch on the 1.1B shape against N = 1)
+#   tp         the NCCL TP = 1 tests (collectives captured) and the multi-step sync test
 #   suite      the whole suite, CUDA tests included
 #
 # Each step runs alone (benches want an idle GPU), under its own time limit,
@@ -22,10 +25,11 @@
 # -d .whl nvtx pytest-xdist execnet`, `.whl` in .git/info/exclude) and install
 # them first into a --target that PYTHONPATH names.
 set -uo pipefail
-step=${1:?usage: bench/gpu_steps.sh kernels|cuda|models|replay|model|attention|gemv|suite [LOGDIR]}
+step=${1:?usage: bench/gpu_steps.sh kernels|cuda|models|replay|model|attention|gemv|sampling|multistep|tp|suite [LOGDIR]}
 logdir=${2:-.}
 mkdir -p "$logdir"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # the package and bench/ from the checkout
 py=${PYTHON:-python3}
 pytest=(timeout -k 10 "${STEP_SECONDS:-420}" "$py" -m pytest -q -p no:cacheprovider -rfEs)
 workers=()
@@ -47,8 +51,12 @@ case $step in
              --sizes "${MODEL_SIZES:-1,64}" --variants "$variants") ;;
   attention) cmd=(timeout -k 10 "${STEP_SECONDS:-480}" "$py" -m bench.bench_decode_attention --sizes 64,1) ;;
   gemv) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_gemv) ;;
+  sampling) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_sampling) ;;
+  multistep) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_multistep --rounds 5) ;;
+  tp) cmd=("${pytest[@]}" -m cuda tests/test_tensor_parallel_alone.py
+           tests/test_engine_multistep_overlap.py tests/test_multistep_phase.py) ;;
   suite) cmd=("${pytest[@]}" "${workers[@]}" -x) ;;
-  *) echo "bench/gpu_steps.sh: unknown step '$step' (expected kernels, cuda, models, replay, model, attention, gemv or suite)" >&2
+  *) echo "bench/gpu_steps.sh: unknown step '$step' (expected kernels, cuda, models, replay, model, attention, gemv, sampling, multistep, tp or suite)" >&2
      exit 2 ;;
 esac
 "$py" -c "import torch; print('device:', torch.cuda.get_device_name(0))" 2>&1 | tee "$logdir/$step.log"
