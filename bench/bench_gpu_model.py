@@ -53,6 +53,9 @@ from graphrunner.model.programmatic_launch import use_programmatic_launch
 from graphrunner.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
+#: The step table's columns; the last is the logits' largest difference from
+#: the size's first variant, over their standard deviation.
+COLUMNS = ("bs", "variant", "step (ms)", "floor (ms)", "% of floor", "max |diff| / std")
 SIZES = [1, 8, 32, 64]
 #: Variant -> (attention (``TorchPagedBackend.use``), CUDA runner options; None: eager).
 VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -143,8 +146,11 @@ def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
     return batch
 
 
-def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -> float:
-    """Seconds per step of ``variant`` on ``batch`` (captured at exactly its size)."""
+def measure(
+    bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int
+) -> tuple[float, torch.Tensor]:
+    """Seconds per step of ``variant`` on ``batch`` (captured at exactly its
+    size), and the step's logits (a copy)."""
     attention, options = {**VARIANTS, **AUTOTUNED}[variant]
     bundle.model.attn_backend.use(attention)
     use_small_batch_linears(bundle.model, SMALL_BATCH_ROWS.get(variant, 0))
@@ -152,12 +158,19 @@ def measure(bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int) -
     bs = batch.req_pool_indices.shape[0]
     if options is None:
         with torch.no_grad():
-            bundle.model.forward_decode(batch)  # warm-up
-            return _time(lambda: bundle.model.forward_decode(batch), iters)
+            logits = bundle.model.forward_decode(batch).clone()  # and the warm-up
+            return _time(lambda: bundle.model.forward_decode(batch), iters), logits
     runner = create_model_runner(bundle, "cuda", capture_sizes=[bs], **options)
     runner.capture()
-    runner.replay(batch)
-    return _time(lambda: runner.replay(batch), iters)
+    logits = runner.replay(batch).clone()
+    return _time(lambda: runner.replay(batch), iters), logits
+
+
+def _difference(got: torch.Tensor, reference: torch.Tensor | None) -> float:
+    """Largest |difference| over the reference's spread (0 for the reference)."""
+    if reference is None:
+        return 0.0
+    return float((got.float() - reference.float()).abs().max() / reference.float().std())
 
 
 def run(
@@ -176,8 +189,8 @@ def run(
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; context {context}")
-    print("| bs | variant | step (ms) | floor (ms) | % of floor |")
-    print("|---|---|---|---|---|")
+    print(f"| {' | '.join(COLUMNS)} |")
+    print("|---" * len(COLUMNS) + "|")
     rows: list[dict[str, object]] = []
     result: dict[str, object] = {
         "device": device,
@@ -191,13 +204,21 @@ def run(
     for bs in sizes:
         batch = filled_batch(bundle, bs, context)
         floor = step_bytes(bundle, bs, context) / bandwidth
+        reference: torch.Tensor | None = None
         for variant in variants:
             if bs > SMALL_BATCH_ROWS.get(variant, bs):
                 continue  # past the small-batch rows the step is its torch-path twin's
             t0 = time.perf_counter()
-            seconds = measure(bundle, variant, batch, iters)
-            gc.collect()  # the variant's graphs and their pool go before the next
-            torch.cuda.empty_cache()
+            try:
+                seconds, logits = measure(bundle, variant, batch, iters)
+            except Exception as e:  # one variant failing leaves the others' figures
+                rows.append({"bs": bs, "variant": variant, "error": f"{type(e).__name__}: {e}"})
+                print(_line(rows[-1]), flush=True)
+                continue
+            finally:
+                gc.collect()  # the variant's graphs and their pool go before the next
+                torch.cuda.empty_cache()
+            reference = logits if reference is None else reference
             row = {
                 "bs": bs,
                 "variant": variant,
@@ -205,15 +226,23 @@ def run(
                 "floor_ms": floor * 1e3,
                 "pct_of_floor": 100 * floor / seconds,
                 "setup_s": time.perf_counter() - t0,
+                # Against the size's first variant: a fast step that is wrong shows here.
+                "max_diff_over_std": _difference(logits, reference),
             }
             rows.append(row)
-            print(
-                f"| {bs} | {variant} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | "
-                f"{row['pct_of_floor']:.0f}% |",
-                flush=True,
-            )
+            print(_line(row), flush=True)
         write(result)  # after every size: a run cut short keeps what it measured
     return result
+
+
+def _line(r: dict[str, Any]) -> str:
+    """One row of the step table (a failed variant: its error)."""
+    if "error" in r:
+        return f"| {r['bs']} | {r['variant']} | failed: {' '.join(r['error'].split())[:200]} |"
+    return (
+        f"| {r['bs']} | {r['variant']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | "
+        f"{r['pct_of_floor']:.0f}% | {r.get('max_diff_over_std', 0.0):.3f} |"
+    )
 
 
 def write(result: dict[str, object]) -> Path:
@@ -225,14 +254,10 @@ def write(result: dict[str, object]) -> Path:
         *(f"- {k}: {result[k]}" for k in ("torch", "date", "model", "context")),
         f"- copy bandwidth: {float(result['copy_bandwidth_bytes_per_s']) / 1e12:.2f} TB/s",  # type: ignore[arg-type]
         "",
-        "| bs | variant | step (ms) | floor (ms) | % of floor |",
-        "|---|---|---|---|---|",
+        f"| {' | '.join(COLUMNS)} |",
+        "|---" * len(COLUMNS) + "|",
     ]
-    for r in result["rows"]:  # type: ignore[attr-defined]
-        lines.append(
-            f"| {r['bs']} | {r['variant']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | "
-            f"{r['pct_of_floor']:.0f}% |"
-        )
+    lines += [_line(r) for r in result["rows"]]  # type: ignore[attr-defined]
     RESULTS_DIR.mkdir(exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
