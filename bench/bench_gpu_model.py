@@ -15,8 +15,10 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
   most 16 rows run the Triton small-batch linears
   (:func:`~graphrunner.model.small_batch.use_small_batch_linears`);
 - ``graph+compile+triton+pdl`` and ``graph+compile+triton+gemv+pdl``: those
-  two with every Triton kernel of the step, inductor's too, launched
-  programmatically (:mod:`graphrunner.model.programmatic_launch`).
+  two with our Triton kernels (attention, small-batch linears) launched
+  programmatically (:mod:`graphrunner.model.programmatic_launch`);
+- ``graph+compile+triton+gemv+pdl-inductor``: inductor's kernels too, with
+  inductor's own placement of the waits (``kernels.pdl.INDUCTOR_OPTIONS``).
 
 The floor is the bytes a step must read (every weight once, the embedding
 rows it looks up, every row's cached K and V) over the device's copy
@@ -54,7 +56,7 @@ from graphrunner.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
 #: The step table's columns; the last is the logits' largest difference from
-#: the size's first variant, over their standard deviation.
+#: the size's first variant that ran (named in the JSON), over their standard deviation.
 COLUMNS = ("bs", "variant", "step (ms)", "floor (ms)", "% of floor", "max |diff| / std")
 SIZES = [1, 8, 32, 64]
 #: Variant -> (attention (``TorchPagedBackend.use``), CUDA runner options; None: eager).
@@ -68,9 +70,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
     # The Triton small-batch linears (norm + q/k/v, o, norm + gate/up + SiLU,
     # down, LM head) for steps of at most MAX_ROWS rows, cuBLAS above.
     "graph+compile+triton+gemv": ("triton", {"compile": True}),
-    # Programmatic dependent launch for the Triton kernels, ours and inductor's.
-    "graph+compile+triton+pdl": ("triton", {"compile": True, "inductor_options": INDUCTOR_OPTIONS}),
-    "graph+compile+triton+gemv+pdl": (
+    # Programmatic dependent launch for our Triton kernels; then inductor's too.
+    "graph+compile+triton+pdl": ("triton", {"compile": True}),
+    "graph+compile+triton+gemv+pdl": ("triton", {"compile": True}),
+    "graph+compile+triton+gemv+pdl-inductor": (
         "triton",
         {"compile": True, "inductor_options": INDUCTOR_OPTIONS},
     ),
@@ -79,9 +82,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
 SMALL_BATCH_ROWS = {
     "graph+compile+triton+gemv": MAX_ROWS,
     "graph+compile+triton+gemv+pdl": MAX_ROWS,
+    "graph+compile+triton+gemv+pdl-inductor": MAX_ROWS,
 }
 #: Variants whose model's Triton kernels launch programmatically.
-PROGRAMMATIC = {"graph+compile+triton+pdl", "graph+compile+triton+gemv+pdl"}
+PROGRAMMATIC = {
+    "graph+compile+triton+pdl",
+    "graph+compile+triton+gemv+pdl",
+    "graph+compile+triton+gemv+pdl-inductor",
+}
 #: With ``--autotune``: inductor's GEMM templates autotuned against cuBLAS
 #: (minutes of compilation per size; batch 1's projections are GEMVs).
 AUTOTUNED: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -113,9 +121,10 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def step_bytes(bundle: ModelBundle, bs: int, context: int) -> int:
-    """Bytes one decode step must read: every weight but the embedding table,
-    the ``bs`` embedding rows, and ``context`` tokens of K and V per row."""
+def step_floors(bundle: ModelBundle, bs: int, context: int) -> dict[str, int]:
+    """Bytes one decode step must read, by what reads them: ``projections``,
+    every weight but the embedding table and the ``bs`` embedding rows;
+    ``attention``, ``context`` tokens of K and V per row."""
     model = bundle.model
     embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -123,7 +132,12 @@ def step_bytes(bundle: ModelBundle, bs: int, context: int) -> int:
     rows = bs * embed.shape[1] * embed.element_size()
     k = bundle.kv_cache.k_buffers[0]
     kv_per_token = 2 * len(bundle.kv_cache.k_buffers) * k[0].numel() * k.element_size()
-    return weights + rows + bs * context * kv_per_token
+    return {"projections": weights + rows, "attention": bs * context * kv_per_token}
+
+
+def step_bytes(bundle: ModelBundle, bs: int, context: int) -> int:
+    """Bytes one decode step must read (:func:`step_floors` together)."""
+    return sum(step_floors(bundle, bs, context).values())
 
 
 def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
@@ -146,24 +160,34 @@ def filled_batch(bundle: ModelBundle, bs: int, context: int) -> DecodeBatch:
     return batch
 
 
+def prepare(bundle: ModelBundle, variant: str, batch: DecodeBatch) -> Callable[[], torch.Tensor]:
+    """The step of ``variant`` on ``batch``, ready to call: the eager forward,
+    or a CUDA runner captured at exactly the batch's size, replaying it."""
+    attention, options = {**VARIANTS, **AUTOTUNED}[variant]
+    bundle.model.attn_backend.use(attention)
+    use_small_batch_linears(bundle.model, SMALL_BATCH_ROWS.get(variant, 0))
+    use_programmatic_launch(bundle.model, variant in PROGRAMMATIC)
+    if options is None:
+
+        def eager() -> torch.Tensor:
+            with torch.no_grad():
+                return bundle.model.forward_decode(batch)
+
+        return eager
+    bs = batch.req_pool_indices.shape[0]
+    runner = create_model_runner(bundle, "cuda", capture_sizes=[bs], **options)
+    runner.capture()
+    return lambda: runner.replay(batch)
+
+
 def measure(
     bundle: ModelBundle, variant: str, batch: DecodeBatch, iters: int
 ) -> tuple[float, torch.Tensor]:
     """Seconds per step of ``variant`` on ``batch`` (captured at exactly its
     size), and the step's logits (a copy)."""
-    attention, options = {**VARIANTS, **AUTOTUNED}[variant]
-    bundle.model.attn_backend.use(attention)
-    use_small_batch_linears(bundle.model, SMALL_BATCH_ROWS.get(variant, 0))
-    use_programmatic_launch(bundle.model, variant in PROGRAMMATIC)
-    bs = batch.req_pool_indices.shape[0]
-    if options is None:
-        with torch.no_grad():
-            logits = bundle.model.forward_decode(batch).clone()  # and the warm-up
-            return _time(lambda: bundle.model.forward_decode(batch), iters), logits
-    runner = create_model_runner(bundle, "cuda", capture_sizes=[bs], **options)
-    runner.capture()
-    logits = runner.replay(batch).clone()
-    return _time(lambda: runner.replay(batch), iters), logits
+    step = prepare(bundle, variant, batch)
+    logits = step().clone()  # and the warm-up
+    return _time(step, iters), logits
 
 
 def _difference(got: torch.Tensor, reference: torch.Tensor | None) -> float:
@@ -204,7 +228,8 @@ def run(
     for bs in sizes:
         batch = filled_batch(bundle, bs, context)
         floor = step_bytes(bundle, bs, context) / bandwidth
-        reference: torch.Tensor | None = None
+        reference: torch.Tensor | None = None  # the size's first variant that ran
+        reference_variant = ""
         for variant in variants:
             if bs > SMALL_BATCH_ROWS.get(variant, bs):
                 continue  # past the small-batch rows the step is its torch-path twin's
@@ -218,7 +243,8 @@ def run(
             finally:
                 gc.collect()  # the variant's graphs and their pool go before the next
                 torch.cuda.empty_cache()
-            reference = logits if reference is None else reference
+            if reference is None:
+                reference, reference_variant = logits, variant
             row = {
                 "bs": bs,
                 "variant": variant,
@@ -228,6 +254,7 @@ def run(
                 "setup_s": time.perf_counter() - t0,
                 # Against the size's first variant: a fast step that is wrong shows here.
                 "max_diff_over_std": _difference(logits, reference),
+                "reference_variant": reference_variant,
             }
             rows.append(row)
             print(_line(row), flush=True)

@@ -11,6 +11,7 @@
 #   model      bench/bench_gpu_model.py    (writes bench/results/gpu-model-step-<device>.*;
 #              MODEL_SIZES and MODEL_VARIANTS pick what it times, see below)
 #   attention  bench/bench_decode_attention.py (the kernel's split sweep)
+#   profile    bench/bench_gpu_profile.py  (device time by kernel class against each floor)
 #   gemv       bench/bench_gemv.py         (the small-batch linears against torch's)
 #   sampling   bench/bench_sampling.py     (in-graph sampling's share of the 1.1B step, bs 1 and 64)
 #   multistep  bench/bench_multistep.py    (N steps a launch on the 1.1B shape against N = 1)
@@ -25,17 +26,17 @@
 # -d .whl nvtx pytest-xdist execnet`, `.whl` in .git/info/exclude) and install
 # them first into a --target that PYTHONPATH names.
 set -uo pipefail
-step=${1:?usage: bench/gpu_steps.sh kernels|cuda|models|replay|model|attention|gemv|sampling|multistep|tp|suite [LOGDIR]}
+step=${1:?usage: bench/gpu_steps.sh kernels|cuda|models|replay|model|profile|attention|gemv|sampling|multistep|tp|suite [LOGDIR]}
 logdir=${2:-.}
 mkdir -p "$logdir"
 export PYTHONUNBUFFERED=1
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # the package and bench/ from the checkout
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package and bench/ from the checkout
 py=${PYTHON:-python3}
 pytest=(timeout -k 10 "${STEP_SECONDS:-420}" "$py" -m pytest -q -p no:cacheprovider -rfEs)
 workers=()
 "$py" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-8}" --dist loadscope)
 # The step's default variants: the measured default and the opt-in levers.
-variants=${MODEL_VARIANTS:-graph+compile+triton,graph+compile+triton+gemv,graph+compile+triton+pdl,graph+compile+triton+gemv+pdl}
+variants=${MODEL_VARIANTS:-graph+compile+triton,graph+compile+triton+pdl,graph+compile+triton+gemv,graph+compile+triton+gemv+pdl,graph+compile+triton+gemv+pdl-inductor}
 case $step in
   # The kernels' own files run whole: on a GPU their unmarked tests run compiled.
   kernels) cmd=("${pytest[@]}" tests/test_decode_attention.py tests/test_small_batch.py
@@ -51,12 +52,13 @@ case $step in
              --sizes "${MODEL_SIZES:-1,64}" --variants "$variants") ;;
   attention) cmd=(timeout -k 10 "${STEP_SECONDS:-480}" "$py" -m bench.bench_decode_attention --sizes 64,1) ;;
   gemv) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_gemv) ;;
+  profile) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_gpu_profile) ;;
   sampling) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_sampling) ;;
   multistep) cmd=(timeout -k 10 "${STEP_SECONDS:-300}" "$py" -m bench.bench_multistep --rounds 5) ;;
   tp) cmd=("${pytest[@]}" -m cuda tests/test_tensor_parallel_alone.py
            tests/test_engine_multistep_overlap.py tests/test_multistep_phase.py) ;;
   suite) cmd=("${pytest[@]}" "${workers[@]}" -x) ;;
-  *) echo "bench/gpu_steps.sh: unknown step '$step' (expected kernels, cuda, models, replay, model, attention, gemv, sampling, multistep, tp or suite)" >&2
+  *) echo "bench/gpu_steps.sh: unknown step '$step' (expected kernels, cuda, models, replay, model, profile, attention, gemv, sampling, multistep, tp or suite)" >&2
      exit 2 ;;
 esac
 "$py" -c "import torch; print('device:', torch.cuda.get_device_name(0))" 2>&1 | tee "$logdir/$step.log"

@@ -29,7 +29,8 @@ from hf_tiny import hf_greedy, save_tiny_llama
 from hopper import compile_for_hopper
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-#: (norm, gated, residual): the kernel's variants (the model uses all but the last two).
+#: (norm, gated, residual): the kernel's variants (the model runs the first two,
+#: the fourth and the fifth: norm + q/k/v, the LM head, norm + gate/up, o and down).
 VARIANTS = [
     (False, False, False),
     (True, False, False),
@@ -231,8 +232,15 @@ def test_kernel_compiles_for_hopper_with_vector_loads(tmp_path: Path) -> None:
 def test_one_point_one_b_shapes_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    shapes = [(1, 2560, 2048), (4, 5632, 2048), (1, 2048, 5632), (8, 32000, 2048)]
-    for (m, n, k), variant in zip(shapes, VARIANTS[::-1], strict=False):
+    # Each product of the 1.1B shape with the variant the model runs it with.
+    products = [
+        ((1, 2560, 2048), (True, False, False)),  # norm + q/k/v
+        ((4, 2048, 2048), (False, False, True)),  # o + residual
+        ((1, 5632, 2048), (True, True, False)),  # norm + gate/up + SiLU
+        ((16, 2048, 5632), (False, False, True)),  # down + residual
+        ((8, 32000, 2048), (False, False, False)),  # the LM head
+    ]
+    for (m, n, k), variant in products:
         ops = _operands(m, n, k, torch.bfloat16, seed=m)
         got, want = _run(gemv, ops, *variant).float(), _run(reference, ops, *variant).float()
         bound = 2**-6 * want.abs() + 2**-6 * want.abs().max()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import Request, synthetic_trace
 from graphrunner.model import default_model
 from graphrunner.model.parallel import SINGLE, TensorParallel
+from graphrunner.model.small_batch import use_small_batch_linears
 
 ALONE = TensorParallel(0, 1, communicate_alone=True)
 
@@ -96,6 +98,36 @@ def test_eager_tokens_through_the_collectives_equal_no_group(
     # Each step: the embedding's and two a layer's all-reduces, the logits' gather.
     assert calls["all_reduce"] > 0 and calls["all_gather"] > 0
     assert calls["all_reduce"] == calls["all_gather"] * 5  # 2 layers x 2 + the embedding
+
+
+def _decode_logits(tp: TensorParallel) -> torch.Tensor:
+    """One decode step of 2 rows over seeded random K/V, through the small-batch linears."""
+    bundle = default_model(max_requests=2, max_context_len=16, tp=tp)
+    use_small_batch_linears(bundle.model, 2)  # interpreted on the CPU: one step only
+    gen, rows = torch.Generator().manual_seed(4), 2
+    bundle.req_pool.req_to_token[1:3, :4] = torch.arange(1, 9).view(rows, 4)
+    for layer in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    batch = SimpleNamespace(
+        input_ids=torch.tensor([7, 200]), positions=torch.full((rows,), 4),
+        out_cache_loc=torch.tensor([11, 12]), req_pool_indices=torch.tensor([1, 2]),
+        seq_lens=torch.full((rows,), 5),
+    )  # fmt: skip
+    bundle.req_pool.req_to_token[1:3, 4] = batch.out_cache_loc.to(torch.int32)
+    with torch.no_grad():
+        return bundle.model.forward_decode(batch)
+
+
+@pytest.mark.usefixtures("group_of_one")
+def test_small_batch_linears_add_the_residual_after_the_all_reduce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the collectives the o and down products' residual add follows
+    the all-reduce (alone it is the kernel's epilogue): the same logits."""
+    whole = _decode_logits(SINGLE)
+    calls = _counting(monkeypatch)
+    torch.testing.assert_close(_decode_logits(ALONE), whole, rtol=0, atol=1e-6)
+    assert calls["all_reduce"] == 5 and calls["all_gather"] == 1  # one step, 2 layers
 
 
 def _collective_ops(run: Callable[[], object]) -> set[str]:

@@ -173,9 +173,11 @@ def _one_rank(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="graphrunner-tp-") as tmp:
         store = Path(tmp) / "store"
         join = lambda: join_group(0, 1, store, backend=_backend(device))  # noqa: E731
-        result = as_rank(args, 0, 1, local, join, None)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            result = as_rank(args, 0, 1, local, join, None)
+        finally:  # interrupted too: leave the group
+            if dist.is_initialized():
+                dist.destroy_process_group()
     if isinstance(result, Failure):
         print(f"graphrunner {args.command}: rank 0: {result.line}", file=sys.stderr, flush=True)
         return result.code

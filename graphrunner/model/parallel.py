@@ -4,8 +4,9 @@ The collectives are torch's functional collectives
 (:mod:`torch.distributed._functional_collectives`): ops that return a new
 tensor, which dynamo traces and inductor keeps in its programs (and CUDA graphs
 can capture, on NCCL), rather than in-place ``dist.all_reduce`` calls that
-break a graph. With ``world == 1`` every collective is the identity, so a
-model built with :data:`SINGLE` runs exactly the ops it ran before.
+break a graph. Alone (one rank, not ``communicate_alone``) every collective
+is the identity, so a model built with :data:`SINGLE` runs exactly the ops it
+ran before.
 
 Sharding (Megatron-style, as vLLM and SGLang do): q/k/v and gate/up are
 column-parallel (each rank holds its heads' rows, its slice of the
@@ -106,7 +107,7 @@ class TensorParallel:
 
     def broadcast(self, value: list[int]) -> list[int]:
         """Rank 0's ``value`` on every rank: a host-side exchange (not for a
-        captured step); ``value`` itself when alone."""
+        captured step); ``value`` itself with one rank."""
         if self.world == 1:
             return list(value)
         box: list[list[int] | None] = [list(value)]
@@ -117,7 +118,7 @@ class TensorParallel:
     def agree(self, what: str, value: list[int]) -> None:
         """Raise ``ValueError`` on every rank unless every rank passed the same
         ``value``; the message names ``what`` and each rank's value. A host-side
-        exchange (not for a captured step); nothing when alone."""
+        exchange (not for a captured step); nothing with one rank."""
         if self.world == 1:
             return
         found: list[list[int] | None] = [None] * self.world

@@ -3,9 +3,10 @@
 :func:`use_programmatic_launch` makes the decode attention's two kernels and
 the small-batch linears launch with PDL (see
 :mod:`~graphrunner.model.kernels.pdl` for what each kernel then guarantees);
-the kernels inductor generates between them take the same prologue with
-:data:`~graphrunner.model.kernels.pdl.INDUCTOR_OPTIONS` passed to the CUDA
-runner. Opt-in: a captured size keeps the launches it was captured with.
+the kernels inductor generates between them keep plain launches unless
+:data:`~graphrunner.model.kernels.pdl.INDUCTOR_OPTIONS` is passed to the CUDA
+runner (inductor's own waits). Opt-in: a captured size keeps the launches it
+was captured with.
 """
 
 from __future__ import annotations

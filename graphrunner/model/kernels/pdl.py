@@ -16,8 +16,14 @@ had waited for its own predecessor). It then signals its dependents at once,
 so the next kernel's launch and prologue overlap this one's work.
 
 Off by default (the measured path): :func:`triton_launch` gives a launch's
-keyword arguments, :data:`INDUCTOR_OPTIONS` turns it on for the kernels
-inductor generates (``create_model_runner(..., inductor_options=...)``).
+keyword arguments. Between our kernels inductor's run with plain launches,
+which wait for everything before them, so the chain stays ordered.
+:data:`INDUCTOR_OPTIONS` (``create_model_runner(..., inductor_options=...)``)
+launches inductor's kernels programmatically too, with inductor's own
+placement of the waits (before reading what the previous kernel wrote, or
+after its first load): not this module's contract, since a kernel of its
+that reads nothing waits for nothing; measured separately
+(``bench/bench_gpu_model.py``'s ``+pdl-inductor``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import torch
 
 __all__ = ["INDUCTOR_OPTIONS", "check_device", "supported", "triton_launch"]
 
-#: Inductor config patches that give its generated Triton kernels the same
-#: wait-then-signal prologue and PDL launches (torch >= 2.9).
+#: Inductor config patches that launch its generated Triton kernels
+#: programmatically, with inductor's own waits (torch >= 2.9; see above).
 INDUCTOR_OPTIONS: dict[str, Any] = {"triton.enable_pdl": True}
 
 
