@@ -57,7 +57,7 @@ from graphrunner.model.small_batch import use_small_batch_linears
 RESULTS_DIR = Path(__file__).parent / "results"
 #: The step table's columns; the last is the logits' largest difference from
 #: the size's first variant that ran (named in the JSON), over their standard deviation.
-COLUMNS = ("bs", "variant", "step (ms)", "floor (ms)", "% of floor", "max |diff| / std")
+COLUMNS = ("bs", "variant", "step (ms)", "floor (ms)", "% of floor", "max abs diff / std")
 SIZES = [1, 8, 32, 64]
 #: Variant -> (attention (``TorchPagedBackend.use``), CUDA runner options; None: eager).
 VARIANTS: dict[str, tuple[str, dict[str, Any] | None]] = {
