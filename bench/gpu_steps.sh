@@ -39,7 +39,7 @@ workers=()
 variants=${MODEL_VARIANTS:-graph+compile+triton,graph+compile+triton+pdl,graph+compile+triton+gemv,graph+compile+triton+gemv+pdl,graph+compile+triton+gemv+pdl-inductor}
 case $step in
   # The kernels' own files run whole: on a GPU their unmarked tests run compiled.
-  kernels) cmd=("${pytest[@]}" tests/test_decode_attention.py tests/test_small_batch.py
+  kernels) cmd=("${pytest[@]}" tests/test_decode_attention.py tests/test_small_batch.py tests/test_rope_store.py
              tests/test_programmatic_launch.py tests/test_triton_model.py
              tests/test_fused_populate.py tests/test_in_graph_populate.py
              tests/test_validation_once.py tests/test_host_inputs.py) ;;

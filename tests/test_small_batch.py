@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_oracle import TRACE
 
+from conftest import SLOW
 from graphrunner import default_model
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.workload import Request
@@ -191,6 +192,28 @@ def test_served_tokens_equal_transformers(tmp_path: Path) -> None:
     expected = hf_greedy(hf, trace)
     assert result.outputs == {r.rid: expected[r.rid] for r in trace}
     assert result.stats.batch_sizes.keys() == {1, 2, 3} and result.stats.padded_rows >= 2
+
+
+@pytest.mark.skipif(not SLOW and DEVICE == "cpu", reason="interpreted kernels inside a compile")
+def test_compiled_program_writes_the_caches_in_place_and_equals_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor's program (the CPU runner's, or CUDA graphs over it) calls the
+    rotary + KV write op on the caches themselves and gives the eager tokens,
+    every step checked against the eager forward."""
+    if DEVICE == "cpu":  # Triton's interpreter inside a compile (a GPU compiles the kernels)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    trace = [Request(0, (5, 9, 2), 4), Request(1, (7,), 3)]  # one row padded to 2
+
+    def tokens(kind: str, rows: int, **options: object) -> dict[int, list[int]]:
+        bundle = default_model(max_requests=2, max_context_len=32, device=DEVICE)
+        use_small_batch_linears(bundle.model, rows)
+        runner = create_model_runner(bundle, kind, capture_sizes=[2], **options)
+        runner.capture()
+        return Engine(bundle, runner, check=True).run(trace).outputs
+
+    compiled = ("cuda", {"compile": True}) if DEVICE == "cuda" else ("cpu", {})
+    assert tokens(compiled[0], 2, **compiled[1]) == tokens("eager", 0)
 
 
 # Lowered for sm_90 with the launch's divisibility (16-byte aligned pointers

@@ -114,6 +114,13 @@ class PagedAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         kv.set_kv(self.layer_id, out_loc, k, v)
+        return self.attend_rotated(q, kv, meta)
+
+    def attend_rotated(self, q: torch.Tensor, kv: KVStore, meta: AttnMetadata) -> torch.Tensor:
+        """The attention of rotated queries ``q [n, H D]`` (or ``[n, H, D]``) whose
+        step's K/V are in ``kv`` already: the heads' outputs ``[n, H D]``."""
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
         k_buf, v_buf = kv.get_kv(self.layer_id)
         out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale)
         return self._unrows(out, n)

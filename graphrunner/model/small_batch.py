@@ -5,7 +5,9 @@ token rows through :func:`~graphrunner.model.kernels.gemv.gemv`, four
 launches a layer where the torch path runs a norm, a product, a gate and a
 multiply apiece:
 
-* input RMSNorm + stacked q/k/v projection (one launch);
+* input RMSNorm + stacked q/k/v projection (one launch), then the rotary
+  embedding and the KV write (one launch, :mod:`~graphrunner.model.kernels.rope_store`,
+  when the KV cache holds the model's dtype);
 * the output projection and the residual add;
 * post-attention RMSNorm + gate and up projections + SiLU gate (one launch);
 * the down projection and the residual add;
@@ -25,13 +27,20 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from graphrunner.model.kernels.gemv import MAX_ROWS, gemv
+from graphrunner.model.kernels.rope_store import rope_store
 
 if TYPE_CHECKING:
     from graphrunner.model.attention_meta import AttnMetadata, KVStore
     from graphrunner.model.layers import RotaryEmbedding
     from graphrunner.model.llama import LlamaDecoder, LlamaDecoderLayer
 
-__all__ = ["fits", "small_batch_layer", "small_batch_linear", "use_small_batch_linears"]
+__all__ = [
+    "fits",
+    "rope_store_op",
+    "small_batch_layer",
+    "small_batch_linear",
+    "use_small_batch_linears",
+]
 
 
 @torch.library.custom_op("graphrunner::small_batch_linear", mutates_args=())
@@ -70,6 +79,42 @@ def _fake(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+# The caches are declared mutated: inductor passes them straight in and keeps
+# the op before the attention that reads them.
+@torch.library.custom_op("graphrunner::rope_store", mutates_args=("k_cache", "v_cache"))
+def rope_store_op(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """:func:`~graphrunner.model.kernels.rope_store.rope_store` as an op: the
+    rotated ``q [M, H D]``, the step's K/V written into the caches."""
+    return rope_store(
+        qkv.contiguous(), positions, out_loc, cos, sin, k_cache, v_cache, heads=heads, pdl=pdl
+    )
+
+
+@rope_store_op.register_fake
+def _rope_store_fake(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+    pdl: bool = False,
+) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], heads * k_cache.shape[2]))
+
+
 def use_small_batch_linears(model: LlamaDecoder, max_rows: int) -> None:
     """Run ``model``'s steps of at most ``max_rows`` token rows (``0``: none,
     the default) through the small-batch linears. Call it before capture: a
@@ -106,13 +151,35 @@ def small_batch_layer(
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     pdl = layer.programmatic_launch
     qkv = small_batch_linear(h, attn.qkv_weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
-    heads = attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
+    heads = _attend(layer, qkv, positions, out_loc, kv, meta, rotary)
     h = _add_projected(layer, h, heads, cast(torch.Tensor, attn.o_proj.weight))
     gated = small_batch_linear(
         h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps,
         pdl=pdl,
     )  # fmt: skip
     return _add_projected(layer, h, gated, mlp.down_proj.weight)
+
+
+def _attend(
+    layer: LlamaDecoderLayer,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    kv: KVStore,
+    meta: AttnMetadata,
+    rotary: RotaryEmbedding,
+) -> torch.Tensor:
+    """The heads' outputs from the stacked projection: rotary and KV write in
+    one launch when the cache holds ``qkv``'s dtype (else the module's ops)."""
+    attn = layer.self_attn
+    k_cache, v_cache = kv.get_kv(attn.layer_id)
+    if k_cache.dtype != qkv.dtype:  # set_kv casts; the kernel writes the dtype it reads
+        return attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
+    q = rope_store_op(
+        qkv, positions, out_loc, rotary.cos, rotary.sin, k_cache, v_cache, attn.num_heads,
+        layer.programmatic_launch,
+    )  # fmt: skip
+    return attn.attend_rotated(q, kv, meta)
 
 
 def _add_projected(
