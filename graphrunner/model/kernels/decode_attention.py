@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from graphrunner.model.kernels.build import jit_or_interpret
 from graphrunner.model.kernels.pdl import check_device, triton_launch
 from graphrunner.util.extras import needs_extra
 
@@ -365,16 +366,15 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """The per-head split, all-heads split and merge kernels, jitted or
     interpreted (``TRITON_INTERPRET`` is read at launch rather than import, so
     one process can run both)."""
-    if interpret:
-        with _needs_triton():
-            from triton.runtime.interpreter import InterpretedFunction
+    split, all_heads, merge = (jit_or_interpret(k, interpret, _NEEDS) for k in _KERNELS)
+    return split, all_heads, merge
 
-        return tuple(InterpretedFunction(k) for k in _KERNELS)
-    return tuple(_triton().jit(k) for k in _KERNELS)
+
+_NEEDS = "the Triton decode attention (--attention torch runs without it)"
 
 
 def _needs_triton() -> contextlib.AbstractContextManager[None]:
-    return needs_extra("cuda", "the Triton decode attention (--attention torch runs without it)")
+    return needs_extra("cuda", _NEEDS)
 
 
 def _triton() -> Any:

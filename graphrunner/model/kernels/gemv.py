@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphrunner.model.kernels.build import jit_or_interpret
 from graphrunner.model.kernels.pdl import check_device, triton_launch
-from graphrunner.util.extras import needs_extra
 
 with contextlib.suppress(ModuleNotFoundError):
     import triton.language as tl
@@ -165,14 +165,7 @@ def _gemv_kernel(
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    with needs_extra("cuda", "the Triton small-batch linears"):
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            return InterpretedFunction(_gemv_kernel)
-        import triton
-
-        return triton.jit(_gemv_kernel)
+    return jit_or_interpret(_gemv_kernel, interpret, "the Triton small-batch linears")
 
 
 def _check(

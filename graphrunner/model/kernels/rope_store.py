@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from graphrunner.model.kernels.build import jit_or_interpret
 from graphrunner.model.kernels.pdl import check_device, triton_launch
-from graphrunner.util.extras import needs_extra
 
 with contextlib.suppress(ModuleNotFoundError):
     import triton.language as tl
@@ -93,14 +93,7 @@ def _rope_store_kernel(
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    with needs_extra("cuda", "the Triton rotary and KV write"):
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            return InterpretedFunction(_rope_store_kernel)
-        import triton
-
-        return triton.jit(_rope_store_kernel)
+    return jit_or_interpret(_rope_store_kernel, interpret, "the Triton rotary and KV write")
 
 
 def _check(
