@@ -13,7 +13,12 @@ from typing import Any
 
 from graphrunner.util.extras import needs_extra
 
-__all__ = ["jit_or_interpret"]
+__all__ = ["jit_or_interpret", "pow2_at_least"]
+
+
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    """The smallest power of 2 that is ``>= n`` and ``>= floor`` (a block size)."""
+    return max(floor, 1 << max(0, n - 1).bit_length())
 
 
 def jit_or_interpret(fn: Callable[..., None], interpret: bool, what: str) -> Any:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from graphrunner.model.kernels.build import jit_or_interpret
+from graphrunner.model.kernels.build import jit_or_interpret, pow2_at_least
 from graphrunner.model.kernels.pdl import check_device, triton_launch
 from graphrunner.util.extras import needs_extra
 
@@ -398,10 +398,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pow2(n: int, floor: int) -> int:
-    return max(floor, _triton().next_power_of_2(n))
-
-
 def _block_n(layout: str, kv_heads: int, head_dim: int, block_n: int | None) -> int:
     """Keys per block: ``block_n`` if given (a power of two, at least 16), else
     :data:`BLOCK_N` for ``"per_head"`` and, for ``"all_heads"``, as many as
@@ -413,7 +409,7 @@ def _block_n(layout: str, kv_heads: int, head_dim: int, block_n: int | None) -> 
         return block_n
     if layout == "per_head":
         return BLOCK_N
-    tile = _pow2(kv_heads, 1) * _pow2(head_dim, 16)
+    tile = pow2_at_least(kv_heads, 1) * pow2_at_least(head_dim, 16)
     return max(16, min(BLOCK_N, BLOCK_N * 64 // tile))
 
 
@@ -486,9 +482,9 @@ def decode_attention(
         return out
     per_head, all_heads, merge_kernel = _kernels(_interpreting())
     po, pl = scratch.partial_out, scratch.partial_lse
-    kv_heads, group, block_d = k_buf.shape[1], heads // k_buf.shape[1], _pow2(head_dim, 16)
+    kv_heads, group, block_d = k_buf.shape[1], heads // k_buf.shape[1], pow2_at_least(head_dim, 16)
     consts: dict[str, Any] = dict(
-        GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        GROUP=group, BLOCK_G=pow2_at_least(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK=_block_n(layout, kv_heads, head_dim, block_n), NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
     )  # fmt: skip
@@ -496,7 +492,7 @@ def decode_attention(
     split_kernel = per_head
     if layout == "all_heads":  # one program over every KV head of a chunk
         split_kernel, grid = all_heads, (bs, num_splits)
-        consts.update(KV_HEADS=kv_heads, BLOCK_H=_pow2(kv_heads, 1))
+        consts.update(KV_HEADS=kv_heads, BLOCK_H=pow2_at_least(kv_heads, 1))
     split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, po, pl, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
@@ -509,6 +505,6 @@ def decode_attention(
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=_pow2(num_splits, 2), **triton_launch(pdl),
+        BLOCK_S=pow2_at_least(num_splits, 2), **triton_launch(pdl),
     )  # fmt: skip
     return out

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphrunner.model.kernels.build import jit_or_interpret
+from graphrunner.model.kernels.build import jit_or_interpret, pow2_at_least
 from graphrunner.model.kernels.pdl import check_device, triton_launch
 
 with contextlib.suppress(ModuleNotFoundError):
@@ -65,10 +65,6 @@ class GemvBlocks:
     num_warps: int = 4
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -83,9 +79,9 @@ def choose_blocks(m: int, n: int, k: int, *, target_programs: int = TARGET_PROGR
         raise ValueError(
             f"choose_blocks(m={m}, n={n}, k={k}): expected 1 <= m <= {MAX_ROWS} and positive n, k"
         )
-    block_m = _pow2_at_least(m)
+    block_m = pow2_at_least(m)
     block_n = min(16, max(4, _pow2_at_most(n // target_programs)))
-    block_k = max(16, min(_pow2_at_least(k), TILE_ELEMENTS // (block_m * block_n)))
+    block_k = max(16, min(pow2_at_least(k), TILE_ELEMENTS // (block_m * block_n)))
     return GemvBlocks(block_m, block_n, block_k)
 
 

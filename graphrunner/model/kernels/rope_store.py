@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from graphrunner.model.kernels.build import jit_or_interpret
+from graphrunner.model.kernels.build import jit_or_interpret, pow2_at_least
 from graphrunner.model.kernels.pdl import check_device, triton_launch
+from graphrunner.model.layers import rotary_rows, rotate
 
 with contextlib.suppress(ModuleNotFoundError):
     import triton.language as tl
@@ -170,7 +171,7 @@ def rope_store(
         qkv, positions, cos, sin, out_loc, out, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=half, BLOCK=max(2, 1 << (half - 1).bit_length()),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=half, BLOCK=pow2_at_least(half, 2),
         **triton_launch(pdl),
     )  # fmt: skip
     return out
@@ -187,17 +188,12 @@ def reference(
     *,
     heads: int,
 ) -> torch.Tensor:
-    """:func:`rope_store` in torch ops, the model's own (``RotaryEmbedding``
-    and ``KVCache.set_kv``'s ``index_copy_``)."""
+    """:func:`rope_store` in torch ops, the model's own (``RotaryEmbedding``'s
+    :func:`~graphrunner.model.layers.rotate`, ``KVCache.set_kv``'s ``index_copy_``)."""
     m, (_, kv_heads, head_dim) = qkv.shape[0], k_cache.shape
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.reshape(m, heads, head_dim), k.reshape(m, kv_heads, head_dim)
-    c, s = cos[positions].unsqueeze(1).to(qkv.dtype), sin[positions].unsqueeze(1).to(qkv.dtype)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
-        return x * c + half * s
-
-    k_cache.index_copy_(0, out_loc, rotate(k))
+    c, s = rotary_rows(cos, sin, positions, qkv.dtype)
+    k_cache.index_copy_(0, out_loc, rotate(k, c, s))
     v_cache.index_copy_(0, out_loc, v.reshape(m, kv_heads, head_dim))
-    return rotate(q).reshape(m, heads * head_dim)
+    return rotate(q, c, s).reshape(m, heads * head_dim)
