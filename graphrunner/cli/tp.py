@@ -35,6 +35,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -173,15 +174,7 @@ def _one_rank(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="graphrunner-tp-") as tmp:
         store = Path(tmp) / "store"
         join = lambda: join_group(0, 1, store, backend=_backend(device))  # noqa: E731
-        try:
-            result = as_rank(args, 0, 1, local, join, None)
-        finally:  # interrupted too: leave the group
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    if isinstance(result, Failure):
-        print(f"graphrunner {args.command}: rank 0: {result.line}", file=sys.stderr, flush=True)
-        return result.code
-    return result
+        return _in_process(args, 0, 1, local, join, sys.stderr)
 
 
 def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> int:
@@ -192,12 +185,29 @@ def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> in
         )
     backend = _backend(_check(args, world, spawned=False))
     stderr = os.fdopen(silence(), "w") if rank else sys.stderr  # its failure's line only
-    result = as_rank(args, rank, world, local, lambda: join_env_group(backend=backend), None)
+    join = lambda: join_env_group(backend=backend)  # noqa: E731
+    return _in_process(args, rank, world, local, join, stderr)
+
+
+def _in_process(
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    local: int,
+    join: Callable[[], None],
+    stderr: TextIO,
+) -> int:
+    """This process as rank ``rank`` (``--tp 1``, or a torchrun rank): its exit
+    status; a failure's one line on ``stderr``; the group left however it ends."""
+    try:
+        result = as_rank(args, rank, world, local, join, None)
+    finally:  # interrupted too: leave the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if isinstance(result, Failure):
         print(f"graphrunner {args.command}: rank {rank}: {result.line}", file=stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result.code if isinstance(result, Failure) else result
+        return result.code
+    return result
 
 
 def _worker(
