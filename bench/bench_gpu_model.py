@@ -197,12 +197,11 @@ def _difference(got: torch.Tensor, reference: torch.Tensor | None) -> float:
     return float((got.float() - reference.float()).abs().max() / reference.float().std())
 
 
-def run(
-    sizes: Sequence[int], context: int, iters: int, variants: Sequence[str] = tuple(VARIANTS)
-) -> dict[str, object]:
+def shape_1b_bundle(max_requests: int, context: int) -> ModelBundle:
+    """The 1.1B-shape model in bfloat16 on the GPU, seeded, its KV pool random."""
     torch.manual_seed(0)
     bundle = default_model(
-        max_requests=max(sizes),
+        max_requests=max_requests,
         max_context_len=context,
         device="cuda",
         dtype=torch.bfloat16,
@@ -210,6 +209,19 @@ def run(
     )
     for buf in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers:
         buf.normal_()
+    return bundle
+
+
+def runs_at(variant: str, bs: int) -> bool:
+    """Whether ``variant`` is its own step at ``bs`` (past the small-batch rows
+    it is its torch-path twin's)."""
+    return bs <= SMALL_BATCH_ROWS.get(variant, bs)
+
+
+def run(
+    sizes: Sequence[int], context: int, iters: int, variants: Sequence[str] = tuple(VARIANTS)
+) -> dict[str, object]:
+    bundle = shape_1b_bundle(max(sizes), context)
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; context {context}")
@@ -231,8 +243,8 @@ def run(
         reference: torch.Tensor | None = None  # the size's first variant that ran
         reference_variant = ""
         for variant in variants:
-            if bs > SMALL_BATCH_ROWS.get(variant, bs):
-                continue  # past the small-batch rows the step is its torch-path twin's
+            if not runs_at(variant, bs):
+                continue
             t0 = time.perf_counter()
             try:
                 seconds, logits = measure(bundle, variant, batch, iters)

@@ -34,6 +34,16 @@ from typing import Any
 
 import torch
 
+from bench.bench_gpu_model import (
+    RESULTS_DIR,
+    copy_bandwidth,
+    filled_batch,
+    prepare,
+    runs_at,
+    shape_1b_bundle,
+    step_floors,
+)
+
 CLASSES = ("projections", "attention", "elementwise", "copies", "collectives", "other")
 #: Name fragments (lower case) of each class, tried in this order.
 _FRAGMENTS = (
@@ -124,22 +134,7 @@ def profile_step(step: Any, rounds: int) -> list[tuple[str, float]]:
 
 
 def run(sizes: Sequence[int], variants: Sequence[str], context: int, rounds: int) -> dict[str, Any]:
-    from bench.bench_gpu_model import (
-        SMALL_BATCH_ROWS,
-        copy_bandwidth,
-        filled_batch,
-        prepare,
-        step_floors,
-    )
-    from graphrunner.model import default_model, shape_1b_config
-
-    torch.manual_seed(0)
-    bundle = default_model(
-        max_requests=max(sizes), max_context_len=context, device="cuda",
-        dtype=torch.bfloat16, config=shape_1b_config(),
-    )  # fmt: skip
-    for buf in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers:
-        buf.normal_()
+    bundle = shape_1b_bundle(max(sizes), context)
     bandwidth = copy_bandwidth()
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -154,8 +149,8 @@ def run(sizes: Sequence[int], variants: Sequence[str], context: int, rounds: int
         batch = filled_batch(bundle, bs, context)
         floors = {k: v / bandwidth * 1e6 for k, v in step_floors(bundle, bs, context).items()}
         for variant in variants:
-            if bs > SMALL_BATCH_ROWS.get(variant, bs):
-                continue  # past the small-batch rows: its torch-path twin's profile
+            if not runs_at(variant, bs):
+                continue
             step = prepare(bundle, variant, batch)
             times = class_times(profile_step(step, rounds), rounds)
             for row in class_rows(times, floors):
@@ -167,8 +162,6 @@ def run(sizes: Sequence[int], variants: Sequence[str], context: int, rounds: int
 
 
 def write(result: Mapping[str, Any]) -> str:
-    from bench.bench_gpu_model import RESULTS_DIR
-
     slug = re.sub(r"[^a-z0-9]+", "-", str(result["device"]).lower()).strip("-")
     out = RESULTS_DIR / f"gpu-model-profile-{slug}.md"
     lines = [
