@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tensor_parallel_alone import count_collectives
 
 import graphrunner.cli.main as cli
-import graphrunner.model.parallel as parallel
 from conftest import SLOW
 from graphrunner.cli.tp import FAIL_RANK_ENV
 from graphrunner.engine.loop import Engine, create_model_runner
@@ -152,14 +152,7 @@ def test_tp_one_runs_the_collectives_in_a_group_of_its_own(
     tokens of the run without --tp and transformers'; combinations --tp N
     refuses run alone (--overlap here); the group is left afterwards."""
     model, expected = checkpoint
-    calls = {"all_reduce": 0}
-    reduce = parallel.funcol.all_reduce
-
-    def counted(*args: object) -> torch.Tensor:
-        calls["all_reduce"] += 1
-        return reduce(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(parallel.funcol, "all_reduce", counted)
+    calls = count_collectives(monkeypatch)
     for extra in ([], ["--overlap"]):
         _stdin(monkeypatch)
         out, before = tmp_path / f"out{len(extra)}.jsonl", calls["all_reduce"]

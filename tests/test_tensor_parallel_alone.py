@@ -55,7 +55,7 @@ def _tokens(
     return Engine(bundle, runner).run(_trace()).outputs
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+def count_collectives(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of the functional collectives the model calls (traced or eager)."""
     calls = {"all_reduce": 0, "all_gather": 0}
     reduce, gather = parallel.funcol.all_reduce, parallel._all_gather
@@ -93,7 +93,7 @@ def test_eager_tokens_through_the_collectives_equal_no_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     whole = _tokens(SINGLE, "eager", [1, 2, 4])
-    calls = _counting(monkeypatch)
+    calls = count_collectives(monkeypatch)
     assert _tokens(ALONE, "eager", [1, 2, 4]) == whole
     # Each step: the embedding's and two a layer's all-reduces, the logits' gather.
     assert calls["all_reduce"] > 0 and calls["all_gather"] > 0
@@ -125,7 +125,7 @@ def test_small_batch_linears_add_the_residual_after_the_all_reduce(
     """Through the collectives the o and down products' residual add follows
     the all-reduce (alone it is the kernel's epilogue): the same logits."""
     whole = _decode_logits(SINGLE)
-    calls = _counting(monkeypatch)
+    calls = count_collectives(monkeypatch)
     torch.testing.assert_close(_decode_logits(ALONE), whole, rtol=0, atol=1e-6)
     assert calls["all_reduce"] == 5 and calls["all_gather"] == 1  # one step, 2 layers
 
@@ -159,7 +159,7 @@ def test_cuda_graphs_capture_the_nccl_collectives_token_exact(
     compile: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     whole = _tokens(SINGLE, "cuda", [1, 2, 4], "cuda", compile=compile)
-    calls = _counting(monkeypatch)
+    calls = count_collectives(monkeypatch)
     bundle = default_model(max_requests=4, max_context_len=64, tp=ALONE, device="cuda")
     runner = create_model_runner(
         bundle, "cuda", capture_sizes=[1, 2, 4], check_padding=True, compile=compile

@@ -2,8 +2,8 @@
 
 :func:`use_small_batch_linears` routes every step of at most ``max_rows``
 token rows through :func:`~graphrunner.model.kernels.gemv.gemv`, four
-launches a layer where the torch path runs a norm, a product, a gate and a
-multiply apiece:
+launches of it a layer where the torch path runs a norm, a product, a gate
+and a multiply apiece, and one more for the rotary embedding:
 
 * input RMSNorm + stacked q/k/v projection (one launch), then the rotary
   embedding and the KV write (one launch, :mod:`~graphrunner.model.kernels.rope_store`,
