@@ -149,9 +149,15 @@ def _signal_mid_generate(sig: signal.Signals, w: World) -> Outcome:
         runner.replay = signalled
         return runner
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(cli_generate, "create_model_runner", create)
-        outcome = cli_outcome(["generate", "--prompts", str(w.prompts), *EAGER])
+    # Ctrl-C as Python handles it at a terminal (a runner started as a
+    # background job inherits SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cli_generate, "create_model_runner", create)
+            outcome = cli_outcome(["generate", "--prompts", str(w.prompts), *EAGER])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     ((bundle, start),) = made
     assert _free(bundle) == start, "a slot was lost"
     return outcome

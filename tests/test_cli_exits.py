@@ -12,13 +12,20 @@ import pytest
 DEMO = [sys.executable, "-m", "graphrunner", "demo", "--runner", "eager", "--steps", "20000"]
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the child before it starts: a runner started as a background job
+    ignores SIGINT and its children inherit that; a terminal's command does not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
 )
 def test_a_signal_mid_run_ends_with_one_line(sig: signal.Signals, code: int, word: str) -> None:
     proc = subprocess.Popen(
-        DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
-    )
+        DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
+    )  # fmt: skip
     assert proc.stdout is not None
     first = proc.stdout.readline()  # the run has started
     assert first.startswith("device:"), first
