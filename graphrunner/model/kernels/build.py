@@ -26,9 +26,32 @@ def jit_or_interpret(fn: Callable[..., None], interpret: bool, what: str) -> Any
     missing Triton raises the ``[cuda]`` extra's error naming ``what``."""
     with needs_extra("cuda", what):
         if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime import interpreter
 
-            return InterpretedFunction(fn)
+            _squeeze_scalar_index(interpreter)
+            return interpreter.InterpretedFunction(fn)
         import triton
 
         return triton.jit(fn)
+
+
+def _squeeze_scalar_index(interpreter: Any) -> None:
+    """Let the interpreter index with a scalar tensor under NumPy >= 2.4.
+
+    A loop bound that is a kernel argument (``range(0, K, BLOCK)``) reaches
+    ``int()`` as the interpreter's one-element array; Triton 3.6 (torch
+    2.11's) converts it with ``int(data)``, which NumPy 2.4 refuses for an
+    array of one dimension. Later Triton squeezes it first; this does the
+    same for the older one, patching nothing where the hook is absent.
+    """
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_scalars", False):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        # Recorded in the same scope, so the launch's restore undoes it too.
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_scalars = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
