@@ -125,6 +125,7 @@ def test_the_overlap_demo_checks_n_steps_against_one(
     out = capsys.readouterr().out
     assert "outputs equal to plain greedy" in out
     assert "mismatches: 0" in out
+    assert "steps per launch 4: " in out and " syncs per token)" in out
 
 
 def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,6 +134,29 @@ def test_the_demo_checks_n_steps_against_one(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "steps per launch 4:" in out
     assert "mismatches: 0" in out
+
+
+@pytest.mark.parametrize("overlap", [[], ["--overlap"]], ids=["plain", "overlap"])
+def test_the_demo_reports_launches_and_the_sanitized_launches(
+    capsys: pytest.CaptureFixture[str], overlap: list[str]
+) -> None:
+    argv = ["demo", "--runner", "eager", "--steps", "16", "--max-bs", "4", "--check-padding"]
+    assert cli.main([*argv, "--steps-per-launch", "4", *overlap]) == 0
+    out = capsys.readouterr().out
+    launches = int(out.split("steps per launch 4: ")[1].split(" launches")[0])
+    assert launches > 0
+    assert f"padding sanitizer: {launches} replays checked, no violation" in out
+
+
+def test_generate_summarises_launches_and_syncs_per_token(
+    capsys: pytest.CaptureFixture[str], prompts_file: Path
+) -> None:
+    """Five prompts of 9 tokens in one graph of 8 rows: the first from the
+    prefill, 8 x 5 decode tokens in 2 launches of 4 steps, one read each."""
+    argv = ["generate", "--prompts", str(prompts_file), "--json", *EAGER]
+    assert cli.main([*argv, "--capture-sizes", "8", "--steps-per-launch", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "0.050 launches and 0.050 syncs per token" in err
 
 
 @pytest.mark.parametrize(

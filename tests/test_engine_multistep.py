@@ -146,6 +146,18 @@ def test_stats_count_launches_and_syncs_per_token():
     assert 0 < four.syncs_per_token < one.syncs_per_token
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_stats_count_row_steps_and_the_sanitized_launches(n: int):
+    """One graph of 4 rows: every launch computes 4 x N row steps; those no
+    request took (padded rows, and a row's steps after it stopped inside a
+    launch) are the padded ones, and the sanitizer checked every launch."""
+    s = _run(_trace(False), n, sizes=(4,)).stats
+    assert s.live_rows == s.decode_tokens
+    assert s.live_rows + s.padded_rows == s.launches * 4 * n
+    assert s.sanitized_replays == s.launches
+    assert s.sanitizer_seconds > 0
+
+
 def test_the_options_it_does_not_support_are_refused_by_name():
     bundle = default_model(max_requests=2, max_context_len=CTX)
     runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)

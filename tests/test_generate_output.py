@@ -109,10 +109,12 @@ def test_summary_line_counts_the_run_and_quiet_drops_it(
     three.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:3]))
     argv = ["--prompts", str(three), "--max-new-tokens", "4", "--runner", "cpu"]
     _, err = _run(capsys, *argv, "--capture-sizes", "4")
-    # 3 live rows in a graph of 4 on each of the 3 decode steps: 1 padded row in 4.
+    # 3 live rows in a graph of 4 on each of the 3 decode steps: 1 padded row
+    # in 4, and one launch and one read back a step for 9 decode tokens.
     assert re.fullmatch(
         r"generate: 3 requests, 12 prompt tokens, 12 generated tokens, "
-        r"decode [0-9,]+\.\d tokens/s, padded rows 25\.0%, capture \d+\.\d s\n",
+        r"decode [0-9,]+\.\d tokens/s, padded rows 25\.0%, capture \d+\.\d s, "
+        r"0\.333 launches and 0\.333 syncs per token\n",
         err,
     ), err
     _, err = _run(capsys, *argv, "--capture-sizes", "4", "--quiet")

@@ -25,7 +25,7 @@ from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.common import write_atomically
 from graphrunner.cli.groups import Options
 from graphrunner.cli.text import Inputs
-from graphrunner.engine.results import TokenLogprobs
+from graphrunner.engine.results import EngineStats, TokenLogprobs
 from graphrunner.io.text import TextCodec
 
 __all__ = [
@@ -112,10 +112,12 @@ def summary(
     tokens_per_second: float,
     padded_fraction: float | None,
     capture_seconds: float | None,
+    stats: EngineStats | None = None,
 ) -> str:
     """The run's summary line: requests, prompt and generated tokens, decode
-    tokens/s, the padded-row fraction and the capture time (the last two
-    when known)."""
+    tokens/s, the padded-row fraction, the capture time and the graph
+    launches and device-to-host reads per decode token (the last three when
+    known)."""
     parts = [
         f"{len(prompts)} requests",
         f"{sum(len(p) for p in prompts)} prompt tokens",
@@ -126,6 +128,11 @@ def summary(
         parts.append(f"padded rows {padded_fraction:.1%}")
     if capture_seconds is not None:
         parts.append(f"capture {capture_seconds:.1f} s")
+    if stats is not None:
+        parts.append(
+            f"{stats.launches_per_token:.3f} launches and {stats.syncs_per_token:.3f} syncs "
+            "per token"
+        )
     return "generate: " + ", ".join(parts)
 
 
@@ -133,7 +140,7 @@ def summary(
 class Served:
     """What a generate run produced: outputs by request id, the mismatches
     ``--check`` found, the log-probabilities ``--logprobs`` asked for, and the
-    numbers of the summary line."""
+    numbers of the summary line (``stats``: the engine's, when the run had one)."""
 
     outputs: dict[int, list[int]]
     mismatches: int = 0
@@ -141,6 +148,7 @@ class Served:
     tokens_per_second: float = 0.0
     padded_fraction: float | None = None
     capture_seconds: float | None = None
+    stats: EngineStats | None = None
 
 
 def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
@@ -165,6 +173,7 @@ def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
             tokens_per_second=served.tokens_per_second,
             padded_fraction=served.padded_fraction,
             capture_seconds=served.capture_seconds,
+            stats=served.stats,
         )
         print(line, file=sys.stderr)
     return 0

@@ -34,6 +34,7 @@ from graphrunner.cli.arguments import add_common
 from graphrunner.cli.common import MAX_STEPS
 from graphrunner.cli.groups import Groups, add_command
 from graphrunner.engine.loop import Engine, create_model_runner
+from graphrunner.engine.results import EngineStats
 from graphrunner.engine.workload import requests_from_prompts
 from graphrunner.model import ModelBundle
 
@@ -141,8 +142,14 @@ def _serve(
         if args.check:
             expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
             diff = cli_spec.differing(result.outputs, expected)
-        tps = result.stats.tokens_per_second
-        return cli_answers.Served(result.outputs, diff, result.logprobs, tps)
+        stats = result.stats
+        return cli_answers.Served(
+            result.outputs,
+            diff,
+            result.logprobs,
+            stats.tokens_per_second,
+            stats=stats if isinstance(stats, EngineStats) else None,  # speculative: its own
+        )
     runner = create_model_runner(
         bundle,
         kind,
@@ -178,4 +185,5 @@ def _serve(
         s.tokens_per_second,
         s.padded_fraction,
         capture.total_seconds,
+        s,
     )

@@ -224,5 +224,5 @@ def _demo(args: argparse.Namespace) -> int:
         result = engine.run(trace, max_steps=args.steps, progress=True)
     cli_sizes.write_outputs(args, runner)
     cli_report.report(result)
-    cli_report.report_sanitizer(runner)
+    cli_report.report_sanitizer(args, result.stats)
     return 1 if result.stats.mismatches else 0

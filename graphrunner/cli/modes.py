@@ -30,7 +30,7 @@ def demo_against_plain(
     if isinstance(result, SpeculativeResult):
         cli_spec.report(args, result, plain_tps, diff)
     else:
-        cli_overlap.report(result, plain_tps, diff)
+        cli_overlap.report(args, result, plain_tps, diff)
     return 1 if diff else 0
 
 

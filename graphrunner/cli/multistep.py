@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from graphrunner.cli import report as cli_report
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli import spec as cli_spec
 from graphrunner.cli import ssm as cli_ssm
@@ -101,11 +102,11 @@ def demo(
     s, one = result.stats, single.stats.tokens_per_second
     ratio = s.tokens_per_second / one if one else 0.0
     print(
-        f"steps per launch {n}: {s.launches} launches, {s.decode_tokens} tokens "
-        f"({s.launches_per_token:.3f} launches, {s.syncs_per_token:.3f} syncs per token); "
-        f"finished {len(result.finished)} requests"
+        f"steps per launch {n}: {cli_report.launches(s)}; finished {len(result.finished)} requests"
     )
     print(f"tokens/s: N={n} {s.tokens_per_second:,.0f}, N=1 {one:,.0f}, ratio {ratio:.2f}x")
+    print(cli_report.padded_rows(s))
     print(f"outputs equal to N=1: {len(result.outputs) - diff} of {len(result.outputs)}")
     print(f"mismatches: {diff}")
+    cli_report.report_sanitizer(args, s)
     return 1 if diff else 0

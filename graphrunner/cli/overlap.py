@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphrunner.cli import multistep as cli_multistep
+from graphrunner.cli import report as cli_report
 from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.groups import Options
 from graphrunner.core.future_map import FutureMap
@@ -76,16 +77,20 @@ def run_overlap(
     return engine.run(trace, max_steps=max_steps, progress=progress)
 
 
-def report(result: EngineResult, plain_tps: float, diff: int) -> None:
+def report(args: argparse.Namespace, result: EngineResult, plain_tps: float, diff: int) -> None:
+    """The overlap demo's lines: the run, its launches, its speed against
+    plain greedy, the outputs compared and (``--check-padding``) the sanitizer's."""
     s = result.stats
     ratio = s.tokens_per_second / plain_tps if plain_tps else 0.0
     print(
         f"overlap: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
         f"requests; finished {len(result.finished)} requests"
     )
+    print(f"steps per launch {args.steps_per_launch}: {cli_report.launches(s)}")
     print(
         f"tokens/s (engine loop): overlap {s.tokens_per_second:,.0f}, plain "
         f"{plain_tps:,.0f}, ratio {ratio:.2f}x"
     )
     print(f"outputs equal to plain greedy: {len(result.outputs) - diff} of {len(result.outputs)}")
     print(f"mismatches: {diff}")
+    cli_report.report_sanitizer(args, s)

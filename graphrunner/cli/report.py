@@ -7,11 +7,11 @@ import argparse
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import EngineResult
+from graphrunner.engine.results import EngineStats
 from graphrunner.model import ModelConfig
 
-__all__ = ["header", "report", "report_sanitizer"]
+__all__ = ["header", "launches", "padded_rows", "report", "report_sanitizer"]
 
 
 def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: int) -> None:
@@ -41,9 +41,7 @@ def report(result: EngineResult) -> None:
         f"tokens/s: graphs {s.tokens_per_second:,.0f}, eager {s.eager_tokens_per_second:,.0f}"
         f", ratio {ratio:.2f}x"
     )
-    print(
-        f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of {s.padded_rows + s.live_rows})"
-    )
+    print(padded_rows(s))
     print(
         f"checked steps: {s.checked_steps}, max |logit diff| {s.max_logit_diff:.2e}, "
         f"max |kv diff| {s.max_kv_diff:.2e}, near-tie token flips {s.token_flips}"
@@ -51,10 +49,28 @@ def report(result: EngineResult) -> None:
     print(f"mismatches: {s.mismatches}")
 
 
-def report_sanitizer(runner: GraphRunner) -> None:
-    if runner.sanitizer is not None:
-        s = runner.sanitizer.stats
+def padded_rows(stats: EngineStats) -> str:
+    """The padded share of the rows the graphs computed (at N steps a launch,
+    of the row steps: a row's steps after it stopped inside a launch count)."""
+    s = stats
+    computed = s.padded_rows + s.live_rows
+    return f"padded rows: {s.padded_fraction:.1%} ({s.padded_rows} of {computed})"
+
+
+def launches(stats: EngineStats) -> str:
+    """The run's graph launches and device-to-host reads, in all and per decode token."""
+    s = stats
+    return (
+        f"{s.launches} launches, {s.syncs} syncs, {s.decode_tokens} tokens "
+        f"({s.launches_per_token:.3f} launches, {s.syncs_per_token:.3f} syncs per token)"
+    )
+
+
+def report_sanitizer(args: argparse.Namespace, stats: EngineStats) -> None:
+    """The sanitizer's line of a run under ``--check-padding`` (a violation
+    raises before a run ends: reaching here means none)."""
+    if args.check_padding:
         print(
-            f"padding sanitizer: {s.replays_checked} replays checked, no violation "
-            f"({s.seconds:.2f} s of checks)"
+            f"padding sanitizer: {stats.sanitized_replays} replays checked, no violation "
+            f"({stats.sanitizer_seconds:.2f} s of checks)"
         )

@@ -133,5 +133,6 @@ def generate(
         tokens_per_second=s.tokens_per_second,
         padded_fraction=s.padded_fraction,
         capture_seconds=capture.total_seconds,
+        stats=s,
     )
     return cli_answers.emit(args, inputs, served)

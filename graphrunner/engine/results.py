@@ -46,6 +46,8 @@ class EngineStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # decode launches per live bs
     launches: int = 0  # runner launches (N decode steps each with steps_per_launch=N)
     syncs: int = 0  # device-to-host reads of decode tokens
+    sanitized_replays: int = 0  # replays the runner's padding sanitizer checked (0: none)
+    sanitizer_seconds: float = 0.0  # host seconds those checks took
 
     @property
     def launches_per_token(self) -> float:
