@@ -204,12 +204,8 @@ def test_a_bad_sampling_flag_exits_2_naming_it(
         (
             ["--temperature", "1", "--speculative", "mtp", "--check"],
             "generate --speculative --check with sampling (temperature > 0): it compares "
-            "with plain greedy; expected temperature 0",
-        ),
-        (
-            ["--temperature", "1", "--overlap", "--check"],
-            "generate --overlap --check with sampling (temperature > 0): it compares with "
-            "plain greedy; expected temperature 0",
+            "with plain decoding token for token, which sampled speculative decoding equals "
+            "in distribution only; expected temperature 0",
         ),
     ],
 )
@@ -273,6 +269,37 @@ def test_a_bad_prompt_line_exits_2_naming_the_line_and_the_field(
     assert out == ""
     assert err.startswith(f"graphrunner generate: error: {path}:3: {message}"), err
     assert err.count("\n") == 1
+
+
+def test_the_overlap_demo_and_check_compare_with_plain_sampling(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Overlap draws plain sampling's tokens (same seeds and positions), so the
+    demo and ``generate --check`` compare with it and find them equal."""
+    argv = ["demo", "--steps", "12", "--max-bs", "2", "--runner", "eager", *HOT, "--seed", "3"]
+    assert cli.main([*argv, "--overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs equal to plain sampling: " in out
+    assert "mismatches: 0" in out
+    gen = ["generate", "--prompts", str(prompts_file), "--runner", "eager", *HOT, "--seed", "8"]
+    assert cli.main([*gen, "--overlap", "--check", "--json"]) == 0
+    assert capsys.readouterr().err.endswith("mismatches: 0\n")
+
+
+def test_the_overlap_check_counts_a_seed_the_plain_run_does_not_share(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain reference samples with the run's seed: a reference drawn from
+    another seed differs, and ``--check`` says so (exit 1)."""
+    import graphrunner.cli.spec as cli_spec
+
+    real = cli_spec.plain_run
+    monkeypatch.setattr(
+        cli_spec, "plain_run", lambda *a, **k: real(*a, **{**k, "seed": k["seed"] + 1})
+    )
+    gen = ["generate", "--prompts", str(prompts_file), "--runner", "eager", *HOT, "--seed", "8"]
+    assert cli.main([*gen, "--overlap", "--check", "--json", "--max-new-tokens", "12"]) == 1
+    assert "mismatches: 0" not in capsys.readouterr().err
 
 
 def test_generate_overlap_samples_the_plain_engine_s_tokens(

@@ -119,7 +119,7 @@ def _serve(
     inputs: cli_text.Inputs,
 ) -> cli_answers.Served:
     """The run: outputs by request, the mismatches ``--check`` found (steps
-    off the eager forward, or (speculative) requests off plain greedy), the
+    off the eager forward, or (speculative, overlap) requests off plain decoding), the
     log-probabilities ``--logprobs`` asked for, the summary's numbers."""
     options = cli_model.compile_option(args.compile)
     end = inputs.end_token
@@ -140,7 +140,9 @@ def _serve(
         )
         diff = 0
         if args.check:
-            expected, _ = cli_spec.plain_greedy(bundle, trace, kind, sizes, options, end_token=end)
+            expected, _ = cli_spec.plain_run(
+                bundle, trace, kind, sizes, options, seed=args.seed, end_token=end
+            )
             diff = cli_spec.differing(result.outputs, expected)
         stats = result.stats
         return cli_answers.Served(

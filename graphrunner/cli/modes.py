@@ -1,5 +1,5 @@
 """``--speculative`` and ``--overlap`` runs of ``demo`` and ``generate``, and
-the demo's comparison of them against plain greedy on the same pools."""
+the demo's comparison of them against plain decoding on the same pools."""
 
 from __future__ import annotations
 
@@ -19,18 +19,19 @@ __all__ = ["demo_against_plain", "serve_mode"]
 def demo_against_plain(
     args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
 ) -> int:
-    """Speculative or overlap serving, then plain greedy on the same pools: the
-    same tokens (a run cut by ``--steps`` holds a prefix of them)."""
+    """Speculative or overlap serving, then plain decoding on the same pools
+    (greedy, or overlap's sampling with the same seeds): the same tokens (a
+    run cut by ``--steps`` holds a prefix of them)."""
     options = cli_model.compile_option(args.compile)
     result = serve_mode(args, bundle, trace, kind, sizes, options, max_steps=args.steps)
-    plain, plain_tps = cli_spec.plain_greedy(
-        bundle, trace, kind, sizes, options, max_steps=args.steps
+    plain, plain_tps = cli_spec.plain_run(
+        bundle, trace, kind, sizes, options, seed=args.seed, max_steps=args.steps
     )
     diff = cli_spec.differing(result.outputs, plain)
     if isinstance(result, SpeculativeResult):
         cli_spec.report(args, result, plain_tps, diff)
     else:
-        cli_overlap.report(args, result, plain_tps, diff)
+        cli_overlap.report(args, result, plain_tps, diff, cli_spec.plain_name(trace))
     return 1 if diff else 0
 
 

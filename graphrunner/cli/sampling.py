@@ -161,16 +161,18 @@ def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[s
 
 
 def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:
-    """Refuse what sampling does not combine with yet: ``--speculative`` or
-    ``--overlap`` in ``demo`` or with ``--check`` (both compare with plain
-    greedy)."""
-    mode = "--speculative" if args.speculative else "--overlap" if args.overlap else None
-    if not samples(trace):
+    """Refuse ``--speculative`` with sampling in ``demo`` or with ``--check``:
+    both compare with plain decoding token for token, and sampled speculative
+    decoding draws other random numbers (it equals plain sampling in
+    distribution only). ``--overlap`` draws plain sampling's tokens exactly,
+    so it is compared with it."""
+    if not (args.speculative and samples(trace)):
         return
-    if mode and (command == "demo" or getattr(args, "check", False)):
+    if command == "demo" or getattr(args, "check", False):
         raise UsageError(
-            f"{command} {mode}{' --check' if command != 'demo' else ''} with sampling "
-            "(temperature > 0): it compares with plain greedy; expected temperature 0"
+            f"{command} --speculative{' --check' if command != 'demo' else ''} with sampling "
+            "(temperature > 0): it compares with plain decoding token for token, which "
+            "sampled speculative decoding equals in distribution only; expected temperature 0"
         )
 
 

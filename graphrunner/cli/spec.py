@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from graphrunner.cli import sampling as cli_sampling
 from graphrunner.cli.groups import Options
 from graphrunner.engine.loop import Engine, create_model_runner
 from graphrunner.engine.spec_factory import DRAFTS, METHODS, speculative_engine
@@ -18,7 +19,8 @@ __all__ = [
     "add_arguments",
     "differing",
     "extra_context",
-    "plain_greedy",
+    "plain_name",
+    "plain_run",
     "report",
     "run_speculative",
     "validate",
@@ -99,21 +101,32 @@ def run_speculative(
     return engine.run(trace, max_steps=max_steps, progress=progress)
 
 
-def plain_greedy(
+def plain_run(
     bundle: ModelBundle,
     trace: Sequence[Request],
     kind: str,
     sizes: list[int],
     mechanism_options: dict[str, Any],
     *,
+    seed: int = 0,
     end_token: int | None = None,
     max_steps: int | None = None,
 ) -> tuple[dict[int, list[int]], float]:
-    """Plain greedy outputs through a captured runner, and its tokens per second."""
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes, **mechanism_options)
+    """Plain decoding's outputs through a captured runner (one step a launch,
+    no overlap, no draft), and its tokens per second: greedy, or sampled by
+    the trace's own parameters from the run seed ``seed``, so an overlapped
+    run of the same trace and seed draws the same tokens."""
+    sampled: dict[str, Any] = {"sampling": True} if cli_sampling.samples(trace) else {}
+    runner = create_model_runner(bundle, kind, capture_sizes=sizes, **mechanism_options, **sampled)
     runner.capture()
-    result = Engine(bundle, runner, end_token=end_token).run(trace, max_steps=max_steps)
+    engine = Engine(bundle, runner, end_token=end_token, seed=seed)
+    result = engine.run(trace, max_steps=max_steps)
     return result.outputs, result.stats.tokens_per_second
+
+
+def plain_name(trace: Sequence[Request]) -> str:
+    """What :func:`plain_run` ran on ``trace``: plain greedy or plain sampling."""
+    return "plain sampling" if cli_sampling.samples(trace) else "plain greedy"
 
 
 def differing(a: dict[int, list[int]], b: dict[int, list[int]]) -> int:
