@@ -38,6 +38,7 @@ from graphrunner.engine.check import checked_replay
 from graphrunner.engine.multistep import check_multistep
 from graphrunner.engine.ranks import rank0_admits, replay_size_check
 from graphrunner.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
+from graphrunner.engine.run_counts import RunnerCounts
 from graphrunner.engine.sampling import (
     SampledRows,
     StepOut,
@@ -178,7 +179,7 @@ class Engine:
             DecodeBatch.empty(self.device, self.bundle.max_context_len),
             {r.rid: [] for r in trace},
         )
-        start = self._runner_counts()
+        start = RunnerCounts.of(self.runner)
         self.schedule.begin(self, max_steps)
         try:
             with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
@@ -195,32 +196,8 @@ class Engine:
             for req in list(run.held.values()):
                 self.free(run, req)
             self.schedule.end(self)
-        self._record_runner_counts(run.stats, start)
+        RunnerCounts.of(self.runner).record_since(start, run.stats, self.steps_per_launch)
         return EngineResult(run.outputs, frozenset(run.finished), run.stats, run.logprobs)
-
-    def _runner_counts(self) -> tuple[int, int, int, float]:
-        """The runner's live and padded rows, and its sanitizer's replays
-        checked and seconds (0 without one), so far."""
-        rows, sanitizer = self.runner.stats, self.runner.sanitizer
-        if sanitizer is None:
-            return rows.live_rows, rows.padded_rows, 0, 0.0
-        checks = sanitizer.stats
-        return rows.live_rows, rows.padded_rows, checks.replays_checked, checks.seconds
-
-    def _record_runner_counts(self, stats: EngineStats, start: tuple[int, int, int, float]) -> None:
-        """This run's share of :meth:`_runner_counts` in ``stats``. At N steps
-        a launch a row counts once a step, and a live row's steps after it
-        stopped inside a launch are padding too (they read and write slot 0)."""
-        live, padded, checked, seconds = (
-            now - then for now, then in zip(self._runner_counts(), start, strict=True)
-        )
-        stats.sanitized_replays, stats.sanitizer_seconds = int(checked), seconds
-        n = self.steps_per_launch
-        if n == 1:
-            stats.live_rows, stats.padded_rows = int(live), int(padded)
-            return
-        stats.live_rows = stats.decode_tokens
-        stats.padded_rows = int(live + padded) * n - stats.decode_tokens
 
     def kv_need(self, tokens: int) -> int:
         """KV slots that ``tokens`` tokens take: whole pages."""
