@@ -6,6 +6,7 @@ refused by name before any work."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,9 @@ def test_the_demo_reports_launches_and_the_sanitized_launches(
     argv = ["demo", "--runner", "eager", "--steps", "16", "--max-bs", "4", "--check-padding"]
     assert cli.main([*argv, "--steps-per-launch", "4", *overlap]) == 0
     out = capsys.readouterr().out
+    if not overlap:  # both captures named: N steps a launch, then the N = 1 reference
+        assert re.search(r"capture \(\w+, 4 steps a launch\): sizes \[[0-9, ]+\], [0-9.]+ s", out)
+        assert re.search(r"capture \(\w+\): sizes \[[0-9, ]+\], [0-9.]+ s", out)
     launches = int(out.split("steps per launch 4: ")[1].split(" launches")[0])
     assert launches > 0
     assert f"padding sanitizer: {launches} replays checked, no violation" in out

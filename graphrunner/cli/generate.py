@@ -141,7 +141,7 @@ def _serve(
         diff = 0
         if args.check:
             expected, _ = cli_spec.plain_run(
-                bundle, trace, kind, sizes, options, seed=args.seed, end_token=end
+                bundle, trace, kind, sizes, options, seed=args.seed, end_token=end, progress=bars
             )
             diff = cli_spec.differing(result.outputs, expected)
         stats = result.stats

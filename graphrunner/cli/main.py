@@ -164,7 +164,7 @@ def _capture(
         **(sampling or {}),
     )
     report = runner.capture()
-    print(f"capture ({runner.mechanism.label}): sizes {sizes}, {report.total_seconds:.1f} s")
+    print(cli_report.capture_line(runner, sizes, report.total_seconds))
     print(report.format())
     return runner
 

@@ -75,11 +75,12 @@ def _run(
         kind,
         capture_sizes=sizes,
         check_padding=args.check_padding,
+        show_progress=True,
         **mechanism_options,
         **cli_sampling.runner_options(args, trace),
         **multi,
     )
-    runner.capture()
+    print(cli_report.capture_line(runner, sizes, runner.capture().total_seconds, steps))
     engine = Engine(bundle, runner, seed=args.seed, steps_per_launch=steps)
     return engine.run(trace, max_steps=args.steps, progress=True)
 

@@ -58,6 +58,7 @@ def run_overlap(
         capture_sizes=sizes,
         check_padding=args.check_padding,
         future_map=future,
+        show_progress=progress,
         **mechanism_options,
         **cli_sampling.runner_options(args, trace),
         **cli_multistep.options(args, end_token),

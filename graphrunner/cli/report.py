@@ -7,11 +7,12 @@ import argparse
 
 import torch
 
+from graphrunner.core.runner import GraphRunner
 from graphrunner.engine.loop import EngineResult
 from graphrunner.engine.results import EngineStats
 from graphrunner.model import ModelConfig
 
-__all__ = ["header", "launches", "padded_rows", "report", "report_sanitizer"]
+__all__ = ["capture_line", "header", "launches", "padded_rows", "report", "report_sanitizer"]
 
 
 def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: int) -> None:
@@ -27,6 +28,13 @@ def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: in
         f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, "
         f"context {context}"
     )
+
+
+def capture_line(runner: GraphRunner, sizes: list[int], seconds: float, steps: int = 1) -> str:
+    """What a capture took: the mechanism, the sizes (and the decode steps a
+    launch, past one), the seconds."""
+    per_launch = f", {steps} steps a launch" if steps > 1 else ""
+    return f"capture ({runner.mechanism.label}{per_launch}): sizes {sizes}, {seconds:.1f} s"
 
 
 def report(result: EngineResult) -> None:

@@ -111,13 +111,17 @@ def plain_run(
     seed: int = 0,
     end_token: int | None = None,
     max_steps: int | None = None,
+    progress: bool = True,
 ) -> tuple[dict[int, list[int]], float]:
     """Plain decoding's outputs through a captured runner (one step a launch,
     no overlap, no draft), and its tokens per second: greedy, or sampled by
     the trace's own parameters from the run seed ``seed``, so an overlapped
-    run of the same trace and seed draws the same tokens."""
+    run of the same trace and seed draws the same tokens; ``progress``: the
+    capture's bar."""
     sampled: dict[str, Any] = {"sampling": True} if cli_sampling.samples(trace) else {}
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes, **mechanism_options, **sampled)
+    runner = create_model_runner(
+        bundle, kind, capture_sizes=sizes, show_progress=progress, **mechanism_options, **sampled
+    )
     runner.capture()
     engine = Engine(bundle, runner, end_token=end_token, seed=seed)
     result = engine.run(trace, max_steps=max_steps)
