@@ -6,6 +6,7 @@ budget, state outside the live rows' reserved slots untouched."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ class MultiStep:
             end_token=end_token,
             sampling=sampling,
             logprobs=logprobs,
+            compile_step_once=label == "cpu",  # as create_model_runner builds the CPU runner
         )
         self.runner = GraphRunner.from_phase(
             phase,
@@ -249,3 +251,34 @@ def test_each_steps_logprobs_are_those_of_its_logits_and_token(label: str, n: in
         torch.testing.assert_close(out["logprob"][i, j], lp.chosen[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(out["top_logprobs"][i, j], lp.top[0], rtol=0, atol=1e-5)
         assert torch.equal(out["top_ids"][i, j], lp.top_ids[0])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_compile_step_once_traces_one_region_called_at_every_step(n: int):
+    """``compile_step_once``: dynamo's graph calls one subgraph N times (inductor
+    then compiles it once) instead of inlining N copies of the step; the
+    launch's tokens equal the unrolled one's."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(b: Any) -> torch.Tensor:  # logits from the step's five tensors
+        mixed = b.input_ids * 3 + b.positions + b.seq_lens + b.out_cache_loc
+        return torch.nn.functional.one_hot((mixed + b.req_pool_indices) % 7, 7).float()
+
+    names = {s.name for s in multistep_phase(forward, n).specs}
+    inputs = {name: torch.arange(3, dtype=torch.int64) + 1 for name in names}
+    inputs["out_cache_loc"] = torch.arange(3 * n, dtype=torch.int64) + 1
+    inputs["steps_left"] = torch.full((3,), n, dtype=torch.int64)
+    batch = SimpleNamespace(**inputs)
+    unrolled = multistep_phase(forward, n).forward(batch)
+    step = multistep_phase(forward, n, compile_step_once=True).forward
+    torch._dynamo.reset()
+    once = torch.compile(step, backend=keep, fullgraph=True)(batch)
+    assert torch.equal(once["tokens"], unrolled["tokens"])
+    nodes = graphs[0].graph.nodes
+    calls = [x for x in nodes if x.op == "call_function" and "invoke_subgraph" in str(x.target)]
+    assert len(calls) == n
+    assert len({x.args[0].target for x in calls}) == 1  # one subgraph, called at every step
