@@ -50,7 +50,6 @@ class MultiStep:
             end_token=end_token,
             sampling=sampling,
             logprobs=logprobs,
-            compile_step_once=label == "cpu",  # as create_model_runner builds the CPU runner
         )
         self.runner = GraphRunner.from_phase(
             phase,

@@ -58,9 +58,6 @@ def multistep_runner(
         )
     check_device_metadata(step.backend)
     fill = step.backend.seq_len_fill_value
-    # The CPU runner compiles the model's step once for the N it unrolls. (A
-    # CUDA runner keeps the unrolled program until a GPU measures the regions.)
-    once = kind == "cpu"
     runner = create_runner(
         kind,
         multistep_forward(
@@ -71,7 +68,6 @@ def multistep_runner(
             sampling=sampling,
             logprobs_n=logprobs,
             future_tokens=None if future_map is None else future_map.tokens,
-            compile_step_once=once,
         ),
         multistep_buffer_specs(
             steps, seq_len_fill_value=fill, sampling=sampling, future=future_map is not None

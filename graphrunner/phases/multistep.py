@@ -228,8 +228,9 @@ def compiled_once(forward: ForwardFn) -> ForwardFn:
     """``forward`` over one step's five decode tensors as a nested compile
     region (``torch.compiler.nested_compile_region``): ``torch.compile``
     traces and compiles it once and calls the one program at every unrolled
-    step, so a launch of N steps compiles in about the time of one (the CPU
-    runner's cold capture at N = 8: 65 s to 37 s on the embedded model). Eager
+    step. A trade, so not the runners' default: on the CPU a cold capture of
+    the embedded model at N = 8 compiles 2.5x faster, but each launch runs
+    2.6x slower (``bench/results/multistep-capture-cpu.md``). Eager
     calls run ``forward`` itself; a torch without regions gets ``forward``."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     if region is None:
