@@ -8,7 +8,8 @@ A throwaway capture first (inductor's one-time start-up out of the first
 figure), then for each N: one capture size (``--size``), inductor's caches
 off so every capture compiles from scratch, then a greedy trace served at N
 (tokens checked equal between the two programs) and the median time per
-launch over ``--rounds`` runs. The embedded default model, one torch thread.
+launch over ``--rounds`` runs, the two programs alternating run by run. The
+embedded default model, one torch thread.
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_multistep_capture``
 (writes ``bench/results/multistep-capture-cpu.md`` and ``.json``). Not
 collected as a test or a pytest benchmark.
@@ -50,21 +51,33 @@ def step_once() -> Iterator[None]:
         multistep_runner.multistep_forward = real
 
 
-def measure(n: int, size: int, rounds: int) -> dict[str, Any]:
-    """Cold capture seconds and median ms per launch of one program."""
+def capture(n: int, size: int) -> dict[str, Any]:
+    """A cold capture's seconds, its engine and trace, and the trace's tokens."""
     bundle = default_model(max_requests=size, max_context_len=96)
     runner = create_model_runner(bundle, "cpu", capture_sizes=[size], steps_per_launch=n)
     start = time.perf_counter()
     runner.capture()
-    capture = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     trace = [Request(i, (3 + i, 5 + i, 7 + i), 48) for i in range(size)]
     engine = Engine(bundle, runner, steps_per_launch=n)
-    outputs = engine.run(trace).outputs
-    per_launch = []
+    return {
+        "capture_s": seconds,
+        "engine": engine,
+        "trace": trace,
+        "out": engine.run(trace).outputs,
+    }
+
+
+def time_launches(runs: list[dict[str, Any]], rounds: int) -> None:
+    """Each run's median ms per launch, the runs alternating round by round
+    (drift on a shared machine hits them alike)."""
+    per_launch: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
-        stats = engine.run(trace).stats
-        per_launch.append(stats.decode_seconds / stats.launches * 1e3)
-    return {"capture_s": capture, "ms_per_launch": statistics.median(per_launch), "out": outputs}
+        for r, times in zip(runs, per_launch, strict=True):
+            stats = r["engine"].run(r["trace"]).stats
+            times.append(stats.decode_seconds / stats.launches * 1e3)
+    for r, times in zip(runs, per_launch, strict=True):
+        r["ms_per_launch"] = statistics.median(times)
 
 
 def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -76,7 +89,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"- command: `{CMD} --steps {','.join(map(str, args.steps))} --size {args.size}`",
         "- the embedded default model, one torch thread, inductor's caches off (every "
         f"capture cold), one capture size ({args.size}); ms/launch: median of "
-        f"{args.rounds} greedy runs of {args.size} requests",
+        f"{args.rounds} greedy runs of {args.size} requests, the two programs alternating",
         "",
         "| N | program | capture s | vs inlined | ms/launch | vs inlined | tokens equal |",
         "|---|---|---|---|---|---|---|",
@@ -98,16 +111,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 8])
     p.add_argument("--size", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     inductor_config.force_disable_caches = True
     rows: list[dict[str, Any]] = []
     with torch_threads(1):
-        measure(2, 1, 1)  # inductor's start-up, kept out of the first row
+        capture(2, 1)  # inductor's start-up, kept out of the first row
         for n in args.steps:
-            base = measure(n, args.size, args.rounds)
+            base = capture(n, args.size)
             with step_once():
-                once = measure(n, args.size, args.rounds)
+                once = capture(n, args.size)
+            time_launches([base, once], args.rounds)
             torch._dynamo.reset()
             for program, r in (("inlined", base), ("once", once)):
                 rows.append(

@@ -229,8 +229,8 @@ def compiled_once(forward: ForwardFn) -> ForwardFn:
     region (``torch.compiler.nested_compile_region``): ``torch.compile``
     traces and compiles it once and calls the one program at every unrolled
     step. A trade, so not the runners' default: on the CPU a cold capture of
-    the embedded model at N = 8 compiles 2.5x faster, but each launch runs
-    2.6x slower (``bench/results/multistep-capture-cpu.md``). Eager
+    the embedded model at N = 8 compiles 3x faster, but each launch runs
+    1.25x slower (``bench/results/multistep-capture-cpu.md``). Eager
     calls run ``forward`` itself; a torch without regions gets ``forward``."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     if region is None:
