@@ -54,7 +54,7 @@ from graphrunner.cli.tp_rank import (
     reads_stdin,
     silence,
 )
-from graphrunner.engine.launch import join_env_group, join_group, run_ranks
+from graphrunner.engine.launch import exit_with_parent, join_env_group, join_group, run_ranks
 from graphrunner.model.parallel import SINGLE, TensorParallel, check_shardable
 
 __all__ = ["FAIL_RANK_ENV", "Parse", "add_argument", "place", "run"]
@@ -205,7 +205,9 @@ def _in_process(
         if dist.is_initialized():
             dist.destroy_process_group()
     if isinstance(result, Failure):
-        print(f"graphrunner {args.command}: rank {rank}: {result.line}", file=stderr, flush=True)
+        # One write, the newline in it: torchrun's ranks share the terminal.
+        stderr.write(f"graphrunner {args.command}: rank {rank}: {result.line}\n")
+        stderr.flush()
         return result.code
     return result
 
@@ -221,6 +223,7 @@ def _worker(
 ) -> None:
     """A spawned rank: its exit status is the command's; a failure is also
     written to ``where`` for the launching process to report."""
+    exit_with_parent()  # a launcher killed outright leaves no orphan rank
     if rank:
         silence()
     args = parse(argv)

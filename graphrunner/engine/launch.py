@@ -10,6 +10,9 @@ the CPU bench and ``--tp N`` on the command line start their ranks here.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "join_env_group", "join_group", "run_ranks"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "exit_with_parent",
+    "join_env_group",
+    "join_group",
+    "run_ranks",
+]
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -73,3 +82,21 @@ def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float 
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process (status 1) soon after the process that started it
+    dies: a spawned rank whose launcher was killed outright (SIGKILL runs no
+    cleanup) would otherwise wait out its collective timeout as an orphan.
+    A daemon thread polls the parent's pid every ``poll_s`` seconds; a
+    multiprocessing child compares it with its launcher's, so one whose
+    launcher died before the call exits at once."""
+    launcher = multiprocessing.parent_process()
+    parent = os.getppid() if launcher is None else launcher.pid
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
