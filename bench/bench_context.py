@@ -1,7 +1,7 @@
 """Decode cost against the pool's capacity: the same live lengths at
 ``--max-context-len`` 128, 1024 and 8192, the full-width torch attention
 (the reference, which reads every column of a row's capacity) against the
-live-width attention (:mod:`graphrunner.model.attention_live`, the CPU
+live-width attention (:mod:`graphrunner_ref.model.attention_live`, the CPU
 default), on the eager and the compiled CPU runner, in the same run.
 
 Each run serves the same 8 requests (prompts of 20-44 tokens, ``--new``
@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, Request, create_model_runner, default_model
-from graphrunner.model import ModelBundle
-from graphrunner.model.default import default_config
 from graphrunner.testing import torch_threads
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.model import ModelBundle
+from graphrunner_ref.model.default import default_config
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_context"
 BATCH = 8
@@ -57,10 +57,10 @@ def _embedded(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int,
 def smollm2_chats() -> tuple[Path, list[list[int]]]:
     """The SmolLM2 checkpoint ``make demo-real`` fetches and converts, and
     :data:`BATCH` chat prompts for it (token ids)."""
-    from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
-    from graphrunner.io import read_config, resolve_checkpoint
-    from graphrunner.io.gguf_cache import cache_root
-    from graphrunner.io.text import TextCodec
+    from graphrunner_ref.cli.demo_real import PROMPTS, fetch_gguf
+    from graphrunner_ref.io import read_config, resolve_checkpoint
+    from graphrunner_ref.io.gguf_cache import cache_root
+    from graphrunner_ref.io.text import TextCodec
 
     checkpoint = resolve_checkpoint(fetch_gguf(cache_root()))
     codec = TextCodec.load(checkpoint, what="bench", vocab_size=read_config(checkpoint).vocab_size)
@@ -68,7 +68,7 @@ def smollm2_chats() -> tuple[Path, list[list[int]]]:
 
 
 def _smollm2(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int, ...]]]:
-    from graphrunner.io import load_model
+    from graphrunner_ref.io import load_model
 
     checkpoint, prompts = smollm2_chats()
     bundle = load_model(checkpoint, max_requests=BATCH, max_context_len=capacity)

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, Request, create_model_runner, default_model, quantize_model
 from graphrunner.testing import torch_threads
+from graphrunner_ref import Engine, Request, create_model_runner, default_model, quantize_model
 
 CMD = (
     "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from bench.bench_gpu_model import copy_bandwidth
-from graphrunner.model.kernels.decode_attention import LAYOUTS, choose_splits, decode_attention
+from graphrunner_ref.model.kernels.decode_attention import LAYOUTS, choose_splits, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 64
 

@@ -4,8 +4,8 @@ For each product of a 1.1B-shape layer (norm + q/k/v, o + residual, norm +
 gate/up + SiLU, down + residual) and the LM head, at 1, 4, 8 and 16 rows, in bfloat16, in one run:
 
 * ``torch``: the modules' ops (RMSNorm, ``F.linear`` on cuBLAS, SiLU, multiply);
-* ``triton``: :func:`~graphrunner.model.kernels.gemv.gemv` with the tiling
-  :func:`~graphrunner.model.kernels.gemv.choose_blocks` picks;
+* ``triton``: :func:`~graphrunner_ref.model.kernels.gemv.gemv` with the tiling
+  :func:`~graphrunner_ref.model.kernels.gemv.choose_blocks` picks;
 * ``triton pdl``: ``triton`` launched programmatically (sm_90+), so each
   call of the graph overlaps its launch with the previous call's tail;
 * ``triton bn=B``: the same with ``B`` output columns per program (the sweep
@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 
 from bench.bench_gpu_model import RESULTS_DIR, copy_bandwidth
-from graphrunner.model import shape_1b_config
-from graphrunner.model.kernels.gemv import choose_blocks, gemv, reference
-from graphrunner.model.kernels.pdl import supported
+from graphrunner_ref.model import shape_1b_config
+from graphrunner_ref.model.kernels.gemv import choose_blocks, gemv, reference
+from graphrunner_ref.model.kernels.pdl import supported
 
 ROWS = [1, 4, 8, 16]
 REPEATS = 20
@@ -44,7 +44,7 @@ SWEEP = [4, 8, 16]
 
 def products() -> dict[str, tuple[int, int, bool, bool, bool]]:
     """Name -> (N, K, norm, gated, residual) of the 1.1B shape's products, as
-    the model runs them (:mod:`graphrunner.model.small_batch`)."""
+    the model runs them (:mod:`graphrunner_ref.model.small_batch`)."""
     c = shape_1b_config()
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     return {

@@ -1,6 +1,6 @@
 """One decode step of the 1.1B-shape model on a GPU, beside its bandwidth floor.
 
-The embedded random "1.1B-shape" Llama (:func:`graphrunner.model.shape_1b_config`)
+The embedded random "1.1B-shape" Llama (:func:`graphrunner_ref.model.shape_1b_config`)
 in bfloat16, every row holding ``--context`` cached tokens, one step at batch
 1, 8, 32 and 64 for:
 
@@ -13,10 +13,10 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
   ``"all_heads"`` split launch;
 - ``graph+compile+triton+gemv``: ``graph+compile+triton`` whose steps of at
   most 16 rows run the Triton small-batch linears
-  (:func:`~graphrunner.model.small_batch.use_small_batch_linears`);
+  (:func:`~graphrunner_ref.model.small_batch.use_small_batch_linears`);
 - ``graph+compile+triton+pdl`` and ``graph+compile+triton+gemv+pdl``: those
   two with our Triton kernels (attention, small-batch linears) launched
-  programmatically (:mod:`graphrunner.model.programmatic_launch`);
+  programmatically (:mod:`graphrunner_ref.model.programmatic_launch`);
 - ``graph+compile+triton+gemv+pdl-inductor``: inductor's kernels too, with
   inductor's own placement of the waits (``kernels.pdl.INDUCTOR_OPTIONS``).
 
@@ -47,12 +47,12 @@ import pytest
 import torch
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import ModelBundle, default_model, shape_1b_config
-from graphrunner.model.kernels.gemv import MAX_ROWS
-from graphrunner.model.kernels.pdl import INDUCTOR_OPTIONS
-from graphrunner.model.programmatic_launch import use_programmatic_launch
-from graphrunner.model.small_batch import use_small_batch_linears
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
+from graphrunner_ref.model.kernels.gemv import MAX_ROWS
+from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS
+from graphrunner_ref.model.programmatic_launch import use_programmatic_launch
+from graphrunner_ref.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
 #: The step table's columns; the last is the logits' largest difference from

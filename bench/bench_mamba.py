@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from bench.conftest import FACTS, record
-from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
-from graphrunner.engine.workload import synthetic_trace
-from graphrunner.io.mamba_checkpoint import build_state_space_model
-from graphrunner.model.config import ModelConfig
-from graphrunner.model.hybrid_config import HybridConfig
-from graphrunner.model.mamba import MambaConfig
-from graphrunner.model.mamba_mixer import MixerShape
+from graphrunner_ref.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner_ref.engine.workload import synthetic_trace
+from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
+from graphrunner_ref.model.config import ModelConfig
+from graphrunner_ref.model.hybrid_config import HybridConfig
+from graphrunner_ref.model.mamba import MambaConfig
+from graphrunner_ref.model.mamba_mixer import MixerShape
 
 KIND = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]

@@ -19,8 +19,8 @@ import torch
 from bench.conftest import CAPTURES, FACTS, record
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import ModelBundle, default_model
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import ModelBundle, default_model
 
 SIZES = [1, 4, 8, 16]
 BATCHES = [1, 3, 4, 7, 8, 13, 16]  # 3, 7, 13 replay padded

@@ -47,10 +47,11 @@ from typing import Any
 import torch
 
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
-from graphrunner.engine.results import EngineResult
-from graphrunner.model import shape_1b_config
+from graphrunner import FutureMap
 from graphrunner.testing import torch_threads
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.engine.results import EngineResult
+from graphrunner_ref.model import shape_1b_config
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep"
 STEPS = (1, 2, 4, 8)

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
-import graphrunner.engine.multistep_runner as multistep_runner
+import graphrunner_ref.engine.multistep_runner as multistep_runner
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, Request, create_model_runner, default_model
 from graphrunner.testing import torch_threads
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep_capture"
 

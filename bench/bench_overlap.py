@@ -13,10 +13,10 @@ import torch
 
 from bench.conftest import BASELINES, FACTS, record
 from graphrunner.core.future_map import FutureMap
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.overlap import OverlapEngine
-from graphrunner.engine.workload import synthetic_trace
-from graphrunner.model import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.overlap import OverlapEngine
+from graphrunner_ref.engine.workload import synthetic_trace
+from graphrunner_ref.model import default_model
 
 KIND = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]

@@ -43,10 +43,10 @@ import torch
 
 from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import Engine, Request, create_model_runner
-from graphrunner.io import load_model
-from graphrunner.model.quantize import quantize_model
 from graphrunner.testing import torch_threads
+from graphrunner_ref import Engine, Request, create_model_runner
+from graphrunner_ref.io import load_model
+from graphrunner_ref.model.quantize import quantize_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
 #: ``--variants`` names: (runner kind, dtype, quantize mode) and the row's label.

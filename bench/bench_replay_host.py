@@ -57,12 +57,12 @@ from bench.replay_host_report import gpu_info, write_results
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.decode import DECODE_FIELD_NAMES
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import ModelBundle, default_model
 from graphrunner.phases.base import SpecBatch
 from graphrunner.writers.base import check_sources, write_sources
 from graphrunner.writers.fused import FusedPopulate
 from graphrunner.writers.staging import DEPTH
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import ModelBundle, default_model
 
 SIZES = [1, 8, 64, 256]
 RAW = {1: 1, 8: 7, 64: 63, 256: 255}  # all but the smallest replay padded

@@ -42,13 +42,14 @@ import torch
 
 from bench.bench_gpu_model import filled_batch
 from bench.conftest import RESULTS_DIR, machine
-from graphrunner import GraphRunner, create_model_runner, default_model
+from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.model import ModelBundle, shape_1b_config
-from graphrunner.model.config import ModelConfig
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, sampling_tensors
 from graphrunner.testing import torch_threads
+from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref.model import ModelBundle, shape_1b_config
+from graphrunner_ref.model.config import ModelConfig
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_sampling"
 VARIANTS = ("plain+argmax", "sampled greedy", "sampled top-p")

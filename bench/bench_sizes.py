@@ -15,11 +15,11 @@ import pytest
 
 from bench.conftest import FACTS, PADDING, record
 from bench.plots import PaddingPanel
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import synthetic_trace
-from graphrunner.model import default_model
 from graphrunner.sizing.plan import expected_waste, optimal_capture_sizes
 from graphrunner.sizing.sizes import default_capture_sizes
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import synthetic_trace
+from graphrunner_ref.model import default_model
 
 GROUP = "size optimiser"
 DEMO_MAX_BS, DEMO_GRAPHS = 16, 4

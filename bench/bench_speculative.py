@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from bench.conftest import BASELINES, FACTS, record
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.workload import Request
-from graphrunner.model import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import default_model
 
 KIND = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4]

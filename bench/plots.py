@@ -22,9 +22,9 @@ matplotlib.use("Agg")  # files only: no display on a CI box
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from graphrunner.cli.sizes_plot import draw_padding  # noqa: E402
 from graphrunner.sizing.report import CaptureReport, SizeReport  # noqa: E402
 from graphrunner.sizing.report_file import read_capture_report  # noqa: E402
+from graphrunner_ref.cli.sizes_plot import draw_padding  # noqa: E402
 
 DPI = 120
 #: One colour per variant, the same in every picture.

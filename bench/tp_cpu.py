@@ -28,10 +28,10 @@ import torch.distributed as dist
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.launch import join_group, run_ranks
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import ModelBundle, ModelConfig, default_model
-from graphrunner.model.parallel import SINGLE, TensorParallel
+from graphrunner_ref.engine.launch import join_group, run_ranks
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import ModelBundle, ModelConfig, default_model
+from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 
 SIZES = [1, 8]
 ROUNDS = 200

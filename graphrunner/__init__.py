@@ -36,12 +36,6 @@ from graphrunner.declare.indexes import Index
 from graphrunner.declare.inputs import DecodeInputs, StepInputs
 from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.declare.state_ops import StateOps
-from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
-from graphrunner.engine.overlap import OverlapEngine
-from graphrunner.engine.state_space import StateSpaceEngine, create_state_space_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_any, load_model, read_config, save_checkpoint
-from graphrunner.io.mamba_checkpoint import build_state_space_model
 from graphrunner.mechanisms import (
     CaptureMechanism,
     CudaGraphCapture,
@@ -49,11 +43,6 @@ from graphrunner.mechanisms import (
     InductorCapture,
     create_mechanism,
 )
-from graphrunner.model import ModelBundle, ModelConfig, build_model, default_model
-from graphrunner.model.mamba import MambaConfig
-from graphrunner.model.mamba_mixer import MixerShape
-from graphrunner.model.parallel import TensorParallel
-from graphrunner.model.quantize import QUANTIZATIONS, quantize_model
 from graphrunner.phases import (
     EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
@@ -97,7 +86,6 @@ __all__ = [
     "__version__",
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
-    "QUANTIZATIONS",
     "MAMBA_DECODE_FIELDS",
     "BatchSizeError",
     "BatchSizeHistogram",
@@ -115,8 +103,6 @@ __all__ = [
     "EagerRunner",
     "EagleDraftDecodeRunner",
     "EagleDraftExtendRunner",
-    "Engine",
-    "EngineResult",
     "FrozenKvMtpRunner",
     "FutureMap",
     "GraphBackend",
@@ -127,17 +113,12 @@ __all__ = [
     "Index",
     "InductorCapture",
     "KVCache",
-    "MambaConfig",
     "MambaStatePool",
     "MissingExtraError",
-    "MixerShape",
-    "ModelBundle",
-    "ModelConfig",
     "NotCapturedError",
     "NullBackend",
     "OutputDeclarationError",
     "OutputSpec",
-    "OverlapEngine",
     "PadRule",
     "PaddingSanitizer",
     "PaddingViolation",
@@ -145,44 +126,31 @@ __all__ = [
     "PoolError",
     "PopulateError",
     "ReqToTokenPool",
-    "Request",
     "RunnerStats",
     "SanitizerStats",
     "SizePlan",
     "SizeReport",
     "SpecBatch",
     "StateOps",
-    "StateSpaceEngine",
     "StaticBuffers",
     "StepInputs",
     "TargetVerifyRunner",
-    "TensorParallel",
     "TokenToKVPoolAllocator",
     "best_runner_kind",
     "budget_capture_sizes",
-    "build_model",
-    "build_state_space_model",
     "create_mechanism",
-    "create_model_runner",
     "create_runner",
-    "create_state_space_runner",
     "decode_buffer_specs",
     "decode_phase",
     "default_capture_sizes",
-    "default_model",
     "eagle_draft_decode_phase",
     "eagle_draft_extend_phase",
     "frozen_kv_mtp_phase",
     "future_refs",
-    "load_any",
-    "load_model",
     "optimal_capture_sizes",
     "pad_to",
     "padding_waste",
     "populate",
-    "quantize_model",
-    "read_config",
     "read_histogram",
-    "save_checkpoint",
     "verify_phase",
 ]

@@ -1,9 +1,9 @@
-"""``python -m graphrunner``: see :mod:`graphrunner.cli.main`."""
+"""``python -m graphrunner``: see :mod:`graphrunner_ref.cli.main`."""
 
 from __future__ import annotations
 
 import sys
 
-from graphrunner.cli.main import main
+from graphrunner_ref.cli.main import main
 
 sys.exit(main())

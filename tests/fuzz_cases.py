@@ -22,10 +22,6 @@ from sampled_rows import sampled_decode_phase, sampled_verify_inputs, sampling_r
 from graphrunner import GraphRunner, create_mechanism
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.hooks import NullBackend
-from graphrunner.engine.mamba_step import MambaSanitizer, StateSpaceInputs
-from graphrunner.io.mamba_checkpoint import build_state_space_model
-from graphrunner.model.mamba import MambaConfig
-from graphrunner.model.mamba_mixer import MixerShape
 from graphrunner.phases import (
     Phase,
     SpecBatch,
@@ -38,6 +34,10 @@ from graphrunner.phases import (
 )
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
+from graphrunner_ref.model.mamba import MambaConfig
+from graphrunner_ref.model.mamba_mixer import MixerShape
 from spec_world import CONTEXT, SpecWorld
 
 #: Tokens per request of the multi-token phases (verify, draft extend).

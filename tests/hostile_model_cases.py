@@ -17,11 +17,11 @@ from test_chat_template import HOSTILE_TEMPLATES, TIMED_TEMPLATE, TOKENS, USER
 from test_remote_code import remote_code_checkpoint
 
 import hf_ssm
-from graphrunner.io import checkpoint, load_any, read_config, read_weights
-from graphrunner.io.chat_template import render_chat
-from graphrunner.io.gguf_cache import CACHE_ENV
-from graphrunner.io.gguf_import import convert_gguf
-from graphrunner.io.text import TextCodec
+from graphrunner_ref.io import checkpoint, load_any, read_config, read_weights
+from graphrunner_ref.io.chat_template import render_chat
+from graphrunner_ref.io.gguf_cache import CACHE_ENV
+from graphrunner_ref.io.gguf_import import convert_gguf
+from graphrunner_ref.io.text import TextCodec
 from test_cli import _checkpoint
 from test_gguf_hostile import CASES as GGUF_CASES
 from test_gguf_hostile import write

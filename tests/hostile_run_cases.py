@@ -30,15 +30,15 @@ from test_concurrent_use import (
 )
 from test_killed_conversion import _dead_pid, test_an_output_write_removes_what_a_killed_write_left
 
-import graphrunner.cli.generate as cli_generate
-import graphrunner.cli.main as cli
-import graphrunner.io.gguf_cache as gguf_cache
-import graphrunner.io.gguf_import as gguf_import
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.model import default_model
+import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.main as cli
+import graphrunner_ref.io.gguf_cache as gguf_cache
+import graphrunner_ref.io.gguf_import as gguf_import
 from graphrunner.util.atomic import write_atomically
 from graphrunner.util.temp import temp_path
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import default_model
 from spec_world import SpecWorld
 from test_cli import BAD_PROMPT_FILES
 from test_engine import _engine

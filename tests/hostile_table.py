@@ -1,7 +1,7 @@
 """The machinery of the hostile-inputs table (``tests/test_hostile_inputs.py``).
 
 A :class:`Case` runs the real code on one hostile input through one entry
-point (``graphrunner.cli.main.main`` in-process, or a library call) and
+point (``graphrunner_ref.cli.main.main`` in-process, or a library call) and
 returns its :class:`Outcome`: the exit status or the exception type, and the
 first line of the error. The test fails a case whose outcome is not the one
 expected (a traceback, a plain exception, exit 1 instead of 2, an error that
@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.model import default_model
-from graphrunner.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
 from graphrunner.phases import SpecBatch
 from graphrunner.pools import KVCache
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
 
 MAX_REQUESTS = 10
 CONTEXT = 64

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.model import ModelBundle, default_model
+from graphrunner_ref.model import ModelBundle, default_model
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [42]]
 #: The Triton kernel runs on the GPU where there is one, else interpreted (conftest).

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gguf_world import tiny_text_checkpoint
-from graphrunner.io.chat_template import ChatTemplateError, render_chat
-from graphrunner.io.text import NoTokenizerError, TextCodec
+from graphrunner_ref.io.chat_template import ChatTemplateError, render_chat
+from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 
 USER = [{"role": "user", "content": "hi"}]
 TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}

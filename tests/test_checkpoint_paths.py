@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from graphrunner.io import read_weights
-from graphrunner.model import CheckpointError
+from graphrunner_ref.io import read_weights
+from graphrunner_ref.model import CheckpointError
 
 
 def _sharded(root: Path, weight_map: dict[str, object]) -> Path:
@@ -61,8 +61,8 @@ def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(
 ) -> None:
     # A vocabulary of 4M and 20,000 layers over the weights of a tiny model:
     # refused from the weights' names and shapes, nothing allocated for the claim.
-    from graphrunner.io import checkpoint, save_checkpoint
-    from graphrunner.model import default_model
+    from graphrunner_ref.io import checkpoint, save_checkpoint
+    from graphrunner_ref.model import default_model
 
     bundle = default_model(max_requests=2, max_context_len=16)
     save_checkpoint(bundle.model, tmp_path / "ckpt")
@@ -97,7 +97,7 @@ def test_a_state_space_config_larger_than_its_weights_is_refused_before_allocati
     # A vocabulary of 10**9 would ask the allocator for 100s of GB; the
     # shapes are checked on the meta device first.
     import hf_ssm
-    from graphrunner.io import load_any
+    from graphrunner_ref.io import load_any
 
     getattr(hf_ssm, save)(tmp_path / "ckpt")
     config_file = tmp_path / "ckpt" / "config.json"

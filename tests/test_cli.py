@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.cli.checks as cli_checks
-import graphrunner.cli.generate as cli_generate
-import graphrunner.cli.main as cli
-import graphrunner.engine.memory as memory
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import requests_from_prompts, synthetic_trace
-from graphrunner.io import save_checkpoint
-from graphrunner.model import ModelBundle, default_config, default_model
+import graphrunner_ref.cli.checks as cli_checks
+import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.main as cli
+import graphrunner_ref.engine.memory as memory
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import requests_from_prompts, synthetic_trace
+from graphrunner_ref.io import save_checkpoint
+from graphrunner_ref.model import ModelBundle, default_config, default_model
 from test_engine import StrayWriter
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]

@@ -10,8 +10,8 @@ import shlex
 import pytest
 
 from graphrunner import __version__
-from graphrunner.cli import main as cli
-from graphrunner.cli.groups import COMMANDS
+from graphrunner_ref.cli import main as cli
+from graphrunner_ref.cli.groups import COMMANDS
 
 GROUPS = ["model", "runner and graphs", "scheduling", "sampling", "prompts", "output"]
 

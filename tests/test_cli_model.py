@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.cli import checks as cli_checks
-from graphrunner.cli import main as cli
-from graphrunner.cli import model_args as cli_model
-from graphrunner.io import save_checkpoint
-from graphrunner.io.gguf_cache import CACHE_ENV
-from graphrunner.model import default_model, shape_1b_config
+from graphrunner_ref.cli import checks as cli_checks
+from graphrunner_ref.cli import main as cli
+from graphrunner_ref.cli import model_args as cli_model
+from graphrunner_ref.io import save_checkpoint
+from graphrunner_ref.io.gguf_cache import CACHE_ENV
+from graphrunner_ref.model import default_model, shape_1b_config
 from test_gguf_hostile import write as write_gguf
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from test_cli import EAGER, PROMPTS, _expected
 
 

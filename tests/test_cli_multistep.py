@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-import graphrunner.cli.main as cli
-from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
+import graphrunner_ref.cli.main as cli
+from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4], [5, 6]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4", "--max-new-tokens", "9"]

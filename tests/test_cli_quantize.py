@@ -11,8 +11,8 @@ import pytest
 from test_quantize import _stored_copy
 from torch import nn
 
-from graphrunner.cli import main as cli
-from graphrunner.engine.workload import Request
+from graphrunner_ref.cli import main as cli
+from graphrunner_ref.engine.workload import Request
 from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -115,8 +115,8 @@ def test_int8_from_gguf_q8_0_and_q4_weights_gives_transformers_tokens(
     requantizes the dequantized weights per channel and prints the tokens of
     transformers holding those int8 values."""
     from gguf_world import MIXED_TYPES, tiny_text_checkpoint, write_gguf
-    from graphrunner.io import resolve_checkpoint
-    from graphrunner.io.gguf_cache import CACHE_ENV
+    from graphrunner_ref.io import resolve_checkpoint
+    from graphrunner_ref.io.gguf_cache import CACHE_ENV
 
     assert {"Q8_0", "Q4_0", "Q4_1"} <= set(MIXED_TYPES.values())
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))

@@ -14,12 +14,12 @@ import pytest
 import torch
 from test_engine_logprobs import eager_last_logits
 
-import graphrunner.cli.generate as cli_generate
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.main as cli
 from conftest import SLOW
-from graphrunner import Engine, Request, create_model_runner, default_model
-from graphrunner.io import save_checkpoint
 from graphrunner.sampling import SamplingParams
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.io import save_checkpoint
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4"]
@@ -291,7 +291,7 @@ def test_the_overlap_check_counts_a_seed_the_plain_run_does_not_share(
 ) -> None:
     """The plain reference samples with the run's seed: a reference drawn from
     another seed differs, and ``--check`` says so (exit 1)."""
-    import graphrunner.cli.spec as cli_spec
+    import graphrunner_ref.cli.spec as cli_spec
 
     real = cli_spec.plain_run
     monkeypatch.setattr(

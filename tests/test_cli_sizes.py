@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import graphrunner.cli.checks as cli_checks
-import graphrunner.cli.main as cli
-import graphrunner.cli.sizes as cli_sizes
+import graphrunner_ref.cli.checks as cli_checks
+import graphrunner_ref.cli.main as cli
+import graphrunner_ref.cli.sizes as cli_sizes
 from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
 from graphrunner.sizing.plan import expected_waste, optimal_capture_sizes
 from graphrunner.sizing.report import CaptureReport, SizeReport

@@ -15,13 +15,13 @@ import pytest
 import torch
 from test_tensor_parallel_alone import count_collectives
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from conftest import SLOW
-from graphrunner.cli.tp import FAIL_RANK_ENV
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.ranks import rank0_admits
-from graphrunner.engine.workload import Request, requests_from_prompts
-from graphrunner.model import default_model
+from graphrunner_ref.cli.tp import FAIL_RANK_ENV
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.ranks import rank0_admits
+from graphrunner_ref.engine.workload import Request, requests_from_prompts
+from graphrunner_ref.model import default_model
 from hf_ssm import save_tiny_mamba
 from hf_tiny import hf_greedy, save_tiny_llama
 

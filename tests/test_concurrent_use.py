@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request, synthetic_trace
-from graphrunner.model import default_model
 from graphrunner.util.exclusive import ConcurrentUseError, Exclusive
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request, synthetic_trace
+from graphrunner_ref.model import default_model
 
 
 def _trace(bundle: Any, requests: int) -> list[Request]:

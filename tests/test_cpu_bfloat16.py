@@ -17,8 +17,8 @@ import torch
 from test_oracle import TRACE
 from torch import nn
 
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.io import load_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.io import load_model
 from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import torch
 from conftest import MECHANISMS, CapturedToy, make_runner, runner_device
 from graphrunner import CudaGraphRunner, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import default_model
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import default_model
 
 CUDA_LABELS = ["cuda", "cuda+compile"]
 

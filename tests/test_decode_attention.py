@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphrunner.model.attention_backend import TorchPagedBackend
-from graphrunner.model.attention_meta import attend
-from graphrunner.model.attention_op import paged_decode_attention
-from graphrunner.model.kernels.decode_attention import (
+from graphrunner_ref.model.attention_backend import TorchPagedBackend
+from graphrunner_ref.model.attention_meta import attend
+from graphrunner_ref.model.attention_op import paged_decode_attention
+from graphrunner_ref.model.kernels.decode_attention import (
     BLOCK_N,
     LAYOUTS,
     MAX_SPLITS,
@@ -256,7 +256,7 @@ def test_custom_op_is_registered_with_a_fake() -> None:
 
 # Compiled, not interpreted: the kernels must lower to Hopper code with no GPU present.
 _COMPILE_ATTENTION = """
-    import graphrunner.model.kernels.decode_attention as da
+    import graphrunner_ref.model.kernels.decode_attention as da
 
     # Each kernel with and without programmatic launch: the wait and release
     # are in the code exactly when PDL is set.

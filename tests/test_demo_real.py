@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-import graphrunner.cli.demo_real as demo_real
+import graphrunner_ref.cli.demo_real as demo_real
 from gguf_world import tiny_text_checkpoint, write_gguf
-from graphrunner.io.gguf_cache import CACHE_ENV
+from graphrunner_ref.io.gguf_cache import CACHE_ENV
 
 
 @pytest.fixture(scope="module")

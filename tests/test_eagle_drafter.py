@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.engine.drafters import EagleDrafter, RoundState, SpecRequest, Verified
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.speculative import SpeculativeEngine
-from graphrunner.engine.workload import Request
-from graphrunner.model import ModelBundle, default_model
-from graphrunner.model.draft import EagleHead
 from graphrunner.phases import SpecBatch
+from graphrunner_ref.engine.drafters import EagleDrafter, RoundState, SpecRequest, Verified
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.speculative import SpeculativeEngine
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import ModelBundle, default_model
+from graphrunner_ref.model.draft import EagleHead
 
 K = 3
 W = K + 1

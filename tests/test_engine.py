@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.engine.loop import AdmissionError, Engine, EngineResult, create_model_runner
-from graphrunner.engine.workload import Request, requests_from_prompts, synthetic_trace
-from graphrunner.model import ModelBundle, default_model
+from graphrunner_ref.engine.loop import AdmissionError, Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.workload import Request, requests_from_prompts, synthetic_trace
+from graphrunner_ref.model import ModelBundle, default_model
 
 MAX_BS = 4
 

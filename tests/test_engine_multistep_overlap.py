@@ -19,7 +19,8 @@ from test_engine_multistep_logprobs import _run as _logprobs_run
 from test_engine_multistep_logprobs import _trace as _logprobs_trace
 
 from conftest import SLOW
-from graphrunner import Engine, FutureMap, create_model_runner, default_model
+from graphrunner import FutureMap
+from graphrunner_ref import Engine, create_model_runner, default_model
 
 #: The multi-step test's run, through the overlapped schedule.
 _run = functools.partial(_multistep_run, overlap=True)
@@ -96,7 +97,7 @@ def test_overlap_needs_the_runner_built_with_a_future_map():
 def test_on_cuda_the_one_wait_per_launch_is_the_only_sync(monkeypatch: pytest.MonkeyPatch):
     import torch
 
-    import graphrunner.engine.overlap_schedule as ov
+    import graphrunner_ref.engine.overlap_schedule as ov
 
     trace = _trace(False)
     bundle = default_model(max_requests=4, max_context_len=CTX, device="cuda")

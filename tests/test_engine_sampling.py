@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from conftest import SLOW
-from graphrunner import Engine, FutureMap, Request, create_model_runner, default_model
+from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams, request_seed
+from graphrunner_ref import Engine, Request, create_model_runner, default_model
 
 CTX = 48
 

@@ -19,7 +19,7 @@ import pytest
 LAUNCHER = textwrap.dedent(
     """
     import multiprocessing as mp, sys, time
-    from graphrunner.engine.launch import exit_with_parent
+    from graphrunner_ref.engine.launch import exit_with_parent
 
     def child(watch, ready):
         if watch:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from graphrunner.model import default_model
-from graphrunner.model.fused import stack_weights
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.fused import stack_weights
 
 
 def _views_of_stack(attn: nn.Module) -> bool:

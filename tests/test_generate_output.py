@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-import graphrunner.cli.generate as cli_generate
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import requests_from_prompts
-from graphrunner.io.text import StreamPrinter, TextCodec
-from graphrunner.model import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import requests_from_prompts
+from graphrunner_ref.io.text import StreamPrinter, TextCodec
+from graphrunner_ref.model import default_model
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
 EAGER = ["--runner", "eager", "--capture-sizes", "1,2,4"]

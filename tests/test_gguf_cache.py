@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import graphrunner.io.gguf_cache as cache
-from graphrunner.io.gguf_cache import CACHE_ENV, checkpoint_dir
-from graphrunner.io.gguf_import import GGUFImportError
+import graphrunner_ref.io.gguf_cache as cache
+from graphrunner_ref.io.gguf_cache import CACHE_ENV, checkpoint_dir
+from graphrunner_ref.io.gguf_import import GGUFImportError
 from test_gguf_hostile import write
 
 # Each process says it is ready, waits for the others, and converts slowly, so
@@ -23,7 +23,7 @@ from test_gguf_hostile import write
 CONVERT = """
 import sys, time
 from pathlib import Path
-import graphrunner.io.gguf_cache as cache
+import graphrunner_ref.io.gguf_cache as cache
 gguf, ready, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 slow = cache.convert_gguf
 def convert(*args):

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-import graphrunner.cli.main as cli
-from graphrunner.io import load_model
-from graphrunner.io.gguf_import import GGUFImportError, convert_gguf
+import graphrunner_ref.cli.main as cli
+from graphrunner_ref.io import load_model
+from graphrunner_ref.io.gguf_import import GGUFImportError, convert_gguf
 
 HIDDEN, INTER, HEADS, KV, LAYERS, VOCAB = 16, 32, 4, 2, 2, 32
 HEAD_DIM = HIDDEN // HEADS
@@ -161,8 +161,8 @@ def test_the_well_formed_twin_converts_and_loads(tmp_path: Path) -> None:
 def test_the_shape_table_is_the_models_own() -> None:
     import torch
 
-    from graphrunner.model import ModelConfig, default_model
-    from graphrunner.model.shapes import llama_weight_shapes
+    from graphrunner_ref.model import ModelConfig, default_model
+    from graphrunner_ref.model.shapes import llama_weight_shapes
 
     for tied in (False, True):
         config = ModelConfig(VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV, tie_word_embeddings=tied)

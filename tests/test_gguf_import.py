@@ -17,19 +17,24 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from gguf_world import CORPUS, tiny_text_checkpoint, write_gguf
-from graphrunner.io import (
+from graphrunner_ref.io import (
     load_any,
     read_any_config,
     read_config,
     resolve_checkpoint,
     state_space_kind,
 )
-from graphrunner.io.checkpoint import load_any_model, load_model, read_weights
-from graphrunner.io.gguf_cache import CACHE_ENV, converted_dir
-from graphrunner.io.gguf_import import SUPPORTED_TYPES, open_gguf, read_gguf_weights, unpermute_qk
-from graphrunner.model import ModelBundle
+from graphrunner_ref.io.checkpoint import load_any_model, load_model, read_weights
+from graphrunner_ref.io.gguf_cache import CACHE_ENV, converted_dir
+from graphrunner_ref.io.gguf_import import (
+    SUPPORTED_TYPES,
+    open_gguf,
+    read_gguf_weights,
+    unpermute_qk,
+)
+from graphrunner_ref.model import ModelBundle
 
 
 @pytest.fixture(scope="module")

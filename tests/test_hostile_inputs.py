@@ -27,7 +27,7 @@ HEADER = [
     "# hostile inputs",
     "",
     "Each hostile input the tests build, run through the entry point a user",
-    "would call: the CLI (`graphrunner.cli.main.main`, in-process) or the library.",
+    "would call: the CLI (`graphrunner_ref.cli.main.main`, in-process) or the library.",
     "*outcome*: the exit status, the exception type, both (`exit 2 (Type)`: the",
     "CLI's status, the type the library call raises), or `ok` where the input is",
     "handled without an error (the last column then says what was observed).",

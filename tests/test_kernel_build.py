@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from graphrunner.model.kernels import build
-from graphrunner.model.kernels.build import pow2_at_least
+from graphrunner_ref.model.kernels import build
+from graphrunner_ref.model.kernels.build import pow2_at_least
 
 
 @pytest.mark.parametrize(

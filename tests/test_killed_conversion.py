@@ -18,11 +18,11 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import SLOW
-from graphrunner.io import load_model
-from graphrunner.io.gguf_cache import CACHE_ENV, checkpoint_dir, converted_dir
-from graphrunner.io.gguf_import import convert_gguf
 from graphrunner.util.atomic import write_atomically
 from graphrunner.util.temp import remove_stale_temps, temp_path
+from graphrunner_ref.io import load_model
+from graphrunner_ref.io.gguf_cache import CACHE_ENV, checkpoint_dir, converted_dir
+from graphrunner_ref.io.gguf_import import convert_gguf
 from test_gguf_hostile import LAYERS, write
 
 # The child writes half of model.safetensors into its temporary directory,
@@ -31,8 +31,8 @@ CHILD = """
 import sys
 from pathlib import Path
 import safetensors.torch
-import graphrunner.io.gguf_import as gguf_import
-from graphrunner.cli.main import main
+import graphrunner_ref.io.gguf_import as gguf_import
+from graphrunner_ref.cli.main import main
 
 def half_written(tensors, filename, metadata=None):
     data = safetensors.torch.save(tensors, metadata=metadata)

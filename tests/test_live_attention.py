@@ -1,5 +1,5 @@
 """The CPU decode attention whose cost follows the live context
-(:mod:`graphrunner.model.attention_live`): it equals the full-width torch
+(:mod:`graphrunner_ref.model.attention_live`): it equals the full-width torch
 attention (the reference) for random lengths, groups, pages and padded rows,
 never lets a NaN outside the live slots through, gathers no column past the
 batch's longest live row (rounded up), and the model running it gives the
@@ -17,15 +17,15 @@ import pytest
 import torch
 from test_decode_attention import CASES, World, make_world
 
-import graphrunner.model.attention_live as attention_live
-from graphrunner.cli.common import UsageError
-from graphrunner.cli.model_args import check_attention
-from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.model import default_model
-from graphrunner.model.attention_backend import LIVE_FROM_CAPACITY, TorchPagedBackend
-from graphrunner.model.attention_live import COLUMN_STEP, live_decode_attention
-from graphrunner.model.default import default_config
+import graphrunner_ref.model.attention_live as attention_live
+from graphrunner_ref.cli.common import UsageError
+from graphrunner_ref.cli.model_args import check_attention
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.attention_backend import LIVE_FROM_CAPACITY, TorchPagedBackend
+from graphrunner_ref.model.attention_live import COLUMN_STEP, live_decode_attention
+from graphrunner_ref.model.default import default_config
 
 
 def _live(world: World) -> torch.Tensor:

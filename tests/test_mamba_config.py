@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from graphrunner.io.mamba_checkpoint import parse_config, state_space_type
-from graphrunner.model.config import CheckpointError, UnsupportedConfigError
-from graphrunner.model.hybrid_config import HybridConfig
-from graphrunner.model.mamba import MambaConfig
-from graphrunner.model.mamba2_mixer import Mamba2Shape
+from graphrunner_ref.io.mamba_checkpoint import parse_config, state_space_type
+from graphrunner_ref.model.config import CheckpointError, UnsupportedConfigError
+from graphrunner_ref.model.hybrid_config import HybridConfig
+from graphrunner_ref.model.mamba import MambaConfig
+from graphrunner_ref.model.mamba2_mixer import Mamba2Shape
 
 MAMBA = {"model_type": "mamba", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2}
 JAMBA = {

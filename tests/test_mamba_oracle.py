@@ -23,15 +23,15 @@ import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.state_space import (
+from graphrunner.sanitizer.padding import PaddingViolation
+from graphrunner_ref.engine.state_space import (
     StateSpaceEngine,
     StateSpaceInputs,
     create_state_space_runner,
 )
-from graphrunner.engine.workload import Request
-from graphrunner.io.checkpoint import load_any_model
-from graphrunner.io.mamba_checkpoint import StateSpaceBundle
-from graphrunner.sanitizer.padding import PaddingViolation
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io.checkpoint import load_any_model
+from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
 from hf_ssm import (
     groups_the_gated_norm,
     save_tiny_bamba,
@@ -139,9 +139,9 @@ def test_the_sanitizer_catches_a_padded_row_that_writes_its_mamba_slot(
     """A forward that ignores ``mamba_track_mask`` lets padded rows write the
     sink slot 0: the sanitizer must refuse the replay (so the oracle runs above,
     where it passed every replay, mean something)."""
-    import graphrunner.model.hybrid as hybrid_module
-    import graphrunner.model.mamba as mamba_module
-    from graphrunner.model.mamba_mixer import write_states
+    import graphrunner_ref.model.hybrid as hybrid_module
+    import graphrunner_ref.model.mamba as mamba_module
+    from graphrunner_ref.model.mamba_mixer import write_states
 
     def ignore_mask(pool: Any, slots: Any, mask: Any, new: Any, old: Any) -> None:
         write_states(pool, slots, torch.ones_like(mask), new, old)
@@ -164,9 +164,9 @@ def test_the_one_engine_and_loader_serve_a_state_space_checkpoint(
     ``create_decode_runner`` serve the bundle (its DecodeStep adds the Mamba
     fields and state ops); an eager rerun and future references are refused."""
     from graphrunner.core.future_map import FutureMap
-    from graphrunner.engine.bundle import create_decode_runner
-    from graphrunner.engine.loop import Engine
-    from graphrunner.io import load_any, read_any_config, state_space_kind
+    from graphrunner_ref.engine.bundle import create_decode_runner
+    from graphrunner_ref.engine.loop import Engine
+    from graphrunner_ref.io import load_any, read_any_config, state_space_kind
 
     kind, path, expected = oracle
     assert state_space_kind(path) == kind
@@ -249,7 +249,7 @@ def test_generate_loads_the_checkpoint_like_a_llama_one(
     checkpoint: transformers' greedy tokens, in prompt order."""
     import json
 
-    from graphrunner.cli import main as cli
+    from graphrunner_ref.cli import main as cli
 
     kind, path, expected = oracle
     requests = TRACE[:4]

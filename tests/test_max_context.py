@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-import graphrunner.cli.main as cli
-from graphrunner.model import ModelBundle
+import graphrunner_ref.cli.main as cli
+from graphrunner_ref.model import ModelBundle
 from hf_tiny import save_tiny_llama
 
 

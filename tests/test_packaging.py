@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import graphrunner
+import graphrunner_ref
 from graphrunner.util.extras import EXTRAS, MissingExtraError, needs_extra
 from graphrunner.util.version import VERSION
 
@@ -44,7 +45,7 @@ CHILD = """
 import contextlib, io, json
 report = {}
 import graphrunner
-from graphrunner.cli.main import main
+from graphrunner_ref.cli.main import main
 from graphrunner.util.extras import MissingExtraError
 for argv in (["--help"], ["generate", "--help"], ["convert", "--help"], ["--version"]):
     out = io.StringIO()
@@ -69,10 +70,10 @@ print(json.dumps(report))
 
 #: A feature of each extra, called with its packages refused.
 CALLS = {
-    "gguf": "from graphrunner.io.gguf_meta import open_gguf; open_gguf('x.gguf')",
+    "gguf": "from graphrunner_ref.io.gguf_meta import open_gguf; open_gguf('x.gguf')",
     "fused interpreted": "from graphrunner.writers.fused_kernel import kernel; kernel(True)",
     "fused": "from graphrunner.writers.fused_kernel import kernel; kernel(False)",
-    "attention": "from graphrunner.model.kernels.decode_attention import _kernels; _kernels(False)",
+    "attention": "from graphrunner_ref.model.kernels.decode_attention import _kernels; _kernels(False)",
 }
 
 
@@ -81,7 +82,7 @@ def blocked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The child's report (see :data:`CHILD`)."""
     tmp = tmp_path_factory.mktemp("blocked")
     checkpoint = tmp / "tiny"  # the embedded model, with a tokenizer file
-    graphrunner.save_checkpoint(graphrunner.default_model(max_requests=1).model, checkpoint)
+    graphrunner_ref.save_checkpoint(graphrunner_ref.default_model(max_requests=1).model, checkpoint)
     (checkpoint / "tokenizer.json").write_text("{}")
     code = CHILD % {"optional": OPTIONAL, "checkpoint": str(checkpoint), "calls": CALLS}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GRAPHRUNNER_CACHE": str(tmp / "cache")}

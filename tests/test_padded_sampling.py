@@ -21,10 +21,11 @@ import torch
 from sampled_rows import sampling_rows
 
 from conftest import SLOW, runner_device
-from graphrunner import GraphRunner, create_model_runner, default_model
+from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.model import ModelBundle
 from graphrunner.phases.sampled import SampledInputs, sampled_forward
+from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref.model import ModelBundle
 
 pytestmark = pytest.mark.padded
 

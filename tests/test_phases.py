@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import DecodeBatch, EagerRunner, GraphKey, GraphRunner, OutputSpec, default_model
+from graphrunner import DecodeBatch, EagerRunner, GraphKey, GraphRunner, OutputSpec
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
@@ -21,7 +21,6 @@ from graphrunner.declare.decode import (
     per_token_fields,
 )
 from graphrunner.declare.hooks import NullBackend
-from graphrunner.model.token_rows import TokenRows
 from graphrunner.phases import (
     Phase,
     SpecBatch,
@@ -38,6 +37,8 @@ from graphrunner.phases import (
 from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, SamplingParams, sampling_tensors
+from graphrunner_ref import default_model
+from graphrunner_ref.model.token_rows import TokenRows
 from spec_world import SpecWorld
 
 I64 = torch.int64

@@ -17,16 +17,16 @@ from typing import cast
 import pytest
 import torch
 
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_model
-from graphrunner.model import LlamaDecoder, default_model
-from graphrunner.model.kernels.decode_attention import decode_attention
-from graphrunner.model.kernels.gemv import gemv
-from graphrunner.model.kernels.pdl import INDUCTOR_OPTIONS, triton_launch
-from graphrunner.model.llama import LlamaDecoderLayer
-from graphrunner.model.programmatic_launch import use_programmatic_launch
-from graphrunner.model.small_batch import use_small_batch_linears
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_model
+from graphrunner_ref.model import LlamaDecoder, default_model
+from graphrunner_ref.model.kernels.decode_attention import decode_attention
+from graphrunner_ref.model.kernels.gemv import gemv
+from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS, triton_launch
+from graphrunner_ref.model.llama import LlamaDecoderLayer
+from graphrunner_ref.model.programmatic_launch import use_programmatic_launch
+from graphrunner_ref.model.small_batch import use_small_batch_linears
 from hf_tiny import hf_greedy, save_tiny_llama
 
 

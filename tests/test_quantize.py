@@ -18,12 +18,12 @@ from test_oracle import TRACE
 from torch import nn
 
 from conftest import SLOW
-from graphrunner import default_model
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.io import load_model
-from graphrunner.model.fp16_linear import Fp16WeightLinear
-from graphrunner.model.int8_linear import Int8Linear, quantize_per_channel
-from graphrunner.model.quantize import check_quantization, quantize_model
+from graphrunner_ref import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.io import load_model
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.int8_linear import Int8Linear, quantize_per_channel
+from graphrunner_ref.model.quantize import check_quantization, quantize_model
 from hf_tiny import hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")

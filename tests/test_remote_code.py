@@ -42,7 +42,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_checkpoints_tokenizer_code_is_never_run(hostile: Path) -> None:
     script = (
-        "import sys; from pathlib import Path; from graphrunner.io.text import TextCodec\n"
+        "import sys; from pathlib import Path; from graphrunner_ref.io.text import TextCodec\n"
         "try:\n"
         "    TextCodec.load(Path(sys.argv[1]), what='--prompt')\n"
         "    print('loaded')\n"

@@ -13,10 +13,10 @@ import torch
 
 from conftest import make_runner
 from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
-from graphrunner.engine.loop import create_model_runner
-from graphrunner.model import default_model
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.model import default_model
 
 
 def sanitized(label: str, world: ToyWorld, forward: object = None) -> object:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphrunner.model.kernels.rope_store import reference, rope_store
-from graphrunner.model.layers import RotaryEmbedding
-from graphrunner.model.small_batch import rope_store_op
+from graphrunner_ref.model.kernels.rope_store import reference, rope_store
+from graphrunner_ref.model.layers import RotaryEmbedding
+from graphrunner_ref.model.small_batch import rope_store_op
 from hopper import compile_for_hopper
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,7 +130,7 @@ def test_bad_operands_are_refused_naming_their_shapes() -> None:
 
 
 _COMPILE_ROPE = """
-    import graphrunner.model.kernels.rope_store as r
+    import graphrunner_ref.model.kernels.rope_store as r
 
     types = ["*bf16", "*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 7
     for pdl in (False, True):  # the 1.1B shape: 32 query, 4 KV heads of 64

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import graphrunner.cli.main as cli
-from graphrunner.cli import sizes_plot
+import graphrunner_ref.cli.main as cli
 from graphrunner.sizing.plan import optimal_capture_sizes
 from graphrunner.sizing.sizes import default_capture_sizes
+from graphrunner_ref.cli import sizes_plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 COUNTS = {1: 50, 2: 30, 3: 20, 5: 10, 7: 6, 12: 3, 16: 1}

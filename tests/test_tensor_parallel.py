@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrunner.engine.launch import join_group, run_ranks
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.ranks import replay_size_check
-from graphrunner.engine.spec_factory import speculative_engine
-from graphrunner.engine.workload import Request, synthetic_trace
-from graphrunner.model import default_config, default_model
-from graphrunner.model.parallel import (
+from graphrunner_ref.engine.launch import join_group, run_ranks
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.ranks import replay_size_check
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.workload import Request, synthetic_trace
+from graphrunner_ref.model import default_config, default_model
+from graphrunner_ref.model.parallel import (
     SINGLE,
     TensorParallel,
     kv_head_range,

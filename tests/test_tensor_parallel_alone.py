@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import graphrunner.model.parallel as parallel
-from graphrunner.engine.launch import join_group
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request, synthetic_trace
-from graphrunner.model import default_model
-from graphrunner.model.parallel import SINGLE, TensorParallel
-from graphrunner.model.small_batch import use_small_batch_linears
+import graphrunner_ref.model.parallel as parallel
+from graphrunner_ref.engine.launch import join_group
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request, synthetic_trace
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.parallel import SINGLE, TensorParallel
+from graphrunner_ref.model.small_batch import use_small_batch_linears
 
 ALONE = TensorParallel(0, 1, communicate_alone=True)
 

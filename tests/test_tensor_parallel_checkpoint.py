@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphrunner.engine.launch import join_group, run_ranks
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_any, load_model, read_config
-from graphrunner.model import ModelBundle
-from graphrunner.model.parallel import TensorParallel, shard_weights
+from graphrunner_ref.engine.launch import join_group, run_ranks
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_any, load_model, read_config
+from graphrunner_ref.model import ModelBundle
+from graphrunner_ref.model.parallel import TensorParallel, shard_weights
 from hf_ssm import save_tiny_mamba
 from hf_tiny import hf_greedy, save_tiny_llama
 

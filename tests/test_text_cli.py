@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io.text import TextCodec
-from graphrunner.model import default_model
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io.text import TextCodec
+from graphrunner_ref.model import default_model
 from hf_tiny import save_tiny_llama
 
 EAGER = ["--runner", "eager", "--max-new-tokens", "10"]

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-import graphrunner.cli.demo_real as demo_real
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.demo_real as demo_real
+import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner.io import read_config
-from graphrunner.io.text import TextCodec, TokenizerVocabError
+from graphrunner_ref.io import read_config
+from graphrunner_ref.io.text import TextCodec, TokenizerVocabError
 from hf_tiny import save_tiny_llama
 
 EAGER = ["--runner", "eager", "--max-new-tokens", "2"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphrunner.cli.main as cli
+import graphrunner_ref.cli.main as cli
 from graphrunner.util import nvtx
 
 

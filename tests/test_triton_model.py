@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-import graphrunner.model.attention_op as attention_op
+import graphrunner_ref.model.attention_op as attention_op
 from conftest import SLOW
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.engine.loop import Engine, create_model_runner
-from graphrunner.engine.workload import Request
-from graphrunner.io import load_model
-from graphrunner.model import ModelBundle, default_model, shape_1b_config
+from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_model
+from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
 from hf_tiny import hf_greedy, save_tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

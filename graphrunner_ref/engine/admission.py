@@ -1,0 +1,96 @@
+"""Admission: prefill the arrived requests in order while they fit (a free
+request row, and KV pages for their whole budget beside what the running
+requests were promised), each with its first token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphrunner_ref.engine.results import AdmissionError, _Live, _Run
+from graphrunner_ref.engine.sampling import check_greedy, seed_of
+from graphrunner_ref.engine.workload import Request, check_trace
+
+if TYPE_CHECKING:
+    from graphrunner_ref.engine.loop import Engine
+
+__all__ = ["admit", "validate_trace"]
+
+
+def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
+    """Prefill ``run``'s arrived requests in order while they fit; returns each
+    with its first token (a 0-d device tensor: drawn by its sampling
+    parameters when the engine samples, else the argmax). Raises
+    :class:`AdmissionError` when nothing runs and the next one can never fit.
+    ``engine.admission`` (when not None) turns the count that fits into the
+    count admitted: a sharded model's ranks admit rank 0's
+    (:func:`~graphrunner_ref.engine.ranks.rank0_admits`)."""
+    b, pending = engine.bundle, run.pending
+    joining: list[tuple[_Live, torch.Tensor]] = []
+    count = _fitting(engine, run)
+    if engine.admission is not None:
+        count = engine.admission(count)
+    for _ in range(count):
+        req = pending.popleft()
+        live = _Live(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
+        run.held[req.rid] = live
+        if engine.logprobs:
+            run.logprobs[req.rid] = live.logprobs
+        live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
+        live.slots = live.pages[: len(req.prompt)]  # decode continues in the last page
+        ids = torch.tensor(req.prompt, dtype=torch.int64).to(engine.device, non_blocking=True)
+        slots = torch.tensor(live.slots, dtype=torch.int64).to(engine.device, non_blocking=True)
+        logits = b.model.forward_extend(live.req_index, ids, slots)
+        joining.append((live, engine.first_token(live, logits)))
+        run.stats.prefills += 1
+        run.stats.prefill_tokens += len(req.prompt)
+    return joining
+
+
+def _fitting(engine: Engine, run: _Run) -> int:
+    """How many of the arrived requests, in order, fit: a free request row
+    each, KV pages for its whole budget beside what the running requests were
+    promised, and a row of the runner's largest batch."""
+    b = engine.bundle
+    # KV slots (whole pages) promised to running requests but not yet allocated.
+    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
+    room = b.kv_alloc.available_size() - reserved
+    rows = b.req_pool.available_size()
+    count = 0
+    for req in run.pending:
+        if req.arrival_step > run.clock:
+            break
+        need = engine.kv_need(req.max_len)
+        if len(run.live) + count >= engine.runner.max_bs or need > room or not rows:
+            if not run.live and not count:  # nothing running will ever free room
+                raise AdmissionError(
+                    f"request {req.rid} can never be admitted: it needs 1 request row "
+                    f"and {_kv_amount(engine, need)}, nothing is running, and "
+                    f"{rows} request rows and {_kv_amount(engine, room)} are free"
+                )
+            break  # FIFO: later arrivals wait behind it
+        room, rows, count = room - need, rows - 1, count + 1
+    return count
+
+
+def _kv_amount(engine: Engine, slots: int) -> str:
+    page = engine.bundle.page_size
+    return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
+
+
+def validate_trace(engine: Engine, trace: Sequence[Request]) -> None:
+    """``trace`` checked before a run: valid requests, each fitting the
+    context and the KV pool, greedy unless the engine samples."""
+    ctx, kv_room = engine.bundle.max_context_len, engine.bundle.kv_alloc.size
+    check_trace(trace, engine.bundle.config.vocab_size)
+    if not engine.sampling:
+        check_greedy(trace)
+    for r in trace:
+        if r.max_len > min(ctx, kv_room):
+            raise ValueError(
+                f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
+                f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
+                f"max_context_len {ctx} and <= KV slots {kv_room}"
+            )

@@ -1,0 +1,153 @@
+"""Overlap scheduling with several decode steps per launch:
+``Engine(overlap=True, steps_per_launch=N)``.
+
+Launch i runs ``N`` steps (:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule`'s
+launch); the runner stores each row's last token in its future map on the
+device (:mod:`graphrunner.phases.multistep`). While it runs, the host keeps
+the KV the launch reserved as if every row took all ``N`` steps, admits and
+prefills arrivals, drops the rows whose budget ends inside launch i (known
+on the host), merges the arrivals, and prepares launch i+1: positions and
+``seq_lens`` ``N`` further, input ids future references, each row's slots
+reserved. Only then does it wait for launch i's one read back (tokens, counts,
+the arrivals' first tokens) to record the tokens; a row that stopped on the
+end token inside launch i leaves the prepared launch, its reservation freed.
+A row that stops early owns every page its launch reserved: freeing the
+request frees them. Tokens equal the plain engine's; on the CPU the same
+control flow runs synchronously.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphrunner.core.future_map import future_refs
+from graphrunner.core.runner import GraphRunner
+from graphrunner_ref.engine.multistep import MultiStepSchedule, Reservation, keep_used
+from graphrunner_ref.engine.overlap_schedule import _HostCopy, device_ints, future_map_of
+from graphrunner_ref.engine.results import _Live, _Run
+
+if TYPE_CHECKING:
+    from graphrunner_ref.engine.loop import Engine
+
+__all__ = ["MultiStepOverlapSchedule"]
+
+
+class MultiStepOverlapSchedule:
+    """Launch i+1 prepared while launch i of ``steps`` decode steps runs (see
+    the module). ``runner`` is built with ``steps_per_launch=steps`` and a
+    future map (``create_model_runner(..., future_map=FutureMap(...))``)."""
+
+    def __init__(self, runner: GraphRunner, steps: int) -> None:
+        self.future = future_map_of(runner)
+        self.base = MultiStepSchedule(steps)
+        self.steps = steps
+        # The prepared launch's reservations, one per row of run.live.
+        self._plan: list[Reservation] | None = None
+        self._max_steps: int | None = None
+
+    def begin(self, engine: Engine, max_steps: int | None) -> None:
+        self._max_steps = max_steps
+
+    def end(self, engine: Engine) -> None:
+        """A launch prepared but never run: its fresh pages are nobody's."""
+        if self._plan is not None:
+            self._free(engine, self._plan)
+            self._plan = None
+
+    def step(self, engine: Engine, run: _Run) -> int:
+        # Wall time of the whole step, host work included (no sync to time the launch).
+        start = time.perf_counter()
+        stepped, n = list(run.live), self.steps
+        plan: list[Reservation] = []
+        parts: list[torch.Tensor] = []
+        out: dict[str, torch.Tensor] = {}
+        if stepped:
+            plan = self._plan if self._plan is not None else self.base.reserve(engine, stepped)
+            self._plan = None
+            try:
+                out = self.base.launch(engine, run, plan, timed=False)
+            except BaseException:  # the fresh pages are no request's yet
+                self._free(engine, plan)
+                raise
+            parts = [out["tokens"].flatten(), out["count"]]
+            for req, r in zip(stepped, plan, strict=True):  # as if it took every step
+                keep_used(engine, req, r, r.budget)
+        pairs = engine.admit(run)
+        joining = [r for r, _ in pairs]
+        first = torch.stack([ids for _, ids in pairs]) if pairs else engine.empty()
+        if joining:
+            self.future.store(device_ints(engine, [r.req_index for r in joining]), first)
+        copy = _HostCopy(torch.cat([*parts, first]))
+        self._prepare(engine, run, stepped, plan, joining)
+        host = copy.wait()  # the launch's one read back
+        bs = len(stepped)
+        count = host[bs * n : bs * n + bs]
+        if stepped and engine.logprobs:  # its outputs still: no launch ran since
+            self.base.record_logprobs(engine, stepped, out, count)
+        done = [
+            req
+            for i, req in enumerate(stepped)
+            if self.base.record(engine, run, req, host[i * n : (i + 1) * n], count[i])
+        ]
+        firsts = host[bs * n + bs :]
+        done += [r for r, t in zip(joining, firsts, strict=True) if engine.record_token(run, r, t)]
+        self._retire(engine, run, done)
+        if stepped:
+            run.stats.decode_seconds += time.perf_counter() - start
+            run.stats.syncs += 1
+        return n if stepped else 0
+
+    def _prepare(
+        self,
+        engine: Engine,
+        run: _Run,
+        stepped: list[_Live],
+        plan: list[Reservation],
+        joining: list[_Live],
+    ) -> None:
+        """Launch i+1 before launch i's tokens are read: the rows whose budget
+        goes on, ``N`` positions further, and the arrivals; input ids future
+        references, slots reserved."""
+        batch, n = run.batch, self.steps
+        if stepped:
+            batch.seq_lens, batch.seq_lens_cpu = batch.seq_lens + n, batch.seq_lens_cpu + n
+            keep = [
+                i
+                for i, (req, r) in enumerate(zip(stepped, plan, strict=True))
+                if len(req.tokens) + r.budget < req.request.max_new_tokens
+            ]
+            if len(keep) < len(stepped):
+                batch.filter(keep)
+                run.live[:] = [stepped[i] for i in keep]
+        ahead = [n] * len(run.live)  # each kept row took all N steps, not read yet
+        going = [r for r in joining if r.request.max_new_tokens > 1]
+        if going:
+            rows = device_ints(engine, [r.req_index for r in going])
+            engine.join(run, going, future_refs(rows))
+            ahead += [1] * len(going)  # its first token, not read yet
+        steps_left = self._max_steps is None or run.stats.steps < self._max_steps
+        if run.live and steps_left:
+            run.batch.input_ids = future_refs(run.batch.req_pool_indices)
+            self._plan = self.base.reserve(engine, run.live, ahead)
+
+    def _retire(self, engine: Engine, run: _Run, done: list[_Live]) -> None:
+        """Free the finished requests; one in the prepared launch leaves it,
+        with its reservation's fresh pages."""
+        gone = {id(r) for r in done}
+        keep = [i for i, r in enumerate(run.live) if id(r) not in gone]
+        if len(keep) < len(run.live):
+            if self._plan is not None:
+                dropped = set(range(len(run.live))) - set(keep)
+                self._free(engine, [self._plan[i] for i in sorted(dropped)])
+                self._plan = [self._plan[i] for i in keep] if keep else None
+            run.batch.filter(keep)
+            run.live[:] = [run.live[i] for i in keep]
+        for r in done:
+            engine.free(run, r)
+
+    @staticmethod
+    def _free(engine: Engine, plan: list[Reservation]) -> None:
+        engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])

@@ -1,0 +1,115 @@
+"""What an engine run keeps and returns: its statistics and result, the
+per-request and per-run state the scheduling strategies share, and the
+admission error."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.sizing.histogram import BatchSizeHistogram
+from graphrunner.sizing.sizes import PaddingWaste
+from graphrunner_ref.engine.workload import Request
+
+__all__ = ["AdmissionError", "EngineResult", "EngineStats", "TokenLogprobs"]
+
+#: One generated token's log-probabilities (unfiltered softmax): its own, and
+#: the top N as ``(token id, log-probability)``, most probable first.
+TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
+
+
+class AdmissionError(RuntimeError):
+    """An arrived request can never be admitted: nothing is running that could
+    free the rows or KV pages it needs (they are held outside the run)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a run did. Seconds are wall time around the forward calls only,
+    with a device sync on CUDA so they measure the work, not the launch."""
+
+    steps: int = 0  # decode steps
+    prefills: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0  # live rows over all decode steps
+    decode_seconds: float = 0.0  # in runner.replay
+    eager_seconds: float = 0.0  # in the eager reference (check mode)
+    live_rows: int = 0
+    padded_rows: int = 0
+    checked_steps: int = 0
+    mismatches: int = 0  # checked steps outside tolerance
+    token_flips: int = 0  # rows whose greedy token differs (near-ties, inside tolerance)
+    max_logit_diff: float = 0.0
+    max_kv_diff: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode launches per live bs
+    launches: int = 0  # runner launches (N decode steps each with steps_per_launch=N)
+    syncs: int = 0  # device-to-host reads of decode tokens
+    sanitized_replays: int = 0  # replays the runner's padding sanitizer checked (0: none)
+    sanitizer_seconds: float = 0.0  # host seconds those checks took
+
+    @property
+    def launches_per_token(self) -> float:
+        return self.launches / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def syncs_per_token(self) -> float:
+        return self.syncs / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def eager_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.eager_seconds if self.eager_seconds else 0.0
+
+    @property
+    def padded_fraction(self) -> float:
+        return PaddingWaste(self.live_rows, self.padded_rows).fraction
+
+    @property
+    def histogram(self) -> BatchSizeHistogram:
+        """``batch_sizes`` as the runner keeps it, to write for ``graphrunner sizes``."""
+        return BatchSizeHistogram(self.batch_sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """Generated tokens per request id (prompt excluded); ``finished``: the ids
+    that reached their budget or the end token (others were cut by max_steps);
+    ``logprobs``: with ``Engine(logprobs=N)``, one :data:`TokenLogprobs` per
+    generated token by request id (``logprobs[rid][i]`` is
+    ``outputs[rid][i]``'s), else empty."""
+
+    outputs: dict[int, list[int]]
+    finished: frozenset[int]
+    stats: EngineStats
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Live:
+    request: Request
+    req_index: int
+    slots: list[int] = field(default_factory=list)  # KV slot per position, host ints
+    pages: list[int] = field(default_factory=list)  # every slot of its whole pages: to free
+    tokens: list[int] = field(default_factory=list)
+    seed: int = 0  # its sampling seed: its own, or derived from the run seed and its id
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token, when asked
+
+
+@dataclass(slots=True)
+class _Run:
+    """The state of one :meth:`Engine.run`; ``live[i]`` is row ``i`` of ``batch``."""
+
+    pending: deque[Request]
+    batch: DecodeBatch
+    outputs: dict[int, list[int]]
+    live: list[_Live] = field(default_factory=list)
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked
+    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV pages to free
+    finished: set[int] = field(default_factory=set)
+    stats: EngineStats = field(default_factory=EngineStats)
+    clock: int = 0  # engine steps, idle ones included: what arrival_step counts

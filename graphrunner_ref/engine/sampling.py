@@ -1,0 +1,183 @@
+"""The engine's side of in-graph sampling: each running request's sampling
+row, made once per batch composition, and the step's tokens read from a
+sampled step's outputs (or the argmax of a plain step's logits)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.sampling import (
+    SAMPLING_FIELD_NAMES,
+    SamplingParams,
+    logprobs,
+    request_seed,
+    sample_rows,
+    sampling_tensors,
+)
+from graphrunner_ref.engine.results import TokenLogprobs, _Live
+from graphrunner_ref.engine.workload import Request
+
+__all__ = [
+    "SampledRows",
+    "StepOut",
+    "check_greedy",
+    "check_logprobs",
+    "check_step_out",
+    "first_logprobs",
+    "host_logprobs",
+    "logprob_outputs",
+    "logits_of",
+    "record_logprobs",
+    "seed_of",
+    "step_logprobs",
+    "tokens_of",
+]
+
+#: What a decode runner returns: logits ``[bs, vocab]``, or a sampled step's
+#: ``{"logits": [bs, vocab], "tokens": [bs]}``.
+StepOut: TypeAlias = torch.Tensor | dict[str, torch.Tensor]
+
+_GREEDY = SamplingParams()
+
+
+def check_greedy(trace: Sequence[Request]) -> None:
+    """Every request of ``trace`` greedy (for a runner that does not sample),
+    or a ValueError naming the first that is not."""
+    for r in trace:
+        if r.samples and r.sampling is not None:
+            raise ValueError(
+                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
+                "samples; build it with create_model_runner(..., sampling=True)"
+            )
+
+
+def seed_of(request: Request, run_seed: int) -> int:
+    """The request's own seed, or the one derived from the run seed and its id."""
+    own = request.sampling.seed if request.sampling is not None else None
+    return own if own is not None else request_seed(run_seed, request.rid)
+
+
+def check_step_out(out: object) -> StepOut:
+    """``out`` if it is a decode step's output, else a TypeError saying what was expected."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and {"logits", "tokens"} <= set(out):
+        return out
+    raise TypeError(
+        f"runner.replay returned {type(out).__name__}; expected the logits tensor "
+        '[bs, vocab] of forward_decode, or a sampled step\'s {"logits", "tokens"}'
+    )
+
+
+def logits_of(out: StepOut) -> torch.Tensor:
+    return out["logits"] if isinstance(out, dict) else out
+
+
+def tokens_of(out: StepOut) -> torch.Tensor:
+    """Each row's token ``[bs]``: the sampled step's, or the logits' argmax."""
+    return out["tokens"] if isinstance(out, dict) else out.argmax(-1)
+
+
+class SampledRows:
+    """The sampling rows of the running requests (row ``i`` of request
+    ``live[i]``), rebuilt only when the batch's requests change.
+
+    Args:
+        device: where the rows go (built on the host, copied without a sync).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._live: list[_Live] = []  # held: their ids key the cache
+        self._key: tuple[int, ...] | None = None
+        self._rows: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def declared_by(runner: GraphRunner) -> bool:
+        """Whether ``runner``'s step samples (it declares the sampling buffers)."""
+        return all(name in runner.buffers.tensors for name in SAMPLING_FIELD_NAMES)
+
+    def of(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+        """``{name: [len(live)]}`` on the device, for the requests ``live`` in order."""
+        key = tuple(id(r) for r in live)
+        if key != self._key:
+            self._rows = self.build(live)
+            self._live, self._key = list(live), key
+        return self._rows
+
+    def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+        """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
+        drawn as a decode step draws, at the position it takes (the prompt's length)."""
+        position = torch.tensor([len(live.request.prompt)])
+        rows = self.build([live])
+        return sample_rows(logits.view(1, -1), rows, position.to(self.device, non_blocking=True))[0]
+
+    def build(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+        """The rows of ``live``, made now (not kept)."""
+        params = [r.request.sampling or _GREEDY for r in live]
+        host = sampling_tensors(params, [r.seed for r in live], "cpu")
+        return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+
+
+#: The largest top-N of ``Engine(logprobs=N)`` (the CLI's ``--logprobs`` bound).
+MAX_LOGPROBS = 20
+
+
+def check_logprobs(n: object, sampling: bool) -> int:
+    """``Engine(logprobs=n)`` checked: an int in ``0..MAX_LOGPROBS``, asked of
+    a runner that samples (``sampling``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs={n!r}; expected an int in 0..{MAX_LOGPROBS} (0: none)")
+    if n and not sampling:
+        raise ValueError(
+            f"logprobs={n}: the runner does not sample; build it with "
+            f"create_model_runner(..., sampling=True, logprobs={n})"
+        )
+    return n
+
+
+def _entries(chosen: torch.Tensor, top: torch.Tensor, ids: torch.Tensor) -> list[TokenLogprobs]:
+    c, t, i = chosen.tolist(), top.tolist(), ids.tolist()
+    return [(cv, list(zip(iv, tv, strict=True))) for cv, tv, iv in zip(c, t, i, strict=True)]
+
+
+def logprob_outputs(out: StepOut, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probability outputs of a step built with ``logprobs=n``:
+    ``"logprob"`` ``[bs]``, ``"top_logprobs"`` and ``"top_ids"`` ``[bs, n]``
+    (views of the runner's outputs: valid until its next replay)."""
+    if not isinstance(out, dict) or "logprob" not in out or out["top_ids"].shape[-1] != n:
+        raise ValueError(
+            f"logprobs={n}: the runner's step does not return {n} top log-probabilities; "
+            f"build it with create_model_runner(..., sampling=True, logprobs={n})"
+        )
+    return out["logprob"], out["top_logprobs"], out["top_ids"]
+
+
+def step_logprobs(out: StepOut, n: int) -> list[TokenLogprobs]:
+    """Each row's log-probabilities from a step built with ``logprobs=n``
+    (:func:`logprob_outputs`), read back to the host."""
+    return _entries(*logprob_outputs(out, n))
+
+
+def host_logprobs(
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> list[TokenLogprobs]:
+    """:func:`logprob_outputs` (or copies of them) read back to the host."""
+    return _entries(*outputs)
+
+
+def first_logprobs(logits: torch.Tensor, token: torch.Tensor, n: int) -> TokenLogprobs:
+    """Prefill's first token's log-probabilities from its last logits ``[vocab]``
+    and the token (0-d), as the sampled step computes a decode token's."""
+    lp = logprobs(logits.view(1, -1), token.view(1), n)
+    return _entries(lp.chosen, lp.top, lp.top_ids)[0]
+
+
+def record_logprobs(live: Sequence[_Live], entries: list[TokenLogprobs]) -> None:
+    """Append row ``i``'s entry to ``live[i]``'s log-probabilities."""
+    for req, entry in zip(live, entries, strict=True):
+        req.logprobs.append(entry)

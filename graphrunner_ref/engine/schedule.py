@@ -1,0 +1,87 @@
+"""How the engine orders a step's host and device work: the :class:`Schedule`
+strategy of :class:`~graphrunner_ref.engine.loop.Engine`, its plain
+:class:`SyncSchedule`, and :func:`schedule_for`, which picks one (the
+others: :class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`,
+:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule` and
+:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.pools import starts_page
+from graphrunner_ref.engine.multistep import MultiStepSchedule
+from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
+from graphrunner_ref.engine.overlap_schedule import OverlapSchedule
+from graphrunner_ref.engine.results import _Run
+
+if TYPE_CHECKING:
+    from graphrunner_ref.engine.loop import Engine
+
+__all__ = ["Schedule", "SyncSchedule", "schedule_for"]
+
+
+class Schedule(Protocol):
+    """How the engine orders a step's host and device work (a strategy of :class:`Engine`)."""
+
+    def begin(self, engine: Engine, max_steps: int | None) -> None: ...
+
+    def step(self, engine: Engine, run: _Run) -> int:
+        """Run one engine step; returns the decode steps it ran (0 or 1)."""
+        ...
+
+    def end(self, engine: Engine) -> None:
+        """Release what a step prepared but never launched (also after an error)."""
+        ...
+
+
+class SyncSchedule:
+    """The plain schedule: admit, decode the running batch, read back (the
+    step's one sync), retire, merge."""
+
+    def begin(self, engine: Engine, max_steps: int | None) -> None:
+        pass
+
+    def end(self, engine: Engine) -> None:
+        pass
+
+    def step(self, engine: Engine, run: _Run) -> int:
+        joining = engine.admit(run)
+        bs = len(run.live)
+        first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
+        next_ids, new_slots = (
+            engine.decode(run.batch, run.stats, run.live) if bs else (engine.empty(),) * 2
+        )
+        host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
+        run.stats.syncs += 1 if bs else 0
+        page = engine.bundle.page_size
+        keep = []
+        for i, req in enumerate(run.live):
+            slot = host[bs + i]
+            if starts_page(len(req.slots), page):  # a fresh page: slot is its first
+                req.pages.extend(range(slot, slot + page))
+            req.slots.append(slot)
+            if not engine.advance(run, req, host[i]):
+                keep.append(i)
+        run.batch.input_ids = next_ids  # what each row feeds next step
+        if len(keep) < bs:
+            run.batch.filter(keep)
+            run.live[:] = [run.live[i] for i in keep]
+        stay = [
+            j
+            for j, (req, _) in enumerate(joining)
+            if not engine.advance(run, req, host[2 * bs + j])
+        ]
+        if stay:
+            engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
+        return 1 if bs else 0
+
+
+def schedule_for(runner: GraphRunner, steps: int, overlap: bool) -> Schedule:
+    """The schedule of ``steps`` decode steps per launch, with or without overlap."""
+    if steps > 1:
+        return MultiStepOverlapSchedule(runner, steps) if overlap else MultiStepSchedule(steps)
+    return OverlapSchedule(runner) if overlap else SyncSchedule()

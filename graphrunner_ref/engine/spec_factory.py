@@ -1,0 +1,163 @@
+"""Build a speculative engine over a model bundle: the verify runner, the
+draft head and its runners, each captured on the chosen mechanism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphrunner.core.runner import GraphRunner
+from graphrunner.mechanisms import create_mechanism
+from graphrunner.phases.base import check_width
+from graphrunner.phases.eagle import EagleDraftDecodeRunner, EagleDraftExtendRunner
+from graphrunner.phases.mtp import FrozenKvMtpRunner, frozen_kv_sanitizer
+from graphrunner.phases.verify import TargetVerifyRunner
+from graphrunner.pools import KVCache
+from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner_ref.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
+from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.ranks import refuse_sharded
+from graphrunner_ref.engine.speculative import SpeculativeEngine
+from graphrunner_ref.model.build import ModelBundle
+from graphrunner_ref.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
+
+__all__ = ["DRAFTS", "METHODS", "speculative_engine"]
+
+METHODS = ("eagle", "mtp")
+DRAFTS = ("random", "self", "wrong")
+
+
+class _Capture:
+    """Runner arguments shared by every phase of one engine."""
+
+    def __init__(
+        self, bundle: ModelBundle, kind: str, options: dict[str, Any], check: bool, **kwargs: Any
+    ) -> None:
+        self.bundle, self.kind, self.options, self.check = bundle, kind, options, check
+        self.kwargs = kwargs
+
+    def common(self, sanitizer: PaddingSanitizer | None) -> dict[str, Any]:
+        return {
+            "device": self.bundle.device,
+            "mechanism": create_mechanism(self.kind, **self.options),
+            "sanitizer": sanitizer if self.check else None,
+            **self.kwargs,
+        }
+
+    def pools_sanitizer(self, kv: KVCache) -> PaddingSanitizer:
+        b = self.bundle
+        return PaddingSanitizer.for_pools(
+            b.req_pool, kv, kv_allocator=b.kv_alloc, vocab_size=b.config.vocab_size
+        )
+
+
+def _captured(runner: GraphRunner) -> GraphRunner:
+    runner.capture()
+    return runner
+
+
+def speculative_engine(
+    bundle: ModelBundle,
+    kind: str,
+    *,
+    method: str = "mtp",
+    draft: str = "random",
+    k: int = 2,
+    capture_sizes: list[int] | None = None,
+    max_bs: int | None = None,
+    seed: int = 0,
+    check_padding: bool = False,
+    show_progress: bool = False,
+    end_token: int | None = None,
+    run_seed: int = 0,
+    logprobs: int = 0,
+    **mechanism_options: Any,
+) -> SpeculativeEngine:
+    """A :class:`SpeculativeEngine` over ``bundle`` with every runner captured.
+
+    Args:
+        kind: the runner kind (``cuda``, ``cpu``, ``eager``) of every phase.
+        method: ``eagle`` or ``mtp``: the draft head built for ``random``.
+        draft: ``random`` (a seeded random head of ``method``), ``self`` (the
+            target proposes its own tokens: every draft accepted) or ``wrong``
+            (those tokens shifted by one: none accepted).
+        k: draft tokens per round; the verify runs ``k + 1`` tokens per request.
+        seed: the seed of the random draft head's weights.
+        check_padding: the padding sanitizer around every phase's replays.
+        run_seed: the run seed sampling requests without a seed of their own
+            derive theirs from (:class:`SpeculativeEngine`'s ``seed``).
+        logprobs: N >= 1 collects each token's log-probability and top N.
+    """
+    refuse_sharded(bundle, "speculative decoding (draft heads are not sharded)")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; expected one of {list(METHODS)}")
+    if draft not in DRAFTS:
+        raise ValueError(f"draft={draft!r}; expected one of {list(DRAFTS)}")
+    k = check_width("k", k)
+    cap = _Capture(
+        bundle,
+        kind,
+        mechanism_options,
+        check_padding,
+        capture_sizes=capture_sizes,
+        max_bs=max_bs,
+        show_progress=show_progress,
+    )
+    verify = TargetVerifyRunner(
+        bundle.model, k + 1, **cap.common(cap.pools_sanitizer(bundle.kv_cache))
+    )
+    drafter = _drafter(cap, method, draft, k, seed)
+
+    def sampled_verify() -> GraphRunner:
+        sanitizer = cap.pools_sanitizer(bundle.kv_cache)
+        return _captured(
+            TargetVerifyRunner(bundle.model, k + 1, sampling=True, **cap.common(sanitizer))
+        )
+
+    return SpeculativeEngine(
+        bundle,
+        _captured(verify),
+        drafter,
+        end_token=end_token,
+        seed=run_seed,
+        sampled_verify=sampled_verify,
+        logprobs=logprobs,
+    )
+
+
+def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:
+    b = cap.bundle
+    if draft != "random":
+        target_decode = create_model_runner(
+            b,
+            cap.kind,
+            capture_sizes=cap.kwargs["capture_sizes"],
+            max_bs=cap.kwargs["max_bs"],
+            check_padding=cap.check,
+            **cap.options,
+        )
+        shift = 1 if draft == "wrong" else 0
+        return TargetDrafter(b.model, _captured(target_decode), k, shift=shift)
+    if method == "mtp":
+        head = FrozenKvMtpHead(b.model, steps=k, topk=1)
+        init_draft_weights(head, seed)
+        sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+        runner = _captured(FrozenKvMtpRunner(head, **cap.common(sanitizer)))
+
+        def sampled() -> GraphRunner:
+            fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+            return _captured(FrozenKvMtpRunner(head, sampling=True, **cap.common(fresh)))
+
+        return MtpDrafter(runner, k, sampled)
+    cfg = b.config
+    draft_kv = KVCache(
+        b.kv_alloc.size, 1, cfg.num_kv_heads, cfg.head_dim, b.kv_cache.dtype, b.device
+    )
+    eagle = EagleHead(b.model, draft_kv)
+    init_draft_weights(eagle, seed)
+    sanitizer = cap.pools_sanitizer(draft_kv)
+    extend = EagleDraftExtendRunner(eagle, k + 1, **cap.common(sanitizer))
+    decode: GraphRunner | None = None
+    if k > 1:  # the seed comes from the extend; decode steps make the other k - 1
+        runner = EagleDraftDecodeRunner(eagle, **cap.common(cap.pools_sanitizer(draft_kv)))
+        decode = _captured(runner)
+    return EagleDrafter(eagle, _captured(extend), decode, k)

@@ -1,0 +1,197 @@
+"""Text in, text out: a checkpoint's own tokenizer and chat template.
+
+The tokenizer is the checkpoint's ``tokenizer.json`` / ``tokenizer_config.json``
+loaded by transformers' ``AutoTokenizer`` (imported on first use: the token-id
+paths never pay for it, nor need the ``[text]`` extra); the chat template is the one in
+``tokenizer_config.json`` (or ``chat_template.jinja``), rendered as
+transformers' ``apply_chat_template`` renders it, in a bounded sandbox
+(:mod:`graphrunner_ref.io.chat_template`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from graphrunner.util.extras import needs_extra
+from graphrunner_ref.model.config import CheckpointError
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "NoTokenizerError",
+    "StreamPrinter",
+    "TextCodec",
+    "TokenizerVocabError",
+    "has_tokenizer",
+]
+
+#: Any of these in a checkpoint directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class NoTokenizerError(ValueError):
+    """Text was given for a model without a tokenizer (or without a chat template)."""
+
+
+class TokenizerVocabError(CheckpointError):
+    """A checkpoint's tokenizer makes token ids its model has no embedding for."""
+
+
+def has_tokenizer(checkpoint: Path | None) -> bool:
+    """Whether checkpoint directory ``checkpoint`` holds tokenizer files
+    (None, the embedded random model, has none)."""
+    return checkpoint is not None and any((checkpoint / f).is_file() for f in TOKENIZER_FILES)
+
+
+class TextCodec:
+    """Encode prompts, apply the chat template and decode outputs with one
+    checkpoint's tokenizer.
+
+    Args:
+        tokenizer: a transformers tokenizer (what ``AutoTokenizer`` returns).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(
+        cls, checkpoint: Path | None, *, what: str, vocab_size: int | None = None
+    ) -> TextCodec:
+        """The tokenizer of ``checkpoint``; :class:`NoTokenizerError` naming
+        ``what`` (the argument that needs it) when there is none. With
+        ``vocab_size`` (the model's), a tokenizer that makes ids past it is
+        refused here, before any run: :class:`TokenizerVocabError` names the
+        tokenizer file, its size and the model's."""
+        if checkpoint is None or not has_tokenizer(checkpoint):
+            model = f"--checkpoint {checkpoint}" if checkpoint else "the embedded random model"
+            raise NoTokenizerError(
+                f"{what} needs a tokenizer: {model} has none (expected one of "
+                f"{', '.join(TOKENIZER_FILES)}); give token ids instead (a JSON list per line)"
+            )
+        with needs_extra("text", what):
+            from transformers import AutoTokenizer
+
+        # Never the checkpoint's own Python: an `auto_map` in its tokenizer
+        # config would otherwise make transformers ask on stdin, then run it.
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(checkpoint), local_files_only=True, trust_remote_code=False
+            )
+        except Exception as e:  # transformers raises OSError, ValueError, JSON errors...
+            raise NoTokenizerError(
+                f"--checkpoint {checkpoint}: tokenizer not loadable: {e}"
+            ) from None
+        codec = cls(tokenizer)
+        if vocab_size is not None and codec.vocab_size > vocab_size:
+            file = next(checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file())
+            raise TokenizerVocabError(
+                f"tokenizer {file}: a vocabulary of {codec.vocab_size} tokens (ids 0.."
+                f"{codec.vocab_size - 1}), more than the model's vocab_size {vocab_size}; "
+                f"expected at most {vocab_size}: ids past {vocab_size - 1} have no embedding"
+            )
+        return codec
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the tokenizer can make: its largest id + 1, added
+        tokens included."""
+        ids = self.tokenizer.get_vocab().values()
+        return max(len(self.tokenizer), max(ids, default=-1) + 1)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence token id, or None when the tokenizer names none."""
+        eos = self.tokenizer.eos_token_id
+        return None if eos is None else int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, with the special tokens the tokenizer adds (a BOS)."""
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def chat(self, text: str) -> list[int]:
+        """The ids of a one-turn conversation (``text`` as the user's message)
+        with the generation prompt appended, as ``apply_chat_template`` gives them."""
+        if self.tokenizer.chat_template is None:
+            raise NoTokenizerError("--chat: the checkpoint's tokenizer has no chat template")
+        with needs_extra("text", "--chat"):
+            from graphrunner_ref.io.chat_template import ChatTemplateError, render_chat
+        tokens = self.tokenizer.special_tokens_map
+        try:
+            text = render_chat(
+                self.tokenizer.chat_template, [{"role": "user", "content": text}], tokens
+            )
+        except ChatTemplateError as e:
+            raise NoTokenizerError(f"--chat: the checkpoint's chat template: {e}") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens (the end token) left out."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+class StreamPrinter:
+    """Print the answers as text while they are generated, in prompt order.
+
+    Each answer is one block ``[rid] text`` and a blank line, where ``text`` is
+    ``codec.decode(tokens).strip()``. Wire :meth:`token` to the engine's
+    per-token hook and the printer itself to its finish hook: the first
+    unfinished request of ``rids`` streams its text as its tokens arrive (the
+    trailing whitespace and an incomplete character held back until more
+    follows); a later one prints, caught up at once, when every request before
+    it has finished. Without the token hook, each answer prints whole.
+    :meth:`close` prints what is left (requests no hook reported).
+
+    Args:
+        codec: the checkpoint's tokenizer.
+        rids: the request ids, in the order their answers print.
+        out: where to print (default: ``sys.stdout`` at the time of printing).
+    """
+
+    def __init__(self, codec: TextCodec, rids: Sequence[int], out: TextIO | None = None) -> None:
+        self.codec, self.out = codec, out
+        self.order = list(rids)
+        self.tokens: dict[int, list[int]] = {r: [] for r in self.order}
+        self.shown: dict[int, str] = {}  # text printed so far, by request
+        self.done: set[int] = set()
+        self.printed: set[int] = set()  # whole blocks printed
+        self._head = 0
+
+    def token(self, rid: int, token: int) -> None:
+        """One more token of request ``rid``."""
+        self.tokens[rid].append(token)
+        if self._head < len(self.order) and rid == self.order[self._head]:
+            self._show(rid, final=False)
+
+    def __call__(self, rid: int, tokens: list[int]) -> None:
+        """Request ``rid`` finished with ``tokens``."""
+        self.tokens[rid] = list(tokens)
+        self.done.add(rid)
+        while self._head < len(self.order) and self.order[self._head] in self.done:
+            self._show(self.order[self._head], final=True)
+            self._head += 1
+        if self._head < len(self.order) and self.tokens[self.order[self._head]]:
+            self._show(self.order[self._head], final=False)  # the new head catches up
+
+    def close(self, outputs: dict[int, list[int]]) -> None:
+        """Print every answer not printed yet, ``outputs`` by request id."""
+        for rid in self.order:
+            if rid not in self.done:
+                self(rid, outputs[rid])
+
+    def _show(self, rid: int, *, final: bool) -> None:
+        text = self.codec.decode(self.tokens[rid]).lstrip()
+        text = text.rstrip() if final else text.rstrip().rstrip("\ufffd")
+        shown = self.shown.get(rid)
+        new = ("" if shown is not None else f"[{rid}] ") + text[len(shown or "") :]
+        self.shown[rid] = text if text.startswith(shown or "") else shown or ""
+        if final:
+            new += "\n\n"
+            self.printed.add(rid)
+        if new:
+            out = self.out if self.out is not None else sys.stdout
+            out.write(new)
+            out.flush()

@@ -1,0 +1,95 @@
+"""A model together with the pools it reads and writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, whole_pages
+from graphrunner_ref.model.config import ModelConfig
+from graphrunner_ref.model.llama import LlamaDecoder
+from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBundle:
+    """A :class:`LlamaDecoder` and the pools it was built over.
+
+    ``req_pool.req_to_token`` is int32 ``[max_requests + 1, max_context_len]``;
+    ``kv_cache`` holds ``kv_slots + page_size`` token slots per layer (page 0,
+    slots ``0..page_size - 1``, is the padding page); ``kv_alloc`` hands out
+    whole pages of ``page_size`` slots.
+    """
+
+    model: LlamaDecoder
+    req_pool: ReqToTokenPool
+    kv_alloc: TokenToKVPoolAllocator
+    kv_cache: KVCache
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_pool.max_context_len
+
+    @property
+    def page_size(self) -> int:
+        """KV slots per page (1: unpaged)."""
+        return self.kv_alloc.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    kv_slots: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
+    tp: TensorParallel = SINGLE,
+) -> ModelBundle:
+    """Allocate pools and an (uninitialised) model over them.
+
+    ``max_context_len`` defaults to ``config.max_position_embeddings``;
+    ``kv_slots`` to ``max_requests`` times ``max_context_len`` rounded up to
+    whole pages, enough that ``max_requests`` requests of full length never
+    exhaust the KV pool. ``page_size`` (>= 1) is the KV page in token slots;
+    an explicit ``kv_slots`` must be a multiple of it. With ``tp.world > 1``
+    the model is rank ``tp.rank``'s shard and the KV cache holds its KV heads
+    only (see :mod:`graphrunner_ref.model.parallel`).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
+    ctx = config.max_position_embeddings if max_context_len is None else max_context_len
+    if not 1 <= ctx <= config.max_position_embeddings:
+        raise ValueError(
+            f"max_context_len={ctx}: expected 1..max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
+    if kv_slots is None:
+        slots = max_requests * whole_pages(ctx, page_size)
+    elif isinstance(kv_slots, int) and kv_slots % page_size:  # the pools check the rest
+        raise ValueError(f"kv_slots={kv_slots}: expected a multiple of page_size={page_size}")
+    else:
+        slots = kv_slots
+    req_pool = ReqToTokenPool(max_requests, ctx, device)
+    kv_alloc = TokenToKVPoolAllocator(slots, device, page_size=page_size)
+    kv_cache = KVCache(
+        slots,
+        config.num_layers,
+        local_config(config, tp).num_kv_heads,
+        config.head_dim,
+        dtype,
+        device,
+        page_size=page_size,
+    )
+    model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype, tp=tp)
+    return ModelBundle(model, req_pool, kv_alloc, kv_cache)

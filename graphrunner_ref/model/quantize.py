@@ -1,0 +1,89 @@
+"""Compact weights for a loaded Llama model: ``--quantize int8`` / ``fp16``.
+
+:func:`quantize_model` replaces every projection of the decoder (each
+layer's stacked query/key/value, output, gate, up and down projections) and
+the LM head with a linear over compact weights: int8 per output channel
+(:mod:`graphrunner_ref.model.int8_linear`) or float16 with float32 activations
+(:mod:`graphrunner_ref.model.fp16_linear`). It runs after the weights are
+loaded, whatever their source: a float checkpoint, or a GGUF file (whose
+Q8_0 / Q4 blocks the import dequantized to floats: they are requantized here
+per output channel, so the int8 weights are not the file's blocks). The
+token embedding stays in the model's dtype (a lookup reads one row), and so
+does the float LM head weight that draft heads share. After quantization the
+model cannot load weights again.
+
+CPU only: on CUDA the model's own half-precision dtypes and the Triton
+path are the fast ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.int8_linear import Int8Linear
+
+__all__ = ["QUANTIZATIONS", "check_quantization", "quantize_model"]
+
+#: ``--quantize`` names and what each runs.
+QUANTIZATIONS = {
+    "int8": "int8 weights per output channel, activations in the model's dtype "
+    "(torch._weight_int8pack_mm: fast with AVX-512 or AMX)",
+    "fp16": "float16 weights, float32 activations and accumulation "
+    "(fbgemm: half the weight bytes, fast on AVX2)",
+}
+
+
+def check_quantization(mode: str, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raise ValueError naming what is wrong with quantizing a ``dtype`` model
+    on ``device`` with ``mode``."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantize={mode!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={mode!r} runs on the CPU; the model is on {device}")
+    if mode == "fp16" and dtype != torch.float32:
+        raise ValueError(
+            f"quantize='fp16' runs float32 activations over float16 weights; the model's "
+            f"dtype is {dtype} (use quantize='int8' for a half-precision model)"
+        )
+
+
+def _factory(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+    if mode == "int8":
+        return lambda w: Int8Linear(w, dtype)
+    return Fp16WeightLinear
+
+
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+    """Quantize ``model`` (a :class:`~graphrunner_ref.model.llama.LlamaDecoder`,
+    weights loaded) in place with ``mode`` (a :data:`QUANTIZATIONS` name);
+    returns it. Raises ValueError for another model, one already quantized,
+    an unknown mode, a CUDA model or ``fp16`` on a half-precision model."""
+    from graphrunner_ref.model.attention import PagedAttention
+    from graphrunner_ref.model.llama import LlamaDecoder
+
+    if not isinstance(model, LlamaDecoder):
+        raise ValueError(
+            f"quantize={mode!r}: supported for Llama models; this model is {type(model).__name__}"
+        )
+    if model.quantization is not None:
+        raise ValueError(
+            f"quantize={mode!r}: the model is already quantized ({model.quantization!r}); "
+            "load it again to quantize it another way"
+        )
+    dtype = model.model.norm.weight.dtype
+    check_quantization(mode, dtype, model.model.norm.weight.device)
+    make = _factory(mode, dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            cast(PagedAttention, layer.self_attn).quantize(make)
+            mlp = cast(nn.Module, layer.mlp)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(mlp, name, make(getattr(mlp, name).weight))
+        model.head_proj = make(model.lm_head_weight)
+    model.quantization = mode
+    return model
