@@ -36,7 +36,7 @@ import torch
 
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle
 from graphrunner_ref.model.default import default_config
 
@@ -83,7 +83,7 @@ def serve(
 ) -> dict[str, Any]:
     bundle, prompts = MODELS[model](capacity, largest)
     bundle.model.attn_backend.use(attention)
-    runner = create_model_runner(bundle, kind, capture_sizes=[BATCH], show_progress=False)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[BATCH], show_progress=False)
     start = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - start

@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_model_runner, default_model, quantize_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model, quantize_model
 
 CMD = (
     "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
@@ -42,7 +42,7 @@ def measure(bs: int, fp16: bool, wrapper: str, new: int, rounds: int) -> dict[st
     if fp16:
         quantize_model(bundle.model, "fp16")
         bundle.model.attn_backend.use("live")
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, "cpu", capture_sizes=[bs], show_progress=False, inductor_options=WRAPPERS[wrapper]
     )
     start = time.perf_counter()

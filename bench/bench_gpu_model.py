@@ -47,7 +47,7 @@ import pytest
 import torch
 
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
 from graphrunner_ref.model.kernels.gemv import MAX_ROWS
 from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS
@@ -175,7 +175,7 @@ def prepare(bundle: ModelBundle, variant: str, batch: DecodeBatch) -> Callable[[
 
         return eager
     bs = batch.req_pool_indices.shape[0]
-    runner = create_model_runner(bundle, "cuda", capture_sizes=[bs], **options)
+    runner = create_decode_runner(bundle, "cuda", capture_sizes=[bs], **options)
     runner.capture()
     return lambda: runner.replay(batch)
 

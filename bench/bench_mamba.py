@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.conftest import FACTS, record
-from graphrunner_ref.engine.state_space import StateSpaceEngine, create_state_space_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
 from graphrunner_ref.model.config import ModelConfig
@@ -51,9 +51,9 @@ def _serve(model: str, kind: str) -> Callable[[], int]:
         new_tokens=(8, 48),
         mean_gap=2.0,
     )
-    runner = create_state_space_runner(bundle, kind, capture_sizes=SIZES)
+    runner = create_decode_runner(bundle, kind, capture_sizes=SIZES)
     runner.capture()
-    engine = StateSpaceEngine(bundle, runner)
+    engine = Engine(bundle, runner)
     return lambda: engine.run(trace).stats.decode_tokens
 
 

@@ -19,7 +19,7 @@ import torch
 from bench.conftest import CAPTURES, FACTS, record
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, default_model
 
 SIZES = [1, 4, 8, 16]
@@ -34,7 +34,7 @@ PROMPT_LENS = [24 + 7 * i for i in range(max(SIZES))]  # 24..129 cached tokens, 
 def captured(request: pytest.FixtureRequest) -> tuple[ModelBundle, GraphRunner]:
     kind, options = MECHANISMS[request.param]
     bundle = default_model(max_requests=max(SIZES), device="cuda" if kind == "cuda" else "cpu")
-    runner = create_model_runner(bundle, kind, capture_sizes=SIZES, **options)
+    runner = create_decode_runner(bundle, kind, capture_sizes=SIZES, **options)
     CAPTURES[runner.mechanism.label] = runner.capture()
     return bundle, runner
 

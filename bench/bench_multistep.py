@@ -49,7 +49,7 @@ import torch
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import FutureMap
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
 from graphrunner_ref.model import shape_1b_config
 
@@ -88,7 +88,7 @@ def _engine(
         max_requests=bs, max_context_len=new + 8, device=device, config=config, dtype=dtype
     )
     futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=[bs], steps_per_launch=n, future_map=futures, **(options or {})
     )
     runner.capture()

@@ -1,7 +1,7 @@
 """The CPU runner's cold capture at N decode steps per launch: the model's
 step compiled once and called N times (``multistep_forward(...,
 compile_step_once=True)``) against N inlined copies compiled as one program
-(what ``create_model_runner(kind="cpu", steps_per_launch=N)`` builds), in
+(what ``create_decode_runner(kind="cpu", steps_per_launch=N)`` builds), in
 the same run.
 
 A throwaway capture first (inductor's one-time start-up out of the first
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
-import graphrunner_ref.engine.multistep_runner as multistep_runner
+import graphrunner.phases.multistep as multistep_module
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep_capture"
 
@@ -39,22 +39,22 @@ CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_multistep_capture"
 @contextlib.contextmanager
 def step_once() -> Iterator[None]:
     """Runners built inside compile the step once (a nested compile region)."""
-    real = multistep_runner.multistep_forward
+    real = multistep_module.multistep_forward
 
     def once(*args: Any, **kwargs: Any) -> Any:
         return real(*args, **{**kwargs, "compile_step_once": True})
 
-    multistep_runner.multistep_forward = once
+    multistep_module.multistep_forward = once
     try:
         yield
     finally:
-        multistep_runner.multistep_forward = real
+        multistep_module.multistep_forward = real
 
 
 def capture(n: int, size: int) -> dict[str, Any]:
     """A cold capture's seconds, its engine and trace, and the trace's tokens."""
     bundle = default_model(max_requests=size, max_context_len=96)
-    runner = create_model_runner(bundle, "cpu", capture_sizes=[size], steps_per_launch=n)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=[size], steps_per_launch=n)
     start = time.perf_counter()
     runner.capture()
     seconds = time.perf_counter() - start

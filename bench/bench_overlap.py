@@ -13,8 +13,7 @@ import torch
 
 from bench.conftest import BASELINES, FACTS, record
 from graphrunner.core.future_map import FutureMap
-from graphrunner_ref.engine.loop import Engine, create_model_runner
-from graphrunner_ref.engine.overlap import OverlapEngine
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.model import default_model
 
@@ -37,9 +36,9 @@ def _serve(variant: str) -> Callable[[], int]:
     future = None
     if variant == "overlap":
         future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(bundle, KIND, capture_sizes=SIZES, future_map=future)
+    runner = create_decode_runner(bundle, KIND, capture_sizes=SIZES, future_map=future)
     runner.capture()
-    engine = Engine(bundle, runner) if future is None else OverlapEngine(bundle, runner)
+    engine = Engine(bundle, runner) if future is None else Engine(bundle, runner, overlap=True)
     return lambda: engine.run(trace).stats.decode_tokens
 
 

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from bench.conftest import BASELINES, FACTS, record
-from graphrunner import StaticBuffers, decode_buffer_specs, pad_to, populate
+from graphrunner import decode_buffer_specs
 from graphrunner.core.input_check import InputGate
+from graphrunner.declare import StaticBuffers
 from graphrunner.declare.hooks import NullBackend
+from graphrunner.sizing import pad_to
 from graphrunner.testing import ToyWorld, ToyWorldConfig
+from graphrunner.writers import populate
 
 # Live batch sizes: one unpadded (1), the rest one short of a captured size.
 RAW_SIZES = [1, 3, 7, 15, 31, 63]

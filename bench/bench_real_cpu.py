@@ -22,7 +22,7 @@ runner with compact weights: ``fp16`` (float16 weights, float32 activations),
 ``int8`` (per-channel int8, torch's weight-only product) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
-(``graphrunner.util.cpu_features``); they are measured all the same.
+(``graphrunner_ref.model.cpu_features``); they are measured all the same.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
 ``bench/results/real-smollm2-cpu.md`` and ``.json``).
@@ -44,7 +44,7 @@ import torch
 from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_model_runner
+from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model.quantize import quantize_model
 
@@ -68,7 +68,7 @@ def graphrunner_run(
     bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
     if quantize is not None:
         quantize_model(bundle.model, quantize)
-    runner = create_model_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
     runner.capture()
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
     result = Engine(bundle, runner).run(trace)

@@ -61,7 +61,7 @@ from graphrunner.phases.base import SpecBatch
 from graphrunner.writers.base import check_sources, write_sources
 from graphrunner.writers.fused import FusedPopulate
 from graphrunner.writers.staging import DEPTH
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, default_model
 
 SIZES = [1, 8, 64, 256]
@@ -201,7 +201,7 @@ def measure() -> list[dict[str, Any]]:
     bundle = default_model(max_requests=max(SIZES) + 1, max_context_len=64, device="cuda")
     runners: dict[str, GraphRunner] = {}
     for mode in MODES:
-        runners[mode] = create_model_runner(bundle, "cuda", capture_sizes=SIZES, populate=mode)
+        runners[mode] = create_decode_runner(bundle, "cuda", capture_sizes=SIZES, populate=mode)
         runners[mode].capture()
     cycles_per_us = sleep_cycles_per_us()
     rows = []

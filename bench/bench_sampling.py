@@ -5,7 +5,7 @@ For each model shape and batch size, in the same run and on the same batch
 
 - ``plain+argmax``: the plain decode runner (logits out), then ``argmax``
   outside the graph, as the greedy engine did;
-- ``sampled greedy``: the sampled runner (``create_model_runner(...,
+- ``sampled greedy``: the sampled runner (``create_decode_runner(...,
   sampling=True)``), every row temperature 0 (its tokens are checked equal to
   the argmax of the plain runner's logits);
 - ``sampled top-p``: the same runner, every row temperature 0.8, top-p 0.9.
@@ -47,7 +47,7 @@ from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, sampling_tensors
 from graphrunner.testing import torch_threads
-from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref import create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle, shape_1b_config
 from graphrunner_ref.model.config import ModelConfig
 
@@ -139,9 +139,9 @@ def measure_shape(
     for buf in bundle.kv_cache.k_buffers + bundle.kv_cache.v_buffers:
         buf.normal_()
     kind = "cuda" if bundle.device.type == "cuda" else "cpu"
-    plain = create_model_runner(bundle, kind, capture_sizes=list(sizes))
+    plain = create_decode_runner(bundle, kind, capture_sizes=list(sizes))
     plain.capture()
-    sampled = create_model_runner(bundle, kind, capture_sizes=list(sizes), sampling=True)
+    sampled = create_decode_runner(bundle, kind, capture_sizes=list(sizes), sampling=True)
     sampled.capture()
     print(f"{shape}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
     timer, rows = _timer(bundle.device), []

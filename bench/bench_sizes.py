@@ -17,7 +17,7 @@ from bench.conftest import FACTS, PADDING, record
 from bench.plots import PaddingPanel
 from graphrunner.sizing.plan import expected_waste, optimal_capture_sizes
 from graphrunner.sizing.sizes import default_capture_sizes
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.model import default_model
 
@@ -28,7 +28,7 @@ DEMO_MAX_BS, DEMO_GRAPHS = 16, 4
 def _engine_counts() -> dict[int, int]:
     """The batch sizes the engine served on the demo's trace (300 steps)."""
     bundle = default_model(max_requests=DEMO_MAX_BS)
-    runner = create_model_runner(bundle, "eager", max_bs=DEMO_MAX_BS)
+    runner = create_decode_runner(bundle, "eager", max_bs=DEMO_MAX_BS)
     runner.capture()
     trace = synthetic_trace(
         num_requests=300,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.conftest import BASELINES, FACTS, record
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import default_model
@@ -39,7 +39,7 @@ def _runner(variant: str, k: int) -> Callable[[], tuple[int, float]]:
     bundle = default_model(max_requests=SIZES[-1], max_context_len=64, device=KIND)
     trace = _trace()
     if variant == "plain":
-        runner = create_model_runner(bundle, KIND, capture_sizes=SIZES)
+        runner = create_decode_runner(bundle, KIND, capture_sizes=SIZES)
         runner.capture()
 
         def plain() -> tuple[int, float]:

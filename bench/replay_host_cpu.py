@@ -25,8 +25,9 @@ import torch
 from bench.bench_replay_host import per_field_populate
 from bench.conftest import RESULTS_DIR, machine
 from bench.host_timing import HostTimes, summarize, time_idle
-from graphrunner import GraphRunner, decode_buffer_specs, populate
+from graphrunner import GraphRunner, decode_buffer_specs
 from graphrunner.testing import ToyWorld, torch_threads
+from graphrunner.writers import populate
 from graphrunner.writers.base import check_sources
 
 CPU_CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_replay_host --cpu"

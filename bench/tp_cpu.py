@@ -29,7 +29,7 @@ from bench.conftest import RESULTS_DIR, machine
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner_ref.engine.launch import join_group, run_ranks
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, ModelConfig, default_model
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 
@@ -104,7 +104,7 @@ def _measure(tp: TensorParallel) -> dict[str, dict[int, list[float]]]:
     found: dict[str, dict[int, list[float]]] = {}
     for name, config in MODELS.items():
         bundle = default_model(max_requests=max(SIZES), max_context_len=256, tp=tp, config=config)
-        runner = create_model_runner(bundle, "cpu", capture_sizes=SIZES)
+        runner = create_decode_runner(bundle, "cpu", capture_sizes=SIZES)
         runner.capture()
         found[name] = {bs: _sizes(bundle, runner, bs, tp) for bs in SIZES}
     return found

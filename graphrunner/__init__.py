@@ -1,156 +1,97 @@
 """graphrunner: capture decode steps as graphs at fixed batch sizes, replay them padded, safely.
 
-The public API is what ``__all__`` lists; everything else is internal. A
-model of one's own plugs in through the same names: pools whose slot 0 is
-reserved (:class:`ReqToTokenPool`, :class:`TokenToKVPoolAllocator`,
-:class:`KVCache`, :class:`MambaStatePool`), a batch (:class:`DecodeBatch`, or
-any object with the attributes of :class:`DecodeInputs`), buffer declarations
-(:class:`BufferSpec`, :class:`PadRule`, :class:`Index`, :func:`decode_buffer_specs`,
-:class:`OutputSpec`), a runner (:func:`create_runner`) and, while debugging,
-a :class:`PaddingSanitizer` guarding the model's own state
-(:class:`GuardedTensor`). ``examples/own_model.py`` is a complete example.
+The public API is what ``__all__`` lists (what an integrator needs); the
+subpackages ``graphrunner.pools``, ``.declare``, ``.batch``, ``.writers``,
+``.sanitizer``, ``.sampling``, ``.sizing``, ``.mechanisms``, ``.core``,
+``.phases`` and ``.util`` each list their advanced names in their own
+``__all__``; every other module is internal. Four contracts plug a model in:
+declare the buffers and their pad rules (:class:`BufferSpec`,
+:class:`PadRule`, :func:`decode_buffer_specs`), hand the runner a batch with
+the declared fields and host mirrors (:class:`DecodeInputs`, or
+:class:`DecodeBatch`), implement the attention backend's hooks
+(:class:`GraphBackend`), keep slot 0 of every pool for the padded rows
+(:class:`ReqToTokenPool`, :class:`TokenToKVPoolAllocator`, :class:`KVCache`).
+``examples/own_model.py`` is a complete example; the reference engine built on
+these names is the separate package ``graphrunner_ref``.
 """
 
 from __future__ import annotations
 
-from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core.future_map import FutureMap, future_refs
-from graphrunner.core.replay import GraphKey, NotCapturedError
-from graphrunner.core.runner import GraphRunner
-from graphrunner.core.runners import (
+from graphrunner.batch import DecodeBatch
+from graphrunner.core import (
     CpuGraphRunner,
     CudaGraphRunner,
-    EagerRunner,
+    FutureMap,
+    GraphRunner,
+    NotCapturedError,
     best_runner_kind,
     create_runner,
 )
-from graphrunner.declare.buffers import BufferSpec, BufferView, PadRule, StaticBuffers
-from graphrunner.declare.decode import (
-    DECODE_FIELDS,
-    DECODE_HOST_MIRRORS,
-    MAMBA_DECODE_FIELDS,
+from graphrunner.declare import (
+    BufferSpec,
+    DecodeInputs,
+    GraphBackend,
+    Index,
+    OutputSpec,
+    PadRule,
+    StateOps,
+    StepInputs,
     decode_buffer_specs,
 )
-from graphrunner.declare.hooks import GraphBackend, NullBackend
-from graphrunner.declare.indexes import Index
-from graphrunner.declare.inputs import DecodeInputs, StepInputs
-from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
-from graphrunner.declare.state_ops import StateOps
-from graphrunner.mechanisms import (
-    CaptureMechanism,
-    CudaGraphCapture,
-    EagerCapture,
-    InductorCapture,
-    create_mechanism,
-)
 from graphrunner.phases import (
-    EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
     Phase,
-    SpecBatch,
-    TargetVerifyRunner,
     decode_phase,
-    eagle_draft_decode_phase,
-    eagle_draft_extend_phase,
-    frozen_kv_mtp_phase,
-    verify_phase,
 )
 from graphrunner.pools import (
-    HybridReqToTokenPool,
     KVCache,
     MambaStatePool,
     PoolError,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from graphrunner.sanitizer.padding import (
-    GuardedTensor,
-    PaddingSanitizer,
-    PaddingViolation,
-    SanitizerStats,
-)
-from graphrunner.sizing.histogram import BatchSizeHistogram, read_histogram
-from graphrunner.sizing.plan import SizePlan, budget_capture_sizes, optimal_capture_sizes
-from graphrunner.sizing.report import CaptureReport, RunnerStats, SizeReport
-from graphrunner.sizing.sizes import BatchSizeError, default_capture_sizes, pad_to, padding_waste
-from graphrunner.util.exclusive import ConcurrentUseError
-from graphrunner.util.extras import MissingExtraError
+from graphrunner.sanitizer import GuardedTensor, PaddingSanitizer, PaddingViolation
 from graphrunner.util.version import version as _version
-from graphrunner.writers.base import PopulateError, populate
 
 #: The installed distribution's version (the source tree's when not installed).
 __version__ = _version()
 
 __all__ = [
     "__version__",
-    "DECODE_FIELDS",
-    "DECODE_HOST_MIRRORS",
-    "MAMBA_DECODE_FIELDS",
-    "BatchSizeError",
-    "BatchSizeHistogram",
-    "BufferSpec",
-    "BufferView",
-    "CaptureMechanism",
-    "CaptureReport",
-    "ConcurrentUseError",
-    "CpuGraphRunner",
-    "CudaGraphCapture",
-    "CudaGraphRunner",
-    "DecodeBatch",
-    "DecodeInputs",
-    "EagerCapture",
-    "EagerRunner",
-    "EagleDraftDecodeRunner",
-    "EagleDraftExtendRunner",
-    "FrozenKvMtpRunner",
-    "FutureMap",
-    "GraphBackend",
-    "GraphKey",
-    "GraphRunner",
-    "GuardedTensor",
-    "HybridReqToTokenPool",
-    "Index",
-    "InductorCapture",
+    # pools: slot 0 of each is the padded rows' sink (hybrid ones: graphrunner.pools)
     "KVCache",
     "MambaStatePool",
-    "MissingExtraError",
-    "NotCapturedError",
-    "NullBackend",
-    "OutputDeclarationError",
+    "PoolError",
+    "ReqToTokenPool",
+    "TokenToKVPoolAllocator",
+    # declarations: buffers, pad rules, outputs, the step's inputs, the backend
+    "BufferSpec",
+    "DecodeInputs",
+    "GraphBackend",
+    "Index",
     "OutputSpec",
     "PadRule",
+    "StateOps",
+    "StepInputs",
+    "decode_buffer_specs",
+    # a batch with host mirrors
+    "DecodeBatch",
+    # runners: a phase on a mechanism
+    "CpuGraphRunner",
+    "CudaGraphRunner",
+    "EagleDraftExtendRunner",
+    "FrozenKvMtpRunner",
+    "GraphRunner",
+    "NotCapturedError",
+    "Phase",
+    "best_runner_kind",
+    "create_runner",
+    "decode_phase",
+    # overlap scheduling
+    "FutureMap",
+    # debugging
+    "GuardedTensor",
     "PaddingSanitizer",
     "PaddingViolation",
-    "Phase",
-    "PoolError",
-    "PopulateError",
-    "ReqToTokenPool",
-    "RunnerStats",
-    "SanitizerStats",
-    "SizePlan",
-    "SizeReport",
-    "SpecBatch",
-    "StateOps",
-    "StaticBuffers",
-    "StepInputs",
-    "TargetVerifyRunner",
-    "TokenToKVPoolAllocator",
-    "best_runner_kind",
-    "budget_capture_sizes",
-    "create_mechanism",
-    "create_runner",
-    "decode_buffer_specs",
-    "decode_phase",
-    "default_capture_sizes",
-    "eagle_draft_decode_phase",
-    "eagle_draft_extend_phase",
-    "frozen_kv_mtp_phase",
-    "future_refs",
-    "optimal_capture_sizes",
-    "pad_to",
-    "padding_waste",
-    "populate",
-    "read_histogram",
-    "verify_phase",
 ]

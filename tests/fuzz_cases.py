@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from sampled_rows import sampled_decode_phase, sampled_verify_inputs, sampling_rows
 
-from graphrunner import GraphRunner, create_mechanism
+from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.hooks import NullBackend
+from graphrunner.mechanisms import create_mechanism
 from graphrunner.phases import (
     Phase,
     SpecBatch,

@@ -36,7 +36,7 @@ import graphrunner_ref.io.gguf_cache as gguf_cache
 import graphrunner_ref.io.gguf_import as gguf_import
 from graphrunner.util.atomic import write_atomically
 from graphrunner.util.temp import temp_path
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import default_model
 from spec_world import SpecWorld
@@ -94,7 +94,7 @@ def _token_outside_vocab(phase: str, w: World) -> Outcome:
 
 def _decode_token_outside_vocab(w: World) -> Outcome:
     bundle = default_model(max_requests=8, max_context_len=32)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
     runner.capture()
     batch = decode_vocab.batch_with_token(bundle, bundle.config.vocab_size)
     return api_outcome(lambda: runner.replay(batch))
@@ -106,7 +106,7 @@ def _free(bundle: Any) -> tuple[int, int]:
 
 def _failing_callback(error: type[BaseException], w: World) -> Outcome:
     bundle = default_model(max_requests=2, max_context_len=48)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2])
     runner.capture()
     start = _free(bundle)
 
@@ -136,7 +136,7 @@ def _signal_mid_generate(sig: signal.Signals, w: World) -> Outcome:
     made: list[tuple[Any, tuple[int, int]]] = []
 
     def create(bundle: Any, *args: Any, **kwargs: Any) -> Any:
-        runner = create_model_runner(bundle, *args, **kwargs)
+        runner = create_decode_runner(bundle, *args, **kwargs)
         made.append((bundle, _free(bundle)))
         replay, calls = runner.replay, [0]
 
@@ -154,7 +154,7 @@ def _signal_mid_generate(sig: signal.Signals, w: World) -> Outcome:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(cli_generate, "create_model_runner", create)
+            m.setattr(cli_generate, "create_decode_runner", create)
             outcome = cli_outcome(["generate", "--prompts", str(w.prompts), *EAGER])
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -324,7 +324,7 @@ def run_cases() -> list[Case]:
     ]  # fmt: skip
     cases += [
         Case("Device values", "input_ids = vocab_size on a live row, decode",
-             "create_model_runner(..., check_padding=True).replay(batch)",
+             "create_decode_runner(..., check_padding=True).replay(batch)",
              _decode_token_outside_vocab, "PaddingViolation",
              r"input_ids live row 1 = \d+: expected a token id in 0\.\.")
     ]  # fmt: skip

@@ -6,17 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphrunner import (
-    BatchSizeError,
-    BufferSpec,
-    EagerRunner,
-    PadRule,
-    StaticBuffers,
-    decode_buffer_specs,
-    default_capture_sizes,
-    pad_to,
-    padding_waste,
-)
+from graphrunner import BufferSpec, PadRule, decode_buffer_specs
+from graphrunner.core import EagerRunner
+from graphrunner.declare import StaticBuffers
+from graphrunner.sizing import BatchSizeError, default_capture_sizes, pad_to, padding_waste
 from graphrunner.sizing.sizes import validate_capture_sizes
 
 

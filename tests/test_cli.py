@@ -19,7 +19,7 @@ import graphrunner_ref.cli.checks as cli_checks
 import graphrunner_ref.cli.generate as cli_generate
 import graphrunner_ref.cli.main as cli
 import graphrunner_ref.engine.memory as memory
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts, synthetic_trace
 from graphrunner_ref.io import save_checkpoint
 from graphrunner_ref.model import ModelBundle, default_config, default_model
@@ -42,7 +42,7 @@ def _lines(text: str) -> list[dict[str, Any]]:
 
 def _expected(max_new_tokens: int) -> list[list[int]]:
     bundle = default_model(max_requests=4)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     trace = requests_from_prompts(PROMPTS, max_new_tokens=max_new_tokens)
     outputs = Engine(bundle, runner).run(trace).outputs
@@ -338,8 +338,8 @@ def test_compile_reaches_the_runner_only_when_asked_for(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 30, "a fake GPU"))
     monkeypatch.setattr(cli, "_build", lambda *a: object())
-    monkeypatch.setattr(cli, "create_model_runner", create)
-    monkeypatch.setattr(cli_generate, "create_model_runner", create)
+    monkeypatch.setattr(cli, "create_decode_runner", create)
+    monkeypatch.setattr(cli_generate, "create_decode_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
     with pytest.raises(_Stop):
         cli.main([*command, *argv, "--capture-sizes", "1,2"])

@@ -96,7 +96,7 @@ def test_quantize_on_a_mamba_checkpoint_is_refused(
 def test_int8_on_a_cpu_without_avx512_notes_the_fast_path(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from graphrunner.util import cpu_features
+    from graphrunner_ref.model import cpu_features
 
     monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(cpu_features, "half_precision_units", lambda: [])

@@ -18,7 +18,7 @@ import graphrunner_ref.cli.generate as cli_generate
 import graphrunner_ref.cli.main as cli
 from conftest import SLOW
 from graphrunner.sampling import SamplingParams
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.io import save_checkpoint
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
@@ -51,7 +51,7 @@ def _engine(
 ) -> list[list[int]]:
     """The engine run directly on the embedded model of ``--seed seed``."""
     bundle = default_model(max_requests=4, seed=seed)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], sampling=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], sampling=True)
     runner.capture()
     trace = [
         Request(i, tuple(p), n, sampling=s)
@@ -94,13 +94,13 @@ def test_temperature_0_is_the_greedy_output_bit_for_bit(
     assert _generate(capsys, "--prompts", str(prompts_file), "--temperature", "0") == greedy
     # With log-probabilities the sampled step runs, its temperature-0 tokens the argmax's.
     built: list[dict[str, Any]] = []
-    real = cli.create_model_runner
+    real = cli.create_decode_runner
 
     def spy(*a: Any, **k: Any) -> Any:
         built.append(k)
         return real(*a, **k)
 
-    monkeypatch.setattr(cli_generate, "create_model_runner", spy)
+    monkeypatch.setattr(cli_generate, "create_decode_runner", spy)
     lines = _generate(capsys, "--prompts", str(prompts_file), "--logprobs", "1", "--top-k", "3")
     assert _tokens(lines) == _tokens(greedy)
     _generate(capsys, "--prompts", str(prompts_file))

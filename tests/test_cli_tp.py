@@ -18,7 +18,7 @@ from test_tensor_parallel_alone import count_collectives
 import graphrunner_ref.cli.main as cli
 from conftest import SLOW
 from graphrunner_ref.cli.tp import FAIL_RANK_ENV
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.ranks import rank0_admits
 from graphrunner_ref.engine.workload import Request, requests_from_prompts
 from graphrunner_ref.model import default_model
@@ -195,7 +195,7 @@ def test_an_admission_hook_decides_each_steps_admissions() -> None:
     """The seam rank 0's decision goes through (alone: no hook, no cost)."""
     bundle = default_model(max_requests=4)
     assert rank0_admits(bundle) is None
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     trace = requests_from_prompts(PROMPTS[:4], max_new_tokens=NEW_TOKENS)
     alone = Engine(bundle, runner).run(trace)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphrunner.util.exclusive import ConcurrentUseError, Exclusive
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request, synthetic_trace
 from graphrunner_ref.model import default_model
 
@@ -69,7 +69,7 @@ def engine_run_from_a_second_thread() -> tuple[list[BaseException], bool]:
     (blocked in its finish hook), and whether the first run's outputs, and the
     engine's next run, are exactly those of an undisturbed run."""
     bundle = default_model(max_requests=4, max_context_len=48)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     runner.capture()
     trace = _trace(bundle, 6)
     expected = Engine(bundle, runner).run(trace).outputs
@@ -105,7 +105,7 @@ def interrupt_at_every_step() -> tuple[list[BaseException | None], list[bool], b
     handed out was free again after it, and whether the engine then serves
     the trace exactly as before."""
     bundle = default_model(max_requests=4, max_context_len=48)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     trace = _trace(bundle, 5)
     engine = Engine(bundle, runner)
@@ -176,7 +176,8 @@ def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
     """What a second thread's ``runner.replay`` raised while a first replay was
     inside its forward, and whether the first replay's output, and the next
     replay's, are exactly those of an undisturbed replay."""
-    from graphrunner import EagerRunner, decode_buffer_specs
+    from graphrunner import decode_buffer_specs
+    from graphrunner.core import EagerRunner
     from graphrunner.testing import ToyWorld
 
     world = ToyWorld()

@@ -17,7 +17,7 @@ import torch
 from test_oracle import TRACE
 from torch import nn
 
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.io import load_model
 from hf_tiny import hf_greedy, save_tiny_llama
 
@@ -38,7 +38,7 @@ def test_bfloat16_cpu_runner_within_tolerance_of_eager_and_near_float32_tokens(
     path, hf = tiny
     bundle = load_model(path, max_requests=8, max_context_len=64, page_size=4, dtype=torch.bfloat16)
     assert bundle.kv_cache.k_buffers[0].dtype == torch.bfloat16  # the KV cache too
-    runner = create_model_runner(bundle, "cpu", capture_sizes=[4, 8], check_padding=True)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=[4, 8], check_padding=True)
     runner.capture()
     result = Engine(bundle, runner, check=True, atol=BF16_ATOL).run(TRACE)
     stats = result.stats

@@ -9,8 +9,8 @@ import argparse
 import pytest
 import torch
 
-from graphrunner.util.cpu_features import half_precision_note, half_precision_units
 from graphrunner_ref.cli.model_args import note_half_precision
+from graphrunner_ref.model.cpu_features import half_precision_note, half_precision_units
 
 
 def _units(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:

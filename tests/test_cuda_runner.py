@@ -10,7 +10,7 @@ import torch
 from conftest import MECHANISMS, CapturedToy, make_runner, runner_device
 from graphrunner import CudaGraphRunner, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import default_model
 
 CUDA_LABELS = ["cuda", "cuda+compile"]
@@ -73,7 +73,7 @@ def test_compiled_forward_matches_eager_on_the_reference_model(label: str):
     device = runner_device(label)
     kind, options = MECHANISMS[label]
     bundle = default_model(max_requests=8, device=device, max_context_len=64)
-    runner = create_model_runner(bundle, kind, capture_sizes=[1, 2, 4, 8], **options)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4, 8], **options)
     report = runner.capture()
     assert [s.programs for s in report.sizes] == [1, 1, 1, 1] and runner.direct_fallbacks == 0
     model, gen = bundle.model, torch.Generator().manual_seed(0)

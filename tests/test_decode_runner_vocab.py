@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrunner import DecodeBatch, PaddingViolation
-from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref import create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle
 
 
@@ -26,7 +26,7 @@ def batch_with_token(bundle: ModelBundle, token: int) -> DecodeBatch:
 @pytest.mark.parametrize("past_vocab", [False, True])
 def test_a_live_token_outside_the_vocabulary_is_named(past_vocab: bool):
     bundle = default_model(max_requests=8, max_context_len=32, device="cpu")
-    runner = create_model_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
     runner.capture()
     vocab = bundle.config.vocab_size
     bad = vocab if past_vocab else -1

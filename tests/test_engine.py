@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner_ref.engine.loop import AdmissionError, Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import AdmissionError, Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request, requests_from_prompts, synthetic_trace
 from graphrunner_ref.model import ModelBundle, default_model
 
@@ -29,7 +29,7 @@ def _engine(
     page_size: int = 1,
 ) -> Engine:
     bundle = default_model(max_requests=max_requests, page_size=page_size)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     return Engine(bundle, runner, check=check, end_token=end_token)
 
@@ -115,7 +115,7 @@ def test_end_token_finishes_a_request_and_is_kept() -> None:
 def test_admission_waits_for_rows_and_kv_room() -> None:
     # Room for one full-length request only: the others must wait their turn.
     bundle = default_model(max_requests=1)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2])
     runner.capture()
     trace = requests_from_prompts([[1] * 10, [2] * 10, [3] * 10], max_new_tokens=5)
     result = Engine(bundle, runner).run(trace)

@@ -10,7 +10,7 @@ import torch
 from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
 from graphrunner_ref.model import ModelBundle
 
@@ -27,7 +27,7 @@ def _run(
 ) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX)
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=[1, 2, 4], sampling=True, logprobs=logprobs, future_map=future
     )
     runner.capture()
@@ -87,7 +87,7 @@ def test_overlap_scheduling_gives_the_same_tokens_and_logprobs() -> None:
 
 def test_logprobs_leave_the_tokens_alone_and_are_absent_unless_asked() -> None:
     bundle = default_model(max_requests=4, max_context_len=CTX)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], sampling=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], sampling=True)
     runner.capture()
     plain = Engine(bundle, runner, seed=11).run(TRACE)
     assert plain.logprobs == {}
@@ -97,12 +97,12 @@ def test_logprobs_leave_the_tokens_alone_and_are_absent_unless_asked() -> None:
 
 def test_logprobs_refused_without_the_runner_that_computes_them() -> None:
     bundle = default_model(max_requests=4, max_context_len=CTX)
-    plain = create_model_runner(bundle, "eager", capture_sizes=[4])
+    plain = create_decode_runner(bundle, "eager", capture_sizes=[4])
     with pytest.raises(ValueError, match="logprobs=2: the runner does not sample"):
         Engine(bundle, plain, logprobs=2)
     with pytest.raises(ValueError, match="logprobs=2 needs sampling=True"):
-        create_model_runner(bundle, "eager", capture_sizes=[4], logprobs=2)
-    sampled = create_model_runner(bundle, "eager", capture_sizes=[4], sampling=True)
+        create_decode_runner(bundle, "eager", capture_sizes=[4], logprobs=2)
+    sampled = create_decode_runner(bundle, "eager", capture_sizes=[4], sampling=True)
     sampled.capture()
     free = bundle.kv_alloc.available_size()
     for bad in (-1, 21, True, 1.5):

@@ -14,7 +14,7 @@ import pytest
 from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
 from graphrunner_ref.engine.results import EngineResult
 
@@ -63,7 +63,7 @@ def _run(
     ``future``); every pool back to its start afterwards."""
     bundle = default_model(max_requests=max(sizes), max_context_len=CTX, page_size=page_size)
     futures = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=list(sizes),
@@ -161,8 +161,8 @@ def test_stats_count_row_steps_and_the_sanitized_launches(n: int):
 
 def test_the_options_it_does_not_support_are_refused_by_name():
     bundle = default_model(max_requests=2, max_context_len=CTX)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)
-    plain = create_model_runner(bundle, "eager", capture_sizes=[2])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)
+    plain = create_decode_runner(bundle, "eager", capture_sizes=[2])
     with pytest.raises(ValueError, match="end_token=5.*end_token=5"):
         Engine(bundle, runner, steps_per_launch=4, end_token=5)
     with pytest.raises(ValueError, match="steps_per_launch=2.*steps_per_launch=2"):
@@ -174,6 +174,6 @@ def test_the_options_it_does_not_support_are_refused_by_name():
         with pytest.raises(ValueError, match="steps_per_launch"):
             Engine(bundle, plain, steps_per_launch=value)
         with pytest.raises(ValueError, match="steps_per_launch"):
-            create_model_runner(bundle, "eager", steps_per_launch=value)
+            create_decode_runner(bundle, "eager", steps_per_launch=value)
     with pytest.raises(ValueError, match="logprobs=2 needs sampling=True"):
-        create_model_runner(bundle, "eager", steps_per_launch=4, logprobs=2)
+        create_decode_runner(bundle, "eager", steps_per_launch=4, logprobs=2)

@@ -13,7 +13,7 @@ import pytest
 from test_engine_multistep_logprobs import CTX, _trace
 
 from conftest import SLOW
-from graphrunner_ref import Engine, create_model_runner, default_model
+from graphrunner_ref import Engine, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
 
 
@@ -28,7 +28,7 @@ def _run(
     kind: str = "eager",
 ) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX, page_size=page_size)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=[2, 4],
@@ -110,7 +110,7 @@ def test_a_planted_discrepancy_is_counted(n: int, plant: Callable[[Any, Any], No
 
 def test_check_mode_still_refuses_overlap() -> None:
     bundle = default_model(max_requests=2, max_context_len=CTX)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=2)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=2)
     assert Engine(bundle, runner, check=True, steps_per_launch=2).check
     with pytest.raises(ValueError, match="check=True with overlap=True"):
         Engine(bundle, runner, check=True, overlap=True, steps_per_launch=2)

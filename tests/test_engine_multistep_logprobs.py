@@ -11,7 +11,7 @@ import pytest
 
 from conftest import SLOW
 from graphrunner.sampling import SamplingParams
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
 
 CTX = 64
@@ -37,7 +37,7 @@ def _run(
     n: int, sampled: bool, end_token: int | None, logprobs: int = 3, kind: str = "eager"
 ) -> EngineResult:
     bundle = default_model(max_requests=4, max_context_len=CTX)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=[4],  # one padded size: each row computed in the same shape as N = 1's
@@ -92,7 +92,7 @@ def test_a_compiled_launch_has_the_entries_of_one_compiled_step() -> None:
 
 def test_a_runner_without_the_top_n_is_refused_when_read() -> None:
     bundle = default_model(max_requests=4, max_context_len=CTX)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, "eager", capture_sizes=[4], sampling=True, logprobs=2, steps_per_launch=2
     )
     runner.capture()

@@ -20,7 +20,7 @@ from test_engine_multistep_logprobs import _trace as _logprobs_trace
 
 from conftest import SLOW
 from graphrunner import FutureMap
-from graphrunner_ref import Engine, create_model_runner, default_model
+from graphrunner_ref import Engine, create_decode_runner, default_model
 
 #: The multi-step test's run, through the overlapped schedule.
 _run = functools.partial(_multistep_run, overlap=True)
@@ -88,7 +88,7 @@ def test_a_compiled_runner_with_overlap_emits_the_eager_tokens():
 
 def test_overlap_needs_the_runner_built_with_a_future_map():
     bundle = default_model(max_requests=2, max_context_len=CTX)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], steps_per_launch=4)
     with pytest.raises(ValueError, match="no future map.*future_map=FutureMap"):
         Engine(bundle, runner, steps_per_launch=4, overlap=True)
 
@@ -102,7 +102,7 @@ def test_on_cuda_the_one_wait_per_launch_is_the_only_sync(monkeypatch: pytest.Mo
     trace = _trace(False)
     bundle = default_model(max_requests=4, max_context_len=CTX, device="cuda")
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, "cuda", capture_sizes=[2, 4], steps_per_launch=4, future_map=future
     )
     runner.capture()

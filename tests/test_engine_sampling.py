@@ -14,7 +14,7 @@ import pytest
 from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams, request_seed
-from graphrunner_ref import Engine, Request, create_model_runner, default_model
+from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 
 CTX = 48
 
@@ -40,7 +40,7 @@ def _run(
 ) -> dict[int, list[int]]:
     bundle = default_model(max_requests=max(sizes), max_context_len=CTX)
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=list(sizes), sampling=sampling, future_map=future
     )
     runner.capture()

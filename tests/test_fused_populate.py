@@ -19,7 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrunner import BufferSpec, PadRule, StaticBuffers, populate
+from graphrunner import BufferSpec, PadRule
+from graphrunner.declare import StaticBuffers
+from graphrunner.writers import populate
 from graphrunner.writers.base import check_sources
 from graphrunner.writers.fused import FusedPopulate, InGraphPopulate, pad_pattern
 from graphrunner.writers.staging import DEPTH, TableStaging

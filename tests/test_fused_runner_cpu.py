@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner import FutureMap, GraphRunner, PopulateError, decode_buffer_specs
+from graphrunner import FutureMap, GraphRunner, decode_buffer_specs
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.mechanisms import EagerCapture
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.testing import ToyWorld
+from graphrunner.writers import PopulateError
 from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
 
 SIZES = [1, 2, 4, 8]

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 import graphrunner_ref.cli.generate as cli_generate
 import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.io.text import StreamPrinter, TextCodec
 from graphrunner_ref.model import default_model
@@ -46,7 +46,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def greedy() -> list[list[int]]:
     """The engine's greedy tokens of ``PROMPTS``, ``NEW`` each."""
     bundle = default_model(max_requests=4)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
     runner.capture()
     outputs = Engine(bundle, runner).run(requests_from_prompts(PROMPTS, max_new_tokens=NEW))
     return [outputs.outputs[i] for i in range(len(PROMPTS))]

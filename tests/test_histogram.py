@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from graphrunner import EagerRunner, decode_buffer_specs
+from graphrunner import decode_buffer_specs
+from graphrunner.core import EagerRunner
 from graphrunner.sizing.histogram import BatchSizeHistogram, HistogramFileError, read_histogram
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld

@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner import CudaGraphRunner, PopulateError, decode_buffer_specs
+from graphrunner import CudaGraphRunner, decode_buffer_specs
 from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers
 from graphrunner.declare.decode import DECODE_FIELD_NAMES
 from graphrunner.phases.base import SpecBatch
 from graphrunner.testing import ToyWorld
+from graphrunner.writers import PopulateError
 from graphrunner.writers.base import write_sources
 from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
 from graphrunner.writers.staging import TableStaging

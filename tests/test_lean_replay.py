@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import graphrunner
-from graphrunner import BufferSpec, EagerRunner, PadRule, decode_buffer_specs
+from graphrunner import BufferSpec, PadRule, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.core import EagerRunner
 from graphrunner.declare.sealed import is_sealed_inputs, is_sealed_type
 from graphrunner.testing import ToyWorld
 

@@ -20,7 +20,7 @@ from test_decode_attention import CASES, World, make_world
 import graphrunner_ref.model.attention_live as attention_live
 from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.cli.model_args import check_attention
-from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.attention_backend import LIVE_FROM_CAPACITY, TorchPagedBackend
@@ -94,7 +94,7 @@ def _serve(attention: str, capacity: int, kind: str, steps: int = 1) -> EngineRe
     bundle = default_model(max_requests=4, max_context_len=capacity, config=CONFIG)
     bundle.model.attn_backend.use(attention)
     multi = {"steps_per_launch": steps} if steps > 1 else {}
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=[4], show_progress=False, check_padding=True, **multi
     )
     runner.capture()

@@ -24,11 +24,8 @@ import torch
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.sanitizer.padding import PaddingViolation
-from graphrunner_ref.engine.state_space import (
-    StateSpaceEngine,
-    StateSpaceInputs,
-    create_state_space_runner,
-)
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
+from graphrunner_ref.engine.mamba_step import StateSpaceInputs
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.checkpoint import load_any_model
 from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
@@ -115,11 +112,11 @@ def test_greedy_tokens_equal_transformers_generate(
             pytest.skip(f"the compiled {label} runner over {kind} runs with GRAPHRUNNER_SLOW=1")
         sizes = [8]
     bundle = _bundle(path, runner_device(label))
-    runner = create_state_space_runner(
+    runner = create_decode_runner(
         bundle, mechanism, capture_sizes=sizes, check_padding=True, **options
     )
     runner.capture()
-    result = StateSpaceEngine(bundle, runner).run(TRACE)
+    result = Engine(bundle, runner).run(TRACE)
     assert result.outputs == expected, f"{kind} through {label}"
     stats = result.stats
     assert runner.sanitizer is not None
@@ -150,11 +147,11 @@ def test_the_sanitizer_catches_a_padded_row_that_writes_its_mamba_slot(
     monkeypatch.setattr(hybrid_module, "write_states", ignore_mask)
     _, path, _ = oracle
     bundle = _bundle(path)
-    runner = create_state_space_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
     runner.capture()
     bundle.mamba_pool.ssm_state[0] = 0.5  # the sink holds a value a padded row would change
     with pytest.raises(PaddingViolation, match=r"mamba\.\w+_state row 0 changed"):
-        StateSpaceEngine(bundle, runner).run(TRACE[:2])
+        Engine(bundle, runner).run(TRACE[:2])
 
 
 def test_the_one_engine_and_loader_serve_a_state_space_checkpoint(
@@ -211,7 +208,7 @@ def test_forked_requests_continue_as_their_parent_even_in_a_poisoned_freed_slot(
         pytest.skip("forking shares KV slots in a hybrid model; a Mamba model has none")
     bundle = _bundle(path)
     pool, req = bundle.mamba_pool, bundle.req_pool
-    runner = create_state_space_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
     runner.capture()
     parent = TRACE[4]
     # A request that finishes, leaving its slot poisoned: a fork landing there
@@ -283,7 +280,7 @@ def test_padded_replay_at_every_size_touches_only_the_live_slots(
         pytest.skip(f"the compiled CPU runner over {kind} runs with GRAPHRUNNER_SLOW=1")
     bundle = _bundle(path)
     req, pool = bundle.req_pool, bundle.mamba_pool
-    runner = create_state_space_runner(bundle, label, capture_sizes=[8])
+    runner = create_decode_runner(bundle, label, capture_sizes=[8])
     runner.capture()
     rows, lens, first = [], [], []
     for r in TRACE[:8]:
@@ -329,7 +326,7 @@ def test_the_sanitizer_refuses_a_live_row_reading_another_requests_slot(
     the other's token: refused before launch, naming the field, nothing written."""
     _, path, _ = oracle
     bundle = _bundle(path)
-    runner = create_state_space_runner(bundle, "eager", capture_sizes=[2], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], check_padding=True)
     runner.capture()
     rows = []
     for r in TRACE[:2]:
@@ -365,7 +362,7 @@ def test_a_cuda_graph_step_with_state_ops_never_syncs(
         pytest.skip("forking shares KV slots in a hybrid model; a Mamba model has none")
     bundle = _bundle(path, "cuda")
     req = bundle.req_pool
-    runner = create_state_space_runner(bundle, "cuda", capture_sizes=[4])
+    runner = create_decode_runner(bundle, "cuda", capture_sizes=[4])
     runner.capture()
     parent = TRACE[4]
     n = len(parent.prompt)

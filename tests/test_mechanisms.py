@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, make_runner
-from graphrunner import (
-    CaptureMechanism,
-    CpuGraphRunner,
-    EagerCapture,
-    GraphRunner,
-    InductorCapture,
-    create_mechanism,
-    create_runner,
-    decode_buffer_specs,
-)
+from graphrunner import CpuGraphRunner, GraphRunner, create_runner, decode_buffer_specs
+from graphrunner.mechanisms import CaptureMechanism, EagerCapture, InductorCapture, create_mechanism
 from graphrunner.mechanisms.compile import inductor_patches
 from graphrunner.mechanisms.cuda_graph import pool_bytes
 from graphrunner.testing import ToyWorld

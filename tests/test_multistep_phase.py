@@ -14,8 +14,9 @@ import torch
 from sampled_rows import sampling_rows
 
 from conftest import MECHANISMS, SLOW, runner_device
-from graphrunner import GraphRunner, create_mechanism
+from graphrunner import GraphRunner
 from graphrunner.declare.hooks import NullBackend
+from graphrunner.mechanisms import create_mechanism
 from graphrunner.phases import SpecBatch
 from graphrunner.phases.multistep import multistep_phase
 from graphrunner.phases.sampled import SampledInputs

@@ -22,7 +22,8 @@ def test_replay_ranges_appear_in_a_torch_profiler_trace(captured_toy: CapturedTo
 
 
 def test_capture_ranges_per_size():
-    from graphrunner import EagerRunner, decode_buffer_specs
+    from graphrunner import decode_buffer_specs
+    from graphrunner.core import EagerRunner
     from graphrunner.testing import ToyWorld
 
     world = ToyWorld()

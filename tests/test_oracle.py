@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
 from hf_tiny import hf_greedy, save_tiny_llama
@@ -62,7 +62,7 @@ def _serve(path: Path, label: str, page_size: int) -> EngineResult:
     )
     assert bundle.kv_alloc.page_size == bundle.kv_cache.page_size == page_size
     # The sanitizer guards a real model's pools too: every replay is checked.
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=CAPTURE_SIZES, check_padding=True, **options
     )
     runner.capture()
@@ -102,18 +102,17 @@ def test_overlap_and_speculative_equal_transformers_generate(
     """The oracle workload through the overlap engine and the speculative
     engine (EAGLE, a seeded random head): transformers' greedy tokens."""
     from graphrunner.core.future_map import FutureMap
-    from graphrunner_ref.engine.overlap import OverlapEngine
     from graphrunner_ref.engine.spec_factory import speculative_engine
 
     path, expected = oracle
     bundle = load_model(path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT)
     if mode == "overlap":
         future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-        runner = create_model_runner(
+        runner = create_decode_runner(
             bundle, "eager", capture_sizes=CAPTURE_SIZES, future_map=future, check_padding=True
         )
         runner.capture()
-        outputs = OverlapEngine(bundle, runner).run(TRACE).outputs
+        outputs = Engine(bundle, runner, overlap=True).run(TRACE).outputs
     else:
         engine = speculative_engine(
             bundle, "eager", method="eagle", k=3, capture_sizes=CAPTURE_SIZES, check_padding=True
@@ -134,7 +133,7 @@ def test_several_steps_per_launch_equal_transformers_generate(
     bundle = load_model(
         path, max_requests=max(CAPTURE_SIZES), max_context_len=CONTEXT, page_size=page_size
     )
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, "eager", capture_sizes=CAPTURE_SIZES, check_padding=True, steps_per_launch=steps
     )
     runner.capture()

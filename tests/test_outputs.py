@@ -11,14 +11,9 @@ import pytest
 import torch
 
 from conftest import RUNNER_PARAMS, make_runner, runner_device
-from graphrunner import (
-    BufferSpec,
-    EagerRunner,
-    GraphRunner,
-    OutputDeclarationError,
-    OutputSpec,
-    PadRule,
-)
+from graphrunner import BufferSpec, GraphRunner, OutputSpec, PadRule
+from graphrunner.core import EagerRunner
+from graphrunner.declare import OutputDeclarationError
 from graphrunner.declare.buffers import BufferView
 
 W, TOPK, STEPS, HIDDEN = 3, 2, 5, 6

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner import EagerRunner, StaticBuffers, decode_buffer_specs, populate
+from graphrunner import decode_buffer_specs
+from graphrunner.core import EagerRunner
 from graphrunner.core.future_map import FutureMap, future_refs
+from graphrunner.declare import StaticBuffers
 from graphrunner.testing import ToyWorld
-from graphrunner_ref.engine.loop import Engine, create_model_runner
-from graphrunner_ref.engine.overlap import OverlapEngine
+from graphrunner.writers import populate
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.model import default_model
 
@@ -150,7 +152,7 @@ def test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot(kind: str, 
         pytest.skip("compiled at page size 1: GRAPHRUNNER_SLOW=1 (page size 4 runs in CI)")
     trace = _trace()
     plain_bundle = default_model(max_requests=4, max_context_len=60, page_size=page_size)
-    plain_runner = create_model_runner(plain_bundle, kind, capture_sizes=[2, 4])
+    plain_runner = create_decode_runner(plain_bundle, kind, capture_sizes=[2, 4])
     plain_runner.capture()
     # An end token some requests emit mid-way: they finish after the next step was prepared.
     unbounded = Engine(plain_bundle, plain_runner).run(trace).outputs
@@ -160,11 +162,11 @@ def test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot(kind: str, 
     bundle = default_model(max_requests=4, max_context_len=60, page_size=page_size)
     free = (bundle.kv_alloc.available_size(), bundle.req_pool.available_size())
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=[2, 4], future_map=future, check_padding=True
     )
     runner.capture()
-    result = OverlapEngine(bundle, runner, end_token=end).run(trace)
+    result = Engine(bundle, runner, end_token=end, overlap=True).run(trace)
     assert result.outputs == expected
     assert result.finished == {r.rid for r in trace}
     assert (bundle.kv_alloc.available_size(), bundle.req_pool.available_size()) == free
@@ -175,10 +177,10 @@ def test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot(kind: str, 
 def test_a_cut_overlap_run_frees_the_step_it_prepared():
     bundle = default_model(max_requests=4, max_context_len=60)
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2, 4], future_map=future)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2, 4], future_map=future)
     runner.capture()
     free = bundle.kv_alloc.available_size()
-    result = OverlapEngine(bundle, runner).run(_trace(), max_steps=7)
+    result = Engine(bundle, runner, overlap=True).run(_trace(), max_steps=7)
     assert result.stats.steps == 7
     assert bundle.kv_alloc.available_size() == free
 
@@ -187,16 +189,16 @@ def test_the_overlap_engine_needs_a_future_map():
     bundle = default_model(max_requests=2, max_context_len=60)
     runner = EagerRunner(bundle.model.forward_decode, decode_buffer_specs(), device="cpu", max_bs=2)
     with pytest.raises(ValueError, match="the runner has no future map"):
-        OverlapEngine(bundle, runner)
+        Engine(bundle, runner, overlap=True)
 
 
 @pytest.mark.cuda
 def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyPatch):
-    import graphrunner_ref.engine.overlap as ov
+    import graphrunner_ref.engine.overlap_schedule as ov
 
     bundle = default_model(max_requests=4, max_context_len=60, device="cuda")
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(bundle, "cuda", capture_sizes=[2, 4], future_map=future)
+    runner = create_decode_runner(bundle, "cuda", capture_sizes=[2, 4], future_map=future)
     runner.capture()
     real_wait, waits = ov._HostCopy.wait, []
 
@@ -209,7 +211,7 @@ def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyP
             torch.cuda.set_sync_debug_mode("error")
 
     monkeypatch.setattr(ov._HostCopy, "wait", wait_allowed)
-    engine = OverlapEngine(bundle, runner)
+    engine = Engine(bundle, runner, overlap=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -224,19 +226,19 @@ def test_overlap_is_a_schedule_of_the_one_engine():
     trace = _trace()
     outputs = []
     for make in (
-        lambda b, r: OverlapEngine(b, r),
+        lambda b, r: Engine(b, r, overlap=True),
         lambda b, r: Engine(b, r, overlap=True),
     ):
         bundle = default_model(max_requests=4, max_context_len=60)
         future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-        runner = create_model_runner(bundle, "eager", capture_sizes=[2, 4], future_map=future)
+        runner = create_decode_runner(bundle, "eager", capture_sizes=[2, 4], future_map=future)
         runner.capture()
         engine = make(bundle, runner)
         assert type(engine.schedule).__name__ == "OverlapSchedule"
         outputs.append(engine.run(trace).outputs)
     assert outputs[0] == outputs[1]
     plain_bundle = default_model(max_requests=4, max_context_len=60)
-    plain_runner = create_model_runner(plain_bundle, "eager", capture_sizes=[2, 4])
+    plain_runner = create_decode_runner(plain_bundle, "eager", capture_sizes=[2, 4])
     plain_runner.capture()
     assert Engine(plain_bundle, plain_runner).run(trace).outputs == outputs[0]
 
@@ -244,6 +246,6 @@ def test_overlap_is_a_schedule_of_the_one_engine():
 def test_overlap_with_check_is_refused():
     bundle = default_model(max_requests=2, max_context_len=60)
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2], future_map=future)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], future_map=future)
     with pytest.raises(ValueError, match="check=True with overlap=True"):
         Engine(bundle, runner, check=True, overlap=True)

@@ -1,4 +1,4 @@
-"""The padded suite over the sampled decode step (``create_model_runner(...,
+"""The padded suite over the sampled decode step (``create_decode_runner(...,
 sampling=True)``): every captured size replayed with every live count up to
 it, after every static buffer's tail was poisoned (decode fields with live
 indices, the sampling fields with NaN, inf, -1 and huge values).
@@ -24,7 +24,7 @@ from conftest import SLOW, runner_device
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.phases.sampled import SampledInputs, sampled_forward
-from graphrunner_ref import create_model_runner, default_model
+from graphrunner_ref import create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle
 
 pytestmark = pytest.mark.padded
@@ -78,7 +78,7 @@ _RUNNERS: dict[tuple[str, int], Sampled] = {}
 def captured(kind: str, size: int) -> Sampled:
     if (kind, size) not in _RUNNERS:
         bundle = default_model(max_requests=8, max_context_len=CTX, device=runner_device(kind))
-        runner = create_model_runner(bundle, kind, capture_sizes=[size], sampling=True)
+        runner = create_decode_runner(bundle, kind, capture_sizes=[size], sampling=True)
         runner.capture()
         _RUNNERS[(kind, size)] = Sampled(bundle, runner)
     return _RUNNERS[(kind, size)]
@@ -169,7 +169,7 @@ class _KeepsTail:
 @pytest.mark.parametrize("name", list(PAD))
 def test_the_suite_sees_a_populate_that_skips_a_sampling_tail(name: str) -> None:
     bundle = default_model(max_requests=8, max_context_len=CTX)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2], sampling=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2], sampling=True)
     runner.capture()
     runner.writer = _KeepsTail(runner, name)
     # The pad check names the tail, or the poison the padded row kept makes

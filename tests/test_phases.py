@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import DecodeBatch, EagerRunner, GraphKey, GraphRunner, OutputSpec
+from graphrunner import DecodeBatch, GraphRunner, OutputSpec
+from graphrunner.core import EagerRunner, GraphKey
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,

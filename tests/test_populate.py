@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import BufferSpec, PadRule, PopulateError, StaticBuffers, populate
+from graphrunner import BufferSpec, PadRule
+from graphrunner.declare import StaticBuffers
 from graphrunner.testing import ToyWorld
+from graphrunner.writers import PopulateError, populate
 
 POISON = -99
 WIDTH = 3  # tokens per request of the per-token buffers
@@ -225,7 +227,8 @@ def test_failed_populate_writes_nothing(bufs: StaticBuffers):
 def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     """Replace populate by a copy-only version: if any other code (runner,
     replay, backend hook) wrote a pad value, the sentinel tail would change."""
-    from graphrunner import EagerRunner, decode_buffer_specs
+    from graphrunner import decode_buffer_specs
+    from graphrunner.core import EagerRunner
 
     world = ToyWorld()
     runner = EagerRunner(

@@ -17,7 +17,7 @@ from typing import cast
 import pytest
 import torch
 
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model import LlamaDecoder, default_model
@@ -125,7 +125,7 @@ def test_served_tokens_equal_transformers_with_kernels_launched_early(
     bundle = load_model(tmp_path, max_requests=4, max_context_len=32, device="cuda")
     use_small_batch_linears(bundle.model, 2)  # sizes 1 and 2 through the kernels, 4 not
     use_programmatic_launch(bundle.model)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         "cuda",
         capture_sizes=[1, 2, 4],

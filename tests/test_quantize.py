@@ -19,7 +19,7 @@ from torch import nn
 
 from conftest import SLOW
 from graphrunner_ref import default_model
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int8_linear import Int8Linear, quantize_per_channel
@@ -150,7 +150,7 @@ def test_quantized_tokens_equal_transformers_with_the_same_weights(
     path, hf = tiny
     bundle = load_model(path, max_requests=8, max_context_len=64, page_size=4)
     quantize_model(bundle.model, mode)
-    runner = create_model_runner(bundle, kind, capture_sizes=[1, 4, 8], check_padding=True)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 4, 8], check_padding=True)
     runner.capture()
     result = Engine(bundle, runner, check=True).run(TRACE)
     expected = hf_greedy(_stored_copy(hf, mode), TRACE)

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from conftest import make_runner
-from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
+from graphrunner import decode_buffer_specs
+from graphrunner.core import EagerRunner
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner.writers import PopulateError
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import default_model
 
 
@@ -137,7 +139,7 @@ def test_the_eager_fallback_runs_the_backends_validation():
     """A seq_lens_cpu of 0 would give NaN logits, one beyond the context a
     silently truncated read: refused on the fallback as on a graph replay."""
     bundle = default_model(max_requests=4, max_context_len=32)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1])
     runner.capture()
     rows = bundle.req_pool.alloc(2)
     ids = torch.tensor([1, 2])

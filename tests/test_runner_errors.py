@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import EagerRunner, NotCapturedError, decode_buffer_specs
+from graphrunner import NotCapturedError, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.core import EagerRunner
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
 from graphrunner.writers.base import PopulateError

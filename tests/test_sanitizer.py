@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import CapturedToy
-from graphrunner import BufferSpec, EagerRunner, PadRule, decode_buffer_specs
+from graphrunner import BufferSpec, PadRule, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.core import EagerRunner
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld

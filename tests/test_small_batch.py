@@ -20,7 +20,7 @@ from test_oracle import TRACE
 
 from conftest import SLOW
 from graphrunner_ref import default_model
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model.kernels.gemv import MAX_ROWS, choose_blocks, gemv, reference
@@ -186,7 +186,7 @@ def test_served_tokens_equal_transformers(tmp_path: Path) -> None:
     trace = [Request(r.rid, r.prompt[:4], n) for r, n in zip(TRACE, (5, 2, 3), strict=False)]
     bundle = load_model(tmp_path, max_requests=4, max_context_len=32)
     use_small_batch_linears(bundle.model, 2)  # size 2 through the kernels, 4 not
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2, 4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2, 4], check_padding=True)
     runner.capture()
     result = Engine(bundle, runner).run(trace)
     expected = hf_greedy(hf, trace)
@@ -208,7 +208,7 @@ def test_compiled_program_writes_the_caches_in_place_and_equals_eager(
     def tokens(kind: str, rows: int, **options: object) -> dict[int, list[int]]:
         bundle = default_model(max_requests=2, max_context_len=32, device=DEVICE)
         use_small_batch_linears(bundle.model, rows)
-        runner = create_model_runner(bundle, kind, capture_sizes=[2], **options)
+        runner = create_decode_runner(bundle, kind, capture_sizes=[2], **options)
         runner.capture()
         return Engine(bundle, runner, check=True).run(trace).outputs
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import SLOW, SOAK_REPORTS
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.model import ModelBundle, default_model
 
@@ -83,7 +83,7 @@ def soak(steps: int, *, seed: int = 0, leak_every: int = 0) -> SoakResult:
     (a planted leak, for the test that proves the pool check can fail).
     """
     bundle = default_model(max_requests=MAX_REQUESTS, max_context_len=CONTEXT)
-    runner = create_model_runner(bundle, "eager", capture_sizes=CAPTURE_SIZES, check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=CAPTURE_SIZES, check_padding=True)
     runner.capture()
     start_free = free_counts(bundle)
     rows, slots = AllocLog(), AllocLog()

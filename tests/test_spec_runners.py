@@ -78,7 +78,7 @@ class Phase:
 
 
 def _mechanism(kind: str, options: dict[str, Any]) -> Any:
-    from graphrunner import create_mechanism
+    from graphrunner.mechanisms import create_mechanism
 
     return create_mechanism(kind, **options)
 

@@ -21,7 +21,7 @@ from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, filtered_probs, sampling_tensors
 from graphrunner_ref.engine.drafters import TargetDrafter
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.speculative import SpeculativeEngine
 from graphrunner_ref.engine.workload import Request
@@ -66,7 +66,7 @@ def _spec(
 @functools.cache
 def _plain_greedy() -> dict[int, list[int]]:
     bundle = _bundle()
-    runner = create_model_runner(bundle, "eager", capture_sizes=SIZES)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=SIZES)
     runner.capture()
     return Engine(bundle, runner).run(_trace([None] * 8, arrive_every=1)).outputs
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import SLOW
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import ModelBundle, default_model
@@ -36,7 +36,7 @@ def _bundle() -> ModelBundle:
 @functools.cache
 def _plain_greedy() -> dict[int, list[int]]:
     bundle = _bundle()
-    runner = create_model_runner(bundle, "eager", capture_sizes=SIZES)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=SIZES)
     runner.capture()
     return Engine(bundle, runner).run(_trace()).outputs
 
@@ -84,7 +84,7 @@ def test_an_end_token_finishes_inside_a_round():
     plain = _plain_greedy()
     end = plain[1][3]  # some token the second request emits
     bundle = _bundle()
-    runner = create_model_runner(bundle, "eager", capture_sizes=SIZES)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=SIZES)
     runner.capture()
     expected = Engine(bundle, runner, end_token=end).run(_trace()).outputs
     spec = speculative_engine(

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrunner_ref.engine.launch import join_group, run_ranks
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.ranks import replay_size_check
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.workload import Request, synthetic_trace
@@ -63,7 +63,7 @@ def _generate(tp: TensorParallel, kind: str, model: str) -> Found:
     each: the collectives compiled inside, no graph break) minus its sizes
     launched through dynamo (none)."""
     bundle = default_model(max_requests=MAX_BS, tp=tp, config=CONFIGS[model])
-    runner = create_model_runner(bundle, kind, capture_sizes=SIZES[kind], check_padding=True)
+    runner = create_decode_runner(bundle, kind, capture_sizes=SIZES[kind], check_padding=True)
     runner.capture()
     tokens = Engine(bundle, runner, check=True).run(_trace()).outputs
     programs = [runner.mechanism.programs(bs) for bs in SIZES[kind]]
@@ -128,7 +128,7 @@ def test_a_killed_rank_ends_the_run(tmp_path: Path) -> None:
 def _rank_capture_sizes(rank: int, world: int, store: Path) -> None:
     join_group(rank, world, store)
     bundle = default_model(max_requests=MAX_BS, tp=TensorParallel(rank, world))
-    create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4] if rank == 0 else [1, 2])
+    create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4] if rank == 0 else [1, 2])
 
 
 def test_ranks_with_different_capture_sizes_are_refused_naming_both(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_ranks_with_different_capture_sizes_are_refused_naming_both(tmp_path: Pa
 def _rank_replay_sizes(rank: int, world: int, store: Path) -> None:
     join_group(rank, world, store)
     bundle = default_model(max_requests=MAX_BS, tp=TensorParallel(rank, world))
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     check = replay_size_check(bundle, runner)
     assert check is not None
     check(2 + rank)  # rank 0 replays 2 rows at size 2, rank 1 3 rows at size 4
@@ -156,7 +156,7 @@ def test_sanitized_replays_of_different_sizes_are_an_error_naming_both(tmp_path:
 
 def test_replay_sizes_go_unchecked_alone() -> None:
     bundle = default_model(max_requests=MAX_BS)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
     assert replay_size_check(bundle, runner) is None
 
 

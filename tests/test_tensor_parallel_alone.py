@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import graphrunner_ref.model.parallel as parallel
 from graphrunner_ref.engine.launch import join_group
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request, synthetic_trace
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
@@ -50,7 +50,7 @@ def _tokens(
     tp: TensorParallel, kind: str, sizes: list[int], device: str = "cpu", **options: object
 ) -> dict[int, list[int]]:
     bundle = default_model(max_requests=4, max_context_len=64, tp=tp, device=device)
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes, check_padding=True, **options)
+    runner = create_decode_runner(bundle, kind, capture_sizes=sizes, check_padding=True, **options)
     runner.capture()
     return Engine(bundle, runner).run(_trace()).outputs
 
@@ -141,7 +141,7 @@ def _collective_ops(run: Callable[[], object]) -> set[str]:
 def test_compiled_cpu_programs_hold_the_collectives_and_equal_no_group() -> None:
     whole = _tokens(SINGLE, "eager", [4])
     bundle = default_model(max_requests=4, max_context_len=64, tp=ALONE)
-    runner = create_model_runner(bundle, "cpu", capture_sizes=[4], check_padding=True)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=[4], check_padding=True)
     runner.capture()
     found: dict[int, list[int]] = {}
     ops = _collective_ops(lambda: found.update(Engine(bundle, runner).run(_trace()).outputs))
@@ -161,7 +161,7 @@ def test_cuda_graphs_capture_the_nccl_collectives_token_exact(
     whole = _tokens(SINGLE, "cuda", [1, 2, 4], "cuda", compile=compile)
     calls = count_collectives(monkeypatch)
     bundle = default_model(max_requests=4, max_context_len=64, tp=ALONE, device="cuda")
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, "cuda", capture_sizes=[1, 2, 4], check_padding=True, compile=compile
     )
     runner.capture()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from graphrunner_ref.engine.launch import join_group, run_ranks
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_any, load_model, read_config
 from graphrunner_ref.model import ModelBundle
@@ -66,7 +66,7 @@ def _rank_serve(rank: int, world: int, store: Path, path: Path) -> None:
     try:
         tp = TensorParallel(rank, world)
         bundle = load_model(path, max_requests=4, max_context_len=CONTEXT, tp=tp)
-        runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
+        runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4], check_padding=True)
         runner.capture()
         outputs = Engine(bundle, runner, check=True).run(TRACE).outputs
         (path / f"rank{rank}.json").write_text(json.dumps(outputs))

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.model import default_model
@@ -143,7 +143,7 @@ def test_text_output_decodes_each_answer(
 
 def test_engine_reports_each_request_as_it_finishes() -> None:
     bundle = default_model(max_requests=2)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[1, 2])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1, 2])
     runner.capture()
     seen: list[tuple[int, list[int]]] = []
     engine = Engine(bundle, runner, on_finish=lambda rid, toks: seen.append((rid, list(toks))))

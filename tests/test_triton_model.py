@@ -17,7 +17,7 @@ import torch
 import graphrunner_ref.model.attention_op as attention_op
 from conftest import SLOW
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
@@ -107,7 +107,7 @@ def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
 ) -> None:
     (ref, ref_batch), (tri, batch) = _prefilled("torch"), _prefilled(attention)
     kind, options = COMPILED
-    runner = create_model_runner(tri, kind, capture_sizes=[4], **options)
+    runner = create_decode_runner(tri, kind, capture_sizes=[4], **options)
     runner.capture()
     calls = []
     launch = attention_op.decode_attention
@@ -149,7 +149,7 @@ def test_compiled_cuda_runner_with_triton_gives_transformers_tokens(tmp_path: Pa
     trace = _oracle_trace()
     bundle = load_model(tmp_path, max_requests=8, max_context_len=64, device="cuda")
     assert bundle.model.attn_backend.kernel == "triton"
-    runner = create_model_runner(bundle, "cuda", capture_sizes=[1, 2, 4, 8], compile=True)
+    runner = create_decode_runner(bundle, "cuda", capture_sizes=[1, 2, 4, 8], compile=True)
     runner.capture()
     result = Engine(bundle, runner).run(trace)
     expected = hf_greedy(hf, trace)
@@ -182,7 +182,7 @@ def test_1b_shape_bf16_compiled_triton_matches_eager_torch(attention: str) -> No
     )
     backend = bundle.model.attn_backend
     backend.use(attention)
-    runner = create_model_runner(bundle, "cuda", capture_sizes=[8], compile=True)
+    runner = create_decode_runner(bundle, "cuda", capture_sizes=[8], compile=True)
     runner.capture()  # the Triton kernel (the default on CUDA), compiled
     for _ in range(4):
         batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import EagerRunner, PopulateError, decode_buffer_specs
+from graphrunner import decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.core import EagerRunner
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
+from graphrunner.writers import PopulateError
 
 FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
 
@@ -169,11 +171,11 @@ def test_a_batch_knows_its_host_ranges_and_drops_them_when_a_mirror_changes():
 
 
 def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch():
-    from graphrunner_ref.engine.loop import create_model_runner
+    from graphrunner_ref.engine.loop import create_decode_runner
     from graphrunner_ref.model import default_model
 
     bundle = default_model(max_requests=4, max_context_len=16)
-    runner = create_model_runner(bundle, "eager", capture_sizes=[2])
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[2])
     runner.capture()
     reqs = bundle.req_pool.alloc(2)
     batch = DecodeBatch.from_requests(

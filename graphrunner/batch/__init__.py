@@ -1,2 +1,8 @@
-"""The decode batch (:mod:`.decode_batch`), its argument checks (:mod:`.checks`),
-host-side helpers (:mod:`.host`) and KV slot choice (:mod:`.paging`)."""
+"""The decode batch: live rows with their host mirrors, validated once when
+sealed, filtered and merged by the scheduler."""
+
+from __future__ import annotations
+
+from graphrunner.batch.decode_batch import BatchError, DecodeBatch
+
+__all__ = ["BatchError", "DecodeBatch"]

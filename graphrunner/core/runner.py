@@ -17,6 +17,7 @@ import torch
 from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
+from graphrunner.core.phase import Phase
 from graphrunner.core.replay import (
     Graph,
     GraphKey,
@@ -48,10 +49,8 @@ from graphrunner.util.exclusive import Exclusive
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
 
-if TYPE_CHECKING:  # a phase is built above the core; the runner only reads it
+if TYPE_CHECKING:
     from typing import Self
-
-    from graphrunner.phases.base import Phase
 
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
 

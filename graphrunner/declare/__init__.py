@@ -1,1 +1,50 @@
-"""declare."""
+"""Declarations: the static buffers and their pad rules, the decode field list
+and its host mirrors, the step-input protocols, declared outputs, the
+attention backend's hooks and the state operations a step records."""
+
+from __future__ import annotations
+
+from graphrunner.declare.buffers import BufferSpec, BufferView, PadRule, StaticBuffers, check_width
+from graphrunner.declare.decode import (
+    DECODE_FIELD_NAMES,
+    DECODE_FIELDS,
+    DECODE_HOST_MIRRORS,
+    MAMBA_DECODE_FIELDS,
+    PER_TOKEN_FIELD_NAMES,
+    decode_buffer_specs,
+    per_token_fields,
+)
+from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend
+from graphrunner.declare.indexes import Index
+from graphrunner.declare.inputs import DecodeInputs, StepInputs
+from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
+from graphrunner.declare.sealed import SealedInputs
+from graphrunner.declare.state_ops import StateOps, run_state_ops
+from graphrunner.declare.step_inputs import ReplayInputs
+
+__all__ = [
+    "DECODE_FIELDS",
+    "DECODE_FIELD_NAMES",
+    "DECODE_HOST_MIRRORS",
+    "MAMBA_DECODE_FIELDS",
+    "PER_TOKEN_FIELD_NAMES",
+    "BaseGraphBackend",
+    "BufferSpec",
+    "BufferView",
+    "DecodeInputs",
+    "GraphBackend",
+    "Index",
+    "NullBackend",
+    "OutputDeclarationError",
+    "OutputSpec",
+    "PadRule",
+    "ReplayInputs",
+    "SealedInputs",
+    "StateOps",
+    "StaticBuffers",
+    "StepInputs",
+    "check_width",
+    "decode_buffer_specs",
+    "per_token_fields",
+    "run_state_ops",
+]

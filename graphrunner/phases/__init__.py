@@ -14,23 +14,44 @@ from graphrunner.phases.eagle import (
     eagle_draft_extend_phase,
     eagle_draft_extend_specs,
 )
+from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
+from graphrunner.phases.models import EagleDraftModel, MtpDraftModel, VerifyModel
 from graphrunner.phases.mtp import (
     FrozenKvMtpRunner,
     frozen_kv_mtp_phase,
     frozen_kv_sanitizer,
     mtp_buffer_specs,
 )
-from graphrunner.phases.multistep import multistep_phase
+from graphrunner.phases.multistep import (
+    MAX_STEPS_PER_LAUNCH,
+    STEPS_LEFT,
+    check_steps_per_launch,
+    multistep_phase,
+)
+from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, SampledInputs
 from graphrunner.phases.verify import TargetVerifyRunner, verify_buffer_specs, verify_phase
 
 __all__ = [
+    "LOGPROB_OUTPUTS",
+    "MAX_STEPS_PER_LAUNCH",
+    "SAMPLED_OUTPUTS",
+    "STEPS_LEFT",
+    "EagleDecodeInputs",
     "EagleDraftDecodeRunner",
+    "EagleDraftModel",
+    "EagleExtendInputs",
     "EagleDraftExtendRunner",
     "FrozenKvMtpRunner",
+    "MtpDraftModel",
+    "MtpInputs",
     "Phase",
     "PhaseArgs",
+    "SampledInputs",
     "SpecBatch",
     "TargetVerifyRunner",
+    "VerifyInputs",
+    "VerifyModel",
+    "check_steps_per_launch",
     "decode_phase",
     "eagle_draft_decode_phase",
     "eagle_draft_extend_phase",

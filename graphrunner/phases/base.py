@@ -1,67 +1,16 @@
-"""A phase as a value: what a runner captures (buffers, outputs, forward,
-backend hooks, tokens per row), composed with a mechanism by
-:meth:`graphrunner.GraphRunner.from_phase`; and the inputs of a speculative step."""
+"""The inputs of a speculative step (:class:`SpecBatch`); the phase value
+itself is :class:`graphrunner.core.phase.Phase`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, check_width
-from graphrunner.declare.hooks import GraphBackend
-from graphrunner.declare.outputs import OutputsDecl
-from graphrunner.mechanisms.base import ForwardFn
+from graphrunner.core.phase import Phase, PhaseArgs
+from graphrunner.declare.buffers import check_width
 
 __all__ = ["Phase", "PhaseArgs", "SpecBatch", "check_width"]
-
-
-class PhaseArgs(TypedDict):
-    """The :class:`~graphrunner.GraphRunner` arguments a :class:`Phase` fixes."""
-
-    forward: ForwardFn
-    specs: tuple[BufferSpec, ...]
-    outputs: OutputsDecl | None
-    backend: GraphBackend | None
-    width: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Phase:
-    """What is captured, independent of how (the mechanism).
-
-    Args:
-        name: the phase's name (``decode``, ``verify``, ``eagle_extend``, ...).
-        forward: the step, called with the buffers' view (the phase's inputs).
-        specs: its static buffers, derived from
-            :data:`graphrunner.declare.decode.DECODE_FIELDS` plus its extras.
-        outputs: its declared outputs (None: one row per request on axis 0).
-        backend: the attention backend's hooks (None: none needed).
-        width: tokens per request of its per-token buffers (``W``), or None
-            for a one-token step; a batch of another width runs eagerly.
-    """
-
-    name: str
-    forward: ForwardFn
-    specs: tuple[BufferSpec, ...]
-    outputs: OutputsDecl | None = None
-    backend: GraphBackend | None = None
-    width: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.width is not None:
-            check_width("width", self.width)
-
-    def runner_args(self) -> PhaseArgs:
-        """The runner arguments this phase fixes (the mechanism's are the caller's)."""
-        return PhaseArgs(
-            forward=self.forward,
-            specs=self.specs,
-            outputs=self.outputs,
-            backend=self.backend,
-            width=self.width,
-        )
 
 
 class SpecBatch:

@@ -8,7 +8,7 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
-from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward
+from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.sampling import SAMPLING_FIELDS
 
 __all__ = ["decode_phase"]
@@ -23,13 +23,19 @@ def decode_phase(
     future: bool = False,
     mamba: bool = False,
     sampling: bool = False,
+    logprobs: int = 0,
 ) -> Phase:
     """``forward`` over the decode buffers (int64 ``[bs]`` each, see
     :func:`~graphrunner.declare.decode.decode_buffer_specs` for the flags),
     ``seq_lens`` padded with the backend's fill value. ``sampling=True``:
     ``forward`` returns logits ``[bs, vocab]`` and the phase picks each row's
     token inside the step (:mod:`graphrunner.phases.sampled`: the sampling
-    buffers added, outputs ``{"logits", "tokens"}``; ``outputs`` must be None)."""
+    buffers added, outputs ``{"logits", "tokens"}``; ``outputs`` must be None);
+    ``logprobs=n`` (with ``sampling``) adds each row's chosen-token
+    log-probability ``"logprob"`` ``[bs]`` and the top ``n`` ``"top_logprobs"``
+    / ``"top_ids"`` ``[bs, n]``."""
+    if logprobs and not sampling:
+        raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     fill = (backend if backend is not None else NullBackend()).seq_len_fill_value
     specs = decode_buffer_specs(
         seq_len_fill_value=fill, host_seq_lens=host_seq_lens, future=future, mamba=mamba
@@ -38,5 +44,6 @@ def decode_phase(
         if outputs is not None:
             raise ValueError("outputs: a sampled decode phase declares its own; expected None")
         specs = [*specs, *SAMPLING_FIELDS]
-        forward, outputs = sampled_forward(forward), SAMPLED_OUTPUTS
+        forward = sampled_forward(forward, logprobs_n=logprobs)
+        outputs = LOGPROB_OUTPUTS if logprobs else SAMPLED_OUTPUTS
     return Phase("decode", forward, tuple(specs), outputs=outputs, backend=backend)

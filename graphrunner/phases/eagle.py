@@ -4,7 +4,7 @@ seed) and draft decode (one draft token per request)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,9 +13,7 @@ from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import decode_buffer_specs, per_token_fields
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase, check_width
-
-if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner_ref.model.draft import EagleHead
+from graphrunner.phases.models import EagleDraftModel
 
 __all__ = [
     "EagleDraftDecodeRunner",
@@ -58,31 +56,28 @@ def eagle_draft_extend_specs(
     return [*per_token_fields(w), _hidden(hidden_size, hidden_dtype, w), *lengths]
 
 
-def eagle_draft_extend_phase(head: EagleHead, width: int) -> Phase:
-    """:meth:`EagleHead.forward_extend` at ``width`` tokens per request; outputs
+def eagle_draft_extend_phase(head: EagleDraftModel, width: int) -> Phase:
+    """:meth:`EagleDraftModel.forward_extend` at ``width`` tokens per request; outputs
     ``topk_p`` float32 ``[bs, k]``, ``topk_index`` int64 ``[bs, k]`` and the
     selected ``hidden`` ``[bs, hidden]``."""
-    target = head.target
-    dtype = target.model.embed_tokens.weight.dtype
-    specs = eagle_draft_extend_specs(width, target.config.hidden_size, dtype)
+    specs = eagle_draft_extend_specs(width, head.hidden_size, head.hidden_dtype)
     return Phase(
         "eagle_extend",
         head.forward_extend,
         tuple(specs),
         outputs=OutputSpec(),
-        backend=target.attn_backend,
+        backend=head.attn_backend,
         width=width,
     )
 
 
-def eagle_draft_decode_phase(head: EagleHead) -> Phase:
-    """:meth:`EagleHead.forward_decode`: one draft token per request (the draft
+def eagle_draft_decode_phase(head: EagleDraftModel) -> Phase:
+    """:meth:`EagleDraftModel.forward_decode`: one draft token per request (the draft
     steps after the seed), on the decode buffers plus the previous step's
     ``hidden_states`` ``[bs, hidden]`` (0 on padded rows). Writes the head's
     own KV at ``out_cache_loc`` (slot 0 on padded rows)."""
-    target = head.target
-    backend = target.attn_backend
-    hidden = _hidden(target.config.hidden_size, target.model.embed_tokens.weight.dtype)
+    backend = head.attn_backend
+    hidden = _hidden(head.hidden_size, head.hidden_dtype)
     specs = (*decode_buffer_specs(seq_len_fill_value=backend.seq_len_fill_value), hidden)
     return Phase("eagle_decode", head.forward_decode, specs, outputs=OutputSpec(), backend=backend)
 
@@ -94,12 +89,12 @@ class EagleDraftExtendRunner(GraphRunner):
     ``[bs, k]`` and the selected ``hidden`` ``[bs, hidden]``.
     """
 
-    def __init__(self, head: EagleHead, width: int, **kwargs: Any) -> None:
+    def __init__(self, head: EagleDraftModel, width: int, **kwargs: Any) -> None:
         super().__init__(**eagle_draft_extend_phase(head, width).runner_args(), **kwargs)
 
 
 class EagleDraftDecodeRunner(GraphRunner):
     """:func:`eagle_draft_decode_phase` on the mechanism given in ``kwargs``."""
 
-    def __init__(self, head: EagleHead, **kwargs: Any) -> None:
+    def __init__(self, head: EagleDraftModel, **kwargs: Any) -> None:
         super().__init__(**eagle_draft_decode_phase(head).runner_args(), **kwargs)

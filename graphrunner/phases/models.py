@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from graphrunner.declare.hooks import GraphBackend
-from graphrunner.declare.outputs import Outputs
+from graphrunner.mechanisms.base import ForwardFn
 
 __all__ = ["EagleDraftModel", "MtpDraftModel", "VerifyModel"]
 
@@ -46,7 +46,8 @@ class VerifyModel(Protocol):
     def attn_backend(self) -> GraphBackend:
         """The attention backend whose hooks the captured step runs."""
 
-    def forward_tokens(self, inputs: object) -> Outputs:
+    @property
+    def forward_tokens(self) -> ForwardFn:
         """``W`` tokens per request: ``logits`` ``[bs * W, vocab]`` and
         ``hidden`` ``[bs * W, hidden]``."""
 
@@ -54,10 +55,12 @@ class VerifyModel(Protocol):
 class EagleDraftModel(_DraftFacts, Protocol):
     """An EAGLE head that the draft extend and draft decode phases capture."""
 
-    def forward_extend(self, inputs: object) -> Outputs:
+    @property
+    def forward_extend(self) -> ForwardFn:
         """The head over ``W`` verified tokens per request."""
 
-    def forward_decode(self, inputs: object) -> Outputs:
+    @property
+    def forward_decode(self) -> ForwardFn:
         """One draft token per request."""
 
 
@@ -65,8 +68,10 @@ class MtpDraftModel(_DraftFacts, Protocol):
     """A frozen-KV MTP head that :func:`~graphrunner.phases.frozen_kv_mtp_phase`
     captures."""
 
-    def forward_draft(self, inputs: object) -> Outputs:
+    @property
+    def forward_draft(self) -> ForwardFn:
         """The whole draft loop (top-k)."""
 
-    def forward_draft_sampled(self, inputs: object) -> Outputs:
+    @property
+    def forward_draft_sampled(self) -> ForwardFn:
         """The whole draft loop, sampled."""

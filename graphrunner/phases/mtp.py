@@ -3,7 +3,7 @@ head that reads the target's KV cache and writes none."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,12 +12,10 @@ from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase
+from graphrunner.phases.models import MtpDraftModel
 from graphrunner.pools import KVCache, ReqToTokenPool
 from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.sanitizer.padding import GuardedTensor, PaddingSanitizer
-
-if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner_ref.model.draft import FrozenKvMtpHead
 
 __all__ = ["FrozenKvMtpRunner", "frozen_kv_mtp_phase", "frozen_kv_sanitizer", "mtp_buffer_specs"]
 
@@ -37,18 +35,17 @@ def mtp_buffer_specs(
     return [*decode, hidden]
 
 
-def frozen_kv_mtp_phase(head: FrozenKvMtpHead, *, sampling: bool = False) -> Phase:
-    """:meth:`FrozenKvMtpHead.forward_draft` (the whole draft loop); outputs
+def frozen_kv_mtp_phase(head: MtpDraftModel, *, sampling: bool = False) -> Phase:
+    """:meth:`MtpDraftModel.forward_draft` (the whole draft loop); outputs
     ``tokens`` int64, ``scores`` float32 and ``parents`` int64, each ``[bs, steps, k]``.
 
-    ``sampling``: :meth:`FrozenKvMtpHead.forward_draft_sampled` instead, over
+    ``sampling``: :meth:`MtpDraftModel.forward_draft_sampled` instead, over
     the sampling buffers too (:data:`~graphrunner.sampling.SAMPLING_FIELDS`);
     outputs ``tokens`` ``[bs, steps, 1]`` and ``probs`` ``[bs, steps, V]``."""
-    target = head.target
-    backend = target.attn_backend
+    backend = head.attn_backend
     specs = mtp_buffer_specs(
-        target.config.hidden_size,
-        target.model.embed_tokens.weight.dtype,
+        head.hidden_size,
+        head.hidden_dtype,
         seq_len_fill_value=backend.seq_len_fill_value,
     )
     if sampling:
@@ -65,7 +62,7 @@ class FrozenKvMtpRunner(GraphRunner):
     :func:`frozen_kv_mtp_phase`).
     """
 
-    def __init__(self, head: FrozenKvMtpHead, *, sampling: bool = False, **kwargs: Any) -> None:
+    def __init__(self, head: MtpDraftModel, *, sampling: bool = False, **kwargs: Any) -> None:
         phase = frozen_kv_mtp_phase(head, sampling=sampling)
         super().__init__(**phase.runner_args(), **kwargs)
 

@@ -266,12 +266,16 @@ def multistep_phase(
     end_token: int | None = None,
     sampling: bool = False,
     logprobs: int = 0,
+    future_tokens: torch.Tensor | None = None,
     compile_step_once: bool = False,
 ) -> Phase:
     """``steps`` decode steps of ``forward`` per launch (see the module);
     ``end_token`` stops a row inside the launch (None: only its budget does);
     ``logprobs=n`` adds each step's log-probabilities and top ``n``;
-    ``compile_step_once``: see :func:`multistep_forward`.
+    ``future_tokens`` (a :class:`~graphrunner.FutureMap`'s ``tokens``, overlap
+    scheduling): ``input_ids`` may hold future references and each launch
+    stores each row's last token there; ``compile_step_once``: see
+    :func:`multistep_forward`.
 
     Raises:
         ValueError: ``steps`` not in ``1..8``, or a backend that plans on the host.
@@ -280,7 +284,8 @@ def multistep_phase(
     hooks = NullBackend() if backend is None else backend
     check_device_metadata(hooks)
     fill = hooks.seq_len_fill_value
-    specs = multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling)
+    future = future_tokens is not None
+    specs = multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling, future=future)
     step = multistep_forward(
         forward,
         steps,
@@ -288,6 +293,7 @@ def multistep_phase(
         end_token=end_token,
         sampling=sampling,
         logprobs_n=logprobs,
+        future_tokens=future_tokens,
         compile_step_once=compile_step_once,
     )
     return Phase(

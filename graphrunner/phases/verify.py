@@ -12,7 +12,7 @@ batch keep the argmax rule bit for bit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,10 +22,8 @@ from graphrunner.declare.decode import per_token_fields
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
+from graphrunner.phases.models import VerifyModel
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, rejection_sample
-
-if TYPE_CHECKING:  # the models implement these phases; phases sit below them
-    from graphrunner_ref.model.llama import LlamaDecoder
 
 __all__ = [
     "DRAFT_PROBS",
@@ -81,7 +79,7 @@ def rejection_forward(forward: ForwardFn, width: int) -> ForwardFn:
     return step
 
 
-def verify_phase(model: LlamaDecoder, width: int, *, sampling: bool = False) -> Phase:
+def verify_phase(model: VerifyModel, width: int, *, sampling: bool = False) -> Phase:
     """The target's ``forward_tokens`` at ``width`` tokens per request.
 
     Outputs ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
@@ -97,7 +95,7 @@ def verify_phase(model: LlamaDecoder, width: int, *, sampling: bool = False) -> 
     if sampling:
         if width < 2:
             raise ValueError(f"width={width}: a sampled verify needs at least one draft (>= 2)")
-        specs += [*SAMPLING_FIELDS, draft_probs_spec(width, model.config.vocab_size)]
+        specs += [*SAMPLING_FIELDS, draft_probs_spec(width, model.vocab_size)]
         outputs |= {"targets": OutputSpec(), "accepted": OutputSpec()}
         forward = rejection_forward(forward, width)
     return Phase(
@@ -121,7 +119,7 @@ class TargetVerifyRunner(GraphRunner):
     """
 
     def __init__(
-        self, model: LlamaDecoder, width: int, *, sampling: bool = False, **kwargs: Any
+        self, model: VerifyModel, width: int, *, sampling: bool = False, **kwargs: Any
     ) -> None:
         phase = verify_phase(model, width, sampling=sampling)
         super().__init__(**phase.runner_args(), **kwargs)

@@ -7,6 +7,7 @@ from graphrunner.sampling.params import (
     SAMPLING_FIELD_NAMES,
     SAMPLING_FIELDS,
     SamplingParams,
+    check_seed,
     request_seed,
     sampling_tensors,
 )
@@ -19,13 +20,15 @@ from graphrunner.sampling.sample import (
     sample,
     sample_rows,
 )
-from graphrunner.sampling.speculative import draft_sample, rejection_sample
+from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 __all__ = [
     "SAMPLING_FIELDS",
     "SAMPLING_FIELD_NAMES",
     "Logprobs",
     "SamplingParams",
+    "check_seed",
+    "deterministic_probs",
     "draft_sample",
     "filtered_probs",
     "logprobs",

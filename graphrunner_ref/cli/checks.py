@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from graphrunner.pools import whole_pages
-from graphrunner.sizing.sizes import default_capture_sizes
+from graphrunner.sizing import default_capture_sizes
 from graphrunner_ref.cli import model_args as cli_model
 from graphrunner_ref.cli import multistep as cli_multistep
 from graphrunner_ref.cli import overlap as cli_overlap

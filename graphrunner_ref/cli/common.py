@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from graphrunner.util.atomic import write_atomically
+from graphrunner.util import write_atomically
 from graphrunner_ref.model import ModelConfig
 
 __all__ = [

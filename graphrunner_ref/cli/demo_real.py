@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from graphrunner.sizing.sizes import default_capture_sizes
-from graphrunner.util.atomic import write_atomically
+from graphrunner.sizing import default_capture_sizes
+from graphrunner.util import write_atomically
 from graphrunner_ref.cli.exits import run_command
-from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.io import load_model, read_config, resolve_checkpoint
 from graphrunner_ref.io.gguf_cache import cache_root
@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     # (minutes on a small machine): one graph of every request, the smaller
     # batches left as requests finish replaying it padded.
     sizes = default_capture_sizes(len(prompts)) if kind == "cuda" else [len(prompts)]
-    runner = create_model_runner(bundle, kind, capture_sizes=sizes)
+    runner = create_decode_runner(bundle, kind, capture_sizes=sizes)
     start = time.perf_counter()
     runner.capture()
     print(

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from graphrunner.sanitizer.padding import PaddingViolation
-from graphrunner.util.extras import MissingExtraError
+from graphrunner import PaddingViolation
+from graphrunner.util import MissingExtraError
 from graphrunner_ref.cli.common import UsageError
 
 __all__ = ["Terminated", "run_command", "stopped_by_signals"]

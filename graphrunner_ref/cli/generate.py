@@ -33,7 +33,7 @@ from graphrunner_ref.cli import text as cli_text
 from graphrunner_ref.cli.arguments import add_common
 from graphrunner_ref.cli.common import MAX_STEPS
 from graphrunner_ref.cli.groups import Groups, add_command
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.results import EngineStats
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import ModelBundle
@@ -152,7 +152,7 @@ def _serve(
             stats.tokens_per_second,
             stats=stats if isinstance(stats, EngineStats) else None,  # speculative: its own
         )
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=sizes,

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.util.version import version
+import graphrunner
+from graphrunner import GraphRunner
 from graphrunner_ref.cli import checks as cli_checks
 from graphrunner_ref.cli import convert as cli_convert
 from graphrunner_ref.cli import generate as cli_generate
@@ -53,7 +53,7 @@ from graphrunner_ref.cli.common import (
 )
 from graphrunner_ref.cli.exits import run_command
 from graphrunner_ref.cli.groups import Groups, add_command
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.memory import available_memory, memory_estimate
 from graphrunner_ref.engine.workload import synthetic_trace
 from graphrunner_ref.io import load_any
@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         "padded: demo, generate, sizes and convert. 'graphrunner COMMAND --help' shows a "
         "command's options and examples.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {graphrunner.__version__}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = add_command(sub, "demo")
     g = Groups.of(demo, ("trace", "the synthetic requests served"))
@@ -154,7 +156,7 @@ def _capture(
     compile: bool = False,
     sampling: dict[str, Any] | None = None,
 ) -> GraphRunner:
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=sizes,

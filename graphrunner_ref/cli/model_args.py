@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from graphrunner.util.cpu_features import half_precision_note, int8_weight_only_note
 from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.cli.groups import Groups
 from graphrunner_ref.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
+from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_only_note
 from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
 
 __all__ = [

@@ -12,14 +12,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from graphrunner.phases.multistep import MAX_STEPS_PER_LAUNCH
+from graphrunner.phases import MAX_STEPS_PER_LAUNCH
 from graphrunner_ref.cli import report as cli_report
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli import spec as cli_spec
 from graphrunner_ref.cli import ssm as cli_ssm
 from graphrunner_ref.cli.common import UsageError, check_range
 from graphrunner_ref.cli.groups import Options
-from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model.build import ModelBundle
 
@@ -55,7 +55,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def options(args: argparse.Namespace, end_token: int | None) -> dict[str, Any]:
-    """``create_model_runner`` options of N > 1 (the runner needs the end token)."""
+    """``create_decode_runner`` options of N > 1 (the runner needs the end token)."""
     n = args.steps_per_launch
     return {"steps_per_launch": n, "end_token": end_token} if n > 1 else {}
 
@@ -70,7 +70,7 @@ def _run(
     steps: int,
 ) -> EngineResult:
     multi: dict[str, Any] = {"steps_per_launch": steps} if steps > 1 else {}
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=sizes,

@@ -6,12 +6,12 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from graphrunner.core.future_map import FutureMap
+from graphrunner import FutureMap
 from graphrunner_ref.cli import multistep as cli_multistep
 from graphrunner_ref.cli import report as cli_report
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.groups import Options
-from graphrunner_ref.engine.loop import Engine, EngineResult, create_model_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model.build import ModelBundle
 
@@ -52,7 +52,7 @@ def run_overlap(
     steps per launch (``logprobs`` and the streaming hooks as
     :class:`~graphrunner.Engine` takes them)."""
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle,
         kind,
         capture_sizes=sizes,

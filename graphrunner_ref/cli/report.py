@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.results import EngineStats
 from graphrunner_ref.model import ModelConfig

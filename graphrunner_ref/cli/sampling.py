@@ -152,7 +152,7 @@ def samples(trace: Sequence[Request]) -> bool:
 
 
 def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[str, Any]:
-    """``create_model_runner`` options: the sampled step when a request
+    """``create_decode_runner`` options: the sampled step when a request
     samples or log-probabilities are asked; none (the plain runner) else."""
     n = int(getattr(args, "logprobs", 0))
     if not (n or samples(trace)):

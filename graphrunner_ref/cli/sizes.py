@@ -20,22 +20,21 @@ from typing import Any, TextIO
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.sizing.histogram import HistogramFileError, read_histogram
-from graphrunner.sizing.plan import (
+from graphrunner import GraphRunner
+from graphrunner.sizing import (
+    HistogramFileError,
+    PaddingWaste,
+    ReportFileError,
     SizePlan,
     budget_capture_sizes,
+    default_capture_sizes,
     expected_waste,
     optimal_capture_sizes,
-)
-from graphrunner.sizing.report_file import (
-    ReportFileError,
     read_capture_report,
+    read_histogram,
     write_capture_report,
 )
-from graphrunner.sizing.sizes import PaddingWaste, default_capture_sizes
-from graphrunner.util.atomic import write_atomically
-from graphrunner.util.temp import remove_stale_temps, temp_path
+from graphrunner.util import remove_stale_temps, temp_path, write_atomically
 from graphrunner_ref.cli import sizes_plot
 from graphrunner_ref.cli.common import UsageError, check_range
 from graphrunner_ref.cli.groups import Options, add_command

@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from graphrunner.sizing.plan import expected_waste
-from graphrunner.sizing.sizes import default_capture_sizes, pad_to
-from graphrunner.util.temp import remove_stale_temps, temp_path
+from graphrunner.sizing import default_capture_sizes, expected_waste, pad_to
+from graphrunner.util import remove_stale_temps, temp_path
 from graphrunner_ref.cli.common import UsageError
 
 if TYPE_CHECKING:

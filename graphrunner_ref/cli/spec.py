@@ -9,7 +9,7 @@ from typing import Any
 
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.groups import Options
-from graphrunner_ref.engine.loop import Engine, create_model_runner
+from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.spec_factory import DRAFTS, METHODS, speculative_engine
 from graphrunner_ref.engine.speculative import SpeculativeResult
 from graphrunner_ref.engine.workload import Request
@@ -119,7 +119,7 @@ def plain_run(
     run of the same trace and seed draws the same tokens; ``progress``: the
     capture's bar."""
     sampled: dict[str, Any] = {"sampling": True} if cli_sampling.samples(trace) else {}
-    runner = create_model_runner(
+    runner = create_decode_runner(
         bundle, kind, capture_sizes=sizes, show_progress=progress, **mechanism_options, **sampled
     )
     runner.capture()

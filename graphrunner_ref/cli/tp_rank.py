@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graphrunner.sanitizer.padding import PaddingViolation
-from graphrunner.util.extras import MissingExtraError
+from graphrunner import PaddingViolation
+from graphrunner.util import MissingExtraError
 from graphrunner_ref.cli.common import UsageError, resolve_device
 from graphrunner_ref.cli.exits import quiet_stdout
 from graphrunner_ref.model.parallel import TensorParallel

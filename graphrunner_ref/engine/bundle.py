@@ -18,21 +18,27 @@ from typing import Any, Protocol
 
 import torch
 
-from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core.future_map import FutureMap
-from graphrunner.core.runner import GraphRunner
-from graphrunner.core.runners import create_runner
-from graphrunner.declare.decode import decode_buffer_specs
-from graphrunner.declare.hooks import GraphBackend, NullBackend
-from graphrunner.declare.step_inputs import ReplayInputs
-from graphrunner.mechanisms.base import ForwardFn
-from graphrunner.phases.multistep import check_steps_per_launch
-from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
-from graphrunner.pools import HybridReqToTokenPool, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from graphrunner.sampling import SAMPLING_FIELDS
-from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner import (
+    DecodeBatch,
+    FutureMap,
+    GraphBackend,
+    GraphRunner,
+    KVCache,
+    PaddingSanitizer,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    create_runner,
+    decode_phase,
+)
+from graphrunner.declare import NullBackend, ReplayInputs
+from graphrunner.phases import check_steps_per_launch
+from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
-from graphrunner_ref.engine.multistep_runner import multistep_of, multistep_runner
+from graphrunner_ref.engine.multistep_runner import (
+    multistep_of,
+    multistep_phase_of,
+    remember_multistep,
+)
 from graphrunner_ref.engine.ranks import agree_on_sizes
 from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner_ref.model.build import ModelBundle
@@ -42,7 +48,6 @@ __all__ = [
     "DecodeStep",
     "ServingBundle",
     "create_decode_runner",
-    "create_model_runner",
     "decode_step",
     "multistep_of",
 ]
@@ -172,7 +177,7 @@ def create_decode_runner(
     around every replay (a debug mode: it copies the pools per step).
     ``future_map`` lets ``input_ids`` carry future references (overlap
     scheduling; Llama bundles only). ``sampling=True`` picks each row's token
-    inside the step (:func:`~graphrunner.phases.sampled.sampled_forward`: the
+    inside the step (:func:`~graphrunner.phases.decode_phase`: the
     sampling buffers join the decode ones, the outputs are ``{"logits",
     "tokens"}``); an :class:`Engine` then samples each request by its
     :class:`~graphrunner.sampling.SamplingParams`. ``logprobs=N`` (N >= 1,
@@ -191,58 +196,34 @@ def create_decode_runner(
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
-    if steps > 1:
-        multistep = multistep_runner(
-            bundle,
-            step,
-            kind,
-            steps,
-            end_token,
-            future_map,
-            logprobs,
-            sampling,
-            capture_sizes=capture_sizes,
-            max_bs=max_bs,
-            show_progress=show_progress,
-            check_padding=check_padding,
-            **mechanism_options,
-        )
-        return agree_on_sizes(bundle, multistep)
     if future_map is not None and step.mamba:
         raise ValueError(
             "future_map: overlap scheduling is not supported for a model with Mamba "
             "layers; expected future_map=None"
         )
-    specs = decode_buffer_specs(
-        seq_len_fill_value=step.backend.seq_len_fill_value,
-        future=future_map is not None,
-        mamba=step.mamba,
-    )
-    options: dict[str, Any] = dict(mechanism_options)
-    forward: ForwardFn = step.forward
-    if sampling:
-        specs = [*specs, *SAMPLING_FIELDS]
-        forward = sampled_forward(forward, logprobs_n=logprobs)
-        options["outputs"] = LOGPROB_OUTPUTS if logprobs else SAMPLED_OUTPUTS
-    if future_map is not None:
-        options["future_map"] = future_map
-    if step.state_ops is not None:
-        options["state_ops"] = step.state_ops
+    if steps > 1:
+        phase = multistep_phase_of(step, steps, end_token, future_map, logprobs, sampling)
+    else:
+        phase = decode_phase(
+            step.forward,
+            backend=step.backend,
+            future=future_map is not None,
+            mamba=step.mamba,
+            sampling=sampling,
+            logprobs=logprobs,
+        )
     runner = create_runner(
         kind,
-        forward,
-        specs,
+        phase,
         device=bundle.device,
         capture_sizes=capture_sizes,
         max_bs=max_bs,
-        backend=step.backend,
         show_progress=show_progress,
         sanitizer=step.sanitizer() if check_padding else None,
-        **options,
+        future_map=future_map,
+        state_ops=step.state_ops,
+        **mechanism_options,
     )
+    if steps > 1:
+        remember_multistep(runner, steps, end_token)
     return agree_on_sizes(bundle, runner)
-
-
-#: The earlier name of :func:`create_decode_runner`, from when it took a Llama
-#: :class:`ModelBundle` only; kept.
-create_model_runner = create_decode_runner

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner import DecodeBatch, KVCache
 from graphrunner.phases import SpecBatch
-from graphrunner.pools import KVCache
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample_rows
 from graphrunner_ref.engine.results import EngineStats, _Live
 from graphrunner_ref.engine.sampling import StepOut, logits_of

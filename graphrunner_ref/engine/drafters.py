@@ -15,11 +15,10 @@ from typing import Protocol
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.declare.step_inputs import ReplayInputs
-from graphrunner.phases.base import SpecBatch
-from graphrunner.phases.sampled import SampledInputs
-from graphrunner.sampling.speculative import draft_sample
+from graphrunner import GraphRunner
+from graphrunner.declare import ReplayInputs
+from graphrunner.phases import SampledInputs, SpecBatch
+from graphrunner.sampling import draft_sample
 from graphrunner_ref.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner_ref.model.draft import EagleHead
 from graphrunner_ref.model.llama import LlamaDecoder

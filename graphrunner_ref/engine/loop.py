@@ -30,14 +30,13 @@ from typing import TypeVar
 import torch
 from tqdm.auto import tqdm
 
-from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core.runner import GraphRunner
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner import DecodeBatch, GraphRunner
+from graphrunner.phases import SampledInputs
 from graphrunner.pools import starts_page, whole_pages
-from graphrunner.sampling.params import check_seed
-from graphrunner.util.exclusive import Exclusive
+from graphrunner.sampling import check_seed
+from graphrunner.util import Exclusive
 from graphrunner_ref.engine.admission import admit, validate_trace
-from graphrunner_ref.engine.bundle import ServingBundle, create_model_runner, decode_step
+from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import checked_replay
 from graphrunner_ref.engine.multistep import check_multistep
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
@@ -67,7 +66,7 @@ __all__ = [
     "EngineStats",
     "Schedule",
     "SyncSchedule",
-    "create_model_runner",
+    "create_decode_runner",
 ]
 
 
@@ -140,7 +139,7 @@ class Engine:
         if self.decoder.state_ops is not None and runner.state_ops is not self.decoder.state_ops:
             raise ValueError(
                 "runner.state_ops is not the bundle's request pool: its recorded state ops "
-                "would never run; build it with create_state_space_runner"
+                "would never run; build it with create_decode_runner"
             )
         if overlap and check:
             raise ValueError("check=True with overlap=True: expected one of them")

@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner import DecodeBatch, PaddingSanitizer, PaddingViolation
 from graphrunner.pools import HybridReqToTokenPool
-from graphrunner.sanitizer.checks import PaddingViolation, live_ints
-from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner.sanitizer import live_ints
 
 __all__ = ["MambaSanitizer", "StateSpaceInputs"]
 

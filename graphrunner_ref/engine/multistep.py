@@ -27,11 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.declare.step_inputs import ReplayInputs
-from graphrunner.phases import SpecBatch
-from graphrunner.phases.multistep import STEPS_LEFT, check_steps_per_launch
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner import GraphRunner
+from graphrunner.declare import ReplayInputs
+from graphrunner.phases import STEPS_LEFT, SampledInputs, SpecBatch, check_steps_per_launch
 from graphrunner.pools import PoolExhausted
 from graphrunner_ref.engine.check import checked_launch
 from graphrunner_ref.engine.multistep_runner import multistep_of
@@ -63,14 +61,14 @@ def check_multistep(
     if built != steps:
         raise ValueError(
             f"steps_per_launch={steps}: the runner runs {built} decode step(s) per launch; "
-            f"build it with create_model_runner(..., steps_per_launch={steps})"
+            f"build it with create_decode_runner(..., steps_per_launch={steps})"
         )
     if steps == 1:
         return steps
     if built_end != end_token:
         raise ValueError(
             f"end_token={end_token!r}: the runner's multi-step launch stops rows at "
-            f"{built_end!r}; build it with create_model_runner(..., end_token={end_token!r})"
+            f"{built_end!r}; build it with create_decode_runner(..., end_token={end_token!r})"
         )
     return steps
 
@@ -200,7 +198,7 @@ class MultiStepSchedule:
         if lp and ("logprob" not in out or out["top_ids"].shape[-1] != lp):
             raise ValueError(
                 f"logprobs={lp}: the runner's launch does not return {lp} top log-probabilities; "
-                f"build it with create_model_runner(..., sampling=True, logprobs={lp})"
+                f"build it with create_decode_runner(..., sampling=True, logprobs={lp})"
             )
         stats.steps += n
         stats.launches += 1

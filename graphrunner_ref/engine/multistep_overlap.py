@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphrunner.core.future_map import future_refs
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
+from graphrunner.core import future_refs
 from graphrunner_ref.engine.multistep import MultiStepSchedule, Reservation, keep_used
 from graphrunner_ref.engine.overlap_schedule import _HostCopy, device_ints, future_map_of
 from graphrunner_ref.engine.results import _Live, _Run
@@ -38,7 +38,7 @@ __all__ = ["MultiStepOverlapSchedule"]
 class MultiStepOverlapSchedule:
     """Launch i+1 prepared while launch i of ``steps`` decode steps runs (see
     the module). ``runner`` is built with ``steps_per_launch=steps`` and a
-    future map (``create_model_runner(..., future_map=FutureMap(...))``)."""
+    future map (``create_decode_runner(..., future_map=FutureMap(...))``)."""
 
     def __init__(self, runner: GraphRunner, steps: int) -> None:
         self.future = future_map_of(runner)

@@ -1,29 +1,19 @@
-"""The decode runner of several steps per launch: the multi-step phase
-(:mod:`graphrunner.phases.multistep`) over a bundle's decode step, and the
-registry of what each such runner was built with."""
+"""The decode phase of several steps per launch over a bundle's decode step
+(:func:`graphrunner.phases.multistep_phase`), and the registry of what each
+such runner was built with."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
-from graphrunner.core.future_map import FutureMap
-from graphrunner.core.runner import GraphRunner
-from graphrunner.core.runners import create_runner
-from graphrunner.phases.multistep import (
-    MULTISTEP_LOGPROB_OUTPUTS,
-    MULTISTEP_OUTPUTS,
-    check_device_metadata,
-    multistep_buffer_specs,
-    multistep_forward,
-)
-from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
-from graphrunner_ref.model.build import ModelBundle
+from graphrunner import FutureMap, GraphRunner, Phase
+from graphrunner.phases import multistep_phase
 
 if TYPE_CHECKING:  # the bundle's step; bundle.py builds these runners through here
     from graphrunner_ref.engine.bundle import DecodeStep
 
-__all__ = ["multistep_of", "multistep_runner"]
+__all__ = ["multistep_of", "multistep_phase_of", "remember_multistep"]
 
 #: Runners built with ``steps_per_launch`` N > 1: (N, their end token).
 _MULTISTEP: WeakKeyDictionary[GraphRunner, tuple[int, int | None]] = WeakKeyDictionary()
@@ -35,50 +25,33 @@ def multistep_of(runner: GraphRunner) -> tuple[int, int | None]:
     return _MULTISTEP.get(runner, (1, None))
 
 
-def multistep_runner(
-    bundle: ModelBundle | StateSpaceBundle,
+def remember_multistep(runner: GraphRunner, steps: int, end_token: int | None) -> None:
+    """Record that ``runner`` launches ``steps`` steps, rows stopping at ``end_token``."""
+    _MULTISTEP[runner] = (steps, end_token)
+
+
+def multistep_phase_of(
     step: DecodeStep,
-    kind: str,
     steps: int,
     end_token: int | None,
     future_map: FutureMap | None,
     logprobs: int,
     sampling: bool,
-    *,
-    check_padding: bool,
-    **options: Any,
-) -> GraphRunner:
-    """:func:`create_decode_runner` with ``steps_per_launch=steps`` (> 1); with
-    ``future_map`` (overlap scheduling) its first step's ``input_ids`` may be
-    future references and each launch stores each row's last token there."""
+) -> Phase:
+    """The bundle's decode step, ``steps`` (> 1) per launch; with ``future_map``
+    (overlap scheduling) its first step's ``input_ids`` may be future
+    references and each launch stores each row's last token there."""
     if step.mamba:
         raise ValueError(
             f"steps_per_launch={steps} with a model with Mamba layers: not supported; "
             f"expected steps_per_launch=1"
         )
-    check_device_metadata(step.backend)
-    fill = step.backend.seq_len_fill_value
-    runner = create_runner(
-        kind,
-        multistep_forward(
-            step.forward,
-            steps,
-            seq_len_fill_value=fill,
-            end_token=end_token,
-            sampling=sampling,
-            logprobs_n=logprobs,
-            future_tokens=None if future_map is None else future_map.tokens,
-        ),
-        multistep_buffer_specs(
-            steps, seq_len_fill_value=fill, sampling=sampling, future=future_map is not None
-        ),
-        device=bundle.device,
+    return multistep_phase(
+        step.forward,
+        steps,
         backend=step.backend,
-        outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
-        width=steps,
-        sanitizer=step.sanitizer() if check_padding else None,
-        future_map=future_map,
-        **options,
+        end_token=end_token,
+        sampling=sampling,
+        logprobs=logprobs,
+        future_tokens=None if future_map is None else future_map.tokens,
     )
-    _MULTISTEP[runner] = (steps, end_token)
-    return runner

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphrunner.core.future_map import FutureMap, future_refs
-from graphrunner.core.runner import GraphRunner
+from graphrunner import FutureMap, GraphRunner
+from graphrunner.core import future_refs
 from graphrunner.pools import starts_page
 from graphrunner_ref.engine.results import _Live, _Run
 from graphrunner_ref.engine.sampling import (
@@ -46,7 +46,7 @@ def future_map_of(runner: GraphRunner) -> FutureMap:
     if not isinstance(future, FutureMap):
         raise ValueError(
             "overlap scheduling: the runner has no future map; build it with "
-            "create_model_runner(..., future_map=FutureMap(req_pool rows, device))"
+            "create_decode_runner(..., future_map=FutureMap(req_pool rows, device))"
         )
     return future
 
@@ -79,7 +79,7 @@ class _HostCopy:
 class OverlapSchedule:
     """The overlap :class:`~graphrunner_ref.engine.schedule.Schedule` (see the module
     doc): ``Engine(bundle, runner, overlap=True)``. ``runner`` must be built with
-    a future map (``create_model_runner(..., future_map=FutureMap(...))``)."""
+    a future map (``create_decode_runner(..., future_map=FutureMap(...))``)."""
 
     def __init__(self, runner: GraphRunner) -> None:
         self.future = future_map_of(runner)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 
 __all__ = [

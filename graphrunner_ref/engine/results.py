@@ -8,9 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.sizing.histogram import BatchSizeHistogram
-from graphrunner.sizing.sizes import PaddingWaste
+from graphrunner import DecodeBatch
+from graphrunner.sizing import BatchSizeHistogram, PaddingWaste
 from graphrunner_ref.engine.workload import Request
 
 __all__ = ["AdmissionError", "EngineResult", "EngineStats", "TokenLogprobs"]

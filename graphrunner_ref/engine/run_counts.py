@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
 from graphrunner_ref.engine.results import EngineStats
 
 __all__ = ["RunnerCounts"]

@@ -9,7 +9,7 @@ from typing import TypeAlias
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
 from graphrunner.sampling import (
     SAMPLING_FIELD_NAMES,
     SamplingParams,
@@ -51,7 +51,7 @@ def check_greedy(trace: Sequence[Request]) -> None:
         if r.samples and r.sampling is not None:
             raise ValueError(
                 f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
-                "samples; build it with create_model_runner(..., sampling=True)"
+                "samples; build it with create_decode_runner(..., sampling=True)"
             )
 
 
@@ -135,7 +135,7 @@ def check_logprobs(n: object, sampling: bool) -> int:
     if n and not sampling:
         raise ValueError(
             f"logprobs={n}: the runner does not sample; build it with "
-            f"create_model_runner(..., sampling=True, logprobs={n})"
+            f"create_decode_runner(..., sampling=True, logprobs={n})"
         )
     return n
 
@@ -152,7 +152,7 @@ def logprob_outputs(out: StepOut, n: int) -> tuple[torch.Tensor, torch.Tensor, t
     if not isinstance(out, dict) or "logprob" not in out or out["top_ids"].shape[-1] != n:
         raise ValueError(
             f"logprobs={n}: the runner's step does not return {n} top log-probabilities; "
-            f"build it with create_model_runner(..., sampling=True, logprobs={n})"
+            f"build it with create_decode_runner(..., sampling=True, logprobs={n})"
         )
     return out["logprob"], out["top_logprobs"], out["top_ids"]
 

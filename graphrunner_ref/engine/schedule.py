@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import GraphRunner
 from graphrunner.pools import starts_page
 from graphrunner_ref.engine.multistep import MultiStepSchedule
 from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule

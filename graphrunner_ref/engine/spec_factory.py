@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphrunner.core.runner import GraphRunner
+from graphrunner import (
+    EagleDraftExtendRunner,
+    FrozenKvMtpRunner,
+    GraphRunner,
+    KVCache,
+    PaddingSanitizer,
+)
+from graphrunner.declare import check_width
 from graphrunner.mechanisms import create_mechanism
-from graphrunner.phases.base import check_width
-from graphrunner.phases.eagle import EagleDraftDecodeRunner, EagleDraftExtendRunner
-from graphrunner.phases.mtp import FrozenKvMtpRunner, frozen_kv_sanitizer
-from graphrunner.phases.verify import TargetVerifyRunner
-from graphrunner.pools import KVCache
-from graphrunner.sanitizer.padding import PaddingSanitizer
+from graphrunner.phases import EagleDraftDecodeRunner, TargetVerifyRunner, frozen_kv_sanitizer
 from graphrunner_ref.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
-from graphrunner_ref.engine.loop import create_model_runner
+from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.engine.ranks import refuse_sharded
 from graphrunner_ref.engine.speculative import SpeculativeEngine
 from graphrunner_ref.model.build import ModelBundle
@@ -127,7 +129,7 @@ def speculative_engine(
 def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:
     b = cap.bundle
     if draft != "random":
-        target_decode = create_model_runner(
+        target_decode = create_decode_runner(
             b,
             cap.kind,
             capture_sizes=cap.kwargs["capture_sizes"],

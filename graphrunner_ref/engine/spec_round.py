@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from graphrunner.phases.base import SpecBatch
+from graphrunner.phases import SpecBatch
 
 __all__ = ["RoundState", "SpecRequest", "Verified"]
 

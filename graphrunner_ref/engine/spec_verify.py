@@ -15,10 +15,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.phases.sampled import SampledInputs
-from graphrunner.sampling import SamplingParams, logprobs, rejection_sample, sampling_tensors
-from graphrunner.sampling.speculative import deterministic_probs
+from graphrunner import GraphRunner
+from graphrunner.phases import SampledInputs
+from graphrunner.sampling import (
+    SamplingParams,
+    deterministic_probs,
+    logprobs,
+    rejection_sample,
+    sampling_tensors,
+)
 from graphrunner_ref.engine.drafters import RoundState, SpecRequest, Verified, replay_named
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import host_logprobs

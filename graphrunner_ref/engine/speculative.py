@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from graphrunner.core.runner import GraphRunner
-from graphrunner.sampling import sample_rows
-from graphrunner.sampling.params import check_seed
+from graphrunner import GraphRunner
+from graphrunner.sampling import check_seed, sample_rows
 from graphrunner_ref.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner_ref.engine.loop import AdmissionError
 from graphrunner_ref.engine.ranks import refuse_sharded

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from graphrunner.util.extras import needs_extra
-from graphrunner.util.temp import remove_stale_temps, temp_path
+from graphrunner.util import needs_extra, remove_stale_temps, temp_path
 from graphrunner_ref.io.gguf_meta import GGUFImportError, field, open_gguf
 from graphrunner_ref.io.gguf_tokenizer import write_tokenizer
 from graphrunner_ref.model.config import CheckpointError, ModelConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from graphrunner.util.extras import needs_extra
+from graphrunner.util import needs_extra
 from graphrunner_ref.model.config import CheckpointError
 
 __all__ = ["GGUFImportError", "field", "open_gguf"]

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from graphrunner.util.extras import MissingExtraError, needs_extra
+from graphrunner.util import MissingExtraError, needs_extra
 from graphrunner_ref.io.gguf_meta import GGUFImportError, field
 
 __all__ = ["BYTE_LEVEL_PRE_TOKENIZERS", "write_tokenizer"]

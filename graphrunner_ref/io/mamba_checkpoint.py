@@ -16,13 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphrunner.pools import (
-    HybridReqToTokenPool,
-    KVCache,
-    MambaStatePool,
-    TokenToKVPoolAllocator,
-    whole_pages,
-)
+from graphrunner import KVCache, MambaStatePool, TokenToKVPoolAllocator
+from graphrunner.pools import HybridReqToTokenPool, whole_pages
 from graphrunner_ref.model.config import CheckpointError
 from graphrunner_ref.model.hybrid import HybridLM
 from graphrunner_ref.model.hybrid_config import HybridConfig

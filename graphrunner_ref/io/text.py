@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from graphrunner.util.extras import needs_extra
+from graphrunner.util import needs_extra
 from graphrunner_ref.model.config import CheckpointError
 
 __all__ = [

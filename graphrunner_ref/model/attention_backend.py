@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.core.input_check import host_range
-from graphrunner.declare.buffers import BufferView
-from graphrunner.declare.inputs import StepInputs
+from graphrunner import StepInputs
+from graphrunner.core import host_range
+from graphrunner.declare import BufferView
 from graphrunner_ref.model.attention_live import LiveRows
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.attention_op import PagedRows

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator, whole_pages
+from graphrunner import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from graphrunner.pools import whole_pages
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.llama import LlamaDecoder
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config

@@ -21,10 +21,10 @@ import math
 import torch
 from torch import nn
 
-from graphrunner.declare.inputs import StepInputs
-from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs
-from graphrunner.pools import KVCache
+from graphrunner import KVCache, StepInputs
+from graphrunner.phases import EagleDecodeInputs, EagleExtendInputs, MtpInputs
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, draft_sample
+from graphrunner_ref.model.attention_backend import TorchPagedBackend
 from graphrunner_ref.model.attention_meta import AttnMetadata, attend
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.layers import RMSNorm, SwiGLUMLP
@@ -52,7 +52,28 @@ class _Fusion(nn.Module):
         return self.fc(torch.cat([self.embed_norm(embedded), self.feature_norm(feature)], -1))
 
 
-class EagleHead(nn.Module):
+class _TargetFacts(nn.Module):
+    """What a draft phase reads of a head (:mod:`graphrunner.phases.models`):
+    the target's hidden width and dtype, and its attention backend."""
+
+    @property
+    def target(self) -> LlamaDecoder:
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.target.config.hidden_size)
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.target.model.embed_tokens.weight.dtype
+
+    @property
+    def attn_backend(self) -> TorchPagedBackend:
+        return self.target.attn_backend
+
+
+class EagleHead(_TargetFacts):
     """EAGLE-style draft head (see the module doc).
 
     Args:
@@ -119,7 +140,7 @@ def _slots(target: LlamaDecoder) -> int:
     return int(target.kv_cache.k_buffers[0].shape[0])
 
 
-class FrozenKvMtpHead(nn.Module):
+class FrozenKvMtpHead(_TargetFacts):
     """Multi-token-prediction head reading the target's KV cache, read-only.
 
     Args:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.declare.inputs import StepInputs
-from graphrunner.declare.state_ops import run_state_ops
-from graphrunner.pools.hybrid import HybridReqToTokenPool
+from graphrunner import StepInputs
+from graphrunner.declare import run_state_ops
+from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.model.attention import PagedAttention
 from graphrunner_ref.model.attention_backend import TorchPagedBackend, device_attention
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore

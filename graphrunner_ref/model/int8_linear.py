@@ -7,7 +7,7 @@ keep the model's dtype and ``torch._weight_int8pack_mm`` multiplies them by
 the int8 weights, scaling each output channel. Each output row reads only
 its own input row, so a padded row cannot change a live one. Fast where the
 CPU has AVX-512 or AMX; measured on an AVX2 CPU 10-40x slower than float32
-(:func:`graphrunner.util.cpu_features.int8_weight_only_note`).
+(:func:`graphrunner_ref.model.cpu_features.int8_weight_only_note`).
 
 Activations quantized per call (fbgemm's dynamic int8 linear, fast on AVX2)
 are not offered: they share one scale per tensor, so a padded row's values

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.declare.inputs import StepInputs
-from graphrunner.phases.inputs import VerifyInputs
+from graphrunner import StepInputs
+from graphrunner.phases import VerifyInputs
 from graphrunner_ref.model.attention import PagedAttention
 from graphrunner_ref.model.attention_backend import TorchPagedBackend, device_attention
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore
@@ -181,6 +181,11 @@ class LlamaDecoder(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
         self.to(req_to_token.device).requires_grad_(False)
+
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (the whole vocabulary, every rank)."""
+        return int(self.config.vocab_size)
 
     def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
         """One decode step: logits float32 ``[bs, vocab]`` for the ``bs`` rows of ``inputs``.

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.declare.state_ops import run_state_ops
-from graphrunner.pools.hybrid import HybridReqToTokenPool
+from graphrunner.declare import run_state_ops
+from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.model.config import UnsupportedConfigError
 from graphrunner_ref.model.layers import RMSNorm
 from graphrunner_ref.model.mamba2_mixer import Mamba2Mixer, Mamba2Shape

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.pools.mamba import MambaStatePool
+from graphrunner import MambaStatePool
 from graphrunner_ref.model.layers import RMSNorm
 
 __all__ = [

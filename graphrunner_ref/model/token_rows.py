@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.declare.decode import PER_TOKEN_FIELD_NAMES
-from graphrunner.declare.inputs import StepInputs
+from graphrunner import StepInputs
+from graphrunner.declare import PER_TOKEN_FIELD_NAMES
 
 __all__ = ["TokenRows"]
 

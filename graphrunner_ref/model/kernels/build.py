@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from graphrunner.util.extras import needs_extra
+from graphrunner.util import needs_extra
 
 __all__ = ["jit_or_interpret", "pow2_at_least"]
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from graphrunner.util.extras import needs_extra
+from graphrunner.util import needs_extra
 from graphrunner_ref.model.kernels.build import jit_or_interpret, pow2_at_least
 from graphrunner_ref.model.kernels.pdl import check_device, triton_launch
 

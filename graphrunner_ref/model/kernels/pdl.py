@@ -18,7 +18,7 @@ so the next kernel's launch and prologue overlap this one's work.
 Off by default (the measured path): :func:`triton_launch` gives a launch's
 keyword arguments. Between our kernels inductor's run with plain launches,
 which wait for everything before them, so the chain stays ordered.
-:data:`INDUCTOR_OPTIONS` (``create_model_runner(..., inductor_options=...)``)
+:data:`INDUCTOR_OPTIONS` (``create_decode_runner(..., inductor_options=...)``)
 launches inductor's kernels programmatically too, with inductor's own
 placement of the waits (before reading what the previous kernel wrote, or
 after its first load): not this module's contract, since a kernel of its
