@@ -17,13 +17,13 @@ import torch
 from graphrunner.core.capture import capture_all
 from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
+from graphrunner.core.observers import Observers, StepObserver
 from graphrunner.core.phase import Phase
 from graphrunner.core.replay import (
     Graph,
     GraphKey,
     NotCapturedError,
     batch_size_of,
-    launch_padded,
     run_eager,
 )
 from graphrunner.core.runner_setup import (
@@ -45,6 +45,7 @@ from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
 from graphrunner.sizing.sizes import pad_to
+from graphrunner.util import nvtx
 from graphrunner.util.exclusive import Exclusive
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
@@ -132,7 +133,8 @@ class GraphRunner:
         self.mechanism.bind_buffers(self.buffers)
         #: Who writes the buffers at replay: the mechanism's writer, or the torch one.
         self.writer: PopulateWriter = self.mechanism.populate_writer or TorchWriter(self.buffers)
-        self.sanitizer = sanitizer
+        #: The sanitizer and NVTX ranges that observe each replay.
+        self._observers = Observers(sanitizer)
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
@@ -140,8 +142,6 @@ class GraphRunner:
         self._launchers: dict[GraphKey, Launcher] = {}
         self._graph_for: dict[int, Graph] = {}  # raw size -> the graph it replays
         self._warned_fallback = False
-        # The last step's outputs, poisoned at the next step when sanitized.
-        self._held: Outputs | None = None
         self.state_ops = check_state_ops(state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
         self.width = width
@@ -232,45 +232,72 @@ class GraphRunner:
         :meth:`capture`, a :class:`~graphrunner.core.replay.NotCapturedError`;
         a second thread inside, a :class:`~graphrunner.util.exclusive.ConcurrentUseError`.
         Runs under ``no_grad``.
+
+        The step, in order: the input checks (O(1) for inputs validated where
+        they were made or on an earlier replay), the recorded state ops, one
+        staged write of the live rows and the pad values, the backend's
+        metadata, the launch, the slice to the live rows, the count. The
+        sanitizer and NVTX ranges observe it (:mod:`graphrunner.core.observers`).
         """
-        self._exclusive.enter()  # two threads would interleave on the static buffers
+        exclusive = self._exclusive
+        exclusive.enter()  # two threads would interleave on the static buffers
+        observer = self._observers.watched if nvtx.active() else self._observers.plain
+        grad = torch.is_grad_enabled()  # an engine's loop under no_grad skips the switch
         try:
-            return self._replay(inputs)
+            if grad:
+                torch.set_grad_enabled(False)
+            raw_bs = getattr(inputs, "batch_size", None)
+            if type(raw_bs) is not int or raw_bs < 1:
+                raw_bs = batch_size_of(inputs)  # raises, naming what is wrong
+            graph = self._graph_for.get(raw_bs)  # None: not captured, or above every size
+            if graph is None or self._width_field is not None:
+                reason = self._eager_reason(inputs, raw_bs, graph)
+                if reason is not None:
+                    return self._replay_eager(inputs, raw_bs, reason, observer)
+            assert graph is not None  # a graph, or a reason above
+            bs = graph.bs
+            if observer is not None:
+                observer.begin(f"replay bs={bs}")
+            full = observer is not None and observer.full_checks
+            sources = self.input_gate.sources(inputs, raw_bs, self.backend, full=full)
+            if self.state_ops is not None:  # most runners record none: skip the call
+                self.state_ops_run += run_state_ops(self.state_ops)
+            if observer is not None:
+                observer.before_write(bs)
+            ops = self.writer.write(sources, raw_bs, bs)
+            if observer is not None:
+                observer.after_write()
+            backend = self.backend
+            if type(backend) is not NullBackend:  # the no-op one is not called
+                backend.init_replay_metadata(bs, raw_bs, graph.view, inputs)
+            if observer is not None:
+                observer.before_launch(self.buffers, inputs, raw_bs, bs)
+            out = self.outputs.live(graph.launcher(), raw_bs)
+            if observer is not None:
+                observer.after_launch(out)
+            self.stats.count_replay(raw_bs, bs, ops)
+            self.batch_sizes.add(raw_bs)
+            return out
         finally:
-            self._exclusive.leave()
+            if grad:
+                torch.set_grad_enabled(True)
+            if observer is not None:
+                observer.end()
+            exclusive.leave()
 
-    def _replay(self, inputs: ReplayInputs) -> Outputs:
-        raw_bs = batch_size_of(inputs)
-        graph = self._graph_for.get(raw_bs)  # None: not captured, or above every size
-        if graph is None and not self._graph_for:
-            name = type(self).__name__
-            raise NotCapturedError(f"{name} is not captured (batch of {raw_bs}); call capture()")
-        reason = None  # the common step (a captured size, one width) asks nothing more
-        if graph is None or self._width_field is not None:
-            reason = self.eager_reason(inputs, raw_bs)
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                out = self._step(inputs, raw_bs, graph, reason)
-        else:  # an engine's loop under no_grad / inference_mode: skip the context
-            out = self._step(inputs, raw_bs, graph, reason)
-        self.batch_sizes.add(raw_bs)
-        if self.sanitizer is not None:
-            self._held = out
-        return out
+    @property
+    def sanitizer(self) -> PaddingSanitizer | None:
+        """The padding sanitizer checking every replay, or None; settable
+        (its observer is rebuilt)."""
+        return self._observers.sanitizer
 
-    def _step(
-        self, inputs: ReplayInputs, raw_bs: int, graph: Graph | None, reason: str | None
-    ) -> Outputs:
-        if graph is None or reason is not None:  # no graph: above every size (a reason)
-            return self._replay_eager(inputs, raw_bs, str(reason))
-        out, ops = launch_padded(self, graph, inputs, raw_bs, self._held)
-        self.stats.count_replay(raw_bs, graph.bs, ops)
-        return out
+    @sanitizer.setter
+    def sanitizer(self, sanitizer: PaddingSanitizer | None) -> None:
+        self._observers = Observers(sanitizer)
 
     def pre_launch(self) -> None:
-        """The runner-owned pre-launch step, run by both launch paths once the
-        step's inputs passed their checks: the recorded state ops, once per step."""
-        if self.state_ops is not None:  # most runners record none: skip the call
+        """The runner-owned pre-launch step: the recorded state ops, once per step."""
+        if self.state_ops is not None:
             self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:
@@ -291,7 +318,15 @@ class GraphRunner:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
         return width_reason(inputs, self._width_field, self.width, raw_bs)
 
-    def _replay_eager(self, inputs: ReplayInputs, raw_bs: int, reason: str) -> Outputs:
+    def _eager_reason(self, inputs: ReplayInputs, raw_bs: int, graph: Graph | None) -> str | None:
+        if graph is None and not self._graph_for:
+            name = type(self).__name__
+            raise NotCapturedError(f"{name} is not captured (batch of {raw_bs}); call capture()")
+        return self.eager_reason(inputs, raw_bs)
+
+    def _replay_eager(
+        self, inputs: ReplayInputs, raw_bs: int, reason: str, observer: StepObserver | None
+    ) -> Outputs:
         def warn_once() -> None:
             if not self._warned_fallback:
                 self._warned_fallback = True
@@ -301,6 +336,7 @@ class GraphRunner:
                 )
 
         same = width_reason(inputs, self._width_field, self.width, raw_bs) is None
-        out = run_eager(self, inputs, raw_bs, warn_once, self._held, same_width=same)
+        out = run_eager(self, inputs, raw_bs, warn_once, observer, same_width=same)
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
+        self.batch_sizes.add(raw_bs)
         return out

@@ -100,5 +100,5 @@ def graph_table(
     table = {}
     for raw_bs in range(1, sizes[-1] + 1):
         key = GraphKey(pad_to(sizes, raw_bs), width)
-        table[raw_bs] = Graph(key, keyed[key], buffers.view(key.bs))
+        table[raw_bs] = Graph(key, keyed[key], buffers.view(key.bs), key.bs)
     return keyed, table

@@ -49,6 +49,7 @@ __all__ = [
     "GuardedTensor",
     "PaddingSanitizer",
     "PaddingViolation",
+    "ReplayCheck",
     "SanitizerStats",
     "SlotOwner",
     "check_finite",
@@ -182,9 +183,9 @@ class PaddingSanitizer:
 
     def before_launch(
         self, buffers: StaticBuffers, inputs: object, raw_bs: int, bs: int
-    ) -> _ReplayCheck:
+    ) -> ReplayCheck:
         """Check tails, then everything :meth:`snapshot` checks; snapshot guarded
-        state for :meth:`_ReplayCheck.after_launch`."""
+        state for :meth:`ReplayCheck.after_launch`."""
         start = time.perf_counter()
         check_tails(buffers, raw_bs, bs)
         self.stats.seconds += time.perf_counter() - start
@@ -196,7 +197,7 @@ class PaddingSanitizer:
         raw_bs: int | None = None,
         *,
         specs: Sequence[BufferSpec] | None = None,
-    ) -> _ReplayCheck:
+    ) -> ReplayCheck:
         """Check the pools, the live index values and the writer indices, and
         snapshot the guarded state. The eager fallback, which has no padded
         tails, starts its check here. ``raw_bs`` defaults to ``inputs.batch_size``;
@@ -214,7 +215,7 @@ class PaddingSanitizer:
                 self._value_specs = DEFAULT_VALUE_SPECS
         for guard in self.guarded:
             check_writers(guard, inputs)
-        check = _ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])
+        check = ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])
         self.stats.seconds += time.perf_counter() - start
         return check
 
@@ -238,7 +239,7 @@ def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class _ReplayCheck:
+class ReplayCheck:
     """One replay's snapshot of the guarded state, taken before launch."""
 
     sanitizer: PaddingSanitizer

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
-from graphrunner.writers.plan import CopyGroup, Plan, PopulateError, StagedPack, plan_for
+from graphrunner.writers.plan import CopyGroup, Plan, PopulateError, plan_for
 
 __all__ = [
     "PopulateError",
@@ -145,41 +145,33 @@ class TorchWriter:
 
 def _write_planned(plan: Plan, sources: Sequence[torch.Tensor]) -> int:
     # Without grad, an input with autograd history (hidden states from a
-    # grad-enabled forward) is copied as data instead of failing halfway through
-    # the writes. Replay already runs under no_grad: skip the ~2 us context then.
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            _write(plan, sources)
-    else:
-        _write(plan, sources)
-    return plan.device_ops
-
-
-def _write(plan: Plan, sources: Sequence[torch.Tensor]) -> None:
+    # grad-enabled forward) is copied as data instead of failing halfway
+    # through the writes. Replay already runs under no_grad: no switch then.
     # A host source is copied as torch copies it without blocking: from
     # pageable memory the call returns once the bytes are staged; from pinned
     # memory the copy runs later on the stream, so the caller must not rewrite
     # a pinned source before the step has run (the fused writers copy host
     # sources into their own ring instead, and have no such rule).
-    for pack in plan.staged:
-        _staged_write(pack, sources)
-    if plan.copies:
+    grad = torch.is_grad_enabled()
+    if grad:
+        torch.set_grad_enabled(False)
+    try:
+        for pack in plan.staged:  # each pack in one ``cat`` (and one copy out of staging)
+            parts = pack.parts
+            if pack.take is not None:
+                parts = parts.copy()
+                parts[pack.live] = pack.take(sources)
+            torch.cat(parts, out=pack.out)
+            if pack.dst is not None:
+                pack.dst[0].copy_(pack.dst[1])
         for group in plan.copies:
             _copy(group, sources)
-    if plan.gathers:
         for live in plan.gathers:  # after the copies, on the same stream
             resolve_futures(live, plan.future)
-
-
-def _staged_write(pack: StagedPack, sources: Sequence[torch.Tensor]) -> None:
-    """One pack in one ``cat`` (and one copy out of staging below its largest size)."""
-    parts = pack.parts
-    if pack.take is not None:
-        parts = parts.copy()
-        parts[pack.live] = pack.take(sources)
-    torch.cat(parts, out=pack.out)
-    if pack.dst is not None:
-        pack.dst[0].copy_(pack.dst[1])
+    finally:
+        if grad:
+            torch.set_grad_enabled(True)
+    return plan.device_ops
 
 
 def _copy(group: CopyGroup, sources: Sequence[torch.Tensor]) -> None:

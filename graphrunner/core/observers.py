@@ -1,0 +1,195 @@
+"""Observers of a replay: the padding sanitizer and NVTX ranges watch the one
+step order of :meth:`graphrunner.GraphRunner.replay` through these hooks; they
+are not second copies of it.
+
+A replay calls, in order: :meth:`~StepObserver.begin`, then (inputs checked,
+state ops run) :meth:`~StepObserver.before_write` and
+:meth:`~StepObserver.after_write` around populate, then (backend metadata set)
+:meth:`~StepObserver.before_launch` and :meth:`~StepObserver.after_launch`
+around the launch, and :meth:`~StepObserver.end` always, last (also after an
+error). The plain replay has no observer and pays one ``is None`` test a hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.outputs import Outputs, poison_outputs
+from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
+from graphrunner.util import nvtx
+
+__all__ = ["NvtxRanges", "Observers", "SanitizedSteps", "StepObserver"]
+
+
+class StepObserver:
+    """No-op hooks; an observer overrides those it needs."""
+
+    #: Whether the inputs are checked in full on every replay (else once).
+    full_checks = False
+
+    def begin(self, name: str) -> None:
+        """A step named ``name`` (``"replay bs=8"``, ``"eager bs=70"``) starts."""
+
+    def before_write(self, bs: int) -> None:
+        """Populate of a size-``bs`` graph is about to write the buffers."""
+
+    def after_write(self) -> None:
+        """Populate wrote the buffers."""
+
+    def before_launch(
+        self,
+        buffers: StaticBuffers,
+        inputs: object,
+        raw_bs: int,
+        bs: int | None,
+        specs: Sequence[BufferSpec] | None = None,
+    ) -> None:
+        """The step is about to launch: ``bs`` the padded size, None for the
+        eager path (no padded rows; ``specs`` the declarations its inputs follow)."""
+
+    def after_launch(self, outputs: Outputs) -> None:
+        """The launch returned the live rows' ``outputs``."""
+
+    def end(self) -> None:
+        """The step ended (returned or raised)."""
+
+
+class NvtxRanges(StepObserver):
+    """Named NVTX ranges (and torch profiler ranges): the step, populate, launch."""
+
+    def __init__(self) -> None:
+        self._open: list[object] = []
+
+    def _push(self, name: str) -> None:
+        scope = nvtx.range(name)
+        scope.__enter__()
+        self._open.append(scope)
+
+    def _pop(self) -> None:
+        self._open.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
+
+    def begin(self, name: str) -> None:
+        self._push(name)
+
+    def before_write(self, bs: int) -> None:
+        self._push(f"populate bs={bs}")
+
+    def after_write(self) -> None:
+        self._pop()
+
+    def before_launch(
+        self,
+        buffers: StaticBuffers,
+        inputs: object,
+        raw_bs: int,
+        bs: int | None,
+        specs: Sequence[BufferSpec] | None = None,
+    ) -> None:
+        if bs is not None:
+            self._push(f"launch bs={bs}")
+
+    def after_launch(self, outputs: Outputs) -> None:
+        if len(self._open) > 1:
+            self._pop()
+
+    def end(self) -> None:
+        while self._open:  # balanced even when the step raised
+            self._pop()
+
+
+class SanitizedSteps(StepObserver):
+    """The padding sanitizer around each step: inputs checked in full, tails,
+    live indexes and guarded state checked before the launch, guarded state
+    and finite outputs after it; the previous step's outputs poisoned, so one
+    held past the next replay fails as an overwritten graph output would."""
+
+    full_checks = True
+
+    def __init__(self, sanitizer: PaddingSanitizer) -> None:
+        self.sanitizer = sanitizer
+        self._check: ReplayCheck | None = None
+        self._held: Outputs | None = None
+
+    def before_launch(
+        self,
+        buffers: StaticBuffers,
+        inputs: object,
+        raw_bs: int,
+        bs: int | None,
+        specs: Sequence[BufferSpec] | None = None,
+    ) -> None:
+        if bs is None:
+            self._check = self.sanitizer.snapshot(inputs, raw_bs, specs=specs)
+        else:
+            self._check = self.sanitizer.before_launch(buffers, inputs, raw_bs, bs)
+        if self._held is not None:  # poison what the last step returned, not this step's inputs
+            fields = [getattr(inputs, s.name, None) for s in buffers.specs]
+            spare = [*buffers.tensors.values(), *(t for t in fields if isinstance(t, torch.Tensor))]
+            poison_outputs(self._held, spare)
+
+    def after_launch(self, outputs: Outputs) -> None:
+        check, self._check = self._check, None
+        if check is not None:
+            check.after_launch(outputs)
+        self._held = outputs
+
+    def end(self) -> None:
+        self._check = None
+
+
+class _Both(StepObserver):
+    """The sanitizer and NVTX ranges together."""
+
+    full_checks = True
+
+    def __init__(self, ranges: NvtxRanges, sanitized: SanitizedSteps) -> None:
+        self.parts = (ranges, sanitized)
+
+    def begin(self, name: str) -> None:
+        for part in self.parts:
+            part.begin(name)
+
+    def before_write(self, bs: int) -> None:
+        for part in self.parts:
+            part.before_write(bs)
+
+    def after_write(self) -> None:
+        for part in self.parts:
+            part.after_write()
+
+    def before_launch(
+        self,
+        buffers: StaticBuffers,
+        inputs: object,
+        raw_bs: int,
+        bs: int | None,
+        specs: Sequence[BufferSpec] | None = None,
+    ) -> None:
+        for part in self.parts:
+            part.before_launch(buffers, inputs, raw_bs, bs, specs)
+
+    def after_launch(self, outputs: Outputs) -> None:
+        for part in self.parts:
+            part.after_launch(outputs)
+
+    def end(self) -> None:
+        for part in reversed(self.parts):
+            part.end()
+
+
+class Observers:
+    """A runner's observers: its NVTX ranges (taken while a tool or a profiler
+    watches, :func:`graphrunner.util.nvtx.active`) and its sanitizer's checks.
+
+    ``plain`` is the observer of a replay nobody profiles (None without a
+    sanitizer), ``watched`` the one of a profiled replay."""
+
+    def __init__(self, sanitizer: PaddingSanitizer | None) -> None:
+        ranges = NvtxRanges()
+        sanitized = None if sanitizer is None else SanitizedSteps(sanitizer)
+        self.sanitizer = sanitizer
+        self.plain: StepObserver | None = sanitized
+        self.watched: StepObserver = ranges if sanitized is None else _Both(ranges, sanitized)
