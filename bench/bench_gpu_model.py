@@ -13,7 +13,7 @@ in bfloat16, every row holding ``--context`` cached tokens, one step at batch
   ``"all_heads"`` split launch;
 - ``graph+compile+triton+gemv``: ``graph+compile+triton`` whose steps of at
   most 16 rows run the Triton small-batch linears
-  (:func:`~graphrunner_ref.model.small_batch.use_small_batch_linears`);
+  (:func:`~graphrunner_ref.model.llama.use_small_batch_linears`);
 - ``graph+compile+triton+pdl`` and ``graph+compile+triton+gemv+pdl``: those
   two with our Triton kernels (attention, small-batch linears) launched
   programmatically (:mod:`graphrunner_ref.model.programmatic_launch`);
@@ -51,8 +51,8 @@ from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
 from graphrunner_ref.model.kernels.gemv import MAX_ROWS
 from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS
+from graphrunner_ref.model.llama import use_small_batch_linears
 from graphrunner_ref.model.programmatic_launch import use_programmatic_launch
-from graphrunner_ref.model.small_batch import use_small_batch_linears
 
 RESULTS_DIR = Path(__file__).parent / "results"
 #: The step table's columns; the last is the logits' largest difference from

@@ -106,7 +106,7 @@ def test_on_cuda_the_one_wait_per_launch_is_the_only_sync(monkeypatch: pytest.Mo
         bundle, "cuda", capture_sizes=[2, 4], steps_per_launch=4, future_map=future
     )
     runner.capture()
-    real_wait, waits = ov._HostCopy.wait, []
+    real_wait, waits = ov.HostCopy.wait, []
 
     def wait_allowed(self: Any) -> list[int]:
         waits.append(1)
@@ -116,7 +116,7 @@ def test_on_cuda_the_one_wait_per_launch_is_the_only_sync(monkeypatch: pytest.Mo
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(ov._HostCopy, "wait", wait_allowed)
+    monkeypatch.setattr(ov.HostCopy, "wait", wait_allowed)
     engine = Engine(bundle, runner, overlap=True, steps_per_launch=4)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -200,7 +200,7 @@ def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyP
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
     runner = create_decode_runner(bundle, "cuda", capture_sizes=[2, 4], future_map=future)
     runner.capture()
-    real_wait, waits = ov._HostCopy.wait, []
+    real_wait, waits = ov.HostCopy.wait, []
 
     def wait_allowed(self: object) -> list[int]:
         waits.append(1)
@@ -210,7 +210,7 @@ def test_overlap_syncs_only_at_the_one_wait_per_step(monkeypatch: pytest.MonkeyP
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(ov._HostCopy, "wait", wait_allowed)
+    monkeypatch.setattr(ov.HostCopy, "wait", wait_allowed)
     engine = Engine(bundle, runner, overlap=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

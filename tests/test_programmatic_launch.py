@@ -24,9 +24,8 @@ from graphrunner_ref.model import LlamaDecoder, default_model
 from graphrunner_ref.model.kernels.decode_attention import decode_attention
 from graphrunner_ref.model.kernels.gemv import gemv
 from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS, triton_launch
-from graphrunner_ref.model.llama import LlamaDecoderLayer
+from graphrunner_ref.model.llama import LlamaDecoderLayer, use_small_batch_linears
 from graphrunner_ref.model.programmatic_launch import use_programmatic_launch
-from graphrunner_ref.model.small_batch import use_small_batch_linears
 from hf_tiny import hf_greedy, save_tiny_llama
 
 

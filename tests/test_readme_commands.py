@@ -1,4 +1,5 @@
-"""Every command in the README's ``sh`` code blocks runs as written.
+"""Every command in the ``sh`` code blocks of the README and of the pages
+under ``docs/`` (all but ``design.md``) runs as written.
 
 Each block runs as one script (``bash -euo pipefail``) in a fresh shell, its
 commands in order, and must exit 0. The shell starts in a scratch copy of the
@@ -10,7 +11,8 @@ the checkout.
 The rule for what runs when: a block runs in the default suite unless the
 line right before its fence is a marker ``<!-- commands: KIND -->``:
 
-- ``quick-start``: the ``make`` targets of the quick start; never run here.
+- ``quick-start``: the ``make`` targets of the README's quick start (one
+  block, in the README only); never run here.
 - ``slow``: longer than a few seconds on a CPU (captures that compile, a
   whole demo); runs only with ``GRAPHRUNNER_SLOW=1``.
 - ``gpu``: needs a CUDA device (``--runner cuda``, ``--model 1.1b``, the GPU
@@ -39,6 +41,9 @@ from conftest import SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The pages whose commands run: the README and every docs page but the
+#: design notes.
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")]
 KINDS = ("default", "quick-start", "slow", "gpu", "manual")
 GPU_COMMANDS = re.compile(r"--runner cuda|--model 1\.1b|bench_gpu|bench_replay_host(?! --cpu)")
 NETWORK_COMMANDS = re.compile(r"pip install|pip download|curl |wget |\.gguf\b|hf download")
@@ -46,18 +51,19 @@ NETWORK_COMMANDS = re.compile(r"pip install|pip download|curl |wget |\.gguf\b|hf
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # the fence's line in the README, 1-based
+    page: Path
+    line: int  # the fence's line in the page, 1-based
     kind: str
     script: str
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.kind}"
+        return f"{self.page.relative_to(ROOT)}:{self.line}:{self.kind}"
 
 
-def readme_blocks() -> list[Block]:
-    """Every ``sh`` block of the README with its marker's kind."""
-    lines = README.read_text().splitlines()
+def page_blocks(page: Path) -> list[Block]:
+    """Every ``sh`` block of ``page`` with its marker's kind."""
+    lines = page.read_text().splitlines()
     blocks = []
     for i, line in enumerate(lines):
         if line.strip() not in ("```sh", "```bash", "```shell"):
@@ -65,8 +71,13 @@ def readme_blocks() -> list[Block]:
         marker = re.fullmatch(r"<!-- commands: ([a-z-]+)( \(.+\))? -->", lines[i - 1].strip())
         kind = marker.group(1) if marker else "default"
         end = lines.index("```", i + 1)
-        blocks.append(Block(i + 1, kind, "\n".join(lines[i + 1 : end]) + "\n"))
+        blocks.append(Block(page, i + 1, kind, "\n".join(lines[i + 1 : end]) + "\n"))
     return blocks
+
+
+def readme_blocks() -> list[Block]:
+    """Every ``sh`` block of the README and the docs pages, page by page."""
+    return [block for page in PAGES for block in page_blocks(page)]
 
 
 BLOCKS = readme_blocks()
@@ -75,9 +86,26 @@ BLOCKS = readme_blocks()
 def test_every_block_is_marked_by_the_rule() -> None:
     assert [b for b in BLOCKS if b.kind not in KINDS] == []
     assert [b.kind for b in BLOCKS].count("quick-start") == 1
+    assert [b.page for b in BLOCKS if b.kind == "quick-start"] == [README]
+    assert [b.id for b in BLOCKS if b.kind == "manual" and not _reason(b)] == []
     assert [b.id for b in BLOCKS if GPU_COMMANDS.search(b.script) and b.kind != "gpu"] == []
     assert [b.id for b in BLOCKS if NETWORK_COMMANDS.search(b.script) and b.kind != "manual"] == []
     assert any(b.kind == "default" for b in BLOCKS)
+
+
+def _reason(block: Block) -> str:
+    """The ``(why)`` of a block's marker."""
+    lines = block.page.read_text().splitlines()
+    marker = re.fullmatch(r"<!-- commands: [a-z-]+ \((.+)\) -->", lines[block.line - 2].strip())
+    return marker.group(1) if marker else ""
+
+
+def test_the_docs_pages_have_blocks_of_their_own() -> None:
+    """The blocks moved with their sections: the README keeps the quick start
+    and the install, the pages the rest."""
+    assert len(PAGES) > 1 and all(p.exists() for p in PAGES)
+    assert any(b.page != README and b.kind == "default" for b in BLOCKS)
+    assert {b.page for b in BLOCKS} > {README}
 
 
 def _scratch(tmp_path: Path) -> Path:

@@ -24,8 +24,9 @@ from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model.kernels.gemv import MAX_ROWS, choose_blocks, gemv, reference
+from graphrunner_ref.model.llama import use_small_batch_linears
 from graphrunner_ref.model.quantize import quantize_model
-from graphrunner_ref.model.small_batch import small_batch_linear, use_small_batch_linears
+from graphrunner_ref.model.small_batch import small_batch_linear
 from hf_tiny import hf_greedy, save_tiny_llama
 from hopper import compile_for_hopper
 

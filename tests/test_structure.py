@@ -8,6 +8,7 @@ import ast
 import typing
 from pathlib import Path
 
+import pytest
 import torch
 
 import graphrunner
@@ -65,16 +66,18 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, *, type_only_too: bool = False) -> set[str]:
     """graphrunner modules ``path`` imports, anywhere in it (function-local
     imports included: a lazy import hides a cycle, it does not remove it),
-    TYPE_CHECKING-only imports left out."""
+    TYPE_CHECKING-only imports left out unless ``type_only_too``."""
     known = {_module_name(p) for p in MODULES}
     tree = ast.parse(path.read_text())
     type_only = {
         id(n)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if not type_only_too
+        and isinstance(node, ast.If)
+        and "TYPE_CHECKING" in ast.unparse(node.test)
         for n in ast.walk(node)
     }
     found = set()
@@ -90,8 +93,11 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_import_cycle_inside_the_package():
-    graph = {_module_name(p): _imports(p) for p in MODULES}
+@pytest.mark.parametrize("type_only_too", [False, True], ids=["runtime", "with-type-only"])
+def test_no_import_cycle_inside_the_package(type_only_too: bool):
+    """No cycle, not even through a TYPE_CHECKING import (a type-only import
+    hides a cycle of concepts, it does not remove it)."""
+    graph = {_module_name(p): _imports(p, type_only_too=type_only_too) for p in MODULES}
     graph.pop("graphrunner")  # the public API imports everything; the library never imports it
     graph.pop("graphrunner_ref")
     library = {m: deps for m, deps in graph.items() if m.split(".")[0] == "graphrunner"}
@@ -236,3 +242,18 @@ def test_no_module_imports_a_layer_above_its_own():
             if dep in TOP_LEVEL or rank[_layer(dep)] > rank[_layer(module)]:
                 upward.append(f"{module} -> {dep}")
     assert upward == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A ``_name`` stays in its module: what modules share is public."""
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {alias.name} from {node.module}"
+        for path in MODULES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.split(".")[0] in {"graphrunner", "graphrunner_ref"}
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert offenders == []

@@ -18,8 +18,8 @@ from graphrunner_ref.engine.launch import join_group
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request, synthetic_trace
 from graphrunner_ref.model import default_model
+from graphrunner_ref.model.llama import use_small_batch_linears
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
-from graphrunner_ref.model.small_batch import use_small_batch_linears
 
 ALONE = TensorParallel(0, 1, communicate_alone=True)
 

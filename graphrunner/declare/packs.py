@@ -14,14 +14,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:  # the specs' module allocates through this one
-    from graphrunner.declare.buffers import BufferSpec
+__all__ = ["BufferPack", "PackedSpec", "allocate_packed"]
 
-__all__ = ["BufferPack", "allocate_packed"]
+
+class PackedSpec(Protocol):
+    """What packing reads of a buffer declaration (a
+    :class:`~graphrunner.declare.buffers.BufferSpec`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def rows_per_request(self) -> int: ...
+    @property
+    def extra_shape(self) -> tuple[int, ...]: ...
+    def rows(self, bs: int) -> int: ...
+
+
+Spec = TypeVar("Spec", bound=PackedSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +55,11 @@ class BufferPack:
 
 
 def allocate_packed(
-    specs: Sequence[BufferSpec], max_bs: int, device_of: Callable[[BufferSpec], torch.device]
+    specs: Sequence[Spec], max_bs: int, device_of: Callable[[Spec], torch.device]
 ) -> tuple[dict[str, torch.Tensor], tuple[BufferPack, ...]]:
     """One zeroed allocation per layout; every spec's buffer a row of its
     pack. Returns the buffers by name (declaration order) and the packs."""
-    layouts: dict[tuple[object, ...], list[BufferSpec]] = {}
+    layouts: dict[tuple[object, ...], list[Spec]] = {}
     for spec in specs:
         key = (device_of(spec), spec.dtype, spec.rows_per_request, spec.extra_shape)
         layouts.setdefault(key, []).append(spec)

@@ -4,37 +4,54 @@ requests were promised), each with its first token."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-from graphrunner_ref.engine.results import AdmissionError, _Live, _Run
+from graphrunner_ref.engine.results import AdmissionError, LiveRequest, Run
 from graphrunner_ref.engine.sampling import check_greedy, seed_of
+from graphrunner_ref.engine.steps import EngineSteps
 from graphrunner_ref.engine.workload import Request, check_trace
 
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
-
-__all__ = ["admit", "validate_trace"]
+__all__ = ["Admission"]
 
 
-def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
-    """Prefill ``run``'s arrived requests in order while they fit; returns each
-    with its first token (a 0-d device tensor: drawn by its sampling
-    parameters when the engine samples, else the argmax). Raises
-    :class:`AdmissionError` when nothing runs and the next one can never fit.
-    ``engine.admission`` (when not None) turns the count that fits into the
-    count admitted: a sharded model's ranks admit rank 0's
-    (:func:`~graphrunner_ref.engine.ranks.rank0_admits`)."""
+class Admission:
+    """The engine's admission: which arrived requests join, and their prefill.
+
+    Args:
+        engine: the step operations and facts it reads (the engine).
+        agree: turns the count that fits into the count admitted (a sharded
+            model's ranks admit rank 0's,
+            :func:`~graphrunner_ref.engine.ranks.rank0_admits`), or None.
+    """
+
+    def __init__(self, engine: EngineSteps, agree: Callable[[int], int] | None = None) -> None:
+        self.engine = engine
+        self.agree = agree
+
+    def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
+        """Prefill ``run``'s arrived requests in order while they fit; returns
+        each with its first token (a 0-d device tensor: drawn by its sampling
+        parameters when the engine samples, else the argmax). Raises
+        :class:`AdmissionError` when nothing runs and the next one can never fit."""
+        count = _fitting(self.engine, run)
+        if self.agree is not None:
+            count = self.agree(count)
+        return _prefill(self.engine, run, count)
+
+    def validate(self, trace: Sequence[Request]) -> None:
+        """``trace`` checked before a run: valid requests, each fitting the
+        context and the KV pool, greedy unless the engine samples."""
+        _validate_trace(self.engine, trace)
+
+
+def _prefill(engine: EngineSteps, run: Run, count: int) -> list[tuple[LiveRequest, torch.Tensor]]:
     b, pending = engine.bundle, run.pending
-    joining: list[tuple[_Live, torch.Tensor]] = []
-    count = _fitting(engine, run)
-    if engine.admission is not None:
-        count = engine.admission(count)
+    joining: list[tuple[LiveRequest, torch.Tensor]] = []
     for _ in range(count):
         req = pending.popleft()
-        live = _Live(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
+        live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
         run.held[req.rid] = live
         if engine.logprobs:
             run.logprobs[req.rid] = live.logprobs
@@ -49,7 +66,7 @@ def admit(engine: Engine, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
     return joining
 
 
-def _fitting(engine: Engine, run: _Run) -> int:
+def _fitting(engine: EngineSteps, run: Run) -> int:
     """How many of the arrived requests, in order, fit: a free request row
     each, KV pages for its whole budget beside what the running requests were
     promised, and a row of the runner's largest batch."""
@@ -75,14 +92,12 @@ def _fitting(engine: Engine, run: _Run) -> int:
     return count
 
 
-def _kv_amount(engine: Engine, slots: int) -> str:
+def _kv_amount(engine: EngineSteps, slots: int) -> str:
     page = engine.bundle.page_size
     return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
 
 
-def validate_trace(engine: Engine, trace: Sequence[Request]) -> None:
-    """``trace`` checked before a run: valid requests, each fitting the
-    context and the KV pool, greedy unless the engine samples."""
+def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
     ctx, kv_room = engine.bundle.max_context_len, engine.bundle.kv_alloc.size
     check_trace(trace, engine.bundle.config.vocab_size)
     if not engine.sampling:

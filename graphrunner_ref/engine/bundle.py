@@ -202,7 +202,9 @@ def create_decode_runner(
             "layers; expected future_map=None"
         )
     if steps > 1:
-        phase = multistep_phase_of(step, steps, end_token, future_map, logprobs, sampling)
+        phase = multistep_phase_of(
+            step.forward, step.backend, step.mamba, steps, end_token, future_map, logprobs, sampling
+        )
     else:
         phase = decode_phase(
             step.forward,

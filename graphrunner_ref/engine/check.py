@@ -1,29 +1,56 @@
 """The engine's check mode: every decode step also run by the eager forward and
 compared (logits, and the KV cache outside the live rows' new slots); a launch
-of several decode steps (:func:`checked_launch`) against that many single
+of several decode steps (:meth:`CheckMode.launch`) against that many single
 eager steps of its running rows (tokens too)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from graphrunner import DecodeBatch, KVCache
 from graphrunner.phases import SpecBatch
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample_rows
-from graphrunner_ref.engine.results import EngineStats, _Live
+from graphrunner_ref.engine.results import EngineStats, LiveRequest
 from graphrunner_ref.engine.sampling import StepOut, logits_of
+from graphrunner_ref.engine.steps import EngineSteps
 
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
+__all__ = ["CheckMode"]
 
-__all__ = ["checked_launch", "checked_replay"]
+
+class CheckMode:
+    """The engine's check mode (``Engine(check=True)``): each step, or each
+    launch of several steps, also run eagerly and compared into the run's
+    :class:`~graphrunner_ref.engine.results.EngineStats`.
+
+    Args:
+        engine: the step operations and facts it reads (the engine).
+    """
+
+    def __init__(self, engine: EngineSteps) -> None:
+        self.engine = engine
+
+    def replay(
+        self, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
+    ) -> StepOut:
+        """One decode step checked (see :func:`checked_replay`)."""
+        return checked_replay(self.engine, batch, stats, live)
+
+    def launch(
+        self,
+        inputs: Any,
+        budgets: list[int],
+        stats: EngineStats,
+        replay: Callable[[], StepOut],
+    ) -> StepOut:
+        """A launch of several steps checked (see :func:`checked_launch`)."""
+        return checked_launch(self.engine, inputs, budgets, stats, replay)
 
 
 def checked_replay(
-    engine: Engine, batch: DecodeBatch, stats: EngineStats, live: Sequence[_Live] = ()
+    engine: EngineSteps, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
 ) -> StepOut:
     """Eager reference first, then the runner, on the same prepared batch
     (``live[i]`` its row ``i``); returns the runner's output (its logits
@@ -54,7 +81,7 @@ def checked_replay(
 
 
 def checked_launch(
-    engine: Engine,
+    engine: EngineSteps,
     inputs: Any,
     budgets: list[int],
     stats: EngineStats,
@@ -92,7 +119,7 @@ def checked_launch(
 
 
 def _eager_steps(
-    engine: Engine, inputs: Any, budgets: list[int]
+    engine: EngineSteps, inputs: Any, budgets: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's tokens ``[bs, N]`` (-1 where it takes no step) and the
     logits ``[bs, vocab]`` of its last step, from single eager decode steps."""
@@ -134,7 +161,7 @@ def _eager_steps(
     return tokens, last
 
 
-def _kv_of(engine: Engine) -> KVCache:
+def _kv_of(engine: EngineSteps) -> KVCache:
     kv = engine.bundle.kv_cache
     if kv is None:
         raise ValueError("check=True: the bundle has no KV cache to compare; expected check=False")
@@ -150,7 +177,7 @@ def _kv_diff(kv: KVCache, before: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _record(
-    engine: Engine,
+    engine: EngineSteps,
     stats: EngineStats,
     steps: int,
     logit_diff: torch.Tensor,

@@ -31,16 +31,23 @@ import torch
 from tqdm.auto import tqdm
 
 from graphrunner import DecodeBatch, GraphRunner
+from graphrunner.declare import ReplayInputs
 from graphrunner.phases import SampledInputs
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
 from graphrunner.util import Exclusive
-from graphrunner_ref.engine.admission import admit, validate_trace
+from graphrunner_ref.engine.admission import Admission
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
-from graphrunner_ref.engine.check import checked_replay
+from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep import check_multistep
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
-from graphrunner_ref.engine.results import AdmissionError, EngineResult, EngineStats, _Live, _Run
+from graphrunner_ref.engine.results import (
+    AdmissionError,
+    EngineResult,
+    EngineStats,
+    LiveRequest,
+    Run,
+)
 from graphrunner_ref.engine.run_counts import RunnerCounts
 from graphrunner_ref.engine.sampling import (
     SampledRows,
@@ -80,7 +87,7 @@ class Engine:
         runner: a captured runner over the bundle's decode step (see
             :func:`~graphrunner_ref.engine.bundle.create_decode_runner`).
         check: run the eager forward on every decode step and compare (see
-            :func:`~graphrunner_ref.engine.check.checked_replay`); counts go to
+            :meth:`~graphrunner_ref.engine.check.CheckMode.replay`); counts go to
             ``stats``. Refused for a model with Mamba layers.
         end_token: a token that finishes its request (it is kept in the output).
         atol: tolerance on logits and KV values in check mode.
@@ -102,7 +109,7 @@ class Engine:
         steps_per_launch: N in 1..8 decode steps per runner launch
             (:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule`); the
             runner is built with the same N and end token (and ``logprobs``);
-            ``check`` checks each launch (:func:`~graphrunner_ref.engine.check.checked_launch`);
+            ``check`` checks each launch (:meth:`~graphrunner_ref.engine.check.CheckMode.launch`);
             ``overlap`` prepares launch i+1 while launch i runs
             (:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`);
             ``max_steps`` counts a launch's N steps whole.
@@ -150,11 +157,14 @@ class Engine:
         self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
-        self.schedule: Schedule = schedule_for(runner, steps, overlap)
         self.sampling = SampledRows.declared_by(runner)
         self.sampling_rows = SampledRows(self.device)
         self.logprobs = check_logprobs(logprobs, self.sampling)
-        self._rank_check, self.admission = replay_size_check(bundle, runner), rank0_admits(bundle)
+        self._rank_check = replay_size_check(bundle, runner)
+        #: The engine's parts: admission, check mode (check=True) and schedule.
+        self.admitter = Admission(self, rank0_admits(bundle))
+        self.check_mode = CheckMode(self) if check else None
+        self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -172,8 +182,8 @@ class Engine:
             return self._run(trace, max_steps, progress)
 
     def _run(self, trace: Sequence[Request], max_steps: int | None, progress: bool) -> EngineResult:
-        validate_trace(self, trace)
-        run = _Run(
+        self.admitter.validate(trace)
+        run = Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
             DecodeBatch.empty(self.device, self.bundle.max_context_len),
             {r.rid: [] for r in trace},
@@ -198,6 +208,16 @@ class Engine:
         RunnerCounts.of(self.runner).record_since(start, run.stats, self.steps_per_launch)
         return EngineResult(run.outputs, frozenset(run.finished), run.stats, run.logprobs)
 
+    @property
+    def admission(self) -> Callable[[int], int] | None:
+        """The hook turning the count of arrived requests that fit into the
+        count admitted (a sharded model's ranks admit rank 0's), or None."""
+        return self.admitter.agree
+
+    @admission.setter
+    def admission(self, agree: Callable[[int], int] | None) -> None:
+        self.admitter.agree = agree
+
     def kv_need(self, tokens: int) -> int:
         """KV slots that ``tokens`` tokens take: whole pages."""
         return whole_pages(tokens, self.bundle.page_size)
@@ -205,12 +225,13 @@ class Engine:
     def empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def admit(self, run: _Run) -> list[tuple[_Live, torch.Tensor]]:
-        """Prefill arrived requests in order while they fit; returns each with its
-        first token (a 0-d device tensor). See :func:`~graphrunner_ref.engine.admission.admit`."""
-        return admit(self, run)
+    def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
+        """Prefill arrived requests in order while they fit; returns each with
+        its first token (a 0-d device tensor); see
+        :class:`~graphrunner_ref.engine.admission.Admission`."""
+        return self.admitter.admit(run)
 
-    def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+    def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
         token = self.sampling_rows.first_token(live, logits) if self.sampling else logits.argmax()
         if self.logprobs:
@@ -218,14 +239,14 @@ class Engine:
         return token
 
     def decode(
-        self, batch: DecodeBatch, stats: EngineStats, live: Sequence[_Live] = ()
+        self, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``live`` (row ``i`` is ``live[i]``); returns each
         row's token and new KV slot, on device."""
         batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
         try:
-            if self.check:
-                out = checked_replay(self, batch, stats, live)
+            if self.check_mode is not None:
+                out = self.check_mode.replay(batch, stats, live)
             else:
                 out, seconds = self.timed(lambda: self.replay(batch, live))
                 stats.decode_seconds += seconds
@@ -254,7 +275,7 @@ class Engine:
         ]
         self.bundle.kv_alloc.free(fresh)
 
-    def replay(self, batch: DecodeBatch, live: Sequence[_Live] = ()) -> StepOut:
+    def replay(self, batch: DecodeBatch, live: Sequence[LiveRequest] = ()) -> StepOut:
         """The runner's step on ``batch`` (``live[i]`` its row ``i``, whose
         sampling rows go with it when the runner samples)."""
         if self._rank_check is not None:
@@ -264,6 +285,11 @@ class Engine:
             inputs = SampledInputs(inputs, self.sampling_rows.of(live))
         return check_step_out(self.runner.replay(inputs))
 
+    def launch(self, inputs: ReplayInputs) -> StepOut:
+        """The runner's step on inputs a schedule built itself (a multi-step
+        launch), its outputs checked."""
+        return check_step_out(self.runner.replay(inputs))
+
     def timed(self, fn: Callable[[], T]) -> tuple[T, float]:
         self._sync()
         start = time.perf_counter()
@@ -271,14 +297,14 @@ class Engine:
         self._sync()
         return out, time.perf_counter() - start
 
-    def advance(self, run: _Run, req: _Live, token: int) -> bool:
+    def advance(self, run: Run, req: LiveRequest, token: int) -> bool:
         """Record ``token``; retire the request if it is done. Returns whether it was."""
         done = self.record_token(run, req, token)
         if done:
             self.free(run, req)
         return done
 
-    def record_token(self, run: _Run, req: _Live, token: int) -> bool:
+    def record_token(self, run: Run, req: LiveRequest, token: int) -> bool:
         """Append ``token``; when the budget or the end token is reached, record
         the request's output as finished. Returns whether it is done."""
         req.tokens.append(token)
@@ -292,12 +318,12 @@ class Engine:
             self.on_finish(req.request.rid, req.tokens)
         return True
 
-    def free(self, run: _Run, req: _Live) -> None:
+    def free(self, run: Run, req: LiveRequest) -> None:
         del run.held[req.request.rid]
         self.bundle.req_pool.free([req.req_index])
         self.bundle.kv_alloc.free(req.pages)
 
-    def join(self, run: _Run, joining: list[_Live], first_ids: torch.Tensor) -> None:
+    def join(self, run: Run, joining: list[LiveRequest], first_ids: torch.Tensor) -> None:
         new = DecodeBatch.from_requests(
             [r.req_index for r in joining],
             [len(r.request.prompt) for r in joining],

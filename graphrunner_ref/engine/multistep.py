@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,13 +30,11 @@ from graphrunner import GraphRunner
 from graphrunner.declare import ReplayInputs
 from graphrunner.phases import STEPS_LEFT, SampledInputs, SpecBatch, check_steps_per_launch
 from graphrunner.pools import PoolExhausted
-from graphrunner_ref.engine.check import checked_launch
+from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep_runner import multistep_of
-from graphrunner_ref.engine.results import EngineStats, _Live, _Run
-from graphrunner_ref.engine.sampling import StepOut, check_step_out
-
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
+from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run
+from graphrunner_ref.engine.sampling import StepOut
+from graphrunner_ref.engine.steps import EngineSteps
 
 __all__ = ["MultiStepSchedule", "Reservation", "check_multistep", "keep_used"]
 
@@ -54,7 +51,7 @@ def check_multistep(
     runner's (steps, end token); returns it. ``overlap``, ``check`` and
     ``logprobs`` combine with every N (launch i+1 prepared while launch i runs:
     :class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`;
-    each launch checked by :func:`~graphrunner_ref.engine.check.checked_launch`;
+    each launch checked by :meth:`~graphrunner_ref.engine.check.CheckMode.launch`;
     each step's entry read)."""
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     built, built_end = multistep_of(runner)
@@ -87,16 +84,17 @@ class Reservation:
 class MultiStepSchedule:
     """Admit, reserve, launch ``N`` decode steps, read back once, retire, merge."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, check: CheckMode | None = None) -> None:
         self.steps = steps
+        self.check = check
 
-    def begin(self, engine: Engine, max_steps: int | None) -> None:
+    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
         pass
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: EngineSteps) -> None:
         pass
 
-    def step(self, engine: Engine, run: _Run) -> int:
+    def step(self, engine: EngineSteps, run: Run) -> int:
         joining = engine.admit(run)
         first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
         bs, n = len(run.live), self.steps
@@ -128,7 +126,7 @@ class MultiStepSchedule:
         return n if bs else 0
 
     def reserve(
-        self, engine: Engine, live: list[_Live], ahead: Sequence[int] | None = None
+        self, engine: EngineSteps, live: list[LiveRequest], ahead: Sequence[int] | None = None
     ) -> list[Reservation]:
         """Each row's slots for the launch, recorded in ``req_to_token``;
         ``ahead[i]``: tokens ``live[i]`` emits before it that are not in its
@@ -160,7 +158,7 @@ class MultiStepSchedule:
         return plan
 
     def launch(
-        self, engine: Engine, run: _Run, plan: list[Reservation], *, timed: bool = True
+        self, engine: EngineSteps, run: Run, plan: list[Reservation], *, timed: bool = True
     ) -> dict[str, torch.Tensor]:
         """The runner's launch; returns its outputs: ``tokens`` int64 ``[bs, N]``,
         ``count`` ``[bs]`` (and the log-probabilities when the runner has them).
@@ -183,10 +181,10 @@ class MultiStepSchedule:
         stats: EngineStats = run.stats
 
         def replay() -> StepOut:
-            return check_step_out(engine.runner.replay(inputs))
+            return engine.launch(inputs)
 
-        if engine.check:
-            out = checked_launch(engine, inputs, [r.budget for r in plan], stats, replay)
+        if self.check is not None:
+            out = self.check.launch(inputs, [r.budget for r in plan], stats, replay)
         elif not timed:
             out = replay()
         else:
@@ -206,7 +204,11 @@ class MultiStepSchedule:
         return out
 
     def record_logprobs(
-        self, engine: Engine, live: list[_Live], out: dict[str, torch.Tensor], count: list[int]
+        self,
+        engine: EngineSteps,
+        live: list[LiveRequest],
+        out: dict[str, torch.Tensor],
+        count: list[int],
     ) -> None:
         """Append each row's entries of the steps it took (``count[i]`` of
         ``live[i]``), in order, from the launch's ``[bs, N]`` / ``[bs, N, n]``
@@ -224,8 +226,8 @@ class MultiStepSchedule:
 
     def retire(
         self,
-        engine: Engine,
-        run: _Run,
+        engine: EngineSteps,
+        run: Run,
         plan: list[Reservation],
         tokens: list[int],
         count: list[int],
@@ -242,7 +244,9 @@ class MultiStepSchedule:
             run.batch.filter(keep)
             run.live[:] = [run.live[i] for i in keep]
 
-    def record(self, engine: Engine, run: _Run, req: _Live, tokens: list[int], c: int) -> bool:
+    def record(
+        self, engine: EngineSteps, run: Run, req: LiveRequest, tokens: list[int], c: int
+    ) -> bool:
         """Record the ``c`` tokens ``req`` took of its row ``tokens`` (``N``);
         returns whether it finished (a row that did not took all ``N``)."""
         run.stats.decode_tokens += c
@@ -261,7 +265,7 @@ class MultiStepSchedule:
         return done
 
 
-def keep_used(engine: Engine, req: _Live, r: Reservation, c: int) -> None:
+def keep_used(engine: EngineSteps, req: LiveRequest, r: Reservation, c: int) -> None:
     """``req`` took ``c`` steps of its reservation ``r``: it keeps the fresh
     pages its KV reaches and those steps' slots; the other pages are freed."""
     page = engine.bundle.page_size

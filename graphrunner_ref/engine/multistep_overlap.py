@@ -19,18 +19,15 @@ control flow runs synchronously.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from graphrunner import GraphRunner
 from graphrunner.core import future_refs
 from graphrunner_ref.engine.multistep import MultiStepSchedule, Reservation, keep_used
-from graphrunner_ref.engine.overlap_schedule import _HostCopy, device_ints, future_map_of
-from graphrunner_ref.engine.results import _Live, _Run
-
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
+from graphrunner_ref.engine.overlap_schedule import HostCopy, device_ints, future_map_of
+from graphrunner_ref.engine.results import LiveRequest, Run
+from graphrunner_ref.engine.steps import EngineSteps
 
 __all__ = ["MultiStepOverlapSchedule"]
 
@@ -48,16 +45,16 @@ class MultiStepOverlapSchedule:
         self._plan: list[Reservation] | None = None
         self._max_steps: int | None = None
 
-    def begin(self, engine: Engine, max_steps: int | None) -> None:
+    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
         self._max_steps = max_steps
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: EngineSteps) -> None:
         """A launch prepared but never run: its fresh pages are nobody's."""
         if self._plan is not None:
             self._free(engine, self._plan)
             self._plan = None
 
-    def step(self, engine: Engine, run: _Run) -> int:
+    def step(self, engine: EngineSteps, run: Run) -> int:
         # Wall time of the whole step, host work included (no sync to time the launch).
         start = time.perf_counter()
         stepped, n = list(run.live), self.steps
@@ -80,7 +77,7 @@ class MultiStepOverlapSchedule:
         first = torch.stack([ids for _, ids in pairs]) if pairs else engine.empty()
         if joining:
             self.future.store(device_ints(engine, [r.req_index for r in joining]), first)
-        copy = _HostCopy(torch.cat([*parts, first]))
+        copy = HostCopy(torch.cat([*parts, first]))
         self._prepare(engine, run, stepped, plan, joining)
         host = copy.wait()  # the launch's one read back
         bs = len(stepped)
@@ -102,11 +99,11 @@ class MultiStepOverlapSchedule:
 
     def _prepare(
         self,
-        engine: Engine,
-        run: _Run,
-        stepped: list[_Live],
+        engine: EngineSteps,
+        run: Run,
+        stepped: list[LiveRequest],
         plan: list[Reservation],
-        joining: list[_Live],
+        joining: list[LiveRequest],
     ) -> None:
         """Launch i+1 before launch i's tokens are read: the rows whose budget
         goes on, ``N`` positions further, and the arrivals; input ids future
@@ -133,7 +130,7 @@ class MultiStepOverlapSchedule:
             run.batch.input_ids = future_refs(run.batch.req_pool_indices)
             self._plan = self.base.reserve(engine, run.live, ahead)
 
-    def _retire(self, engine: Engine, run: _Run, done: list[_Live]) -> None:
+    def _retire(self, engine: EngineSteps, run: Run, done: list[LiveRequest]) -> None:
         """Free the finished requests; one in the prepared launch leaves it,
         with its reservation's fresh pages."""
         gone = {id(r) for r in done}
@@ -149,5 +146,5 @@ class MultiStepOverlapSchedule:
             engine.free(run, r)
 
     @staticmethod
-    def _free(engine: Engine, plan: list[Reservation]) -> None:
+    def _free(engine: EngineSteps, plan: list[Reservation]) -> None:
         engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])

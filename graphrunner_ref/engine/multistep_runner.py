@@ -4,14 +4,14 @@ such runner was built with."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 from weakref import WeakKeyDictionary
 
-from graphrunner import FutureMap, GraphRunner, Phase
-from graphrunner.phases import multistep_phase
+import torch
 
-if TYPE_CHECKING:  # the bundle's step; bundle.py builds these runners through here
-    from graphrunner_ref.engine.bundle import DecodeStep
+from graphrunner import FutureMap, GraphBackend, GraphRunner, Phase
+from graphrunner.phases import multistep_phase
 
 __all__ = ["multistep_of", "multistep_phase_of", "remember_multistep"]
 
@@ -31,25 +31,28 @@ def remember_multistep(runner: GraphRunner, steps: int, end_token: int | None) -
 
 
 def multistep_phase_of(
-    step: DecodeStep,
+    forward: Callable[[Any], torch.Tensor],
+    backend: GraphBackend,
+    mamba: bool,
     steps: int,
     end_token: int | None,
     future_map: FutureMap | None,
     logprobs: int,
     sampling: bool,
 ) -> Phase:
-    """The bundle's decode step, ``steps`` (> 1) per launch; with ``future_map``
+    """A bundle's decode step (``forward``, its ``backend``; ``mamba``: the
+    step has Mamba layers), ``steps`` (> 1) per launch; with ``future_map``
     (overlap scheduling) its first step's ``input_ids`` may be future
     references and each launch stores each row's last token there."""
-    if step.mamba:
+    if mamba:
         raise ValueError(
             f"steps_per_launch={steps} with a model with Mamba layers: not supported; "
             f"expected steps_per_launch=1"
         )
     return multistep_phase(
-        step.forward,
+        forward,
         steps,
-        backend=step.backend,
+        backend=backend,
         end_token=end_token,
         sampling=sampling,
         logprobs=logprobs,

@@ -19,23 +19,20 @@ runner's outputs still).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.core import future_refs
 from graphrunner.pools import starts_page
-from graphrunner_ref.engine.results import _Live, _Run
+from graphrunner_ref.engine.results import LiveRequest, Run
 from graphrunner_ref.engine.sampling import (
     host_logprobs,
     logprob_outputs,
     record_logprobs,
     tokens_of,
 )
-
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
+from graphrunner_ref.engine.steps import EngineSteps
 
 __all__ = ["OverlapSchedule", "device_ints", "future_map_of"]
 
@@ -51,13 +48,13 @@ def future_map_of(runner: GraphRunner) -> FutureMap:
     return future
 
 
-def device_ints(engine: Engine, values: list[int]) -> torch.Tensor:
+def device_ints(engine: EngineSteps, values: list[int]) -> torch.Tensor:
     """``values`` as int64 on the engine's device, without a sync (non_blocking
     from host memory: ``torch.tensor(..., device=)`` would sync)."""
     return torch.tensor(values, dtype=torch.int64).to(engine.device, non_blocking=True)
 
 
-class _HostCopy:
+class HostCopy:
     """A device int64 vector on its way to the host: pinned buffer and event on CUDA."""
 
     def __init__(self, values: torch.Tensor) -> None:
@@ -90,10 +87,10 @@ class OverlapSchedule:
         # Step N's log-probability outputs, read after the wait.
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def begin(self, engine: Engine, max_steps: int | None) -> None:
+    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
         self._max_steps = max_steps
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: EngineSteps) -> None:
         """A step prepared but never launched: its fresh pages are nobody's."""
         if self._prepared is not None:
             page = engine.bundle.page_size
@@ -101,7 +98,7 @@ class OverlapSchedule:
             engine.bundle.kv_alloc.free(slots)
             self._prepared = None
 
-    def step(self, engine: Engine, run: _Run) -> int:
+    def step(self, engine: EngineSteps, run: Run) -> int:
         # Wall time of the whole step, host work included: timing the replay
         # alone would need a device sync, which overlap exists to avoid.
         start = time.perf_counter()
@@ -112,7 +109,7 @@ class OverlapSchedule:
         if joining:
             rows = [r.req_index for r, _ in joining]
             self.future.store(device_ints(engine, rows), first)
-        copy = _HostCopy(torch.cat([*launched, first]))
+        copy = HostCopy(torch.cat([*launched, first]))
         self._schedule(engine, run, stepped, [r for r, _ in joining])
         self._record(engine, run, stepped, [r for r, _ in joining], copy.wait())
         if stepped:
@@ -120,7 +117,7 @@ class OverlapSchedule:
             run.stats.syncs += 1
         return 1 if stepped else 0
 
-    def _launch(self, engine: Engine, run: _Run) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(self, engine: EngineSteps, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Step N on the prepared batch; its tokens go to the future map."""
         batch = run.batch
         self._prepared = None  # its fresh pages are recorded by this step's read
@@ -137,7 +134,7 @@ class OverlapSchedule:
         return next_ids, batch.out_cache_loc
 
     def _schedule(
-        self, engine: Engine, run: _Run, stepped: list[_Live], joining: list[_Live]
+        self, engine: EngineSteps, run: Run, stepped: list[LiveRequest], joining: list[LiveRequest]
     ) -> None:
         """Step N+1 while step N runs: keep the requests whose budget goes on,
         merge the arrivals, prepare it with future references as input ids."""
@@ -156,14 +153,19 @@ class OverlapSchedule:
             self._prepared = {run.live[i].request.rid: s for i, s in fresh.items()}
 
     def _record(
-        self, engine: Engine, run: _Run, stepped: list[_Live], joining: list[_Live], host: list[int]
+        self,
+        engine: EngineSteps,
+        run: Run,
+        stepped: list[LiveRequest],
+        joining: list[LiveRequest],
+        host: list[int],
     ) -> None:
         """After the one wait: slots and tokens of step N, first tokens of the arrivals."""
         bs, page = len(stepped), engine.bundle.page_size
         if stepped and self._logprobs is not None:
             record_logprobs(stepped, host_logprobs(self._logprobs))
             self._logprobs = None
-        done: list[_Live] = []
+        done: list[LiveRequest] = []
         for i, req in enumerate(stepped):
             slot = host[bs + i]
             if starts_page(len(req.slots), page):
@@ -174,7 +176,7 @@ class OverlapSchedule:
         done += [r for r, t in zip(joining, firsts, strict=True) if engine.record_token(run, r, t)]
         self._retire(engine, run, done)
 
-    def _retire(self, engine: Engine, run: _Run, done: list[_Live]) -> None:
+    def _retire(self, engine: EngineSteps, run: Run, done: list[LiveRequest]) -> None:
         """Free finished requests; one already in the prepared step leaves it,
         with the fresh page it took there."""
         scheduled = {id(r) for r in run.live}

@@ -12,7 +12,7 @@ from graphrunner import DecodeBatch
 from graphrunner.sizing import BatchSizeHistogram, PaddingWaste
 from graphrunner_ref.engine.workload import Request
 
-__all__ = ["AdmissionError", "EngineResult", "EngineStats", "TokenLogprobs"]
+__all__ = ["AdmissionError", "EngineResult", "EngineStats", "LiveRequest", "Run", "TokenLogprobs"]
 
 #: One generated token's log-probabilities (unfiltered softmax): its own, and
 #: the top N as ``(token id, log-probability)``, most probable first.
@@ -89,7 +89,10 @@ class EngineResult:
 
 
 @dataclass(slots=True)
-class _Live:
+class LiveRequest:
+    """A request while it is served: its request-pool row, its KV slots and
+    pages (host ints), its tokens so far, its sampling seed."""
+
     request: Request
     req_index: int
     slots: list[int] = field(default_factory=list)  # KV slot per position, host ints
@@ -100,15 +103,17 @@ class _Live:
 
 
 @dataclass(slots=True)
-class _Run:
+class Run:
     """The state of one :meth:`Engine.run`; ``live[i]`` is row ``i`` of ``batch``."""
 
     pending: deque[Request]
     batch: DecodeBatch
     outputs: dict[int, list[int]]
-    live: list[_Live] = field(default_factory=list)
+    live: list[LiveRequest] = field(default_factory=list)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked
-    held: dict[int, _Live] = field(default_factory=dict)  # by rid: pool rows / KV pages to free
+    held: dict[int, LiveRequest] = field(
+        default_factory=dict
+    )  # by rid: pool rows / KV pages to free
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
     clock: int = 0  # engine steps, idle ones included: what arrival_step counts

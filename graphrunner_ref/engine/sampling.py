@@ -18,7 +18,7 @@ from graphrunner.sampling import (
     sample_rows,
     sampling_tensors,
 )
-from graphrunner_ref.engine.results import TokenLogprobs, _Live
+from graphrunner_ref.engine.results import LiveRequest, TokenLogprobs
 from graphrunner_ref.engine.workload import Request
 
 __all__ = [
@@ -92,7 +92,7 @@ class SampledRows:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._live: list[_Live] = []  # held: their ids key the cache
+        self._live: list[LiveRequest] = []  # held: their ids key the cache
         self._key: tuple[int, ...] | None = None
         self._rows: dict[str, torch.Tensor] = {}
 
@@ -101,7 +101,7 @@ class SampledRows:
         """Whether ``runner``'s step samples (it declares the sampling buffers)."""
         return all(name in runner.buffers.tensors for name in SAMPLING_FIELD_NAMES)
 
-    def of(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+    def of(self, live: Sequence[LiveRequest]) -> dict[str, torch.Tensor]:
         """``{name: [len(live)]}`` on the device, for the requests ``live`` in order."""
         key = tuple(id(r) for r in live)
         if key != self._key:
@@ -109,14 +109,14 @@ class SampledRows:
             self._live, self._key = list(live), key
         return self._rows
 
-    def first_token(self, live: _Live, logits: torch.Tensor) -> torch.Tensor:
+    def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
         drawn as a decode step draws, at the position it takes (the prompt's length)."""
         position = torch.tensor([len(live.request.prompt)])
         rows = self.build([live])
         return sample_rows(logits.view(1, -1), rows, position.to(self.device, non_blocking=True))[0]
 
-    def build(self, live: Sequence[_Live]) -> dict[str, torch.Tensor]:
+    def build(self, live: Sequence[LiveRequest]) -> dict[str, torch.Tensor]:
         """The rows of ``live``, made now (not kept)."""
         params = [r.request.sampling or _GREEDY for r in live]
         host = sampling_tensors(params, [r.seed for r in live], "cpu")
@@ -177,7 +177,7 @@ def first_logprobs(logits: torch.Tensor, token: torch.Tensor, n: int) -> TokenLo
     return _entries(lp.chosen, lp.top, lp.top_ids)[0]
 
 
-def record_logprobs(live: Sequence[_Live], entries: list[TokenLogprobs]) -> None:
+def record_logprobs(live: Sequence[LiveRequest], entries: list[TokenLogprobs]) -> None:
     """Append row ``i``'s entry to ``live[i]``'s log-probabilities."""
     for req, entry in zip(live, entries, strict=True):
         req.logprobs.append(entry)

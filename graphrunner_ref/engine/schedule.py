@@ -7,19 +7,18 @@ others: :class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from graphrunner import GraphRunner
 from graphrunner.pools import starts_page
+from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep import MultiStepSchedule
 from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
 from graphrunner_ref.engine.overlap_schedule import OverlapSchedule
-from graphrunner_ref.engine.results import _Run
-
-if TYPE_CHECKING:
-    from graphrunner_ref.engine.loop import Engine
+from graphrunner_ref.engine.results import Run
+from graphrunner_ref.engine.steps import EngineSteps
 
 __all__ = ["Schedule", "SyncSchedule", "schedule_for"]
 
@@ -27,13 +26,13 @@ __all__ = ["Schedule", "SyncSchedule", "schedule_for"]
 class Schedule(Protocol):
     """How the engine orders a step's host and device work (a strategy of :class:`Engine`)."""
 
-    def begin(self, engine: Engine, max_steps: int | None) -> None: ...
+    def begin(self, engine: EngineSteps, max_steps: int | None) -> None: ...
 
-    def step(self, engine: Engine, run: _Run) -> int:
+    def step(self, engine: EngineSteps, run: Run) -> int:
         """Run one engine step; returns the decode steps it ran (0 or 1)."""
         ...
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: EngineSteps) -> None:
         """Release what a step prepared but never launched (also after an error)."""
         ...
 
@@ -42,13 +41,13 @@ class SyncSchedule:
     """The plain schedule: admit, decode the running batch, read back (the
     step's one sync), retire, merge."""
 
-    def begin(self, engine: Engine, max_steps: int | None) -> None:
+    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
         pass
 
-    def end(self, engine: Engine) -> None:
+    def end(self, engine: EngineSteps) -> None:
         pass
 
-    def step(self, engine: Engine, run: _Run) -> int:
+    def step(self, engine: EngineSteps, run: Run) -> int:
         joining = engine.admit(run)
         bs = len(run.live)
         first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
@@ -80,8 +79,14 @@ class SyncSchedule:
         return 1 if bs else 0
 
 
-def schedule_for(runner: GraphRunner, steps: int, overlap: bool) -> Schedule:
-    """The schedule of ``steps`` decode steps per launch, with or without overlap."""
+def schedule_for(
+    runner: GraphRunner, steps: int, overlap: bool, check: CheckMode | None = None
+) -> Schedule:
+    """The schedule of ``steps`` decode steps per launch, with or without
+    overlap; ``check`` checks each multi-step launch (a plain step's check is
+    the engine's decode)."""
     if steps > 1:
-        return MultiStepOverlapSchedule(runner, steps) if overlap else MultiStepSchedule(steps)
+        if overlap:
+            return MultiStepOverlapSchedule(runner, steps)
+        return MultiStepSchedule(steps, check)
     return OverlapSchedule(runner) if overlap else SyncSchedule()

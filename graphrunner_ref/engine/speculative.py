@@ -42,7 +42,7 @@ __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]
 
 
 @dataclass(slots=True)
-class _Run:
+class _SpecRun:
     pending: deque[Request]
     outputs: dict[int, list[int]]
     live: list[SpecRequest] = field(default_factory=list)
@@ -109,7 +109,7 @@ class SpeculativeEngine:
         ran; greedy outputs by request id (a cut request's so far)."""
         self._validate(trace)
         self._sampling = any(r.samples for r in trace)
-        run = _Run(
+        run = _SpecRun(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
             {r.rid: [] for r in trace},
         )
@@ -150,7 +150,7 @@ class SpeculativeEngine:
     def _need(self, r: Request) -> int:
         return r.max_len + self.k + 1  # the last round's fresh slots included
 
-    def _admit(self, run: _Run) -> None:
+    def _admit(self, run: _SpecRun) -> None:
         b = self.bundle
         reserved = sum(self._need(r.request) - len(r.slots) for r in run.live)
         while run.pending and run.pending[0].arrival_step <= run.clock:
@@ -168,7 +168,7 @@ class SpeculativeEngine:
             reserved += self._need(req) - len(req.prompt)
             self._prefill(run, req)
 
-    def _prefill(self, run: _Run, request: Request) -> None:
+    def _prefill(self, run: _SpecRun, request: Request) -> None:
         b = self.bundle
         live = SpecRequest(
             request, b.req_pool.alloc(1)[0], sampling_seed=seed_of(request, self.seed)
@@ -192,7 +192,7 @@ class SpeculativeEngine:
         if self._emit(run, live, [live.bonus], entries):
             self.drafter.prefill(live, prompt, hidden)
 
-    def _round(self, run: _Run) -> None:
+    def _round(self, run: _SpecRun) -> None:
         b, k, start = self.bundle, self.k, time.perf_counter()
         flat = b.kv_alloc.alloc((k + 1) * len(run.live))  # all or nothing
         slots = [flat[i : i + k + 1] for i in range(0, len(flat), k + 1)]
@@ -216,7 +216,7 @@ class SpeculativeEngine:
 
     def _commit(
         self,
-        run: _Run,
+        run: _SpecRun,
         state: RoundState,
         host: list[int],
         entries: list[list[TokenLogprobs]] | None,
@@ -241,7 +241,7 @@ class SpeculativeEngine:
 
     def _emit(
         self,
-        run: _Run,
+        run: _SpecRun,
         req: SpecRequest,
         tokens: list[int],
         entries: list[TokenLogprobs] | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from graphrunner_ref.model.parallel import (
     VocabParallelEmbedding,
     local_config,
 )
-from graphrunner_ref.model.small_batch import fits, small_batch_layer, small_batch_linear
+from graphrunner_ref.model.small_batch import MAX_ROWS, fits, rope_store_op, small_batch_linear
 from graphrunner_ref.model.token_rows import TokenRows
 from graphrunner_ref.model.weights import WeightError, copy_checked_weights
 
@@ -69,10 +69,66 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         if fits(h.shape[0], self.small_batch_rows):
-            return small_batch_layer(self, h, positions, out_loc, kv, meta, rotary)
+            return self._forward_small_batch(h, positions, out_loc, kv, meta, rotary)
         attn = self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
         h = h + self.tp.all_reduce(attn)
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+    def _forward_small_batch(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv: KVStore,
+        meta: AttnMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """:meth:`forward` through the small-batch linears (``h [n, hidden]``,
+        :mod:`~graphrunner_ref.model.small_batch`)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        pdl = self.programmatic_launch
+        qkv = small_batch_linear(
+            h, attn.qkv_weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl
+        )
+        heads = self._attend_small_batch(qkv, positions, out_loc, kv, meta, rotary)
+        h = self._add_projected(h, heads, cast(torch.Tensor, attn.o_proj.weight))
+        gated = small_batch_linear(
+            h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps,
+            pdl=pdl,
+        )  # fmt: skip
+        return self._add_projected(h, gated, mlp.down_proj.weight)
+
+    def _attend_small_batch(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv: KVStore,
+        meta: AttnMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """The heads' outputs from the stacked projection: rotary and KV write in
+        one launch when the cache holds ``qkv``'s dtype (else the module's ops)."""
+        attn = self.self_attn
+        k_cache, v_cache = kv.get_kv(attn.layer_id)
+        if k_cache.dtype != qkv.dtype:  # set_kv casts; the kernel writes the dtype it reads
+            return attn.attend_qkv(qkv, positions, out_loc, kv, meta, rotary)
+        q = rope_store_op(
+            qkv, positions, out_loc, rotary.cos, rotary.sin, k_cache, v_cache, attn.num_heads,
+            self.programmatic_launch,
+        )  # fmt: skip
+        return attn.attend_rotated(q, kv, meta)
+
+    def _add_projected(
+        self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``h + all_reduce(x @ weight.T)``: alone on its rank, the add is the
+        kernel's epilogue; tensor-parallel, it follows the all-reduce."""
+        pdl = self.programmatic_launch
+        if self.tp.alone:
+            return small_batch_linear(x, weight, residual=h, pdl=pdl)
+        return h + self.tp.all_reduce(small_batch_linear(x, weight, pdl=pdl))
 
 
 class LlamaBody(nn.Module):
@@ -313,3 +369,25 @@ class LlamaDecoder(nn.Module):
                     "embeddings, and it differs from model.embed_tokens.weight"
                 )
         copy_checked_weights(self, given)
+
+
+def use_small_batch_linears(model: LlamaDecoder, max_rows: int) -> None:
+    """Run ``model``'s steps of at most ``max_rows`` token rows (``0``: none,
+    the default) through the small-batch linears. Call it before capture: a
+    captured size keeps the path it was captured with.
+
+    Raises ``ValueError`` for ``max_rows`` outside ``0..MAX_ROWS`` or a
+    quantized model (its linears hold compact weights the kernels do not read).
+    """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 0 <= max_rows <= MAX_ROWS:
+        raise ValueError(
+            f"use_small_batch_linears: max_rows={max_rows!r}: expected an int in 0..{MAX_ROWS}"
+        )
+    if model.quantization is not None and max_rows:
+        raise ValueError(
+            f"use_small_batch_linears: the model is quantized ({model.quantization!r}); "
+            "the small-batch linears read float weights (leave max_rows=0)"
+        )
+    model.small_batch_rows = max_rows
+    for layer in model.model.layers:
+        cast(LlamaDecoderLayer, layer).small_batch_rows = max_rows
