@@ -257,3 +257,30 @@ def test_no_private_name_is_imported_from_another_module():
         if alias.name.startswith("_") and not alias.name.startswith("__")
     ]
     assert offenders == []
+
+
+def test_the_decode_field_names_are_written_in_one_place():
+    """Each decode field's name is a string literal in ``declare/decode.py``
+    only; every other library module imports its constant (docstrings and
+    f-string text aside)."""
+    declared = PACKAGE / "declare" / "decode.py"
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == declared:
+            continue
+        tree = ast.parse(path.read_text())
+        text = {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for n in node.values
+        } | {
+            id(node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        }
+        offenders += [
+            f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and node.value in DECODE_FIELD_NAMES
+            and id(node) not in text
+        ]
+    assert offenders == []

@@ -17,7 +17,13 @@ from graphrunner.batch.host import (
     version_of,
 )
 from graphrunner.batch.paging import next_slots
-from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
+from graphrunner.declare.decode import (
+    DECODE_FIELD_NAMES,
+    DECODE_HOST_MIRRORS,
+    INPUT_IDS,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+)
 from graphrunner.pools.checks import DeviceLike, bad_arg, check_each, same_device
 from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
@@ -168,8 +174,8 @@ class DecodeBatch:
             )
         check_requests(reqs, lens, batch.max_context_len)
         check_input_ids("from_requests: input_ids", input_ids, len(reqs), batch.device)
-        host = {"req_pool_indices": host_tensor(reqs), "seq_lens": host_tensor(lens)}
-        batch._fill({DECODE_HOST_MIRRORS[n]: t for n, t in host.items()}, {"input_ids": input_ids})
+        host = {REQ_POOL_INDICES: host_tensor(reqs), SEQ_LENS: host_tensor(lens)}
+        batch._fill({DECODE_HOST_MIRRORS[n]: t for n, t in host.items()}, {INPUT_IDS: input_ids})
         batch._seal(mirror_ranges(reqs, lens))
         return batch
 

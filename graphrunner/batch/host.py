@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.declare.decode import DECODE_HOST_MIRRORS
+from graphrunner.declare.decode import DECODE_HOST_MIRRORS, REQ_POOL_INDICES, SEQ_LENS
 from graphrunner.pools.checks import as_index_list, check_count, check_device
 
 __all__ = [
@@ -51,8 +51,8 @@ def mirror_ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]
     if not reqs:
         return {}
     return {
-        DECODE_HOST_MIRRORS["req_pool_indices"]: (min(reqs), max(reqs)),
-        DECODE_HOST_MIRRORS["seq_lens"]: (min(lens), max(lens)),
+        DECODE_HOST_MIRRORS[REQ_POOL_INDICES]: (min(reqs), max(reqs)),
+        DECODE_HOST_MIRRORS[SEQ_LENS]: (min(lens), max(lens)),
     }
 
 

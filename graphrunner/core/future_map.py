@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from graphrunner.declare.decode import REQ_POOL_INDICES
 from graphrunner.pools.checks import DeviceLike
 
 __all__ = ["FutureMap", "future_refs"]
@@ -59,7 +60,7 @@ class FutureMap:
             )
         if req_pool_indices.dtype != torch.int64:
             raise ValueError(f"store: req_pool_indices is {req_pool_indices.dtype}; expected int64")
-        for name, t in (("req_pool_indices", req_pool_indices), ("tokens", tokens)):
+        for name, t in ((REQ_POOL_INDICES, req_pool_indices), ("tokens", tokens)):
             if t.device != self.tokens.device:
                 raise ValueError(f"store: {name} is on {t.device}; expected {self.tokens.device}")
         if bs:

@@ -25,7 +25,7 @@ from operator import attrgetter
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
-from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS
+from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.sealed import host_min_max, is_sealed_inputs, is_sealed_type
 from graphrunner.declare.step_inputs import ReplayInputs
@@ -55,7 +55,7 @@ def check_host_mirrors(inputs: object, raw_bs: int) -> None:
                 f"host mirror {name!r} is {mirror.dtype} {tuple(mirror.shape)} on "
                 f"{mirror.device}; expected a CPU int64 tensor of shape ({raw_bs},)"
             )
-    rows = getattr(inputs, DECODE_HOST_MIRRORS["req_pool_indices"], None)
+    rows = getattr(inputs, DECODE_HOST_MIRRORS[REQ_POOL_INDICES], None)
     if rows is not None and raw_bs and int(rows.min()) < 1:
         row = int((rows < 1).nonzero()[0, 0])
         raise PopulateError(

@@ -19,6 +19,11 @@ import torch
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule, check_width
 
 __all__ = [
+    "INPUT_IDS",
+    "OUT_CACHE_LOC",
+    "POSITIONS",
+    "REQ_POOL_INDICES",
+    "SEQ_LENS",
     "DECODE_FIELDS",
     "DECODE_HOST_MIRRORS",
     "DECODE_FIELD_NAMES",
@@ -30,16 +35,22 @@ __all__ = [
 
 _I64 = torch.int64
 
+#: The decode fields' names, written here only: every module that names one
+#: (the batch, the sanitizer, the phases) imports it.
+INPUT_IDS = "input_ids"
+REQ_POOL_INDICES = "req_pool_indices"
+SEQ_LENS = "seq_lens"
+OUT_CACHE_LOC = "out_cache_loc"
+POSITIONS = "positions"
+
 #: Device tensors of a decode step (int64 ``[bs]``), with their pad rules;
 #: ``seq_lens`` takes the backend's fill value in :func:`decode_buffer_specs`.
 DECODE_FIELDS: tuple[BufferSpec, ...] = (
-    BufferSpec("input_ids", _I64, PadRule.ZERO, index=True, indexes=Index.TOKEN),
-    BufferSpec("req_pool_indices", _I64, PadRule.ZERO, index=True, indexes=Index.REQUEST_ROW),
-    BufferSpec(
-        "seq_lens", _I64, PadRule.FILL, fill_value=1, backend_fill=True, indexes=Index.LENGTH
-    ),
-    BufferSpec("out_cache_loc", _I64, PadRule.ZERO, index=True, indexes=Index.KV_SLOT),
-    BufferSpec("positions", _I64, PadRule.ZERO, index=True, indexes=Index.POSITION),
+    BufferSpec(INPUT_IDS, _I64, PadRule.ZERO, index=True, indexes=Index.TOKEN),
+    BufferSpec(REQ_POOL_INDICES, _I64, PadRule.ZERO, index=True, indexes=Index.REQUEST_ROW),
+    BufferSpec(SEQ_LENS, _I64, PadRule.FILL, fill_value=1, backend_fill=True, indexes=Index.LENGTH),
+    BufferSpec(OUT_CACHE_LOC, _I64, PadRule.ZERO, index=True, indexes=Index.KV_SLOT),
+    BufferSpec(POSITIONS, _I64, PadRule.ZERO, index=True, indexes=Index.POSITION),
 )
 DECODE_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in DECODE_FIELDS)
 
@@ -55,13 +66,13 @@ MAMBA_DECODE_FIELDS: tuple[BufferSpec, ...] = (
 
 #: Device field -> its host mirror (CPU int64 ``[bs]``), equal to it at all times.
 DECODE_HOST_MIRRORS: Mapping[str, str] = {
-    "req_pool_indices": "req_pool_indices_cpu",
-    "seq_lens": "seq_lens_cpu",
+    REQ_POOL_INDICES: "req_pool_indices_cpu",
+    SEQ_LENS: "seq_lens_cpu",
 }
 
 #: The decode fields a multi-token step (verify, EAGLE draft extend) holds per
 #: token, ``W`` rows per request; the others stay per request.
-PER_TOKEN_FIELD_NAMES: tuple[str, ...] = ("input_ids", "out_cache_loc", "positions")
+PER_TOKEN_FIELD_NAMES: tuple[str, ...] = (INPUT_IDS, OUT_CACHE_LOC, POSITIONS)
 
 
 def decode_buffer_specs(
@@ -85,18 +96,18 @@ def decode_buffer_specs(
     fields the phase does not read (frozen-KV MTP writes no ``out_cache_loc``).
     """
     specs = [
-        dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == "seq_lens" else s
+        dataclasses.replace(s, fill_value=seq_len_fill_value) if s.name == SEQ_LENS else s
         for s in DECODE_FIELDS
         if s.name not in without
     ]
     if future:
-        specs = [dataclasses.replace(s, future=s.name == "input_ids") for s in specs]
+        specs = [dataclasses.replace(s, future=s.name == INPUT_IDS) for s in specs]
     if mamba:
         specs.extend(MAMBA_DECODE_FIELDS)
     if host_seq_lens:
         specs.append(
             BufferSpec(
-                DECODE_HOST_MIRRORS["seq_lens"],
+                DECODE_HOST_MIRRORS[SEQ_LENS],
                 _I64,
                 PadRule.FILL,
                 fill_value=seq_len_fill_value,
@@ -124,7 +135,7 @@ def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> li
             continue
         if s.name in PER_TOKEN_FIELD_NAMES:
             s = dataclasses.replace(s, rows_per_request=width)
-        elif s.name == "seq_lens":
+        elif s.name == SEQ_LENS:
             s = dataclasses.replace(
                 s, rule=PadRule.WIDTH, fill_value=None, width=width, backend_fill=False
             )

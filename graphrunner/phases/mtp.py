@@ -9,7 +9,7 @@ import torch
 
 from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.buffers import BufferSpec, PadRule
-from graphrunner.declare.decode import decode_buffer_specs
+from graphrunner.declare.decode import OUT_CACHE_LOC, decode_buffer_specs
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.phases.base import Phase
 from graphrunner.phases.models import MtpDraftModel
@@ -20,7 +20,7 @@ from graphrunner.sanitizer.padding import GuardedTensor, PaddingSanitizer
 __all__ = ["FrozenKvMtpRunner", "frozen_kv_mtp_phase", "frozen_kv_sanitizer", "mtp_buffer_specs"]
 
 #: The decode field a frozen-KV head does not read: it writes no KV slot.
-_NO_KV_WRITE = frozenset({"out_cache_loc"})
+_NO_KV_WRITE = frozenset({OUT_CACHE_LOC})
 
 
 def mtp_buffer_specs(

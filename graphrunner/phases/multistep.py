@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
-from graphrunner.declare.decode import decode_buffer_specs
+from graphrunner.declare.decode import OUT_CACHE_LOC, decode_buffer_specs
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.mechanisms.base import ForwardFn
@@ -126,7 +126,7 @@ def multistep_buffer_specs(
     check_steps_per_launch("steps", steps)
     specs = [
         dataclasses.replace(s, rows_per_request=steps, indexes=Index.RESERVED_KV_SLOT)
-        if s.name == "out_cache_loc"
+        if s.name == OUT_CACHE_LOC
         else s
         for s in decode_buffer_specs(seq_len_fill_value=seq_len_fill_value, future=future)
     ]

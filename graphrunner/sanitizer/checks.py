@@ -13,7 +13,13 @@ from typing import Protocol
 import torch
 
 from graphrunner.declare.buffers import StaticBuffers
-from graphrunner.declare.decode import DECODE_FIELDS, DECODE_HOST_MIRRORS
+from graphrunner.declare.decode import (
+    DECODE_FIELDS,
+    DECODE_HOST_MIRRORS,
+    OUT_CACHE_LOC,
+    POSITIONS,
+    REQ_POOL_INDICES,
+)
 from graphrunner.declare.outputs import Outputs
 from graphrunner.pools import ReqToTokenPool
 
@@ -147,26 +153,26 @@ def check_req_rows(req_pool: ReqToTokenPool, rows: list[int]) -> None:
     last = req_pool.req_to_token.shape[0] - 1
     for i, r in enumerate(rows):
         if r == 0:
-            raise _violation("req_pool_indices", i, r, "a live request row, not the padding row 0")
+            raise _violation(REQ_POOL_INDICES, i, r, "a live request row, not the padding row 0")
         if not 1 <= r <= last:
-            raise _violation("req_pool_indices", i, r, f"a request row in 1..{last}")
+            raise _violation(REQ_POOL_INDICES, i, r, f"a request row in 1..{last}")
         if not req_pool.is_allocated(r):
             raise _violation(
-                "req_pool_indices", i, r, "an allocated request row (it is free: finished?)"
+                REQ_POOL_INDICES, i, r, "an allocated request row (it is free: finished?)"
             )
-    _check_once("req_pool_indices", rows, "request row")
+    _check_once(REQ_POOL_INDICES, rows, "request row")
 
 
 def check_kv_slots(kv_allocator: SlotOwner | None, locs: list[int]) -> None:
     """Each live slot is an allocated KV slot other than the padding slot 0, once."""
     for i, s in enumerate(locs):
         if s == 0:
-            raise _violation("out_cache_loc", i, s, "a live KV slot, not the padding slot 0")
+            raise _violation(OUT_CACHE_LOC, i, s, "a live KV slot, not the padding slot 0")
         if kv_allocator is not None and not kv_allocator.is_allocated(s):
             raise _violation(
-                "out_cache_loc", i, s, "an allocated KV slot (it is free or out of range)"
+                OUT_CACHE_LOC, i, s, "an allocated KV slot (it is free or out of range)"
             )
-    _check_once("out_cache_loc", locs, "KV slot")
+    _check_once(OUT_CACHE_LOC, locs, "KV slot")
 
 
 def check_kv_owner(
@@ -178,7 +184,7 @@ def check_kv_owner(
     width = req_to_token.shape[1]
     for i, p in enumerate(positions):
         if not 0 <= p < width:  # reached when seq_lens is absent and did not bound it
-            raise _violation("positions", i, p, f"a req_to_token column in 0..{width - 1}")
+            raise _violation(POSITIONS, i, p, f"a req_to_token column in 0..{width - 1}")
     device = req_to_token.device
     at_rows, at_cols = (
         torch.tensor(x, dtype=torch.int64, device=device) for x in (rows, positions)
@@ -187,7 +193,7 @@ def check_kv_owner(
     for i, (r, p, s, rec) in enumerate(zip(rows, positions, locs, recorded, strict=True)):
         if s != rec:
             raise _violation(
-                "out_cache_loc", i, s, f"req_to_token[{r}, {p}] = {rec}, the slot its request owns"
+                OUT_CACHE_LOC, i, s, f"req_to_token[{r}, {p}] = {rec}, the slot its request owns"
             )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.decode import OUT_CACHE_LOC
 from graphrunner.declare.outputs import Outputs
 from graphrunner.pools import KVCache, MambaStatePool, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sanitizer.checks import (
@@ -140,8 +141,8 @@ class PaddingSanitizer:
                 # Padded rows write slot 0 only (out_cache_loc pads with 0), so
                 # the rest of a paged cache's padding page must stay untouched.
                 guarded += [
-                    GuardedTensor(f"k_cache[{layer}]", k, "out_cache_loc", sink_rows=1),
-                    GuardedTensor(f"v_cache[{layer}]", v, "out_cache_loc", sink_rows=1),
+                    GuardedTensor(f"k_cache[{layer}]", k, OUT_CACHE_LOC, sink_rows=1),
+                    GuardedTensor(f"v_cache[{layer}]", v, OUT_CACHE_LOC, sink_rows=1),
                 ]
         if mamba_pool is not None:
             # No sink row: padded rows discard their update (mamba_track_mask),
