@@ -121,11 +121,16 @@ def _imported_names(line: str) -> list[str]:
     return [n.strip().split(" as ")[0] for n in match.group(1).split(",") if n.strip()]
 
 
+#: The reference's packages a docs page may import from (their ``__all__``).
+REFERENCE_PUBLIC_MODULES = {"graphrunner_ref.bridge"}
+
+
 def test_readme_examples_import_only_the_public_api() -> None:
     """Everything an integrator needs is importable from ``graphrunner`` itself:
     ``__all__`` is the contract, and the README's examples prove it. The docs
     pages may import a public subpackage's names (each in its ``__all__``) and
-    the reference engine's (in ``graphrunner_ref.__all__``), nothing deeper."""
+    the reference engine's (in ``graphrunner_ref.__all__``, or the bridge's in
+    ``graphrunner_ref.bridge.__all__``), nothing deeper."""
     deep = [
         line
         for _, block in _python_blocks([README])
@@ -143,7 +148,7 @@ def test_readme_examples_import_only_the_public_api() -> None:
             module_name = line.split()[1]
             if module_name == "graphrunner_ref":
                 module: ModuleType = graphrunner_ref
-            elif module_name in PUBLIC_MODULES:
+            elif module_name in PUBLIC_MODULES or module_name in REFERENCE_PUBLIC_MODULES:
                 module = importlib.import_module(module_name)
             else:
                 wrong.append(f"{page.name}: {line} (not a public module)")

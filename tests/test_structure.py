@@ -202,6 +202,7 @@ LAYERS = (
     "phases",
     "model",
     "io",
+    "bridge",
     "engine",
     "cli",
 )

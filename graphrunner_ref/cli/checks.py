@@ -15,6 +15,7 @@ import torch
 from graphrunner.pools import whole_pages
 from graphrunner.sizing import default_capture_sizes
 from graphrunner_ref.cli import model_args as cli_model
+from graphrunner_ref.cli import model_impl as cli_model_impl
 from graphrunner_ref.cli import multistep as cli_multistep
 from graphrunner_ref.cli import overlap as cli_overlap
 from graphrunner_ref.cli import spec as cli_spec
@@ -99,10 +100,13 @@ def runner_kind(args: argparse.Namespace) -> str:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     if args.checkpoint is None:
+        cli_model_impl.resolve(args)  # refuses --model-impl transformers
         return cli_model.embedded_config(args)
     try:
         # A .gguf file is converted once into the cache; the rest reads that directory.
         args.checkpoint = resolve_checkpoint(args.checkpoint)
+        if cli_model_impl.resolve(args) == "transformers":
+            return cli_model_impl.bridge_config(args.checkpoint)
         return read_config(args.checkpoint)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.cli import answers as cli_answers
 from graphrunner_ref.cli import checks as cli_checks
 from graphrunner_ref.cli import model_args as cli_model
@@ -31,7 +32,7 @@ from graphrunner_ref.cli import spec as cli_spec
 from graphrunner_ref.cli import ssm as cli_ssm
 from graphrunner_ref.cli import text as cli_text
 from graphrunner_ref.cli.arguments import add_common
-from graphrunner_ref.cli.common import MAX_STEPS
+from graphrunner_ref.cli.common import MAX_STEPS, UsageError
 from graphrunner_ref.cli.groups import Groups, add_command
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.results import EngineStats
@@ -44,7 +45,7 @@ __all__ = ["DEFAULT_NEW_TOKENS", "Build", "add_parser", "generate"]
 DEFAULT_NEW_TOKENS = 128
 
 #: Builds the run's model from the arguments, the largest batch and the context.
-Build = Callable[[argparse.Namespace, int, int], ModelBundle]
+Build = Callable[[argparse.Namespace, int, int], ModelBundle | TransformersBundle]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -78,6 +79,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace, build: Build) -> int:
     """Serve ``args``' prompts on the model ``build`` makes; print or write the answers."""
     if cli_ssm.is_state_space_checkpoint(args.checkpoint):  # Mamba / Jamba: own bundle
+        if args.model_impl == "transformers":
+            raise UsageError(
+                f"--model-impl transformers: {args.checkpoint} holds a model with Mamba layers, "
+                "which runs natively (--model-impl native or auto)"
+            )
         return cli_ssm.generate(args, cli_checks.check_common(args), cli_checks.capture_sizes)
     kind, config = cli_checks.check_common(args), cli_checks.model_config(args)
     params = cli_sampling.flag_params(args)
@@ -112,7 +118,7 @@ def generate(args: argparse.Namespace, build: Build) -> int:
 
 def _serve(
     args: argparse.Namespace,
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: list[Any],
     kind: str,
     sizes: list[int],

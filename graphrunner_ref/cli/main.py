@@ -31,10 +31,12 @@ import torch
 
 import graphrunner
 from graphrunner import GraphRunner
+from graphrunner_ref.bridge import TransformersBundle, load_transformers
 from graphrunner_ref.cli import checks as cli_checks
 from graphrunner_ref.cli import convert as cli_convert
 from graphrunner_ref.cli import generate as cli_generate
 from graphrunner_ref.cli import model_args as cli_model
+from graphrunner_ref.cli import model_impl as cli_model_impl
 from graphrunner_ref.cli import modes as cli_modes
 from graphrunner_ref.cli import multistep as cli_multistep
 from graphrunner_ref.cli import report as cli_report
@@ -113,9 +115,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _build(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
+def _build(
+    args: argparse.Namespace, max_requests: int, context: int
+) -> ModelBundle | TransformersBundle:
+    if args.checkpoint is not None and cli_model_impl.resolve(args) == "transformers":
+        return _build_transformers(args, max_requests, context)
     bundle = cli_model.with_attention(args, _build_model(args, max_requests, context))
     return cli_model.with_quantization(args, bundle)
+
+
+def _build_transformers(
+    args: argparse.Namespace, max_requests: int, context: int
+) -> TransformersBundle:
+    """The checkpoint's own transformers modules over graphrunner's pools."""
+    for flag, value, default in (
+        ("--quantize", args.quantize, None),
+        ("--attention", args.attention, "auto"),
+        ("--tp", getattr(args, "tp", None), None),
+    ):
+        if value != default and not (flag == "--tp" and value == 1):
+            raise UsageError(
+                f"{flag} {value}: the native model's option; --model-impl transformers runs "
+                "the checkpoint's own modules (leave it out)"
+            )
+    return load_transformers(
+        args.checkpoint,
+        max_requests=max_requests,
+        max_context_len=context,
+        device=args.device,
+        dtype=cli_model.dtype(args),
+        page_size=args.page_size,
+    )
 
 
 def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:
@@ -148,7 +178,7 @@ def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> M
 
 
 def _capture(
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     kind: str,
     sizes: list[int],
     *,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from graphrunner_ref.cli import model_impl as cli_model_impl
 from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.cli.groups import Groups
 from graphrunner_ref.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
@@ -104,6 +105,7 @@ def add_arguments(g: Groups) -> None:
         "triton-all-heads (CUDA only: the kernel's other split launch, one program over "
         "every KV head)",
     )
+    cli_model_impl.add_argument(p)
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),

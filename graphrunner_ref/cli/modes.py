@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.cli import model_args as cli_model
 from graphrunner_ref.cli import overlap as cli_overlap
 from graphrunner_ref.cli import spec as cli_spec
+from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.speculative import SpeculativeResult
 from graphrunner_ref.model import ModelBundle
@@ -17,7 +19,11 @@ __all__ = ["demo_against_plain", "serve_mode"]
 
 
 def demo_against_plain(
-    args: argparse.Namespace, bundle: ModelBundle, trace: list[Any], kind: str, sizes: list[int]
+    args: argparse.Namespace,
+    bundle: ModelBundle | TransformersBundle,
+    trace: list[Any],
+    kind: str,
+    sizes: list[int],
 ) -> int:
     """Speculative or overlap serving, then plain decoding on the same pools
     (greedy, or overlap's sampling with the same seeds): the same tokens (a
@@ -37,7 +43,7 @@ def demo_against_plain(
 
 def serve_mode(
     args: argparse.Namespace,
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: list[Any],
     kind: str,
     sizes: list[int],
@@ -45,5 +51,11 @@ def serve_mode(
     **kwargs: Any,
 ) -> SpeculativeResult | EngineResult:
     """The run of ``--speculative`` or ``--overlap``."""
-    run = cli_spec.run_speculative if args.speculative else cli_overlap.run_overlap
-    return run(args, bundle, trace, kind, sizes, options, **kwargs)
+    if not args.speculative:
+        return cli_overlap.run_overlap(args, bundle, trace, kind, sizes, options, **kwargs)
+    if not isinstance(bundle, ModelBundle):
+        raise UsageError(
+            "--speculative: the draft heads are the native model's; expected --model-impl "
+            "native (or a checkpoint the native model runs)"
+        )
+    return cli_spec.run_speculative(args, bundle, trace, kind, sizes, options, **kwargs)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from graphrunner.phases import MAX_STEPS_PER_LAUNCH
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.cli import report as cli_report
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli import spec as cli_spec
@@ -62,7 +63,7 @@ def options(args: argparse.Namespace, end_token: int | None) -> dict[str, Any]:
 
 def _run(
     args: argparse.Namespace,
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: Sequence[Request],
     kind: str,
     sizes: list[int],
@@ -87,7 +88,7 @@ def _run(
 
 def demo(
     args: argparse.Namespace,
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: Sequence[Request],
     kind: str,
     sizes: list[int],

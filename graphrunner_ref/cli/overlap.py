@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphrunner import FutureMap
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.cli import multistep as cli_multistep
 from graphrunner_ref.cli import report as cli_report
 from graphrunner_ref.cli import sampling as cli_sampling
@@ -35,7 +36,7 @@ def validate(args: argparse.Namespace, error: type[Exception]) -> None:
 
 def run_overlap(
     args: argparse.Namespace,
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: Sequence[Request],
     kind: str,
     sizes: list[int],

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
@@ -102,7 +103,7 @@ def run_speculative(
 
 
 def plain_run(
-    bundle: ModelBundle,
+    bundle: ModelBundle | TransformersBundle,
     trace: Sequence[Request],
     kind: str,
     sizes: list[int],

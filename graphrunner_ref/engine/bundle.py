@@ -33,6 +33,7 @@ from graphrunner import (
 from graphrunner.declare import NullBackend, ReplayInputs
 from graphrunner.phases import check_steps_per_launch
 from graphrunner.pools import HybridReqToTokenPool
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
 from graphrunner_ref.engine.multistep_runner import (
     multistep_of,
@@ -113,7 +114,9 @@ class DecodeStep:
     rerun_reason: str | None = None
 
 
-def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> DecodeStep:
+def decode_step(
+    bundle: ModelBundle | StateSpaceBundle | TransformersBundle | ServingBundle,
+) -> DecodeStep:
     """The :class:`DecodeStep` of ``bundle``: a Llama bundle decodes the plain
     fields; a state-space bundle adds each row's Mamba slot and runs its
     request pool's recorded state ops before launch."""
@@ -136,9 +139,10 @@ def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> Decod
             mamba=True,
             rerun_reason="an eager rerun would advance each request's Mamba state twice",
         )
-    if not isinstance(bundle, ModelBundle):
+    if not isinstance(bundle, ModelBundle | TransformersBundle):
         raise TypeError(
-            f"bundle={type(bundle).__name__}: expected a ModelBundle or a StateSpaceBundle"
+            f"bundle={type(bundle).__name__}: expected a ModelBundle, a StateSpaceBundle "
+            "or a TransformersBundle"
         )
     llama = bundle
     return DecodeStep(
@@ -155,7 +159,7 @@ def decode_step(bundle: ModelBundle | StateSpaceBundle | ServingBundle) -> Decod
 
 
 def create_decode_runner(
-    bundle: ModelBundle | StateSpaceBundle,
+    bundle: ModelBundle | StateSpaceBundle | TransformersBundle,
     kind: str,
     *,
     capture_sizes: Sequence[int] | None = None,

@@ -36,6 +36,7 @@ from graphrunner.phases import SampledInputs
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
 from graphrunner.util import Exclusive
+from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.engine.admission import Admission
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
@@ -121,7 +122,7 @@ class Engine:
 
     def __init__(
         self,
-        bundle: ModelBundle | StateSpaceBundle,
+        bundle: ModelBundle | StateSpaceBundle | TransformersBundle,
         runner: GraphRunner,
         *,
         check: bool = False,

@@ -18,6 +18,7 @@ from torch import nn
 
 from graphrunner import KVCache, MambaStatePool, TokenToKVPoolAllocator
 from graphrunner.pools import HybridReqToTokenPool, whole_pages
+from graphrunner_ref.model.build import PooledBundle
 from graphrunner_ref.model.config import CheckpointError
 from graphrunner_ref.model.hybrid import HybridLM
 from graphrunner_ref.model.hybrid_config import HybridConfig
@@ -53,7 +54,7 @@ def state_space_type(hf: Mapping[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class StateSpaceBundle:
+class StateSpaceBundle(PooledBundle):
     """A Mamba or hybrid model and the pools it was built over.
 
     ``req_pool`` is a :class:`HybridReqToTokenPool` (``req_to_token`` int32
@@ -74,18 +75,6 @@ class StateSpaceBundle:
     @property
     def mamba_pool(self) -> MambaStatePool:
         return self.req_pool.mamba_pool
-
-    @property
-    def max_context_len(self) -> int:
-        return self.req_pool.max_context_len
-
-    @property
-    def page_size(self) -> int:
-        return self.kv_alloc.page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.req_pool.device
 
 
 def build_state_space_model(

@@ -10,7 +10,12 @@ from graphrunner_ref.model.attention import PagedAttention
 from graphrunner_ref.model.attention_backend import TorchPagedBackend
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.build import ModelBundle, build_model
-from graphrunner_ref.model.config import CheckpointError, ModelConfig, UnsupportedConfigError
+from graphrunner_ref.model.config import (
+    CheckpointError,
+    ModelConfig,
+    UnsupportedConfigError,
+    UnsupportedModelError,
+)
 from graphrunner_ref.model.default import (
     EMBEDDED_CONFIGS,
     default_config,
@@ -30,6 +35,7 @@ __all__ = [
     "PagedAttention",
     "TorchPagedBackend",
     "UnsupportedConfigError",
+    "UnsupportedModelError",
     "WeightError",
     "build_model",
     "default_config",

@@ -13,8 +13,30 @@ from graphrunner_ref.model.llama import LlamaDecoder
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config
 
 
+class PooledBundle:
+    """What every bundle derives from its pools: the context, the KV page and
+    the device (a base of the bundle dataclasses, which hold the pools)."""
+
+    __slots__ = ()
+    req_pool: ReqToTokenPool
+    kv_alloc: TokenToKVPoolAllocator
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_pool.max_context_len
+
+    @property
+    def page_size(self) -> int:
+        """KV slots per page (1: unpaged)."""
+        return self.kv_alloc.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.req_pool.device
+
+
 @dataclass(frozen=True, slots=True)
-class ModelBundle:
+class ModelBundle(PooledBundle):
     """A :class:`LlamaDecoder` and the pools it was built over.
 
     ``req_pool.req_to_token`` is int32 ``[max_requests + 1, max_context_len]``;
@@ -31,19 +53,6 @@ class ModelBundle:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
-
-    @property
-    def max_context_len(self) -> int:
-        return self.req_pool.max_context_len
-
-    @property
-    def page_size(self) -> int:
-        """KV slots per page (1: unpaged)."""
-        return self.kv_alloc.page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv_cache.device
 
 
 def build_model(

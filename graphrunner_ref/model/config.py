@@ -26,6 +26,12 @@ class UnsupportedConfigError(CheckpointError):
     """A checkpoint config asks for something this executor cannot honour."""
 
 
+class UnsupportedModelError(UnsupportedConfigError):
+    """A valid config of a model the native executor does not implement (another
+    architecture, or maths it lacks: RoPE scaling, biases, partial rotary);
+    transformers' own modules run it through the bridge."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a Llama-style decoder (no biases, SwiGLU, RoPE, RMSNorm).
@@ -103,11 +109,11 @@ class ModelConfig:
         _check_architecture(hf)
         for name, wanted in _REQUIRED_VALUES.items():
             if hf.get(name, wanted) != wanted:
-                raise UnsupportedConfigError(
+                raise UnsupportedModelError(
                     f"config field {name}={hf[name]!r} is not supported; expected {wanted!r}"
                 )
         if hf.get("partial_rotary_factor") not in (None, 1.0):
-            raise UnsupportedConfigError(
+            raise UnsupportedModelError(
                 f"config field partial_rotary_factor={hf['partial_rotary_factor']!r} is not "
                 "supported; expected 1.0"
             )
@@ -184,9 +190,10 @@ def _check_architecture(hf: dict[str, Any]) -> None:
     unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     named = bool(archs) or model_type is not None
     if unknown or not named or model_type not in (None, "llama"):
-        raise UnsupportedConfigError(
+        raise UnsupportedModelError(
             f"unsupported architecture {archs or None!r} (model_type={model_type!r}); "
-            f"expected one of {SUPPORTED_ARCHITECTURES} or model_type 'llama'"
+            f"expected one of {SUPPORTED_ARCHITECTURES} or model_type 'llama' for the native "
+            "model (any transformers decoder runs through the bridge: --model-impl transformers)"
         )
 
 
@@ -233,13 +240,13 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     key = "rope_type" if "rope_type" in params else "type"
     rope_type = params.get(key, "default")
     if rope_type != "default":
-        raise UnsupportedConfigError(
+        raise UnsupportedModelError(
             f"config field {field}.{key}={rope_type!r} is not supported; "
             "expected 'default' (no RoPE scaling)"
         )
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
     if extra:
-        raise UnsupportedConfigError(
+        raise UnsupportedModelError(
             f"config field {field} has unsupported keys {extra}; "
             "expected only rope_type (or type) and rope_theta"
         )

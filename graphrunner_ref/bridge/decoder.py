@@ -1,0 +1,206 @@
+"""A transformers ``*ForCausalLM`` decoder as a graphrunner model.
+
+:class:`TransformersDecoder` runs the model's own modules (embedding, norms,
+MLPs, rotary embedding of whatever type its config asks for, tied or separate
+LM head, final-logit soft-capping) with :func:`~.attention.paged_attention`
+over graphrunner's pools: ``forward_decode`` is the step a runner captures
+(the decode buffers, padded by their declared rules), ``forward_extend`` a
+request's eager prefill. The model is called on a step's token rows as one
+sequence of batch 1 with ``use_cache=False``, as vLLM's Transformers backend
+does; what differs between architectures stays in their modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphrunner import KVCache, ReqToTokenPool, StepInputs, TokenToKVPoolAllocator
+from graphrunner.declare import NullBackend
+from graphrunner.pools import whole_pages
+from graphrunner.util import needs_extra
+from graphrunner_ref.bridge.attention import ATTENTION, StepKV, register
+from graphrunner_ref.model.build import PooledBundle
+
+__all__ = [
+    "TransformersBundle",
+    "TransformersDecoder",
+    "build_transformers_bundle",
+    "load_transformers",
+]
+
+#: The default context when a config allows more (``max_context_len`` overrides).
+DEFAULT_CONTEXT = 4096
+
+
+class TransformersDecoder(nn.Module):
+    """A transformers causal LM over a :class:`~graphrunner.KVCache` and the
+    ``req_to_token`` table of a :class:`~graphrunner.ReqToTokenPool`.
+
+    Args:
+        hf: the ``*ForCausalLM`` module, its attention set to the bridge's
+            (:data:`~.attention.ATTENTION`).
+        kv_cache: one layer per decoder layer, its KV heads and head size.
+        req_pool: whose ``req_to_token`` (int32 ``[rows, context]``) the
+            attention reads.
+    """
+
+    def __init__(self, hf: nn.Module, kv_cache: KVCache, req_pool: ReqToTokenPool) -> None:
+        super().__init__()
+        self.hf = hf
+        self.kv_cache = kv_cache
+        self.req_to_token = req_pool.req_to_token
+        #: The attention reads only the step's device tensors: no host planning.
+        self.attn_backend = NullBackend()
+
+    @property
+    def config(self) -> Any:
+        """The model's (text) config: ``vocab_size`` and the rest."""
+        return _text_config(self.hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, step: StepKV) -> torch.Tensor:
+        out = self.hf(
+            input_ids=ids[None], position_ids=positions[None], use_cache=False, graphrunner=step
+        )
+        logits: torch.Tensor = out.logits[0]
+        return logits.float()
+
+    def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
+        """One decode step: logits float32 ``[bs, vocab]`` from the decode fields
+        (int64 ``[bs]``); each row's K/V written at its ``out_cache_loc``."""
+        b = inputs
+        step = StepKV(
+            self.kv_cache, self.req_to_token, b.req_pool_indices, b.seq_lens, b.out_cache_loc
+        )
+        return self._logits(b.input_ids, b.positions, step)
+
+    @torch.no_grad()
+    def forward_extend(
+        self,
+        req_pool_index: int,
+        token_ids: torch.Tensor,
+        kv_slots: torch.Tensor,
+        *,
+        prefix_len: int = 0,
+    ) -> torch.Tensor:
+        """Eager prefill of one request: logits float32 ``[vocab]`` of its last
+        token. Token ``i`` (int64 ``[n]``) sits at position ``prefix_len + i``,
+        its K/V at ``kv_slots[i]``, recorded in ``req_to_token`` by this call."""
+        n = token_ids.shape[0]
+        positions = torch.arange(prefix_len, prefix_len + n, device=token_ids.device)
+        self.req_to_token[req_pool_index, prefix_len : prefix_len + n] = kv_slots.to(torch.int32)
+        rows = torch.full((n,), req_pool_index, dtype=torch.int64, device=token_ids.device)
+        step = StepKV(self.kv_cache, self.req_to_token, rows, positions + 1, kv_slots)
+        return self._logits(token_ids, positions, step)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class TransformersBundle(PooledBundle):
+    """A :class:`TransformersDecoder` and the pools it was built over (what
+    the engine serves, as :class:`~graphrunner_ref.model.build.ModelBundle`)."""
+
+    model: TransformersDecoder
+    req_pool: ReqToTokenPool
+    kv_alloc: TokenToKVPoolAllocator
+    kv_cache: KVCache
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def _text_config(hf: nn.Module) -> Any:
+    config = hf.config
+    text = getattr(config, "get_text_config", None)
+    return text() if callable(text) else config
+
+
+def _attention_modules(hf: nn.Module) -> list[nn.Module]:
+    return [m for m in hf.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+
+
+def build_transformers_bundle(
+    hf: nn.Module,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    kv_slots: int | None = None,
+    page_size: int = 1,
+) -> TransformersBundle:
+    """Pools for ``hf`` (on its device, in its dtype) and the decoder over them.
+
+    ``max_context_len`` defaults to the config's ``max_position_embeddings``
+    (at most :data:`DEFAULT_CONTEXT`); ``kv_slots`` to ``max_requests`` full
+    contexts in whole pages.
+
+    Raises:
+        ValueError: a bad size, or a model whose attention layers cannot be
+            found (no module with a ``layer_idx``): the bridge routes each
+            layer's K/V by it.
+    """
+    register()
+    config = _text_config(hf)
+    layers = _attention_modules(hf)
+    if not layers:
+        raise ValueError(
+            f"{type(hf).__name__}: no attention module with a layer_idx; the transformers "
+            "bridge finds each layer's KV by module.layer_idx (a decoder whose attention "
+            "goes through transformers' attention interface has it)"
+        )
+    hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    limit = int(getattr(config, "max_position_embeddings", DEFAULT_CONTEXT))
+    context = min(limit, DEFAULT_CONTEXT) if max_context_len is None else max_context_len
+    if not 1 <= context <= limit:
+        raise ValueError(f"max_context_len={context}: expected 1..max_position_embeddings={limit}")
+    slots = whole_pages(max_requests * context, page_size) if kv_slots is None else kv_slots
+    param = next(hf.parameters())
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_cache = KVCache(
+        slots,
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        dtype=param.dtype,
+        device=param.device,
+        page_size=page_size,
+    )
+    req_pool = ReqToTokenPool(max_requests, context, device=param.device)
+    kv_alloc = TokenToKVPoolAllocator(slots, device=param.device, page_size=page_size)
+    model = TransformersDecoder(hf.eval().requires_grad_(False), kv_cache, req_pool)
+    return TransformersBundle(model, req_pool, kv_alloc, kv_cache)
+
+
+def load_transformers(
+    path: str | Path,
+    *,
+    max_requests: int,
+    max_context_len: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
+) -> TransformersBundle:
+    """A checkpoint directory of any transformers ``*ForCausalLM`` decoder
+    (``AutoModelForCausalLM``), in ``dtype`` on ``device``, over new pools."""
+    with needs_extra("text", "the transformers bridge"):
+        from transformers import AutoModelForCausalLM
+
+    register()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=ATTENTION, dtype=dtype)
+    model: nn.Module = hf
+    model.to(device)
+    return build_transformers_bundle(
+        model,
+        max_requests=max_requests,
+        max_context_len=max_context_len,
+        page_size=page_size,
+    )
