@@ -66,8 +66,8 @@ def test_generate_prints_greedy_tokens_in_prompt_order(
     )
     assert rc == 0
     lines = _lines(capsys.readouterr().out)
-    assert [line["prompt"] for line in lines] == [0, 1, 2, 3]
-    assert [line["tokens"] for line in lines] == _expected(6)
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    assert [line["token_ids"] for line in lines] == _expected(6)
 
 
 def test_generate_from_a_checkpoint_and_the_cpu_runner_writes_output(
@@ -94,7 +94,7 @@ def test_generate_from_a_checkpoint_and_the_cpu_runner_writes_output(
         ]
     )
     assert rc == 0
-    assert [line["tokens"] for line in _lines(out.read_text())] == _expected(5)
+    assert [line["token_ids"] for line in _lines(out.read_text())] == _expected(5)
 
 
 #: Prompt files generate refuses (exit 2) before any work: (content, the error).
@@ -416,7 +416,7 @@ def test_generate_with_kv_pages_prints_the_same_tokens(
     assert cli.main([*args, "--page-size", "4", "--check"]) == 0
     assert built_page_sizes == [4]
     captured = capsys.readouterr()
-    assert [line["tokens"] for line in _lines(captured.out)] == _expected(7)
+    assert [line["token_ids"] for line in _lines(captured.out)] == _expected(7)
     assert captured.err.endswith("mismatches: 0\n")
 
 
@@ -538,7 +538,7 @@ def test_generate_replaces_the_output_file_whole(prompts_file: Path, tmp_path: P
     out.write_text("old contents, longer than nothing\n" * 100)
     args = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "3", *EAGER]
     assert cli.main([*args, "--output", str(out)]) == 0
-    assert [line["tokens"] for line in _lines(out.read_text())] == _expected(3)
+    assert [line["token_ids"] for line in _lines(out.read_text())] == _expected(3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
 
 
@@ -625,7 +625,7 @@ def test_generate_runs_a_plain_rope_checkpoint_however_it_says_so(
     path = _checkpoint(tmp_path, **edit)
     args = ["generate", "--prompts", str(prompts_file), "--checkpoint", str(path), *EAGER]
     assert cli.main([*args, "--max-new-tokens", "3"]) == 0
-    assert [line["tokens"] for line in _lines(capsys.readouterr().out)] == _expected(3)
+    assert [line["token_ids"] for line in _lines(capsys.readouterr().out)] == _expected(3)
 
 
 def test_demo_builds_the_embedded_model_at_the_context_it_reports(

@@ -59,7 +59,7 @@ def _generate(model: Path, tmp_path: Path, *extra: str) -> tuple[int, list[list[
         ]
     )  # fmt: skip
     lines = out.read_text().splitlines() if out.exists() else []
-    return rc, [json.loads(line)["tokens"] for line in lines]
+    return rc, [json.loads(line)["token_ids"] for line in lines]
 
 
 def test_auto_runs_an_unsupported_architecture_through_the_bridge(

@@ -29,7 +29,7 @@ def test_generate_speculative_prints_the_plain_greedy_tokens(
     argv += ["--speculative", method, "--draft", draft, "--draft-tokens", str(k), "--check"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
-    tokens = [json.loads(line)["tokens"] for line in captured.out.splitlines()]
+    tokens = [json.loads(line)["token_ids"] for line in captured.out.splitlines()]
     assert tokens == _expected(6)
     assert "mismatches: 0" in captured.err
 
@@ -82,7 +82,7 @@ def test_generate_overlap_prints_the_plain_greedy_tokens(
     argv = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "6", *EAGER]
     assert cli.main([*argv, "--overlap", "--check", "--arrive-every", "1"]) == 0
     captured = capsys.readouterr()
-    assert [json.loads(line)["tokens"] for line in captured.out.splitlines()] == _expected(6)
+    assert [json.loads(line)["token_ids"] for line in captured.out.splitlines()] == _expected(6)
     assert "mismatches: 0" in captured.err
 
 

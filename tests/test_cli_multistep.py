@@ -28,7 +28,7 @@ def prompts_file(tmp_path: Path) -> Path:
 
 def _tokens(capsys: pytest.CaptureFixture[str], prompts: Path, *argv: str) -> list[list[int]]:
     assert cli.main(["generate", "--prompts", str(prompts), "--json", *EAGER, *argv]) == 0
-    return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+    return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -68,8 +68,8 @@ def test_generate_logprobs_equal_those_of_one_step_per_launch(
     single = _records(capsys, prompts_file, *argv)
     multi = _records(capsys, prompts_file, "--steps-per-launch", str(n), *argv)
     assert [r["logprobs"] for r in multi] == [r["logprobs"] for r in single]
-    assert [r["tokens"] for r in multi] == [r["tokens"] for r in single]
-    assert all(len(r["logprobs"]) == len(r["tokens"]) for r in single)
+    assert [r["token_ids"] for r in multi] == [r["token_ids"] for r in single]
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in single)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -80,7 +80,7 @@ def test_generate_checks_each_launch_against_eager_steps(
     argv = ["--steps-per-launch", str(n), "--check", "--end-token", "17"]
     assert cli.main(["generate", "--prompts", str(prompts_file), "--json", *EAGER, *argv]) == 0
     out, err = capsys.readouterr()
-    assert [json.loads(line)["tokens"] for line in out.splitlines()] == single
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == single
     assert "mismatches: 0" in err
 
 

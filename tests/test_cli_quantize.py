@@ -48,7 +48,7 @@ def test_generate_quantized_prints_transformers_tokens(
     argv += ["--runner", runner, "--capture-sizes", "1,2,4", "--max-new-tokens", str(NEW)]
     assert cli.main([*argv, "--json", "--check", "--check-padding", "--quiet"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["tokens"] for r in records] == _hf_tokens(hf, mode)
+    assert [r["token_ids"] for r in records] == _hf_tokens(hf, mode)
 
 
 def test_demo_quantized_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,4 +130,4 @@ def test_int8_from_gguf_q8_0_and_q4_weights_gives_transformers_tokens(
     converted = transformers.LlamaForCausalLM.from_pretrained(
         resolve_checkpoint(tmp_path / "m.gguf")
     ).eval()
-    assert [r["tokens"] for r in records] == _hf_tokens(converted, "int8")
+    assert [r["token_ids"] for r in records] == _hf_tokens(converted, "int8")

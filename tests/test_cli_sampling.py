@@ -39,7 +39,7 @@ def _generate(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, 
 
 
 def _tokens(lines: list[dict[str, Any]]) -> list[list[int]]:
-    return [line["tokens"] for line in lines]
+    return [line["token_ids"] for line in lines]
 
 
 def _engine(
@@ -143,9 +143,11 @@ def test_logprobs_are_the_eager_log_softmax_of_each_written_token(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     reference = default_model(max_requests=1)
     for prompt, line in zip(PROMPTS, lines, strict=True):
-        assert len(line["logprobs"]) == len(line["tokens"]) == NEW
-        for i, (token, entry) in enumerate(zip(line["tokens"], line["logprobs"], strict=True)):
-            lp = torch.log_softmax(eager_last_logits(reference, [*prompt, *line["tokens"][:i]]), -1)
+        assert len(line["logprobs"]) == len(line["token_ids"]) == NEW
+        for i, (token, entry) in enumerate(zip(line["token_ids"], line["logprobs"], strict=True)):
+            lp = torch.log_softmax(
+                eager_last_logits(reference, [*prompt, *line["token_ids"][:i]]), -1
+            )
             assert entry["token"] == token
             assert entry["logprob"] == pytest.approx(lp[token].item(), abs=1e-4)
             top = torch.topk(lp, 4)
@@ -347,7 +349,7 @@ def test_a_state_space_checkpoint_gives_the_transformers_log_softmax(
     assert cli.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     for prompt, line in zip([[1, 2], [3, 4, 5]], lines, strict=True):
-        tokens = line["tokens"]
+        tokens = line["token_ids"]
         assert len(line["logprobs"]) == len(tokens) == 4
         for i, entry in enumerate(line["logprobs"]):
             with torch.no_grad():
@@ -380,12 +382,12 @@ def test_a_text_prompt_object_samples_as_its_token_id_twin(
     [by_text] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert cli.main([*base, "--prompts", str(files[1]), "--json"]) == 0
     [by_ids] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert by_text["tokens"] == by_ids["tokens"] and len(by_ids["tokens"]) == 5
-    assert [e["token"] for e in by_text["logprobs"]] == by_text["tokens"]
+    assert by_text["token_ids"] == by_ids["token_ids"] and len(by_ids["token_ids"]) == 5
+    assert [e["token"] for e in by_text["logprobs"]] == by_text["token_ids"]
     greedy = tmp_path / "greedy.jsonl"
     greedy.write_text(json.dumps({"prompt": ids, "max_new_tokens": 5}) + "\n")
     assert cli.main([*base, "--prompts", str(greedy), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] != by_ids["tokens"]  # it sampled
+    assert json.loads(capsys.readouterr().out)["token_ids"] != by_ids["token_ids"]  # it sampled
 
 
 @pytest.mark.parametrize(

@@ -260,8 +260,8 @@ def test_generate_writes_its_served_sizes_and_trace_beside_the_answers(model, tm
     assert cli.main([*argv, "--batch-sizes-out", str(sizes), "--trace-out", str(trace)]) == 0
     out, err = capsys.readouterr()
     answers = [json.loads(line) for line in out.splitlines()]
-    assert [a["prompt"] for a in answers] == [0, 1, 2]
-    assert all(len(a["tokens"]) == 5 for a in answers)
+    assert [a["index"] for a in answers] == [0, 1, 2]
+    assert all(len(a["token_ids"]) == 5 for a in answers)
     assert read_histogram(sizes).counts() == {3: 4}
     assert f"batch sizes written to {sizes}" in err
     names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}

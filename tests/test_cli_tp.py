@@ -56,7 +56,7 @@ def _stdin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _tokens(output: Path) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in output.read_text().splitlines()]
+    return [json.loads(line)["token_ids"] for line in output.read_text().splitlines()]
 
 
 def test_two_ranks_answer_as_one_and_as_transformers(

@@ -68,8 +68,9 @@ def test_json_and_output_give_one_exact_record_per_request(
     argv = ["--prompts", str(prompts_file), "--max-new-tokens", str(NEW), *EAGER]
     expected = [
         {
-            "prompt": i,
-            "tokens": greedy[i],
+            "index": i,
+            "prompt_token_ids": list(p),
+            "token_ids": greedy[i],
             "finish_reason": "length",
             "prompt_tokens": len(p),
             "completion_tokens": NEW,
@@ -95,10 +96,10 @@ def test_finish_reason_is_stop_at_the_end_token_and_length_at_the_budget(
     records = _lines(out)
     for record, free in zip(records, greedy, strict=True):
         cut = free[: free.index(end) + 1] if end in free else free
-        assert record["tokens"] == cut
+        assert record["token_ids"] == cut
         assert record["completion_tokens"] == len(cut)
         assert record["finish_reason"] == ("stop" if end in free else "length")
-    assert records[0]["finish_reason"] == "stop" and len(records[0]["tokens"]) <= 3
+    assert records[0]["finish_reason"] == "stop" and len(records[0]["token_ids"]) <= 3
     assert any(r["finish_reason"] == "length" for r in records)
 
 
@@ -167,12 +168,16 @@ def test_text_records_carry_the_decoded_text(
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     out, _ = _run(capsys, *_text_argv(ckpt, "--ignore-eos", "--json", "--prompt", "hello"))
     [record] = _lines(out)
-    assert record["text"] == tokenizer.decode(record["tokens"], skip_special_tokens=True)
+    assert record["text"] == tokenizer.decode(record["token_ids"], skip_special_tokens=True)
     assert record["prompt_tokens"] == len(tokenizer("hello")["input_ids"])
+    assert record["prompt"] == "hello"  # vLLM's names: the text, its ids, the answer's
+    assert record["prompt_token_ids"] == tokenizer("hello")["input_ids"]
     assert list(record) == [
+        "index",
         "prompt",
+        "prompt_token_ids",
         "text",
-        "tokens",
+        "token_ids",
         "finish_reason",
         "prompt_tokens",
         "completion_tokens",

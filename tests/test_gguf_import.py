@@ -122,7 +122,7 @@ def _generate(
 ) -> list[Any]:
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--json"]
     assert cli.main([*argv, "--runner", runner, "--max-new-tokens", "12", "--ignore-eos"]) == 0
-    return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+    return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
 
 
 def test_gguf_checkpoint_generates_the_tokens_of_its_safetensors_source(

@@ -264,7 +264,7 @@ def test_generate_loads_the_checkpoint_like_a_llama_one(
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
-    tokens = [json.loads(line)["tokens"] for line in out.splitlines()]
+    tokens = [json.loads(line)["token_ids"] for line in out.splitlines()]
     assert tokens == [expected[r.rid][:4] for r in requests], kind
 
 

@@ -47,7 +47,7 @@ def _prompts(tmp_path: Path, prompts: list[list[int]]) -> Path:
 
 
 def _tokens(out: str) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in out.splitlines()]
+    return [json.loads(line)["token_ids"] for line in out.splitlines()]
 
 
 def test_generate_sizes_rows_and_kv_pool_for_n_whatever_the_checkpoint_declares(

@@ -69,7 +69,7 @@ def _graphrunner(smollm2: Path, runner: str, capsys: pytest.CaptureFixture[str])
     for q in QUESTIONS:
         argv += ["--prompt", q]
     assert cli.main(argv) == 0
-    return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+    return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
 
 
 def test_smollm2_cpu_runner_gives_transformers_greedy_tokens(

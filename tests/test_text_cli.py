@@ -43,7 +43,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def _tokens(out: str) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in out.splitlines()]
+    return [json.loads(line)["token_ids"] for line in out.splitlines()]
 
 
 def _ids_file(path: Path, prompts: list[list[int]]) -> Path:
@@ -137,7 +137,7 @@ def test_text_output_decodes_each_answer(
     out = tmp_path / "answers.jsonl"
     assert _run([*base, "--prompt", TEXTS[0], "--output", str(out)], capsys) == ""
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert record["tokens"] == tokens[0]
+    assert record["token_ids"] == tokens[0]
     assert record["text"] == tokenizer.decode(tokens[0], skip_special_tokens=True)
 
 

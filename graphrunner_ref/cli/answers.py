@@ -1,7 +1,8 @@
 """What ``generate`` prints and writes.
 
-One JSON record per request, in prompt order: ``{"prompt": index, "text":
-... (with a tokenizer), "tokens": [ids], "finish_reason": "stop" | "length",
+One JSON record per request, in prompt order, with vLLM's names: ``{"index":
+i, "prompt": text (with a tokenizer), "prompt_token_ids": [ids], "text": ...
+(with a tokenizer), "token_ids": [ids], "finish_reason": "stop" | "length",
 "prompt_tokens": n, "completion_tokens": m}``, and ``"logprobs"`` with
 ``--logprobs``. ``--output FILE`` writes them as JSON lines (atomically),
 ``--json`` prints them; without either, a checkpoint with a tokenizer prints
@@ -85,11 +86,14 @@ def records(
     for rid, prompt in enumerate(prompts):
         tokens = outputs[rid]
         line = cli_sampling.output_line(rid, tokens, logprobs)
-        record: dict[str, Any] = {"prompt": rid}
+        record: dict[str, Any] = {"index": rid}
+        if codec is not None:
+            record["prompt"] = codec.decode(list(prompt))
+        record["prompt_token_ids"] = list(prompt)
         if codec is not None:
             record["text"] = codec.decode(tokens)
         record |= {
-            "tokens": tokens,
+            "token_ids": tokens,
             "finish_reason": finish_reason(tokens, end_token),
             "prompt_tokens": len(prompt),
             "completion_tokens": len(tokens),

@@ -193,10 +193,10 @@ def prompt_object(line: str, where: str, limit: int) -> dict[str, Any]:
 def output_line(
     rid: int, tokens: list[int], logprobs: Mapping[int, list[TokenLogprobs]] | None
 ) -> dict[str, Any]:
-    """``generate``'s JSON line of request ``rid``: ``{"prompt", "tokens"}``,
+    """``generate``'s JSON line of request ``rid``: ``{"index", "token_ids"}``,
     and ``"logprobs"`` (one ``{"token", "logprob", "top": [[id, logprob],
     ...]}`` per token) when the run collected them."""
-    line: dict[str, Any] = {"prompt": rid, "tokens": tokens}
+    line: dict[str, Any] = {"index": rid, "token_ids": tokens}
     if logprobs:
         line["logprobs"] = [
             {"token": t, "logprob": lp, "top": [list(pair) for pair in top]}
