@@ -183,5 +183,5 @@ def test_text_without_a_tokenizer_exits_2_with_one_line_and_writes_nothing(
 def test_generate_without_prompts_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", *EAGER]) == 2
     assert capsys.readouterr().err == (
-        "graphrunner generate: error: generate needs --prompts FILE or --prompt TEXT\n"
+        "graphrunner generate: error: generate needs a prompt: PROMPT, --prompt TEXT or --prompts FILE\n"
     )

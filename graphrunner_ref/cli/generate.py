@@ -58,6 +58,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     cli_answers.add_arguments(g.output)  # --output, --json, --no-stream, --quiet
     g.prompts.add_argument(
         "--max-new-tokens",
+        "-n",
+        "--max-tokens",
+        dest="max_new_tokens",
         type=int,
         default=DEFAULT_NEW_TOKENS,
         help=f"1..the model's context ({DEFAULT_NEW_TOKENS}; a text answer stops earlier at "

@@ -76,7 +76,7 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     line = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(line)
+    args = _parse_line(line)
     # Alone, or as --tp N ranks (spawned here, or this one of torchrun's).
     return run_command(
         f"graphrunner {args.command}",
@@ -86,7 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """``argv`` parsed, its model resolved: how a tensor-parallel rank reads it."""
-    return cli_model.resolve_model(_parser().parse_args(argv))
+    return cli_model.resolve_model(_parse_line(argv))
+
+
+def _parse_line(line: list[str]) -> argparse.Namespace:
+    """``line`` parsed; an unknown option is reported with its subcommand's
+    usage (the top level's says nothing of the subcommand's options)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(line)
+    if extra:
+        command: argparse.ArgumentParser = parser.commands[args.command]  # type: ignore[attr-defined]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=lambda a: cli_generate.generate(a, _build))  # _build patchable
     cli_sizes.add_parser(sub)
     cli_convert.add_parser(sub)
+    parser.commands = sub.choices  # type: ignore[attr-defined]  # for _parse_line's errors
     return parser
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphrunner_ref.cli import model_args as cli_model
 from graphrunner_ref.cli import prompts as cli_prompts
 from graphrunner_ref.cli import sizes as cli_sizes
 from graphrunner_ref.cli.common import (
@@ -66,10 +67,17 @@ def add_generate_arguments(gen: Options) -> None:
     cli_prompts.add_arguments(gen)  # --prompts, --prompts-format
     gen.add_argument(
         "--prompt",
+        "-p",
         action="append",
         default=[],
         metavar="TEXT",
         help="a text prompt (repeatable; needs a checkpoint with a tokenizer)",
+    )
+    gen.add_argument(
+        "prompt_text",
+        nargs="*",
+        metavar="PROMPT",
+        help="text prompts, as --prompt (quote each one)",
     )
     gen.add_argument(
         "--chat", action="store_true", help="apply the checkpoint's chat template to text prompts"
@@ -163,8 +171,10 @@ def read_inputs(
     (:class:`UsageError` naming the prompt); the tokenizer loaded when the
     checkpoint has one or text needs one, and refused when it makes ids past
     the model's vocabulary. ``to_stdout``: the answers print (no ``--output``)."""
+    args.prompt = [*args.prompt, *getattr(args, "prompt_text", [])]  # positional ones too
+    args.prompt_text = []
     if args.prompts is None and not args.prompt:
-        raise UsageError("generate needs --prompts FILE or --prompt TEXT")
+        raise UsageError("generate needs a prompt: PROMPT, --prompt TEXT or --prompts FILE")
     tokenizer = has_tokenizer(args.checkpoint)
     name, source, lines = "", "", list[cli_prompts.PromptLine]()
     if args.prompts is not None:
@@ -176,7 +186,10 @@ def read_inputs(
     if tokenizer or args.prompt or texts_in_file or args.chat:
         what = "--prompt" if args.prompt else "--chat" if args.chat else f"{name} (text)"
         try:
-            codec = TextCodec.load(args.checkpoint, what=what, vocab_size=config.vocab_size)
+            named = cli_model.model_source(args) if args.checkpoint else None
+            codec = TextCodec.load(
+                args.checkpoint, what=what, vocab_size=config.vocab_size, named=named
+            )
         except (NoTokenizerError, TokenizerVocabError) as e:
             raise UsageError(str(e)) from None
     prompts: list[list[int]] = []

@@ -58,15 +58,21 @@ class TextCodec:
 
     @classmethod
     def load(
-        cls, checkpoint: Path | None, *, what: str, vocab_size: int | None = None
+        cls,
+        checkpoint: Path | None,
+        *,
+        what: str,
+        vocab_size: int | None = None,
+        named: str | None = None,
     ) -> TextCodec:
         """The tokenizer of ``checkpoint``; :class:`NoTokenizerError` naming
         ``what`` (the argument that needs it) when there is none. With
         ``vocab_size`` (the model's), a tokenizer that makes ids past it is
         refused here, before any run: :class:`TokenizerVocabError` names the
-        tokenizer file, its size and the model's."""
+        tokenizer file, its size and the model's. ``named``: how the caller
+        named the checkpoint in messages (``--model DIR``; default its path)."""
         if checkpoint is None or not has_tokenizer(checkpoint):
-            model = f"--checkpoint {checkpoint}" if checkpoint else "the embedded random model"
+            model = (named or str(checkpoint)) if checkpoint else "the embedded random model"
             raise NoTokenizerError(
                 f"{what} needs a tokenizer: {model} has none (expected one of "
                 f"{', '.join(TOKENIZER_FILES)}); give token ids instead (a JSON list per line)"
