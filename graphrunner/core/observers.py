@@ -12,12 +12,13 @@ error). The plain replay has no observer and pays one ``is None`` test a hook.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.outputs import Outputs, poison_outputs
+from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
 from graphrunner.util import nvtx
 
@@ -108,10 +109,20 @@ class SanitizedSteps(StepObserver):
 
     full_checks = True
 
-    def __init__(self, sanitizer: PaddingSanitizer) -> None:
+    def __init__(
+        self,
+        sanitizer: PaddingSanitizer,
+        captured: Callable[[], CapturedState | None] = lambda: None,
+    ) -> None:
         self.sanitizer = sanitizer
+        self._captured = captured
         self._check: ReplayCheck | None = None
         self._held: Outputs | None = None
+
+    def begin(self, name: str) -> None:
+        state = self._captured()
+        if state is not None:  # the tensors the captured forward reads are still its own
+            state.check()
 
     def before_launch(
         self,
@@ -182,14 +193,19 @@ class _Both(StepObserver):
 
 class Observers:
     """A runner's observers: its NVTX ranges (taken while a tool or a profiler
-    watches, :func:`graphrunner.util.nvtx.active`) and its sanitizer's checks.
+    watches, :func:`graphrunner.util.nvtx.active`) and its sanitizer's checks
+    (with ``captured``, the runner's :class:`CapturedState` once captured).
 
     ``plain`` is the observer of a replay nobody profiles (None without a
     sanitizer), ``watched`` the one of a profiled replay."""
 
-    def __init__(self, sanitizer: PaddingSanitizer | None) -> None:
+    def __init__(
+        self,
+        sanitizer: PaddingSanitizer | None,
+        captured: Callable[[], CapturedState | None] = lambda: None,
+    ) -> None:
         ranges = NvtxRanges()
-        sanitized = None if sanitizer is None else SanitizedSteps(sanitizer)
+        sanitized = None if sanitizer is None else SanitizedSteps(sanitizer, captured)
         self.sanitizer = sanitizer
         self.plain: StepObserver | None = sanitized
         self.watched: StepObserver = ranges if sanitized is None else _Both(ranges, sanitized)

@@ -41,6 +41,7 @@ from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_o
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.mechanisms import CaptureMechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
+from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
@@ -133,8 +134,9 @@ class GraphRunner:
         self.mechanism.bind_buffers(self.buffers)
         #: Who writes the buffers at replay: the mechanism's writer, or the torch one.
         self.writer: PopulateWriter = self.mechanism.populate_writer or TorchWriter(self.buffers)
+        self.captured_state: CapturedState | None = None
         #: The sanitizer and NVTX ranges that observe each replay.
-        self._observers = Observers(sanitizer)
+        self._observers = Observers(sanitizer, lambda: self.captured_state)
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
@@ -217,6 +219,8 @@ class GraphRunner:
         self._launchers, self._graph_for = graph_table(
             launchers, self._sizes, self.width or 1, self.buffers
         )
+        #: What the captured forward reads, checked under the sanitizer.
+        self.captured_state = CapturedState(self.forward)
         return self.capture_report
 
     def replay(self, inputs: ReplayInputs) -> Outputs:
@@ -293,7 +297,7 @@ class GraphRunner:
 
     @sanitizer.setter
     def sanitizer(self, sanitizer: PaddingSanitizer | None) -> None:
-        self._observers = Observers(sanitizer)
+        self._observers = Observers(sanitizer, lambda: self.captured_state)
 
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step: the recorded state ops, once per step."""

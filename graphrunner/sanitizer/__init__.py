@@ -3,6 +3,7 @@ it does not own (and guarded state of one's own: :class:`GuardedTensor`)."""
 
 from __future__ import annotations
 
+from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.checks import live_ints
 from graphrunner.sanitizer.padding import (
     GuardedTensor,
@@ -13,6 +14,7 @@ from graphrunner.sanitizer.padding import (
 )
 
 __all__ = [
+    "CapturedState",
     "GuardedTensor",
     "PaddingSanitizer",
     "PaddingViolation",
