@@ -22,6 +22,7 @@ and frees them whole.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -155,6 +156,8 @@ class Engine:
         self.runner = runner
         self.check, self.end_token, self.atol = check, end_token, atol
         self.on_finish, self.on_token = on_finish, on_token
+        # A step's callbacks, called after its bookkeeping (_fire_callbacks).
+        self._callbacks: list[Callable[[], object]] = []
         self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
@@ -199,10 +202,12 @@ class Engine:
                     if not run.live:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
                     bar.update(self.schedule.step(self, run))
+                    self._fire_callbacks()
                     run.clock += 1
             for req in run.live:  # cut by max_steps
                 run.outputs[req.request.rid] = req.tokens
         finally:  # on an error too: a failed run leaks no pool row or KV page
+            self._callbacks = []
             for req in list(run.held.values()):
                 self.free(run, req)
             self.schedule.end(self)
@@ -310,14 +315,22 @@ class Engine:
         the request's output as finished. Returns whether it is done."""
         req.tokens.append(token)
         if self.on_token is not None:
-            self.on_token(req.request.rid, token)
+            self._callbacks.append(functools.partial(self.on_token, req.request.rid, token))
         if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
             return False
         run.outputs[req.request.rid] = req.tokens
         run.finished.add(req.request.rid)
         if self.on_finish is not None:
-            self.on_finish(req.request.rid, req.tokens)
+            self._callbacks.append(functools.partial(self.on_finish, req.request.rid, req.tokens))
         return True
+
+    def _fire_callbacks(self) -> None:
+        """The step's ``on_token`` / ``on_finish`` calls, in order, once its
+        bookkeeping is done: one that raises (or a Ctrl-C inside it) leaves
+        every request's rows and KV pages recorded, so the run frees them all."""
+        callbacks, self._callbacks = self._callbacks, []
+        for call in callbacks:
+            call()
 
     def free(self, run: Run, req: LiveRequest) -> None:
         del run.held[req.request.rid]
