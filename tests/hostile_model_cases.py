@@ -169,7 +169,7 @@ def model_file_cases() -> list[Case]:
              r"rms_norm_eps=None: expected a positive finite number"),
         Case("Tokenizers", "auto_map to the checkpoint's own Python (never run, never asked)",
              "TextCodec.load(DIR, what=...)", _remote_code, "NoTokenizerError",
-             r"tokenizer not loadable"),
+             r"tokenizer_config.json maps its tokenizer to code in the checkpoint"),
         Case("Tokenizers", "tokenizer larger than the model's vocabulary",
              "TextCodec.load(DIR, what=..., vocab_size=256)", _oversized_api,
              "TokenizerVocabError", r"more than the model's vocab_size 256"),

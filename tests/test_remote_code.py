@@ -58,5 +58,8 @@ def test_the_checkpoints_tokenizer_code_is_never_run(hostile: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("refused --checkpoint"), proc.stdout
+    # graphrunner's one-line refusal naming the file, not transformers' own words
+    assert proc.stdout.startswith(f"refused {hostile}: {hostile / 'tokenizer_config.json'}")
+    assert "graphrunner runs no checkpoint code" in proc.stdout
+    assert "trust_remote_code" not in proc.stdout
     assert not (hostile / "RAN").exists()

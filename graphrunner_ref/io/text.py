@@ -10,6 +10,7 @@ transformers' ``apply_chat_template`` renders it, in a bounded sandbox
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,7 @@ class TextCodec:
         with needs_extra("text", what):
             from transformers import AutoTokenizer
 
+        _refuse_remote_code(checkpoint, named or str(checkpoint))
         # Never the checkpoint's own Python: an `auto_map` in its tokenizer
         # config would otherwise make transformers ask on stdin, then run it.
         try:
@@ -87,9 +89,7 @@ class TextCodec:
                 str(checkpoint), local_files_only=True, trust_remote_code=False
             )
         except Exception as e:  # transformers raises OSError, ValueError, JSON errors...
-            raise NoTokenizerError(
-                f"--checkpoint {checkpoint}: tokenizer not loadable: {e}"
-            ) from None
+            raise NoTokenizerError(f"{named or checkpoint}: tokenizer not loadable: {e}") from None
         codec = cls(tokenizer)
         if vocab_size is not None and codec.vocab_size > vocab_size:
             file = next(checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file())
@@ -201,3 +201,22 @@ class StreamPrinter:
             out = self.out if self.out is not None else sys.stdout
             out.write(new)
             out.flush()
+
+
+def _refuse_remote_code(checkpoint: Path, named: str) -> None:
+    """A tokenizer config whose ``auto_map`` points at code in the checkpoint
+    is refused in one line naming the file (transformers would ask to run it,
+    or refuse in words of its own); no code of the checkpoint ever runs."""
+    config = checkpoint / "tokenizer_config.json"
+    if not config.is_file():
+        return
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map")
+    except (ValueError, AttributeError):
+        return  # not JSON (or not an object): transformers' own error names it
+    if auto_map:
+        raise NoTokenizerError(
+            f"{named}: {config} maps its tokenizer to code in the checkpoint (auto_map "
+            f"{auto_map!r}); graphrunner runs no checkpoint code: expected a tokenizer "
+            "transformers builds itself (tokenizer.json)"
+        )
