@@ -15,6 +15,8 @@ from graphrunner_ref.model import ModelBundle
 def batch_with_token(bundle: ModelBundle, token: int) -> DecodeBatch:
     """Three live requests; row 1 feeds ``token``."""
     reqs = bundle.req_pool.alloc(3)
+    for position in range(4):  # the 4 cached tokens each request has, recorded as prefill would
+        bundle.req_pool.write_tokens(reqs, [position] * 3, bundle.kv_alloc.alloc(3))
     ids = torch.tensor([5, token, 7])
     batch = DecodeBatch.from_requests(
         reqs, [4, 4, 4], ids, device=bundle.device, max_context_len=bundle.max_context_len

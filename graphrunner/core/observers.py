@@ -20,6 +20,7 @@ from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.outputs import Outputs, poison_outputs
 from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
+from graphrunner.sanitizer.reads import check_reads
 from graphrunner.util import nvtx
 
 __all__ = ["NvtxRanges", "Observers", "SanitizedSteps", "StepObserver"]
@@ -51,8 +52,9 @@ class StepObserver:
         """The step is about to launch: ``bs`` the padded size, None for the
         eager path (no padded rows; ``specs`` the declarations its inputs follow)."""
 
-    def after_launch(self, outputs: Outputs) -> None:
-        """The launch returned the live rows' ``outputs``."""
+    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
+        """The launch returned the live rows' ``outputs``; ``relaunch`` runs
+        the same graph again (None on the eager path)."""
 
     def end(self) -> None:
         """The step ended (returned or raised)."""
@@ -92,7 +94,7 @@ class NvtxRanges(StepObserver):
         if bs is not None:
             self._push(f"launch bs={bs}")
 
-    def after_launch(self, outputs: Outputs) -> None:
+    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
         if len(self._open) > 1:
             self._pop()
 
@@ -117,6 +119,7 @@ class SanitizedSteps(StepObserver):
         self.sanitizer = sanitizer
         self._captured = captured
         self._check: ReplayCheck | None = None
+        self._where: tuple[StaticBuffers, int, int] | None = None  # the padded launch's
         self._held: Outputs | None = None
 
     def begin(self, name: str) -> None:
@@ -134,17 +137,34 @@ class SanitizedSteps(StepObserver):
     ) -> None:
         if bs is None:
             self._check = self.sanitizer.snapshot(inputs, raw_bs, specs=specs)
+            self._where = None
         else:
             self._check = self.sanitizer.before_launch(buffers, inputs, raw_bs, bs)
+            self._where = (buffers, raw_bs, bs)
         if self._held is not None:  # poison what the last step returned, not this step's inputs
             fields = [getattr(inputs, s.name, None) for s in buffers.specs]
             spare = [*buffers.tensors.values(), *(t for t in fields if isinstance(t, torch.Tensor))]
             poison_outputs(self._held, spare)
 
-    def after_launch(self, outputs: Outputs) -> None:
+    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
         check, self._check = self._check, None
         if check is not None:
             check.after_launch(outputs)
+            where = self._where
+            if relaunch is not None and where is not None and self.sanitizer.check_reads:
+                buffers, raw_bs, bs = where
+                sanitizer = self.sanitizer
+                check_reads(
+                    sanitizer.guarded,
+                    check.snapshots,
+                    buffers,
+                    raw_bs,
+                    bs,
+                    outputs,
+                    relaunch,
+                    vocab_size=sanitizer.vocab_size,
+                    seed=sanitizer.stats.replays_checked,
+                )
         self._held = outputs
 
     def end(self) -> None:
@@ -182,9 +202,9 @@ class _Both(StepObserver):
         for part in self.parts:
             part.before_launch(buffers, inputs, raw_bs, bs, specs)
 
-    def after_launch(self, outputs: Outputs) -> None:
+    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
         for part in self.parts:
-            part.after_launch(outputs)
+            part.after_launch(outputs, relaunch)
 
     def end(self) -> None:
         for part in reversed(self.parts):

@@ -278,7 +278,7 @@ class GraphRunner:
                 observer.before_launch(self.buffers, inputs, raw_bs, bs)
             out = self.outputs.live(graph.launcher(), raw_bs)
             if observer is not None:
-                observer.after_launch(out)
+                observer.after_launch(out, lambda: self.outputs.live(graph.launcher(), raw_bs))
             self.stats.count_replay(raw_bs, bs, ops)
             self.batch_sizes.add(raw_bs)
             return out

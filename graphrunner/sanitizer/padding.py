@@ -95,12 +95,16 @@ class PaddingSanitizer:
         kv_allocator: SlotOwner | None = None,
         slot_pools: Sequence[Any] = (),
         vocab_size: int | None = None,
+        check_reads: bool = True,
     ) -> None:
         if vocab_size is not None and (
             isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
         ):
             raise ValueError(f"vocab_size={vocab_size!r}; expected an int >= 1 or None")
         self.vocab_size = vocab_size
+        #: Relaunch each padded replay with the sinks and padded rows changed,
+        #: and compare (:mod:`graphrunner.sanitizer.reads`); about twice the cost.
+        self.check_reads = check_reads
         # The declarations the live-value checks of the current step follow.
         self._value_specs: Sequence[BufferSpec] = DEFAULT_VALUE_SPECS
         self.guarded = list(guarded)
@@ -124,13 +128,15 @@ class PaddingSanitizer:
         mamba_writer: str = "mamba_track_indices",
         req_to_token_writer: str | None = None,
         vocab_size: int | None = None,
+        guard: Sequence[GuardedTensor] = (),
     ) -> PaddingSanitizer:
         """Guard ``req_to_token``, every KV layer and (optionally) Mamba state.
 
         A decode step reads ``req_to_token`` and never writes it, so by default
         no row of it may change; a forward that assigns its live rows' slots
         itself passes ``req_to_token_writer="req_pool_indices"``. ``vocab_size``
-        bounds live token ids (see the class).
+        bounds live token ids (see the class). ``guard``: state of one's own
+        guarded too (a :class:`GuardedTensor` each).
         """
         guarded = [
             GuardedTensor("req_to_token", req_pool.req_to_token, req_to_token_writer, sink_rows=0)
@@ -151,6 +157,7 @@ class PaddingSanitizer:
                 GuardedTensor("mamba.conv_state", mamba_pool.conv_state, mamba_writer, sink_rows=0),
                 GuardedTensor("mamba.ssm_state", mamba_pool.ssm_state, mamba_writer, sink_rows=0),
             ]
+        guarded += list(guard)
         pools = [mamba_pool] if mamba_pool is not None else []
         return cls(
             guarded,

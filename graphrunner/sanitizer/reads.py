@@ -1,0 +1,139 @@
+"""Read isolation: a live row's outputs depend on its own inputs and the state
+its request owns, not on the padding sinks or the padded rows.
+
+Writes are checked by comparing the guarded state before and after a launch;
+a stray *read* leaves no trace there. So, under the sanitizer, a padded
+replay is launched a second time: the guarded state put back as it was
+before the first launch, then every sink (row 0, and rows ``0..sink_rows-1``,
+of each floating guarded tensor: KV slot 0, Mamba slot 0) and every padded
+row's value inputs (floating buffers, and token ids when the vocabulary is
+known) set to other finite values. The live rows' outputs must come out the
+same; a difference raises :class:`~graphrunner.sanitizer.padding.PaddingViolation`
+naming the output, the batch row and what it depended on. The state of the
+first launch is restored afterwards, so the step's effect is the first
+launch's. This catches a row attending one column past its length (that
+column is the sink slot 0), rows that mix (a batch statistic over padded
+rows), and a padded row's input reaching a live row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.indexes import Index
+from graphrunner.declare.outputs import Outputs
+from graphrunner.sanitizer.checks import GuardedTensor, PaddingViolation
+
+__all__ = ["check_reads"]
+
+#: How far a live output may move when nothing it may read changed (the
+#: same program on the same live inputs: in practice bit-equal).
+_RTOL = _ATOL = 1e-6
+
+
+def _named(outputs: Outputs) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(outputs, torch.Tensor):
+        return [("output", outputs)]
+    if isinstance(outputs, dict):
+        return list(outputs.items())
+    return [(f"output[{i}]", t) for i, t in enumerate(outputs)]
+
+
+def _perturb(t: torch.Tensor, gen: torch.Generator, vocab: int | None) -> None:
+    """``t`` in place: other finite values of its kind (a token id below
+    ``vocab`` for an integer tensor when ``vocab`` is given)."""
+    if not t.numel():
+        return
+    if t.is_floating_point():
+        noise = torch.randn(t.shape, generator=gen, device=gen.device, dtype=torch.float32)
+        t.copy_(noise.mul_(3).add_(1))
+    elif vocab is not None:
+        t.copy_(torch.randint(0, vocab, t.shape, generator=gen, device=gen.device))
+
+
+def _tails(
+    buffers: StaticBuffers, raw_bs: int, bs: int, vocab: int | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The padded rows of every buffer a value may stand in: floating ones,
+    and token ids when the vocabulary is known (the other index buffers keep
+    pointing at the sinks)."""
+    out = []
+    for spec in buffers.specs:
+        tensor = buffers.tensors.get(spec.name)
+        if tensor is None or spec.host:
+            continue
+        token = spec.indexes is Index.TOKEN and vocab is not None
+        if not (tensor.is_floating_point() or token):
+            continue
+        out.append((spec.name, tensor[buffers.rows(spec, raw_bs) : buffers.rows(spec, bs)]))
+    return out
+
+
+def check_reads(
+    guarded: Sequence[GuardedTensor],
+    before: Sequence[torch.Tensor],
+    buffers: StaticBuffers,
+    raw_bs: int,
+    bs: int,
+    first: Outputs,
+    relaunch: Callable[[], Outputs],
+    *,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> None:
+    """Relaunch with the sinks and the padded rows' value inputs changed (see
+    the module); raise :class:`PaddingViolation` if a live output moved.
+
+    ``before``: each guarded tensor as it was before the first launch;
+    ``first``: the first launch's live outputs (views are copied here).
+    """
+    expected = [(name, t.clone()) for name, t in _named(first)]
+    after = [g.tensor.clone() for g in guarded]
+    device = buffers.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sinks: list[str] = []
+    try:
+        for guard, old in zip(guarded, before, strict=True):
+            guard.tensor.copy_(old)
+            if guard.tensor.is_floating_point():  # row 0 is padding everywhere
+                _perturb(guard.tensor[: max(guard.sink_rows, 1)], gen, None)
+                sinks.append(guard.name)
+        tails = _tails(buffers, raw_bs, bs, vocab_size)
+        saved = [(t, t.clone()) for _, t in tails]
+        for _, tail in tails:
+            _perturb(tail, gen, vocab_size)
+        second = dict(_named(relaunch()))
+        for tail, value in saved:
+            tail.copy_(value)
+    finally:  # the step's effect is the first launch's
+        for guard, value in zip(guarded, after, strict=True):
+            guard.tensor.copy_(value)
+    depends = _what(sinks, [name for name, _ in tails], bs - raw_bs)
+    for name, want in expected:
+        got = second[name]
+        same = (
+            torch.isclose(got, want, rtol=_RTOL, atol=_ATOL, equal_nan=True)
+            if want.is_floating_point()
+            else got == want
+        )
+        if bool(same.all()):
+            continue
+        row = int((~same).reshape(want.shape[0], -1).any(1).nonzero()[0, 0])
+        raise PaddingViolation(
+            f"output {name!r}, batch row {row}: changed when only {depends} changed; a live "
+            "row's outputs must depend on its own inputs and its request's state alone "
+            "(a read past its length reaches the sink, a statistic over the batch the "
+            "padded rows)"
+        )
+
+
+def _what(sinks: list[str], tails: list[str], padded: int) -> str:
+    parts = []
+    if sinks:
+        parts.append(f"the sinks of {', '.join(sinks)}")
+    if tails and padded:
+        parts.append(f"the {padded} padded rows' {', '.join(tails)}")
+    return " and ".join(parts) or "nothing it may read"

@@ -1,0 +1,137 @@
+"""Read isolation under the sanitizer: planted read bugs, each invisible to
+the write checks, are caught on every runner; the correct model passes.
+
+- off by one: each live row attends one column past its length (that column
+  is KV slot 0, the padded rows' sink);
+- rows that mix: a batch mean over every row, padded ones included;
+- a padded row's value input reaching the live rows (a float buffer of the
+  step, averaged over the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import RUNNER_PARAMS, make_runner
+from graphrunner import BufferSpec, PaddingSanitizer, PaddingViolation, PadRule, decode_buffer_specs
+from graphrunner.declare import DECODE_FIELD_NAMES
+from graphrunner.phases import SpecBatch
+from graphrunner.testing import ToyWorld
+
+HIDDEN = "bias"  # a float buffer of the step: [bs, 1], 0 on padded rows
+
+
+def _attend(world: ToyWorld, b: Any, extra_columns: int = 0) -> torch.Tensor:
+    model = world.model
+    q = model.kv_of(b.input_ids, b.positions)
+    model.kv.set_kv(0, b.out_cache_loc, q, -q)
+    k_cache, v_cache = model.kv.get_kv(0)
+    slots = model.req_pool.req_to_token[b.req_pool_indices].long()
+    k, v = k_cache[slots], v_cache[slots]
+    scores = (k * q[:, None]).sum(-1) / q.shape[-1] ** 0.5
+    valid = model.context[None, :] < (b.seq_lens + extra_columns)[:, None]
+    scores = scores.masked_fill(~valid[..., None], float("-inf"))
+    attn = (scores.softmax(dim=1)[..., None] * v).sum(1)
+    return attn.flatten(1) @ model.unembed
+
+
+def _correct(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    return lambda b: _attend(world, b) + b.bias
+
+
+def _off_by_one(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    return lambda b: _attend(world, b, extra_columns=1) + b.bias
+
+
+def _rows_mix(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    def forward(b: Any) -> torch.Tensor:
+        logits = _attend(world, b) + b.bias
+        return logits + logits.mean(0, keepdim=True)  # a statistic over the padded rows too
+
+    return forward
+
+
+def _padded_input_reaches(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    return lambda b: _attend(world, b) + b.bias.mean()  # the padded rows' bias is in the mean
+
+
+def _runner(kind: str, world: ToyWorld, forward: Callable[[Any], torch.Tensor]) -> Any:
+    specs = [
+        *decode_buffer_specs(),
+        BufferSpec(HIDDEN, torch.float32, PadRule.ZERO, extra_shape=(1,)),
+    ]
+    runner = make_runner(kind, forward, specs, capture_sizes=[4])
+    runner.capture()
+    runner.sanitizer = PaddingSanitizer.for_pools(
+        world.req_pool, world.kv, kv_allocator=world.kv_alloc, vocab_size=world.cfg.vocab
+    )
+    return runner
+
+
+def _replay(world: ToyWorld, runner: Any, raw_bs: int, seed: int) -> torch.Tensor:
+    batch = world.make_batch(raw_bs, seed=seed)
+    inputs = SpecBatch(
+        req_pool_indices_cpu=batch.req_pool_indices_cpu,
+        seq_lens_cpu=batch.seq_lens_cpu,
+        bias=torch.rand(raw_bs, 1, generator=torch.Generator().manual_seed(seed)).to(world.device),
+        **{name: getattr(batch, name) for name in DECODE_FIELD_NAMES},
+    )
+    out: torch.Tensor = runner.replay(inputs)
+    return out
+
+
+@pytest.mark.parametrize("kind", RUNNER_PARAMS)
+def test_the_correct_model_passes_at_every_padded_size(kind: str) -> None:
+    world = ToyWorld("cuda" if kind.startswith("cuda") else "cpu")
+    runner = _runner(kind, world, _correct(world))
+    for raw_bs in (1, 2, 3, 4):
+        world.reset()
+        _replay(world, runner, raw_bs, seed=raw_bs)
+    assert runner.sanitizer.stats.replays_checked == 4
+
+
+@pytest.mark.parametrize("kind", RUNNER_PARAMS)
+@pytest.mark.parametrize(
+    ("bug", "depends_on"),
+    [
+        (_off_by_one, "the sinks of k_cache[0], v_cache[0]"),
+        (_rows_mix, "padded rows' bias"),
+        (_padded_input_reaches, "padded rows' bias"),
+    ],
+    ids=["off-by-one", "rows-mix", "padded-input"],
+)
+def test_a_planted_read_bug_is_caught(
+    kind: str, bug: Callable[[ToyWorld], Callable[[Any], torch.Tensor]], depends_on: str
+) -> None:
+    world = ToyWorld("cuda" if kind.startswith("cuda") else "cpu")
+    runner = _runner(kind, world, bug(world))
+    with pytest.raises(PaddingViolation, match=r"output 'output', batch row \d+: changed when"):
+        _replay(world, runner, 3, seed=0)
+    world.reset()
+    runner.sanitizer.check_reads = False  # the write checks alone do not see it
+    _replay(world, runner, 3, seed=0)
+
+
+def test_the_message_names_what_the_row_depended_on() -> None:
+    world = ToyWorld()
+    runner = _runner("eager", world, _off_by_one(world))
+    with pytest.raises(PaddingViolation) as caught:
+        _replay(world, runner, 3, seed=0)
+    assert "the sinks of k_cache[0], v_cache[0]" in str(caught.value)
+
+
+def test_the_state_after_a_checked_replay_is_the_first_launchs() -> None:
+    """The relaunch's changes to the sinks and tails never outlive the check."""
+    world = ToyWorld()
+    plain = _runner("eager", world, _correct(world))
+    plain.sanitizer = None
+    first = _replay(world, plain, 3, seed=5).clone()
+    state = world.state()
+    world.reset()
+    checked = _runner("eager", world, _correct(world))
+    assert torch.equal(_replay(world, checked, 3, seed=5), first)
+    assert all(torch.equal(world.state()[k], v) for k, v in state.items())
