@@ -6,6 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+#: The shape of the tiny random decoders of other architectures (transformers
+#: config keyword arguments; initializer_range 0.1 keeps greedy choices clear of ties).
+TINY_DECODER: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+)
+
 
 def save_tiny_llama(path: Path, *, tie: bool = False, seed: int = 0) -> Any:
     """Save a seeded 2-layer Llama (hidden 64, 4/2 heads, vocab 256) to ``path``

@@ -16,20 +16,11 @@ from conftest import SLOW
 from graphrunner import PaddingViolation
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
-from hf_tiny import hf_greedy
+from hf_tiny import TINY_DECODER, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
-_SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.1,  # spread logits: greedy choices clear of rounding ties
-)
+_SMALL = TINY_DECODER
 
 
 def _configs() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from graphrunner_ref.cli import main as cli
 from graphrunner_ref.engine.workload import Request
-from hf_tiny import hf_greedy, save_tiny_llama
+from hf_tiny import TINY_DECODER, hf_greedy, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,16 +24,7 @@ NEW_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-    )
+    config = transformers.Qwen2Config(**TINY_DECODER)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     path = tmp_path_factory.mktemp("qwen2")

@@ -103,6 +103,8 @@ def test_processes_converting_one_file_at_once_all_get_it(tmp_path: Path) -> Non
     verbs = sorted(err.split()[0] for _, err, _ in results)
     assert verbs == ["converted", "using", "using"]
     assert (Path(results[0][0].strip()) / "config.json").is_file()
+    cached = list((tmp_path / "cache" / "checkpoints").iterdir())
+    assert [p.name for p in cached if p.name.endswith(".lock")] == []  # no stray lock file
 
 
 def test_a_gguf_that_cannot_convert_is_named_and_leaves_no_entry(
@@ -113,5 +115,6 @@ def test_a_gguf_that_cannot_convert_is_named_and_leaves_no_entry(
     with pytest.raises(GGUFImportError) as caught:
         checkpoint_dir(bad)
     assert str(caught.value) == (f"{bad}: GGUF llama.attention.head_count=0: expected an int >= 1")
-    entries = (tmp_path / "cache" / "checkpoints").iterdir()
+    entries = list((tmp_path / "cache" / "checkpoints").iterdir())
     assert [p.name for p in entries if not p.name.endswith(".lock")] == []
+    assert entries == []  # the lock file went with the failed conversion

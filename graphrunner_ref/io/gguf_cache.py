@@ -65,14 +65,27 @@ def converted_dir(gguf: Path) -> Path:
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
     """Hold the lock of cache entry ``out`` (a lock file beside it; released
-    by the OS if the holder dies)."""
+    by the OS if the holder dies). The holder removes the file as it leaves
+    (also on an error, Ctrl-C or SIGTERM), unless another process has made a
+    new one at that path meanwhile: a waiter then locks a file no longer
+    named, and re-checks the entry under it, as every holder does."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(f".{out.name}.lock"), "a") as lock:
+    path = out.with_name(f".{out.name}.lock")
+    with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
+            _remove_if_ours(path, lock.fileno())
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_if_ours(path: Path, fd: int) -> None:
+    try:
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def checkpoint_dir(path: Path) -> Path:
