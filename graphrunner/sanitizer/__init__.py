@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.checks import live_ints
+from graphrunner.sanitizer.eager_check import EagerComparison, check_against_eager
 from graphrunner.sanitizer.padding import (
     GuardedTensor,
     PaddingSanitizer,
@@ -15,10 +16,12 @@ from graphrunner.sanitizer.padding import (
 
 __all__ = [
     "CapturedState",
+    "EagerComparison",
     "GuardedTensor",
     "PaddingSanitizer",
     "PaddingViolation",
     "SanitizerStats",
     "SlotOwner",
+    "check_against_eager",
     "live_ints",
 ]
