@@ -10,6 +10,7 @@ prepared, captured and launched.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -244,7 +245,9 @@ class GraphRunner:
         sanitizer and NVTX ranges observe it (:mod:`graphrunner.core.observers`).
         """
         exclusive = self._exclusive
-        exclusive.enter()  # two threads would interleave on the static buffers
+        if not exclusive.lock.acquire(blocking=False):  # two threads would interleave
+            exclusive.refuse()  # on the static buffers: the second is refused, named
+        exclusive.owner = get_ident()
         observer = self._observers.watched if nvtx.active() else self._observers.plain
         grad = torch.is_grad_enabled()  # an engine's loop under no_grad skips the switch
         try:
@@ -287,7 +290,8 @@ class GraphRunner:
                 torch.set_grad_enabled(True)
             if observer is not None:
                 observer.end()
-            exclusive.leave()
+            exclusive.owner = None
+            exclusive.lock.release()
 
     @property
     def sanitizer(self) -> PaddingSanitizer | None:

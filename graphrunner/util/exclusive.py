@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 __all__ = ["ConcurrentUseError", "Exclusive"]
 
@@ -25,26 +26,31 @@ class Exclusive:
         what: how the guarded call is named in the error, e.g. ``"Engine.run"``.
     """
 
-    __slots__ = ("_lock", "_owner", "what")
+    __slots__ = ("lock", "owner", "what")
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        self.lock = threading.Lock()
+        self.owner: int | None = None
 
     def enter(self) -> None:
         """Enter, or raise :class:`ConcurrentUseError`; pair with :meth:`leave`
-        (the hot path's form: no context manager to build)."""
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{self.what} is already running (in thread {_name_of(self._owner)!r}); it "
-                "serves one caller at a time: give each thread its own, or serialise the calls"
-            )
-        self._owner = threading.get_ident()  # an int: its name is looked up only for an error
+        (the hot path's form: no context manager to build; a replay inlines
+        it as ``lock.acquire(blocking=False)`` or :meth:`refuse`)."""
+        if not self.lock.acquire(blocking=False):
+            self.refuse()
+        self.owner = threading.get_ident()  # an int: its name is looked up only for an error
+
+    def refuse(self) -> NoReturn:
+        """Raise :class:`ConcurrentUseError` naming the thread inside."""
+        raise ConcurrentUseError(
+            f"{self.what} is already running (in thread {_name_of(self.owner)!r}); it "
+            "serves one caller at a time: give each thread its own, or serialise the calls"
+        )
 
     def leave(self) -> None:
-        self._owner = None
-        self._lock.release()
+        self.owner = None
+        self.lock.release()
 
     @contextmanager
     def held(self) -> Iterator[None]:
