@@ -92,8 +92,13 @@ def check_finite(outputs: Outputs) -> None:
     )
     for name, t in items:
         if t.is_floating_point() and not torch.isfinite(t).all():
-            row = _first_bad_row(~torch.isfinite(t))
-            raise PaddingViolation(f"output {name!r} live row {row} is not finite: {t[row]}")
+            bad = ~torch.isfinite(t)
+            row = _first_bad_row(bad)
+            first = [tuple(int(i) for i in p) for p in bad.nonzero()[:3].tolist()]
+            raise PaddingViolation(
+                f"output {name!r} live row {row} is not finite: {int(bad.sum())} of "
+                f"{t.numel()} values, first at {first}"
+            )
 
 
 #: The decode fields whose live values the sanitizer checks (those declaring
