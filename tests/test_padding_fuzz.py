@@ -11,13 +11,16 @@ on it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from conftest import HAS_CUDA, SLOW
 from fuzz_cases import MECHANISMS, PHASES, FuzzCase, make_case
+from graphrunner import Phase
 from padding_fuzz import PATHS, PATTERNS, fuzz
 
 EAGER_SIZES = [1, 2, 4]
@@ -100,3 +103,38 @@ def test_the_fuzz_sees_a_populate_that_skips_a_tail(phase: str, field: str, find
 def _with_skip(case: FuzzCase, field: str) -> FuzzCase:
     case.runner.writer = _SkipsTail(case, field)
     return case
+
+
+def _rows_mix(forward: Any) -> Any:
+    """``forward`` with a planted read bug: every float output row gains the
+    batch's mean, padded rows included."""
+
+    def mixed(b: Any) -> Any:
+        out = forward(b)
+        if isinstance(out, torch.Tensor):
+            return out + out.mean(0, keepdim=True) if out.is_floating_point() else out
+        if isinstance(out, dict):
+            name = next((k for k, v in out.items() if v.is_floating_point()), None)
+            if name is not None:
+                out = {**out, name: out[name] + out[name].mean(0, keepdim=True)}
+        return out
+
+    return mixed
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_the_fuzz_sees_a_planted_read_bug_on_every_phase(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that mix write nothing they do not own: only the sanitizer's read
+    check (a relaunch with the sinks and padded rows changed) can see them;
+    it refuses them on every phase, and the same fuzz without the bug is clean."""
+    real = FuzzCase.build
+
+    def build(self: FuzzCase, phase_value: Phase, *args: Any, **kwargs: Any) -> None:
+        planted = dataclasses.replace(phase_value, forward=_rows_mix(phase_value.forward))
+        real(self, planted, *args, **kwargs)
+
+    monkeypatch.setattr(FuzzCase, "build", build)
+    counts = fuzz(lambda: make_case(phase, "eager", [4]), "eager", paths=["sanitized"])
+    assert counts.violations > 0, counts
