@@ -136,8 +136,7 @@ class GraphRunner:
         #: Who writes the buffers at replay: the mechanism's writer, or the torch one.
         self.writer: PopulateWriter = self.mechanism.populate_writer or TorchWriter(self.buffers)
         self.captured_state: CapturedState | None = None
-        #: The sanitizer and NVTX ranges that observe each replay.
-        self._observers = Observers(sanitizer, lambda: self.captured_state)
+        self.sanitizer = sanitizer  # builds the observers of each replay
         self.show_progress = show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
@@ -268,7 +267,7 @@ class GraphRunner:
             full = observer is not None and observer.full_checks
             sources = self.input_gate.sources(inputs, raw_bs, self.backend, full=full)
             if self.state_ops is not None:  # most runners record none: skip the call
-                self.state_ops_run += run_state_ops(self.state_ops)
+                self.pre_launch()
             if observer is not None:
                 observer.before_write(bs)
             ops = self.writer.write(sources, raw_bs, bs)
@@ -301,6 +300,7 @@ class GraphRunner:
 
     @sanitizer.setter
     def sanitizer(self, sanitizer: PaddingSanitizer | None) -> None:
+        #: The sanitizer and NVTX ranges that observe each replay.
         self._observers = Observers(sanitizer, lambda: self.captured_state)
 
     def pre_launch(self) -> None:

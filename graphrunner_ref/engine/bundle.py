@@ -1,8 +1,10 @@
 """The one bundle protocol the engine serves, and the one runner factory over it.
 
 A bundle is a model together with the pools it was built over: a Llama
-:class:`~graphrunner_ref.model.build.ModelBundle` or a Mamba / hybrid
-:class:`~graphrunner_ref.io.mamba_checkpoint.StateSpaceBundle`. The engine reads
+:class:`~graphrunner_ref.model.build.ModelBundle`, a Mamba / hybrid
+:class:`~graphrunner_ref.io.mamba_checkpoint.StateSpaceBundle`, or a
+transformers model through the bridge
+(:class:`~graphrunner_ref.bridge.TransformersBundle`). The engine reads
 only what :class:`ServingBundle` names. What differs between the kinds is
 one value, a :class:`DecodeStep` (:func:`decode_step` picks it): the decode
 fields, the attention hooks, the sanitizer, the recorded state ops the runner
@@ -66,7 +68,7 @@ class _DecodeModel(Protocol):
 
 
 class ServingBundle(Protocol):
-    """What the engine reads of a model and its pools (both bundle kinds have it).
+    """What the engine reads of a model and its pools (every bundle kind has it).
 
     ``req_pool.req_to_token`` is int32 ``[max_requests + 1, max_context_len]``;
     ``kv_alloc`` hands out whole pages of ``page_size`` KV slots; ``kv_cache``
@@ -117,8 +119,8 @@ class DecodeStep:
 def decode_step(
     bundle: ModelBundle | StateSpaceBundle | TransformersBundle | ServingBundle,
 ) -> DecodeStep:
-    """The :class:`DecodeStep` of ``bundle``: a Llama bundle decodes the plain
-    fields; a state-space bundle adds each row's Mamba slot and runs its
+    """The :class:`DecodeStep` of ``bundle``: a Llama or a transformers bundle
+    decodes the plain fields; a state-space bundle adds each row's Mamba slot and runs its
     request pool's recorded state ops before launch."""
     if isinstance(bundle, StateSpaceBundle):
         ssm = bundle
