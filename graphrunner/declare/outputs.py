@@ -24,6 +24,7 @@ __all__ = [
     "OutputSpec",
     "Outputs",
     "OutputsDecl",
+    "named_outputs",
     "poison_outputs",
 ]
 
@@ -207,10 +208,18 @@ class OutputLayout:
         return [(f"[{i}]", self._spec_for(str(i), i), v) for i, v in enumerate(out)]
 
 
-def _leaves(out: Outputs) -> list[torch.Tensor]:
+def named_outputs(out: Outputs) -> list[tuple[str, torch.Tensor]]:
+    """Each output tensor with the name messages give it: ``"output"`` for a
+    lone tensor, its key in a dict, ``"output[i]"`` in a tuple."""
     if isinstance(out, torch.Tensor):
-        return [out]
-    return list(out.values()) if isinstance(out, dict) else list(out)
+        return [("output", out)]
+    if isinstance(out, dict):
+        return list(out.items())
+    return [(f"output[{i}]", t) for i, t in enumerate(out)]
+
+
+def _leaves(out: Outputs) -> list[torch.Tensor]:
+    return [t for _, t in named_outputs(out)]
 
 
 def _storage(t: torch.Tensor) -> int:

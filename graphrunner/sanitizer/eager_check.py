@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphrunner.declare.outputs import Outputs
+from graphrunner.declare.outputs import Outputs, named_outputs
 from graphrunner.sanitizer.checks import GuardedTensor, PaddingViolation
 
 __all__ = ["EagerComparison", "check_against_eager"]
@@ -28,14 +28,6 @@ class _Replays(Protocol):
     forward: Callable[..., Outputs]
 
     def replay(self, inputs: Any) -> Outputs: ...
-
-
-def _named(outputs: Outputs) -> dict[str, torch.Tensor]:
-    if isinstance(outputs, torch.Tensor):
-        return {"output": outputs}
-    if isinstance(outputs, dict):
-        return dict(outputs)
-    return {f"output[{i}]": t for i, t in enumerate(outputs)}
 
 
 @dataclass
@@ -105,11 +97,11 @@ def check_against_eager(
     step = runner.forward if forward is None else forward
     before = [t.clone() for _, t in named]
     with torch.no_grad():
-        expected = {k: v.clone() for k, v in _named(step(inputs)).items()}
+        expected = {k: v.clone() for k, v in named_outputs(step(inputs))}
     eager_state = [t.clone() for _, t in named]
     for (_, t), old in zip(named, before, strict=True):
         t.copy_(old)  # the replay starts from the state the eager run started from
-    got = _named(runner.replay(inputs))
+    got = dict(named_outputs(runner.replay(inputs)))
     result = EagerComparison()
     for name, want in expected.items():
         have = got[name]

@@ -24,7 +24,7 @@ import torch
 
 from graphrunner.declare.buffers import StaticBuffers
 from graphrunner.declare.indexes import Index
-from graphrunner.declare.outputs import Outputs
+from graphrunner.declare.outputs import Outputs, named_outputs
 from graphrunner.sanitizer.checks import GuardedTensor, PaddingViolation
 
 __all__ = ["check_reads"]
@@ -32,14 +32,6 @@ __all__ = ["check_reads"]
 #: How far a live output may move when nothing it may read changed (the
 #: same program on the same live inputs: in practice bit-equal).
 _RTOL = _ATOL = 1e-6
-
-
-def _named(outputs: Outputs) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(outputs, torch.Tensor):
-        return [("output", outputs)]
-    if isinstance(outputs, dict):
-        return list(outputs.items())
-    return [(f"output[{i}]", t) for i, t in enumerate(outputs)]
 
 
 def _perturb(t: torch.Tensor, gen: torch.Generator, vocab: int | None) -> None:
@@ -90,7 +82,7 @@ def check_reads(
     ``before``: each guarded tensor as it was before the first launch;
     ``first``: the first launch's live outputs (views are copied here).
     """
-    expected = [(name, t.clone()) for name, t in _named(first)]
+    expected = [(name, t.clone()) for name, t in named_outputs(first)]
     after = [g.tensor.clone() for g in guarded]
     device = buffers.device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -105,7 +97,7 @@ def check_reads(
         saved = [(t, t.clone()) for _, t in tails]
         for _, tail in tails:
             _perturb(tail, gen, vocab_size)
-        second = dict(_named(relaunch()))
+        second = dict(named_outputs(relaunch()))
         for tail, value in saved:
             tail.copy_(value)
     finally:  # the step's effect is the first launch's
