@@ -25,38 +25,36 @@ from graphrunner.testing import ToyWorld
 HIDDEN = "bias"  # a float buffer of the step: [bs, 1], 0 on padded rows
 
 
-def _attend(world: ToyWorld, b: Any, extra_columns: int = 0) -> torch.Tensor:
-    model = world.model
-    q = model.kv_of(b.input_ids, b.positions)
-    model.kv.set_kv(0, b.out_cache_loc, q, -q)
-    k_cache, v_cache = model.kv.get_kv(0)
-    slots = model.req_pool.req_to_token[b.req_pool_indices].long()
-    k, v = k_cache[slots], v_cache[slots]
-    scores = (k * q[:, None]).sum(-1) / q.shape[-1] ** 0.5
-    valid = model.context[None, :] < (b.seq_lens + extra_columns)[:, None]
-    scores = scores.masked_fill(~valid[..., None], float("-inf"))
-    attn = (scores.softmax(dim=1)[..., None] * v).sum(1)
-    return attn.flatten(1) @ model.unembed
+class _OnePast:
+    """The step's inputs with every length one longer: the toy model then
+    attends one column past each row's cache (that column is KV slot 0)."""
+
+    def __init__(self, b: Any) -> None:
+        self.b = b
+        self.seq_lens = b.seq_lens + 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.b, name)
 
 
 def _correct(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
-    return lambda b: _attend(world, b) + b.bias
+    return lambda b: world.model.forward(b) + b.bias
 
 
 def _off_by_one(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
-    return lambda b: _attend(world, b, extra_columns=1) + b.bias
+    return lambda b: world.model.forward(_OnePast(b)) + b.bias
 
 
 def _rows_mix(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
     def forward(b: Any) -> torch.Tensor:
-        logits = _attend(world, b) + b.bias
+        logits = world.model.forward(b) + b.bias
         return logits + logits.mean(0, keepdim=True)  # a statistic over the padded rows too
 
     return forward
 
 
 def _padded_input_reaches(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
-    return lambda b: _attend(world, b) + b.bias.mean()  # the padded rows' bias is in the mean
+    return lambda b: world.model.forward(b) + b.bias.mean()  # the padded rows' bias is in the mean
 
 
 def _runner(kind: str, world: ToyWorld, forward: Callable[[Any], torch.Tensor]) -> Any:
