@@ -51,7 +51,8 @@ def test_graph_break_falls_back_to_dynamo_with_a_warning():
         RuntimeWarning, match="size 4: the compiled program cannot be called"
     ) as caught:
         runner.capture()
-    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]  # the caller's line
+    ours = [w for w in caught if "graphrunner" in str(w.message) or "size 4" in str(w.message)]
+    assert [Path(w.filename).name for w in ours] == [Path(__file__).name]  # the caller's line
     assert runner.direct_fallbacks == 1
     batch = world.make_batch(3, seed=1)
     expected, _ = world.eager_reference(batch)

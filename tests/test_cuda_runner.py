@@ -75,7 +75,8 @@ def test_compiled_forward_matches_eager_on_the_reference_model(label: str):
     bundle = default_model(max_requests=8, device=device, max_context_len=64)
     runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4, 8], **options)
     report = runner.capture()
-    assert [s.programs for s in report.sizes] == [1, 1, 1, 1] and runner.direct_fallbacks == 0
+    assert [s.programs for s in report.sizes] == [1, 0, 0, 0] and runner.direct_fallbacks == 0
+    assert runner.compilations == 1  # one program serves every size
     model, gen = bundle.model, torch.Generator().manual_seed(0)
     for raw_bs in range(1, 9):
         bundle.req_pool.clear()

@@ -114,7 +114,7 @@ def test_summary_line_counts_the_run_and_quiet_drops_it(
     # in 4, and one launch and one read back a step for 9 decode tokens.
     assert re.fullmatch(
         r"generate: 3 requests, 12 prompt tokens, 12 generated tokens, "
-        r"decode [0-9,]+\.\d tokens/s, padded rows 25\.0%, capture \d+\.\d s, "
+        r"decode [0-9,]+\.\d tokens/s, padded rows 25\.0%, capture \d+\.\d s \((cold|warm) start\), "
         r"0\.333 launches and 0\.333 syncs per token\n",
         err,
     ), err

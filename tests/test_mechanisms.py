@@ -4,11 +4,14 @@ refused, graph memory measured on the pool itself."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import HAS_CUDA, make_runner
 from graphrunner import CpuGraphRunner, GraphRunner, create_runner, decode_buffer_specs
+from graphrunner.declare.buffers import BufferView
 from graphrunner.mechanisms import CaptureMechanism, EagerCapture, InductorCapture, create_mechanism
 from graphrunner.mechanisms.compile import inductor_patches
 from graphrunner.mechanisms.cuda_graph import pool_bytes
@@ -21,15 +24,40 @@ COMPILING_PARAMS = [
 
 
 @pytest.mark.parametrize("label", COMPILING_PARAMS)
-def test_every_size_is_compiled_past_dynamos_recompile_limit(label: str):
-    """More sizes than dynamo's recompile limit (lowered to 2 here, so the
-    test stays cheap): each size still gets its own program, called directly."""
+def test_one_compilation_serves_every_size(label: str):
+    """The default: one program with a symbolic batch dimension, compiled
+    on the first (largest) size and called directly at every size, batch 1
+    included, equal to eager; replays never compile again."""
     sizes = [1, 2, 3, 4, 5]
     world = ToyWorld("cuda" if label.startswith("cuda") else "cpu")
     runner = make_runner(label, world.model, decode_buffer_specs(), capture_sizes=sizes)
+    report = runner.capture()
+    assert [s.programs for s in report.sizes] == [1, 0, 0, 0, 0]
+    assert report.compilations == runner.compilations == 1
+    assert report.sizes[0].compile_seconds > 0
+    assert [s.compile_seconds for s in report.sizes[1:]] == [0.0] * 4
+    assert runner.direct_fallbacks == 0
+    for raw_bs in (1, 2, 3, 4, 5):
+        batch = world.make_batch(raw_bs, seed=raw_bs)
+        expected, _ = world.eager_reference(batch)
+        torch.testing.assert_close(runner.replay(batch), expected)
+    assert runner.compilations == 1
+
+
+@pytest.mark.parametrize("label", COMPILING_PARAMS)
+def test_per_size_programs_pass_dynamos_recompile_limit(label: str):
+    """``dynamic_batch=False``: more sizes than dynamo's recompile limit
+    (lowered to 2 here, so the test stays cheap): each size still gets its
+    own program, called directly."""
+    sizes = [1, 2, 3, 4, 5]
+    world = ToyWorld("cuda" if label.startswith("cuda") else "cpu")
+    runner = make_runner(
+        label, world.model, decode_buffer_specs(), capture_sizes=sizes, dynamic_batch=False
+    )
     with torch._dynamo.config.patch(recompile_limit=2):
         report = runner.capture()
     assert [s.programs for s in report.sizes] == [1] * len(sizes)
+    assert runner.compilations == len(sizes)
     assert runner.direct_fallbacks == 0
     for raw_bs in (1, 3, 5):
         batch = world.make_batch(raw_bs, seed=raw_bs)
@@ -125,3 +153,62 @@ def test_options_of_another_mechanism_are_named():
 def test_cuda_mechanism_refuses_without_a_device():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         create_runner("cuda", ToyWorld().model, decode_buffer_specs(), max_bs=2, compile=True)
+
+
+def test_one_program_gives_the_per_size_programs_tokens_at_every_size():
+    """The one program and the per-size programs, on the same batch and
+    state: equal tokens, logits within float rounding, at every raw size."""
+    sizes = [1, 2, 4, 6]
+    world = ToyWorld()
+    runners = {
+        dynamic: make_runner(
+            "cpu", world.model, decode_buffer_specs(), capture_sizes=sizes, dynamic_batch=dynamic
+        )
+        for dynamic in (True, False)
+    }
+    for runner in runners.values():
+        runner.capture()
+    assert runners[True].compilations == 1 and runners[False].compilations == len(sizes)
+    for raw_bs in range(1, 7):
+        batch = world.make_batch(raw_bs, seed=10 + raw_bs)
+        one, per_size = (runners[d].replay(batch).clone() for d in (True, False))
+        assert torch.equal(one.argmax(-1), per_size.argmax(-1)), raw_bs
+        torch.testing.assert_close(one, per_size, rtol=0, atol=1e-5)
+    assert runners[True].compilations == 1  # replays never compile
+
+
+def test_a_second_capture_of_the_same_step_is_a_warm_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An empty inductor cache folder: the first capture is cold; a second
+    runner over the same step finds its program in the cache (warm)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    world = ToyWorld()
+    reports = [
+        make_runner("cpu", world.model, decode_buffer_specs(), capture_sizes=[2, 4]).capture()
+        for _ in range(2)
+    ]
+    assert [r.start for r in reports] == ["cold", "warm"]
+    assert [(r.compilations, r.cache_hits) for r in reports] == [(1, 0), (1, 1)]
+    assert "warm start: 1 compilation(s)" in reports[1].format()
+    assert any(tmp_path.iterdir())  # the cache lives where the variable says
+
+
+def test_a_size_the_forward_branches_on_gets_a_program_of_its_own():
+    """A forward that decides on the batch size in Python: the one program,
+    traced at the largest size, must not serve a size that takes the other
+    branch; that size is compiled on its own, and every size equals eager."""
+    world = ToyWorld()
+
+    def branching(b: BufferView) -> torch.Tensor:
+        logits = world.model(b)
+        return logits * 2 if b.input_ids.shape[0] > 2 else logits - 1
+
+    runner = make_runner("cpu", branching, decode_buffer_specs(), capture_sizes=[1, 2, 4])
+    report = runner.capture()
+    assert [s.programs for s in report.sizes] == [1, 1, 1]  # 4 for all; 2 and 1 each their own
+    for raw_bs in (1, 2, 3, 4):
+        batch = world.make_batch(raw_bs, seed=raw_bs)
+        expected, _ = world.eager_reference(batch)
+        twice = runner.graph_size_for(raw_bs) > 2
+        torch.testing.assert_close(runner.replay(batch), expected * 2 if twice else expected - 1)

@@ -57,16 +57,22 @@ def _capture_one(
     view = buffers.view(bs)
     backend.init_capture_metadata(bs, view)
     fn = mechanism.step_fn(bs, forward, view)
+    compile_seconds = 0.0
     for _ in range(WARMUP_RUNS):
+        compiled, warm_start = mechanism.compilations, time.perf_counter()
         # Outputs are checked on the first warm-up: a wrong declaration fails
         # before anything is captured.
         layout.check(mechanism.warmup(fn), bs)
+        if mechanism.compilations > compiled:  # this warm-up traced and compiled
+            compile_seconds += time.perf_counter() - warm_start
     memory_before = mechanism.memory_bytes()
     launcher = mechanism.capture(bs, fn)
     memory_after = mechanism.memory_bytes()
     memory = None if memory_before is None or memory_after is None else memory_after - memory_before
     seconds = time.perf_counter() - start
-    return launcher, SizeReport(bs, seconds, memory, mechanism.programs(bs))
+    programs = mechanism.programs(bs)
+    compile_s = None if programs is None else compile_seconds
+    return launcher, SizeReport(bs, seconds, memory, programs, compile_s)
 
 
 def capture_all(
@@ -87,6 +93,7 @@ def capture_all(
     """
     launchers: dict[int, Launcher] = {}
     report = CaptureReport()
+    compiled, hits = mechanism.compilations, mechanism.cache_hits
     backend.init_graph_state(max(sizes))
     order = sorted(sizes, reverse=True)
     label = mechanism.label
@@ -97,4 +104,6 @@ def capture_all(
             with nvtx.range(f"capture bs={bs}"):
                 launchers[bs], size = _capture_one(bs, forward, buffers, backend, mechanism, layout)
             report.sizes.append(size)
+    report.compilations = mechanism.compilations - compiled
+    report.cache_hits = mechanism.cache_hits - hits
     return launchers, report

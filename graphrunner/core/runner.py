@@ -190,6 +190,12 @@ class GraphRunner:
         """Compiled sizes that run through dynamo, not their program called directly."""
         return self.mechanism.direct_fallbacks
 
+    @property
+    def compilations(self) -> int:
+        """Inductor compilations this runner's mechanism ran (capture only:
+        replays call the programs directly and never compile)."""
+        return self.mechanism.compilations
+
     def graph_size_for(self, raw_bs: int) -> int:
         """The captured size a batch of ``raw_bs`` replays (BatchSizeError if none)."""
         return pad_to(self._sizes, raw_bs)

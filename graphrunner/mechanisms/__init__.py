@@ -31,13 +31,16 @@ MECHANISMS: dict[str, type[CaptureMechanism]] = {
 
 def create_mechanism(kind: str, **options: Any) -> CaptureMechanism:
     """The mechanism named ``kind`` (``cuda``, ``cpu`` or ``eager``) with its options
-    (``compile``, ``compile_mode``, ``inductor_options`` where it takes them)."""
+    (``compile``, ``compile_mode``, ``inductor_options``, ``dynamic_batch``
+    where it takes them)."""
     check_mechanism_options(kind, options)
     return MECHANISMS[kind](**options)
 
 
 #: Every option some mechanism takes.
-MECHANISM_OPTIONS = frozenset({"compile", "compile_mode", "inductor_options", "populate"})
+MECHANISM_OPTIONS = frozenset(
+    {"compile", "compile_mode", "inductor_options", "populate", "dynamic_batch"}
+)
 
 
 def check_mechanism_options(kind: str, options: dict[str, Any]) -> None:

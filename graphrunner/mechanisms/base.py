@@ -91,6 +91,16 @@ class CaptureMechanism(abc.ABC):
         """Compiled sizes launched through dynamo, not their program called directly."""
         return 0
 
+    @property
+    def compilations(self) -> int:
+        """Compilations so far (0 where nothing is compiled); replays add none."""
+        return 0
+
+    @property
+    def cache_hits(self) -> int:
+        """Of :attr:`compilations`, those a compile cache answered (a warm start)."""
+        return 0
+
     def programs(self, bs: int) -> int | None:
         """Compiled programs of size ``bs``, or None where nothing is compiled."""
         return None

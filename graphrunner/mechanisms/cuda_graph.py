@@ -42,9 +42,11 @@ class CudaGraphCapture(CaptureMechanism):
     """Captures one CUDA graph per size on a side stream, all in one pool.
 
     Args:
-        compile: capture an inductor-compiled forward: one program per size,
-            compiled during warm-up (before that size's capture), called
-            directly inside the graph.
+        compile: capture an inductor-compiled forward, compiled during the
+            first size's warm-up and called directly inside each graph.
+        dynamic_batch: with ``compile=True``, one program with a symbolic
+            batch dimension serves every size (True, the default); False
+            compiles one shape-specialised program per size.
         compile_mode, inductor_options: as
             :class:`~graphrunner.mechanisms.inductor.InductorCapture`, with
             ``compile=True`` only; those that turn on inductor's own CUDA
@@ -68,6 +70,7 @@ class CudaGraphCapture(CaptureMechanism):
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
         populate: str = "torch",
+        dynamic_batch: bool = True,
     ) -> None:
         if populate not in POPULATE_MODES:
             raise ValueError(f"populate={populate!r}; expected one of {POPULATE_MODES}")
@@ -83,7 +86,7 @@ class CudaGraphCapture(CaptureMechanism):
                 f"they apply only with compile=True"
             )
         patches = inductor_patches(compile_mode, inductor_options)
-        self.compiler = SizeCompiler(patches) if compile else None
+        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch) if compile else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._device = torch.device("cuda")
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every size
@@ -100,6 +103,14 @@ class CudaGraphCapture(CaptureMechanism):
     def direct_fallbacks(self) -> int:
         """Sizes whose graph records the dynamo path (compile only)."""
         return self.compiler.direct_fallbacks if self.compiler else 0
+
+    @property
+    def compilations(self) -> int:
+        return self.compiler.compilations if self.compiler else 0
+
+    @property
+    def cache_hits(self) -> int:
+        return self.compiler.cache_hits if self.compiler else 0
 
     def bind(self, device: torch.device) -> None:
         if device.type != "cuda":

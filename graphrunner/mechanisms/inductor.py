@@ -1,7 +1,9 @@
 """Inductor programs called directly: the CPU runner's mechanism.
 
-On CPU there is no graph to replay; a compiled, shape-specialised program per
-size over the static buffers plays that part. Replay calls it directly
+On CPU there is no graph to replay; a compiled program over the static
+buffers plays that part: one program with a symbolic batch dimension for
+every size (or, with ``dynamic_batch=False``, one shape-specialised program
+per size). Replay calls it directly
 (:class:`~graphrunner.mechanisms.compile.SizeCompiler`), skipping dynamo's
 frame evaluation and guards (over a third of a small step's host time). A
 size whose program cannot be called directly (a graph break, or outputs that
@@ -22,9 +24,12 @@ __all__ = ["InductorCapture"]
 
 
 class InductorCapture(CaptureMechanism):
-    """One ``torch.compile(dynamic=False)`` program per size, called directly.
+    """One inductor program for every size (or one per size), called directly.
 
     Args:
+        dynamic_batch: compile once with a symbolic batch dimension and call
+            that program at every size (True, the default), or compile one
+            shape-specialised program per size (False).
         compile_mode: a ``torch.compile`` mode whose inductor options apply
             (those that turn on inductor's CUDA graphs are refused).
         inductor_options: inductor config patches, as ``torch.compile(options=...)``.
@@ -37,13 +42,23 @@ class InductorCapture(CaptureMechanism):
         *,
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
+        dynamic_batch: bool = True,
     ) -> None:
-        self.compiler = SizeCompiler(inductor_patches(compile_mode, inductor_options))
+        patches = inductor_patches(compile_mode, inductor_options)
+        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch)
 
     @property
     def direct_fallbacks(self) -> int:
         """Sizes that run through dynamo because their program cannot be called directly."""
         return self.compiler.direct_fallbacks
+
+    @property
+    def compilations(self) -> int:
+        return self.compiler.compilations
+
+    @property
+    def cache_hits(self) -> int:
+        return self.compiler.cache_hits
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
         return self.compiler.step_fn(bs, forward, view)

@@ -4,7 +4,9 @@ reads for the bytes of each size.
 ::
 
     {"format": "graphrunner.capture_report", "version": 1, "mechanism": "cuda",
-     "sizes": [{"bs": 256, "seconds": 0.41, "memory_bytes": 35651584, "programs": null}, ...]}
+     "compilations": 0, "cache_hits": 0,
+     "sizes": [{"bs": 256, "seconds": 0.41, "memory_bytes": 35651584, "programs": null,
+                "compile_seconds": null}, ...]}
 
 ``memory_bytes`` is null where the mechanism pools nothing (the CPU).
 """
@@ -38,10 +40,23 @@ class ReportFileError(ValueError):
 
 def capture_report_json(report: CaptureReport, mechanism: str) -> str:
     sizes = [
-        {"bs": s.bs, "seconds": s.seconds, "memory_bytes": s.memory_bytes, "programs": s.programs}
+        {
+            "bs": s.bs,
+            "seconds": s.seconds,
+            "memory_bytes": s.memory_bytes,
+            "programs": s.programs,
+            "compile_seconds": s.compile_seconds,
+        }
         for s in report.sizes
     ]
-    doc = {"format": REPORT_FORMAT, "version": _VERSION, "mechanism": mechanism, "sizes": sizes}
+    doc = {
+        "format": REPORT_FORMAT,
+        "version": _VERSION,
+        "mechanism": mechanism,
+        "compilations": report.compilations,
+        "cache_hits": report.cache_hits,
+        "sizes": sizes,
+    }
     return json.dumps(doc, indent=1)
 
 
@@ -74,6 +89,8 @@ def read_capture_report(path: str | Path) -> tuple[CaptureReport, str]:
     if not isinstance(entries, list) or not entries:
         raise ReportFileError(f"{path}: 'sizes' is {entries!r}; expected a non-empty list")
     report = CaptureReport([_size(path, i, e) for i, e in enumerate(entries)])
+    report.compilations = _int_entry(str(path), doc, "compilations", 0) or 0
+    report.cache_hits = _int_entry(str(path), doc, "cache_hits", 0) or 0
     seen = [s.bs for s in report.sizes]
     if len(set(seen)) != len(seen):
         raise ReportFileError(f"{path}: sizes {seen} repeat a batch size; expected each once")
@@ -87,13 +104,26 @@ def _size(path: Path, i: int, entry: Any) -> SizeReport:
     bs = _int_entry(where, entry, "bs", 1)
     if bs is None:
         raise ReportFileError(f"{where}.bs = None; expected an int >= 1")
-    seconds = entry.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise ReportFileError(f"{where}.seconds = {seconds!r}; expected a number >= 0")
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ReportFileError(f"{where}.seconds = {seconds!r}; expected a number >= 0")
+    seconds = _seconds_entry(where, entry, "seconds")
+    if seconds is None:
+        raise ReportFileError(f"{where}.seconds = None; expected a number >= 0")
     memory = _int_entry(where, entry, "memory_bytes", 0)
-    return SizeReport(bs, float(seconds), memory, _int_entry(where, entry, "programs", 0))
+    programs = _int_entry(where, entry, "programs", 0)
+    return SizeReport(
+        bs, seconds, memory, programs, _seconds_entry(where, entry, "compile_seconds")
+    )
+
+
+def _seconds_entry(where: str, entry: dict[str, Any], key: str) -> float | None:
+    """``entry[key]``: a finite number >= 0, or None (absent or null)."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReportFileError(f"{where}.{key} = {value!r}; expected a number >= 0")
+    if not (math.isfinite(value) and value >= 0):
+        raise ReportFileError(f"{where}.{key} = {value!r}; expected a number >= 0")
+    return float(value)
 
 
 def _int_entry(where: str, entry: dict[str, Any], key: str, lo: int) -> int | None:

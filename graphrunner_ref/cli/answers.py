@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphrunner.sizing import CaptureReport
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.common import write_atomically
 from graphrunner_ref.cli.groups import Options
@@ -115,12 +116,13 @@ def summary(
     *,
     tokens_per_second: float,
     padded_fraction: float | None,
-    capture_seconds: float | None,
+    capture: CaptureReport | None,
     stats: EngineStats | None = None,
 ) -> str:
     """The run's summary line: requests, prompt and generated tokens, decode
-    tokens/s, the padded-row fraction, the capture time and the graph
-    launches and device-to-host reads per decode token (the last three when
+    tokens/s, the padded-row fraction, the capture time (with its start:
+    cold where something compiled afresh, warm where the compile caches
+    answered) and the graph launches and device-to-host reads per decode token (the last three when
     known)."""
     parts = [
         f"{len(prompts)} requests",
@@ -130,8 +132,9 @@ def summary(
     ]
     if padded_fraction is not None:
         parts.append(f"padded rows {padded_fraction:.1%}")
-    if capture_seconds is not None:
-        parts.append(f"capture {capture_seconds:.1f} s")
+    if capture is not None:
+        start = "" if capture.start == "none" else f" ({capture.start} start)"
+        parts.append(f"capture {capture.total_seconds:.1f} s{start}")
     if stats is not None:
         parts.append(
             f"{stats.launches_per_token:.3f} launches and {stats.syncs_per_token:.3f} syncs "
@@ -151,7 +154,7 @@ class Served:
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     tokens_per_second: float = 0.0
     padded_fraction: float | None = None
-    capture_seconds: float | None = None
+    capture: CaptureReport | None = None
     stats: EngineStats | None = None
 
 
@@ -176,7 +179,7 @@ def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
             served.outputs,
             tokens_per_second=served.tokens_per_second,
             padded_fraction=served.padded_fraction,
-            capture_seconds=served.capture_seconds,
+            capture=served.capture,
             stats=served.stats,
         )
         print(line, file=sys.stderr)

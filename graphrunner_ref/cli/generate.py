@@ -195,6 +195,6 @@ def _serve(
         result.logprobs,
         s.tokens_per_second,
         s.padded_fraction,
-        capture.total_seconds,
+        capture,
         s,
     )

@@ -208,7 +208,7 @@ def _capture(
         **(sampling or {}),
     )
     report = runner.capture()
-    print(cli_report.capture_line(runner, sizes, report.total_seconds))
+    print(cli_report.capture_line(runner, sizes, report))
     print(report.format())
     return runner
 

@@ -81,7 +81,7 @@ def _run(
         **cli_sampling.runner_options(args, trace),
         **multi,
     )
-    print(cli_report.capture_line(runner, sizes, runner.capture().total_seconds, steps))
+    print(cli_report.capture_line(runner, sizes, runner.capture(), steps))
     engine = Engine(bundle, runner, seed=args.seed, steps_per_launch=steps)
     return engine.run(trace, max_steps=args.steps, progress=True)
 

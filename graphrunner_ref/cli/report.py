@@ -8,6 +8,7 @@ import argparse
 import torch
 
 from graphrunner import GraphRunner
+from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.results import EngineStats
 from graphrunner_ref.model import ModelConfig
@@ -30,11 +31,17 @@ def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: in
     )
 
 
-def capture_line(runner: GraphRunner, sizes: list[int], seconds: float, steps: int = 1) -> str:
+def capture_line(
+    runner: GraphRunner, sizes: list[int], capture: CaptureReport, steps: int = 1
+) -> str:
     """What a capture took: the mechanism, the sizes (and the decode steps a
-    launch, past one), the seconds."""
+    launch, past one), the seconds, and whether it started cold or warm."""
     per_launch = f", {steps} steps a launch" if steps > 1 else ""
-    return f"capture ({runner.mechanism.label}{per_launch}): sizes {sizes}, {seconds:.1f} s"
+    start = "" if capture.start == "none" else f"; {capture.describe_start()}"
+    return (
+        f"capture ({runner.mechanism.label}{per_launch}): sizes {sizes}, "
+        f"{capture.total_seconds:.1f} s{start}"
+    )
 
 
 def report(result: EngineResult) -> None:

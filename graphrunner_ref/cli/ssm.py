@@ -132,7 +132,7 @@ def generate(
         logprobs=result.logprobs,
         tokens_per_second=s.tokens_per_second,
         padded_fraction=s.padded_fraction,
-        capture_seconds=capture.total_seconds,
+        capture=capture,
         stats=s,
     )
     return cli_answers.emit(args, inputs, served)

@@ -248,7 +248,7 @@ class LlamaDecoder(nn.Module):
 
         Writes each row's new K/V at ``out_cache_loc``, then attends over
         ``req_to_token[req_pool_indices, :seq_lens]``. Static shapes, no host
-        reads: safe to capture as a CUDA graph or ``torch.compile(dynamic=False)``.
+        reads: safe to capture as a CUDA graph or an inductor program.
         """
         return self.logits(self._step_hidden(inputs))
 

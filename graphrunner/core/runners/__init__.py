@@ -60,6 +60,7 @@ def create_runner(
     compile_mode: str | None = None,
     inductor_options: Mapping[str, Any] | None = None,
     populate: str = "torch",
+    dynamic_batch: bool = True,
 ) -> GraphRunner:
     """A runner of ``kind`` (``"cuda"``, ``"cpu"`` or ``"eager"``: the mechanism)
     for ``step`` (what is captured). Not yet captured: call ``capture()``.
@@ -82,9 +83,11 @@ def create_runner(
         future_map: ``input_ids`` may hold future references (overlap).
         state_ops: recorded state operations run before each launch.
         show_progress: a progress bar while capturing.
-        compile, compile_mode, inductor_options, populate: the mechanism's
-            options; ``compile``, ``populate`` for ``cuda`` only, the
-            inductor settings for ``cuda`` (with ``compile``) and ``cpu``.
+        compile, compile_mode, inductor_options, populate, dynamic_batch: the
+            mechanism's options; ``compile``, ``populate`` for ``cuda`` only,
+            the inductor settings for ``cuda`` (with ``compile``) and ``cpu``;
+            ``dynamic_batch=False`` compiles one program per size instead of
+            one for every size.
 
     Raises:
         ValueError: an unknown ``kind``; a phase with ``specs``, ``outputs``,
@@ -96,6 +99,7 @@ def create_runner(
         compile_mode=compile_mode,
         inductor_options=inductor_options,
         populate=populate,
+        dynamic_batch=dynamic_batch,
     )
     check_mechanism_options(kind, mechanism_options)
     phase = _as_phase(step, specs, outputs=outputs, backend=backend, width=width)
@@ -118,6 +122,7 @@ _MECHANISM_DEFAULTS: dict[str, Any] = {
     "compile_mode": None,
     "inductor_options": None,
     "populate": "torch",
+    "dynamic_batch": True,
 }
 
 

@@ -16,14 +16,15 @@ __all__ = ["CpuGraphRunner"]
 
 
 class CpuGraphRunner(GraphRunner):
-    """Compiles the forward once per captured size with inductor
-    (``torch.compile(dynamic=False)``, one code object per size) and replays
-    by calling each size's program directly, padded.
+    """Compiles the forward once with inductor, the batch dimension symbolic,
+    and replays by calling that program directly at each captured size,
+    padded (``dynamic_batch=False``: one shape-specialised program per size).
 
     Args:
         forward, specs, device: as :class:`GraphRunner`.
         compile_mode: a ``torch.compile`` mode whose inductor options apply.
         inductor_options: inductor config patches (as ``torch.compile(options=...)``).
+        dynamic_batch: one program for every size (default) or one per size.
         **kwargs: the other :class:`GraphRunner` arguments.
     """
 
@@ -35,7 +36,12 @@ class CpuGraphRunner(GraphRunner):
         device: torch.device | str,
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
+        dynamic_batch: bool = True,
         **kwargs: Any,
     ) -> None:
-        mechanism = InductorCapture(compile_mode=compile_mode, inductor_options=inductor_options)
+        mechanism = InductorCapture(
+            compile_mode=compile_mode,
+            inductor_options=inductor_options,
+            dynamic_batch=dynamic_batch,
+        )
         super().__init__(forward, specs, device=device, mechanism=mechanism, **kwargs)

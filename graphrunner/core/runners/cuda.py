@@ -26,6 +26,8 @@ class CudaGraphRunner(GraphRunner):
         compile_mode, inductor_options: inductor settings with ``compile=True``;
             those that turn on inductor's own CUDA graphs (``"reduce-overhead"``,
             ``"max-autotune"``, ``triton.cudagraphs``) are refused.
+        dynamic_batch: with ``compile=True``, one program with a symbolic batch
+            dimension for every size (default), or one per size (False).
         populate: how a replay writes the buffers: ``"torch"`` (default),
             ``"fused"`` (one Triton launch) or ``"graph"`` (the launch inside
             each graph); see :class:`~graphrunner.mechanisms.CudaGraphCapture`.
@@ -41,6 +43,7 @@ class CudaGraphRunner(GraphRunner):
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
         populate: str = "torch",
+        dynamic_batch: bool = True,
         device: torch.device | str = "cuda",
         **kwargs: Any,
     ) -> None:
@@ -49,6 +52,7 @@ class CudaGraphRunner(GraphRunner):
             compile_mode=compile_mode,
             inductor_options=inductor_options,
             populate=populate,
+            dynamic_batch=dynamic_batch,
         )
         super().__init__(forward, specs, device=device, mechanism=mechanism, **kwargs)
         self.mechanism: CudaGraphCapture = mechanism
