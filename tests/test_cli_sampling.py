@@ -6,6 +6,7 @@ the eager log-softmax, and every bad value exits 2 naming the flag or line."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,8 @@ def test_logprobs_are_the_eager_log_softmax_of_each_written_token(
     prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
 ) -> None:
     out = tmp_path / "out.jsonl"
-    argv = ["--prompts", str(prompts_file), *HOT, "--logprobs", "4", "--output", str(out), *mode]
+    argv = ["--prompts", str(prompts_file), *HOT, "--seed", "0", "--logprobs", "4"]
+    argv += ["--output", str(out), *mode]
     assert _generate(capsys, *argv) == []
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     reference = default_model(max_requests=1)
@@ -408,3 +410,33 @@ def test_generate_speculative_samples_reproducibly_by_the_seed(
     assert first != greedy  # it samples
     cold = [*base, "--temperature", "0", "--speculative", method, "--draft", "self"]
     assert _tokens(_generate(capsys, *cold, "--seed", "3")) == greedy
+
+
+def test_sampling_without_a_seed_draws_one_and_says_it(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --seed with sampling: a fresh seed per run, printed on stderr, and
+    --seed with that value repeats the run token for token."""
+    argv = ["generate", "--max-new-tokens", str(NEW), *EAGER, "--prompts", str(prompts_file), *HOT]
+    seeds, runs = [], []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        found = re.search(r"generate: sampling with seed (\d+) \(drawn; --seed \1 repeats", err)
+        assert found, err
+        seeds.append(int(found.group(1)))
+        runs.append(_tokens([json.loads(line) for line in out.splitlines()]))
+    assert seeds[0] != seeds[1]  # drawn afresh (equal with probability 2**-31)
+    assert (
+        _tokens(_generate(capsys, "--prompts", str(prompts_file), *HOT, "--seed", str(seeds[0])))
+        == runs[0]
+    )
+
+
+def test_greedy_without_a_seed_draws_none(
+    prompts_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        cli.main(["generate", "--max-new-tokens", "2", *EAGER, "--prompts", str(prompts_file)]) == 0
+    )
+    assert "seed" not in capsys.readouterr().err

@@ -4,7 +4,8 @@ One JSON record per request, in prompt order, with vLLM's names: ``{"index":
 i, "prompt": text (with a tokenizer), "prompt_token_ids": [ids], "text": ...
 (with a tokenizer), "token_ids": [ids], "finish_reason": "stop" | "length",
 "prompt_tokens": n, "completion_tokens": m}``, and ``"logprobs"`` with
-``--logprobs``. ``--output FILE`` writes them as JSON lines (atomically),
+``--logprobs``, ``"stop_reason"`` (the text) where a ``--stop`` text ended the
+answer. ``--output FILE`` writes them as JSON lines (atomically),
 ``--json`` prints them; without either, a checkpoint with a tokenizer prints
 text answers, streamed token by token (``--no-stream``: each answer whole),
 and one without prints the records. Progress bars (capture and run) and a
@@ -28,6 +29,7 @@ from graphrunner_ref.cli.common import write_atomically
 from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.cli.text import Inputs
 from graphrunner_ref.engine.results import EngineStats, TokenLogprobs
+from graphrunner_ref.io.stop import StopStrings, cut_at_stop
 from graphrunner_ref.io.text import TextCodec
 
 __all__ = [
@@ -70,9 +72,11 @@ def progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def finish_reason(tokens: Sequence[int], end_token: int | None) -> str:
-    """``"stop"`` when the answer ends with the end token, else ``"length"``."""
-    return "stop" if end_token is not None and tokens and tokens[-1] == end_token else "length"
+def finish_reason(tokens: Sequence[int], end_token: int | None, stopped: bool = False) -> str:
+    """``"stop"`` when the answer ends with the end token or a stop string
+    ended it, else ``"length"``."""
+    ended = end_token is not None and tokens and tokens[-1] == end_token
+    return "stop" if ended or stopped else "length"
 
 
 def records(
@@ -81,8 +85,11 @@ def records(
     end_token: int | None,
     codec: TextCodec | None,
     logprobs: Mapping[int, list[TokenLogprobs]] | None = None,
+    stops: StopStrings | None = None,
 ) -> list[dict[str, Any]]:
-    """The record of each request ``i`` (``prompts[i]`` its prompt's ids)."""
+    """The record of each request ``i`` (``prompts[i]`` its prompt's ids); an
+    answer a stop string ended has its text cut before it and names it in
+    ``"stop_reason"``."""
     out = []
     for rid, prompt in enumerate(prompts):
         tokens = outputs[rid]
@@ -91,14 +98,18 @@ def records(
         if codec is not None:
             record["prompt"] = codec.decode(list(prompt))
         record["prompt_token_ids"] = list(prompt)
+        stop = None if stops is None else stops.hits.get(rid)
         if codec is not None:
-            record["text"] = codec.decode(tokens)
+            text = codec.decode(tokens)
+            record["text"] = text if stops is None else cut_at_stop(text, stops.stops)[0]
         record |= {
             "token_ids": tokens,
-            "finish_reason": finish_reason(tokens, end_token),
+            "finish_reason": finish_reason(tokens, end_token, stop is not None),
             "prompt_tokens": len(prompt),
             "completion_tokens": len(tokens),
         }
+        if stop is not None:
+            record["stop_reason"] = stop
         if "logprobs" in line:
             record["logprobs"] = line["logprobs"]
         out.append(record)
@@ -161,7 +172,14 @@ class Served:
 def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
     """Print or write the answers of ``served``, then (unless ``--quiet``) the
     summary line on stderr. Returns 1 when ``--output`` cannot be written."""
-    recs = records(inputs.prompts, served.outputs, inputs.end_token, inputs.codec, served.logprobs)
+    recs = records(
+        inputs.prompts,
+        served.outputs,
+        inputs.end_token,
+        inputs.codec,
+        served.logprobs,
+        inputs.stops,
+    )
     if args.output is not None:
         try:
             write_atomically(args.output, to_lines(recs))

@@ -42,10 +42,11 @@ def add_common(g: Groups) -> None:
     g.sampling.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=None,
         help="seed of the embedded model's weights, of the demo's synthetic trace and of "
         "sampling (each request's seed derives from it and the request id unless a prompt "
-        "gives its own; no effect on a --checkpoint's weights); 0..2**63-1",
+        "gives its own; no effect on a --checkpoint's weights); 0..2**63-1 (default 0; "
+        "generate with sampling draws a fresh one and prints it)",
     )
     p.add_argument(
         "--check-padding",

@@ -52,7 +52,11 @@ def check_common(args: argparse.Namespace) -> str:
     (``--page-size`` and the batch sizes are checked against the context and
     the memory once the run's context is known: :func:`check_fits`.)"""
     check_range("--threads", args.threads, 1, _cores(), "this machine's cores")
-    check_range("--seed", args.seed, 0, MAX_SEED)
+    args.seed_given = args.seed is not None
+    if args.seed_given:
+        check_range("--seed", args.seed, 0, MAX_SEED)
+    else:
+        args.seed = 0  # generate may draw one for sampling: cli_sampling.settle_seed
     cli_spec.validate(args, UsageError)
     cli_overlap.validate(args, UsageError)
     cli_multistep.validate(args)

@@ -102,6 +102,7 @@ def generate(args: argparse.Namespace, build: Build) -> int:
         inputs.fields,
     )
     cli_sampling.check_modes(args, trace, "generate")
+    cli_sampling.settle_seed(args, trace, "generate")
     context = cli_text.run_context(args, trace, cli_spec.extra_context(args), model_context)
     max_prompt_len = max(len(p) for p in prompts)
     cli_checks.check_fits(
@@ -134,7 +135,7 @@ def _serve(
     end = inputs.end_token
     bars = cli_answers.progress(args)
     if args.speculative or args.overlap:
-        hooks = {"on_token": inputs.on_token, "on_finish": inputs.on_finish}
+        hooks = {"on_token": inputs.on_token, "on_finish": inputs.on_finish, "stop": inputs.stop}
         result = cli_modes.serve_mode(
             args,
             bundle,
@@ -179,6 +180,7 @@ def _serve(
         end_token=end,
         on_finish=inputs.on_finish,
         on_token=inputs.on_token,
+        stop=inputs.stop,
         atol=cli_model.check_atol(args),
         seed=args.seed,
         logprobs=args.logprobs,

@@ -48,9 +48,10 @@ def run_overlap(
     progress: bool = True,
     on_token: Callable[[int, int], None] | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
+    stop: Callable[[int, list[int]], bool] | None = None,
 ) -> EngineResult:
     """Serve ``trace`` with overlap scheduling, ``--steps-per-launch`` decode
-    steps per launch (``logprobs`` and the streaming hooks as
+    steps per launch (``logprobs``, the streaming hooks and ``stop`` as
     :class:`~graphrunner.Engine` takes them)."""
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
     runner = create_decode_runner(
@@ -74,6 +75,7 @@ def run_overlap(
         logprobs=logprobs,
         on_token=on_token,
         on_finish=on_finish,
+        stop=stop,
         steps_per_launch=args.steps_per_launch,
     )
     return engine.run(trace, max_steps=max_steps, progress=progress)

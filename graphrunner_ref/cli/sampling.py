@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import secrets
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "prompt_object",
     "runner_options",
     "samples",
+    "settle_seed",
 ]
 
 #: The sampling flags by SamplingParams field.
@@ -158,6 +161,19 @@ def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[s
     if not (n or samples(trace)):
         return {}
     return {"sampling": True, "logprobs": n} if n else {"sampling": True}
+
+
+def settle_seed(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:
+    """Sampling without ``--seed``: draw a fresh run seed and say it on stderr,
+    so the run can be repeated (``--seed N``); the same seed then also makes
+    the embedded model's weights, as ``--seed N`` will."""
+    if getattr(args, "seed_given", True) or not samples(trace):
+        return
+    args.seed = secrets.randbelow(2**31)
+    print(
+        f"{command}: sampling with seed {args.seed} (drawn; --seed {args.seed} repeats this run)",
+        file=sys.stderr,
+    )
 
 
 def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:

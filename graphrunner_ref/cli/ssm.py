@@ -87,6 +87,7 @@ def generate(
         cli_sampling.flag_params(args),
         inputs.fields,
     )
+    cli_sampling.settle_seed(args, trace, "generate")
     torch.set_num_threads(args.threads)
     try:
         bundle = load_any(
@@ -118,6 +119,7 @@ def generate(
         end_token=inputs.end_token,
         on_finish=inputs.on_finish,
         on_token=inputs.on_token,
+        stop=inputs.stop,
         seed=args.seed,
         logprobs=args.logprobs,
     )

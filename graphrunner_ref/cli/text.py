@@ -32,6 +32,7 @@ from graphrunner_ref.cli.common import (
 )
 from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io.stop import StopStrings
 from graphrunner_ref.io.text import (
     NoTokenizerError,
     StreamPrinter,
@@ -83,6 +84,14 @@ def add_generate_arguments(gen: Options) -> None:
         "--chat", action="store_true", help="apply the checkpoint's chat template to text prompts"
     )
     gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="finish an answer where its text reaches TEXT, left out of the answer "
+        "(repeatable; needs the checkpoint's tokenizer)",
+    )
+    gen.add_argument(
         "--ignore-eos",
         action="store_true",
         help="do not stop at the tokenizer's end-of-sequence token",
@@ -127,7 +136,8 @@ class Inputs:
     named ``labels[i]`` in errors; ``codec`` the checkpoint's tokenizer, if any;
     ``fields[i]`` its JSON-lines fields besides ``"prompt"`` (checked);
     ``printer`` prints text answers to stdout (None: JSON records), and
-    ``stream`` says whether it takes each token as it is generated."""
+    ``stream`` says whether it takes each token as it is generated;
+    ``stops`` ends answers at ``--stop`` texts (None: none given)."""
 
     prompts: list[list[int]]
     labels: list[str]
@@ -136,6 +146,11 @@ class Inputs:
     printer: StreamPrinter | None = field(default=None)
     fields: list[dict[str, Any]] = field(default_factory=list)
     stream: bool = False
+    stops: StopStrings | None = None
+
+    @property
+    def stop(self) -> Callable[[int, list[int]], bool] | None:
+        return self.stops
 
     @property
     def on_finish(self) -> Callable[[int, list[int]], None] | None:
@@ -217,8 +232,32 @@ def read_inputs(
     if end is None and codec is not None and not args.ignore_eos:
         end = codec.eos_token_id
     as_text = codec is not None and not args.json and not getattr(args, "logprobs", 0)
-    printer = StreamPrinter(codec, range(len(prompts))) if as_text and to_stdout and codec else None
-    return Inputs(prompts, labels, codec, end, printer, fields, stream=not args.no_stream)
+    stops = _stop_strings(args, codec)
+    printer = None
+    if as_text and to_stdout and codec:
+        printer = StreamPrinter(codec, range(len(prompts)), stops=stops.stops if stops else ())
+    return Inputs(
+        prompts, labels, codec, end, printer, fields, stream=not args.no_stream, stops=stops
+    )
+
+
+def _stop_strings(args: argparse.Namespace, codec: TextCodec | None) -> StopStrings | None:
+    """``--stop`` texts, checked: each non-empty, a tokenizer to read answers
+    with, and no ``--speculative`` (its engine takes no stop hook)."""
+    stops = list(getattr(args, "stop", None) or [])
+    if not stops:
+        return None
+    for text in stops:
+        if not text:
+            raise UsageError("--stop '': expected a non-empty text")
+    if codec is None:
+        raise UsageError(
+            f"--stop {stops[0]!r}: needs the checkpoint's tokenizer to read the answers "
+            "as text; expected --model DIR (or --checkpoint) with a tokenizer"
+        )
+    if getattr(args, "speculative", False):
+        raise UsageError(f"--stop {stops[0]!r} with --speculative: expected one or the other")
+    return StopStrings(codec, stops)
 
 
 def _ids(ids: list[Any], config: ModelConfig, where: str) -> list[int]:

@@ -97,6 +97,8 @@ class Engine:
             output streams through it); not for requests cut by ``max_steps``.
         on_token: called with ``(rid, token)`` as each token is recorded,
             before ``on_finish`` of the request's last.
+        stop: called with ``(rid, tokens)`` after each recorded token; True
+            finishes the request there (stop strings: the CLI's ``--stop``).
         overlap: schedule step N+1 on the host while step N runs
             (:class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`); the runner
             needs a future map, and check mode is not available with it.
@@ -131,6 +133,7 @@ class Engine:
         atol: float = 1e-4,
         on_finish: Callable[[int, list[int]], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        stop: Callable[[int, list[int]], bool] | None = None,
         overlap: bool = False,
         seed: int = 0,
         logprobs: int = 0,
@@ -155,7 +158,7 @@ class Engine:
         self.bundle: ServingBundle = bundle
         self.runner = runner
         self.check, self.end_token, self.atol = check, end_token, atol
-        self.on_finish, self.on_token = on_finish, on_token
+        self.on_finish, self.on_token, self.stop = on_finish, on_token, stop
         # A step's callbacks, called after its bookkeeping (_fire_callbacks).
         self._callbacks: list[Callable[[], object]] = []
         self.device = bundle.device
@@ -316,7 +319,11 @@ class Engine:
         req.tokens.append(token)
         if self.on_token is not None:
             self._callbacks.append(functools.partial(self.on_token, req.request.rid, token))
-        if len(req.tokens) < req.request.max_new_tokens and token != self.end_token:
+        if (
+            len(req.tokens) < req.request.max_new_tokens
+            and token != self.end_token
+            and not (self.stop is not None and self.stop(req.request.rid, req.tokens))
+        ):
             return False
         run.outputs[req.request.rid] = req.tokens
         run.finished.add(req.request.rid)

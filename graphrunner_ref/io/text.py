@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from graphrunner.util import needs_extra
+from graphrunner_ref.io.stop import cut_at_stop
 from graphrunner_ref.model.config import CheckpointError
 
 __all__ = [
@@ -155,10 +156,19 @@ class StreamPrinter:
         codec: the checkpoint's tokenizer.
         rids: the request ids, in the order their answers print.
         out: where to print (default: ``sys.stdout`` at the time of printing).
+        stops: stop strings: each answer ends before its first one, and a
+            stream holds back what could be the start of one.
     """
 
-    def __init__(self, codec: TextCodec, rids: Sequence[int], out: TextIO | None = None) -> None:
-        self.codec, self.out = codec, out
+    def __init__(
+        self,
+        codec: TextCodec,
+        rids: Sequence[int],
+        out: TextIO | None = None,
+        stops: Sequence[str] = (),
+    ) -> None:
+        self.codec, self.out, self.stops = codec, out, list(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
         self.order = list(rids)
         self.tokens: dict[int, list[int]] = {r: [] for r in self.order}
         self.shown: dict[int, str] = {}  # text printed so far, by request
@@ -189,7 +199,9 @@ class StreamPrinter:
                 self(rid, outputs[rid])
 
     def _show(self, rid: int, *, final: bool) -> None:
-        text = self.codec.decode(self.tokens[rid]).lstrip()
+        text, stop = cut_at_stop(self.codec.decode(self.tokens[rid]).lstrip(), self.stops)
+        if not final and stop is None and self._hold:
+            text = text[: -self._hold]  # it may be where a stop string starts
         text = text.rstrip() if final else text.rstrip().rstrip("\ufffd")
         shown = self.shown.get(rid)
         new = ("" if shown is not None else f"[{rid}] ") + text[len(shown or "") :]
