@@ -114,10 +114,11 @@ def _child(argv: list[str], cache: Path) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "bench.bench_capture", "--child", *argv],
         env=env,
-        check=True,
         capture_output=True,
         text=True,
     )
+    if out.returncode:
+        raise RuntimeError(f"child {argv} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -176,11 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(json.dumps(child_steps(model)))
         return 0
-    results: dict[str, Any] = {"machine": machine(), "command": CMD, "threads": 1}
+    path = RESULTS_DIR / "capture-one-compile-cpu.json"
+    # Models measured in other runs (the same machine) stay in the file.
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results.update({"machine": machine(), "command": CMD, "threads": 1})
+    models = results.setdefault("models", {})
     with tempfile.TemporaryDirectory(prefix="graphrunner-capture-bench-") as tmp:
         for model in args.models.split(","):
             print(f"measuring {model} ...", file=sys.stderr)
-            results[model] = measure(model, Path(tmp))
+            models[model] = measure(model, Path(tmp))
     lines = [
         "# Capture in the time of one compile (CPU runner)",
         "",
@@ -189,10 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "warm: the folder the cold six-size capture filled.",
         "",
     ]
-    for model in args.models.split(","):
-        lines += _table(model, results[model])
+    for model, result in models.items():
+        lines += _table(model, result)
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "capture-one-compile-cpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    path.write_text(json.dumps(results, indent=1) + "\n")
     (RESULTS_DIR / "capture-one-compile-cpu.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -319,14 +319,14 @@ def run_cases() -> list[Case]:
         Case("Device values", f"input_ids = vocab_size on a live row, {phase}",
              "runner.replay(inputs) (sanitizer with vocab_size)",
              partial(_token_outside_vocab, phase), "PaddingViolation",
-             r"input_ids live row 1 = \d+: expected a token id in 0\.\.")
+             r"input_ids batch row 1 = \d+: expected a token id in 0\.\.")
         for phase in ("verify", "eagle", "mtp")
     ]  # fmt: skip
     cases += [
         Case("Device values", "input_ids = vocab_size on a live row, decode",
              "create_decode_runner(..., check_padding=True).replay(batch)",
              _decode_token_outside_vocab, "PaddingViolation",
-             r"input_ids live row 1 = \d+: expected a token id in 0\.\.")
+             r"input_ids batch row 1 = \d+: expected a token id in 0\.\.")
     ]  # fmt: skip
     cases += [
         Case("Interruption", "on_finish raises an exception: every slot freed",

@@ -169,7 +169,7 @@ def corrupted_rows(
     if rows:
         ok = _same(after[rows], expected[rows]).reshape(len(rows), -1).all(1)
         found += [
-            f"{name} live row {rows[i]} differs from eager"
+            f"{name} batch row {rows[i]} differs from eager"
             for i in torch.nonzero(~ok).flatten().tolist()
         ]
     return found

@@ -33,7 +33,7 @@ def test_a_live_token_outside_the_vocabulary_is_named(past_vocab: bool):
     vocab = bundle.config.vocab_size
     bad = vocab if past_vocab else -1
     batch = batch_with_token(bundle, bad)
-    with pytest.raises(PaddingViolation, match=rf"input_ids live row 1 = {bad}"):
+    with pytest.raises(PaddingViolation, match=rf"input_ids batch row 1 = {bad}"):
         runner.replay(batch)
     ok = batch_with_token(bundle, vocab - 1)
     assert runner.replay(ok).shape[0] == 3

@@ -61,7 +61,7 @@ def test_own_batch_runs_as_written() -> None:
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith(f"{kind}: RunnerStats(replays=4,"), line
     assert "live_rows=12" in line and "padded_rows=4" in line  # 3 rows -> the graph of 4, x4
-    assert line.endswith("KV equal outside slot 0: True"), line
+    assert line.endswith("state rows equal: True"), line
     worst = float(re.search(r"max \|graph - eager\| (\S+);", line).group(1))
     assert worst < 1e-5
 
@@ -103,7 +103,7 @@ def test_own_batch_fails_on_a_padded_row_writing_outside_the_sink(
     )
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     line = done.stdout.strip().splitlines()[-1]
-    assert line.endswith("KV equal outside slot 0: False"), line
+    assert line.endswith("state rows equal: False"), line
     worst = float(re.search(r"max \|graph - eager\| (\S+);", line).group(1))
     assert (worst >= 1e-5) == (caught_by == "logits"), line
 

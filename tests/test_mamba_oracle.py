@@ -150,7 +150,7 @@ def test_the_sanitizer_catches_a_padded_row_that_writes_its_mamba_slot(
     runner = create_decode_runner(bundle, "eager", capture_sizes=[4], check_padding=True)
     runner.capture()
     bundle.mamba_pool.ssm_state[0] = 0.5  # the sink holds a value a padded row would change
-    with pytest.raises(PaddingViolation, match=r"mamba\.\w+_state row 0 changed"):
+    with pytest.raises(PaddingViolation, match=r"mamba\.\w+_state Mamba slot 0 changed"):
         Engine(bundle, runner).run(TRACE[:2])
 
 
@@ -342,12 +342,12 @@ def test_the_sanitizer_refuses_a_live_row_reading_another_requests_slot(
     inputs = StateSpaceInputs(batch, bundle.req_pool)
     inputs.mamba_track_indices = inputs.mamba_track_indices.flip(0)
     before = bundle.mamba_pool.ssm_state.clone()
-    with pytest.raises(PaddingViolation, match="mamba_track_indices live row 0"):
+    with pytest.raises(PaddingViolation, match="mamba_track_indices batch row 0"):
         runner.replay(inputs)
     assert torch.equal(bundle.mamba_pool.ssm_state, before)
     inputs.mamba_track_indices = inputs.mamba_track_indices.flip(0)
     inputs.mamba_track_mask = torch.tensor([True, False])
-    with pytest.raises(PaddingViolation, match="mamba_track_mask live row 1"):
+    with pytest.raises(PaddingViolation, match="mamba_track_mask batch row 1"):
         runner.replay(inputs)
 
 

@@ -79,52 +79,52 @@ def _bystander_slot(world: SpecWorld) -> int:
 
 #: (phase, field, row, value or function of the tensor, the message it must raise)
 PLANTS: list[tuple[str, str, int, Any, str]] = [
-    ("verify", "out_cache_loc", 4, 0, r"out_cache_loc live row 4 = 0: expected a live KV slot"),
+    ("verify", "out_cache_loc", 4, 0, r"out_cache_loc batch row 4 = 0: expected a live KV slot"),
     (
         "verify",
         "out_cache_loc",
         5,
         lambda t: int(t[0]),
-        r"out_cache_loc live row 5 = \d+: expected each KV slot once \(live row 0",
+        r"out_cache_loc batch row 5 = \d+: expected each KV slot once \(batch row 0",
     ),
     (
         "verify",
         "positions",
         4,
         lambda t: int(t[4]) + 1,
-        r"positions live row 4 = \d+: expected seq_lens - 2 = \d+",
+        r"positions batch row 4 = \d+: expected seq_lens - 2 = \d+",
     ),
     (
         "verify",
         "req_pool_indices",
         1,
         0,
-        r"req_pool_indices live row 1 = 0: expected a live request row",
+        r"req_pool_indices batch row 1 = 0: expected a live request row",
     ),
-    ("eagle", "accept_lens", 1, 0, r"accept_lens live row 1 = 0: expected a count in 1\.\.3"),
-    ("eagle", "accept_lens", 0, W + 1, r"accept_lens live row 0 = 4: expected a count in 1\.\.3"),
-    ("eagle", "extend_lens", 0, W + 1, r"extend_lens live row 0 = 4: expected a count in 1\.\.3"),
-    ("eagle", "out_cache_loc", 2, -1, r"out_cache_loc live row 2 = -1: expected an allocated"),
+    ("eagle", "accept_lens", 1, 0, r"accept_lens batch row 1 = 0: expected a count in 1\.\.3"),
+    ("eagle", "accept_lens", 0, W + 1, r"accept_lens batch row 0 = 4: expected a count in 1\.\.3"),
+    ("eagle", "extend_lens", 0, W + 1, r"extend_lens batch row 0 = 4: expected a count in 1\.\.3"),
+    ("eagle", "out_cache_loc", 2, -1, r"out_cache_loc batch row 2 = -1: expected an allocated"),
     (
         "eagle",
         "positions",
         3,
         lambda t: int(t[3]) - 1,
-        r"positions live row 3 = \d+: expected seq_lens - 3 = \d+",
+        r"positions batch row 3 = \d+: expected seq_lens - 3 = \d+",
     ),
     (
         "mtp",
         "positions",
         1,
         lambda t: int(t[1]) + 1,
-        r"positions live row 1 = \d+: expected seq_lens - 1 = \d+",
+        r"positions batch row 1 = \d+: expected seq_lens - 1 = \d+",
     ),
     (
         "mtp",
         "req_pool_indices",
         0,
         -1,
-        r"req_pool_indices live row 0 = -1: expected a request row in 1\.\.",
+        r"req_pool_indices batch row 0 = -1: expected a request row in 1\.\.",
     ),
 ]
 
@@ -177,7 +177,8 @@ def test_a_slot_of_another_request_is_named_in_verify() -> None:
     inputs = _inputs(world, "verify", seed=6)
     _set(inputs, "out_cache_loc", 3, _bystander_slot(world))
     with pytest.raises(
-        PaddingViolation, match=r"out_cache_loc live row 3 = \d+: expected req_to_token\[\d+, \d+\]"
+        PaddingViolation,
+        match=r"out_cache_loc batch row 3 \(request row \d+\) = \d+: expected KV slot \d+ \(req_to",
     ):
         runner.replay(inputs)
 
@@ -192,7 +193,7 @@ def test_a_token_outside_the_vocabulary_is_named(phase: str) -> None:
     _set(inputs, "input_ids", 1, vocab)
     with pytest.raises(
         PaddingViolation,
-        match=rf"input_ids live row 1 = {vocab}: expected a token id in 0\.\.{vocab - 1}",
+        match=rf"input_ids batch row 1 = {vocab}: expected a token id in 0\.\.{vocab - 1}",
     ):
         runner.replay(inputs)
 
@@ -223,7 +224,7 @@ def test_a_live_mamba_slot_0_is_named_by_its_declaration() -> None:
     sanitizer = PaddingSanitizer()
     inputs = SimpleNamespace(batch_size=2, mamba_track_indices=torch.tensor([3, 0]))
     with pytest.raises(
-        PaddingViolation, match=r"mamba_track_indices live row 1 = 0: expected a live Mamba slot"
+        PaddingViolation, match=r"mamba_track_indices batch row 1 = 0: expected a live Mamba slot"
     ):
         sanitizer.snapshot(inputs)
 

@@ -88,7 +88,7 @@ def test_pad_value_pointing_at_live_kv_is_caught():
     ]
     runner = sanitized_eager(world, world.model, specs)
     batch = world.make_batch(RAW_BS, seed=2)  # fresh state after capture's dummy writes
-    with pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] row {live_slot} changed"):
+    with pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] KV slot {live_slot} changed"):
         runner.replay(batch)
 
 
@@ -100,7 +100,7 @@ def test_write_to_padding_row_of_req_to_token_is_caught():
         return world.model(b)
 
     runner = sanitized_eager(world, forward_that_writes_row_zero)
-    with pytest.raises(PaddingViolation, match="req_to_token row 0 changed during replay"):
+    with pytest.raises(PaddingViolation, match="req_to_token request row 0 changed during replay"):
         runner.replay(world.make_batch(RAW_BS, seed=3))
     batch = world.make_batch(RAW_BS, seed=3)
     world.req_pool.req_to_token[0, 5] = 9  # and a dirty row 0 is caught before launch
@@ -126,7 +126,7 @@ def test_non_finite_live_output_is_caught():
         return torch.where(b.input_ids[:, None] == b.input_ids[1], torch.nan, out)  # type: ignore[attr-defined]
 
     runner = sanitized_eager(world, forward_with_nan)
-    with pytest.raises(PaddingViolation, match="live row 1 is not finite"):
+    with pytest.raises(PaddingViolation, match="batch row 1 is not finite"):
         runner.replay(world.make_batch(RAW_BS, seed=5))
 
 
@@ -143,7 +143,9 @@ def test_eager_fallback_is_checked_too():
     batch = world.make_batch(10, seed=6)  # above the one captured size, 8
     with (
         pytest.warns(RuntimeWarning, match="batch size 10 is above the largest captured size 8"),
-        pytest.raises(PaddingViolation, match=f"k_cache\\[0\\] row {world.kv_alloc.size} changed"),
+        pytest.raises(
+            PaddingViolation, match=f"k_cache\\[0\\] KV slot {world.kv_alloc.size} changed"
+        ),
     ):
         runner.replay(batch)
     # A step that raised is not counted, as a failed graph replay is not.
@@ -162,7 +164,7 @@ def test_violation_names_the_old_and_new_value():
     batch = world.make_batch(RAW_BS, seed=7)
     world.kv.v_buffers[0][slot] = 0.0
     with pytest.raises(
-        PaddingViolation, match=r"v_cache\[0\] row \d+ changed .*element 1: 0.0 -> 2.5"
+        PaddingViolation, match=r"v_cache\[0\] KV slot \d+ changed .*element 1: 0.0 -> 2.5"
     ):
         runner.replay(batch)
 
@@ -190,7 +192,7 @@ def test_req_to_token_is_read_only_unless_a_writer_is_declared():
     batch = world.make_batch(RAW_BS, seed=9)
     row = int(batch.req_pool_indices_cpu[0])
     with pytest.raises(
-        PaddingViolation, match=f"req_to_token row {row} changed .* the step only reads"
+        PaddingViolation, match=f"req_to_token request row {row} changed .* the step only reads"
     ):
         runner.replay(batch)
     runner.sanitizer = PaddingSanitizer.for_pools(
@@ -210,7 +212,7 @@ def test_paged_cache_sink_is_slot_0_only():
     check.after_launch(torch.zeros(2, 3))
     check = sanitizer.snapshot(inputs)
     kv.k_buffers[0][3] += 1.0  # same padding page, not the sink
-    with pytest.raises(PaddingViolation, match="k_cache\\[0\\] row 3 changed"):
+    with pytest.raises(PaddingViolation, match="k_cache\\[0\\] KV slot 3 changed"):
         check.after_launch(torch.zeros(2, 3))
 
 
@@ -244,94 +246,95 @@ def _row0_req(batch: DecodeBatch) -> int:
 
 Plant = Callable[[ToyWorld, DecodeBatch], None]
 
-#: (name, plant on live row 1, the message it must raise)
+#: (name, plant on batch row 1, the message it must raise)
 BAD_VALUES: list[tuple[str, Plant, str]] = [
     (
         "out_cache_loc -1",
         lambda w, b: _set(b, "out_cache_loc", 1, -1),
-        r"out_cache_loc live row 1 = -1: expected an allocated KV slot",
+        r"out_cache_loc batch row 1 = -1: expected an allocated KV slot",
     ),
     (
         "out_cache_loc 0",
         lambda w, b: _set(b, "out_cache_loc", 1, 0),
-        r"out_cache_loc live row 1 = 0: expected a live KV slot, not the padding slot 0",
+        r"out_cache_loc batch row 1 = 0: expected a live KV slot, not the padding slot 0",
     ),
     (
         "out_cache_loc past the cache",
         lambda w, b: _set(b, "out_cache_loc", 1, w.kv_alloc.size + 1),
-        r"out_cache_loc live row 1 = 2049: expected an allocated KV slot",
+        r"out_cache_loc batch row 1 = 2049: expected an allocated KV slot",
     ),
     (
         "out_cache_loc freed",
         lambda w, b: _set(b, "out_cache_loc", 1, w.kv_alloc.size),
-        r"out_cache_loc live row 1 = 2048: expected an allocated KV slot",
+        r"out_cache_loc batch row 1 = 2048: expected an allocated KV slot",
     ),
     (
         "out_cache_loc of another request",
         lambda w, b: _set(b, "out_cache_loc", 1, _bystander_slot(w, b)),
-        r"out_cache_loc live row 1 = \d+: expected req_to_token\[\d+, \d+\] = \d+, the slot",
+        r"out_cache_loc batch row 1 \(request row \d+\) = \d+: expected KV slot \d+ "
+        r"\(req_to_token\[\d+, \d+\]\), the one its request owns",
     ),
     (
         "out_cache_loc twice",
         lambda w, b: _set(b, "out_cache_loc", 1, int(b.out_cache_loc[0])),
-        r"out_cache_loc live row 1 = \d+: expected each KV slot once \(live row 0 has it too\)",
+        r"out_cache_loc batch row 1 = \d+: expected each KV slot once \(batch row 0 has it too\)",
     ),
     (
         "req_pool_indices 0",
         lambda w, b: _set(b, "req_pool_indices", 1, 0),
-        r"req_pool_indices live row 1 = 0: expected a live request row, not the padding row 0",
+        r"req_pool_indices batch row 1 = 0: expected a live request row, not the padding row 0",
     ),
     (
         "req_pool_indices -1",
         lambda w, b: _set(b, "req_pool_indices", 1, -1),
-        r"req_pool_indices live row 1 = -1: expected a request row in 1\.\.24",
+        r"req_pool_indices batch row 1 = -1: expected a request row in 1\.\.24",
     ),
     (
         "req_pool_indices past the pool",
         lambda w, b: _set(b, "req_pool_indices", 1, 25),
-        r"req_pool_indices live row 1 = 25: expected a request row in 1\.\.24",
+        r"req_pool_indices batch row 1 = 25: expected a request row in 1\.\.24",
     ),
     (
         "req_pool_indices freed",
         lambda w, b: _set(b, "req_pool_indices", 1, _freed_row(w, b)),
-        r"req_pool_indices live row 1 = \d+: expected an allocated request row",
+        r"req_pool_indices batch row 1 = \d+: expected an allocated request row",
     ),
     (
         "req_pool_indices twice",
         lambda w, b: _set(b, "req_pool_indices", 1, _row0_req(b)),
-        r"req_pool_indices live row 1 = \d+: expected each request row once \(live row 0",
+        r"req_pool_indices batch row 1 = \d+: expected each request row once \(batch row 0",
     ),
     (
         "req_pool_indices != mirror",
         lambda w, b: setattr(b, "req_pool_indices", b.req_pool_indices.flip(0).clone()),
-        r"req_pool_indices live row 0 = \d+: expected \d+, its host mirror req_pool_indices_cpu\[0\]",
+        r"req_pool_indices batch row 0 = \d+: expected \d+, its host mirror req_pool_indices_cpu\[0\]",
     ),
     (
         "positions != seq_lens - 1",
         lambda w, b: _set(b, "positions", 1, int(b.positions[1]) - 1),
-        r"positions live row 1 = \d+: expected seq_lens - 1 = \d+",
+        r"positions batch row 1 = \d+: expected seq_lens - 1 = \d+",
     ),
     (
         "positions -1",
         lambda w, b: _set(b, "positions", 1, -1),
-        r"positions live row 1 = -1: expected seq_lens - 1 = \d+",
+        r"positions batch row 1 = -1: expected seq_lens - 1 = \d+",
     ),
     (
         "seq_lens != mirror",
         lambda w, b: _set(b, "seq_lens", 1, int(b.seq_lens_cpu[1]) + 1),
-        r"seq_lens live row 1 = \d+: expected \d+, its host mirror seq_lens_cpu\[1\]",
+        r"seq_lens batch row 1 = \d+: expected \d+, its host mirror seq_lens_cpu\[1\]",
     ),
     (
         "seq_lens past the width",
         lambda w, b: (_set(b, "seq_lens", 1, 65), _set(b, "seq_lens_cpu", 1, 65)),
-        r"seq_lens live row 1 = 65: expected 1\.\.64",
+        r"seq_lens batch row 1 = 65: expected 1\.\.64",
     ),
     (
         # Zero on a live row, with its mirror and its position consistent with it
         # (positions = seq_lens - 1 = -1 would be caught on its own: keep it 0 here).
         "seq_lens 0 on a live row",
         lambda w, b: (_set(b, "seq_lens", 1, 0), _set(b, "seq_lens_cpu", 1, 0)),
-        r"seq_lens live row 1 = 0: expected 1\.\.64",
+        r"seq_lens batch row 1 = 0: expected 1\.\.64",
     ),
 ]
 
@@ -400,7 +403,7 @@ def test_negative_writer_does_not_exempt_the_last_row():
     world.kv.k_buffers[0][-1] += 1.0  # the write a -1 makes
     with pytest.raises(
         PaddingViolation,
-        match=r"out_cache_loc live row 1 = -1: expected a row of k_cache\[0\] in 0\.\.2048",
+        match=r"out_cache_loc batch row 1 = -1: expected a row of k_cache\[0\] in 0\.\.2048",
     ):
         check.after_launch(torch.zeros(RAW_BS, 3))
 
@@ -412,7 +415,7 @@ def test_writer_outside_the_state_is_caught_without_live_values():
     sanitizer = PaddingSanitizer.for_pools(req_pool, kv)
     with pytest.raises(
         PaddingViolation,
-        match=r"out_cache_loc live row 1 = 17: expected a row of k_cache\[0\] in 0\.\.16",
+        match=r"out_cache_loc batch row 1 = 17: expected a row of k_cache\[0\] in 0\.\.16",
     ):
         sanitizer.snapshot(SimpleNamespace(out_cache_loc=torch.tensor([3, 17])))
 
@@ -432,7 +435,7 @@ def test_checks_skip_fields_of_another_phase():
     )
     sanitizer.snapshot(inputs).after_launch(torch.zeros(1, 3))
     inputs.req_pool_indices = torch.tensor([0])  # the fields it has are still checked
-    with pytest.raises(PaddingViolation, match="req_pool_indices live row 0 = 0"):
+    with pytest.raises(PaddingViolation, match="req_pool_indices batch row 0 = 0"):
         sanitizer.snapshot(inputs)
 
 
@@ -454,7 +457,8 @@ def test_paged_slot_inside_the_rows_page_is_owned():
     sanitizer.snapshot(batch).after_launch(torch.zeros(1, 3))
     _set(batch, "out_cache_loc", 0, pages[3])  # allocated, same page, not its slot
     with pytest.raises(
-        PaddingViolation, match=f"out_cache_loc live row 0 = {pages[3]}: expected req_to_token"
+        PaddingViolation,
+        match=rf"out_cache_loc batch row 0 \(request row \d+\) = {pages[3]}: expected KV slot",
     ):
         sanitizer.snapshot(batch)
 
@@ -468,7 +472,7 @@ def test_negative_index_is_caught_on_every_runner(sanitized: CapturedToy, field:
     batch = world.make_batch(RAW_BS, seed=12)
     _set(batch, field, 1, -1)
     before = world.state()
-    with pytest.raises(PaddingViolation, match=f"{field} live row 1 = -1: expected"):
+    with pytest.raises(PaddingViolation, match=f"{field} batch row 1 = -1: expected"):
         sanitized.runner.replay(batch)
     after = world.state()
     for name, tensor in before.items():

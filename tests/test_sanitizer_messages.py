@@ -17,7 +17,7 @@ def test_a_non_finite_output_is_reported_by_count_and_first_positions() -> None:
         check_finite({"logits": logits})
     message = str(caught.value)
     assert message == (
-        "output 'logits' live row 1 is not finite: 3 of 96000 values, "
+        "output 'logits' batch row 1 is not finite: 3 of 96000 values, "
         "first at [(1, 5), (1, 7), (2, 0)]"
     )
     assert len(message) < 200  # the row is not printed

@@ -72,11 +72,11 @@ def frozen_kv_sanitizer(
 ) -> PaddingSanitizer:
     """A sanitizer for a read-only phase: no row of ``req_to_token`` or of any
     KV layer may change, slot 0 included; ``vocab_size`` bounds live token ids."""
-    guarded = [GuardedTensor("req_to_token", req_pool.req_to_token, None, sink_rows=0)]
+    guarded = [GuardedTensor("req_to_token", req_pool.req_to_token, None, 0, "request row")]
     for layer in range(kv_cache.num_layers):
         k, v = kv_cache.get_kv(layer)
         guarded += [
-            GuardedTensor(f"k_cache[{layer}]", k, None, sink_rows=0),
-            GuardedTensor(f"v_cache[{layer}]", v, None, sink_rows=0),
+            GuardedTensor(f"k_cache[{layer}]", k, None, 0, "KV slot"),
+            GuardedTensor(f"v_cache[{layer}]", v, None, 0, "KV slot"),
         ]
     return PaddingSanitizer(guarded, req_pool=req_pool, vocab_size=vocab_size)

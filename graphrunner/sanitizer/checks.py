@@ -36,6 +36,7 @@ __all__ = [
     "check_tails",
     "check_writers",
     "live_ints",
+    "row_violation",
 ]
 
 
@@ -54,13 +55,25 @@ class GuardedTensor:
     ``out_cache_loc`` for KV, ``req_pool_indices`` for per-request state), or
     is None for state a step only reads (``req_to_token`` in decode); rows
     ``0..sink_rows-1`` are padding sinks any padded row may write. A write
-    that leaves a row's value unchanged cannot be seen.
+    that leaves a row's value unchanged cannot be seen. ``unit`` is what a
+    message calls one of its rows (default: ``"KV slot"`` where
+    ``out_cache_loc`` writes it, ``"request row"`` where ``req_pool_indices``
+    does, else ``"row"``).
     """
 
     name: str
     tensor: torch.Tensor
     writer: str | None
     sink_rows: int = 1
+    unit: str | None = None
+
+    @property
+    def row_name(self) -> str:
+        if self.unit is not None:
+            return self.unit
+        return {OUT_CACHE_LOC: "KV slot", REQ_POOL_INDICES: "request row"}.get(
+            self.writer or "", "row"
+        )
 
 
 def _first_bad_row(bad: torch.Tensor) -> int:
@@ -96,7 +109,7 @@ def check_finite(outputs: Outputs) -> None:
             row = _first_bad_row(bad)
             first = [tuple(int(i) for i in p) for p in bad.nonzero()[:3].tolist()]
             raise PaddingViolation(
-                f"output {name!r} live row {row} is not finite: {int(bad.sum())} of "
+                f"output {name!r} batch row {row} is not finite: {int(bad.sum())} of "
                 f"{t.numel()} values, first at {first}"
             )
 
@@ -115,8 +128,14 @@ class SlotOwner(Protocol):
     def is_allocated(self, slot: int) -> bool: ...
 
 
-def _violation(field: str, row: int, value: int, expected: str) -> PaddingViolation:
-    return PaddingViolation(f"{field} live row {row} = {value}: expected {expected}")
+def row_violation(
+    field: str, row: int, value: int, expected: str, request: int | None = None
+) -> PaddingViolation:
+    """``{field} batch row {row} (request row {request}) = {value}: expected ...``:
+    a live row's input value, named by its batch row and, where known, its
+    request's row of the request pool."""
+    of = "" if request is None else f" (request row {request})"
+    return PaddingViolation(f"{field} batch row {row}{of} = {value}: expected {expected}")
 
 
 def _is_index_dtype(t: torch.Tensor) -> bool:
@@ -138,7 +157,9 @@ def _check_once(field: str, values: list[int], what: str) -> None:
     first_row: dict[int, int] = {}
     for i, v in enumerate(values):
         if v in first_row:
-            raise _violation(field, i, v, f"each {what} once (live row {first_row[v]} has it too)")
+            raise row_violation(
+                field, i, v, f"each {what} once (batch row {first_row[v]} has it too)"
+            )
         first_row[v] = i
 
 
@@ -150,7 +171,7 @@ def check_mirror(field: str, device: list[int] | None, host: list[int] | None) -
     for i, (d, h) in enumerate(zip(device, host, strict=True)):
         if d != h:
             mirror = DECODE_HOST_MIRRORS[field]
-            raise _violation(field, i, d, f"{h}, its host mirror {mirror}[{i}]")
+            raise row_violation(field, i, d, f"{h}, its host mirror {mirror}[{i}]")
 
 
 def check_req_rows(req_pool: ReqToTokenPool, rows: list[int]) -> None:
@@ -158,11 +179,11 @@ def check_req_rows(req_pool: ReqToTokenPool, rows: list[int]) -> None:
     last = req_pool.req_to_token.shape[0] - 1
     for i, r in enumerate(rows):
         if r == 0:
-            raise _violation(REQ_POOL_INDICES, i, r, "a live request row, not the padding row 0")
+            raise row_violation(REQ_POOL_INDICES, i, r, "a live request row, not the padding row 0")
         if not 1 <= r <= last:
-            raise _violation(REQ_POOL_INDICES, i, r, f"a request row in 1..{last}")
+            raise row_violation(REQ_POOL_INDICES, i, r, f"a request row in 1..{last}")
         if not req_pool.is_allocated(r):
-            raise _violation(
+            raise row_violation(
                 REQ_POOL_INDICES, i, r, "an allocated request row (it is free: finished?)"
             )
     _check_once(REQ_POOL_INDICES, rows, "request row")
@@ -172,9 +193,9 @@ def check_kv_slots(kv_allocator: SlotOwner | None, locs: list[int]) -> None:
     """Each live slot is an allocated KV slot other than the padding slot 0, once."""
     for i, s in enumerate(locs):
         if s == 0:
-            raise _violation(OUT_CACHE_LOC, i, s, "a live KV slot, not the padding slot 0")
+            raise row_violation(OUT_CACHE_LOC, i, s, "a live KV slot, not the padding slot 0")
         if kv_allocator is not None and not kv_allocator.is_allocated(s):
-            raise _violation(
+            raise row_violation(
                 OUT_CACHE_LOC, i, s, "an allocated KV slot (it is free or out of range)"
             )
     _check_once(OUT_CACHE_LOC, locs, "KV slot")
@@ -189,7 +210,7 @@ def check_kv_owner(
     width = req_to_token.shape[1]
     for i, p in enumerate(positions):
         if not 0 <= p < width:  # reached when seq_lens is absent and did not bound it
-            raise _violation(POSITIONS, i, p, f"a req_to_token column in 0..{width - 1}")
+            raise row_violation(POSITIONS, i, p, f"a req_to_token column in 0..{width - 1}")
     device = req_to_token.device
     at_rows, at_cols = (
         torch.tensor(x, dtype=torch.int64, device=device) for x in (rows, positions)
@@ -197,8 +218,12 @@ def check_kv_owner(
     recorded = req_to_token[at_rows, at_cols].tolist()
     for i, (r, p, s, rec) in enumerate(zip(rows, positions, locs, recorded, strict=True)):
         if s != rec:
-            raise _violation(
-                OUT_CACHE_LOC, i, s, f"req_to_token[{r}, {p}] = {rec}, the slot its request owns"
+            raise row_violation(
+                OUT_CACHE_LOC,
+                i,
+                s,
+                f"KV slot {rec} (req_to_token[{r}, {p}]), the one its request owns",
+                r,
             )
 
 
@@ -218,5 +243,7 @@ def check_writers(guard: GuardedTensor, inputs: object) -> torch.Tensor | None:
     bad = (flat < 0) | (flat >= rows)
     if bad.any():
         i = int(torch.nonzero(bad)[0])
-        raise _violation(guard.writer, i, int(flat[i]), f"a row of {guard.name} in 0..{rows - 1}")
+        raise row_violation(
+            guard.writer, i, int(flat[i]), f"a row of {guard.name} in 0..{rows - 1}"
+        )
     return flat

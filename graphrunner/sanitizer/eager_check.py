@@ -38,9 +38,11 @@ class EagerComparison:
     mismatched_outputs: ``(output, batch row)`` of each output beyond tolerance.
     state_rows: ``(state, row)`` of each state row whose replay value differs
         from the eager run's (a stray write, or a live write that differs).
+    replayed: the replay's outputs by name (the live rows), to go on with.
     """
 
     outputs: dict[str, float] = field(default_factory=dict)
+    replayed: dict[str, torch.Tensor] = field(default_factory=dict)
     mismatched_outputs: list[tuple[str, int]] = field(default_factory=list)
     state_rows: list[tuple[str, int]] = field(default_factory=list)
 
@@ -102,7 +104,7 @@ def check_against_eager(
     for (_, t), old in zip(named, before, strict=True):
         t.copy_(old)  # the replay starts from the state the eager run started from
     got = dict(named_outputs(runner.replay(inputs)))
-    result = EagerComparison()
+    result = EagerComparison(replayed=got)
     for name, want in expected.items():
         have = got[name]
         if want.is_floating_point():

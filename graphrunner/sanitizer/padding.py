@@ -139,7 +139,13 @@ class PaddingSanitizer:
         guarded too (a :class:`GuardedTensor` each).
         """
         guarded = [
-            GuardedTensor("req_to_token", req_pool.req_to_token, req_to_token_writer, sink_rows=0)
+            GuardedTensor(
+                "req_to_token",
+                req_pool.req_to_token,
+                req_to_token_writer,
+                sink_rows=0,
+                unit="request row",
+            )
         ]
         if kv_cache is not None:
             for layer in range(kv_cache.num_layers):
@@ -154,8 +160,12 @@ class PaddingSanitizer:
             # No sink row: padded rows discard their update (mamba_track_mask),
             # so even slot 0 must stay bit-identical.
             guarded += [
-                GuardedTensor("mamba.conv_state", mamba_pool.conv_state, mamba_writer, sink_rows=0),
-                GuardedTensor("mamba.ssm_state", mamba_pool.ssm_state, mamba_writer, sink_rows=0),
+                GuardedTensor(
+                    "mamba.conv_state", mamba_pool.conv_state, mamba_writer, 0, "Mamba slot"
+                ),
+                GuardedTensor(
+                    "mamba.ssm_state", mamba_pool.ssm_state, mamba_writer, 0, "Mamba slot"
+                ),
             ]
         guarded += list(guard)
         pools = [mamba_pool] if mamba_pool is not None else []
@@ -276,7 +286,7 @@ class ReplayCheck:
             old = before[row].reshape(-1)[col].item()
             new = guard.tensor[row].reshape(-1)[col].item()
             raise PaddingViolation(
-                f"{guard.name} row {row} changed during replay (element {col}: {old!r} -> "
-                f"{new!r}) but is {_owner(guard)}: a padded row, or a stray write, changed "
-                f"state the step does not own"
+                f"{guard.name} {guard.row_name} {row} changed during replay (element {col}: "
+                f"{old!r} -> {new!r}) but is {_owner(guard)}: a padded row, or a stray "
+                "write, changed state the step does not own"
             )

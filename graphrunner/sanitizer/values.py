@@ -16,13 +16,13 @@ from graphrunner.declare.buffers import BufferSpec, Index
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, decode_buffer_specs
 from graphrunner.pools import ReqToTokenPool
 from graphrunner.sanitizer.checks import (
-    PaddingViolation,
     SlotOwner,
     check_kv_owner,
     check_kv_slots,
     check_mirror,
     check_req_rows,
     live_ints,
+    row_violation,
 )
 
 __all__ = ["DEFAULT_VALUE_SPECS", "LiveValue", "ValueContext", "check_declared_values"]
@@ -47,10 +47,6 @@ class ValueContext:
     req_pool: ReqToTokenPool | None
     kv_allocator: SlotOwner | None
     vocab_size: int | None
-
-
-def _violation(field: str, row: int, value: int, expected: str) -> PaddingViolation:
-    return PaddingViolation(f"{field} live row {row} = {value}: expected {expected}")
 
 
 def live_values(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> dict[Index, LiveValue]:
@@ -102,14 +98,14 @@ def _check_lengths(live: dict[Index, LiveValue], req_pool: ReqToTokenPool | None
     top = f"..{width}" if width is not None else " or more"
     for i, n in enumerate(lengths.values):
         if n < 1 or (width is not None and n > width):
-            raise _violation(name, i, n, f"1{top} (the req_to_token width)")
+            raise row_violation(name, i, n, f"1{top} (the req_to_token width)")
     if positions is None:
         return
     r = positions.spec.rows_per_request
     for k, p in enumerate(positions.values):
         n, j = lengths.values[k // r], k % r
         if p != n - r + j:
-            raise _violation(positions.spec.name, k, p, f"{name} - {r - j} = {n - r + j}")
+            raise row_violation(positions.spec.name, k, p, f"{name} - {r - j} = {n - r + j}")
 
 
 def _check_kv(live: dict[Index, LiveValue], ctx: ValueContext) -> None:
@@ -143,7 +139,7 @@ def _check_tokens(tokens: LiveValue | None, vocab_size: int | None) -> None:
         return
     for i, t in enumerate(tokens.values):
         if not (0 <= t < vocab_size or (t < 0 and tokens.spec.future)):
-            raise _violation(tokens.spec.name, i, t, f"a token id in 0..{vocab_size - 1}")
+            raise row_violation(tokens.spec.name, i, t, f"a token id in 0..{vocab_size - 1}")
 
 
 def _check_counts(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> None:
@@ -153,7 +149,7 @@ def _check_counts(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> N
             continue
         for i, c in enumerate(live_ints(inputs, spec.name, spec.rows(raw_bs)) or []):
             if not 1 <= c <= spec.width:
-                raise _violation(spec.name, i, c, f"a count in 1..{spec.width}")
+                raise row_violation(spec.name, i, c, f"a count in 1..{spec.width}")
 
 
 def _check_mamba(slots: LiveValue | None) -> None:
@@ -163,4 +159,4 @@ def _check_mamba(slots: LiveValue | None) -> None:
         return
     for i, s in enumerate(slots.values):
         if s == 0:
-            raise _violation(slots.spec.name, i, s, "a live Mamba slot, never the sink 0")
+            raise row_violation(slots.spec.name, i, s, "a live Mamba slot, never the sink 0")

@@ -56,9 +56,9 @@ class MambaSanitizer(PaddingSanitizer):
         for i, (r, s, o) in enumerate(zip(rows, slots, owned, strict=True)):
             if s != o or s == 0:
                 raise PaddingViolation(
-                    f"mamba_track_indices live row {i} = {s}: expected {o}, the Mamba slot "
+                    f"mamba_track_indices batch row {i} = {s}: expected {o}, the Mamba slot "
                     f"of request row {r} (never the sink 0)"
                 )
         if isinstance(mask, torch.Tensor) and not bool(mask[:raw_bs].all()):
             row = int((~mask[:raw_bs]).nonzero()[0, 0])
-            raise PaddingViolation(f"mamba_track_mask live row {row} is False: expected True")
+            raise PaddingViolation(f"mamba_track_mask batch row {row} is False: expected True")

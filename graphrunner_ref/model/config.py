@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 # Hugging Face fields whose only honoured value is the one given here: any other
@@ -33,6 +35,56 @@ class UnsupportedModelError(UnsupportedConfigError):
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3Rope:
+    """Llama 3.1's RoPE scaling (``rope_type: llama3``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, those shorter than ``... / high_freq_factor`` kept, the band
+    between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not _is_positive_number(getattr(self, name)):
+                raise ValueError(f"Llama3Rope.{name}={getattr(self, name)!r}: expected > 0")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"Llama3Rope.high_freq_factor={self.high_freq_factor!r}: expected more than "
+                f"low_freq_factor={self.low_freq_factor!r}"
+            )
+        if not _is_positive_int(self.original_max_position_embeddings):
+            raise ValueError(
+                "Llama3Rope.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings!r}: expected a positive int"
+            )
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``inv_freq [D / 2]`` (float32) as Llama 3.1 scales it."""
+        context = self.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        long = wavelen > context / self.low_freq_factor
+        short = wavelen < context / self.high_freq_factor
+        scaled = torch.where(long, inv_freq / self.factor, inv_freq)
+        ramp = (context / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - ramp) * scaled / self.factor + ramp * scaled
+        return torch.where(~long & ~short, blended, scaled)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a Llama-style decoder (no biases, SwiGLU, RoPE, RMSNorm).
 
@@ -51,6 +103,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    rope_scaling: Llama3Rope | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,6 +140,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_positive_number(value):
                 raise ValueError(f"ModelConfig.{name}={value!r}: expected a finite number > 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3Rope):
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected a Llama3Rope or None"
+            )
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
                 f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r}: expected a bool"
@@ -117,8 +174,8 @@ class ModelConfig:
                 f"config field partial_rotary_factor={hf['partial_rotary_factor']!r} is not "
                 "supported; expected 1.0"
             )
-        rope_theta = _rope_theta(hf)
-        kwargs: dict[str, Any] = {}
+        rope_theta, rope_scaling = _rope(hf)
+        kwargs: dict[str, Any] = {"rope_scaling": rope_scaling}
         for ours, theirs in (
             ("vocab_size", "vocab_size"),
             ("hidden_size", "hidden_size"),
@@ -168,7 +225,11 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {
+                **({"rope_type": "default"} if self.rope_scaling is None else {}),
+                **(self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else {}),
+                "rope_theta": self.rope_theta,
+            },
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": False,
@@ -224,11 +285,16 @@ def _positive_float(name: str, value: object) -> float:
     return float(value)
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """Plain RoPE only, as transformers reads it: the parameters are ``rope_scaling``
-    when set (the 4.x name), else ``rope_parameters`` (5.x); the type is their
-    ``rope_type`` (or 4.x ``type``), default ``default``; the base is their
-    ``rope_theta``, else the top-level ``rope_theta``, else 10000."""
+#: What a ``llama3`` RoPE object holds besides its type and base.
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Llama3Rope | None]:
+    """Plain RoPE or Llama 3.1's scaling, as transformers reads them: the
+    parameters are ``rope_scaling`` when set (the 4.x name), else
+    ``rope_parameters`` (5.x); the type is their ``rope_type`` (or 4.x
+    ``type``), default ``default``; the base is their ``rope_theta``, else the
+    top-level ``rope_theta``, else 10000. Other types run through the bridge."""
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(field)
     if params is None:
@@ -239,17 +305,28 @@ def _rope_theta(hf: dict[str, Any]) -> float:
         )
     key = "rope_type" if "rope_type" in params else "type"
     rope_type = params.get(key, "default")
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise UnsupportedModelError(
-            f"config field {field}.{key}={rope_type!r} is not supported; "
-            "expected 'default' (no RoPE scaling)"
+            f"config field {field}.{key}={rope_type!r} is not supported by the native model; "
+            "expected 'default' or 'llama3' (--model-impl transformers runs the others)"
         )
-    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+    known = {"rope_type", "type", "rope_theta", *(_LLAMA3_KEYS if rope_type == "llama3" else ())}
+    extra = sorted(set(params) - known)
     if extra:
         raise UnsupportedModelError(
-            f"config field {field} has unsupported keys {extra}; "
-            "expected only rope_type (or type) and rope_theta"
+            f"config field {field} has unsupported keys {extra}; expected only "
+            f"{sorted(known - {'type'})}"
         )
     if "rope_theta" in params:
-        return _positive_float(f"{field}.rope_theta", params["rope_theta"])
-    return _positive_float("rope_theta", hf.get("rope_theta", 10000.0))
+        theta = _positive_float(f"{field}.rope_theta", params["rope_theta"])
+    else:
+        theta = _positive_float("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise UnsupportedConfigError(f"config field {field} (llama3) is missing {missing}")
+    try:
+        return theta, Llama3Rope(**{k: params[k] for k in _LLAMA3_KEYS})
+    except ValueError as e:
+        raise UnsupportedConfigError(f"config field {field}: {e}") from None

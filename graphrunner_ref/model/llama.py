@@ -234,7 +234,10 @@ class LlamaDecoder(nn.Module):
             else nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            None if config.rope_scaling is None else config.rope_scaling.scale,
         )
         self.to(req_to_token.device).requires_grad_(False)
 
