@@ -5,7 +5,11 @@ the write checks, are caught on every runner; the correct model passes.
   is KV slot 0, the padded rows' sink);
 - rows that mix: a batch mean over every row, padded ones included;
 - a padded row's value input reaching the live rows (a float buffer of the
-  step, averaged over the batch).
+  step, averaged over the batch);
+- a stale index: live row 0 reads another request's KV (a bystander's row of
+  ``req_to_token``, every slot of it owned by no live row, none the sink);
+- the previous step's output: the step adds what it returned last time (kept
+  in a buffer of its own).
 """
 
 from __future__ import annotations
@@ -57,6 +61,50 @@ def _padded_input_reaches(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
     return lambda b: world.model.forward(b) + b.bias.mean()  # the padded rows' bias is in the mean
 
 
+#: The bystander request row the stale index reads (ToyWorld.make_batch adds
+#: its bystanders first: rows 1..4), and a seed whose bystander there holds
+#: at least as many tokens as live row 0 (so no column it reads is the sink).
+STALE_ROW, STALE_SEED = 1, 0
+
+
+class _StaleRow:
+    def __init__(self, b: Any) -> None:
+        self.b = b
+        first = torch.arange(b.req_pool_indices.shape[0], device=b.req_pool_indices.device) == 0
+        self.req_pool_indices = torch.where(first, STALE_ROW, b.req_pool_indices)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.b, name)
+
+
+def _stale_index(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    return lambda b: world.model.forward(_StaleRow(b)) + b.bias
+
+
+def _previous_output(world: ToyWorld) -> Callable[[Any], torch.Tensor]:
+    last = torch.zeros(8, world.cfg.vocab, device=world.device)
+
+    def forward(b: Any) -> torch.Tensor:
+        logits = world.model.forward(b) + b.bias
+        out = logits + last[: logits.shape[0]]
+        last[: logits.shape[0]].copy_(logits)
+        return out
+
+    return forward
+
+
+def _stale_seed(world: ToyWorld) -> int:
+    """The first seed whose bystander STALE_ROW is no shorter than live row 0."""
+    for seed in range(100):
+        batch = world.make_batch(3, seed=seed)
+        row0 = int(batch.req_pool_indices_cpu[0])
+        lens = {int(r): int(n) for r, n in zip(batch.req_pool_indices_cpu, batch.seq_lens_cpu)}
+        owned = int((world.req_pool.req_to_token[STALE_ROW] != 0).sum())
+        if row0 != STALE_ROW and owned >= lens[row0]:
+            return seed
+    raise AssertionError("no seed gives a long enough bystander")
+
+
 def _runner(kind: str, world: ToyWorld, forward: Callable[[Any], torch.Tensor]) -> Any:
     specs = [
         *decode_buffer_specs(),
@@ -97,21 +145,27 @@ def test_the_correct_model_passes_at_every_padded_size(kind: str) -> None:
     ("bug", "depends_on"),
     [
         (_off_by_one, "the sinks of k_cache[0], v_cache[0]"),
-        (_rows_mix, "padded rows' bias"),
-        (_padded_input_reaches, "padded rows' bias"),
+        (_rows_mix, "padded rows' input_ids, bias"),
+        (_padded_input_reaches, "padded rows' input_ids, bias"),
+        (_stale_index, "k_cache[0]'s KV slots no live row owns"),
+        (_previous_output, "padded rows' input_ids, bias"),
     ],
-    ids=["off-by-one", "rows-mix", "padded-input"],
+    ids=["off-by-one", "rows-mix", "padded-input", "stale-index", "previous-output"],
 )
 def test_a_planted_read_bug_is_caught(
     kind: str, bug: Callable[[ToyWorld], Callable[[Any], torch.Tensor]], depends_on: str
 ) -> None:
     world = ToyWorld("cuda" if kind.startswith("cuda") else "cpu")
+    seed = _stale_seed(world) if bug is _stale_index else 0
     runner = _runner(kind, world, bug(world))
-    with pytest.raises(PaddingViolation, match=r"output 'output', batch row \d+: changed when"):
-        _replay(world, runner, 3, seed=0)
+    with pytest.raises(
+        PaddingViolation, match=r"output 'output', batch row \d+: changed when"
+    ) as e:
+        _replay(world, runner, 3, seed=seed)
+    assert depends_on in str(e.value)
     world.reset()
     runner.sanitizer.check_reads = False  # the write checks alone do not see it
-    _replay(world, runner, 3, seed=0)
+    _replay(world, runner, 3, seed=seed)
 
 
 def test_the_message_names_what_the_row_depended_on() -> None:

@@ -20,7 +20,7 @@ from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.outputs import Outputs, poison_outputs
 from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
-from graphrunner.sanitizer.reads import check_reads
+from graphrunner.sanitizer.reads import check_reads, unowned_rows
 from graphrunner.util import nvtx
 
 __all__ = ["NvtxRanges", "Observers", "SanitizedSteps", "StepObserver"]
@@ -154,6 +154,8 @@ class SanitizedSteps(StepObserver):
             if relaunch is not None and where is not None and self.sanitizer.check_reads:
                 buffers, raw_bs, bs = where
                 sanitizer = self.sanitizer
+                table = None if sanitizer.req_pool is None else sanitizer.req_pool.req_to_token
+                unowned = [unowned_rows(g, check.inputs, raw_bs, table) for g in sanitizer.guarded]
                 check_reads(
                     sanitizer.guarded,
                     check.snapshots,
@@ -164,6 +166,7 @@ class SanitizedSteps(StepObserver):
                     relaunch,
                     vocab_size=sanitizer.vocab_size,
                     seed=sanitizer.stats.replays_checked,
+                    unowned=unowned,
                 )
         self._held = outputs
 

@@ -5,9 +5,11 @@ Writes are checked by comparing the guarded state before and after a launch;
 a stray *read* leaves no trace there. So, under the sanitizer, a padded
 replay is launched a second time: the guarded state put back as it was
 before the first launch, then every sink (row 0, and rows ``0..sink_rows-1``,
-of each floating guarded tensor: KV slot 0, Mamba slot 0) and every padded
-row's value inputs (floating buffers, and token ids when the vocabulary is
-known) set to other finite values. The live rows' outputs must come out the
+of each floating guarded tensor: KV slot 0, Mamba slot 0), every row no live
+row owns (free KV slots and other requests' slots, free request and Mamba
+rows: :func:`unowned_rows`) and every padded row's value inputs (floating
+buffers, and token ids when the vocabulary is known) set to other finite
+values. The live rows' outputs must come out the
 same; a difference raises :class:`~graphrunner.sanitizer.padding.PaddingViolation`
 naming the output, the batch row and what it depended on. The state of the
 first launch is restored afterwards, so the step's effect is the first
@@ -23,11 +25,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.decode import OUT_CACHE_LOC, REQ_POOL_INDICES, SEQ_LENS
 from graphrunner.declare.indexes import Index
 from graphrunner.declare.outputs import Outputs, named_outputs
 from graphrunner.sanitizer.checks import GuardedTensor, PaddingViolation
 
-__all__ = ["check_reads"]
+__all__ = ["check_reads", "unowned_rows"]
 
 #: How far a live output may move when nothing it may read changed (the
 #: same program on the same live inputs: in practice bit-equal).
@@ -64,6 +67,43 @@ def _tails(
     return out
 
 
+def _live(inputs: object, name: str) -> torch.Tensor | None:
+    """Field ``name``'s values in the live inputs, flattened (None where absent)."""
+    t = getattr(inputs, name, None)
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or not t.dim():
+        return None
+    return t.reshape(-1).long()
+
+
+def unowned_rows(
+    guard: GuardedTensor, inputs: object, raw_bs: int, req_to_token: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A bool mask of ``guard``'s rows no live row owns, which no live output
+    may depend on; None where ownership is not known (state only read, as
+    ``req_to_token``: its sinks alone are changed).
+
+    KV slots (written at ``out_cache_loc``): owned are each live request's
+    ``req_to_token[row, :seq_lens]`` and the slots this step writes. Rows
+    written at another field (``req_pool_indices``, Mamba slots): its live
+    values."""
+    if guard.writer is None or not guard.tensor.is_floating_point():
+        return None
+    writes = _live(inputs, guard.writer)
+    if writes is None:
+        return None
+    owned = torch.zeros(guard.tensor.shape[0], dtype=torch.bool, device=guard.tensor.device)
+    owned[writes.to(owned.device)] = True
+    if guard.writer == OUT_CACHE_LOC:
+        rows, lens = _live(inputs, REQ_POOL_INDICES), _live(inputs, SEQ_LENS)
+        if req_to_token is None or rows is None or lens is None:
+            return None
+        rows, lens = rows[:raw_bs].to(req_to_token.device), lens[:raw_bs].to(req_to_token.device)
+        columns = torch.arange(req_to_token.shape[1], device=req_to_token.device)
+        cached = req_to_token[rows][columns[None, :] < lens[:, None]]
+        owned[cached.long().to(owned.device)] = True
+    return ~owned
+
+
 def check_reads(
     guarded: Sequence[GuardedTensor],
     before: Sequence[torch.Tensor],
@@ -75,24 +115,35 @@ def check_reads(
     *,
     vocab_size: int | None = None,
     seed: int = 0,
+    unowned: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
-    """Relaunch with the sinks and the padded rows' value inputs changed (see
-    the module); raise :class:`PaddingViolation` if a live output moved.
+    """Relaunch with the sinks, the unowned rows and the padded rows' value
+    inputs changed (see the module); raise :class:`PaddingViolation` if a
+    live output moved.
 
     ``before``: each guarded tensor as it was before the first launch;
-    ``first``: the first launch's live outputs (views are copied here).
+    ``first``: the first launch's live outputs (views are copied here);
+    ``unowned``: each guarded tensor's :func:`unowned_rows` (None: sinks only).
     """
     expected = [(name, t.clone()) for name, t in named_outputs(first)]
     after = [g.tensor.clone() for g in guarded]
     device = buffers.device
     gen = torch.Generator(device=device).manual_seed(seed)
     sinks: list[str] = []
+    others: list[str] = []
+    masks = list(unowned) if unowned is not None else [None] * len(guarded)
     try:
-        for guard, old in zip(guarded, before, strict=True):
+        for guard, old, mask in zip(guarded, before, masks, strict=True):
             guard.tensor.copy_(old)
             if guard.tensor.is_floating_point():  # row 0 is padding everywhere
                 _perturb(guard.tensor[: max(guard.sink_rows, 1)], gen, None)
                 sinks.append(guard.name)
+            if mask is not None and bool(mask[max(guard.sink_rows, 1) :].any()):
+                rows = mask.nonzero().flatten()
+                values = guard.tensor[rows]
+                _perturb(values, gen, None)
+                guard.tensor[rows] = values
+                others.append(f"{guard.name}'s {guard.row_name}s no live row owns")
         tails = _tails(buffers, raw_bs, bs, vocab_size)
         saved = [(t, t.clone()) for _, t in tails]
         for _, tail in tails:
@@ -103,7 +154,7 @@ def check_reads(
     finally:  # the step's effect is the first launch's
         for guard, value in zip(guarded, after, strict=True):
             guard.tensor.copy_(value)
-    depends = _what(sinks, [name for name, _ in tails], bs - raw_bs)
+    depends = _what(sinks, [name for name, _ in tails], bs - raw_bs, others)
     for name, want in expected:
         got = second[name]
         same = (
@@ -122,10 +173,11 @@ def check_reads(
         )
 
 
-def _what(sinks: list[str], tails: list[str], padded: int) -> str:
+def _what(sinks: list[str], tails: list[str], padded: int, others: list[str]) -> str:
     parts = []
     if sinks:
         parts.append(f"the sinks of {', '.join(sinks)}")
+    parts += others
     if tails and padded:
         parts.append(f"the {padded} padded rows' {', '.join(tails)}")
     return " and ".join(parts) or "nothing it may read"
