@@ -97,10 +97,9 @@ def _stale_seed(world: ToyWorld) -> int:
     """The first seed whose bystander STALE_ROW is no shorter than live row 0."""
     for seed in range(100):
         batch = world.make_batch(3, seed=seed)
-        row0 = int(batch.req_pool_indices_cpu[0])
-        lens = {int(r): int(n) for r, n in zip(batch.req_pool_indices_cpu, batch.seq_lens_cpu)}
+        row0, len0 = int(batch.req_pool_indices_cpu[0]), int(batch.seq_lens_cpu[0])
         owned = int((world.req_pool.req_to_token[STALE_ROW] != 0).sum())
-        if row0 != STALE_ROW and owned >= lens[row0]:
+        if row0 != STALE_ROW and owned >= len0:
             return seed
     raise AssertionError("no seed gives a long enough bystander")
 
