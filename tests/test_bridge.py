@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import SLOW
 from graphrunner import PaddingViolation
+from graphrunner.mechanisms import UncapturableError
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
 from hf_tiny import TINY_DECODER, hf_greedy
@@ -142,11 +142,35 @@ def test_a_model_without_layer_indexed_attention_is_refused() -> None:
 def test_the_compiled_cpu_runner_equals_transformers(saved: dict[str, tuple[Path, Any]]) -> None:
     path, reference = saved["qwen2"]
     bundle = load_transformers(path, max_requests=4, max_context_len=32)
-    sizes = [1, 2, 4] if SLOW else [4]  # one compile in the default suite, every row padded
-    runner = create_decode_runner(bundle, "cpu", capture_sizes=sizes, check_padding=True)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=[1, 2, 4], check_padding=True)
     runner.capture()
+    assert runner.compilations == 1  # one program serves the three sizes
     assert Engine(bundle, runner).run(TRACE).outputs == hf_greedy(reference, TRACE)
-    assert runner.stats.eager_fallbacks == 0
+    assert runner.stats.eager_fallbacks == 0 and runner.direct_fallbacks == 0
+
+
+def test_a_module_that_reads_a_tensor_on_the_host_is_refused_at_capture(
+    saved: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformers module with a data-dependent branch cannot be captured:
+    the CPU runner refuses it naming the function, its line and the reason,
+    and captures nothing (never a silently piecewise or eager run)."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    real = modeling_qwen2.Qwen2MLP.forward
+
+    def branching_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e9:  # a host read of a tensor's value
+            return real(self, x) * 0
+        return real(self, x)
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2MLP, "forward", branching_forward)
+    path, _ = saved["qwen2"]
+    bundle = load_transformers(path, max_requests=4, max_context_len=32)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=[2, 4])
+    with pytest.raises(UncapturableError, match=r"size 4: .* in branching_forward \(.*test_bridge"):
+        runner.capture()
+    assert not runner.is_captured
 
 
 @pytest.mark.cuda

@@ -13,6 +13,7 @@ from torch.profiler import profile
 from conftest import CapturedToy
 from graphrunner import CpuGraphRunner, decode_buffer_specs
 from graphrunner.declare.buffers import BufferView
+from graphrunner.mechanisms import UncapturableError
 from graphrunner.mechanisms.compile import SizeCompiler
 from graphrunner.testing import ToyWorld
 
@@ -128,3 +129,32 @@ def test_a_retried_capture_counts_fallbacks_afresh(monkeypatch: pytest.MonkeyPat
     with pytest.warns(RuntimeWarning, match="cannot be called directly") as caught:
         runner.capture()
     assert runner.direct_fallbacks == 2 and len(caught) == 1
+
+
+def test_fullgraph_refuses_a_branch_on_a_tensor_value_naming_the_line():
+    """A data-dependent branch (a host read) cannot be captured: with
+    fullgraph=True the capture refuses it with the reason and the model's
+    line, instead of running that size through dynamo piecewise."""
+    world = ToyWorld()
+
+    def forward_with_host_branch(b: object) -> torch.Tensor:
+        logits = world.model(b)
+        if logits.sum() > 0:  # the branch reads the tensor's value on the host
+            return logits * 2
+        return logits
+
+    runner = CpuGraphRunner(
+        forward_with_host_branch,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[2, 4],
+        show_progress=False,
+        fullgraph=True,
+    )
+    line = forward_with_host_branch.__code__.co_firstlineno + 2
+    with pytest.raises(UncapturableError) as caught:
+        runner.capture()
+    message = str(caught.value)
+    assert message.startswith("size 4: the forward cannot be captured in forward_with_host_branch")
+    assert f"test_cpu_runner.py:{line}" in message
+    assert not runner.is_captured  # nothing half-captured

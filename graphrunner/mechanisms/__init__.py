@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.mechanisms.compile import UncapturableError
 from graphrunner.mechanisms.cuda_graph import CudaGraphCapture
 from graphrunner.mechanisms.eager import EagerCapture
 from graphrunner.mechanisms.inductor import InductorCapture
@@ -20,6 +21,7 @@ __all__ = [
     "ForwardFn",
     "InductorCapture",
     "Launcher",
+    "UncapturableError",
     "check_mechanism_options",
     "create_mechanism",
 ]
@@ -31,15 +33,15 @@ MECHANISMS: dict[str, type[CaptureMechanism]] = {
 
 def create_mechanism(kind: str, **options: Any) -> CaptureMechanism:
     """The mechanism named ``kind`` (``cuda``, ``cpu`` or ``eager``) with its options
-    (``compile``, ``compile_mode``, ``inductor_options``, ``dynamic_batch``
-    where it takes them)."""
+    (``compile``, ``compile_mode``, ``inductor_options``, ``dynamic_batch``,
+    ``fullgraph`` where it takes them)."""
     check_mechanism_options(kind, options)
     return MECHANISMS[kind](**options)
 
 
 #: Every option some mechanism takes.
 MECHANISM_OPTIONS = frozenset(
-    {"compile", "compile_mode", "inductor_options", "populate", "dynamic_batch"}
+    {"compile", "compile_mode", "inductor_options", "populate", "dynamic_batch", "fullgraph"}
 )
 
 

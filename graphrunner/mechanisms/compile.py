@@ -40,7 +40,7 @@ from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.mechanisms.shape_guards import TraceGuards, without_shape_guards
 from graphrunner.util.warn import warn_at_caller
 
-__all__ = ["CUDAGRAPH_OPTION", "SizeCompiler", "inductor_patches"]
+__all__ = ["CUDAGRAPH_OPTION", "SizeCompiler", "UncapturableError", "inductor_patches"]
 
 #: The inductor option that makes inductor capture CUDA graphs of its own.
 CUDAGRAPH_OPTION = "triton.cudagraphs"
@@ -103,6 +103,27 @@ def _size_oblivious() -> Iterator[None]:
         yield
 
 
+class UncapturableError(RuntimeError):
+    """The forward cannot be captured as one program: a host sync or a branch
+    on a tensor's value (dynamo's graph break), named by its reason and the
+    line of the model's code that made it."""
+
+
+def _uncapturable(bs: int, error: Exception) -> UncapturableError:
+    """``error`` (dynamo's) as one line: the size, the reason, where."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    stack = list(getattr(error, "real_stack", None) or [])
+    where = ""
+    if stack:
+        frame = stack[-1]
+        where = f" in {frame.name} ({frame.filename}:{frame.lineno})"
+    return UncapturableError(
+        f"size {bs}: the forward cannot be captured{where}: {reason}; a captured step "
+        "must be a pure tensor program (no .item(), .tolist() or branch on a tensor's "
+        "value): move that decision out of the step, or use the eager runner"
+    )
+
+
 def _cache_hits() -> int:
     """Compilations answered by inductor's FX graph cache or AOTAutograd's cache."""
     from torch._dynamo.utils import counters
@@ -134,13 +155,21 @@ class SizeCompiler:
         patches: inductor config patches (see :func:`inductor_patches`).
         dynamic: one program with a symbolic batch dimension for every size
             (True), or one shape-specialised program per size (False).
+        fullgraph: a graph break raises :class:`UncapturableError` naming it
+            (False: that size runs through dynamo, counted and warned).
     """
 
-    def __init__(self, patches: Mapping[str, Any], *, dynamic: bool = True) -> None:
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"dynamic={dynamic!r}; expected a bool")
+    def __init__(
+        self, patches: Mapping[str, Any], *, dynamic: bool = True, fullgraph: bool = False
+    ) -> None:
+        for name, value in (("dynamic", dynamic), ("fullgraph", fullgraph)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r}; expected a bool")
         self.patches = dict(patches)
         self.dynamic = dynamic
+        #: Refuse a forward with a graph break (UncapturableError) instead of
+        #: running it through dynamo piecewise.
+        self.fullgraph = fullgraph
         self._shared = _named_step("graphrunner_step")  # dynamic: every size's code
         self._compiled: Callable[..., Any] | None = None
         self._compiling_bs = 0
@@ -184,13 +213,14 @@ class SizeCompiler:
             self._compiled = torch.compile(
                 self._shared,
                 backend=self._backend,
+                fullgraph=self.fullgraph,
                 options={"guard_filter_fn": without_shape_guards},
             )
         compiled = self._compiled
         _mark_batch_dynamic(view)
 
         def launch() -> Outputs:
-            with _size_oblivious():
+            with _size_oblivious(), self._refusing(bs):
                 return compiled(forward, view)
 
         return launch
@@ -198,9 +228,27 @@ class SizeCompiler:
     def _specialised(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
         """Size ``bs``'s own shape-specialised step, on a code object of its own."""
         step = torch.compile(
-            _named_step(f"graphrunner_step_bs{bs}"), backend=self._backend, dynamic=False
+            _named_step(f"graphrunner_step_bs{bs}"),
+            backend=self._backend,
+            dynamic=False,
+            fullgraph=self.fullgraph,
         )
-        return lambda: step(forward, view)
+
+        def launch() -> Outputs:
+            with self._refusing(bs):
+                return step(forward, view)
+
+        return launch
+
+    @contextlib.contextmanager
+    def _refusing(self, bs: int) -> Iterator[None]:
+        """With ``fullgraph``, dynamo's graph break as an :class:`UncapturableError`."""
+        try:
+            yield
+        except torch._dynamo.exc.Unsupported as e:
+            if not self.fullgraph:
+                raise
+            raise _uncapturable(bs, e) from None
 
     def programs(self, bs: int) -> int:
         """Programs compiled while size ``bs`` warmed up (0: it reused one)."""

@@ -47,6 +47,8 @@ class CudaGraphCapture(CaptureMechanism):
         dynamic_batch: with ``compile=True``, one program with a symbolic
             batch dimension serves every size (True, the default); False
             compiles one shape-specialised program per size.
+        fullgraph: with ``compile=True``, refuse a graph break by name
+            (``UncapturableError``).
         compile_mode, inductor_options: as
             :class:`~graphrunner.mechanisms.inductor.InductorCapture`, with
             ``compile=True`` only; those that turn on inductor's own CUDA
@@ -71,6 +73,7 @@ class CudaGraphCapture(CaptureMechanism):
         inductor_options: Mapping[str, Any] | None = None,
         populate: str = "torch",
         dynamic_batch: bool = True,
+        fullgraph: bool = False,
     ) -> None:
         if populate not in POPULATE_MODES:
             raise ValueError(f"populate={populate!r}; expected one of {POPULATE_MODES}")
@@ -86,7 +89,9 @@ class CudaGraphCapture(CaptureMechanism):
                 f"they apply only with compile=True"
             )
         patches = inductor_patches(compile_mode, inductor_options)
-        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch) if compile else None
+        self.compiler = (
+            SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph) if compile else None
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._device = torch.device("cuda")
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every size

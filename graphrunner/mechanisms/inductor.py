@@ -30,6 +30,9 @@ class InductorCapture(CaptureMechanism):
         dynamic_batch: compile once with a symbolic batch dimension and call
             that program at every size (True, the default), or compile one
             shape-specialised program per size (False).
+        fullgraph: refuse a forward with a graph break (a host sync, a branch
+            on a tensor's value) with ``UncapturableError`` naming the line,
+            instead of running that size through dynamo piecewise.
         compile_mode: a ``torch.compile`` mode whose inductor options apply
             (those that turn on inductor's CUDA graphs are refused).
         inductor_options: inductor config patches, as ``torch.compile(options=...)``.
@@ -43,9 +46,10 @@ class InductorCapture(CaptureMechanism):
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
         dynamic_batch: bool = True,
+        fullgraph: bool = False,
     ) -> None:
         patches = inductor_patches(compile_mode, inductor_options)
-        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch)
+        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph)
 
     @property
     def direct_fallbacks(self) -> int:

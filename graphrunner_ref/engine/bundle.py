@@ -195,8 +195,10 @@ def create_decode_runner(
     / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
     bundles only (with ``future_map`` each launch stores each row's last token there).
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
-    for ``cuda``. A tensor-parallel model's ranks must resolve the same capture
-    sizes (checked across ranks: ``ValueError`` naming each rank's list).
+    for ``cuda``; a transformers bundle compiles with ``fullgraph=True`` (a
+    model that cannot be captured is refused naming its line). A
+    tensor-parallel model's ranks must resolve the same capture sizes (checked
+    across ranks: ``ValueError`` naming each rank's list).
     """
     step = decode_step(bundle)
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
@@ -220,6 +222,11 @@ def create_decode_runner(
             sampling=sampling,
             logprobs=logprobs,
         )
+    compiles = kind == "cpu" or mechanism_options.get("compile", False)
+    if isinstance(bundle, TransformersBundle) and compiles:
+        # Modules graphrunner did not write: a graph break is refused by name,
+        # never run piecewise.
+        mechanism_options.setdefault("fullgraph", True)
     runner = create_runner(
         kind,
         phase,

@@ -61,6 +61,7 @@ def create_runner(
     inductor_options: Mapping[str, Any] | None = None,
     populate: str = "torch",
     dynamic_batch: bool = True,
+    fullgraph: bool = False,
 ) -> GraphRunner:
     """A runner of ``kind`` (``"cuda"``, ``"cpu"`` or ``"eager"``: the mechanism)
     for ``step`` (what is captured). Not yet captured: call ``capture()``.
@@ -87,7 +88,9 @@ def create_runner(
             mechanism's options; ``compile``, ``populate`` for ``cuda`` only,
             the inductor settings for ``cuda`` (with ``compile``) and ``cpu``;
             ``dynamic_batch=False`` compiles one program per size instead of
-            one for every size.
+            one for every size; ``fullgraph=True`` (``cpu``, ``cuda`` with
+            ``compile``) refuses a forward with a graph break by name
+            (``graphrunner.mechanisms.UncapturableError``).
 
     Raises:
         ValueError: an unknown ``kind``; a phase with ``specs``, ``outputs``,
@@ -100,6 +103,7 @@ def create_runner(
         inductor_options=inductor_options,
         populate=populate,
         dynamic_batch=dynamic_batch,
+        fullgraph=fullgraph,
     )
     check_mechanism_options(kind, mechanism_options)
     phase = _as_phase(step, specs, outputs=outputs, backend=backend, width=width)
@@ -123,6 +127,7 @@ _MECHANISM_DEFAULTS: dict[str, Any] = {
     "inductor_options": None,
     "populate": "torch",
     "dynamic_batch": True,
+    "fullgraph": False,
 }
 
 

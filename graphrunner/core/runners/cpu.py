@@ -25,6 +25,7 @@ class CpuGraphRunner(GraphRunner):
         compile_mode: a ``torch.compile`` mode whose inductor options apply.
         inductor_options: inductor config patches (as ``torch.compile(options=...)``).
         dynamic_batch: one program for every size (default) or one per size.
+        fullgraph: refuse a graph break by name (``UncapturableError``).
         **kwargs: the other :class:`GraphRunner` arguments.
     """
 
@@ -37,11 +38,13 @@ class CpuGraphRunner(GraphRunner):
         compile_mode: str | None = None,
         inductor_options: Mapping[str, Any] | None = None,
         dynamic_batch: bool = True,
+        fullgraph: bool = False,
         **kwargs: Any,
     ) -> None:
         mechanism = InductorCapture(
             compile_mode=compile_mode,
             inductor_options=inductor_options,
             dynamic_batch=dynamic_batch,
+            fullgraph=fullgraph,
         )
         super().__init__(forward, specs, device=device, mechanism=mechanism, **kwargs)

@@ -28,6 +28,7 @@ class CudaGraphRunner(GraphRunner):
             ``"max-autotune"``, ``triton.cudagraphs``) are refused.
         dynamic_batch: with ``compile=True``, one program with a symbolic batch
             dimension for every size (default), or one per size (False).
+        fullgraph: with ``compile=True``, refuse a graph break by name.
         populate: how a replay writes the buffers: ``"torch"`` (default),
             ``"fused"`` (one Triton launch) or ``"graph"`` (the launch inside
             each graph); see :class:`~graphrunner.mechanisms.CudaGraphCapture`.
@@ -44,6 +45,7 @@ class CudaGraphRunner(GraphRunner):
         inductor_options: Mapping[str, Any] | None = None,
         populate: str = "torch",
         dynamic_batch: bool = True,
+        fullgraph: bool = False,
         device: torch.device | str = "cuda",
         **kwargs: Any,
     ) -> None:
@@ -53,6 +55,7 @@ class CudaGraphRunner(GraphRunner):
             inductor_options=inductor_options,
             populate=populate,
             dynamic_batch=dynamic_batch,
+            fullgraph=fullgraph,
         )
         super().__init__(forward, specs, device=device, mechanism=mechanism, **kwargs)
         self.mechanism: CudaGraphCapture = mechanism
