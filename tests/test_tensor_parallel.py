@@ -48,10 +48,12 @@ def _trace() -> list[Request]:
 #: of a sharded size takes 20-30 s), every batch of 1..4 rows padded to it.
 SIZES = {"eager": [1, 2, 4], "cpu": [4]}
 #: The models the sharded runs cover: the default (2 KV heads, one per rank),
-#: and one KV head (replicated on both ranks) with tied embeddings.
+#: one KV head (replicated on both ranks) with tied embeddings, and a
+#: vocabulary of 301 tokens, which 2 ranks cannot split evenly (padded).
 CONFIGS = {
     "default": None,
     "one_kv_head": dataclasses.replace(default_config(), num_kv_heads=1, tie_word_embeddings=True),
+    "odd_vocab": dataclasses.replace(default_config(), vocab_size=301),
 }
 
 Found = tuple[dict[int, list[int]], list[int]]
@@ -166,10 +168,11 @@ def test_speculative_decoding_refuses_a_shard() -> None:
         speculative_engine(bundle, "eager")
 
 
+@pytest.mark.parametrize("vocab", [256, 301])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_shards_put_back_together_are_the_whole(world: int) -> None:
-    config = default_config()
-    whole = default_model(max_requests=1, max_context_len=1).model.state_dict()
+def test_shards_put_back_together_are_the_whole(world: int, vocab: int) -> None:
+    config = dataclasses.replace(default_config(), vocab_size=vocab)
+    whole = default_model(max_requests=1, max_context_len=1, config=config).model.state_dict()
     shards = [shard_weights(whole, config, TensorParallel(r, world)) for r in range(world)]
     d = config.head_dim
     for name, tensor in whole.items():
@@ -182,8 +185,12 @@ def test_shards_put_back_together_are_the_whole(world: int) -> None:
                 assert torch.equal(part, tensor[first * d : (first + count) * d]), name
         elif "norm" in name:
             assert all(torch.equal(p, tensor) for p in parts), name
-        else:
-            assert torch.equal(torch.cat(parts, 0), tensor), name
+        else:  # by vocabulary row, padded with zero rows past it
+            rows = -(-vocab // world) if "embed" in name or "lm_head" in name else None
+            assert rows is None or all(p.shape[0] == rows for p in parts), name
+            joined = torch.cat(parts, 0)
+            assert torch.equal(joined[: tensor.shape[0]], tensor), name
+            assert not joined[tensor.shape[0] :].any(), name
 
 
 def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from graphrunner_ref.model.config import CheckpointError, ModelConfig
-from graphrunner_ref.model.parallel import TensorParallel, shard_slice
+from graphrunner_ref.model.parallel import TensorParallel, pad_vocab_shard, shard_slice
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -116,7 +116,8 @@ def read_rank_weights(
                     continue
                 dim, start, n = where
                 part = f.get_slice(name)
-                tensors[name] = part[start : start + n] if dim == 0 else part[:, start : start + n]
+                piece = part[start : start + n] if dim == 0 else part[:, start : start + n]
+                tensors[name] = pad_vocab_shard(name, piece, config, tp)
     _check_listed(listed, set(tensors))
     return tensors
 

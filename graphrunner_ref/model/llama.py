@@ -21,6 +21,7 @@ from graphrunner_ref.model.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
     local_config,
+    vocab_shard,
 )
 from graphrunner_ref.model.small_batch import MAX_ROWS, fits, rope_store_op, small_batch_linear
 from graphrunner_ref.model.token_rows import TokenRows
@@ -227,7 +228,7 @@ class LlamaDecoder(nn.Module):
             head_dim=config.head_dim,
         )
         self.model = LlamaBody(config, dtype, tp)
-        vocab = config.vocab_size // tp.world
+        vocab = vocab_shard(config, tp)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -344,11 +345,14 @@ class LlamaDecoder(nn.Module):
             head = small_batch_linear(h, self.lm_head_weight, pdl=self.programmatic_launch)
         else:
             head = F.linear(h, self.lm_head_weight)
-        return self.tp.all_gather(head.float())
+        logits = self.tp.all_gather(head.float())
+        if logits.shape[-1] != self.config.vocab_size:  # a padded vocabulary (vocab_shard)
+            logits = logits[..., : self.config.vocab_size]
+        return logits
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab / tp.world, hidden]``: the LM head, or the embedding when tied
+        """``[ceil(vocab / tp.world), hidden]``: the LM head, or the embedding when tied
         (draft heads share it)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.weight

@@ -42,8 +42,10 @@ __all__ = [
     "check_shardable",
     "kv_head_range",
     "local_config",
+    "pad_vocab_shard",
     "shard_slice",
     "shard_weights",
+    "vocab_shard",
 ]
 
 
@@ -145,7 +147,7 @@ def _waited(x: torch.Tensor) -> torch.Tensor:
 def check_shardable(config: ModelConfig, tp: TensorParallel) -> None:
     """Raise ``ValueError`` naming the field when ``config`` cannot be split ``tp.world`` ways."""
     w = tp.world
-    for name in ("num_heads", "intermediate_size", "vocab_size"):
+    for name in ("num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % w:
             raise ValueError(
@@ -158,6 +160,34 @@ def check_shardable(config: ModelConfig, tp: TensorParallel) -> None:
             f"ModelConfig.num_kv_heads={kv}: expected a multiple or a divisor of the "
             f"tensor-parallel world size {w}"
         )
+
+
+def vocab_shard(config: ModelConfig, tp: TensorParallel) -> int:
+    """Vocabulary rows each rank holds: ``ceil(vocab_size / world)``. A
+    vocabulary the world size does not divide is padded at its end (as
+    vLLM's vocabulary-parallel embedding does): the padded rows hold zeros,
+    no token id reaches them, and their logits are cut off after the gather."""
+    return -(-config.vocab_size // tp.world)
+
+
+#: The transformers names of the tensors sharded by vocabulary row.
+_VOCAB_TENSORS = ("embed_tokens", "lm_head")
+
+
+def _leaf(name: str) -> str:
+    return name.removesuffix(".weight").rsplit(".", 1)[-1]
+
+
+def pad_vocab_shard(
+    name: str, tensor: torch.Tensor, config: ModelConfig, tp: TensorParallel
+) -> torch.Tensor:
+    """Rank ``tp.rank``'s slice of vocabulary tensor ``name`` with zero rows
+    appended up to :func:`vocab_shard` (the padding past the vocabulary);
+    any other tensor unchanged."""
+    rows = vocab_shard(config, tp)
+    if _leaf(name) not in _VOCAB_TENSORS or tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
 def kv_head_range(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
@@ -186,25 +216,27 @@ def local_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
 def shard_slice(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, int, int] | None:
     """``(dim, start, length)``: the slice of the full tensor ``name`` (a
     transformers Llama name) rank ``tp.rank`` holds, or None when it holds it
-    whole (norms)."""
+    whole (norms). A vocabulary slice of the last ranks may be shorter than
+    :func:`vocab_shard` (:func:`pad_vocab_shard` pads it)."""
     check_shardable(config, tp)
     d, r, w = config.head_dim, tp.rank, tp.world
     q_rows = config.num_heads // w * d
     kv_first, kv_count = kv_head_range(config, tp)
     inter = config.intermediate_size // w
-    vocab = config.vocab_size // w
+    vocab = vocab_shard(config, tp)
+    vocab_rows = max(0, min(vocab, config.vocab_size - r * vocab))
     slices = {
         "q_proj": (0, r * q_rows, q_rows),
         "k_proj": (0, kv_first * d, kv_count * d),
         "v_proj": (0, kv_first * d, kv_count * d),
         "gate_proj": (0, r * inter, inter),
         "up_proj": (0, r * inter, inter),
-        "embed_tokens": (0, r * vocab, vocab),
-        "lm_head": (0, r * vocab, vocab),
+        "embed_tokens": (0, r * vocab, vocab_rows),
+        "lm_head": (0, r * vocab, vocab_rows),
         "o_proj": (1, r * q_rows, q_rows),
         "down_proj": (1, r * inter, inter),
     }
-    return slices.get(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    return slices.get(_leaf(name))
 
 
 def shard_weights(
@@ -215,21 +247,24 @@ def shard_weights(
     out = {}
     for name, tensor in weights.items():
         where = shard_slice(name, config, tp)
-        out[name] = tensor if where is None else tensor.narrow(*where).contiguous()
+        part = tensor if where is None else tensor.narrow(*where).contiguous()
+        out[name] = pad_vocab_shard(name, part, config, tp)
     return out
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """An embedding holding rows ``[rank * n, (rank + 1) * n)`` of a ``world * n``
-    vocabulary: ``ids [...]`` int64 to ``[..., dim]``, the rows other ranks hold
+    vocabulary (``n = ceil(vocab_size / world)``, rows past the vocabulary
+    zero): ``ids [...]`` int64 to ``[..., dim]``, the rows other ranks hold
     summed in by an all-reduce. Alone (:attr:`TensorParallel.alone`): an nn.Embedding."""
 
     def __init__(
         self, vocab_size: int, dim: int, tp: TensorParallel, *, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__(vocab_size // tp.world, dim, dtype=dtype)
+        rows = -(-vocab_size // tp.world)  # padded past the vocabulary (vocab_shard)
+        super().__init__(rows, dim, dtype=dtype)
         self.tp = tp
-        self.first = tp.rank * (vocab_size // tp.world)
+        self.first = tp.rank * rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.alone:
