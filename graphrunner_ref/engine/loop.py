@@ -41,6 +41,7 @@ from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.engine.admission import Admission
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
+from graphrunner_ref.engine.interrupts import deferred_interrupts
 from graphrunner_ref.engine.multistep import check_multistep
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
 from graphrunner_ref.engine.results import (
@@ -183,12 +184,21 @@ class Engine:
 
         Raises :class:`AdmissionError` when nothing is running and the next
         arrived request does not fit in the free request rows and KV pages
-        (held outside this run): waiting would never end.
+        (held outside this run): waiting would never end. A Ctrl-C raises its
+        ``KeyboardInterrupt`` at the next step boundary (twice: at once), and
+        the run frees every row and page it held
+        (:mod:`~graphrunner_ref.engine.interrupts`).
         """
-        with self._exclusive.held():
-            return self._run(trace, max_steps, progress)
+        with self._exclusive.held(), deferred_interrupts() as interrupted:
+            return self._run(trace, max_steps, progress, interrupted)
 
-    def _run(self, trace: Sequence[Request], max_steps: int | None, progress: bool) -> EngineResult:
+    def _run(
+        self,
+        trace: Sequence[Request],
+        max_steps: int | None,
+        progress: bool,
+        interrupted: Callable[[], None],
+    ) -> EngineResult:
         self.admitter.validate(trace)
         run = Run(
             deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
@@ -207,8 +217,10 @@ class Engine:
                     bar.update(self.schedule.step(self, run))
                     self._fire_callbacks()
                     run.clock += 1
+                    interrupted()  # a Ctrl-C held since the step began raises here
             for req in run.live:  # cut by max_steps
                 run.outputs[req.request.rid] = req.tokens
+            interrupted()
         finally:  # on an error too: a failed run leaks no pool row or KV page
             self._callbacks = []
             for req in list(run.held.values()):
