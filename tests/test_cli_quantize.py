@@ -59,9 +59,9 @@ def test_demo_quantized_graphs_equal_eager(capsys: pytest.CaptureFixture[str]) -
 
 def test_an_unknown_mode_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:
-        cli.main(["demo", "--runner", "eager", "--quantize", "int4"])
+        cli.main(["demo", "--runner", "eager", "--quantize", "int2"])
     assert stop.value.code == 2
-    assert "argument --quantize: invalid choice: 'int4'" in capsys.readouterr().err
+    assert "argument --quantize: invalid choice: 'int2'" in capsys.readouterr().err
 
 
 def test_fp16_weights_on_a_half_precision_model_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,8 +77,14 @@ def test_fp16_weights_on_a_half_precision_model_exit_2(capsys: pytest.CaptureFix
         "bfloat16",
     ]
     assert cli.main(argv) == 2
-    assert "--quantize fp16 runs float32 activations over float16 weights; --dtype bfloat16" in (
+    assert "--quantize fp16 runs float32 activations over compact weights; --dtype bfloat16" in (
         capsys.readouterr().err
+    )
+    argv[argv.index("fp16")] = "int4"
+    assert cli.main(argv) == 2
+    assert (
+        "--quantize int4 runs float32 activations over compact weights; --dtype bfloat16: "
+        "expected float32" in capsys.readouterr().err
     )
 
 

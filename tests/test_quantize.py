@@ -94,8 +94,8 @@ def test_quantize_model_replaces_every_projection_and_the_head() -> None:
 def test_quantize_refusals_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="supported for Llama models.*Linear"):
         quantize_model(nn.Linear(2, 2), "int8")
-    with pytest.raises(ValueError, match="expected one of int8, fp16"):
-        check_quantization("int4", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="expected one of int8, fp16, int4"):
+        check_quantization("int2", torch.float32, "cpu")
     with pytest.raises(ValueError, match="runs on the CPU; the model is on cuda"):
         check_quantization("int8", torch.float32, "cuda")
     twice = quantize_model(default_model(max_requests=1).model, "fp16")

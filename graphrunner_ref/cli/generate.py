@@ -92,7 +92,7 @@ def generate(args: argparse.Namespace, build: Build) -> int:
     params = cli_sampling.flag_params(args)
     model_context, inputs = cli_text.check_generate(args, config)
     prompts = inputs.prompts
-    # No graph larger than the prompt count: each size costs a compile on the CPU.
+    # No graph larger than the prompt count (padding it would never use).
     sizes = cli_checks.capture_sizes(args, default_max_bs=min(16, len(prompts)))
     trace = cli_sampling.apply(
         requests_from_prompts(

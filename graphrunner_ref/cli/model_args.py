@@ -119,7 +119,9 @@ def add_arguments(g: Groups) -> None:
         help="CPU, Llama models: compact weights for every projection and the LM head. "
         "int8: int8 per output channel, activations in --dtype (fast with AVX-512 or AMX); "
         "fp16: float16 weights, float32 activations and accumulation (--dtype float32; "
-        "half the weight bytes, fast on AVX2)",
+        "half the weight bytes, fast on AVX2); int4: 4-bit weights in groups of 32 columns "
+        "with a scale and a min each, float32 activations (--dtype float32; a fifth of the "
+        "weight bytes, an AVX2 kernel built at first use)",
     )
 
 
@@ -222,17 +224,17 @@ def note_half_precision(args: argparse.Namespace) -> None:
 
 
 def check_quantize(args: argparse.Namespace) -> None:
-    """``--quantize`` on the CPU, ``fp16`` with ``--dtype float32``
+    """``--quantize`` on the CPU, ``fp16`` and ``int4`` with ``--dtype float32``
     (``args.device`` resolved); a note where the weight-only product is slow."""
     mode = getattr(args, "quantize", None)
     if mode is None:
         return
     if not str(args.device).startswith("cpu"):
         raise UsageError(f"--quantize {mode} runs on the CPU; the device here is {args.device}")
-    if mode == "fp16" and dtype(args) != torch.float32:
+    if mode in ("fp16", "int4") and dtype(args) != torch.float32:
         raise UsageError(
-            f"--quantize fp16 runs float32 activations over float16 weights; --dtype "
-            f"{args.dtype} (use --quantize int8 with a half-precision model)"
+            f"--quantize {mode} runs float32 activations over compact weights; --dtype "
+            f"{args.dtype}: expected float32 (use --quantize int8 with a half-precision model)"
         )
     note = int8_weight_only_note() if mode == "int8" else None
     if note is not None and not getattr(args, "quiet", False):

@@ -1,0 +1,168 @@
+"""4-bit weights (``--quantize int4``) against float32, on the CPU, one thread.
+
+For ``rows x 576`` times ``576 x 1536`` (a SmolLM2-135M gate/up projection,
+its weight in cache) at 1 and 8 rows, and the same model's LM head
+(``576 x 49152``, streamed from memory) as context, in one run:
+
+* ``float32``: ``F.linear`` over the float32 weight (the baseline);
+* ``fp16``: :class:`~graphrunner_ref.model.fp16_linear.Fp16WeightLinear`
+  (``--quantize fp16``, fbgemm), for comparison;
+* ``int4 torch``: dequantize to float32, then ``F.linear``
+  (:func:`~graphrunner_ref.model.int4_linear.int4_reference_linear`);
+* ``int4 aten``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` over the same
+  codes (its ``(q - 8) * scale + zero`` format, ``zero = min + 8 * scale``);
+* ``int4 kernel``: the C++ AVX2 kernel
+  (``torch.ops.graphrunner_int4.linear``, built on first use).
+
+Every candidate's output is first checked against ``int4 torch`` (atol 1e-4
+times the output's largest magnitude). Each is timed as the median over
+``ROUNDS`` rounds of ``CALLS`` calls, candidates interleaved per round.
+Results: ``bench/results/int4-cpu.md``.
+
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_int4``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from graphrunner_ref.model.cpu_features import half_precision_units
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.int4_linear import (
+    GROUP,
+    int4_kernel_status,
+    int4_reference_linear,
+    quantize_int4,
+)
+
+RESULTS = Path(__file__).parent / "results" / "int4-cpu.md"
+#: (label, out, in, rows) of each product.
+PRODUCTS = [
+    ("576x1536", 1536, 576, 1),
+    ("576x1536", 1536, 576, 8),
+    ("576x49152 (LM head)", 49152, 576, 1),
+    ("576x49152 (LM head)", 49152, 576, 8),
+]
+ROUNDS = 15
+#: Calls per round: enough for ~a few ms per round on the small product.
+CALLS = {1536: 50, 49152: 3}
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_facts() -> dict[str, str]:
+    """The CPU's model name, its SIMD flags that matter here and torch's view of it."""
+    name, flags = platform.processor() or platform.machine(), set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {
+        "cpu": name,
+        "flags": " ".join(f for f in _FLAGS if f in flags) or "(unknown)",
+        "torch capability": torch.backends.cpu.get_cpu_capability(),
+        "half-precision units": ", ".join(half_precision_units()) or "none",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Name -> ``x [rows, in] -> [rows, out]`` for weight ``w`` ``[out, in]``."""
+    packed, scales, mins = quantize_int4(w)
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "float32": lambda x: F.linear(x, w),
+        "fp16": Fp16WeightLinear(w),
+        "int4 torch": lambda x: int4_reference_linear(x, packed, scales, mins),
+    }
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and w.shape[1] % GROUP == 0:
+        b = packed.view(w.shape[0], -1, 16)
+        codes = torch.cat([b & 0x0F, b >> 4], dim=2).reshape(w.shape[0], -1).to(torch.int32)
+        aten_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        sz = torch.stack([scales.T, (mins + 8 * scales).T], dim=-1).contiguous()
+        out["int4 aten"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, aten_packed, GROUP, sz
+        )
+    if int4_kernel_status() is None:
+        out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, packed, scales, mins)
+    return out
+
+
+def _median_us(fn: Callable[[], object], calls: int, rounds: list[float]) -> None:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    rounds.append((time.perf_counter() - t0) / calls * 1e6)
+
+
+def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
+    """Name -> (median µs, max |error| vs ``int4 torch`` / output scale)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out, inp, generator=gen) * 0.05
+    x = torch.randn(rows, inp, generator=gen)
+    fns = candidates(w)
+    ref = fns["int4 torch"](x)
+    scale = float(ref.abs().max())
+    errors = {}
+    for name, fn in fns.items():
+        err = float((fn(x) - ref).abs().max()) / scale
+        if name != "float32" and name != "fp16" and err > 1e-4:
+            raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
+        errors[name] = err
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
+        for _ in range(3):
+            fn(x)
+    calls = CALLS[out]
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            _median_us(functools.partial(fn, x), calls, times[name])
+    return {name: (statistics.median(t), errors[name]) for name, t in times.items()}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    facts = cpu_facts()
+    why = int4_kernel_status()
+    lines = [
+        "# int4 weights on the CPU, one thread",
+        "",
+        "`PYTHONPATH=. .venv/bin/python -m bench.bench_int4`: `rows x in` float32 activations "
+        "times an `in x out` weight, median µs per call over "
+        f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "
+        "(above 1 is faster). Error: max |candidate - int4 torch| / max |output| "
+        "(float32 and fp16 multiply other weights, so theirs is the quantization error).",
+        "",
+        *[f"- {k}: {v}" for k, v in facts.items()],
+        f"- C++ kernel: {'built' if why is None else why}",
+        "",
+        "| product | rows | candidate | µs | vs float32 | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, out, inp, rows in PRODUCTS:
+        results = measure(out, inp, rows)
+        base = results["float32"][0]
+        for name, (us, err) in results.items():
+            ratio = "" if name == "float32" else f"{base / us:.2f}x"
+            row = f"| {label} | {rows} | {name} | {us:.1f} | {ratio} | {err:.1e} |"
+            print(row.replace("|", " ").strip())
+            lines.append(row)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
