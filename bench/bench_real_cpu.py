@@ -19,7 +19,8 @@ agree.
 
 Variants (``--variants``): the eager and CPU runners in float32, and the CPU
 runner with compact weights: ``fp16`` (float16 weights, float32 activations),
-``int8`` (per-channel int8, torch's weight-only product) and ``bf16``
+``int8`` (per-channel int8, torch's weight-only product), ``int4`` (groups
+of 32 columns, the project's AVX2 kernel) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
 (``graphrunner_ref.model.cpu_features``); they are measured all the same.
@@ -55,6 +56,7 @@ VARIANTS = {
     "cpu": ("cpu", torch.float32, None, "graphrunner cpu runner"),
     "fp16": ("cpu", torch.float32, "fp16", "graphrunner cpu runner, --quantize fp16"),
     "int8": ("cpu", torch.float32, "int8", "graphrunner cpu runner, --quantize int8"),
+    "int4": ("cpu", torch.float32, "int4", "graphrunner cpu runner, --quantize int4"),
     "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
 }
 
@@ -129,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
     p.add_argument("--batches", default="8,1")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    p.add_argument(
+        "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     checkpoint, prompts = smollm2_chats()
@@ -163,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_lengths": [len(q) for q in prompts],
         "rows": rows,
     }
-    print(f"results written to {write(result)}")
+    print(f"results written to {write(result, args.out)}")
     return 0
 
 
@@ -177,7 +182,7 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, 
     return {"agree": equal, "prefix": sum(prefixes) / len(prefixes)}
 
 
-def write(result: dict[str, Any]) -> str:
+def write(result: dict[str, Any], name: str) -> str:
     lines = [
         "# SmolLM2-135M-Instruct on the CPU: decode tokens/s against transformers",
         "",
@@ -205,7 +210,7 @@ def write(result: dict[str, Any]) -> str:
             f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | "
             f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
         )
-    out = RESULTS_DIR / "real-smollm2-cpu.md"
+    out = RESULTS_DIR / f"{name}.md"
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     return str(out)

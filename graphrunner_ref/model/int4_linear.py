@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from graphrunner.util import warn_at_caller
 
 __all__ = [
     "GROUP",
@@ -293,11 +294,9 @@ def int4_kernel_status() -> str | None:
     why not, warned once: the torch path (dequantize-then-matmul) runs instead."""
     why = _build_kernel()
     if why is not None:
-        warnings.warn(
+        warn_at_caller(
             f"int4 weights: {why}; falling back to dequantize-then-matmul in torch "
-            "(correct but slower than float32)",
-            RuntimeWarning,
-            stacklevel=2,
+            "(correct but slower than float32)"
         )
     return why
 
