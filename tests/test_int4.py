@@ -16,6 +16,7 @@ import torch
 import graphrunner_ref
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import default_model, int4_linear
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int4_linear import (
     GROUP,
     KERNEL_ENV,
@@ -171,12 +172,14 @@ def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
 
 
 def test_int4_model_decodes_the_torch_paths_tokens(quantized: graphrunner_ref.ModelBundle) -> None:
-    """Every projection and the LM head is an Int4Linear; eager decode gives
-    4 in-vocab tokens per request, the same whichever product runs."""
+    """Every projection is an Int4Linear and the LM head float16 weights;
+    eager decode gives 4 in-vocab tokens per request, the same whichever
+    product runs."""
     model = quantized.model
     linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
     layers = len(model.model.layers)
-    assert len(linears) == 5 * layers + 1 and model.quantization == "int4"
+    assert len(linears) == 5 * layers and model.quantization == "int4"
+    assert isinstance(model.head_proj, Fp16WeightLinear)
     outputs = _decode(quantized)
     vocab = model.config.vocab_size if hasattr(model, "config") else 256
     assert sorted(outputs) == [0, 1]

@@ -6,7 +6,9 @@ the LM head with a linear over compact weights: int8 per output channel
 (:mod:`graphrunner_ref.model.int8_linear`), float16 with float32 activations
 (:mod:`graphrunner_ref.model.fp16_linear`) or 4-bit groups of 32 input
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`).
-It runs after the weights are loaded, whatever their source: a float
+With int4 the LM head takes float16 weights: 4-bit logits leave the float
+model's answers within a few tokens. It runs after the weights are loaded,
+whatever their source: a float
 checkpoint, or a GGUF file (whose Q8_0 / Q4 blocks the import dequantized to
 floats: they are requantized here, per output channel for int8 and per
 group of 32 for int4, so the compact weights are not the file's blocks). The
@@ -101,6 +103,10 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
             mlp = cast(nn.Module, layer.mlp)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 setattr(mlp, name, make(getattr(mlp, name).weight))
-        model.head_proj = make(model.lm_head_weight)
+        # 4-bit logits drift from the float model's within a few tokens (the
+        # head is often a tied embedding kept at 8 bits by GGUF files): the
+        # LM head of int4 keeps float16 weights, half float32's bytes.
+        head = Fp16WeightLinear if mode == "int4" else make
+        model.head_proj = head(model.lm_head_weight)
     model.quantization = mode
     return model
