@@ -94,7 +94,7 @@ def test_config_accepts_transformers_4_rope_theta() -> None:
         ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
         ({"model_type": "gemma"}, "gemma"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"attention_bias": "yes"}, "attention_bias=.yes.: expected true or false"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
         ({"rope_scaling": {"type": "dynamic"}}, r"rope_scaling.type='dynamic'"),
         ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, r"keys \['factor'\]"),

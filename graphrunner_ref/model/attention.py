@@ -30,14 +30,15 @@ from torch import nn
 
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend
 from graphrunner_ref.model.config import ModelConfig
-from graphrunner_ref.model.fused import stack_weights
+from graphrunner_ref.model.fused import stack_biases, stack_weights
 from graphrunner_ref.model.layers import RotaryEmbedding
 
 __all__ = ["PagedAttention"]
 
 
 class PagedAttention(nn.Module):
-    """Llama self-attention over a paged KV cache (q/k/v/o projections, no biases).
+    """Llama self-attention over a paged KV cache (q/k/v/o projections, with
+    biases where ``config.attention_bias``).
 
     ``forward(x [n, hidden], positions [n], out_loc [n], kv, meta, rotary)``
     writes the new tokens' K/V for layer ``layer_id`` at ``out_loc`` *before*
@@ -48,6 +49,7 @@ class PagedAttention(nn.Module):
     """
 
     qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
 
     def __init__(
         self, config: ModelConfig, layer_id: int, *, dtype: torch.dtype | None = None
@@ -59,16 +61,18 @@ class PagedAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dtype)
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias, dtype=dtype)
         heads_width = c.num_heads * c.head_dim
-        self.o_proj: nn.Module = nn.Linear(heads_width, c.hidden_size, bias=False, dtype=dtype)
+        self.o_proj: nn.Module = nn.Linear(heads_width, c.hidden_size, bias=bias, dtype=dtype)
         self._stack_qkv()
 
     def _stack_qkv(self) -> None:
-        stacked = stack_weights([self.q_proj, self.k_proj, self.v_proj])
-        self.register_buffer("qkv_weight", stacked, persistent=False)
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        self.register_buffer("qkv_weight", stack_weights(linears), persistent=False)
+        self.register_buffer("qkv_bias", stack_biases(linears), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PagedAttention:
         # Moving or casting the module gives each parameter fresh storage: restack.
@@ -93,7 +97,11 @@ class PagedAttention(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight) if self.qkv_proj is None else self.qkv_proj(x)
+        qkv = (
+            F.linear(x, self.qkv_weight, self.qkv_bias)
+            if self.qkv_proj is None
+            else self.qkv_proj(x)
+        )
         return self.o_proj(self.attend_qkv(qkv, positions, out_loc, kv, meta, rotary))
 
     def attend_qkv(

@@ -14,8 +14,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 # value changes the maths, and running it anyway would give wrong tokens silently.
 _REQUIRED_VALUES: dict[str, object] = {
     "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
     "pretraining_tp": 1,
 }
 
@@ -86,7 +84,9 @@ class Llama3Rope:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-style decoder (no biases, SwiGLU, RoPE, RMSNorm).
+    """Shape and numerics of a Llama-style decoder (SwiGLU, RoPE, RMSNorm;
+    biases on the q/k/v/o projections with ``attention_bias``, on the MLP's with
+    ``mlp_bias``).
 
     ``head_dim`` defaults to ``hidden_size // num_heads``; ``num_heads`` must be a
     multiple of ``num_kv_heads`` (grouped-query attention).
@@ -104,6 +104,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: Llama3Rope | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -144,10 +146,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rope_scaling={self.rope_scaling!r}: expected a Llama3Rope or None"
             )
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(
-                f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r}: expected a bool"
-            )
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: expected a bool")
 
     @property
     def num_kv_groups(self) -> int:
@@ -200,12 +201,13 @@ class ModelConfig:
         kwargs["max_position_embeddings"] = _positive_int(
             "max_position_embeddings", hf.get("max_position_embeddings", 2048)
         )
-        tie = hf.get("tie_word_embeddings", False)
-        if not isinstance(tie, bool):
-            raise UnsupportedConfigError(
-                f"config field tie_word_embeddings={tie!r}: expected true or false"
-            )
-        kwargs["tie_word_embeddings"] = tie
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            value = hf.get(name, False)
+            if not isinstance(value, bool):
+                raise UnsupportedConfigError(
+                    f"config field {name}={value!r}: expected true or false"
+                )
+            kwargs[name] = value
         try:
             return cls(**kwargs)
         except ValueError as e:  # a combination of valid fields, e.g. heads vs KV heads
@@ -232,8 +234,8 @@ class ModelConfig:
             },
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
         }
 
 

@@ -15,26 +15,44 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["stack_weights"]
+__all__ = ["stack_biases", "stack_weights"]
 
 
 def stack_weights(linears: Sequence[nn.Linear]) -> torch.Tensor:
-    """Stack the weights of bias-free ``linears`` (``[out_i, in]`` each, one
-    ``in``, dtype and device) into one ``[sum(out_i), in]`` tensor, and make each
-    linear's weight a parameter viewing its rows. Returns the stacked tensor.
+    """Stack the weights of ``linears`` (``[out_i, in]`` each, one ``in``,
+    dtype and device) into one ``[sum(out_i), in]`` tensor, and make each
+    linear's weight a parameter viewing its rows. Returns the stacked tensor
+    (:func:`stack_biases` stacks their biases the same way).
 
     Call it again after anything that replaces the parameters' storage
     (``Module.to``): the views are then rebuilt over a fresh stack.
     """
     weights = [m.weight for m in linears]
-    if any(m.bias is not None for m in linears) or len({w.shape[1] for w in weights}) != 1:
+    if len({w.shape[1] for w in weights}) != 1:
         raise ValueError(
-            f"stack_weights: weights {[tuple(w.shape) for w in weights]}: expected bias-free "
-            "linears with one input size"
+            f"stack_weights: weights {[tuple(w.shape) for w in weights]}: expected linears "
+            "with one input size"
         )
     with torch.no_grad():
         stacked = torch.cat([w.detach() for w in weights])
     rows = stacked.split([w.shape[0] for w in weights])
     for m, w, part in zip(linears, weights, rows, strict=True):
         m.weight = nn.Parameter(part, requires_grad=w.requires_grad)
+    return stacked
+
+
+def stack_biases(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+    """Stack the biases of ``linears`` into one ``[sum(out_i)]`` tensor, each
+    linear's bias a parameter viewing its part; None where none has a bias
+    (all or none must)."""
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("stack_biases: expected every linear with a bias, or none")
+    with torch.no_grad():
+        stacked = torch.cat([b.detach() for b in biases if b is not None])
+    parts = stacked.split([m.out_features for m in linears])
+    for m, part in zip(linears, parts, strict=True):
+        m.bias = nn.Parameter(part, requires_grad=False)
     return stacked

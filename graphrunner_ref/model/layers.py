@@ -82,15 +82,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``, no biases. ``[..., hidden] -> [..., hidden]``."""
+    """``down(silu(gate(x)) * up(x))``, biases with ``bias``. ``[..., hidden] -> [..., hidden]``."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

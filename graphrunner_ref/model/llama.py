@@ -54,7 +54,11 @@ class LlamaDecoderLayer(nn.Module):
         #: or without PDL (``use_small_batch_linears``, ``use_programmatic_launch``).
         self.small_batch_rows, self.programmatic_launch = 0, False
         self.self_attn = PagedAttention(config, layer_id, dtype=dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.mlp = SwiGLUMLP(
+            config.hidden_size, config.intermediate_size, dtype=dtype, bias=config.mlp_bias
+        )
+        # The small-batch linears take no biases: a biased layer keeps the modules' path.
+        self.biased = config.attention_bias or config.mlp_bias
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
@@ -69,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttnMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        if fits(h.shape[0], self.small_batch_rows):
+        if fits(h.shape[0], self.small_batch_rows) and not self.biased:
             return self._forward_small_batch(h, positions, out_loc, kv, meta, rotary)
         attn = self.self_attn(self.input_layernorm(h), positions, out_loc, kv, meta, rotary)
         h = h + self.tp.all_reduce(attn)

@@ -147,6 +147,11 @@ def _waited(x: torch.Tensor) -> torch.Tensor:
 def check_shardable(config: ModelConfig, tp: TensorParallel) -> None:
     """Raise ``ValueError`` naming the field when ``config`` cannot be split ``tp.world`` ways."""
     w = tp.world
+    if w > 1 and (config.attention_bias or config.mlp_bias):
+        raise ValueError(
+            f"ModelConfig.attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}: "
+            f"biases are not sharded; expected a bias-free model for tensor-parallel world {w}"
+        )
     for name in ("num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % w:

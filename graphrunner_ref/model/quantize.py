@@ -96,6 +96,13 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         )
     dtype = model.model.norm.weight.dtype
     check_quantization(mode, dtype, model.model.norm.weight.device)
+    config = model.config
+    if config.attention_bias or config.mlp_bias:
+        raise ValueError(
+            f"quantize={mode!r}: the compact linears take no biases; this model has "
+            f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias} "
+            "(expected a bias-free Llama)"
+        )
     make = _factory(mode, dtype)
     with torch.no_grad():
         for layer in model.model.layers:

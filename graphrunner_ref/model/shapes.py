@@ -22,7 +22,7 @@ __all__ = ["check_llama_weights", "check_weight_shapes", "llama_weight_shapes"]
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {
+    shapes: dict[str, tuple[int, ...]] = {
         "self_attn.q_proj.weight": (q, hidden),
         "self_attn.k_proj.weight": (kv, hidden),
         "self_attn.v_proj.weight": (kv, hidden),
@@ -33,6 +33,20 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
     }
+    if config.attention_bias:
+        shapes |= {
+            "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.bias": (hidden,),
+        }
+    if config.mlp_bias:
+        shapes |= {
+            "mlp.gate_proj.bias": (inter,),
+            "mlp.up_proj.bias": (inter,),
+            "mlp.down_proj.bias": (hidden,),
+        }
+    return shapes
 
 
 def llama_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
