@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from graphrunner_ref.model import default_model
-from graphrunner_ref.model.fused import stack_weights
+from graphrunner_ref.model.fused import stack_biases, stack_weights
 
 
 def _views_of_stack(attn: nn.Module) -> bool:
@@ -40,5 +40,5 @@ def test_casting_restacks() -> None:
 def test_stack_weights_refuses_mismatched_linears() -> None:
     with pytest.raises(ValueError, match=r"weights \[\(4, 3\), \(4, 5\)\]"):
         stack_weights([nn.Linear(3, 4, bias=False), nn.Linear(5, 4, bias=False)])
-    with pytest.raises(ValueError, match="bias-free"):
-        stack_weights([nn.Linear(3, 4)])
+    with pytest.raises(ValueError, match="every linear with a bias, or none"):
+        stack_biases([nn.Linear(3, 4), nn.Linear(3, 4, bias=False)])

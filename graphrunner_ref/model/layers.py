@@ -7,10 +7,13 @@ Each follows the Hugging Face Llama arithmetic op for op, so logits agree with
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from graphrunner_ref.model.fused import stack_biases, stack_weights
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +85,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``, biases with ``bias``. ``[..., hidden] -> [..., hidden]``."""
+    """``down(silu(gate(x)) * up(x))``, biases with ``bias``. ``[..., hidden] -> [..., hidden]``.
+
+    Gate and up read the same input: they run as one product over
+    ``gate_up_weight`` (``[2 * inter, hidden]``), of which their weights are
+    views (:func:`~graphrunner_ref.model.fused.stack_weights`), or, once
+    :meth:`quantize` ran, as ``gate_up_proj`` (a compact linear): one call
+    where there were two.
+    """
+
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
 
     def __init__(
         self,
@@ -95,7 +108,37 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.down_proj: nn.Module = nn.Linear(
+            intermediate_size, hidden_size, bias=bias, dtype=dtype
+        )
+        #: The stacked gate/up projection once quantized (None: ``gate_up_weight``).
+        self.gate_up_proj: nn.Module | None = None
+        self._stack_gate_up()
+
+    def _stack_gate_up(self) -> None:
+        linears = [self.gate_proj, self.up_proj]
+        self.register_buffer("gate_up_weight", stack_weights(linears), persistent=False)
+        self.register_buffer("gate_up_bias", stack_biases(linears), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SwiGLUMLP:
+        # Moving or casting the module gives each parameter fresh storage: restack.
+        super()._apply(fn, recurse)
+        if self.gate_up_proj is None:
+            self._stack_gate_up()
+        return self
+
+    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Replace the stacked gate/up and the down projections by ``make(weight)``
+        (a compact linear); the float weights are dropped."""
+        self.gate_up_proj = make(self.gate_up_weight)
+        self.down_proj = make(cast(torch.Tensor, self.down_proj.weight))
+        del self.gate_proj, self.up_proj, self.gate_up_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = (
+            F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            if self.gate_up_proj is None
+            else self.gate_up_proj(x)
+        )
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -102,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
             h, mlp.gate_proj.weight, mlp.up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps,
             pdl=pdl,
         )  # fmt: skip
-        return self._add_projected(h, gated, mlp.down_proj.weight)
+        return self._add_projected(h, gated, cast(torch.Tensor, mlp.down_proj.weight))
 
     def _attend_small_batch(
         self,

@@ -31,6 +31,7 @@ from torch import nn
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int4_linear import Int4Linear
 from graphrunner_ref.model.int8_linear import Int8Linear
+from graphrunner_ref.model.layers import SwiGLUMLP
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "quantize_model"]
 
@@ -107,9 +108,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     with torch.no_grad():
         for layer in model.model.layers:
             cast(PagedAttention, layer.self_attn).quantize(make)
-            mlp = cast(nn.Module, layer.mlp)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                setattr(mlp, name, make(getattr(mlp, name).weight))
+            cast(SwiGLUMLP, layer.mlp).quantize(make)
         # 4-bit logits drift from the float model's within a few tokens (the
         # head is often a tied embedding kept at 8 bits by GGUF files): the
         # LM head of int4 keeps float16 weights, half float32's bytes.
