@@ -137,3 +137,41 @@ def test_the_fuzz_sees_a_planted_read_bug_on_every_phase(
     monkeypatch.setattr(FuzzCase, "build", build)
     counts = fuzz(lambda: make_case(phase, "eager", [4]), "eager", paths=["sanitized"])
     assert counts.violations > 0, counts
+
+
+class _OnePast:
+    """A phase's inputs with every length one longer: attention then reads one
+    column past each live row's cache (that column is the sink, or no slot
+    its request owns)."""
+
+    def __init__(self, b: Any) -> None:
+        self.b = b
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.b, name)
+        return value + 1 if name == "seq_lens" else value
+
+
+#: The phases whose attention reads each row's cache up to ``seq_lens`` (the
+#: verify and extend phases read by their own per-token positions, Mamba
+#: reads no KV, MTP its frozen cache).
+READS_BY_LENGTH = ("decode", "sampled_decode", "eagle_decode")
+
+
+@pytest.mark.parametrize("phase", READS_BY_LENGTH)
+def test_the_fuzz_sees_an_off_by_one_length_on_every_phase_it_applies_to(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An off-by-one length writes nothing it does not own and equals its own
+    eager run: only the read check sees it, on every phase that reads by length."""
+    real = FuzzCase.build
+
+    def build(self: FuzzCase, phase_value: Phase, *args: Any, **kwargs: Any) -> None:
+        planted = dataclasses.replace(
+            phase_value, forward=lambda b, f=phase_value.forward: f(_OnePast(b))
+        )
+        real(self, planted, *args, **kwargs)
+
+    monkeypatch.setattr(FuzzCase, "build", build)
+    counts = fuzz(lambda: make_case(phase, "eager", [4]), "eager", paths=["sanitized"])
+    assert counts.violations > 0 and counts.mismatches == counts.errors == 0, counts
