@@ -40,12 +40,6 @@ class StopStrings:
         self._window = max(len(s.encode("utf-8")) for s in self.stops) + 1
         self.hits: dict[int, str] = {}
 
-    @property
-    def hold_back(self) -> int:
-        """Characters a stream holds back: the start of a stop string may
-        be the end of the text so far."""
-        return max(len(s) for s in self.stops) - 1
-
     def __call__(self, rid: int, tokens: list[int]) -> bool:
         _, stop = cut_at_stop(self.codec.decode(tokens[-self._window :]), self.stops)
         if stop is not None:

@@ -11,6 +11,7 @@ loading a checkpoint into the named parameters (``q_proj.weight``...) fills it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,12 +34,7 @@ def stack_weights(linears: Sequence[nn.Linear]) -> torch.Tensor:
             f"stack_weights: weights {[tuple(w.shape) for w in weights]}: expected linears "
             "with one input size"
         )
-    with torch.no_grad():
-        stacked = torch.cat([w.detach() for w in weights])
-    rows = stacked.split([w.shape[0] for w in weights])
-    for m, w, part in zip(linears, weights, rows, strict=True):
-        m.weight = nn.Parameter(part, requires_grad=w.requires_grad)
-    return stacked
+    return _stack_parameters(linears, "weight")
 
 
 def stack_biases(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
@@ -50,9 +46,16 @@ def stack_biases(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
         return None
     if any(b is None for b in biases):
         raise ValueError("stack_biases: expected every linear with a bias, or none")
+    return _stack_parameters(linears, "bias")
+
+
+def _stack_parameters(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:
+    """Parameter ``name`` of every linear concatenated along dim 0, each
+    linear's own parameter then a view of its rows of the stack."""
+    params = [cast(nn.Parameter, getattr(m, name)) for m in linears]
     with torch.no_grad():
-        stacked = torch.cat([b.detach() for b in biases if b is not None])
-    parts = stacked.split([m.out_features for m in linears])
-    for m, part in zip(linears, parts, strict=True):
-        m.bias = nn.Parameter(part, requires_grad=False)
+        stacked = torch.cat([p.detach() for p in params])
+    parts = stacked.split([p.shape[0] for p in params])
+    for m, p, part in zip(linears, params, parts, strict=True):
+        setattr(m, name, nn.Parameter(part, requires_grad=p.requires_grad))
     return stacked

@@ -248,14 +248,10 @@ def int4_reference_linear(
     return F.linear(x, dequantize_int4(packed, scales, mins, x.shape[-1]))
 
 
-#: Whether the op's fake implementation is registered (once per process).
-_FAKE_REGISTERED = False
-
-
 def _build_kernel() -> str | None:
     """Build (or load the cached build of) the C++ kernel; None on success,
-    else why not. Called through :func:`int4_kernel_status`, once."""
-    global _FAKE_REGISTERED
+    else why not. Called through :func:`int4_kernel_status` (cached), so once
+    per process: the op's fake is registered once."""
     if os.environ.get(KERNEL_ENV, "") == "torch":
         return f"{KERNEL_ENV}=torch"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -275,9 +271,7 @@ def _build_kernel() -> str | None:
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs
         return f"building the C++ kernel failed ({type(e).__name__}: {str(e).strip()[:300]})"
-    if not _FAKE_REGISTERED:
-        torch.library.register_fake("graphrunner_int4::linear", _fake_linear)
-        _FAKE_REGISTERED = True
+    torch.library.register_fake("graphrunner_int4::linear", _fake_linear)
     return None
 
 
