@@ -107,7 +107,10 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         cli_model_impl.resolve(args)  # refuses --model-impl transformers
         return cli_model.embedded_config(args)
     try:
-        # A .gguf file is converted once into the cache; the rest reads that directory.
+        # A .gguf file is converted once into the cache; the rest reads that
+        # directory (and --quantize int4 the file's own 4-bit codes).
+        if args.checkpoint.suffix.lower() == ".gguf" and not args.checkpoint.is_dir():
+            args.gguf_file = args.checkpoint
         args.checkpoint = resolve_checkpoint(args.checkpoint)
         if cli_model_impl.resolve(args) == "transformers":
             return cli_model_impl.bridge_config(args.checkpoint)

@@ -26,9 +26,11 @@ import torch
 from graphrunner_ref.cli import model_impl as cli_model_impl
 from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.cli.groups import Groups
+from graphrunner_ref.io.gguf_int4 import read_gguf_int4
 from graphrunner_ref.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
 from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_only_note
+from graphrunner_ref.model.int4_linear import Int4Weight, int4_kernel_status
 from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
 
 __all__ = [
@@ -242,14 +244,42 @@ def check_quantize(args: argparse.Namespace) -> None:
 
 
 def with_quantization(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
-    """``bundle`` with its model quantized as ``--quantize`` says (unchanged without it)."""
+    """``bundle`` with its model quantized as ``--quantize`` says (unchanged
+    without it); int4 from a GGUF file takes the file's own Q4 codes."""
     mode = getattr(args, "quantize", None)
-    if mode is not None:
-        try:
-            quantize_model(bundle.model, mode)
-        except ValueError as e:
-            raise UsageError(f"--quantize {mode}: {e}") from None
+    if mode is None:
+        return bundle
+    codes = _gguf_codes(args) if mode == "int4" else None
+    try:
+        quantize_model(bundle.model, mode, codes=codes)
+    except ValueError as e:
+        raise UsageError(f"--quantize {mode}: {e}") from None
+    if mode == "int4" and not getattr(args, "quiet", False):
+        print(f"graphrunner: --quantize int4: {_int4_path(bundle, codes)}", file=sys.stderr)
     return bundle
+
+
+def _gguf_codes(args: argparse.Namespace) -> dict[str, Int4Weight] | None:
+    """The Q4 codes of ``--model FILE.gguf`` (None for any other checkpoint);
+    ``args.gguf_file`` is set where the file is resolved to its converted directory."""
+    path = getattr(args, "gguf_file", None)
+    return None if path is None else read_gguf_int4(path)
+
+
+def _int4_path(bundle: ModelBundle, codes: dict[str, Int4Weight] | None) -> str:
+    """Which weights and which product the int4 model runs, in one line."""
+    layers = bundle.model.config.num_layers
+    total = layers * 7  # q, k, v, o, gate, up, down
+    source = (
+        f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
+        f"{total - len(codes)} quantized from floats"
+        if codes is not None
+        else f"{total} projections quantized from floats"
+    )
+    why = int4_kernel_status()
+    capability = torch.backends.cpu.get_cpu_capability()
+    product = "the C++ AVX2 kernel" if why is None else f"dequantize + matmul in torch ({why})"
+    return f"{source}; products: {product} (CPU capability {capability})"
 
 
 def check_attention(args: argparse.Namespace) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "check_gguf_tensors",
     "convert_gguf",
     "gguf_config",
+    "hf_tensor_name",
     "open_gguf",
     "read_gguf_weights",
     "unpermute_qk",
@@ -162,7 +163,10 @@ def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, out // heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def _hf_name(name: str, blocks: int | None) -> str:
+def hf_tensor_name(name: str, blocks: int | None) -> str:
+    """The transformers name of GGUF tensor ``name`` (``blk.3.ffn_up.weight`` ->
+    ``model.layers.3.mlp.up_proj.weight``); :class:`GGUFImportError` names a
+    tensor outside a Llama model or a block past ``blocks``."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight
@@ -195,7 +199,7 @@ def check_gguf_tensors(reader: Any, config: dict[str, Any]) -> None:
     for t in reader.tensors:
         _check_type(t)
         # ggml's shape lists the fastest dimension first: torch's is the reverse.
-        given[_hf_name(t.name, blocks)] = [int(n) for n in reversed(t.shape)]
+        given[hf_tensor_name(t.name, blocks)] = [int(n) for n in reversed(t.shape)]
     try:
         check_llama_weights(given, ModelConfig.from_hf_dict(config), "GGUF")
     except CheckpointError as e:
@@ -213,7 +217,7 @@ def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Te
     blocks = config.get("num_hidden_layers")
     for t in reader.tensors:
         _check_type(t)
-        _hf_name(t.name, blocks)
+        hf_tensor_name(t.name, blocks)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -227,7 +231,7 @@ def read_gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Te
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if kind in heads:
             weight = unpermute_qk(weight, heads[kind])
-        tensors[_hf_name(t.name, blocks)] = weight.contiguous()
+        tensors[hf_tensor_name(t.name, blocks)] = weight.contiguous()
     return tensors
 
 

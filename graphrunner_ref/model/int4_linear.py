@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ from graphrunner.util import warn_at_caller
 __all__ = [
     "GROUP",
     "Int4Linear",
+    "Int4Weight",
     "dequantize_int4",
     "int4_kernel",
     "int4_kernel_status",
@@ -200,7 +202,17 @@ TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) { m.impl("linear", &linear); }
 """
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class Int4Weight(NamedTuple):
+    """A weight in this module's 4-bit format: ``packed`` uint8
+    ``[out, groups * 16]``, ``scales`` and ``mins`` float32 ``[out, groups]``
+    (``w[o, 32 g + j] = q * scales[o, g] + mins[o, g]``)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     """``weight`` ``[out, in]`` (any float dtype) as ``(packed, scales, mins)``:
     uint8 ``[out, groups * 16]`` and float32 ``[out, groups]`` with
     ``groups = ceil(in / 32)``; every weight within half a scale of
@@ -225,7 +237,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round((g - mins[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(out, groups * 16).contiguous(), scales, mins
+    return Int4Weight(packed.reshape(out, groups * 16).contiguous(), scales, mins)
 
 
 def dequantize_int4(
@@ -326,6 +338,31 @@ class Int4Linear(nn.Module):
             raise RuntimeError(f"Int4Linear(kernel=True): {int4_kernel_status()}")
         # A plain bool read at trace time: dynamo compiles one branch.
         self.kernel = kernel
+
+    def set_rows(self, start: int, weight: Int4Weight) -> None:
+        """Overwrite output rows ``start .. start + out`` with ``weight``'s codes,
+        scales and mins (``out`` its rows; a stacked projection takes each part's
+        codes at its own offset). ValueError names a shape that does not fit."""
+        rows, width = weight.packed.shape
+        groups = self.scales.shape[1]
+        fits = (
+            start >= 0
+            and start + rows <= self.out_features
+            and width == groups * 16
+            and weight.scales.shape == weight.mins.shape == (rows, groups)
+            and weight.packed.dtype == torch.uint8
+        )
+        if not fits:
+            raise ValueError(
+                f"Int4Linear.set_rows(start={start}): packed {tuple(weight.packed.shape)} "
+                f"{weight.packed.dtype}, scales {tuple(weight.scales.shape)}, mins "
+                f"{tuple(weight.mins.shape)}: expected uint8 [rows, {groups * 16}] and "
+                f"[rows, {groups}] with start + rows <= {self.out_features}"
+            )
+        end = start + rows
+        self.packed[start:end] = weight.packed
+        self.scales[start:end] = weight.scales.float()
+        self.mins[start:end] = weight.mins.float()
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` this linear multiplies by."""

@@ -9,9 +9,11 @@ columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`).
 With int4 the LM head takes float16 weights: 4-bit logits leave the float
 model's answers within a few tokens. It runs after the weights are loaded,
 whatever their source: a float
-checkpoint, or a GGUF file (whose Q8_0 / Q4 blocks the import dequantized to
-floats: they are requantized here, per output channel for int8 and per
-group of 32 for int4, so the compact weights are not the file's blocks). The
+checkpoint, or a GGUF file (whose blocks the import dequantized to floats:
+they are requantized here, per output channel for int8 and per group of 32
+for int4; with int4, ``codes`` (:func:`~graphrunner_ref.io.gguf_int4.read_gguf_int4`)
+puts the file's own Q4_0 / Q4_1 / Q4_K codes in place of the requantized
+ones, so those projections run the file's weights exactly). The
 token embedding stays in the model's dtype (a lookup reads one row), and so
 does the float LM head weight that draft heads share. After quantization the
 model cannot load weights again.
@@ -22,16 +24,20 @@ path are the fast ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
-from graphrunner_ref.model.int4_linear import Int4Linear
+from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
 from graphrunner_ref.model.int8_linear import Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
+
+if TYPE_CHECKING:
+    from graphrunner_ref.model.llama import LlamaDecoder
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "quantize_model"]
 
@@ -77,12 +83,17 @@ def _factory(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Modul
     return Fp16WeightLinear
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+def quantize_model(
+    model: nn.Module, mode: str, *, codes: Mapping[str, Int4Weight] | None = None
+) -> nn.Module:
     """Quantize ``model`` (a :class:`~graphrunner_ref.model.llama.LlamaDecoder`,
     weights loaded) in place with ``mode`` (a :data:`QUANTIZATIONS` name);
-    returns it. Raises ValueError for another model, one already quantized,
-    an unknown mode, a CUDA model or ``fp16`` / ``int4`` on a half-precision
-    model."""
+    returns it. ``codes`` (int4 only): 4-bit weights by transformers name
+    (``model.layers.0.mlp.up_proj.weight``) taken as they are for those
+    projections, the rest quantized from the model's floats. Raises
+    ValueError for another model, one already quantized, an unknown mode, a
+    CUDA model, ``fp16`` / ``int4`` on a half-precision model, or ``codes``
+    with another mode, an unknown name or a shape that does not fit."""
     from graphrunner_ref.model.attention import PagedAttention
     from graphrunner_ref.model.llama import LlamaDecoder
 
@@ -97,6 +108,8 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         )
     dtype = model.model.norm.weight.dtype
     check_quantization(mode, dtype, model.model.norm.weight.device)
+    if codes and mode != "int4":
+        raise ValueError(f"quantize={mode!r}: codes are 4-bit weights; expected mode 'int4'")
     config = model.config
     if config.attention_bias or config.mlp_bias:
         raise ValueError(
@@ -114,5 +127,43 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         # LM head of int4 keeps float16 weights, half float32's bytes.
         head = Fp16WeightLinear if mode == "int4" else make
         model.head_proj = head(model.lm_head_weight)
+        if codes:
+            _take_codes(model, codes)
     model.quantization = mode
     return model
+
+
+def _stacks(config: ModelConfig) -> tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]:
+    """Each layer's compact linears: (module, linear, its parts and rows, in stacked order)."""
+    c = config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    return (
+        ("self_attn", "qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+        ("self_attn", "o_proj", (("o_proj", c.hidden_size),)),
+        ("mlp", "gate_up_proj", (("gate_proj", inter), ("up_proj", inter))),
+        ("mlp", "down_proj", (("down_proj", c.hidden_size),)),
+    )  # fmt: skip
+
+
+def _take_codes(model: LlamaDecoder, codes: Mapping[str, Int4Weight]) -> None:
+    """Overwrite each int4 projection's rows with ``codes``' weight where it has one."""
+    unused = set(codes)
+    stacks = _stacks(model.config)
+    for i, layer in enumerate(model.model.layers):
+        for module, linear_name, parts in stacks:
+            linear = cast(Int4Linear, getattr(getattr(layer, module), linear_name))
+            start = 0
+            for part, rows in parts:
+                name = f"model.layers.{i}.{module}.{part}.weight"
+                if name in codes:
+                    try:
+                        linear.set_rows(start, codes[name])
+                    except ValueError as e:
+                        raise ValueError(f"codes[{name!r}]: {e}") from None
+                    unused.discard(name)
+                start += rows
+    if unused:
+        raise ValueError(
+            f"codes: {len(unused)} name(s) match no projection of this model, e.g. "
+            f"{sorted(unused)[0]!r}; expected model.layers.<i>.(self_attn|mlp).<proj>.weight"
+        )
