@@ -14,13 +14,15 @@ codes exist in ``packed`` but no input column meets them.
 
 The product runs one of two ways, chosen once per process:
 
-* ``kernel``: a small AVX2/FMA C++ kernel (:data:`_KERNEL_SOURCE`), built
-  on first use with ``torch.utils.cpp_extension.load_inline`` into torch's
-  extension cache and registered as the op ``graphrunner_int4::linear``
-  with a fake implementation, so ``torch.compile`` (inductor) calls it as
-  one extern kernel. It widens each group's codes to float32 in registers
+* ``kernel``: a small C++ kernel (``int4_kernel.cpp`` beside this file,
+  :data:`KERNEL_SOURCE`), built on first use with
+  ``torch.utils.cpp_extension.load_inline`` into torch's extension cache,
+  registered as the op ``graphrunner_int4::linear`` with a fake
+  implementation, so ``torch.compile`` (inductor) calls it as one extern
+  kernel. It widens each group's codes to float32 in registers
   and multiplies float32 activations, accumulating in float32:
-  ``y = sum_g scale_g * (x_g . q_g) + min_g * sum(x_g)``. Measured on a
+  ``y = sum_g scale_g * (x_g . q_g) + min_g * sum(x_g)``, AVX2/FMA (an
+  AVX-512 loop measured no faster on a Zen 4, see the source). Measured on a
   Zen 4 EPYC, one thread, against float32 ``F.linear``
   (``bench/results/int4-cpu.md``): 4.5x at 1 row and 1.7-1.9x at 8 rows for
   a 576 x 49152 weight (streamed from memory), about even at 1 row (0.9-1.15x
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -68,138 +71,10 @@ GROUP = 32
 #: Set to ``torch`` to skip the C++ kernel (the dequantize-then-matmul path).
 KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_int4_avx2_v1"
+_KERNEL_NAME = "graphrunner_int4_v3"
 
-_KERNEL_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
-#include <immintrin.h>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-namespace {
-
-constexpr int64_t kGroup = 32;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// R input rows (each padded to groups * 32 floats, zeros past `in`) against
-// output rows [o0, o1). Every row's arithmetic is the same sequence whatever
-// R is, so a row's result never depends on the rows beside it.
-template <int R>
-void rows_kernel(const float* xp, const float* sx, int64_t groups, const uint8_t* packed,
-                 const float* scales, const float* mins, float* y, int64_t out,
-                 int64_t o0, int64_t o1) {
-  const int64_t kp = groups * kGroup;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* wq = packed + o * groups * 16;
-    const float* sc = scales + o * groups;
-    const float* mn = mins + o * groups;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones.
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + g * 16));
-      const __m128i lo = _mm_and_si128(b, low);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-      const __m256 d = _mm256_broadcast_ss(sc + g);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = xp + r * kp + g * kGroup;
-        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
-        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
-        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
-        acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      // The mins' share: min_g times the group's input sum.
-      const float* s = sx + r * groups;
-      float m = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) m = std::fma(mn[g], s[g], m);
-      y[r * out + o] = hsum(acc[r]) + m;
-    }
-  }
-}
-
-using RowsFn = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*,
-                        const float*, float*, int64_t, int64_t, int64_t);
-constexpr int kTile = 8;
-constexpr RowsFn kRows[kTile + 1] = {nullptr, rows_kernel<1>, rows_kernel<2>, rows_kernel<3>,
-                                     rows_kernel<4>, rows_kernel<5>, rows_kernel<6>,
-                                     rows_kernel<7>, rows_kernel<8>};
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                  const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "graphrunner_int4::linear: x must be a 2-D float32 CPU tensor [rows, in]");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "graphrunner_int4::linear: packed must be contiguous uint8 [out, groups * 16]");
-  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
-  const int64_t groups = packed.size(1) / 16;
-  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups,
-              "graphrunner_int4::linear: packed ", packed.sizes(), " does not fit in=", in);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && mins.is_contiguous() &&
-                  scales.numel() == out * groups && mins.numel() == out * groups,
-              "graphrunner_int4::linear: scales and mins must be contiguous float32 [out, groups]");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({rows, out}, x.options());
-  if (rows == 0 || out == 0) return y;
-  const int64_t kp = groups * kGroup;
-  const float* xs = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  std::vector<float> xpad(kTile * kp), sx(kTile * groups);
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    // Copy the tile's rows, zero-padded to whole groups, with each group's sum.
-    std::fill(xpad.begin(), xpad.end(), 0.0f);
-    for (int r = 0; r < nr; ++r) {
-      std::memcpy(xpad.data() + r * kp, xs + (r0 + r) * in, in * sizeof(float));
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = xpad.data() + r * kp + g * kGroup;
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-        sx[r * groups + g] = hsum(s);
-      }
-    }
-    const RowsFn fn = kRows[nr];
-    const float* xpp = xpad.data();
-    const float* sxp = sx.data();
-    float* yt = yp + r0 * out;
-    // Output rows split across torch's intra-op threads (one with set_num_threads(1)).
-    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xpp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-         mins.data_ptr<float>(), yt, out, o0, o1);
-    });
-  }
-  return y;
-}
-
-}  // namespace
-
-TORCH_LIBRARY(graphrunner_int4, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) { m.impl("linear", &linear); }
-"""
+#: The kernel's C++ source, beside this file.
+KERNEL_SOURCE = Path(__file__).with_name("int4_kernel.cpp")
 
 
 class Int4Weight(NamedTuple):
@@ -276,7 +151,7 @@ def _build_kernel() -> str | None:
         # op with the dispatcher, so compiled code calls it without Python.
         cpp_extension.load_inline(
             name=_KERNEL_NAME,
-            cpp_sources=[_KERNEL_SOURCE],
+            cpp_sources=[KERNEL_SOURCE.read_text()],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
             is_python_module=False,
             no_implicit_headers=True,

@@ -1,0 +1,142 @@
+// graphrunner_int4::linear: float32 activations times 4-bit weights in groups
+// of 32 input columns (graphrunner_ref/model/int4_linear.py describes the
+// format and holds the torch reference this must equal).
+//
+// y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]) + min[o, g] * sum(x[r, g])
+//
+// AVX2/FMA, 8 lanes at a time. Each output row accumulates over its groups
+// alternately into two accumulators (even and odd groups: two FMA chains in
+// flight), in an order that does not depend on how many rows run together:
+// a row's result never depends on the rows beside it, bit for bit. (An
+// AVX-512 build of the same loop, 16 codes widened per instruction, was
+// measured on a Zen 4 EPYC and not kept: 4% faster at 1 row, 25% slower at 8.)
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The mins' share of output row o for input row r: min_g times the group's input sum.
+inline float min_share(const float* mins, const float* sums, int64_t groups) {
+  float m = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) m = std::fma(mins[g], sums[g], m);
+  return m;
+}
+
+// R input rows (each padded to groups * 32 floats, zeros past `in`) against
+// output rows [o0, o1), 8 lanes at a time.
+template <int R>
+void rows_avx2(const float* xp, const float* sx, int64_t groups, const uint8_t* packed,
+               const float* scales, const float* mins, float* y, int64_t out, int64_t o0,
+               int64_t o1) {
+  const int64_t kp = groups * kGroup;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wq = packed + o * groups * 16;
+    const float* sc = scales + o * groups;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones.
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + g * 16));
+      const __m128i lo = _mm_and_si128(b, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      const __m256 d = _mm256_broadcast_ss(sc + g);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = xp + r * kp + g * kGroup;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
+        acc[r][g & 1] = _mm256_fmadd_ps(t, d, acc[r][g & 1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dot = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+      y[r * out + o] = dot + min_share(mins + o * groups, sx + r * groups, groups);
+    }
+  }
+}
+
+using RowsFn = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*,
+                        const float*, float*, int64_t, int64_t, int64_t);
+constexpr int kTile = 8;
+constexpr RowsFn kAvx2[kTile + 1] = {nullptr,      rows_avx2<1>, rows_avx2<2>,
+                                     rows_avx2<3>, rows_avx2<4>, rows_avx2<5>,
+                                     rows_avx2<6>, rows_avx2<7>, rows_avx2<8>};
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "graphrunner_int4::linear: x must be a 2-D float32 CPU tensor [rows, in]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "graphrunner_int4::linear: packed must be contiguous uint8 [out, groups * 16]");
+  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
+  const int64_t groups = packed.size(1) / 16;
+  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups,
+              "graphrunner_int4::linear: packed ", packed.sizes(), " does not fit in=", in);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && mins.is_contiguous() &&
+                  scales.numel() == out * groups && mins.numel() == out * groups,
+              "graphrunner_int4::linear: scales and mins must be contiguous float32 [out, groups]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const int64_t kp = groups * kGroup;
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xpad(kTile * kp), sx(kTile * groups);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    // Copy the tile's rows, zero-padded to whole groups, with each group's sum.
+    std::fill(xpad.begin(), xpad.end(), 0.0f);
+    for (int r = 0; r < nr; ++r) {
+      std::memcpy(xpad.data() + r * kp, xs + (r0 + r) * in, in * sizeof(float));
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = xpad.data() + r * kp + g * kGroup;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+        sx[r * groups + g] = hsum(s);
+      }
+    }
+    const RowsFn fn = kAvx2[nr];
+    const float* xpp = xpad.data();
+    const float* sxp = sx.data();
+    float* yt = yp + r0 * out;
+    // Output rows split across torch's intra-op threads (one with set_num_threads(1)).
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xpp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+         mins.data_ptr<float>(), yt, out, o0, o1);
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(graphrunner_int4, m) {
+  m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) { m.impl("linear", &linear); }
