@@ -24,6 +24,10 @@ of 32 columns, the project's AVX2 kernel) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
 (``graphrunner_ref.model.cpu_features``); they are measured all the same.
+``llama.cpp`` (when ``llama_cpp`` imports: ``pip install llama-cpp-python``)
+decodes the same prompts from the model's own GGUF file, one thread
+(:mod:`bench.llama_cpp_run`); its build's CPU features are written with the
+results, and so are the CPU's flags.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
 ``bench/results/real-smollm2-cpu.md`` and ``.json``).
@@ -44,9 +48,12 @@ import torch
 
 from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
+from bench.llama_cpp_run import llama_cpp_available, llama_cpp_run, llama_cpp_system
 from graphrunner.testing import torch_threads
 from graphrunner_ref import Engine, Request, create_decode_runner
+from graphrunner_ref.cli.demo_real import fetch_gguf
 from graphrunner_ref.io import load_model
+from graphrunner_ref.io.gguf_cache import cache_root
 from graphrunner_ref.model.quantize import quantize_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
@@ -59,6 +66,26 @@ VARIANTS = {
     "int4": ("cpu", torch.float32, "int4", "graphrunner cpu runner, --quantize int4"),
     "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
 }
+#: The ``--variants`` name of llama.cpp on the same model's GGUF file.
+LLAMA_CPP = "llama.cpp"
+
+
+def default_variants() -> str:
+    """Every variant, llama.cpp too where ``llama_cpp`` imports."""
+    return ",".join([*VARIANTS, *([LLAMA_CPP] if llama_cpp_available() else [])])
+
+
+def cpu_flags() -> str:
+    """The CPU's SIMD flags (from /proc/cpuinfo) that the kernels here care about."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx")
+    try:
+        line = next(
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return "unknown"
+    flags = line.split(":", 1)[1].split()
+    return " ".join(f for f in flags if f.startswith(wanted))
 
 
 def graphrunner_run(
@@ -130,13 +157,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
     p.add_argument("--batches", default="8,1")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    p.add_argument(
+        "--variants",
+        default=default_variants(),
+        help=f"comma-separated, of {', '.join([*VARIANTS, LLAMA_CPP])}",
+    )
     p.add_argument(
         "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     checkpoint, prompts = smollm2_chats()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS and v != LLAMA_CPP]
+    if unknown:
+        p.error(f"--variants {unknown[0]}: expected one of {', '.join([*VARIANTS, LLAMA_CPP])}")
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
@@ -151,9 +186,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
             )
             print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
-            for variant in args.variants.split(","):
-                tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
-                row = {"bs": bs, "who": VARIANTS[variant][3], "tokens_per_s": tps}
+            for variant in variants:
+                if variant == LLAMA_CPP:
+                    gguf = fetch_gguf(cache_root())
+                    tps, tokens = llama_cpp_run(gguf, prompts, bs, args.new)
+                    who = f"llama.cpp on {gguf.name}"
+                else:
+                    tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
+                    who = VARIANTS[variant][3]
+                row = {"bs": bs, "who": who, "tokens_per_s": tps}
                 rows.append({**row, **agreement(tokens, hf_tokens)})
                 print(
                     f"bs {bs} {row['who']}: {tps:.1f} tok/s, {rows[-1]['agree']}/8 rows and "
@@ -162,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     result = {
         "command": f"{CMD} {' '.join(argv)}".strip(),
-        "machine": machine(),
+        "machine": {**machine(), "cpu flags": cpu_flags()}
+        | ({"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}),
         "new_tokens": args.new,
         "load": [load, os.getloadavg()[0]],
         "prompt_lengths": [len(q) for q in prompts],
@@ -197,17 +239,18 @@ def write(result: dict[str, Any], name: str) -> str:
         "- agreement: with transformers' float32 tokens (rows whose every token agrees; "
         "mean leading tokens that agree)",
         "",
-        "| batch | who | decode tok/s | vs transformers | rows as transformers | "
+        "| batch | who | decode tok/s | vs transformers | vs llama.cpp | rows as transformers | "
         "leading tokens as transformers |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    base = {
-        r["bs"]: r["tokens_per_s"] for r in result["rows"] if r["who"].startswith("transformers")
-    }
-    for r in result["rows"]:
+    rows = result["rows"]
+    base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
+    llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
+    for r in rows:
         ratio = r["tokens_per_s"] / base[r["bs"]]
+        vs_llama = f"{r['tokens_per_s'] / llama[r['bs']]:.2f}x" if r["bs"] in llama else "-"
         lines.append(
-            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {vs_llama} | "
             f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
         )
     out = RESULTS_DIR / f"{name}.md"

@@ -1,0 +1,126 @@
+"""llama.cpp (through ``llama-cpp-python``'s C API bindings) decoding the same
+prompts greedily from a GGUF file, one thread, for :mod:`bench.bench_real_cpu`.
+
+Every prompt is its own sequence of one context (``n_seq_max`` = the batch):
+each is prefilled alone, then every decode step is one ``llama_decode`` of
+one token per sequence, as the graphrunner engine's steps are. Only the
+decode steps are timed; the greedy pick (a numpy argmax over the logits
+llama.cpp returns) is inside that time, as graphrunner's sampling is.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["llama_cpp_available", "llama_cpp_run", "llama_cpp_system"]
+
+
+def llama_cpp_available() -> bool:
+    """Whether ``llama_cpp`` imports here."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_system() -> str:
+    """llama-cpp-python's version and the CPU features its build uses."""
+    import llama_cpp as lc
+
+    info = lc.llama_print_system_info().decode().strip()
+    return f"llama-cpp-python {lc.__version__}: {info}"
+
+
+def _quiet() -> Any:
+    """A log callback that drops llama.cpp's log lines (kept alive at module level)."""
+    import llama_cpp as lc
+
+    return lc.llama_log_callback(lambda level, text, data: None)
+
+
+_QUIET: Any = None
+
+
+class _Context:
+    """One model and context of ``sequences`` sequences, one thread."""
+
+    def __init__(self, gguf: Path, sequences: int, context: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        global _QUIET
+        _QUIET = _QUIET or _quiet()
+        lc.llama_log_set(_QUIET, None)
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = sequences * context
+        cparams.n_batch = cparams.n_ubatch = max(context, sequences)
+        cparams.n_seq_max = sequences
+        cparams.n_threads = cparams.n_threads_batch = 1
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(max(context, sequences), 0, sequences)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Run ``(token, position, sequence, wants_logits)`` entries as one batch;
+        the greedy next token of each entry that wants logits, in order."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, logits
+        b.n_tokens = len(entries)
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        picks = []
+        for i, (*_, logits) in enumerate(entries):
+            if logits:
+                row = self.lc.llama_get_logits_ith(self.ctx, i)
+                picks.append(int(np.argmax(np.ctypeslib.as_array(row, shape=(self.vocab,)))))
+        return picks
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+def llama_cpp_run(
+    gguf: Path, prompts: list[list[int]], bs: int, new: int
+) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s (prefill excluded) and each prompt's ``new`` greedy
+    tokens, the prompts run ``bs`` at a time, one thread."""
+    context = max(len(p) for p in prompts) + new
+    run = _Context(gguf, bs, context)
+    outputs: list[list[int]] = []
+    decode_s, decoded = 0.0, 0
+    try:
+        for start in range(0, len(prompts), bs):
+            group = prompts[start : start + bs]
+            run.lc.llama_memory_clear(run.lc.llama_get_memory(run.ctx), True)
+            tokens: list[list[Any]] = []
+            for seq, prompt in enumerate(group):
+                last = len(prompt) - 1
+                entries = [(t, pos, seq, pos == last) for pos, t in enumerate(prompt)]
+                tokens.append(run.decode(entries))
+            begin = time.perf_counter()
+            for step in range(new - 1):
+                entries = [
+                    (tokens[s][-1], len(group[s]) + step, s, True) for s in range(len(group))
+                ]
+                for s, pick in enumerate(run.decode(entries)):
+                    tokens[s].append(pick)
+            decode_s += time.perf_counter() - begin
+            decoded += len(group) * (new - 1)
+            outputs += tokens
+    finally:
+        run.close()
+    return decoded / decode_s, outputs
