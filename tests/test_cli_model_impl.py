@@ -82,10 +82,7 @@ def test_the_bridge_runs_a_llama_the_native_model_runs_too(tmp_path: Path) -> No
     assert bridge == native == _expected(model)
 
 
-@pytest.mark.parametrize(
-    ("extra", "named"),
-    [(["--quantize", "int8"], "--quantize"), (["--attention", "torch"], "--attention")],
-)
+@pytest.mark.parametrize(("extra", "named"), [(["--attention", "torch"], "--attention")])
 def test_the_native_models_options_are_refused_with_the_bridge(
     qwen2: tuple[Path, Any],
     tmp_path: Path,

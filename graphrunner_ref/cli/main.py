@@ -32,6 +32,7 @@ import torch
 import graphrunner
 from graphrunner import GraphRunner
 from graphrunner_ref.bridge import TransformersBundle, load_transformers
+from graphrunner_ref.bridge.quantize import quantize_linears
 from graphrunner_ref.cli import checks as cli_checks
 from graphrunner_ref.cli import convert as cli_convert
 from graphrunner_ref.cli import generate as cli_generate
@@ -139,9 +140,9 @@ def _build(
 def _build_transformers(
     args: argparse.Namespace, max_requests: int, context: int
 ) -> TransformersBundle:
-    """The checkpoint's own transformers modules over graphrunner's pools."""
+    """The checkpoint's own transformers modules over graphrunner's pools
+    (their linears compact ones with ``--quantize``)."""
     for flag, value, default in (
-        ("--quantize", args.quantize, None),
         ("--attention", args.attention, "auto"),
         ("--tp", getattr(args, "tp", None), None),
     ):
@@ -150,7 +151,7 @@ def _build_transformers(
                 f"{flag} {value}: the native model's option; --model-impl transformers runs "
                 "the checkpoint's own modules (leave it out)"
             )
-    return load_transformers(
+    bundle = load_transformers(
         args.checkpoint,
         max_requests=max_requests,
         max_context_len=context,
@@ -158,6 +159,12 @@ def _build_transformers(
         dtype=cli_model.dtype(args),
         page_size=args.page_size,
     )
+    if args.quantize is not None:
+        try:
+            quantize_linears(bundle.model.hf, args.quantize)
+        except ValueError as e:
+            raise UsageError(f"--quantize {args.quantize}: {e}") from None
+    return bundle
 
 
 def _build_model(args: argparse.Namespace, max_requests: int, context: int) -> ModelBundle:

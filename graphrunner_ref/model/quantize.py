@@ -39,7 +39,7 @@ from graphrunner_ref.model.layers import SwiGLUMLP
 if TYPE_CHECKING:
     from graphrunner_ref.model.llama import LlamaDecoder
 
-__all__ = ["QUANTIZATIONS", "check_quantization", "quantize_model"]
+__all__ = ["QUANTIZATIONS", "check_quantization", "compact_linear", "quantize_model"]
 
 #: ``--quantize`` names and what each runs.
 QUANTIZATIONS = {
@@ -75,7 +75,9 @@ def check_quantization(mode: str, dtype: torch.dtype, device: torch.device | str
         )
 
 
-def _factory(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+    """What makes a bias-free compact linear of ``mode`` from a float weight
+    ``[out, in]`` for a ``dtype`` model (checked by :func:`check_quantization`)."""
     if mode == "int8":
         return lambda w: Int8Linear(w, dtype)
     if mode == "int4":
@@ -117,7 +119,7 @@ def quantize_model(
             f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias} "
             "(expected a bias-free Llama)"
         )
-    make = _factory(mode, dtype)
+    make = compact_linear(mode, dtype)
     with torch.no_grad():
         for layer in model.model.layers:
             cast(PagedAttention, layer.self_attn).quantize(make)

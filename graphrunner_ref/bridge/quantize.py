@@ -1,0 +1,78 @@
+"""Compact weights for a transformers model run by the bridge (``--quantize``
+with ``--model-impl transformers``).
+
+:func:`quantize_linears` replaces every ``nn.Linear`` of the model (each
+layer's projections, packed ones such as Phi3's ``qkv_proj`` included, and
+the LM head) by the compact linear the native model uses for the same mode
+(:func:`~graphrunner_ref.model.quantize.compact_linear`), as vLLM's
+Transformers backend swaps the linears of the models it runs. A linear's
+bias stays in the model's dtype and is added after the compact product
+(:class:`BiasedLinear`). As in the native model, int4's LM head takes float16
+weights. The embedding stays as it is (a lookup reads one row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.quantize import check_quantization, compact_linear
+
+__all__ = ["BiasedLinear", "quantize_linears"]
+
+
+class BiasedLinear(nn.Module):
+    """``inner(x) + bias``: a bias-free compact linear ``[..., in] -> [..., out]``
+    and its float bias ``[out]``."""
+
+    bias: torch.Tensor
+
+    def __init__(self, inner: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("bias", bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        return out + self.bias
+
+
+def _replace(linear: nn.Linear, make: Callable[[torch.Tensor], nn.Module]) -> nn.Module:
+    compact = make(linear.weight.detach())
+    return compact if linear.bias is None else BiasedLinear(compact, linear.bias)
+
+
+def quantize_linears(hf: nn.Module, mode: str) -> int:
+    """Replace each ``nn.Linear`` of transformers model ``hf`` (weights loaded,
+    on the CPU) with a compact one of ``mode`` (a
+    :data:`~graphrunner_ref.model.quantize.QUANTIZATIONS` name); returns how
+    many. The LM head is the model's output embedding (``get_output_embeddings``).
+
+    Raises:
+        ValueError: an unknown mode, a model off the CPU, a dtype the mode
+            does not run (``fp16`` / ``int4`` need float32), or a model
+            without a ``nn.Linear`` (already quantized, or none to replace).
+    """
+    param = next(hf.parameters())
+    check_quantization(mode, param.dtype, param.device)
+    make = compact_linear(mode, param.dtype)
+    get_head = getattr(hf, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    targets = [(n, m) for n, m in hf.named_modules() if isinstance(m, nn.Linear)]
+    if not targets:
+        raise ValueError(
+            f"quantize={mode!r}: {type(hf).__name__} has no nn.Linear to replace "
+            "(quantized already?)"
+        )
+    with torch.no_grad():
+        for name, linear in targets:
+            # 4-bit logits drift from the float model's within a few tokens:
+            # int4's LM head keeps float16 weights, as the native model's does.
+            build = Fp16WeightLinear if (mode == "int4" and linear is head) else make
+            parent_name, _, child = name.rpartition(".")
+            parent = hf.get_submodule(parent_name) if parent_name else hf
+            setattr(parent, child, _replace(linear, build))
+    return len(targets)
