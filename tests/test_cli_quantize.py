@@ -102,15 +102,25 @@ def test_quantize_on_a_mamba_checkpoint_is_refused(
 def test_int8_on_a_cpu_without_avx512_notes_the_fast_path(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Half-precision int8 runs torch's product (slow without AVX-512 or AMX);
+    float32 int8 runs the C++ kernel, with no note where it builds."""
     from graphrunner_ref.model import cpu_features
+    from graphrunner_ref.model.cpu_kernels import kernel_status
 
     monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(cpu_features, "half_precision_units", lambda: [])
-    assert cli.main(["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]) == 0
+    demo = ["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]
+    assert cli.main([*demo, "--dtype", "bfloat16"]) == 0
     err = capsys.readouterr().err
     assert "weight-only int8 matmuls run slower than float32 here; --quantize fp16" in err
+    assert cli.main(demo) == 0
+    err = capsys.readouterr().err
+    if kernel_status() is None:
+        assert "int8" not in err
+    else:
+        assert "the C++ int8 kernel does not run here" in err
     monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert cli.main(["demo", "--runner", "eager", "--steps", "3", "--quantize", "int8"]) == 0
+    assert cli.main([*demo, "--dtype", "bfloat16"]) == 0
     assert "weight-only int8" not in capsys.readouterr().err
 
 

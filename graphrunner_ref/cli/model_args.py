@@ -238,7 +238,7 @@ def check_quantize(args: argparse.Namespace) -> None:
             f"--quantize {mode} runs float32 activations over compact weights; --dtype "
             f"{args.dtype}: expected float32 (use --quantize int8 with a half-precision model)"
         )
-    note = int8_weight_only_note() if mode == "int8" else None
+    note = int8_weight_only_note(dtype(args)) if mode == "int8" else None
     if note is not None and not getattr(args, "quiet", False):
         print(f"graphrunner: {note}", file=sys.stderr)
 

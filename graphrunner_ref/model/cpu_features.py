@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from graphrunner_ref.model.cpu_kernels import kernel_status
+
 __all__ = ["half_precision_note", "half_precision_units", "int8_weight_only_note"]
 
 
@@ -48,14 +50,25 @@ def half_precision_note(dtype: torch.dtype, device: str) -> str | None:
     )
 
 
-def int8_weight_only_note() -> str | None:
-    """A one-line note for weight-only int8 on a CPU without AVX-512 or AMX
-    (None where there is nothing to say)."""
+def int8_weight_only_note(dtype: torch.dtype) -> str | None:
+    """A one-line note where ``--quantize int8`` on a ``dtype`` model runs
+    torch's weight-only int8 product slowly (None where there is nothing to
+    say): float32 activations without the project's C++ kernel (torch's
+    product measured 10-24x slower than float32 even with AVX-512), or
+    half-precision ones on a CPU without AVX-512 or AMX."""
+    fast = "--quantize fp16 (float16 weights, float32 activations) is the fast compact path"
+    if dtype == torch.float32:
+        why = kernel_status()
+        if why is None:
+            return None
+        return (
+            f"note: the C++ int8 kernel does not run here ({why}): torch's weight-only int8 "
+            f"product with float32 activations runs slower than float32; {fast}"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512") or half_precision_units():
         return None
     return (
         f"note: this CPU ({capability}) has no AVX-512 or AMX: weight-only int8 matmuls run "
-        "slower than float32 here; --quantize fp16 (float16 weights, float32 activations) is "
-        "the fast compact path"
+        f"slower than float32 here; {fast}"
     )

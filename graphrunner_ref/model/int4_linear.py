@@ -14,8 +14,8 @@ codes exist in ``packed`` but no input column meets them.
 
 The product runs one of two ways, chosen once per process:
 
-* ``kernel``: a small C++ kernel (``int4_kernel.cpp`` beside this file,
-  :data:`KERNEL_SOURCE`), built on first use with
+* ``kernel``: a small C++ kernel (in ``cpu_kernels.cpp``,
+  :mod:`~graphrunner_ref.model.cpu_kernels`), built on first use with
   ``torch.utils.cpp_extension.load_inline`` into torch's extension cache,
   registered as the op ``graphrunner_int4::linear`` with a fake
   implementation, so ``torch.compile`` (inductor) calls it as one extern
@@ -44,19 +44,18 @@ with ``zero = min + 8 * scale``.
 
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner.util import warn_at_caller
+from graphrunner_ref.model.cpu_kernels import KERNEL_ENV, KERNEL_SOURCE, kernel_status, kernels_run
 
 __all__ = [
     "GROUP",
+    "KERNEL_ENV",
+    "KERNEL_SOURCE",
     "Int4Linear",
     "Int4Weight",
     "dequantize_int4",
@@ -68,13 +67,6 @@ __all__ = [
 
 #: Input columns per quantization group (one scale and one min each).
 GROUP = 32
-#: Set to ``torch`` to skip the C++ kernel (the dequantize-then-matmul path).
-KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
-#: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_int4_v3"
-
-#: The kernel's C++ source, beside this file.
-KERNEL_SOURCE = Path(__file__).with_name("int4_kernel.cpp")
 
 
 class Int4Weight(NamedTuple):
@@ -135,56 +127,13 @@ def int4_reference_linear(
     return F.linear(x, dequantize_int4(packed, scales, mins, x.shape[-1]))
 
 
-def _build_kernel() -> str | None:
-    """Build (or load the cached build of) the C++ kernel; None on success,
-    else why not. Called through :func:`int4_kernel_status` (cached), so once
-    per process: the op's fake is registered once."""
-    if os.environ.get(KERNEL_ENV, "") == "torch":
-        return f"{KERNEL_ENV}=torch"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"the C++ kernel needs AVX2 and FMA; this CPU's capability is {capability}"
-    try:
-        from torch.utils import cpp_extension
-
-        # is_python_module=False: the library's TORCH_LIBRARY block registers the
-        # op with the dispatcher, so compiled code calls it without Python.
-        cpp_extension.load_inline(
-            name=_KERNEL_NAME,
-            cpp_sources=[KERNEL_SOURCE.read_text()],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
-            is_python_module=False,
-            no_implicit_headers=True,
-        )
-    except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs
-        return f"building the C++ kernel failed ({type(e).__name__}: {str(e).strip()[:300]})"
-    torch.library.register_fake("graphrunner_int4::linear", _fake_linear)
-    return None
-
-
-def _fake_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
-) -> torch.Tensor:
-    """The op's output for tracing: ``[rows, out]`` float32, no data."""
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@functools.cache
-def int4_kernel_status() -> str | None:
-    """None where the C++ kernel runs here (building it on first call), else
-    why not, warned once: the torch path (dequantize-then-matmul) runs instead."""
-    why = _build_kernel()
-    if why is not None:
-        warn_at_caller(
-            f"int4 weights: {why}; falling back to dequantize-then-matmul in torch "
-            "(correct but slower than float32)"
-        )
-    return why
+#: Whether the C++ kernels run here, else why not (the shared build's status).
+int4_kernel_status = kernel_status
 
 
 def int4_kernel() -> bool:
     """Whether the C++ kernel runs here (building it on first call)."""
-    return int4_kernel_status() is None
+    return kernels_run()
 
 
 class Int4Linear(nn.Module):

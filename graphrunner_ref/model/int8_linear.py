@@ -3,11 +3,15 @@
 
 :func:`quantize_per_channel` gives ``w ~ w_int8 * scale[:, None]``
 (symmetric, -127..127); :class:`Int8Linear` is weight-only: the activations
-keep the model's dtype and ``torch._weight_int8pack_mm`` multiplies them by
-the int8 weights, scaling each output channel. Each output row reads only
-its own input row, so a padded row cannot change a live one. Fast where the
-CPU has AVX-512 or AMX; measured on an AVX2 CPU 10-40x slower than float32
-(:func:`graphrunner_ref.model.cpu_features.int8_weight_only_note`).
+keep the model's dtype. Float32 activations go through the project's C++
+kernel (``graphrunner_int8::linear``, :mod:`~graphrunner_ref.model.cpu_kernels`:
+codes widened to float32 in registers, AVX2/FMA); torch's
+``torch._weight_int8pack_mm`` with float32 activations was measured 10x
+slower than float32 at 1 row and 24x at 8 rows on an AVX-512 Zen 4 (and
+10-40x on an AVX2 CPU), so it runs only for half-precision activations,
+where it is faster than the model's own product at 1 row, and where the
+kernel cannot be built. Each output row reads only its own input row, so a
+padded row cannot change a live one.
 
 Activations quantized per call (fbgemm's dynamic int8 linear, fast on AVX2)
 are not offered: they share one scale per tensor, so a padded row's values
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from graphrunner_ref.model.cpu_kernels import kernels_run
 
 __all__ = ["Int8Linear", "quantize_per_channel"]
 
@@ -61,14 +67,23 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(dtype))
         self.out_features, self.in_features = q.shape
+        # A plain bool read at trace time: dynamo compiles one branch.
+        self.kernel = dtype == torch.float32 and kernels_run()
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` this linear multiplies by."""
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(_flat(x), self.weight, self.scales)
+        if self.kernel:
+            out = torch.ops.graphrunner_int8.linear(_flat(x), self.weight, self.scales)
+        else:
+            out = torch._weight_int8pack_mm(_flat(x), self.weight, self.scales)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+        path = "C++ AVX2 kernel" if self.kernel else "torch._weight_int8pack_mm"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8 weight-only ({path})"
+        )

@@ -1,8 +1,11 @@
-// graphrunner_int4::linear: float32 activations times 4-bit weights in groups
-// of 32 input columns (graphrunner_ref/model/int4_linear.py describes the
-// format and holds the torch reference this must equal).
+// Compact-weight products with float32 activations (graphrunner_ref/model/
+// cpu_kernels.py builds this file):
 //
-// y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]) + min[o, g] * sum(x[r, g])
+// graphrunner_int4::linear: 4-bit weights in groups of 32 input columns
+// (int4_linear.py describes the format and holds the torch reference):
+//   y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]) + min[o, g] * sum(x[r, g])
+// graphrunner_int8::linear: int8 weights, one scale per output channel
+// (int8_linear.py):  y[r, o] = scale[o] * (x[r] . q[o])
 //
 // AVX2/FMA, 8 lanes at a time. Each output row accumulates over its groups
 // alternately into two accumulators (even and odd groups: two FMA chains in
@@ -133,6 +136,67 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return y;
 }
 
+// int8: R input rows against output rows [o0, o1), 16 weights an iteration
+// (two accumulators, as above), the columns past the last 16 in scalar FMAs.
+template <int R>
+void rows_int8(const float* x, int64_t in, const int8_t* q, const float* scales, float* y,
+               int64_t out, int64_t o0, int64_t o1) {
+  const int64_t body = in - in % 16;
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* w = q + o * in;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < body; i += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * in + i;
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float dot = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+      for (int64_t i = body; i < in; ++i) dot = std::fma(static_cast<float>(w[i]), x[r * in + i], dot);
+      y[r * out + o] = dot * scales[o];
+    }
+  }
+}
+
+using Int8Fn = void (*)(const float*, int64_t, const int8_t*, const float*, float*, int64_t,
+                        int64_t, int64_t);
+constexpr Int8Fn kInt8[kTile + 1] = {nullptr,      rows_int8<1>, rows_int8<2>,
+                                     rows_int8<3>, rows_int8<4>, rows_int8<5>,
+                                     rows_int8<6>, rows_int8<7>, rows_int8<8>};
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "graphrunner_int8::linear: x must be a 2-D float32 CPU tensor [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1),
+              "graphrunner_int8::linear: weight must be contiguous int8 [out, in=", x.size(1),
+              "], got ", weight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == weight.size(0),
+              "graphrunner_int8::linear: scales must be contiguous float32 [out]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    const Int8Fn fn = kInt8[nr];
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xs + r0 * in, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), yp + r0 * out,
+         out, o0, o1);
+    });
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_int4, m) {
@@ -140,3 +204,9 @@ TORCH_LIBRARY(graphrunner_int4, m) {
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) { m.impl("linear", &linear); }
+
+TORCH_LIBRARY(graphrunner_int8, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) { m.impl("linear", &linear_int8); }

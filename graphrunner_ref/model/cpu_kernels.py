@@ -1,0 +1,91 @@
+"""The project's C++ CPU kernels for compact weights (``cpu_kernels.cpp``
+beside this file): ``graphrunner_int4::linear`` (4-bit groups,
+:mod:`~graphrunner_ref.model.int4_linear`) and ``graphrunner_int8::linear``
+(int8 per output channel, :mod:`~graphrunner_ref.model.int8_linear`), both
+with float32 activations, AVX2/FMA.
+
+Built once per machine on first use with
+``torch.utils.cpp_extension.load_inline`` into torch's extension cache (a
+later process loads the cached build), registered with the dispatcher by the
+library's ``TORCH_LIBRARY`` blocks and given fake implementations here, so
+``torch.compile`` (inductor) calls each as one extern kernel. Where they
+cannot be built (no compiler, no AVX2, or ``GRAPHRUNNER_INT4_KERNEL=torch``)
+each linear falls back to a torch path, said once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from graphrunner.util import warn_at_caller
+
+__all__ = ["KERNEL_ENV", "KERNEL_SOURCE", "kernel_status", "kernels_run"]
+
+#: Set to ``torch`` to skip the C++ kernels (the torch paths run).
+KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
+#: The kernels' C++ source.
+KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+#: Bump with any change to the source: it names the cached build.
+_KERNEL_NAME = "graphrunner_cpu_kernels_v1"
+
+
+def _build() -> str | None:
+    """Build (or load the cached build of) the kernels; None on success, else
+    why not. Called through :func:`kernel_status` (cached), so once per
+    process: the ops' fakes are registered once."""
+    if os.environ.get(KERNEL_ENV, "") == "torch":
+        return f"{KERNEL_ENV}=torch"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the C++ kernels need AVX2 and FMA; this CPU's capability is {capability}"
+    try:
+        from torch.utils import cpp_extension
+
+        # is_python_module=False: the library's TORCH_LIBRARY blocks register the
+        # ops with the dispatcher, so compiled code calls them without Python.
+        cpp_extension.load_inline(
+            name=_KERNEL_NAME,
+            cpp_sources=[KERNEL_SOURCE.read_text()],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+            is_python_module=False,
+            no_implicit_headers=True,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch paths run
+        return f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip()[:300]})"
+    torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
+    torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
+    return None
+
+
+def _fake_int4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """The int4 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The int8 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@functools.cache
+def kernel_status() -> str | None:
+    """None where the C++ kernels run here (building them on first call), else
+    why not, warned once: the torch paths run instead."""
+    why = _build()
+    if why is not None:
+        warn_at_caller(
+            f"compact weights: {why}; int4 falls back to dequantize-then-matmul in torch "
+            "and float32 int8 to torch's weight-only product (correct but slower than float32)"
+        )
+    return why
+
+
+def kernels_run() -> bool:
+    """Whether the C++ kernels run here (building them on first call)."""
+    return kernel_status() is None

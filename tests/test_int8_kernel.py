@@ -1,0 +1,63 @@
+"""The C++ int8 kernel (``graphrunner_int8::linear``) that float32 models'
+``--quantize int8`` runs: equal to the dequantized weight's product, a row's
+result independent of the rows beside it (bit for bit), callable from
+compiled code, and not used for half-precision activations or where the
+kernels cannot be built (torch's weight-only product runs there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.int8_linear import Int8Linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    why = kernel_status()
+    if why is not None:
+        pytest.skip(f"C++ kernels unavailable here: {why}")
+
+
+@pytest.mark.parametrize(("out", "inp", "rows"), [(24, 64, 1), (40, 45, 8), (7, 100, 11)])
+def test_kernel_equals_the_dequantized_product(out: int, inp: int, rows: int) -> None:
+    torch.manual_seed(out + inp)
+    linear = Int8Linear(torch.randn(out, inp), torch.float32)
+    assert linear.kernel
+    x = torch.randn(rows, inp)
+    expected = F.linear(x, linear.dequantized())
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    # torch's own weight-only product on the same codes agrees too.
+    torch.testing.assert_close(
+        linear(x), torch._weight_int8pack_mm(x, linear.weight, linear.scales), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_row_never_depends_on_the_rows_beside_it() -> None:
+    torch.manual_seed(1)
+    linear = Int8Linear(torch.randn(33, 70), torch.float32)
+    x = torch.randn(11, 70)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(11)])
+    together = linear(x)
+    assert torch.equal(alone, together)
+    poisoned = x.clone()
+    poisoned[3:] = 1e30  # other rows, huge: a live row reads only its own
+    assert torch.equal(linear(poisoned)[:3], together[:3])
+
+
+def test_the_kernel_runs_under_torch_compile() -> None:
+    torch.manual_seed(2)
+    linear = Int8Linear(torch.randn(16, 48), torch.float32)
+    x = torch.randn(4, 48)
+    compiled = torch.compile(linear, fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
+
+
+def test_half_precision_activations_keep_torchs_product() -> None:
+    linear = Int8Linear(torch.randn(16, 48), torch.bfloat16)
+    assert not linear.kernel
+    x = torch.randn(2, 48, dtype=torch.bfloat16)
+    assert linear(x).dtype == torch.bfloat16
+    assert "torch._weight_int8pack_mm" in repr(linear)
