@@ -50,21 +50,24 @@ void rows_avx2(const float* xp, const float* sx, int64_t groups, const uint8_t* 
                const float* scales, const float* mins, float* y, int64_t out, int64_t o0,
                int64_t o1) {
   const int64_t kp = groups * kGroup;
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi32(0x0F);
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* wq = packed + o * groups * 16;
     const float* sc = scales + o * groups;
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones.
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + g * 16));
-      const __m128i lo = _mm_and_si128(b, low);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones. Each
+      // half is zero-extended to 32-bit lanes straight from memory and its
+      // nibbles split there (fewer shuffles than splitting the bytes first).
+      const uint8_t* bytes = wq + g * 16;
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+      const __m256i b1 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  // codes 0..7
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  // codes 8..15
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   // codes 16..23
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   // codes 24..31
       const __m256 d = _mm256_broadcast_ss(sc + g);
       for (int r = 0; r < R; ++r) {
         const float* xg = xp + r * kp + g * kGroup;
@@ -147,9 +150,10 @@ void rows_int8(const float* x, int64_t in, const int8_t* q, const float* scales,
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < body; i += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      const __m128i* b = reinterpret_cast<const __m128i*>(w + i);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(b)));
+      const __m256 w1 = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i + 8))));
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * in + i;
         acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0]);

@@ -30,7 +30,7 @@ KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v1"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v2"
 
 
 def _build() -> str | None:
