@@ -7,11 +7,15 @@ over graphrunner's pools: ``forward_decode`` is the step a runner captures
 (the decode buffers, padded by their declared rules), ``forward_extend`` a
 request's eager prefill. The model is called on a step's token rows as one
 sequence of batch 1 with ``use_cache=False``, as vLLM's Transformers backend
-does; what differs between architectures stays in their modules.
+does; what differs between architectures stays in their modules. RoPE whose
+frequencies transformers decides on the host (``dynamic``, ``longrope``) is
+looked up by position in decode and computed by transformers' own module in
+the prefill (:mod:`.rope`).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from graphrunner.declare import NullBackend
 from graphrunner.pools import whole_pages
 from graphrunner.util import needs_extra
 from graphrunner_ref.bridge.attention import ATTENTION, StepKV, register
+from graphrunner_ref.bridge.rope import RopeTable, has_dynamic_rope, install_rope_tables
 from graphrunner_ref.model.build import PooledBundle
 
 __all__ = [
@@ -54,6 +59,8 @@ class TransformersDecoder(nn.Module):
         self.hf = hf
         self.kv_cache = kv_cache
         self.req_to_token = req_pool.req_to_token
+        #: The RoPE tables decode looks up; the prefill runs transformers' modules.
+        self.rope_tables = tuple(m for m in hf.modules() if isinstance(m, RopeTable))
         #: The attention reads only the step's device tensors: no host planning.
         self.attn_backend = NullBackend()
 
@@ -99,7 +106,12 @@ class TransformersDecoder(nn.Module):
         self.req_to_token[req_pool_index, prefix_len : prefix_len + n] = kv_slots.to(torch.int32)
         rows = torch.full((n,), req_pool_index, dtype=torch.int64, device=token_ids.device)
         step = StepKV(self.kv_cache, self.req_to_token, rows, positions + 1, kv_slots)
-        return self._logits(token_ids, positions, step)[-1]
+        with ExitStack() as stack:
+            # Never captured, so transformers may decide the prompt's RoPE on the
+            # host: from its length, as its own prefill of this prompt does.
+            for table in self.rope_tables:
+                stack.enter_context(table.transformers_rope())
+            return self._logits(token_ids, positions, step)[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +150,11 @@ def build_transformers_bundle(
     """Pools for ``hf`` (on its device, in its dtype) and the decoder over them.
 
     ``max_context_len`` defaults to the config's ``max_position_embeddings``
-    (at most :data:`DEFAULT_CONTEXT`); ``kv_slots`` to ``max_requests`` full
-    contexts in whole pages.
+    (at most :data:`DEFAULT_CONTEXT`), and may not exceed it unless the RoPE
+    is ``dynamic`` (NTK scaling, made to run past it); ``kv_slots`` to
+    ``max_requests`` full contexts in whole pages. A ``dynamic`` or
+    ``longrope`` rotary module is replaced by its table over the context
+    (:func:`~.rope.install_rope_tables`).
 
     Raises:
         ValueError: a bad size, or a model whose attention layers cannot be
@@ -158,10 +173,18 @@ def build_transformers_bundle(
     hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
     limit = int(getattr(config, "max_position_embeddings", DEFAULT_CONTEXT))
     context = min(limit, DEFAULT_CONTEXT) if max_context_len is None else max_context_len
-    if not 1 <= context <= limit:
+    if has_dynamic_rope(hf):
+        # Dynamic NTK RoPE exists to run past max_position_embeddings.
+        if context < 1:
+            raise ValueError(
+                f"max_context_len={context}: expected >= 1 (dynamic RoPE: "
+                f"max_position_embeddings={limit} is no limit)"
+            )
+    elif not 1 <= context <= limit:
         raise ValueError(f"max_context_len={context}: expected 1..max_position_embeddings={limit}")
     slots = whole_pages(max_requests * context, page_size) if kv_slots is None else kv_slots
     param = next(hf.parameters())
+    install_rope_tables(hf, context, param.dtype)
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
