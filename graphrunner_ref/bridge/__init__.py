@@ -11,6 +11,7 @@ from graphrunner_ref.bridge.decoder import (
     build_transformers_bundle,
     load_transformers,
 )
+from graphrunner_ref.bridge.quantize import quantize_linears
 
 __all__ = [
     "ATTENTION",
@@ -20,4 +21,5 @@ __all__ = [
     "build_transformers_bundle",
     "load_transformers",
     "paged_attention",
+    "quantize_linears",
 ]
