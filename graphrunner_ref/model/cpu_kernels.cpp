@@ -6,6 +6,7 @@
 //   y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]) + min[o, g] * sum(x[r, g])
 // graphrunner_int8::linear: int8 weights, one scale per output channel
 // (int8_linear.py):  y[r, o] = scale[o] * (x[r] . q[o])
+// graphrunner_fp16::linear: float16 weights, packed (fp16_linear.py):  y[r, o] = x[r] . w[o]
 //
 // AVX2/FMA, 8 lanes at a time. Each output row accumulates over its groups
 // alternately into two accumulators (even and odd groups: two FMA chains in
@@ -201,6 +202,75 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   return y;
 }
 
+
+// fp16: the weight is packed in blocks of 8 output rows (fp16_linear.py):
+// [out / 8][in8 / 8][8 rows][8 columns], zero rows and columns past `out` and
+// `in`, so each block streams from memory in order. Every block is read once
+// from memory and then, from cache, by each tile of up to 3 input rows (the
+// rows copied into zero-padded rows of in8 floats): R rows against P of the
+// block's outputs at a time (R * P accumulators, x loaded once a column chunk
+// for all P), 8 columns an FMA. Each (row, output) pair has one accumulator
+// filled in column order, whatever R and P are.
+constexpr int kFp16Tile = 3;
+
+// The 8 float16 weights at w, widened to float32.
+inline __m256 load8(const uint16_t* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+
+template <int R>
+void block_fp16(const float* x, int64_t in8, const uint16_t* block, float* y, int64_t out,
+                int64_t o) {
+  constexpr int P = R == 1 ? 8 : 4;
+  for (int p0 = 0; p0 < 8; p0 += P) {
+    __m256 acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < P; ++k) acc[r][k] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < in8; c += 8) {
+      const uint16_t* chunk = block + c * 8 + p0 * 8;
+      __m256 xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * in8 + c);
+      for (int k = 0; k < P; ++k) {
+        const __m256 wv = load8(chunk + k * 8);
+        for (int r = 0; r < R; ++r) acc[r][k] = _mm256_fmadd_ps(wv, xv[r], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < P && o + p0 + k < out; ++k) y[r * out + o + p0 + k] = hsum(acc[r][k]);
+  }
+}
+
+using Fp16Fn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t, int64_t);
+constexpr Fp16Fn kFp16[kFp16Tile + 1] = {nullptr, block_fp16<1>, block_fp16<2>, block_fp16<3>};
+
+at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "graphrunner_fp16::linear: x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1), in8 = (in + 7) / 8 * 8, blocks = (out + 7) / 8;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kHalf && packed.is_contiguous() &&
+                  packed.size(0) == blocks && packed.size(1) == 8 * in8,
+              "graphrunner_fp16::linear: packed must be contiguous float16 [", blocks, ", ",
+              8 * in8, "] for out=", out, " and in=", in, ", got ", packed.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const float* xs = xc.data_ptr<float>();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xpad(rows * in8, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(xpad.data() + r * in8, xs + r * in, in * sizeof(float));
+  const float* xp = xpad.data();
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kFp16Tile) {
+        const int nr = static_cast<int>(std::min<int64_t>(kFp16Tile, rows - r0));
+        kFp16[nr](xp + r0 * in8, in8, w + b * 8 * in8, yp + r0 * out, out, b * 8);
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_int4, m) {
@@ -214,3 +284,9 @@ TORCH_LIBRARY(graphrunner_int8, m) {
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) { m.impl("linear", &linear_int8); }
+
+TORCH_LIBRARY(graphrunner_fp16, m) {
+  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphrunner_fp16, CPU, m) { m.impl("linear", &linear_fp16); }

@@ -1,8 +1,9 @@
 """The project's C++ CPU kernels for compact weights (``cpu_kernels.cpp``
 beside this file): ``graphrunner_int4::linear`` (4-bit groups,
-:mod:`~graphrunner_ref.model.int4_linear`) and ``graphrunner_int8::linear``
-(int8 per output channel, :mod:`~graphrunner_ref.model.int8_linear`), both
-with float32 activations, AVX2/FMA.
+:mod:`~graphrunner_ref.model.int4_linear`), ``graphrunner_int8::linear``
+(int8 per output channel, :mod:`~graphrunner_ref.model.int8_linear`) and
+``graphrunner_fp16::linear`` (float16, :mod:`~graphrunner_ref.model.fp16_linear`),
+all with float32 activations, AVX2/FMA/F16C.
 
 Built once per machine on first use with
 ``torch.utils.cpp_extension.load_inline`` into torch's extension cache (a
@@ -30,7 +31,7 @@ KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v2"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v8"
 
 
 def _build() -> str | None:
@@ -50,7 +51,7 @@ def _build() -> str | None:
         cpp_extension.load_inline(
             name=_KERNEL_NAME,
             cpp_sources=[KERNEL_SOURCE.read_text()],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
             is_python_module=False,
             no_implicit_headers=True,
         )
@@ -58,6 +59,7 @@ def _build() -> str | None:
         return f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip()[:300]})"
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
+    torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
 
 
@@ -73,6 +75,11 @@ def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _fake_fp16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The fp16 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], out_features)
+
+
 @functools.cache
 def kernel_status() -> str | None:
     """None where the C++ kernels run here (building them on first call), else
@@ -80,8 +87,9 @@ def kernel_status() -> str | None:
     why = _build()
     if why is not None:
         warn_at_caller(
-            f"compact weights: {why}; int4 falls back to dequantize-then-matmul in torch "
-            "and float32 int8 to torch's weight-only product (correct but slower than float32)"
+            f"compact weights: {why}; int4 falls back to dequantize-then-matmul in torch, "
+            "float32 int8 to torch's weight-only product (both correct but slower than "
+            "float32) and fp16 to fbgemm"
         )
     return why
 

@@ -2,21 +2,24 @@
 (``--quantize fp16``): half the weight bytes of float32 on any x86 CPU.
 
 A decode step on the CPU streams every weight once per step; at small batch
-sizes that read is the step. fbgemm's half-precision product
-(``torch.ops.quantized.linear_dynamic_fp16``) keeps the weight packed in
-float16 and widens it in registers (F16C), multiplying float32 activations
-and accumulating in float32: no activation is rounded, each output row reads
-only its own input row (a padded row cannot change a live one), and it needs
-no AVX-512 or AMX. Measured on an AVX2 CPU, one thread, against float32
-``F.linear``: 1.2x at 1 row and 1.8x at 8 rows for a 1536 x 576 weight
-(in cache), 5x for an 8192 x 576 one (streamed from memory).
+sizes that read is the step. The product runs the project's C++ kernel
+(``graphrunner_fp16::linear``, :mod:`~graphrunner_ref.model.cpu_kernels`):
+the weight is packed in blocks of 8 output rows (:func:`pack_fp16`), each
+block streamed from memory once and widened to float32 in registers (F16C),
+multiplied by float32 activations and accumulated in float32: no activation
+is rounded, each output row reads only its own input row (a padded row
+cannot change a live one), and it needs no AVX-512 or AMX. It is a
+dispatcher op with no Python in its call, so inductor calls it as one kernel
+inside the compiled CPU program.
 
-It runs as a ``torch.library`` op (``graphrunner::fp16_weight_linear``), so
-inductor calls it as one kernel inside the compiled CPU program; the packed
-weight (an opaque object, not a tensor) lives in a registry the op reads by
-handle. Each call costs fbgemm's fixed ~20 µs on top of the product, so it
-pays on weights of real models (a layer's projections of a MB and more),
-not on the tiny embedded one.
+Measured against fbgemm's float16-weight product
+(``torch.ops.quantized.linear_dynamic_fp16``, this module's earlier path and
+still its fallback where the kernels cannot be built), one thread, on a Zen 4
+EPYC: 1 x 576 by 576 x 3072, 45-72 µs against 101-146 µs; 1 x 1536 by
+1536 x 576, 25-38 against 64-84 µs; a 192 x 576 weight 5 against 24-32 µs
+(fbgemm's fixed cost per call, ~20 µs, plus ~25 µs for the Python-implemented
+op that wrapped it, is gone); at 8 rows about even on the layers'
+shapes and slower on a 49152 x 576 LM head (9.1 against 5.4 ms).
 """
 
 from __future__ import annotations
@@ -28,31 +31,59 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Fp16WeightLinear", "fp16_weights_available"]
+from graphrunner_ref.model.cpu_kernels import kernels_run
 
-#: Handle -> packed float16 weight of each live Fp16WeightLinear.
+__all__ = ["BLOCK", "Fp16WeightLinear", "fp16_weights_available", "pack_fp16", "unpack_fp16"]
+
+#: Output rows a packed block holds (and input columns a chunk of it).
+BLOCK = 8
+
+# fbgemm's packed weights of the fallback path, by handle: opaque objects the
+# compiled program cannot hold, so a registered op reads them by number.
 _PACKED: dict[int, Any] = {}
 _HANDLES = itertools.count(1)
 
 
 def fp16_weights_available() -> str | None:
-    """None where fbgemm's float16-weight linear runs here, else why not."""
+    """None where float16 weights run here (the C++ kernel, or else fbgemm's
+    float16-weight linear), else why not."""
+    if kernels_run():
+        return None
     engines = torch.backends.quantized.supported_engines
     if not any(e in engines for e in ("x86", "fbgemm")):
         return f"this torch build has no x86/fbgemm quantized engine (it has {engines})"
     return None
 
 
+def pack_fp16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` rounded to float16 and packed for the kernel:
+    float16 ``[ceil(out / 8), 8 * in8]`` (``in8`` = ``in`` rounded up to 8),
+    each row a block of 8 output rows laid out ``[in8 / 8][8 rows][8 columns]``,
+    zeros past ``out`` and ``in``."""
+    out, inp = weight.shape
+    out8, in8 = -(-out // BLOCK) * BLOCK, -(-inp // BLOCK) * BLOCK
+    padded = torch.zeros(out8, in8, dtype=torch.float16)
+    padded[:out, :inp] = weight.to(torch.float16)
+    blocks = padded.view(out8 // BLOCK, BLOCK, in8 // BLOCK, BLOCK).permute(0, 2, 1, 3)
+    return blocks.contiguous().view(out8 // BLOCK, BLOCK * in8)
+
+
+def unpack_fp16(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """The float16 weight ``[out, inp]`` of :func:`pack_fp16`'s ``packed``."""
+    in8 = packed.shape[1] // BLOCK
+    blocks = packed.view(-1, in8 // BLOCK, BLOCK, BLOCK).permute(0, 2, 1, 3)
+    return blocks.reshape(-1, in8)[:out, :inp]
+
+
 # Registered through the low-level library API rather than
-# ``torch.library.custom_op``: the op is called once per projection per step,
-# and custom_op's Python wrapper doubled its call cost (measured 53 against
-# 27 µs per call, fbgemm's own 21 µs included).
+# ``torch.library.custom_op``: custom_op's Python wrapper doubled its call
+# cost (measured 53 against 27 µs per call, fbgemm's own 21 µs included).
 _LIB = torch.library.Library("graphrunner", "FRAGMENT")
 _LIB.define("fp16_weight_linear(Tensor x, int handle, int out_features) -> Tensor")
 
 
 def _fp16_weight_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """``x`` float32 ``[rows, in]`` times the packed weight ``handle``: ``[rows, out]``."""
+    """``x`` float32 ``[rows, in]`` times fbgemm's packed weight ``handle``: ``[rows, out]``."""
     return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[handle])
 
 
@@ -67,8 +98,12 @@ fp16_weight_linear = torch.ops.graphrunner.fp16_weight_linear.default
 
 class Fp16WeightLinear(nn.Module):
     """``[..., in]`` float32 ``-> [..., out]`` float32 over ``weight``
-    ``[out, in]`` rounded to float16 (packed; no float32 copy is kept).
-    Raises ValueError for weights outside float16's range."""
+    ``[out, in]`` rounded to float16; no float32 copy is kept. Buffer:
+    ``packed`` float16 (:func:`pack_fp16`) where the C++ kernel runs, else
+    the weight lives in fbgemm's packed form (read by handle). Raises
+    ValueError for weights outside float16's range."""
+
+    packed: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -82,21 +117,35 @@ class Fp16WeightLinear(nn.Module):
                 f"tensor of finite values within float16's range (|w| <= 65504)"
             )
         self.out_features, self.in_features = w.shape
-        self.handle = next(_HANDLES)
-        _PACKED[self.handle] = torch.ops.quantized.linear_prepack_fp16(w, None)
-        weakref.finalize(self, _PACKED.pop, self.handle, None)
+        # A plain bool read at trace time: dynamo compiles one branch.
+        self.kernel = kernels_run()
+        self.handle = 0
+        if self.kernel:
+            self.register_buffer("packed", pack_fp16(w))
+        else:
+            self.register_buffer("packed", None)
+            self.handle = next(_HANDLES)
+            _PACKED[self.handle] = torch.ops.quantized.linear_prepack_fp16(w, None)
+            weakref.finalize(self, _PACKED.pop, self.handle, None)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` (float16 values) this linear multiplies by."""
+        if self.packed is not None:
+            return unpack_fp16(self.packed, self.out_features, self.in_features).float()
         weight, _ = torch.ops.quantized.linear_unpack_fp16(_PACKED[self.handle])
         return weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fp16_weight_linear(x.reshape(-1, self.in_features), self.handle, self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if self.packed is not None:
+            out = torch.ops.graphrunner_fp16.linear(flat, self.packed, self.out_features)
+        else:
+            out = fp16_weight_linear(flat, self.handle, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        path = "C++ AVX2 kernel" if self.packed is not None else "fbgemm"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            "float16 weights, float32 activations"
+            f"float16 weights, float32 activations ({path})"
         )

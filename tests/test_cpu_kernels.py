@@ -1,8 +1,9 @@
-"""The C++ int8 kernel (``graphrunner_int8::linear``) that float32 models'
-``--quantize int8`` runs: equal to the dequantized weight's product, a row's
-result independent of the rows beside it (bit for bit), callable from
-compiled code, and not used for half-precision activations or where the
-kernels cannot be built (torch's weight-only product runs there)."""
+"""The C++ kernels of float32 models' ``--quantize int8`` and ``fp16``
+(``graphrunner_int8::linear``, ``graphrunner_fp16::linear``): equal to the
+dequantized weight's product, a row's result independent of the rows beside
+it and of how many rows run (bit for bit), callable from compiled code;
+int8 with half-precision activations keeps torch's weight-only product.
+(int4's kernel: ``tests/test_int4.py``.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, pack_fp16, unpack_fp16
 from graphrunner_ref.model.int8_linear import Int8Linear
 
 
@@ -61,3 +63,42 @@ def test_half_precision_activations_keep_torchs_product() -> None:
     x = torch.randn(2, 48, dtype=torch.bfloat16)
     assert linear(x).dtype == torch.bfloat16
     assert "torch._weight_int8pack_mm" in repr(linear)
+
+
+@pytest.mark.parametrize(("out", "inp"), [(8, 8), (13, 45), (192, 576), (5, 3)])
+def test_fp16_packing_round_trips(out: int, inp: int) -> None:
+    w = torch.randn(out, inp)
+    packed = pack_fp16(w)
+    in8 = -(-inp // 8) * 8
+    assert packed.dtype == torch.float16 and packed.shape == (-(-out // 8), 8 * in8)
+    assert torch.equal(unpack_fp16(packed, out, inp), w.half())
+
+
+@pytest.mark.parametrize(("out", "inp"), [(24, 64), (13, 45), (40, 100), (3, 7)])
+def test_fp16_kernel_equals_the_float16_weights_product(out: int, inp: int) -> None:
+    torch.manual_seed(out * inp)
+    w = torch.randn(out, inp)
+    linear = Fp16WeightLinear(w)
+    assert linear.kernel and torch.equal(linear.dequantized(), w.half().float())
+    for rows in (1, 2, 3, 4, 7, 11):
+        x = torch.randn(rows, inp)
+        torch.testing.assert_close(linear(x), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_rows_are_bit_for_bit_independent_of_the_batch() -> None:
+    torch.manual_seed(3)
+    linear = Fp16WeightLinear(torch.randn(37, 70))
+    x = torch.randn(11, 70)
+    together = linear(x)
+    for rows in (1, 2, 3, 5, 8):  # every tile size and remainder
+        assert torch.equal(linear(x[:rows]), together[:rows]), rows
+    poisoned = x.clone()
+    poisoned[4:] = float("nan")
+    assert torch.equal(linear(poisoned)[:4], together[:4])
+
+
+def test_fp16_kernel_runs_under_torch_compile() -> None:
+    linear = Fp16WeightLinear(torch.randn(20, 36))
+    x = torch.randn(3, 36)
+    compiled = torch.compile(linear, fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
