@@ -118,12 +118,13 @@ def add_arguments(g: Groups) -> None:
         "--quantize",
         choices=list(QUANTIZATIONS),
         default=None,
-        help="CPU, Llama models: compact weights for every projection and the LM head. "
-        "int8: int8 per output channel, activations in --dtype (fast with AVX-512 or AMX); "
-        "fp16: float16 weights, float32 activations and accumulation (--dtype float32; "
-        "half the weight bytes, fast on AVX2); int4: 4-bit weights in groups of 32 columns "
-        "with a scale and a min each, float32 activations (--dtype float32; a fifth of the "
-        "weight bytes, an AVX2 kernel built at first use)",
+        help="CPU: compact weights for every projection and the LM head (the native Llama, "
+        "or any model's nn.Linear with --model-impl transformers), C++ AVX2 kernels built at "
+        "first use. int8: int8 per output channel, activations in --dtype (half precision: "
+        "torch's product, fast with AVX-512 or AMX); fp16: float16 weights, float32 "
+        "activations and accumulation (--dtype float32; half the weight bytes); int4: 4-bit "
+        "weights in groups of 32 columns with a scale and a min each, float32 activations "
+        "(--dtype float32; a fifth of the weight bytes; a .gguf file's Q4 blocks as they are)",
     )
 
 

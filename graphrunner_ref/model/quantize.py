@@ -47,7 +47,8 @@ QUANTIZATIONS = {
     "(float32: a C++ AVX2 kernel built on first use, about fp16's speed at batch 1 with half "
     "its bytes; half precision: torch._weight_int8pack_mm, fast with AVX-512 or AMX)",
     "fp16": "float16 weights, float32 activations and accumulation "
-    "(fbgemm: half the weight bytes, fast on AVX2)",
+    "(a C++ AVX2/F16C kernel built on first use, fbgemm where it cannot be: half the "
+    "weight bytes)",
     "int4": "4-bit weights in groups of 32 input columns with a float32 scale and min "
     "(like GGUF Q4_1: about 1/5 of float32's bytes), float32 activations and accumulation "
     "(a C++ AVX2 kernel built on first use: ~4.5x float32 at batch 1 where weights stream "
