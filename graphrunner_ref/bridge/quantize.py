@@ -8,7 +8,9 @@ the LM head) by the compact linear the native model uses for the same mode
 Transformers backend swaps the linears of the models it runs. A linear's
 bias stays in the model's dtype and is added after the compact product
 (:class:`BiasedLinear`). As in the native model, int4's LM head takes float16
-weights. The embedding stays as it is (a lookup reads one row).
+weights, and a float16 head runs fbgemm's product
+(:func:`~graphrunner_ref.model.fp16_linear.head_linear`). The embedding
+stays as it is (a lookup reads one row).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.fp16_linear import head_linear
 from graphrunner_ref.model.quantize import check_quantization, compact_linear
 
 __all__ = ["BiasedLinear", "quantize_linears"]
@@ -71,7 +73,8 @@ def quantize_linears(hf: nn.Module, mode: str) -> int:
         for name, linear in targets:
             # 4-bit logits drift from the float model's within a few tokens:
             # int4's LM head keeps float16 weights, as the native model's does.
-            build = Fp16WeightLinear if (mode == "int4" and linear is head) else make
+            is_head = linear is head and mode in ("int4", "fp16")
+            build = head_linear if is_head else make
             parent_name, _, child = name.rpartition(".")
             parent = hf.get_submodule(parent_name) if parent_name else hf
             setattr(parent, child, _replace(linear, build))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from graphrunner_ref.model.config import ModelConfig
-from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
 from graphrunner_ref.model.int8_linear import Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
@@ -129,7 +129,7 @@ def quantize_model(
         # 4-bit logits drift from the float model's within a few tokens (the
         # head is often a tied embedding kept at 8 bits by GGUF files): the
         # LM head of int4 keeps float16 weights, half float32's bytes.
-        head = Fp16WeightLinear if mode == "int4" else make
+        head = head_linear if mode in ("int4", "fp16") else make
         model.head_proj = head(model.lm_head_weight)
         if codes:
             _take_codes(model, codes)
