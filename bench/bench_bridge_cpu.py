@@ -16,8 +16,7 @@ batch 8 the prompts decode together, at batch 1 one at a time). Rows
   runner, float32 / float16 weights (``quantize_model``);
 - ``bridge`` / ``bridge-fp16``: the checkpoint's own transformers modules
   (``load_transformers``) on the CPU runner, float32 / float16 weights
-  (``quantize_linears`` of ``graphrunner_ref.bridge`` or its ``quantize``
-  module; the row is skipped, with a note, where neither has it).
+  (``graphrunner_ref.bridge.quantize_linears``).
 
 Decode tokens/s excludes prefill: graphrunner's engine times its decode
 replays; transformers' is (the new tokens after the first) over the time of
@@ -37,26 +36,23 @@ Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_bridge_cpu`` (writes
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from bench.bench_context import smollm2_chats
-from bench.bench_real_cpu import agreement, cpu_flags, graphrunner_run, transformers_run
+from bench.bench_real_cpu import agreement, cpu_flags, graphrunner_run, serve, transformers_run
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref import Engine, Request, create_decode_runner
-from graphrunner_ref.bridge import load_transformers
+from graphrunner_ref.bridge import load_transformers, quantize_linears
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_bridge_cpu"
 #: ``--rows`` names and their labels, in the order they run (the native row
@@ -81,21 +77,6 @@ NATIVE_VARIANT = {None: "cpu", "fp16": "fp16"}
 #: transformers' continuous batching logger (its errors are checked per request).
 CB_LOGGER = "ContinuousBatchingLogger"
 
-Quantizer = Callable[[nn.Module, str], int]
-
-
-def bridge_quantizer() -> Quantizer | None:
-    """``quantize_linears`` of ``graphrunner_ref.bridge`` (or of its ``quantize``
-    module), or None where neither has it."""
-    for module in ("graphrunner_ref.bridge", "graphrunner_ref.bridge.quantize"):
-        try:
-            found = getattr(importlib.import_module(module), "quantize_linears", None)
-        except ImportError:
-            continue
-        if callable(found):
-            return found
-    return None
-
 
 def bridge_run(
     checkpoint: Path, prompts: list[list[int]], quantize: str | None, bs: int, new: int
@@ -105,14 +86,8 @@ def bridge_run(
     context = max(len(p) for p in prompts) + new
     bundle = load_transformers(checkpoint, max_requests=bs, max_context_len=context)
     if quantize is not None:
-        quantizer = bridge_quantizer()
-        assert quantizer is not None, "checked by the caller"
-        quantizer(bundle.model.hf, quantize)
-    runner = create_decode_runner(bundle, "cpu", capture_sizes=[bs], show_progress=False)
-    runner.capture()
-    result = Engine(bundle, runner).run([Request(i, tuple(p), new) for i, p in enumerate(prompts)])
-    tokens_per_s = result.stats.decode_tokens / result.stats.decode_seconds
-    return tokens_per_s, [result.outputs[i] for i in range(len(prompts))]
+        quantize_linears(bundle.model.hf, quantize)
+    return serve(bundle, "cpu", prompts, bs, new)
 
 
 def generate_batch_run(
@@ -212,9 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.new < 2:
         p.error("--new: at least 2 (decode starts at the second token)")
     checkpoint, prompts = smollm2_chats()
-    quantizer = bridge_quantizer()
     rows: list[dict[str, Any]] = []
-    skipped: list[str] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
         for bs in (int(b) for b in args.batches.split(",")):
@@ -232,13 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 elif GRAPHRUNNER[name][0] == "native":
                     variant = NATIVE_VARIANT[GRAPHRUNNER[name][1]]
                     tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
-                elif GRAPHRUNNER[name][1] is not None and quantizer is None:
-                    note = (
-                        f"bs {bs} {who}: skipped, graphrunner_ref.bridge.quantize_linears missing"
-                    )
-                    print(note, flush=True)
-                    skipped.append(note)
-                    continue
                 else:
                     tps, tokens = bridge_run(
                         checkpoint, prompts, GRAPHRUNNER[name][1], bs, args.new
@@ -256,7 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load": [load, os.getloadavg()[0]],
         "prompt_lengths": [len(q) for q in prompts],
         "rows": rows,
-        "skipped": skipped,
     }
     print(f"results written to {write(result, args.out)}")
     return 0
@@ -342,7 +307,6 @@ def write(result: dict[str, Any], name: str) -> str:
         for r in result["rows"]
         if "tokens_per_s_timestamps" in r
     ]
-    lines += [f"- {note}" for note in result["skipped"]]
     out = RESULTS_DIR / f"{name}.md"
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

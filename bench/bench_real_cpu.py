@@ -97,6 +97,14 @@ def graphrunner_run(
     bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
     if quantize is not None:
         quantize_model(bundle.model, quantize)
+    return serve(bundle, kind, prompts, bs, new)
+
+
+def serve(
+    bundle: Any, kind: str, prompts: list[list[int]], bs: int, new: int
+) -> tuple[float, list[list[int]]]:
+    """Capture ``bundle``'s step at size ``bs`` on runner ``kind``, serve the
+    prompts (``new`` tokens each): decode tokens/s and new tokens in prompt order."""
     runner = create_decode_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
     runner.capture()
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
