@@ -121,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="added to the results file's name")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    largest, rows = max(args.capacities), []
+    largest = max(args.capacities)
+    rows: list[dict[str, Any]] = []
     load_before = os.getloadavg()[0]
     with torch_threads(1):
         for kind in args.runners.split(","):
