@@ -36,7 +36,6 @@ Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_bridge_cpu`` (writes
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -49,8 +48,15 @@ from typing import Any
 import torch
 
 from bench.bench_context import smollm2_chats
-from bench.bench_real_cpu import agreement, cpu_flags, graphrunner_run, serve, transformers_run
-from bench.conftest import RESULTS_DIR, machine
+from bench.bench_real_cpu import (
+    agreement,
+    graphrunner_run,
+    results_header,
+    run_record,
+    save_results,
+    serve,
+    transformers_run,
+)
 from graphrunner.testing import torch_threads
 from graphrunner_ref.bridge import load_transformers, quantize_linears
 
@@ -215,14 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"bs {bs} {describe(rows[-1], args.new)}", flush=True)
             for line in goals(measured):
                 print(f"bs {bs} goal: {line}", flush=True)
-    result = {
-        "command": f"{CMD} {' '.join(argv)}".strip(),
-        "machine": {**machine(), "cpu flags": cpu_flags()},
-        "new_tokens": args.new,
-        "load": [load, os.getloadavg()[0]],
-        "prompt_lengths": [len(q) for q in prompts],
-        "rows": rows,
-    }
+    result = run_record(f"{CMD} {' '.join(argv)}", {}, args.new, load, prompts, rows)
     print(f"results written to {write(result, args.out)}")
     return 0
 
@@ -275,18 +274,9 @@ def goals(measured: dict[str, float]) -> list[str]:
 def write(result: dict[str, Any], name: str) -> str:
     """The results as ``bench/results/<name>.md`` and ``.json``; the .md path."""
     lines = [
-        "# SmolLM2-135M-Instruct on the CPU: the transformers bridge, decode tokens/s",
-        "",
-        f"- command: `{result['command']}`",
-        *(f"- {k}: {v}" for k, v in result["machine"].items()),
-        f"- one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
-        f"8 chat prompts of {min(result['prompt_lengths'])}-{max(result['prompt_lengths'])} "
-        "tokens; steady-state decode (prefill excluded)",
-        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
-        f"(a shared {os.cpu_count()}-core machine)",
-        "- agreement: with transformers generate's float32 tokens (rows whose every token "
-        "agrees; mean leading tokens that agree)",
-        "",
+        *results_header(
+            result, "SmolLM2-135M-Instruct on the CPU: the transformers bridge, decode tokens/s"
+        ),
         "| batch | who | decode tok/s | vs generate | vs generate_batch | bridge / native | "
         "rows as transformers | leading tokens as transformers |",
         "|---|---|---|---|---|---|---|---|",
@@ -307,10 +297,7 @@ def write(result: dict[str, Any], name: str) -> str:
         for r in result["rows"]
         if "tokens_per_s_timestamps" in r
     ]
-    out = RESULTS_DIR / f"{name}.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    return str(out)
+    return save_results(name, lines, result)
 
 
 if __name__ == "__main__":

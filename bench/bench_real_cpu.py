@@ -209,15 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{rows[-1]['prefix']:.1f} leading tokens as transformers",
                     flush=True,
                 )
-    result = {
-        "command": f"{CMD} {' '.join(argv)}".strip(),
-        "machine": {**machine(), "cpu flags": cpu_flags()}
-        | ({"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}),
-        "new_tokens": args.new,
-        "load": [load, os.getloadavg()[0]],
-        "prompt_lengths": [len(q) for q in prompts],
-        "rows": rows,
-    }
+    extra = {"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}
+    result = run_record(f"{CMD} {' '.join(argv)}", extra, args.new, load, prompts, rows)
     print(f"results written to {write(result, args.out)}")
     return 0
 
@@ -232,21 +225,57 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, 
     return {"agree": equal, "prefix": sum(prefixes) / len(prefixes)}
 
 
-def write(result: dict[str, Any], name: str) -> str:
-    lines = [
-        "# SmolLM2-135M-Instruct on the CPU: decode tokens/s against transformers",
+def run_record(
+    command: str,
+    extra: dict[str, str],
+    new: int,
+    load: float,
+    prompts: list[list[int]],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A run's results: its command, the machine (and ``extra`` facts), the
+    protocol, the load before and now, and the rows."""
+    return {
+        "command": command.strip(),
+        "machine": {**machine(), "cpu flags": cpu_flags(), **extra},
+        "new_tokens": new,
+        "load": [load, os.getloadavg()[0]],
+        "prompt_lengths": [len(q) for q in prompts],
+        "rows": rows,
+    }
+
+
+def save_results(name: str, lines: list[str], result: dict[str, Any]) -> str:
+    """``lines`` as ``bench/results/<name>.md`` and ``result`` as its ``.json``;
+    the .md path."""
+    out = RESULTS_DIR / f"{name}.md"
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return str(out)
+
+
+def results_header(result: dict[str, Any], title: str) -> list[str]:
+    """The results file's title and run facts: command, machine, protocol, load."""
+    lengths = result["prompt_lengths"]
+    return [
+        f"# {title}",
         "",
         f"- command: `{result['command']}`",
         *(f"- {k}: {v}" for k, v in result["machine"].items()),
         f"- one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
-        f"8 chat prompts of {min(result['prompt_lengths'])}-{max(result['prompt_lengths'])} "
-        "tokens; steady-state decode (prefill excluded)",
+        f"8 chat prompts of {min(lengths)}-{max(lengths)} tokens; steady-state decode "
+        "(prefill excluded)",
         f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
         f"(a shared {os.cpu_count()}-core machine)",
-        "",
         "- agreement: with transformers' float32 tokens (rows whose every token agrees; "
         "mean leading tokens that agree)",
         "",
+    ]
+
+
+def write(result: dict[str, Any], name: str) -> str:
+    lines = [
+        *results_header(result, "SmolLM2-135M-Instruct on the CPU: decode tokens/s"),
         "| batch | who | decode tok/s | vs transformers | vs llama.cpp | rows as transformers | "
         "leading tokens as transformers |",
         "|---|---|---|---|---|---|---|",
@@ -261,10 +290,7 @@ def write(result: dict[str, Any], name: str) -> str:
             f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {vs_llama} | "
             f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
         )
-    out = RESULTS_DIR / f"{name}.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    return str(out)
+    return save_results(name, lines, result)
 
 
 if __name__ == "__main__":

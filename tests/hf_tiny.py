@@ -64,3 +64,31 @@ def hf_greedy(model: Any, requests: Any) -> dict[int, list[int]]:
             )
         tokens[req.rid] = out[0, len(req.prompt) :].tolist()
     return tokens
+
+
+def save_decoders(
+    root: Any, configs: dict[str, Any], *, random_biases: bool = False
+) -> dict[str, tuple[Path, Any]]:
+    """Each transformers config saved once as a seeded random model (eager
+    attention) under a new directory of ``root`` (a pytest
+    ``TempPathFactory``): its directory and the model, by name.
+    ``random_biases``: biases drawn from N(0, 0.1) (transformers starts them at 0)."""
+    import copy
+
+    import torch
+    import transformers
+
+    out = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation="eager"
+        ).eval()
+        if random_biases:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    torch.nn.init.normal_(module.bias, std=0.1)
+        path = root.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (path, model)
+    return out

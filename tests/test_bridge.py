@@ -5,7 +5,6 @@ padding sanitizer (transformers is the oracle)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from graphrunner import PaddingViolation
 from graphrunner.mechanisms import UncapturableError
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
-from hf_tiny import TINY_DECODER, hf_greedy
+from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,16 +64,7 @@ TRACE = [
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     """Each architecture saved once: its directory and transformers' own model."""
-    out = {}
-    for name, config in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), attn_implementation="eager"
-        ).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    return save_decoders(tmp_path_factory, _configs())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

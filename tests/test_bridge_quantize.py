@@ -19,7 +19,7 @@ import graphrunner_ref.cli.main as cli
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import load_transformers
 from graphrunner_ref.bridge.quantize import BiasedLinear, quantize_linears
-from hf_tiny import TINY_DECODER, hf_greedy
+from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,19 +37,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    out = {}
-    for name, make in CONFIGS.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(
-            make(transformers), attn_implementation="eager"
-        ).eval()
-        for module in model.modules():  # transformers initializes biases to zero
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.normal_(module.bias, std=0.1)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    configs = {name: make(transformers) for name, make in CONFIGS.items()}
+    return save_decoders(tmp_path_factory, configs, random_biases=True)
 
 
 def _dequantized_reference(reference: nn.Module, quantized: nn.Module) -> nn.Module:

@@ -23,7 +23,7 @@ from conftest import SLOW
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
 from graphrunner_ref.bridge.rope import RopeTable
-from hf_tiny import TINY_DECODER, hf_greedy
+from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,16 +96,7 @@ TRACES = {
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     """Each model saved once: its directory and transformers' own model (only
     ever run as a copy, so its rotary module never carries state over)."""
-    out = {}
-    for name, config in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), attn_implementation="eager"
-        ).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    return save_decoders(tmp_path_factory, _configs())
 
 
 def _generate_alone(model: Any, requests: list[Request]) -> dict[int, list[int]]:
@@ -233,6 +224,14 @@ def test_prefill_past_the_threshold_equals_transformers_logits(
     path, reference = saved[arch]
     bundle = load_transformers(path, max_requests=1, max_context_len=CONTEXT[arch])
     prompt = torch.tensor(TRACES[arch][2].prompt)
+    _assert_prefill_equals(bundle, reference, prompt)
+    # Decode's tables are back in place after the prefill.
+    assert isinstance(bundle.model.hf.model.rotary_emb, RopeTable)
+
+
+def _assert_prefill_equals(bundle: Any, reference: Any, prompt: torch.Tensor) -> None:
+    """The bridge's eager prefill of ``prompt`` gives the last logits of a
+    fresh copy of transformers' ``reference`` on it."""
     row = bundle.req_pool.alloc(1)[0]
     logits = bundle.model.forward_extend(
         row, prompt, torch.tensor(bundle.kv_alloc.alloc(len(prompt)))
@@ -240,8 +239,6 @@ def test_prefill_past_the_threshold_equals_transformers_logits(
     with torch.no_grad():
         expected = copy.deepcopy(reference)(prompt[None]).logits[0, -1].float()
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    # Decode's tables are back in place after the prefill.
-    assert isinstance(bundle.model.hf.model.rotary_emb, RopeTable)
 
 
 def test_a_dynamic_model_run_long_before_the_build_prefills_as_a_fresh_one(
@@ -258,13 +255,7 @@ def test_a_dynamic_model_run_long_before_the_build_prefills_as_a_fresh_one(
         model, max_requests=1, max_context_len=CONTEXT["llama-dynamic"]
     )
     prompt = torch.tensor(TRACES["llama-dynamic"][2].prompt)  # 20 tokens
-    row = bundle.req_pool.alloc(1)[0]
-    logits = bundle.model.forward_extend(
-        row, prompt, torch.tensor(bundle.kv_alloc.alloc(len(prompt)))
-    )
-    with torch.no_grad():
-        expected = copy.deepcopy(reference)(prompt[None]).logits[0, -1].float()
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    _assert_prefill_equals(bundle, reference, prompt)
 
 
 def test_dynamic_rope_runs_past_max_position_embeddings_and_longrope_does_not(
