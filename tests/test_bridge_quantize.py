@@ -105,7 +105,7 @@ def test_bad_modes_and_models_are_refused_by_name(saved: dict[str, tuple[Path, A
 
 
 def test_generate_quantizes_the_bridges_linears(
-    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, reference = saved["phi3-packed"]
     prompts, out = tmp_path / "prompts.ids", tmp_path / "out.jsonl"
@@ -114,6 +114,10 @@ def test_generate_quantizes_the_bridges_linears(
     argv += ["fp16", "--runner", "eager", "--prompts", str(prompts), "--prompts-format", "ids"]
     assert cli.main([*argv, "-n", "5", "--output", str(out)]) == 0
     record = json.loads(out.read_text().splitlines()[0])
+    linears = sum(isinstance(m, nn.Linear) for m in reference.modules())
+    assert f"--quantize fp16: {linears} nn.Linear modules replaced; products:" in (
+        capsys.readouterr().err
+    )
     bundle = load_transformers(path, max_requests=1, max_context_len=16)
     quantize_linears(bundle.model.hf, "fp16")
     oracle = _dequantized_reference(reference, bundle.model.hf)

@@ -116,12 +116,15 @@ def test_int8_on_a_cpu_without_avx512_notes_the_fast_path(
     assert cli.main(demo) == 0
     err = capsys.readouterr().err
     if kernel_status() is None:
-        assert "int8" not in err
+        assert "slower than float32" not in err
+        assert "--quantize int8: products: the C++ AVX2 kernels (CPU capability AVX2)" in err
     else:
         assert "the C++ int8 kernel does not run here" in err
     monkeypatch.setattr(cpu_features.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert cli.main([*demo, "--dtype", "bfloat16"]) == 0
-    assert "weight-only int8" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "weight-only int8 matmuls run slower" not in err
+    assert "products: torch's weight-only int8 product (half-precision activations)" in err
 
 
 def test_int8_from_gguf_q8_0_and_q4_weights_gives_transformers_tokens(

@@ -161,9 +161,10 @@ def _build_transformers(
     )
     if args.quantize is not None:
         try:
-            quantize_linears(bundle.model.hf, args.quantize)
+            count = quantize_linears(bundle.model.hf, args.quantize)
         except ValueError as e:
             raise UsageError(f"--quantize {args.quantize}: {e}") from None
+        cli_model.note_quantization(args, f"{count} nn.Linear modules replaced")
     return bundle
 
 

@@ -30,7 +30,8 @@ from graphrunner_ref.io.gguf_int4 import read_gguf_int4
 from graphrunner_ref.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
 from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
 from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_only_note
-from graphrunner_ref.model.int4_linear import Int4Weight, int4_kernel_status
+from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.int4_linear import Int4Weight
 from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "resolve_compile",
     "model_source",
     "note_half_precision",
+    "note_quantization",
     "resolve_model",
     "with_attention",
     "with_quantization",
@@ -255,8 +257,16 @@ def with_quantization(args: argparse.Namespace, bundle: ModelBundle) -> ModelBun
         quantize_model(bundle.model, mode, codes=codes)
     except ValueError as e:
         raise UsageError(f"--quantize {mode}: {e}") from None
-    if mode == "int4" and not getattr(args, "quiet", False):
-        print(f"graphrunner: --quantize int4: {_int4_path(bundle, codes)}", file=sys.stderr)
+    source = None
+    if mode == "int4":
+        total = bundle.model.config.num_layers * 7  # q, k, v, o, gate, up, down
+        source = (
+            f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
+            f"{total - len(codes)} quantized from floats"
+            if codes is not None
+            else f"{total} projections quantized from floats"
+        )
+    note_quantization(args, source)
     return bundle
 
 
@@ -267,20 +277,25 @@ def _gguf_codes(args: argparse.Namespace) -> dict[str, Int4Weight] | None:
     return None if path is None else read_gguf_int4(path)
 
 
-def _int4_path(bundle: ModelBundle, codes: dict[str, Int4Weight] | None) -> str:
-    """Which weights and which product the int4 model runs, in one line."""
-    layers = bundle.model.config.num_layers
-    total = layers * 7  # q, k, v, o, gate, up, down
-    source = (
-        f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
-        f"{total - len(codes)} quantized from floats"
-        if codes is not None
-        else f"{total} projections quantized from floats"
-    )
-    why = int4_kernel_status()
+def note_quantization(args: argparse.Namespace, source: str | None = None) -> None:
+    """One line on stderr (unless ``--quiet``): where ``--quantize``'s weights
+    came from (``source``, when there is something to say) and which product
+    runs on this CPU."""
+    if getattr(args, "quiet", False):
+        return
+    mode, why = args.quantize, kernel_status()
+    if mode == "int8" and dtype(args) != torch.float32:
+        product = "torch's weight-only int8 product (half-precision activations)"
+    elif why is None:
+        product = "the C++ AVX2 kernels" + ("" if mode == "int8" else ", fbgemm for the LM head")
+    else:
+        product = f"torch's and fbgemm's fallbacks ({why})"
     capability = torch.backends.cpu.get_cpu_capability()
-    product = "the C++ AVX2 kernel" if why is None else f"dequantize + matmul in torch ({why})"
-    return f"{source}; products: {product} (CPU capability {capability})"
+    where = "" if source is None else f"{source}; "
+    print(
+        f"graphrunner: --quantize {mode}: {where}products: {product} (CPU capability {capability})",
+        file=sys.stderr,
+    )
 
 
 def check_attention(args: argparse.Namespace) -> None:
