@@ -4,6 +4,7 @@ flag."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -150,3 +151,19 @@ def test_int8_from_gguf_q8_0_and_q4_weights_gives_transformers_tokens(
         resolve_checkpoint(tmp_path / "m.gguf")
     ).eval()
     assert [r["token_ids"] for r in records] == _hf_tokens(converted, "int8")
+
+
+def test_a_first_build_of_the_kernels_says_how_long_it_took(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A load that took longer than a cached one says it built the kernels
+    (here: the clock says 30 s passed); a quick load says nothing."""
+    import graphrunner_ref.cli.model_args as model_args
+
+    ticks = iter([100.0, 130.0])
+    monkeypatch.setattr(model_args.time, "perf_counter", lambda: next(ticks))
+    model_args.check_quantize(argparse.Namespace(quantize="fp16", device="cpu", dtype="float32"))
+    assert "--quantize fp16: built the C++ CPU kernels in 30 s" in capsys.readouterr().err
+    ticks = iter([100.0, 100.1])
+    model_args.check_quantize(argparse.Namespace(quantize="fp16", device="cpu", dtype="float32"))
+    assert "built the C++ CPU kernels" not in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ __all__ = [
     "with_quantization",
 ]
 
+#: Loading the C++ kernels for longer than this means they were built: say so.
+BUILD_NOTE_SECONDS = 2.0
 #: ``--dtype`` names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Logit / KV tolerance of ``--check`` per dtype: a 16-bit model's graph and
@@ -230,7 +233,9 @@ def note_half_precision(args: argparse.Namespace) -> None:
 
 def check_quantize(args: argparse.Namespace) -> None:
     """``--quantize`` on the CPU, ``fp16`` and ``int4`` with ``--dtype float32``
-    (``args.device`` resolved); a note where the weight-only product is slow."""
+    (``args.device`` resolved); the C++ kernels loaded (built, the first time on
+    a machine, saying how long it took); a note where the weight-only product
+    is slow."""
     mode = getattr(args, "quantize", None)
     if mode is None:
         return
@@ -241,8 +246,18 @@ def check_quantize(args: argparse.Namespace) -> None:
             f"--quantize {mode} runs float32 activations over compact weights; --dtype "
             f"{args.dtype}: expected float32 (use --quantize int8 with a half-precision model)"
         )
+    start = time.perf_counter()
+    kernel_status()  # cached: the model's linears find them loaded
+    took = time.perf_counter() - start
+    quiet = getattr(args, "quiet", False)
+    if took > BUILD_NOTE_SECONDS and not quiet:
+        print(
+            f"graphrunner: --quantize {mode}: built the C++ CPU kernels in {took:.0f} s "
+            "(once per machine: torch's extension cache keeps them)",
+            file=sys.stderr,
+        )
     note = int8_weight_only_note(dtype(args)) if mode == "int8" else None
-    if note is not None and not getattr(args, "quiet", False):
+    if note is not None and not quiet:
         print(f"graphrunner: {note}", file=sys.stderr)
 
 
