@@ -10,6 +10,7 @@ llama.cpp returns) is inside that time, as graphrunner's sampling is.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,12 @@ def llama_cpp_system() -> str:
     return f"llama-cpp-python {lc.__version__}: {info}"
 
 
+@functools.cache
 def _quiet() -> Any:
-    """A log callback that drops llama.cpp's log lines (kept alive at module level)."""
+    """A log callback that drops llama.cpp's log lines (one, kept alive by the cache)."""
     import llama_cpp as lc
 
     return lc.llama_log_callback(lambda level, text, data: None)
-
-
-_QUIET: Any = None
 
 
 class _Context:
@@ -53,9 +52,7 @@ class _Context:
         import llama_cpp as lc
 
         self.lc = lc
-        global _QUIET
-        _QUIET = _QUIET or _quiet()
-        lc.llama_log_set(_QUIET, None)
+        lc.llama_log_set(_quiet(), None)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)

@@ -34,6 +34,7 @@ from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import Int4Weight
 from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
+from graphrunner_ref.model.shapes import projection_shapes
 
 __all__ = [
     "DTYPES",
@@ -274,7 +275,8 @@ def with_quantization(args: argparse.Namespace, bundle: ModelBundle) -> ModelBun
         raise UsageError(f"--quantize {mode}: {e}") from None
     source = None
     if mode == "int4":
-        total = bundle.model.config.num_layers * 7  # q, k, v, o, gate, up, down
+        config = bundle.model.config
+        total = config.num_layers * len(projection_shapes(config))
         source = (
             f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
             f"{total - len(codes)} quantized from floats"

@@ -30,7 +30,7 @@ from torch import nn
 
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend
 from graphrunner_ref.model.config import ModelConfig
-from graphrunner_ref.model.fused import stack_biases, stack_weights
+from graphrunner_ref.model.fused import register_stack
 from graphrunner_ref.model.layers import RotaryEmbedding
 
 __all__ = ["PagedAttention"]
@@ -70,9 +70,7 @@ class PagedAttention(nn.Module):
         self._stack_qkv()
 
     def _stack_qkv(self) -> None:
-        linears = [self.q_proj, self.k_proj, self.v_proj]
-        self.register_buffer("qkv_weight", stack_weights(linears), persistent=False)
-        self.register_buffer("qkv_bias", stack_biases(linears), persistent=False)
+        register_stack(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
     def _apply(self, fn: Any, recurse: bool = True) -> PagedAttention:
         # Moving or casting the module gives each parameter fresh storage: restack.

@@ -134,16 +134,19 @@ class Fp16WeightLinear(nn.Module):
                 f"tensor of finite values within float16's range (|w| <= 65504)"
             )
         self.out_features, self.in_features = w.shape
-        # A plain bool read at trace time: dynamo compiles one branch.
-        self.kernel = kernels_run() and kernel is not False
         self.handle = 0
-        if self.kernel:
+        if kernels_run() and kernel is not False:
             self.register_buffer("packed", pack_fp16(w))
         else:
             self.register_buffer("packed", None)
             self.handle = next(_HANDLES)
             _PACKED[self.handle] = torch.ops.quantized.linear_prepack_fp16(w, None)
             weakref.finalize(self, _PACKED.pop, self.handle, None)
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the C++ kernel runs this linear (else fbgemm)."""
+        return self.packed is not None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` (float16 values) this linear multiplies by."""
@@ -161,7 +164,7 @@ class Fp16WeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        path = "C++ AVX2 kernel" if self.packed is not None else "fbgemm"
+        path = "C++ AVX2 kernel" if self.kernel else "fbgemm"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"float16 weights, float32 activations ({path})"

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-__all__ = ["stack_biases", "stack_weights"]
+__all__ = ["register_stack", "stack_biases", "stack_weights"]
 
 
 def stack_weights(linears: Sequence[nn.Linear]) -> torch.Tensor:
@@ -47,6 +47,15 @@ def stack_biases(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
     if any(b is None for b in biases):
         raise ValueError("stack_biases: expected every linear with a bias, or none")
     return _stack_parameters(linears, "bias")
+
+
+def register_stack(module: nn.Module, name: str, linears: Sequence[nn.Linear]) -> None:
+    """Stack ``linears`` (:func:`stack_weights`, :func:`stack_biases`) into
+    ``module``'s non-persistent buffers ``{name}_weight`` and ``{name}_bias``
+    (None without biases); call it again after the parameters' storage is
+    replaced (``Module._apply``)."""
+    module.register_buffer(f"{name}_weight", stack_weights(linears), persistent=False)
+    module.register_buffer(f"{name}_bias", stack_biases(linears), persistent=False)
 
 
 def _stack_parameters(linears: Sequence[nn.Linear], name: str) -> torch.Tensor:

@@ -59,7 +59,6 @@ __all__ = [
     "Int4Linear",
     "Int4Weight",
     "dequantize_int4",
-    "int4_kernel",
     "int4_kernel_status",
     "int4_reference_linear",
     "quantize_int4",
@@ -131,11 +130,6 @@ def int4_reference_linear(
 int4_kernel_status = kernel_status
 
 
-def int4_kernel() -> bool:
-    """Whether the C++ kernel runs here (building it on first call)."""
-    return kernels_run()
-
-
 class Int4Linear(nn.Module):
     """Group-wise 4-bit linear: ``[..., in]`` float32 ``-> [..., out]`` float32.
 
@@ -157,7 +151,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("mins", mins)
         self.out_features, self.in_features = weight.shape
         if kernel is None:
-            kernel = int4_kernel()
+            kernel = kernels_run()
         elif kernel and int4_kernel_status() is not None:
             raise RuntimeError(f"Int4Linear(kernel=True): {int4_kernel_status()}")
         # A plain bool read at trace time: dynamo compiles one branch.

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner_ref.model.fused import stack_biases, stack_weights
+from graphrunner_ref.model.fused import register_stack
 
 
 class RMSNorm(nn.Module):
@@ -116,9 +116,7 @@ class SwiGLUMLP(nn.Module):
         self._stack_gate_up()
 
     def _stack_gate_up(self) -> None:
-        linears = [self.gate_proj, self.up_proj]
-        self.register_buffer("gate_up_weight", stack_weights(linears), persistent=False)
-        self.register_buffer("gate_up_bias", stack_biases(linears), persistent=False)
+        register_stack(self, "gate_up", [self.gate_proj, self.up_proj])
 
     def _apply(self, fn: Any, recurse: bool = True) -> SwiGLUMLP:
         # Moving or casting the module gives each parameter fresh storage: restack.

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
 from graphrunner_ref.model.int8_linear import Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
+from graphrunner_ref.model.shapes import projection_shapes
 
 if TYPE_CHECKING:
     from graphrunner_ref.model.llama import LlamaDecoder
@@ -137,27 +137,25 @@ def quantize_model(
     return model
 
 
-def _stacks(config: ModelConfig) -> tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]:
-    """Each layer's compact linears: (module, linear, its parts and rows, in stacked order)."""
-    c = config
-    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    return (
-        ("self_attn", "qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
-        ("self_attn", "o_proj", (("o_proj", c.hidden_size),)),
-        ("mlp", "gate_up_proj", (("gate_proj", inter), ("up_proj", inter))),
-        ("mlp", "down_proj", (("down_proj", c.hidden_size),)),
-    )  # fmt: skip
+#: Each layer's compact linears: (module, linear, the projections stacked in it, in order).
+_STACKS = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", "o_proj", ("o_proj",)),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp", "down_proj", ("down_proj",)),
+)
 
 
 def _take_codes(model: LlamaDecoder, codes: Mapping[str, Int4Weight]) -> None:
     """Overwrite each int4 projection's rows with ``codes``' weight where it has one."""
     unused = set(codes)
-    stacks = _stacks(model.config)
+    shapes = projection_shapes(model.config)
     for i, layer in enumerate(model.model.layers):
-        for module, linear_name, parts in stacks:
+        for module, linear_name, parts in _STACKS:
             linear = cast(Int4Linear, getattr(getattr(layer, module), linear_name))
             start = 0
-            for part, rows in parts:
+            for part in parts:
+                rows = shapes[f"{module}.{part}"][0]
                 name = f"model.layers.{i}.{module}.{part}.weight"
                 if name in codes:
                     try:

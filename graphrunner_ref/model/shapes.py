@@ -16,37 +16,42 @@ from collections.abc import Mapping, Sequence
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.weights import WeightError, check_weight_shapes, layer_order
 
-__all__ = ["check_llama_weights", "check_weight_shapes", "llama_weight_shapes"]
+__all__ = [
+    "check_llama_weights",
+    "check_weight_shapes",
+    "llama_weight_shapes",
+    "projection_shapes",
+]
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each layer's projections, by transformers module name under the layer
+    (``self_attn.q_proj``), in the order they run: ``(out, in)``."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
 
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "self_attn.q_proj.weight": (q, hidden),
-        "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden),
-        "self_attn.o_proj.weight": (hidden, q),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
+    biased = {"self_attn": config.attention_bias, "mlp": config.mlp_bias}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, (out, inp) in projection_shapes(config).items():
+        shapes[f"{name}.weight"] = (out, inp)
+        if biased[name.split(".")[0]]:
+            shapes[f"{name}.bias"] = (out,)
+    hidden = config.hidden_size
+    return shapes | {
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
     }
-    if config.attention_bias:
-        shapes |= {
-            "self_attn.q_proj.bias": (q,),
-            "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,),
-            "self_attn.o_proj.bias": (hidden,),
-        }
-    if config.mlp_bias:
-        shapes |= {
-            "mlp.gate_proj.bias": (inter,),
-            "mlp.up_proj.bias": (inter,),
-            "mlp.down_proj.bias": (hidden,),
-        }
-    return shapes
 
 
 def llama_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
