@@ -1,6 +1,6 @@
-"""Admission: prefill the arrived requests in order while they fit (a free
-request row, and KV pages for their whole budget beside what the running
-requests were promised), each with its first token."""
+"""Admission: prefill the requests the scheduling policy admits
+(:func:`~graphrunner_ref.engine.policy.admit_count`), each with its first
+token, and the trace's checks before a run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphrunner_ref.engine.results import AdmissionError, LiveRequest, Run
+from graphrunner_ref.engine.policy import admit_count
+from graphrunner_ref.engine.results import LiveRequest, Run
 from graphrunner_ref.engine.sampling import check_greedy, seed_of
 from graphrunner_ref.engine.steps import EngineSteps
 from graphrunner_ref.engine.workload import Request, check_trace
@@ -35,7 +36,7 @@ class Admission:
         each with its first token (a 0-d device tensor: drawn by its sampling
         parameters when the engine samples, else the argmax). Raises
         :class:`AdmissionError` when nothing runs and the next one can never fit."""
-        count = _fitting(self.engine, run)
+        count = admit_count(self.engine, run)
         if self.agree is not None:
             count = self.agree(count)
         return _prefill(self.engine, run, count)
@@ -64,37 +65,6 @@ def _prefill(engine: EngineSteps, run: Run, count: int) -> list[tuple[LiveReques
         run.stats.prefills += 1
         run.stats.prefill_tokens += len(req.prompt)
     return joining
-
-
-def _fitting(engine: EngineSteps, run: Run) -> int:
-    """How many of the arrived requests, in order, fit: a free request row
-    each, KV pages for its whole budget beside what the running requests were
-    promised, and a row of the runner's largest batch."""
-    b = engine.bundle
-    # KV slots (whole pages) promised to running requests but not yet allocated.
-    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
-    room = b.kv_alloc.available_size() - reserved
-    rows = b.req_pool.available_size()
-    count = 0
-    for req in run.pending:
-        if req.arrival_step > run.clock:
-            break
-        need = engine.kv_need(req.max_len)
-        if len(run.live) + count >= engine.runner.max_bs or need > room or not rows:
-            if not run.live and not count:  # nothing running will ever free room
-                raise AdmissionError(
-                    f"request {req.rid} can never be admitted: it needs 1 request row "
-                    f"and {_kv_amount(engine, need)}, nothing is running, and "
-                    f"{rows} request rows and {_kv_amount(engine, room)} are free"
-                )
-            break  # FIFO: later arrivals wait behind it
-        room, rows, count = room - need, rows - 1, count + 1
-    return count
-
-
-def _kv_amount(engine: EngineSteps, slots: int) -> str:
-    page = engine.bundle.page_size
-    return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
 
 
 def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:

@@ -43,6 +43,7 @@ from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, d
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.interrupts import deferred_interrupts
 from graphrunner_ref.engine.multistep import check_multistep
+from graphrunner_ref.engine.policy import schedule_for
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
 from graphrunner_ref.engine.results import (
     AdmissionError,
@@ -62,7 +63,7 @@ from graphrunner_ref.engine.sampling import (
     step_logprobs,
     tokens_of,
 )
-from graphrunner_ref.engine.schedule import Schedule, SyncSchedule, schedule_for
+from graphrunner_ref.engine.schedule import Schedule, SyncSchedule
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
 from graphrunner_ref.model.build import ModelBundle

@@ -1,9 +1,7 @@
 """How the engine orders a step's host and device work: the :class:`Schedule`
-strategy of :class:`~graphrunner_ref.engine.loop.Engine`, its plain
-:class:`SyncSchedule`, and :func:`schedule_for`, which picks one (the
-others: :class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`,
-:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule` and
-:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`)."""
+strategy of :class:`~graphrunner_ref.engine.loop.Engine` and its plain
+:class:`SyncSchedule` (which schedule a run takes is the scheduling policy's
+choice: :func:`~graphrunner_ref.engine.policy.schedule_for`)."""
 
 from __future__ import annotations
 
@@ -11,16 +9,11 @@ from typing import Protocol
 
 import torch
 
-from graphrunner import GraphRunner
 from graphrunner.pools import starts_page
-from graphrunner_ref.engine.check import CheckMode
-from graphrunner_ref.engine.multistep import MultiStepSchedule
-from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
-from graphrunner_ref.engine.overlap_schedule import OverlapSchedule
 from graphrunner_ref.engine.results import Run
 from graphrunner_ref.engine.steps import EngineSteps
 
-__all__ = ["Schedule", "SyncSchedule", "schedule_for"]
+__all__ = ["Schedule", "SyncSchedule"]
 
 
 class Schedule(Protocol):
@@ -77,16 +70,3 @@ class SyncSchedule:
         if stay:
             engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
         return 1 if bs else 0
-
-
-def schedule_for(
-    runner: GraphRunner, steps: int, overlap: bool, check: CheckMode | None = None
-) -> Schedule:
-    """The schedule of ``steps`` decode steps per launch, with or without
-    overlap; ``check`` checks each multi-step launch (a plain step's check is
-    the engine's decode)."""
-    if steps > 1:
-        if overlap:
-            return MultiStepOverlapSchedule(runner, steps)
-        return MultiStepSchedule(steps, check)
-    return OverlapSchedule(runner) if overlap else SyncSchedule()

@@ -1,0 +1,85 @@
+"""The scheduling policy: which arrived requests join the running batch
+(admission) and how an engine step orders its host and device work (the
+schedule).
+
+Admission is first come, first served: :func:`admit_count` takes the arrived
+requests in arrival order while each finds a free request row, KV pages for
+its whole budget beside what the running requests were promised, and a row
+of the runner's largest batch; the first that does not fit stops admission,
+and the later ones wait behind it (no request overtakes another).
+
+The schedule follows two facts of the run, several decode steps per launch
+and overlap, one row each in :data:`SCHEDULES`:
+:class:`~graphrunner_ref.engine.schedule.SyncSchedule` (neither),
+:class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`,
+:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule` and
+:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from graphrunner import GraphRunner
+from graphrunner_ref.engine.check import CheckMode
+from graphrunner_ref.engine.multistep import MultiStepSchedule
+from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
+from graphrunner_ref.engine.overlap_schedule import OverlapSchedule
+from graphrunner_ref.engine.results import AdmissionError, Run
+from graphrunner_ref.engine.schedule import Schedule, SyncSchedule
+from graphrunner_ref.engine.steps import EngineSteps
+
+__all__ = ["SCHEDULES", "admit_count", "schedule_for"]
+
+#: Builds a schedule from the runner, the decode steps per launch and the check mode.
+MakeSchedule = Callable[[GraphRunner, int, CheckMode | None], Schedule]
+
+#: The schedule of each (several steps per launch, overlap) pair.
+SCHEDULES: dict[tuple[bool, bool], MakeSchedule] = {
+    (False, False): lambda runner, steps, check: SyncSchedule(),
+    (False, True): lambda runner, steps, check: OverlapSchedule(runner),
+    (True, False): lambda runner, steps, check: MultiStepSchedule(steps, check),
+    (True, True): lambda runner, steps, check: MultiStepOverlapSchedule(runner, steps),
+}
+
+
+def schedule_for(
+    runner: GraphRunner, steps: int, overlap: bool, check: CheckMode | None = None
+) -> Schedule:
+    """The schedule of ``steps`` decode steps per launch, with or without
+    overlap; ``check`` checks each multi-step launch (a plain step's check is
+    the engine's decode)."""
+    return SCHEDULES[steps > 1, overlap](runner, steps, check)
+
+
+def admit_count(engine: EngineSteps, run: Run) -> int:
+    """How many of ``run``'s arrived requests, in order, fit: a free request
+    row each, KV pages for its whole budget beside what the running requests
+    were promised, and a row of the runner's largest batch. Raises
+    :class:`AdmissionError` when nothing runs and the first one can never fit
+    (nothing running will ever free room for it)."""
+    b = engine.bundle
+    # KV slots (whole pages) promised to running requests but not yet allocated.
+    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
+    room = b.kv_alloc.available_size() - reserved
+    rows = b.req_pool.available_size()
+    count = 0
+    for req in run.pending:
+        if req.arrival_step > run.clock:
+            break
+        need = engine.kv_need(req.max_len)
+        if len(run.live) + count >= engine.runner.max_bs or need > room or not rows:
+            if not run.live and not count:
+                raise AdmissionError(
+                    f"request {req.rid} can never be admitted: it needs 1 request row "
+                    f"and {_kv_amount(engine, need)}, nothing is running, and "
+                    f"{rows} request rows and {_kv_amount(engine, room)} are free"
+                )
+            break  # first come, first served: later arrivals wait behind it
+        room, rows, count = room - need, rows - 1, count + 1
+    return count
+
+
+def _kv_amount(engine: EngineSteps, slots: int) -> str:
+    page = engine.bundle.page_size
+    return f"{slots} KV slots" if page == 1 else f"{slots // page} KV pages of {page} slots"
