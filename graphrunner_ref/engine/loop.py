@@ -9,8 +9,8 @@ device; read the step's tokens (and new KV slots) back to the host in ONE
 ``filter``, freeing their pool rows and KV pages; merge the prefilled ones in
 for the next step. ``Engine(overlap=True)`` schedules step N+1 while step N
 runs instead (:mod:`graphrunner_ref.engine.overlap_schedule`): the scheduling is a strategy
-of the one engine, and the bundle kind (Llama or state-space) is data of it
-(:func:`~graphrunner_ref.engine.bundle.decode_step`).
+of the one engine, and the model kind is data of it (its registered
+:class:`~graphrunner_ref.engine.registry.DecodeStep`).
 
 KV is allocated in whole pages of ``bundle.page_size`` slots (1: one slot per
 token). A prefill takes the prompt's pages, its tokens in the first slots in
@@ -37,7 +37,6 @@ from graphrunner.phases import SampledInputs
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
 from graphrunner.util import Exclusive
-from graphrunner_ref.bridge import TransformersBundle
 from graphrunner_ref.engine.admission import Admission
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
@@ -65,8 +64,6 @@ from graphrunner_ref.engine.sampling import (
 )
 from graphrunner_ref.engine.schedule import Schedule, SyncSchedule
 from graphrunner_ref.engine.workload import Request
-from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
-from graphrunner_ref.model.build import ModelBundle
 
 T = TypeVar("T")
 
@@ -85,9 +82,9 @@ class Engine:
     """Runs request traces on ``bundle``'s model with decode steps through ``runner``.
 
     Args:
-        bundle: a Llama :class:`ModelBundle` or a :class:`StateSpaceBundle` (the
-            model and its pools); a run frees everything it allocated, also
-            when it raises.
+        bundle: the model and its pools, of any registered kind
+            (:mod:`graphrunner_ref.engine.registry`); a run frees everything
+            it allocated, also when it raises.
         runner: a captured runner over the bundle's decode step (see
             :func:`~graphrunner_ref.engine.bundle.create_decode_runner`).
         check: run the eager forward on every decode step and compare (see
@@ -127,7 +124,7 @@ class Engine:
 
     def __init__(
         self,
-        bundle: ModelBundle | StateSpaceBundle | TransformersBundle,
+        bundle: ServingBundle,
         runner: GraphRunner,
         *,
         check: bool = False,

@@ -18,7 +18,7 @@ import torch
 
 from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import ReplayInputs
-from graphrunner_ref.engine.bundle import DecodeStep, ServingBundle
+from graphrunner_ref.engine.registry import DecodeStep, ServingBundle
 from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run
 from graphrunner_ref.engine.sampling import SampledRows, StepOut
 

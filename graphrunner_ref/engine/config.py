@@ -1,0 +1,122 @@
+"""The engine's options in one value: :class:`EngineConfig`.
+
+Every option of a serving run lives here (which model, how its steps run
+and are captured, how requests are scheduled); the command line maps its
+flags into one (:mod:`graphrunner_ref.cli.options`), and the engine path
+(:mod:`graphrunner_ref.engine.serving`) and the model kinds
+(:mod:`graphrunner_ref.engine.registry`) read nothing else. A request's own
+sampling parameters travel with the request
+(:class:`~graphrunner.sampling.SamplingParams`), not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphrunner_ref.model.parallel import SINGLE, TensorParallel
+
+__all__ = ["DTYPES", "EngineConfig", "UsageError"]
+
+#: ``dtype`` names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Logit / KV tolerance of ``check`` per dtype: a 16-bit model's graph and
+#: eager forwards round differently (fused vs separate ops) by far more than 1e-4.
+_CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+
+
+class UsageError(Exception):
+    """Options or input files that cannot run, found before any work starts
+    (the command line exits 2 with its message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every option of a serving run.
+
+    Model: ``model`` names an embedded random model (None with a
+    ``checkpoint`` directory; ``source`` is how the user named that
+    checkpoint, for messages; ``gguf_file`` the GGUF file it was converted
+    from, if any); ``model_impl`` picks the implementation (``auto``,
+    ``native``, ``transformers``); ``dtype``, ``quantize`` (a
+    :data:`~graphrunner_ref.model.quantize.QUANTIZATIONS` mode) and
+    ``attention`` (a decode attention name or ``auto``) shape the loaded model;
+    ``max_context_len`` caps the context (None: the model's); ``seed`` seeds
+    the embedded weights, random draft heads and the run's sampling.
+
+    Runner: ``runner`` (``cuda``, ``cpu``, ``eager``) on ``device``,
+    ``compile`` (the CUDA runner's inductor programs), ``capture_sizes`` (empty:
+    the library's policy), ``page_size`` KV slots a page, ``tp`` ranks and this
+    process's ``placement`` among them, ``threads`` torch CPU threads,
+    ``check_padding`` (the sanitizer around every replay) and ``check`` (each
+    step also run eagerly and compared).
+
+    Scheduling: ``speculative`` (``eagle``, ``mtp`` or None) with ``draft``
+    and ``draft_tokens``; ``overlap``; ``steps_per_launch``; ``logprobs`` (the
+    top N of each token); ``max_steps`` bounds a run's decode steps.
+    ``quiet`` keeps notes off stderr.
+    """
+
+    model: str | None = "embedded"
+    checkpoint: Path | None = None
+    source: str = ""
+    gguf_file: Path | None = None
+    model_impl: str = "auto"
+    dtype: str = "float32"
+    quantize: str | None = None
+    attention: str = "auto"
+    max_context_len: int | None = None
+    seed: int = 0
+    runner: str = "cpu"
+    device: str = "cpu"
+    compile: bool = False
+    capture_sizes: tuple[int, ...] = ()
+    page_size: int = 1
+    tp: int | None = None
+    placement: TensorParallel = field(default=SINGLE)
+    threads: int = 1
+    check_padding: bool = False
+    check: bool = False
+    speculative: str | None = None
+    draft: str = "random"
+    draft_tokens: int = 2
+    overlap: bool = False
+    steps_per_launch: int = 1
+    logprobs: int = 0
+    max_steps: int | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; expected one of {list(DTYPES)}")
+        for name in ("page_size", "steps_per_launch", "draft_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def atol(self) -> float:
+        """The tolerance of ``check`` for this dtype."""
+        return _CHECK_ATOL[self.torch_dtype]
+
+    @property
+    def mechanism_options(self) -> dict[str, Any]:
+        """The runner mechanism's options (passed only when asked for, so a
+        plain run makes the call every engine accepts)."""
+        return {"compile": True} if self.compile else {}
+
+    @property
+    def extra_context(self) -> int:
+        """Context a speculative round needs beyond a request's own tokens (0 without)."""
+        return self.draft_tokens + 1 if self.speculative else 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model runs on more than one tensor-parallel rank."""
+        return (self.tp or 1) > 1

@@ -1,0 +1,194 @@
+"""The native Llama kind: the embedded random models and every Llama-family
+checkpoint the reference model runs (:mod:`graphrunner_ref.model`), loaded
+with the config's decode attention and compact weights (``quantize``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphrunner import PaddingSanitizer
+from graphrunner_ref.engine.config import EngineConfig, UsageError
+from graphrunner_ref.engine.registry import DecodeStep, ModelKind
+from graphrunner_ref.io import load_any, read_config
+from graphrunner_ref.io.gguf_int4 import read_gguf_int4
+from graphrunner_ref.model import (
+    EMBEDDED_CONFIGS,
+    ModelBundle,
+    ModelConfig,
+    UnsupportedModelError,
+    default_model,
+)
+from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.int4_linear import Int4Weight
+from graphrunner_ref.model.quantize import quantize_model
+from graphrunner_ref.model.shapes import projection_shapes
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "KIND",
+    "embedded_config",
+    "native_refusal",
+    "note_quantization",
+    "pooled_step",
+    "with_attention",
+    "with_quantization",
+]
+
+#: Names of the embedded random models, and their configs' names.
+EMBEDDED_MODELS = {"embedded": "default", "embedded-1.1b": "1.1b"}
+
+
+def embedded_config(name: str | None) -> ModelConfig:
+    """The config of the embedded model ``name``."""
+    return EMBEDDED_CONFIGS[EMBEDDED_MODELS[name or "embedded"]]()
+
+
+def native_refusal(checkpoint: Path) -> str | None:
+    """Why the native model does not run ``checkpoint`` (None: it does; a
+    config it cannot read at all is the load's to report)."""
+    try:
+        read_config(checkpoint)
+    except UnsupportedModelError as e:
+        return str(e)
+    except ValueError:
+        return None
+    return None
+
+
+def _recognises(config: EngineConfig) -> bool:
+    if config.checkpoint is None or config.model_impl == "native":
+        return True
+    return config.model_impl == "auto" and native_refusal(config.checkpoint) is None
+
+
+def _check(config: EngineConfig) -> None:
+    if config.checkpoint is None and config.model_impl == "transformers":
+        raise UsageError(
+            "--model-impl transformers: needs a checkpoint (--model DIR); the embedded "
+            "models run natively"
+        )
+
+
+def _shape(config: EngineConfig) -> ModelConfig:
+    if config.checkpoint is None:
+        return embedded_config(config.model)
+    try:
+        return read_config(config.checkpoint)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _model(config: EngineConfig, max_requests: int, context: int) -> ModelBundle:
+    where: dict[str, Any] = {
+        "max_requests": max_requests,
+        "max_context_len": context,
+        "device": config.device,
+        "dtype": config.torch_dtype,
+        "page_size": config.page_size,
+        "tp": config.placement,
+    }
+    if config.checkpoint is None:
+        embedded = None if config.model == "embedded" else embedded_config(config.model)
+        return default_model(seed=config.seed, config=embedded, **where)
+    try:
+        bundle = load_any(config.checkpoint, **where)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not isinstance(bundle, ModelBundle):  # read_config refused it before
+        raise UsageError(f"{config.source}: expected a Llama-family model")
+    return bundle
+
+
+def _load(config: EngineConfig, max_requests: int, context: int) -> ModelBundle:
+    bundle = _model(config, max_requests, context)
+    return with_quantization(config, with_attention(config, bundle))
+
+
+def with_attention(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
+    """``bundle`` with the decode attention ``config.attention`` names (auto: the model's own)."""
+    if config.attention != "auto":
+        bundle.model.attn_backend.use(config.attention)
+    return bundle
+
+
+def with_quantization(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
+    """``bundle`` with its model quantized as ``config.quantize`` says
+    (unchanged without it); int4 from a GGUF file takes the file's own Q4 codes."""
+    mode = config.quantize
+    if mode is None:
+        return bundle
+    codes = _gguf_codes(config) if mode == "int4" else None
+    try:
+        quantize_model(bundle.model, mode, codes=codes)
+    except ValueError as e:
+        raise UsageError(f"--quantize {mode}: {e}") from None
+    source = None
+    if mode == "int4":
+        shape = bundle.model.config
+        total = shape.num_layers * len(projection_shapes(shape))
+        source = (
+            f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
+            f"{total - len(codes)} quantized from floats"
+            if codes is not None
+            else f"{total} projections quantized from floats"
+        )
+    note_quantization(config, source)
+    return bundle
+
+
+def _gguf_codes(config: EngineConfig) -> dict[str, Int4Weight] | None:
+    """The Q4 codes of the GGUF file the checkpoint was converted from (None: no such file)."""
+    return None if config.gguf_file is None else read_gguf_int4(config.gguf_file)
+
+
+def note_quantization(config: EngineConfig, source: str | None = None) -> None:
+    """One line on stderr (unless ``quiet``): where the quantized weights
+    came from (``source``, when there is something to say) and which product
+    runs on this CPU."""
+    if config.quiet:
+        return
+    mode, why = config.quantize, kernel_status()
+    if mode == "int8" and config.torch_dtype != torch.float32:
+        product = "torch's weight-only int8 product (half-precision activations)"
+    elif why is None:
+        product = "the C++ AVX2 kernels" + ("" if mode == "int8" else ", fbgemm for the LM head")
+    else:
+        product = f"torch's and fbgemm's fallbacks ({why})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    where = "" if source is None else f"{source}; "
+    print(
+        f"graphrunner: --quantize {mode}: {where}products: {product} (CPU capability {capability})",
+        file=sys.stderr,
+    )
+
+
+def pooled_step(bundle: Any, *, fullgraph: bool = False) -> DecodeStep:
+    """The decode step of a bundle whose model decodes the plain decode
+    fields over the KV pool (the native Llama, a transformers decoder)."""
+    return DecodeStep(
+        forward=bundle.model.forward_decode,
+        backend=bundle.model.attn_backend,
+        inputs=lambda batch: batch,
+        sanitizer=lambda: PaddingSanitizer.for_pools(
+            bundle.req_pool,
+            bundle.kv_cache,
+            kv_allocator=bundle.kv_alloc,
+            vocab_size=bundle.config.vocab_size,
+        ),
+        fullgraph=fullgraph,
+    )
+
+
+KIND = ModelKind(
+    name="llama",
+    bundle_type=ModelBundle,
+    recognises=_recognises,
+    shape=_shape,
+    load=_load,
+    step=pooled_step,
+    check=_check,
+)
