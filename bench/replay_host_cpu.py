@@ -25,7 +25,7 @@ import torch
 from bench.bench_replay_host import per_field_populate
 from bench.conftest import RESULTS_DIR, machine
 from bench.host_timing import HostTimes, summarize, time_idle
-from graphrunner import GraphRunner, decode_buffer_specs
+from graphrunner import GraphRunner, create_runner, decode_buffer_specs
 from graphrunner.testing import ToyWorld, torch_threads
 from graphrunner.writers import populate
 from graphrunner.writers.base import check_sources
@@ -81,11 +81,11 @@ def measure_cpu(rounds: int = 40, calls: int = 500) -> dict[str, Any]:
     medians and p10-p90 over all blocks."""
     world = ToyWorld()
     batch = world.make_batch(7, seed=0)
-    runner = GraphRunner(
+    runner = create_runner(
         lambda b: b.input_ids,
         decode_buffer_specs(),
+        kind="eager",
         device="cpu",
-        mechanism="eager",
         capture_sizes=[8],
         show_progress=False,
     )

@@ -23,7 +23,11 @@ def replay_path() -> tuple[list[str], list[str]]:
     """(calls, modules) of graphrunner code from ``replay`` to the launch."""
     world = ToyWorld()
     runner = create_runner(
-        "eager", world.model.forward, decode_buffer_specs(), capture_sizes=[4], show_progress=False
+        world.model.forward,
+        decode_buffer_specs(),
+        capture_sizes=[4],
+        show_progress=False,
+        kind="eager",
     )
     runner.capture()
     batch = world.make_batch(3, seed=0)

@@ -41,7 +41,7 @@ req_pool = gr.ReqToTokenPool(size=4, max_context_len=8, device=device)
 kv_alloc = gr.TokenToKVPoolAllocator(size=32, device=device)
 kv = gr.KVCache(32, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=device)
 step = lambda b: forward(b, kv, req_pool.req_to_token)  # noqa: E731 (what the runner captures)
-runner = gr.create_runner(kind, step, gr.decode_buffer_specs(), capture_sizes=[1, 2, 4])
+runner = gr.create_runner(step, gr.decode_buffer_specs(), capture_sizes=[1, 2, 4], kind=kind)
 runner.capture()
 rows, tokens, worst, ok = req_pool.alloc(3), [1, 2, 3], 0.0, True  # rows: never row 0
 state = [*kv.get_kv(0), req_pool.req_to_token]  # all the step may write, by row

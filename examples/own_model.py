@@ -48,12 +48,12 @@ def main(kind: str | None = None) -> float:
         kv_allocator=kv_alloc,
     )
     runner = gr.create_runner(
-        kind,
         model,
         gr.decode_buffer_specs(),
         device=device,
         capture_sizes=[1, 2, 4],
         sanitizer=sanitizer,
+        kind=kind,
     )
     runner.capture()
     rows = req_pool.alloc(3)  # never row 0

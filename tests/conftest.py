@@ -65,7 +65,7 @@ def make_runner(label: str, forward: Any, specs: Any, **kwargs: Any) -> GraphRun
     kind, options = MECHANISMS[label]
     kwargs.setdefault("device", runner_device(label))
     kwargs.setdefault("show_progress", False)
-    return create_runner(kind, forward, specs, **options, **kwargs)
+    return create_runner(forward, specs, **options, **kwargs, kind=kind)
 
 
 class CapturedToy:

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from sampled_rows import sampled_decode_phase, sampled_verify_inputs, sampling_rows
 
-from graphrunner import GraphRunner
+from graphrunner import GraphRunner, create_runner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.hooks import NullBackend
-from graphrunner.mechanisms import create_mechanism
 from graphrunner.phases import (
     Phase,
     SpecBatch,
@@ -89,11 +88,12 @@ class FuzzCase:
 
     def build(self, phase: Phase, label: str, sizes: list[int], sanitizer: Any, **kw: Any) -> None:
         kind, options = MECHANISMS[label]
-        self.runner = GraphRunner.from_phase(
+        self.runner = create_runner(
             phase,
+            kind=kind,
+            **options,
             device=device_of(label),
             capture_sizes=sizes,
-            mechanism=create_mechanism(kind, **options),
             sanitizer=sanitizer,
             show_progress=False,
             **kw,

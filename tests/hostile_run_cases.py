@@ -353,7 +353,7 @@ def run_cases() -> list[Case]:
              _closed_pipe, "exit 141", "nothing on stderr"),
         Case("Concurrency", "a second thread in a runner's replay", "runner.replay(batch)",
              partial(_two_threads, replay_from_a_second_thread), "ConcurrentUseError",
-             r"EagerRunner.replay is already running \(in thread"),
+             r"GraphRunner.replay is already running \(in thread"),
         Case("Concurrency", "a second thread in an engine's run", "Engine.run(trace)",
              partial(_two_threads, engine_run_from_a_second_thread), "ConcurrentUseError",
              r"Engine.run is already running \(in thread"),

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphrunner import BufferSpec, PadRule, decode_buffer_specs
-from graphrunner.core import EagerRunner
+from graphrunner import BufferSpec, PadRule, create_runner, decode_buffer_specs
 from graphrunner.declare import StaticBuffers
 from graphrunner.sizing import BatchSizeError, default_capture_sizes, pad_to, padding_waste
 from graphrunner.sizing.sizes import validate_capture_sizes
@@ -102,7 +101,14 @@ def test_backend_fill_value_must_match_spec():
         def init_graph_state(self, max_bs: int) -> None: ...
 
     with pytest.raises(ValueError, match="fill_value 1 differs from the backend's"):
-        EagerRunner(lambda v: v, decode_buffer_specs(), device="cpu", max_bs=4, backend=Backend())  # type: ignore[arg-type]
+        create_runner(
+            lambda v: v,
+            decode_buffer_specs(),
+            device="cpu",
+            max_bs=4,
+            backend=Backend(),
+            kind="eager",
+        )  # type: ignore[arg-type]
 
 
 def test_default_sizes_dense_then_coarse_and_capped():
@@ -207,7 +213,7 @@ def test_host_seq_lens_buffer_has_the_backend_fill():
         seq_len_fill_value = 1
 
     with pytest.raises(ValueError, match="seq_lens_cpu fill_value 3 differs from the backend's"):
-        EagerRunner(
+        create_runner(
             lambda v: v,
             [
                 *decode_buffer_specs(),
@@ -223,6 +229,7 @@ def test_host_seq_lens_buffer_has_the_backend_fill():
             device="cpu",
             max_bs=4,
             backend=Backend(),  # type: ignore[arg-type]
+            kind="eager",
         )
 
 

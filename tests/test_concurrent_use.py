@@ -176,8 +176,7 @@ def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
     """What a second thread's ``runner.replay`` raised while a first replay was
     inside its forward, and whether the first replay's output, and the next
     replay's, are exactly those of an undisturbed replay."""
-    from graphrunner import decode_buffer_specs
-    from graphrunner.core import EagerRunner
+    from graphrunner import create_runner, decode_buffer_specs
     from graphrunner.testing import ToyWorld
 
     world = ToyWorld()
@@ -190,7 +189,9 @@ def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
             release.wait(timeout=60)
         return world.model.forward(view)
 
-    runner = EagerRunner(forward, decode_buffer_specs(), device="cpu", capture_sizes=[1, 2, 4])
+    runner = create_runner(
+        forward, decode_buffer_specs(), device="cpu", capture_sizes=[1, 2, 4], kind="eager"
+    )
     runner.capture()
     batch = world.make_batch(3, seed=0)
     expected = runner.replay(batch).clone()
@@ -209,5 +210,5 @@ def replay_from_a_second_thread() -> tuple[list[BaseException], bool]:
 def test_a_second_thread_in_a_runners_replay_is_refused() -> None:
     errors, exact = replay_from_a_second_thread()
     assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
-    assert re.search(r"EagerRunner.replay is already running", str(errors[0]))
+    assert re.search(r"GraphRunner.replay is already running", str(errors[0]))
     assert exact

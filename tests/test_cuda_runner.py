@@ -104,10 +104,17 @@ def test_compiled_forward_matches_eager_on_the_reference_model(label: str):
 def test_cuda_runner_refuses_inductor_cuda_graph_modes(mode: str):
     with pytest.raises(ValueError, match=f"compile_mode='{mode}' turns on inductor's own"):
         create_runner(
-            "cuda", lambda v: v, decode_buffer_specs(), max_bs=2, compile=True, compile_mode=mode
+            lambda v: v,
+            decode_buffer_specs(),
+            max_bs=2,
+            compile=True,
+            compile_mode=mode,
+            kind="cuda",
         )
     with pytest.raises(ValueError, match="apply only with compile=True"):
-        create_runner("cuda", lambda v: v, decode_buffer_specs(), max_bs=2, compile_mode="default")
+        create_runner(
+            lambda v: v, decode_buffer_specs(), max_bs=2, compile_mode="default", kind="cuda"
+        )
 
 
 def test_cuda_runner_refuses_without_a_device():

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrunner import FutureMap, GraphRunner, decode_buffer_specs
+from graphrunner import FutureMap, GraphRunner, create_runner, decode_buffer_specs
 from graphrunner.declare.buffers import BufferView, StaticBuffers
-from graphrunner.mechanisms import EagerCapture
+from graphrunner.mechanisms import MECHANISMS, CaptureMechanism, EagerCapture
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.testing import ToyWorld
 from graphrunner.writers import PopulateError
@@ -28,6 +28,8 @@ SIZES = [1, 2, 4, 8]
 class FusedEager(EagerCapture):
     """The eager mechanism with the fused writer (``populate="fused"``)."""
 
+    kind = "fused-eager"
+
     def bind_buffers(self, buffers: StaticBuffers) -> None:
         self.populate_writer = FusedPopulate(buffers, block=32)
 
@@ -35,6 +37,8 @@ class FusedEager(EagerCapture):
 class InGraphEager(EagerCapture):
     """The eager mechanism run as ``CudaGraphCapture(populate="graph")`` runs:
     the kernel is part of each size's step, the launcher stages nothing."""
+
+    kind = "in-graph-eager"
 
     def bind_buffers(self, buffers: StaticBuffers) -> None:
         self.writer = InGraphPopulate(buffers, block=32)
@@ -57,16 +61,20 @@ class InGraphEager(EagerCapture):
         return launch  # type: ignore[return-value]
 
 
-def _runner(world: ToyWorld, mechanism: object, future: FutureMap | None = None) -> GraphRunner:
-    runner = GraphRunner(
-        world.model,
-        decode_buffer_specs(future=future is not None),
-        device="cpu",
-        mechanism=mechanism,  # type: ignore[arg-type]
-        capture_sizes=SIZES,
-        future_map=future,
-        show_progress=False,
-    )
+def _runner(
+    world: ToyWorld, mechanism: type[CaptureMechanism], future: FutureMap | None = None
+) -> GraphRunner:
+    with pytest.MonkeyPatch.context() as patch:  # a mechanism kind of the tests' own
+        patch.setitem(MECHANISMS, mechanism.kind, mechanism)
+        runner = create_runner(
+            world.model,
+            decode_buffer_specs(future=future is not None),
+            kind=mechanism.kind,
+            device="cpu",
+            capture_sizes=SIZES,
+            future_map=future,
+            show_progress=False,
+        )
     runner.capture()
     return runner
 
@@ -74,7 +82,7 @@ def _runner(world: ToyWorld, mechanism: object, future: FutureMap | None = None)
 @pytest.mark.parametrize("mechanism", [FusedEager, InGraphEager])
 def test_every_raw_size_equals_the_torch_populate_runner(mechanism: type):
     world = ToyWorld()
-    fused, reference = _runner(world, mechanism()), _runner(world, EagerCapture())
+    fused, reference = _runner(world, mechanism), _runner(world, EagerCapture)
     for raw_bs in range(1, 9):
         batch = world.make_batch(raw_bs, seed=raw_bs)
         for runner in (fused, reference):
@@ -94,7 +102,7 @@ def test_every_raw_size_equals_the_torch_populate_runner(mechanism: type):
 
 def test_a_bare_relaunch_stages_an_empty_table():
     world = ToyWorld()
-    runner = _runner(world, InGraphEager())
+    runner = _runner(world, InGraphEager)
     runner.replay(world.make_batch(3, seed=1))
     for t in runner.buffers.tensors.values():
         t[:4].fill_(1)
@@ -109,8 +117,8 @@ def test_future_references_are_resolved_by_the_kernel(mechanism: type):
     world = ToyWorld()
     future = FutureMap(world.req_pool.req_to_token.shape[0], "cpu")
     runners = {
-        "fused": _runner(world, mechanism(), future),
-        "torch": _runner(world, EagerCapture(), future),
+        "fused": _runner(world, mechanism, future),
+        "torch": _runner(world, EagerCapture, future),
     }
     batch = world.make_batch(3, seed=5)
     rows = batch.req_pool_indices_cpu.tolist()
@@ -125,7 +133,7 @@ def test_future_references_are_resolved_by_the_kernel(mechanism: type):
 @pytest.mark.parametrize("mechanism", [FusedEager, InGraphEager])
 def test_a_bad_input_is_refused_before_the_writer_stages_anything(mechanism: type):
     world = ToyWorld()
-    runner = _runner(world, mechanism())
+    runner = _runner(world, mechanism)
     batch = world.make_batch(3, seed=2)
     batch.positions = batch.positions.to(torch.int32)
     writer = runner.mechanism.populate_writer

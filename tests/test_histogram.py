@@ -9,8 +9,7 @@ import warnings
 
 import pytest
 
-from graphrunner import decode_buffer_specs
-from graphrunner.core import EagerRunner
+from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.sizing.histogram import BatchSizeHistogram, HistogramFileError, read_histogram
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
@@ -19,8 +18,13 @@ from test_engine import _engine, _trace
 
 def test_runner_counts_each_replay_by_raw_size_eager_fallbacks_included():
     world = ToyWorld()
-    runner = EagerRunner(
-        world.model, decode_buffer_specs(), device="cpu", capture_sizes=[2, 4], show_progress=False
+    runner = create_runner(
+        world.model,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[2, 4],
+        show_progress=False,
+        kind="eager",
     )
     runner.capture()
     for bs in (3, 1, 3, 4):

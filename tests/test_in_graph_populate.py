@@ -117,7 +117,7 @@ def test_the_in_graph_kernel_resolves_future_references():
 def test_the_cpu_runners_refuse_the_populate_option_by_name(kind: str):
     world = ToyWorld()
     with pytest.raises(TypeError, match="populate='fused'"):
-        create_runner(kind, world.model, decode_buffer_specs(), device="cpu", populate="fused")
+        create_runner(world.model, decode_buffer_specs(), device="cpu", populate="fused", kind=kind)
 
 
 @pytest.mark.cuda

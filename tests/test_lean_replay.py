@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import graphrunner
-from graphrunner import BufferSpec, PadRule, decode_buffer_specs
+from graphrunner import BufferSpec, GraphRunner, PadRule, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core import EagerRunner
 from graphrunner.declare.sealed import is_sealed_inputs, is_sealed_type
 from graphrunner.testing import ToyWorld
 
@@ -23,14 +22,15 @@ POISON = -5
 PACKAGE = pathlib.Path(graphrunner.__file__).parent
 
 
-def _runner(world: ToyWorld, backend: object = None, **specs: bool) -> EagerRunner:
-    runner = EagerRunner(
+def _runner(world: ToyWorld, backend: object = None, **specs: bool) -> GraphRunner:
+    runner = create_runner(
         world.model,
         decode_buffer_specs(**specs),
         device="cpu",
         capture_sizes=[1, 2, 4, 8],
         backend=backend,  # type: ignore[arg-type]
         show_progress=False,
+        kind="eager",
     )
     runner.capture()
     return runner
@@ -154,13 +154,14 @@ def test_a_backend_missing_a_required_hook_is_refused_at_construction(missing: s
         "HalfBackend", (), {k: v for k, v in vars(_OldBackend).items() if k != missing}
     )
     with pytest.raises(TypeError, match=rf"backend HalfBackend does not define {missing}"):
-        EagerRunner(
+        create_runner(
             lambda b: b.input_ids,
             decode_buffer_specs(),
             device="cpu",
             max_bs=2,
             backend=incomplete(),  # type: ignore[arg-type]
             show_progress=False,
+            kind="eager",
         )
 
 
@@ -170,10 +171,14 @@ def test_the_backend_fill_is_declared_by_the_spec_not_its_name():
 
     flagged = BufferSpec("lens", torch.int64, PadRule.FILL, fill_value=1, backend_fill=True)
     with pytest.raises(ValueError, match="lens fill_value 1 differs from the backend's"):
-        EagerRunner(lambda b: b.lens, [flagged], device="cpu", max_bs=2, backend=Backend())
+        create_runner(
+            lambda b: b.lens, [flagged], device="cpu", max_bs=2, backend=Backend(), kind="eager"
+        )
     # A seq_lens of another meaning, not flagged, keeps its own fill.
     plain = BufferSpec("seq_lens", torch.int64, PadRule.FILL, fill_value=1)
-    EagerRunner(lambda b: b.seq_lens, [plain], device="cpu", max_bs=2, backend=Backend())
+    create_runner(
+        lambda b: b.seq_lens, [plain], device="cpu", max_bs=2, backend=Backend(), kind="eager"
+    )
     assert [s.name for s in decode_buffer_specs(host_seq_lens=True) if s.backend_fill] == [
         "seq_lens",
         "seq_lens_cpu",

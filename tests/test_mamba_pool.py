@@ -209,8 +209,8 @@ def test_the_runner_runs_recorded_ops_once_before_the_forward(kind: str) -> None
     m = p.mamba_pool
     specs = decode_buffer_specs(mamba=True)
     opts: dict[str, Any] = {"device": "cpu", "capture_sizes": [2], "show_progress": False}
-    runner = create_runner(kind, _state_forward(m), specs, state_ops=p, **opts)
-    draft = create_runner("eager", _state_forward(m), specs, state_ops=p, **opts)
+    runner = create_runner(_state_forward(m), specs, state_ops=p, **opts, kind=kind)
+    draft = create_runner(_state_forward(m), specs, state_ops=p, **opts, kind="eager")
     runner.capture()
     draft.capture()
     m.conv_state.fill_(5.0)
@@ -238,7 +238,9 @@ def test_the_runner_runs_recorded_ops_once_before_the_forward(kind: str) -> None
     runner.replay(_Step(p, kid))
     assert m.num_pending == 0 and runner.state_ops_run == 3
     with pytest.raises(TypeError, match="state_ops"):
-        create_runner("eager", _state_forward(m), specs, device="cpu", max_bs=1, state_ops=object())
+        create_runner(
+            _state_forward(m), specs, device="cpu", max_bs=1, state_ops=object(), kind="eager"
+        )
 
 
 def test_mamba_fields_are_a_declaration_option() -> None:

@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, make_runner
-from graphrunner import CpuGraphRunner, GraphRunner, create_runner, decode_buffer_specs
+from graphrunner import (
+    CpuGraphRunner,
+    create_runner,
+    decode_buffer_specs,
+    decode_phase,
+)
+from graphrunner.core import RunnerOptions
 from graphrunner.declare.buffers import BufferView
-from graphrunner.mechanisms import CaptureMechanism, EagerCapture, InductorCapture, create_mechanism
+from graphrunner.mechanisms import EagerCapture, InductorCapture
 from graphrunner.mechanisms.compile import inductor_patches
 from graphrunner.mechanisms.cuda_graph import pool_bytes
 from graphrunner.testing import ToyWorld
@@ -99,60 +105,53 @@ def test_pool_bytes_counts_only_the_pools_segments_on_its_device():
     assert pool_bytes(segments, pool, 0) == 6 << 20
 
 
-def test_a_runner_composes_a_mechanism_by_object_or_name():
+def test_the_kind_picks_the_mechanism_and_the_device_its_default():
     world = ToyWorld()
     specs = decode_buffer_specs()
-    by_name = GraphRunner(world.model, specs, device="cpu", mechanism="eager", max_bs=2)
-    assert isinstance(by_name.mechanism, EagerCapture) and by_name.kind == "eager"
-    inductor = InductorCapture()
-    by_object = GraphRunner(world.model, specs, device="cpu", mechanism=inductor, max_bs=2)
-    assert by_object.mechanism is inductor and by_object.kind == "cpu"
-    default = GraphRunner(world.model, specs, device="cpu", max_bs=2)
+    by_kind = create_runner(world.model, specs, device="cpu", kind="eager", max_bs=2)
+    assert isinstance(by_kind.mechanism, EagerCapture) and by_kind.kind == "eager"
+    default = create_runner(world.model, specs, device="cpu", max_bs=2)
     assert isinstance(default.mechanism, InductorCapture)  # CPU device: inductor programs
-    with pytest.raises(ValueError, match="unknown runner kind 'tpu'"):
-        GraphRunner(world.model, specs, device="cpu", mechanism="tpu", max_bs=2)
-    with pytest.raises(TypeError, match="mechanism=3; expected a CaptureMechanism"):
-        GraphRunner(world.model, specs, device="cpu", mechanism=3, max_bs=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kind='tpu'; expected one of"):
+        create_runner(world.model, specs, device="cpu", kind="tpu", max_bs=2)
+    with pytest.raises(TypeError, match=r"unknown runner option\(s\) \['mechanism'\]"):
+        create_runner(world.model, specs, device="cpu", mechanism="eager", max_bs=2)
 
 
-def test_a_phase_runner_is_one_class_on_every_mechanism():
+def test_a_phase_runs_on_every_mechanism_through_one_constructor():
     """A phase declares its buffers, outputs and forward once; the mechanism
-    is a constructor argument, not a subclass."""
-
-    class ToyDecodeRunner(GraphRunner):
-        def __init__(self, world: ToyWorld, mechanism: str | CaptureMechanism) -> None:
-            super().__init__(
-                world.model,
-                decode_buffer_specs(),
-                device=world.device,
-                mechanism=mechanism,
-                capture_sizes=[2, 4],
-                show_progress=False,
-            )
-
+    is an option of the one constructor, not a subclass."""
     world = ToyWorld()
     batch = world.make_batch(3, seed=4)
     expected, _ = world.eager_reference(batch)
-    for mechanism in ("eager", "cpu"):
-        runner = ToyDecodeRunner(world, mechanism)
+    phase = decode_phase(world.model)
+    for kind in ("eager", "cpu"):
+        runner = create_runner(
+            phase, kind=kind, device=world.device, capture_sizes=[2, 4], show_progress=False
+        )
         runner.capture()
         torch.testing.assert_close(runner.replay(batch), expected)
-        assert runner.kind == mechanism
+        assert runner.kind == kind
 
 
 def test_options_of_another_mechanism_are_named():
     with pytest.raises(TypeError, match="runner kind 'eager' takes no option compile=True"):
-        create_mechanism("eager", compile=True)
+        RunnerOptions(kind="eager", compile=True)
     with pytest.raises(TypeError, match="runner kind 'cpu' takes no option compile=True"):
         create_runner(
-            "cpu", ToyWorld().model, decode_buffer_specs(), device="cpu", max_bs=2, compile=True
+            ToyWorld().model,
+            decode_buffer_specs(),
+            device="cpu",
+            max_bs=2,
+            compile=True,
+            kind="cpu",
         )
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
 def test_cuda_mechanism_refuses_without_a_device():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        create_runner("cuda", ToyWorld().model, decode_buffer_specs(), max_bs=2, compile=True)
+        create_runner(ToyWorld().model, decode_buffer_specs(), max_bs=2, compile=True, kind="cuda")
 
 
 def test_one_program_gives_the_per_size_programs_tokens_at_every_size():

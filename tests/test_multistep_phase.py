@@ -14,9 +14,8 @@ import torch
 from sampled_rows import sampling_rows
 
 from conftest import MECHANISMS, SLOW, runner_device
-from graphrunner import GraphRunner
+from graphrunner import GraphRunner, create_runner
 from graphrunner.declare.hooks import NullBackend
-from graphrunner.mechanisms import create_mechanism
 from graphrunner.phases import SpecBatch
 from graphrunner.phases.multistep import multistep_phase
 from graphrunner.phases.sampled import SampledInputs
@@ -52,12 +51,13 @@ class MultiStep:
             sampling=sampling,
             logprobs=logprobs,
         )
-        self.runner = GraphRunner.from_phase(
+        self.runner = create_runner(
             phase,
+            kind=kind,
+            **options,
             device=w.device,
             capture_sizes=SIZES,
             show_progress=False,
-            mechanism=create_mechanism(kind, **options),
             sanitizer=PaddingSanitizer.for_pools(b.req_pool, b.kv_cache, kv_allocator=b.kv_alloc),
         )
         self.runner.capture()

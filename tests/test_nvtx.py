@@ -22,13 +22,17 @@ def test_replay_ranges_appear_in_a_torch_profiler_trace(captured_toy: CapturedTo
 
 
 def test_capture_ranges_per_size():
-    from graphrunner import decode_buffer_specs
-    from graphrunner.core import EagerRunner
+    from graphrunner import create_runner, decode_buffer_specs
     from graphrunner.testing import ToyWorld
 
     world = ToyWorld()
-    runner = EagerRunner(
-        world.model, decode_buffer_specs(), device="cpu", capture_sizes=[2, 4], show_progress=False
+    runner = create_runner(
+        world.model,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[2, 4],
+        show_progress=False,
+        kind="eager",
     )
     with profile() as prof:
         runner.capture()

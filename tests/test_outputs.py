@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from conftest import RUNNER_PARAMS, make_runner, runner_device
-from graphrunner import BufferSpec, GraphRunner, OutputSpec, PadRule
-from graphrunner.core import EagerRunner
+from graphrunner import BufferSpec, GraphRunner, OutputSpec, PadRule, create_runner
 from graphrunner.declare import OutputDeclarationError
 from graphrunner.declare.buffers import BufferView
 
@@ -107,14 +106,15 @@ def test_declared_outputs_replay_padded_with_the_live_slices(
     assert draft_runner.buffers.tensors["accept_lens"][raw_bs:bs].tolist() == [W] * (bs - raw_bs)
 
 
-def capture_with(forward: object, outputs: object = None) -> EagerRunner:
-    runner = EagerRunner(
+def capture_with(forward: object, outputs: object = None) -> GraphRunner:
+    runner = create_runner(
         forward,  # type: ignore[arg-type]
         specs(),
         device="cpu",
         capture_sizes=SIZES,
         outputs=outputs,  # type: ignore[arg-type]
         show_progress=False,
+        kind="eager",
     )
     runner.capture()
     return runner
@@ -146,8 +146,8 @@ def test_a_mismatching_declaration_is_a_clear_error_at_capture(outputs: object, 
 
 
 def test_a_failed_declaration_check_leaves_nothing_captured():
-    runner = EagerRunner(
-        draft_forward, specs(), device="cpu", capture_sizes=SIZES, show_progress=False
+    runner = create_runner(
+        draft_forward, specs(), device="cpu", capture_sizes=SIZES, show_progress=False, kind="eager"
     )
     with pytest.raises(OutputDeclarationError):
         runner.capture()

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
-from graphrunner import decode_buffer_specs
-from graphrunner.core import EagerRunner
+from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.declare import StaticBuffers
 from graphrunner.testing import ToyWorld
@@ -120,7 +119,6 @@ def create_runner_with_future(
     from graphrunner import create_runner
 
     runner = create_runner(
-        kind,
         world.model,
         decode_buffer_specs(future=True),
         device=world.device,
@@ -128,6 +126,7 @@ def create_runner_with_future(
         show_progress=False,
         future_map=future,
         **options,
+        kind=kind,
     )
     runner.capture()
     return runner
@@ -187,7 +186,9 @@ def test_a_cut_overlap_run_frees_the_step_it_prepared():
 
 def test_the_overlap_engine_needs_a_future_map():
     bundle = default_model(max_requests=2, max_context_len=60)
-    runner = EagerRunner(bundle.model.forward_decode, decode_buffer_specs(), device="cpu", max_bs=2)
+    runner = create_runner(
+        bundle.model.forward_decode, decode_buffer_specs(), device="cpu", max_bs=2, kind="eager"
+    )
     with pytest.raises(ValueError, match="the runner has no future map"):
         Engine(bundle, runner, overlap=True)
 

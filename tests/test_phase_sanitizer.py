@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import GraphRunner
+from graphrunner import GraphRunner, create_runner
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.phases import (
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
     SpecBatch,
-    TargetVerifyRunner,
     frozen_kv_sanitizer,
+    verify_phase,
 )
 from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
 from spec_world import SpecWorld
@@ -37,7 +37,7 @@ def _runner(
         "device": world.device,
         "capture_sizes": list(sizes),
         "show_progress": False,
-        "mechanism": "eager",
+        "kind": "eager",
     }
     if phase == "mtp":
         sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache, vocab_size=vocab_size)
@@ -48,7 +48,7 @@ def _runner(
             b.req_pool, kv, kv_allocator=b.kv_alloc, vocab_size=vocab_size
         )
         if phase == "verify":
-            runner = TargetVerifyRunner(world.model, W, sanitizer=sanitizer, **common)
+            runner = create_runner(verify_phase(world.model, W), sanitizer=sanitizer, **common)
         else:
             runner = EagleDraftExtendRunner(world.eagle, W, sanitizer=sanitizer, **common)
     runner.capture()

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner import DecodeBatch, GraphRunner, OutputSpec
-from graphrunner.core import EagerRunner, GraphKey
+from graphrunner import DecodeBatch, OutputSpec, create_runner
+from graphrunner.core import GraphKey
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
@@ -25,7 +25,6 @@ from graphrunner.declare.hooks import NullBackend
 from graphrunner.phases import (
     Phase,
     SpecBatch,
-    TargetVerifyRunner,
     decode_phase,
     eagle_draft_decode_phase,
     eagle_draft_extend_phase,
@@ -161,27 +160,14 @@ def _verify_inputs(world: SpecWorld, bs: int, width: int) -> SpecBatch:
     )
 
 
-def test_from_phase_equals_the_named_binding() -> None:
-    world = SpecWorld()
-    common = {"device": "cpu", "capture_sizes": [2], "show_progress": False}
-    named = TargetVerifyRunner(world.model, 3, mechanism="eager", **common)
-    composed = EagerRunner.from_phase(verify_phase(world.model, 3), **common)
-    assert isinstance(composed, EagerRunner) and composed.width == named.width == 3
-    assert named.buffers.specs == composed.buffers.specs
-    named.capture()
-    composed.capture()
-    inputs = _verify_inputs(world, 2, 3)
-    state = world.state()
-    a = {k: v.clone() for k, v in named.replay(inputs).items()}
-    world.restore(state)
-    b = composed.replay(inputs)
-    assert torch.equal(a["logits"], b["logits"]) and torch.equal(a["hidden"], b["hidden"])
-
-
 def test_a_batch_of_another_width_runs_eagerly() -> None:
     world = SpecWorld()
-    runner = TargetVerifyRunner(
-        world.model, 3, device="cpu", capture_sizes=[2], show_progress=False, mechanism="eager"
+    runner = create_runner(
+        verify_phase(world.model, 3),
+        device="cpu",
+        capture_sizes=[2],
+        show_progress=False,
+        kind="eager",
     )
     runner.capture()
     with warnings.catch_warnings(record=True) as caught:
@@ -196,7 +182,7 @@ def test_a_batch_of_another_width_runs_eagerly() -> None:
 def test_width_needs_a_buffer_of_that_many_rows() -> None:
     phase = Phase("decode", lambda b: b.input_ids, tuple(DECODE_FIELDS))
     with pytest.raises(ValueError, match="width=2; expected a device buffer of rows_per_request=2"):
-        GraphRunner(**{**phase.runner_args(), "width": 2}, device="cpu", capture_sizes=[1])
+        create_runner(dataclasses.replace(phase, width=2), device="cpu", capture_sizes=[1])
 
 
 def test_each_phase_input_protocol_mirrors_its_buffers() -> None:
@@ -220,11 +206,9 @@ def test_per_token_fields_name_decode_fields() -> None:
 
 def test_captures_are_keyed_by_size_and_tokens_per_row() -> None:
     w = SpecWorld()
-    common: dict[str, Any] = {"device": w.device, "mechanism": "eager", "show_progress": False}
-    verify = GraphRunner.from_phase(verify_phase(w.model, 3), capture_sizes=[2, 4], **common)
-    decode = GraphRunner.from_phase(
-        decode_phase(lambda b: b.input_ids), capture_sizes=[1, 4], **common
-    )
+    common: dict[str, Any] = {"device": w.device, "kind": "eager", "show_progress": False}
+    verify = create_runner(verify_phase(w.model, 3), capture_sizes=[2, 4], **common)
+    decode = create_runner(decode_phase(lambda b: b.input_ids), capture_sizes=[1, 4], **common)
     assert verify.graph_keys == decode.graph_keys == []  # nothing before capture
     verify.capture()
     decode.capture()
@@ -238,7 +222,7 @@ def test_a_sampled_decode_phase_adds_the_sampling_buffers_and_picks_tokens() -> 
         bundle.model.forward_decode, backend=bundle.model.attn_backend, sampling=True
     )
     assert [s.name for s in phase.specs][-5:] == list(SAMPLING_FIELD_NAMES)
-    runner = GraphRunner.from_phase(phase, device="cpu", mechanism="eager", capture_sizes=[4])
+    runner = create_runner(phase, device="cpu", kind="eager", capture_sizes=[4])
     runner.capture()
     rows = bundle.req_pool.alloc(3)
     batch = DecodeBatch.from_requests(

@@ -227,12 +227,16 @@ def test_failed_populate_writes_nothing(bufs: StaticBuffers):
 def test_only_populate_writes_pad_values(monkeypatch: pytest.MonkeyPatch):
     """Replace populate by a copy-only version: if any other code (runner,
     replay, backend hook) wrote a pad value, the sentinel tail would change."""
-    from graphrunner import decode_buffer_specs
-    from graphrunner.core import EagerRunner
+    from graphrunner import create_runner, decode_buffer_specs
 
     world = ToyWorld()
-    runner = EagerRunner(
-        world.model, decode_buffer_specs(), device="cpu", capture_sizes=[8], show_progress=False
+    runner = create_runner(
+        world.model,
+        decode_buffer_specs(),
+        device="cpu",
+        capture_sizes=[8],
+        show_progress=False,
+        kind="eager",
     )
     runner.capture()
     # A valid index everywhere (so the forward still runs) that is no pad value

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from conftest import make_runner
-from graphrunner import decode_buffer_specs
-from graphrunner.core import EagerRunner
+from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 from graphrunner.writers import PopulateError
@@ -113,12 +112,13 @@ def test_host_mirrors_are_checked_before_anything_is_written(
     mirror: str, value: object, message: str, raw_bs_path: str
 ):
     world = ToyWorld()
-    runner = EagerRunner(
+    runner = create_runner(
         world.model,
         decode_buffer_specs(),
         device="cpu",
         capture_sizes=[1 if raw_bs_path == "eager fallback" else 2],
         show_progress=False,
+        kind="eager",
     )
     runner.capture()
     inputs = _toy_batch_fields(world, 2)

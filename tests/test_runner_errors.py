@@ -11,34 +11,39 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import NotCapturedError, decode_buffer_specs
+from graphrunner import GraphRunner, NotCapturedError, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core import EagerRunner
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
 from graphrunner.writers.base import PopulateError
 
 
-def make(forward: object, sizes: list[int]) -> EagerRunner:
-    return EagerRunner(
+def make(forward: object, sizes: list[int]) -> GraphRunner:
+    return create_runner(
         forward,
         decode_buffer_specs(),
         device="cpu",
         capture_sizes=sizes,  # type: ignore[arg-type]
         show_progress=False,
+        kind="eager",
     )
 
 
 def test_bad_construction():
-    with pytest.raises(TypeError, match="forward must be callable, got int"):
+    with pytest.raises(TypeError, match="step must be a Phase or a callable forward, got int"):
         make(3, [1])
     with pytest.raises(ValueError, match="at least one static buffer"):
-        EagerRunner(lambda v: v, [], device="cpu", capture_sizes=[1])
+        create_runner(lambda v: v, [], device="cpu", capture_sizes=[1], kind="eager")
     with pytest.raises(ValueError, match="give capture_sizes or max_bs"):
-        EagerRunner(lambda v: v, decode_buffer_specs(), device="cpu")
+        create_runner(lambda v: v, decode_buffer_specs(), device="cpu", kind="eager")
     with pytest.raises(ValueError, match="max_bs=8 disagrees with the largest capture size 4"):
-        EagerRunner(
-            lambda v: v, decode_buffer_specs(), device="cpu", capture_sizes=[1, 4], max_bs=8
+        create_runner(
+            lambda v: v,
+            decode_buffer_specs(),
+            device="cpu",
+            capture_sizes=[1, 4],
+            max_bs=8,
+            kind="eager",
         )
 
 

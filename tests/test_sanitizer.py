@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from conftest import CapturedToy
-from graphrunner import BufferSpec, PadRule, decode_buffer_specs
+from graphrunner import BufferSpec, GraphRunner, PadRule, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core import EagerRunner
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.sanitizer.padding import PaddingSanitizer, PaddingViolation
 from graphrunner.testing import ToyWorld
@@ -25,13 +24,14 @@ RAW_BS = 5  # padded to 8
 
 def sanitized_eager(world: ToyWorld, forward: object, specs: list[BufferSpec] | None = None):
     """A captured eager runner over ``world`` with the sanitizer on."""
-    runner = EagerRunner(
+    runner = create_runner(
         forward,  # type: ignore[arg-type]
         specs or decode_buffer_specs(),
         device="cpu",
         capture_sizes=[8],
         show_progress=False,
         sanitizer=PaddingSanitizer.for_pools(world.req_pool, world.kv),
+        kind="eager",
     )
     runner.capture()
     return runner
@@ -350,21 +350,22 @@ class CountingForward:
         return self.world.model(b)
 
 
-def value_checked_runner(world: ToyWorld, forward: CountingForward) -> EagerRunner:
+def value_checked_runner(world: ToyWorld, forward: CountingForward) -> GraphRunner:
     sanitizer = PaddingSanitizer.for_pools(world.req_pool, world.kv, kv_allocator=world.kv_alloc)
-    runner = EagerRunner(
+    runner = create_runner(
         forward,  # type: ignore[arg-type]
         decode_buffer_specs(),
         device="cpu",
         capture_sizes=[4, 8],
         sanitizer=sanitizer,
         show_progress=False,
+        kind="eager",
     )
     runner.capture()
     return runner
 
 
-def replay_quietly(runner: EagerRunner, batch: DecodeBatch) -> torch.Tensor:
+def replay_quietly(runner: GraphRunner, batch: DecodeBatch) -> torch.Tensor:
     with warnings.catch_warnings():  # the eager fallback's warning is not under test
         warnings.simplefilter("ignore", RuntimeWarning)
         return runner.replay(batch)

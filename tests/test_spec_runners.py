@@ -14,12 +14,12 @@ import torch
 from sampled_rows import sampled_verify_inputs
 
 from conftest import RUNNER_PARAMS, SLOW, make_runner, runner_device
-from graphrunner import GraphRunner
+from graphrunner import GraphRunner, create_runner
 from graphrunner.phases import (
     EagleDraftExtendRunner,
     FrozenKvMtpRunner,
-    TargetVerifyRunner,
     frozen_kv_sanitizer,
+    verify_phase,
 )
 from graphrunner.phases.verify import rejection_forward
 from graphrunner.sanitizer.padding import PaddingSanitizer
@@ -40,15 +40,16 @@ class Phase:
             "device": self.world.device,
             "capture_sizes": SIZES,
             "show_progress": False,
-            "mechanism": _mechanism(kind, options),
+            "kind": kind,
+            **options,
             "sanitizer": self._sanitizer(),
         }
         w = self.world
         if phase == "verify":
-            self.runner: GraphRunner = TargetVerifyRunner(w.model, W, **common)
+            self.runner: GraphRunner = create_runner(verify_phase(w.model, W), **common)
             self.forward: Callable[[Any], Any] = w.model.forward_tokens
         elif phase == "sampled_verify":
-            self.runner = TargetVerifyRunner(w.model, W, sampling=True, **common)
+            self.runner = create_runner(verify_phase(w.model, W, sampling=True), **common)
             self.forward = rejection_forward(w.model.forward_tokens, W)
         elif phase == "eagle":
             self.runner = EagleDraftExtendRunner(w.eagle, W, **common)
@@ -75,12 +76,6 @@ class Phase:
         if self.phase == "eagle":
             return w.eagle_inputs(requests, W, seed)
         return w.mtp_inputs(requests, seed)
-
-
-def _mechanism(kind: str, options: dict[str, Any]) -> Any:
-    from graphrunner.mechanisms import create_mechanism
-
-    return create_mechanism(kind, **options)
 
 
 def _label(param: Any) -> str:

@@ -16,7 +16,6 @@ from test_sampling_distribution import chi_square_critical
 
 from conftest import SLOW
 from graphrunner.core.runner import GraphRunner
-from graphrunner.mechanisms import create_mechanism
 from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
 from graphrunner.phases.sampled import SampledInputs
 from graphrunner.sampling import SamplingParams, filtered_probs, sampling_tensors
@@ -205,7 +204,7 @@ def test_the_sampled_mtp_loop_draws_as_its_eager_forward_at_a_padded_size():
         device=world.device,
         capture_sizes=[4],
         show_progress=False,
-        mechanism=create_mechanism("eager"),
+        kind="eager",
         sanitizer=frozen_kv_sanitizer(b.req_pool, b.kv_cache),
     )
     runner.capture()

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import decode_buffer_specs
+from graphrunner import GraphRunner, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.core import EagerRunner
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 from graphrunner.writers import PopulateError
@@ -20,19 +19,20 @@ from graphrunner.writers import PopulateError
 FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions")
 
 
-def _runner(world: ToyWorld, sanitized: bool = False) -> EagerRunner:
+def _runner(world: ToyWorld, sanitized: bool = False) -> GraphRunner:
     sanitizer = None
     if sanitized:
         sanitizer = PaddingSanitizer.for_pools(
             world.req_pool, world.kv, kv_allocator=world.kv_alloc
         )
-    runner = EagerRunner(
+    runner = create_runner(
         world.model,
         decode_buffer_specs(),
         device="cpu",
         capture_sizes=[4],
         sanitizer=sanitizer,
         show_progress=False,
+        kind="eager",
     )
     runner.capture()
     return runner
@@ -44,7 +44,7 @@ def _foreign(batch: DecodeBatch) -> SimpleNamespace:
     return SimpleNamespace(batch_size=batch.batch_size, **{n: getattr(batch, n) for n in names})
 
 
-def _assert_unchanged(runner: EagerRunner, before: dict[str, torch.Tensor]) -> None:
+def _assert_unchanged(runner: GraphRunner, before: dict[str, torch.Tensor]) -> None:
     for name, t in runner.buffers.tensors.items():
         assert torch.equal(t, before[name]), f"{name} written"
 

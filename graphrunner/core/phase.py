@@ -5,24 +5,13 @@ and a mechanism make a runner (:func:`graphrunner.create_runner`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
 
 from graphrunner.declare.buffers import BufferSpec, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
 
-__all__ = ["Phase", "PhaseArgs"]
-
-
-class PhaseArgs(TypedDict):
-    """The :class:`~graphrunner.GraphRunner` arguments a :class:`Phase` fixes."""
-
-    forward: ForwardFn
-    specs: tuple[BufferSpec, ...]
-    outputs: OutputsDecl | None
-    backend: BaseGraphBackend | None
-    width: int | None
+__all__ = ["Phase"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +39,3 @@ class Phase:
     def __post_init__(self) -> None:
         if self.width is not None:
             check_width("width", self.width)
-
-    def runner_args(self) -> PhaseArgs:
-        """The runner arguments this phase fixes (the mechanism's are the caller's)."""
-        return PhaseArgs(
-            forward=self.forward,
-            specs=self.specs,
-            outputs=self.outputs,
-            backend=self.backend,
-            width=self.width,
-        )

@@ -9,16 +9,14 @@ prepared, captured and launched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from threading import get_ident
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphrunner.core.capture import capture_all
-from graphrunner.core.future_map import FutureMap
 from graphrunner.core.input_check import InputGate
 from graphrunner.core.observers import Observers, StepObserver
+from graphrunner.core.options import RunnerOptions
 from graphrunner.core.phase import Phase
 from graphrunner.core.replay import (
     Graph,
@@ -30,15 +28,14 @@ from graphrunner.core.replay import (
 from graphrunner.core.runner_setup import (
     check_fill_matches_backend,
     graph_table,
-    resolve_mechanism,
     resolve_sizes,
     width_field,
     width_reason,
 )
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
-from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend, as_graph_backend
-from graphrunner.declare.outputs import OutputLayout, Outputs, OutputsDecl
-from graphrunner.declare.state_ops import StateOps, check_state_ops, run_state_ops
+from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.hooks import GraphBackend, NullBackend, as_graph_backend
+from graphrunner.declare.outputs import OutputLayout, Outputs
+from graphrunner.declare.state_ops import check_state_ops, run_state_ops
 from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.mechanisms import CaptureMechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
@@ -52,80 +49,43 @@ from graphrunner.util.exclusive import Exclusive
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
 
-if TYPE_CHECKING:
-    from typing import Self
-
 __all__ = ["ForwardFn", "GraphRunner", "Launcher", "Outputs"]
 
 
 class GraphRunner:
-    """Captures ``forward`` at fixed batch sizes; replays any smaller batch padded.
+    """Captures a phase's forward at fixed batch sizes; replays any smaller
+    batch padded. Build one with :func:`graphrunner.create_runner`.
 
     Args:
-        forward: the phase's step; called with a :class:`~graphrunner.BufferView`
-            whose attributes are the declared buffers' rows for ``bs``
-            requests (a buffer of ``r`` rows per request shows ``bs * r``).
-            Returns a tensor, a dict of tensors or a tuple of tensors.
-        specs: the static buffers and their pad rules, e.g.
-            :func:`graphrunner.decode_buffer_specs`.
-        device: where the buffers live.
-        mechanism: how sizes are captured: a
-            :class:`~graphrunner.mechanisms.CaptureMechanism`, or a kind
-            (``"cuda"``, ``"cpu"``, ``"eager"``); default CUDA graphs on a
-            CUDA device, inductor programs elsewhere.
-        outputs: the outputs' layouts (:class:`~graphrunner.OutputSpec`: one
-            for all, or per dict key, or per tuple element); default batch
-            axis 0, one row per request. Checked at capture.
-        capture_sizes: sorted unique sizes to capture; default
-            :func:`graphrunner.sizing.sizes.default_capture_sizes` of ``max_bs``.
-        max_bs: the largest size (with the default sizes).
-        backend: the attention backend's hooks (default: none needed); one
-            lacking an optional hook (:data:`~graphrunner.declare.hooks.OPTIONAL_HOOKS`)
-            gets its default, one lacking a required hook is a TypeError.
-        sanitizer: a :class:`graphrunner.sanitizer.padding.PaddingSanitizer` checking
-            every replay (a debug mode), or None.
-        future_map: the :class:`~graphrunner.core.future_map.FutureMap` that buffers
-            declared ``future=True`` resolve their references from (overlap
-            scheduling); required exactly with such buffers.
-        show_progress: a progress bar during capture.
-        state_ops: a pool whose recorded state ops (Mamba clears and copies)
-            the runner's pre-launch step runs before every step's forward,
-            graph or eager, on its stream (:mod:`graphrunner.declare.state_ops`).
-        width: tokens per request of the per-token buffers (those of
-            ``rows_per_request == width``), or None; a batch of another width
-            runs eagerly, counted and warned once, like any other fallback.
+        phase: what is captured (:class:`~graphrunner.Phase`): the forward,
+            called with a :class:`~graphrunner.BufferView` whose attributes
+            are the declared buffers' rows for ``bs`` requests (a buffer of
+            ``r`` rows per request shows ``bs * r``); the buffers and their
+            pad rules; the declared outputs (checked at capture); the
+            attention backend's hooks; the tokens per request.
+        options: how (:class:`~graphrunner.core.RunnerOptions`): the
+            mechanism, device, sizes, sanitizer, future map, state ops.
     """
 
-    def __init__(
-        self,
-        forward: ForwardFn,
-        specs: Sequence[BufferSpec],
-        *,
-        device: torch.device | str,
-        mechanism: CaptureMechanism | str | None = None,
-        outputs: OutputsDecl | None = None,
-        capture_sizes: Sequence[int] | None = None,
-        max_bs: int | None = None,
-        backend: BaseGraphBackend | None = None,
-        sanitizer: PaddingSanitizer | None = None,
-        show_progress: bool = True,
-        future_map: FutureMap | None = None,
-        state_ops: StateOps | None = None,
-        width: int | None = None,
-    ) -> None:
-        if not callable(forward):
-            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
-        if not specs:
+    def __init__(self, phase: Phase, options: RunnerOptions) -> None:
+        if not isinstance(phase, Phase):
+            raise TypeError(f"phase={phase!r}; expected a graphrunner.Phase")
+        if not callable(phase.forward):
+            raise TypeError(f"forward must be callable, got {type(phase.forward).__name__}")
+        if not phase.specs:
             raise ValueError("specs must declare at least one static buffer")
-        self.forward = forward
-        self.mechanism: CaptureMechanism = resolve_mechanism(mechanism, device)
-        self.outputs = OutputLayout(outputs)
-        if backend is None:
-            backend = NullBackend()
+        specs, device = phase.specs, options.resolved_device
+        self.phase = phase
+        self.options = options
+        self.forward = phase.forward
+        self.mechanism: CaptureMechanism = options.mechanism()
+        self.outputs = OutputLayout(phase.outputs)
+        backend = NullBackend() if phase.backend is None else phase.backend
         if hasattr(backend, "seq_len_fill_value"):  # else refused as incomplete just below
             check_fill_matches_backend(specs, backend)
         self.backend: GraphBackend = as_graph_backend(backend)
-        self._sizes = resolve_sizes(capture_sizes, max_bs)
+        self._sizes = resolve_sizes(options.capture_sizes, options.max_bs)
+        future_map = options.future_map
         tokens = None if future_map is None else future_map.tokens
         self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
         #: Checks each replay's inputs once (graphrunner.core.input_check).
@@ -136,27 +96,20 @@ class GraphRunner:
         #: Who writes the buffers at replay: the mechanism's writer, or the torch one.
         self.writer: PopulateWriter = self.mechanism.populate_writer or TorchWriter(self.buffers)
         self.captured_state: CapturedState | None = None
-        self.sanitizer = sanitizer  # builds the observers of each replay
-        self.show_progress = show_progress
+        self.sanitizer = options.sanitizer  # builds the observers of each replay
+        self.show_progress = options.show_progress
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
         self._launchers: dict[GraphKey, Launcher] = {}
         self._graph_for: dict[int, Graph] = {}  # raw size -> the graph it replays
         self._warned_fallback = False
-        self.state_ops = check_state_ops(state_ops)
+        self.state_ops = check_state_ops(options.state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
-        self.width = width
+        self.width = phase.width
         self._exclusive = Exclusive(f"{type(self).__name__}.replay")
         # The buffer whose host-side rows tell a batch's width (first per-token one).
-        self._width_field = None if width is None else width_field(specs, width)
-
-    @classmethod
-    def from_phase(cls, phase: Phase, **kwargs: Any) -> Self:
-        """A runner of ``phase`` (:class:`graphrunner.phases.Phase`) on this
-        class's mechanism; ``kwargs`` are the mechanism's and the runner's
-        other arguments (device, sizes, sanitizer, ...)."""
-        return cls(**phase.runner_args(), **kwargs)
+        self._width_field = None if self.width is None else width_field(specs, self.width)
 
     @property
     def kind(self) -> str:

@@ -12,15 +12,12 @@ import torch
 from graphrunner.core.replay import Graph, GraphKey
 from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
-from graphrunner.mechanisms import CaptureMechanism, create_mechanism
 from graphrunner.mechanisms.base import Launcher
 from graphrunner.sizing.sizes import default_capture_sizes, pad_to, validate_capture_sizes
 
 __all__ = [
     "check_fill_matches_backend",
-    "default_mechanism",
     "graph_table",
-    "resolve_mechanism",
     "resolve_sizes",
     "width_field",
     "width_reason",
@@ -56,25 +53,6 @@ def width_field(specs: Sequence[BufferSpec], width: int) -> str:
         if spec.rows_per_request == width and not spec.host:
             return spec.name
     raise ValueError(f"width={width}; expected a device buffer of rows_per_request={width}")
-
-
-def default_mechanism(device: torch.device | str) -> CaptureMechanism:
-    # Where nothing is said: CUDA graphs on a CUDA device, inductor programs elsewhere.
-    return create_mechanism("cuda" if torch.device(device).type == "cuda" else "cpu")
-
-
-def resolve_mechanism(
-    mechanism: CaptureMechanism | str | None, device: torch.device | str
-) -> CaptureMechanism:
-    """The runner's ``mechanism`` argument as a mechanism: a kind is created,
-    None is the device's default; anything else is a TypeError."""
-    if isinstance(mechanism, str):
-        return create_mechanism(mechanism)
-    if mechanism is None:
-        return default_mechanism(device)
-    if not isinstance(mechanism, CaptureMechanism):
-        raise TypeError(f"mechanism={mechanism!r}; expected a CaptureMechanism, a kind or None")
-    return mechanism
 
 
 def width_reason(inputs: object, field: str | None, width: int | None, raw_bs: int) -> str | None:

@@ -1,14 +1,14 @@
 """The phases, each a value (:class:`Phase`: buffers, outputs, forward, backend
-hooks, tokens per row) derived from the one decode declaration, and the thin
-runner bindings of the speculative ones: target verify, EAGLE draft extend and
-draft decode, frozen-KV MTP; several decode steps per launch."""
+hooks, tokens per row) derived from the one decode declaration (target
+verify, EAGLE draft extend and draft decode, frozen-KV MTP, several decode
+steps per launch), and the two runners named by their phase (EAGLE draft
+extend, frozen-KV MTP)."""
 
 from __future__ import annotations
 
-from graphrunner.phases.base import Phase, PhaseArgs, SpecBatch
+from graphrunner.phases.base import Phase, SpecBatch
 from graphrunner.phases.decode import decode_phase
 from graphrunner.phases.eagle import (
-    EagleDraftDecodeRunner,
     EagleDraftExtendRunner,
     eagle_draft_decode_phase,
     eagle_draft_extend_phase,
@@ -29,7 +29,7 @@ from graphrunner.phases.multistep import (
     multistep_phase,
 )
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, SampledInputs
-from graphrunner.phases.verify import TargetVerifyRunner, verify_buffer_specs, verify_phase
+from graphrunner.phases.verify import verify_buffer_specs, verify_phase
 
 __all__ = [
     "LOGPROB_OUTPUTS",
@@ -37,7 +37,6 @@ __all__ = [
     "SAMPLED_OUTPUTS",
     "STEPS_LEFT",
     "EagleDecodeInputs",
-    "EagleDraftDecodeRunner",
     "EagleDraftModel",
     "EagleExtendInputs",
     "EagleDraftExtendRunner",
@@ -45,10 +44,8 @@ __all__ = [
     "MtpDraftModel",
     "MtpInputs",
     "Phase",
-    "PhaseArgs",
     "SampledInputs",
     "SpecBatch",
-    "TargetVerifyRunner",
     "VerifyInputs",
     "VerifyModel",
     "check_steps_per_launch",

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphrunner.core.phase import Phase, PhaseArgs
+from graphrunner.core.phase import Phase
 from graphrunner.declare.buffers import check_width
 
-__all__ = ["Phase", "PhaseArgs", "SpecBatch", "check_width"]
+__all__ = ["Phase", "SpecBatch", "check_width"]
 
 
 class SpecBatch:

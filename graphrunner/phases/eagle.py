@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from graphrunner.core.create import runner_parts
+from graphrunner.core.options import RunnerOptions
 from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import decode_buffer_specs, per_token_fields
@@ -16,7 +18,6 @@ from graphrunner.phases.base import Phase, check_width
 from graphrunner.phases.models import EagleDraftModel
 
 __all__ = [
-    "EagleDraftDecodeRunner",
     "EagleDraftExtendRunner",
     "eagle_draft_decode_phase",
     "eagle_draft_extend_phase",
@@ -83,18 +84,19 @@ def eagle_draft_decode_phase(head: EagleDraftModel) -> Phase:
 
 
 class EagleDraftExtendRunner(GraphRunner):
-    """:func:`eagle_draft_extend_phase` on the mechanism given in ``kwargs``.
+    """``create_runner(eagle_draft_extend_phase(head, width), ...)``.
 
     Replay returns ``topk_p`` float32 ``[bs, k]``, ``topk_index`` int64
     ``[bs, k]`` and the selected ``hidden`` ``[bs, hidden]``.
     """
 
-    def __init__(self, head: EagleDraftModel, width: int, **kwargs: Any) -> None:
-        super().__init__(**eagle_draft_extend_phase(head, width).runner_args(), **kwargs)
-
-
-class EagleDraftDecodeRunner(GraphRunner):
-    """:func:`eagle_draft_decode_phase` on the mechanism given in ``kwargs``."""
-
-    def __init__(self, head: EagleDraftModel, **kwargs: Any) -> None:
-        super().__init__(**eagle_draft_decode_phase(head).runner_args(), **kwargs)
+    def __init__(
+        self,
+        head: EagleDraftModel,
+        width: int,
+        *,
+        options: RunnerOptions | None = None,
+        **fields: Any,
+    ) -> None:
+        phase = eagle_draft_extend_phase(head, width)
+        super().__init__(*runner_parts(phase, None, options, fields))

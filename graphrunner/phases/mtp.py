@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from graphrunner.core.create import runner_parts
+from graphrunner.core.options import RunnerOptions
 from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.declare.decode import OUT_CACHE_LOC, decode_buffer_specs
@@ -55,16 +57,23 @@ def frozen_kv_mtp_phase(head: MtpDraftModel, *, sampling: bool = False) -> Phase
 
 
 class FrozenKvMtpRunner(GraphRunner):
-    """:func:`frozen_kv_mtp_phase` on the mechanism given in ``kwargs``.
+    """``create_runner(frozen_kv_mtp_phase(head, sampling=sampling), ...)``.
 
     Replay returns ``tokens`` int64, ``scores`` float32 and ``parents`` int64,
     each ``[bs, steps, k]`` (``sampling``: ``tokens`` and ``probs``, see
     :func:`frozen_kv_mtp_phase`).
     """
 
-    def __init__(self, head: MtpDraftModel, *, sampling: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        head: MtpDraftModel,
+        *,
+        sampling: bool = False,
+        options: RunnerOptions | None = None,
+        **fields: Any,
+    ) -> None:
         phase = frozen_kv_mtp_phase(head, sampling=sampling)
-        super().__init__(**phase.runner_args(), **kwargs)
+        super().__init__(*runner_parts(phase, None, options, fields))
 
 
 def frozen_kv_sanitizer(

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from graphrunner.core.runner import GraphRunner
 from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.declare.decode import per_token_fields
 from graphrunner.declare.outputs import OutputSpec
@@ -27,7 +26,6 @@ from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, rejectio
 
 __all__ = [
     "DRAFT_PROBS",
-    "TargetVerifyRunner",
     "rejection_forward",
     "verify_buffer_specs",
     "verify_phase",
@@ -106,20 +104,3 @@ def verify_phase(model: VerifyModel, width: int, *, sampling: bool = False) -> P
         backend=model.attn_backend,
         width=width,
     )
-
-
-class TargetVerifyRunner(GraphRunner):
-    """:func:`verify_phase` on the mechanism given in ``kwargs``.
-
-    Replay returns ``logits`` float32 ``[bs * W, vocab]`` and ``hidden``
-    ``[bs * W, hidden]`` of the live requests (``sampling``: also
-    ``targets`` and ``accepted``, see :func:`verify_phase`). Every token's KV
-    slot must be recorded in ``req_to_token`` before the replay (as decode's
-    ``prepare_decode`` does for one token).
-    """
-
-    def __init__(
-        self, model: VerifyModel, width: int, *, sampling: bool = False, **kwargs: Any
-    ) -> None:
-        phase = verify_phase(model, width, sampling=sampling)
-        super().__init__(**phase.runner_args(), **kwargs)

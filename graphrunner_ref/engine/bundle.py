@@ -116,8 +116,8 @@ def create_decode_runner(
     if step.fullgraph and compiles:
         mechanism_options.setdefault("fullgraph", True)
     runner = create_runner(
-        kind,
         phase,
+        kind=kind,
         device=bundle.device,
         capture_sizes=capture_sizes,
         max_bs=max_bs,

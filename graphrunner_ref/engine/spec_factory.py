@@ -11,10 +11,10 @@ from graphrunner import (
     GraphRunner,
     KVCache,
     PaddingSanitizer,
+    create_runner,
 )
 from graphrunner.declare import check_width
-from graphrunner.mechanisms import create_mechanism
-from graphrunner.phases import EagleDraftDecodeRunner, TargetVerifyRunner, frozen_kv_sanitizer
+from graphrunner.phases import eagle_draft_decode_phase, frozen_kv_sanitizer, verify_phase
 from graphrunner_ref.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
 from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.engine.ranks import refuse_sharded
@@ -40,7 +40,8 @@ class _Capture:
     def common(self, sanitizer: PaddingSanitizer | None) -> dict[str, Any]:
         return {
             "device": self.bundle.device,
-            "mechanism": create_mechanism(self.kind, **self.options),
+            "kind": self.kind,
+            **self.options,
             "sanitizer": sanitizer if self.check else None,
             **self.kwargs,
         }
@@ -104,15 +105,15 @@ def speculative_engine(
         max_bs=max_bs,
         show_progress=show_progress,
     )
-    verify = TargetVerifyRunner(
-        bundle.model, k + 1, **cap.common(cap.pools_sanitizer(bundle.kv_cache))
+    verify = create_runner(
+        verify_phase(bundle.model, k + 1), **cap.common(cap.pools_sanitizer(bundle.kv_cache))
     )
     drafter = _drafter(cap, method, draft, k, seed)
 
     def sampled_verify() -> GraphRunner:
         sanitizer = cap.pools_sanitizer(bundle.kv_cache)
         return _captured(
-            TargetVerifyRunner(bundle.model, k + 1, sampling=True, **cap.common(sanitizer))
+            create_runner(verify_phase(bundle.model, k + 1, sampling=True), **cap.common(sanitizer))
         )
 
     return SpeculativeEngine(
@@ -160,6 +161,7 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
     extend = EagleDraftExtendRunner(eagle, k + 1, **cap.common(sanitizer))
     decode: GraphRunner | None = None
     if k > 1:  # the seed comes from the extend; decode steps make the other k - 1
-        runner = EagleDraftDecodeRunner(eagle, **cap.common(cap.pools_sanitizer(draft_kv)))
+        sanitizer = cap.pools_sanitizer(draft_kv)
+        runner = create_runner(eagle_draft_decode_phase(eagle), **cap.common(sanitizer))
         decode = _captured(runner)
     return EagleDrafter(eagle, _captured(extend), decode, k)

@@ -4,7 +4,7 @@ or, when a request samples, by rejection sampling; and the log-probabilities
 of the tokens a round emits, when asked.
 
 A round that samples runs the verify that samples
-(``TargetVerifyRunner(sampling=True)``: the accept test and the residual draw
+(``verify_phase(..., sampling=True)``: the accept test and the residual draw
 inside its captured step), built once on the first such round; without one
 the same rule runs on the plain verify's logits after its replay.
 """

@@ -57,7 +57,7 @@ class SpeculativeEngine:
 
     Args:
         bundle: the target model and its pools (``page_size`` 1).
-        verify: a captured :class:`~graphrunner.phases.TargetVerifyRunner` of
+        verify: a captured runner of :func:`~graphrunner.phases.verify_phase` of
             width ``drafter.k + 1`` over ``bundle.model``.
         drafter: proposes the drafts (:mod:`graphrunner_ref.engine.drafters`).
         end_token: a token that finishes its request (kept in the output).
@@ -65,7 +65,7 @@ class SpeculativeEngine:
             draws from :func:`~graphrunner.sampling.request_seed` of it and its id.
         sampled_verify: builds (once, on the first round where a request
             samples) the captured verify that samples
-            (``TargetVerifyRunner(sampling=True)`` of the same width); None:
+            (``verify_phase(..., sampling=True)`` of the same width); None:
             such rounds test the drafts on ``verify``'s logits, outside it.
         logprobs: N >= 1 collects each emitted token's log-probability and
             the top N from the target's unfiltered softmax
