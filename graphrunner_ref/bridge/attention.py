@@ -9,8 +9,14 @@ bridge calls the model on a step's ``T`` token rows as one sequence of batch 1
 its ``out_cache_loc`` slot (padded rows: the sink slot 0) and attends over the
 slots ``req_to_token`` lists for its request row, up to its length. What the
 layer asks for is honoured: ``scaling`` (``query_pre_attn_scalar`` models),
-``sliding_window``, attention logit ``softcap``, grouped KV heads. Everything
-is a device tensor operation: the step never syncs.
+``sliding_window``, attention logit ``softcap``, grouped KV heads.
+
+On the CPU a step reads each row's columns only up to the batch's longest
+live row (:func:`live_rows_attention`, as the native model's live attention),
+so its cost follows the live context, not the pool's capacity; the width is
+read from host tensors, never the device. Elsewhere (a CUDA graph replays
+fixed shapes) every row reads its whole capacity (:func:`rows_attention`):
+device tensor operations only, the step never syncs.
 """
 
 from __future__ import annotations
@@ -23,8 +29,16 @@ from torch import nn
 
 from graphrunner import KVCache
 from graphrunner.util import needs_extra
+from graphrunner_ref.model.attention_live import COLUMN_STEP
 
-__all__ = ["ATTENTION", "StepKV", "paged_attention", "register"]
+__all__ = [
+    "ATTENTION",
+    "StepKV",
+    "live_rows_attention",
+    "paged_attention",
+    "register",
+    "rows_attention",
+]
 
 #: The name the bridge registers with transformers' attention (and mask) interfaces.
 ATTENTION = "graphrunner"
@@ -71,22 +85,90 @@ def paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, D]
     step.kv.set_kv(layer, step.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_all, v_all = step.kv.get_kv(layer)
-    cols = step.req_to_token[step.rows].long()  # [T, ctx]: each row's slots
-    k, v = k_all[cols], v_all[cols]  # [T, ctx, KVH, D]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # On the CPU the live width is a host read of host tensors; a CUDA graph
+    # cannot replay one, so there every row reads its whole capacity.
+    attend = live_rows_attention if q.device.type == "cpu" else rows_attention
+    out = attend(
+        q, k_all, v_all, step.req_to_token, step.rows, step.lens, scale, sliding_window, softcap
+    )
+    return out.to(query.dtype)[None], None
+
+
+def rows_attention(
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    width: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [T, H, D]`` over the first ``width`` columns (default:
+    all) of each token's ``req_to_token`` row ``rows [T]``, of which it reads
+    ``lens [T]`` (its last ``window``, if given), grouped KV heads, scores
+    soft-capped by ``softcap``; float32 ``[T, H, D]``. Columns past a length
+    read the sink slot 0, their values zeroed, so whatever a stale column or
+    the sink holds never reaches a row."""
+    cols = torch.arange(req_to_token.shape[1] if width is None else width, device=q.device)
+    seen = cols[None, :] < lens[:, None]  # [T, width]
+    if window is not None:
+        seen = seen & (cols[None, :] >= lens[:, None] - window)
+    slots = torch.where(seen, req_to_token[rows, : cols.shape[0]], 0).long()
+    k = k_all[slots]  # [T, width, KVH, D]
+    v = v_all[slots].masked_fill(~seen[:, :, None, None], 0)
     t, heads, dim = q.shape
     groups = heads // k.shape[2]
     qg = q.reshape(t, k.shape[2], groups, dim).float()
-    scale = dim**-0.5 if scaling is None else scaling
     scores = torch.einsum("tkgd,tckd->tkgc", qg, k.float()) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    col = torch.arange(cols.shape[1], device=q.device)
-    seen = col[None, :] < step.lens[:, None]  # [T, ctx]
-    if sliding_window is not None:
-        seen = seen & (col[None, :] >= step.lens[:, None] - sliding_window)
     scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
     out = torch.einsum("tkgc,tckd->tkgd", scores.softmax(-1), v.float())
-    return out.reshape(t, heads, dim).to(query.dtype)[None], None
+    return out.reshape(t, heads, dim)
+
+
+@torch.library.custom_op("graphrunner::bridge_live_attention", mutates_args=())
+def live_rows_attention(
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """:func:`rows_attention` over the columns up to the longest of ``lens``
+    (rounded up to :data:`~graphrunner_ref.model.attention_live.COLUMN_STEP`,
+    at most the capacity), so its cost follows the live context, not the
+    pool's. The columns it drops are ones every row masks (probability
+    exactly 0). The width is a host read of ``lens``, hence an opaque op: a
+    compiled CPU program calls it as one extern kernel, its width chosen per
+    step, as the native model's live attention
+    (:func:`~graphrunner_ref.model.attention_live.live_decode_attention`)."""
+    longest = int(lens.max()) if lens.numel() else 1
+    width = min(req_to_token.shape[1], -(-max(longest, 1) // COLUMN_STEP) * COLUMN_STEP)
+    return rows_attention(q, k_all, v_all, req_to_token, rows, lens, scale, window, softcap, width)
+
+
+@live_rows_attention.register_fake
+def _fake(
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

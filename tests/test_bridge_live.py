@@ -1,0 +1,98 @@
+"""The bridge's decode cost follows the live context: its CPU attention reads
+each row only up to the batch's longest live row (rounded up to the column
+step), not the pool's whole capacity, and still answers as transformers'
+greedy ``generate`` does, padded and under the sanitizer, on the eager and the
+compiled CPU runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphrunner_ref.bridge.attention as attention
+from graphrunner_ref import Engine, Request, create_decode_runner
+from graphrunner_ref.bridge import load_transformers
+from graphrunner_ref.model.attention_live import COLUMN_STEP
+from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
+
+transformers = pytest.importorskip("transformers")
+
+#: A pool four column steps wide: the live rows below stay within the first.
+CAPACITY = 4 * COLUMN_STEP
+_SMALL = {**TINY_DECODER, "max_position_embeddings": CAPACITY}
+TRACE = [
+    Request(0, (3, 17, 5, 9, 22, 7), 6),
+    Request(1, (11, 2), 5, arrival_step=1),
+    Request(2, (40, 41, 42, 43), 4, arrival_step=2),
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    t = transformers
+    return save_decoders(
+        tmp_path_factory,
+        {
+            "qwen2": t.Qwen2Config(**_SMALL),
+            "gemma2": t.Gemma2Config(
+                **_SMALL,
+                head_dim=8,
+                sliding_window=4,
+                query_pre_attn_scalar=16,
+                attn_logit_softcapping=0.5,
+                final_logit_softcapping=2.0,
+            ),
+        },
+    )
+
+
+@pytest.fixture
+def widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The column widths the bridge's attention read, call by call."""
+    seen: list[int] = []
+    real = attention.rows_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        width = args[9] if len(args) > 9 else kwargs.get("width")
+        seen.append(args[3].shape[1] if width is None else width)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "rows_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("kind", "arch"), [("eager", "qwen2"), ("eager", "gemma2"), ("cpu", "gemma2")]
+)
+def test_a_wide_pool_answers_as_transformers_reading_only_live_columns(
+    kind: str, arch: str, saved: dict[str, tuple[Path, Any]], widths: list[int]
+) -> None:
+    path, reference = saved[arch]
+    bundle = load_transformers(path, max_requests=4, max_context_len=CAPACITY)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4], check_padding=True)
+    runner.capture()
+    result = Engine(bundle, runner).run(TRACE)
+    assert result.outputs == hf_greedy(reference, TRACE)
+    assert runner.stats.padded_rows > 0
+    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+    # Every step and prompt of the trace fits in the first column step.
+    assert widths and set(widths) == {COLUMN_STEP}
+
+
+def test_the_width_covers_the_longest_row_alone(widths: list[int]) -> None:
+    """A batch whose longest row crosses a column step reads one step more,
+    and the result equals the full-width attention's."""
+    torch.manual_seed(0)
+    slots, kv_heads, heads, dim = 400, 2, 4, 8
+    k_all, v_all = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.zeros(3, CAPACITY, dtype=torch.int32)
+    req_to_token[1:] = torch.randint(1, slots, (2, CAPACITY), dtype=torch.int32)
+    rows, lens = torch.tensor([1, 2, 0]), torch.tensor([COLUMN_STEP + 1, 3, 1])
+    q = torch.randn(3, heads, dim)
+    live = attention.live_rows_attention(q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5)
+    full = attention.rows_attention(q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5)
+    torch.testing.assert_close(live, full, rtol=1e-6, atol=1e-6)
+    assert widths == [2 * COLUMN_STEP, CAPACITY]
