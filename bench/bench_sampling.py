@@ -44,7 +44,8 @@ from bench.bench_gpu_model import filled_batch
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner.declare.inputs import StepInputs
+from graphrunner.phases.sampled import with_sampling
 from graphrunner.sampling import SamplingParams, sampling_tensors
 from graphrunner.testing import torch_threads
 from graphrunner_ref import create_decode_runner, default_model
@@ -108,7 +109,7 @@ def plain_tokens(runner: GraphRunner, batch: DecodeBatch) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def sampled_tokens(runner: GraphRunner, inputs: SampledInputs) -> torch.Tensor:
+def sampled_tokens(runner: GraphRunner, inputs: StepInputs) -> torch.Tensor:
     """One step of the sampled runner: its tokens ``[bs]``."""
     out = runner.replay(inputs)
     if not isinstance(out, dict):
@@ -148,8 +149,8 @@ def measure_shape(
     for bs in sizes:
         batch = filled_batch(bundle, bs, context)
         seeds = list(range(bs))
-        greedy = SampledInputs(batch, sampling_tensors([SamplingParams()] * bs, seeds, device))
-        top_p = SampledInputs(batch, sampling_tensors([TOP_P] * bs, seeds, device))
+        greedy = with_sampling(batch, sampling_tensors([SamplingParams()] * bs, seeds, device))
+        top_p = with_sampling(batch, sampling_tensors([TOP_P] * bs, seeds, device))
         calls: dict[str, Callable[[], object]] = {
             "plain+argmax": partial(plain_tokens, plain, batch),
             "sampled greedy": partial(sampled_tokens, sampled, greedy),

@@ -7,7 +7,7 @@ subpackages ``graphrunner.pools``, ``.declare``, ``.batch``, ``.writers``,
 ``__all__``; every other module is internal. Four contracts plug a model in:
 declare the buffers and their pad rules (:class:`BufferSpec`,
 :class:`PadRule`, :func:`decode_buffer_specs`), hand the runner a batch with
-the declared fields and host mirrors (:class:`DecodeInputs`, or
+the declared fields and host mirrors (:class:`StepInputs`, or
 :class:`DecodeBatch`), implement the attention backend's hooks
 (:class:`GraphBackend`), keep slot 0 of every pool for the padded rows
 (:class:`ReqToTokenPool`, :class:`TokenToKVPoolAllocator`, :class:`KVCache`).
@@ -29,7 +29,7 @@ from graphrunner.core import (
 )
 from graphrunner.declare import (
     BufferSpec,
-    DecodeInputs,
+    BufferView,
     GraphBackend,
     Index,
     OutputSpec,
@@ -53,6 +53,7 @@ from graphrunner.pools import (
 )
 from graphrunner.sanitizer import GuardedTensor, PaddingSanitizer, PaddingViolation
 from graphrunner.util.version import version as _version
+from graphrunner.util.warn import warn_at_caller
 
 #: The installed distribution's version (the source tree's when not installed).
 __version__ = _version()
@@ -67,7 +68,7 @@ __all__ = [
     "TokenToKVPoolAllocator",
     # declarations: buffers, pad rules, outputs, the step's inputs, the backend
     "BufferSpec",
-    "DecodeInputs",
+    "BufferView",
     "GraphBackend",
     "Index",
     "OutputSpec",
@@ -95,3 +96,12 @@ __all__ = [
     "PaddingSanitizer",
     "PaddingViolation",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The first release's name of StepInputs, kept as a deprecated alias.
+    if name == "DecodeInputs":
+        message = "graphrunner.DecodeInputs is deprecated; use graphrunner.StepInputs"
+        warn_at_caller(message, DeprecationWarning)
+        return StepInputs
+    raise AttributeError(f"module 'graphrunner' has no attribute {name!r}")

@@ -32,7 +32,7 @@ from graphrunner.phases import (
     frozen_kv_sanitizer,
     verify_phase,
 )
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner.phases.sampled import with_sampling
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
 from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
@@ -174,7 +174,7 @@ class SpecCase(FuzzCase):
             return w.mtp_inputs(requests, seed)
         fields = w.tokens_step(requests, 1, seed)
         if phase == "sampled_decode":
-            return SampledInputs(SpecBatch(**fields), sampling_rows(raw_bs, seed, w.device))
+            return with_sampling(SpecBatch(**fields), sampling_rows(raw_bs, seed, w.device))
         if phase == "eagle_decode":
             gen = torch.Generator().manual_seed(seed + 1)
             hidden = torch.randn(raw_bs, w.model.config.hidden_size, generator=gen)

@@ -30,12 +30,12 @@ from test_concurrent_use import (
 )
 from test_killed_conversion import _dead_pid, test_an_output_write_removes_what_a_killed_write_left
 
-import graphrunner_ref.cli.generate as cli_generate
 import graphrunner_ref.cli.main as cli
 import graphrunner_ref.io.gguf_cache as gguf_cache
 import graphrunner_ref.io.gguf_import as gguf_import
 from graphrunner.util.atomic import write_atomically
 from graphrunner.util.temp import temp_path
+from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import default_model
@@ -65,7 +65,7 @@ def _prompt_file(content: str, w: World) -> Outcome:
     path = w.dir("prompt-file") / "prompts.jsonl"
     path.write_text(content)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+        m.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
         return cli_outcome(["generate", "--prompts", str(path), "--runner", "eager"])
 
 
@@ -154,7 +154,7 @@ def _signal_mid_generate(sig: signal.Signals, w: World) -> Outcome:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(cli_generate, "create_decode_runner", create)
+            m.setattr(serving, "create_decode_runner", create)
             outcome = cli_outcome(["generate", "--prompts", str(w.prompts), *EAGER])
     finally:
         signal.signal(signal.SIGINT, previous)

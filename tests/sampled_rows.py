@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.phases import Phase, SpecBatch, decode_phase
-from graphrunner.phases.sampled import SAMPLED_OUTPUTS, SampledInputs, sampled_forward
+from graphrunner.phases.sampled import SAMPLED_OUTPUTS, sampled_forward, with_sampling
 from graphrunner.sampling import SAMPLING_FIELDS, SamplingParams, sampling_tensors
 
 #: The rows' sampling, cycled over a batch.
@@ -31,7 +32,7 @@ def sampling_rows(raw_bs: int, seed: int, device: torch.device | str) -> dict[st
     return sampling_tensors(params, [seed * 101 + 7 * i for i in range(raw_bs)], device)
 
 
-def sampled_verify_inputs(verify: SpecBatch, width: int, vocab: int, seed: int) -> SampledInputs:
+def sampled_verify_inputs(verify: SpecBatch, width: int, vocab: int, seed: int) -> StepInputs:
     """``verify`` (``width`` tokens per request) with a ``q`` per draft (a
     random distribution over the vocabulary, float32 ``[bs, width - 1,
     vocab]``) and :func:`sampling_rows`."""
@@ -39,7 +40,7 @@ def sampled_verify_inputs(verify: SpecBatch, width: int, vocab: int, seed: int) 
     gen = torch.Generator().manual_seed(seed + 2)
     q = torch.randn(bs, width - 1, vocab, generator=gen).mul(3).softmax(-1).to(device)
     inputs = SpecBatch(**vars(verify), draft_probs=q)
-    return SampledInputs(inputs, sampling_rows(bs, seed, device))
+    return with_sampling(inputs, sampling_rows(bs, seed, device))
 
 
 def sampled_decode_phase(forward: Callable[[Any], Any], backend: Any) -> Phase:

@@ -19,7 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from graphrunner.batch.decode_batch import BatchError, DecodeBatch
-from graphrunner.declare.inputs import DecodeInputs
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.pools import PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator
 
 L = 6  # max_context_len
@@ -210,7 +210,7 @@ class Sim:
 
     def check(self) -> None:
         b, m = self.batch, self.model
-        assert isinstance(b, DecodeInputs) and b.batch_size == len(m)
+        assert isinstance(b, StepInputs) and b.batch_size == len(m)
         assert b.req_pool_indices_cpu.tolist() == [r.row for r in m]
         assert b.seq_lens_cpu.tolist() == [len(r.slots) for r in m]
         for mirror in (b.req_pool_indices_cpu, b.seq_lens_cpu):
@@ -326,7 +326,7 @@ def test_paged_prepare_continues_a_page_or_starts_one() -> None:
 
 def test_empty_batch() -> None:
     batch = DecodeBatch.empty("meta", L)
-    assert batch.is_empty() and batch.batch_size == 0 and isinstance(batch, DecodeInputs)
+    assert batch.is_empty() and batch.batch_size == 0 and isinstance(batch, StepInputs)
     req_pool, kv = ReqToTokenPool(2, L, "meta"), TokenToKVPoolAllocator(4, "meta")
     batch.prepare_decode(req_pool, kv)
     batch.filter([])

@@ -18,7 +18,7 @@ from graphrunner import GraphRunner, create_runner
 from graphrunner.declare.hooks import NullBackend
 from graphrunner.phases import SpecBatch
 from graphrunner.phases.multistep import multistep_phase
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner.phases.sampled import with_sampling
 from graphrunner.sampling import logprobs, sample
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from spec_world import SpecWorld
@@ -88,7 +88,7 @@ class MultiStep:
             "steps_left": torch.tensor(budgets, device=dev),
         }
         batch = SpecBatch(**fields)
-        return SampledInputs(batch, sampling_rows(raw_bs, seed, dev)) if self.sampling else batch
+        return with_sampling(batch, sampling_rows(raw_bs, seed, dev)) if self.sampling else batch
 
     def reference(self, inputs: Any) -> torch.Tensor:
         """Each row's tokens ``[bs, N]`` (-1 after it stops) from single eager

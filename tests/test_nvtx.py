@@ -42,7 +42,7 @@ def test_capture_ranges_per_size():
 
 
 def test_disabled_ranges_are_a_shared_noop(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(nvtx, "_enabled", False)
+    monkeypatch.setattr(nvtx.SWITCH, "enabled", False)
     assert nvtx.range("a") is nvtx.range("b")
     with profile() as prof, nvtx.range("hidden"):
         pass
@@ -89,7 +89,7 @@ def test_replay_pushes_balanced_nvtx_ranges(
 ):
     domain = RecordingDomain()
     monkeypatch.setattr(nvtx, "_domain", domain)
-    monkeypatch.setattr(nvtx, "_injected", True)  # as under Nsight
+    monkeypatch.setattr(nvtx.SWITCH, "injected", True)  # as under Nsight
     captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
     pushed = [name for kind, name in domain.events if kind == "push"]
     assert pushed == ["replay bs=4", "populate bs=4", "launch bs=4"]
@@ -107,7 +107,7 @@ def test_ranges_cost_nothing_when_nobody_profiles(
     range is the shared no-op."""
     domain = RecordingDomain()
     monkeypatch.setattr(nvtx, "_domain", domain)
-    monkeypatch.setattr(nvtx, "_injected", False)
+    monkeypatch.setattr(nvtx.SWITCH, "injected", False)
     assert nvtx.range("a") is nvtx.range("b")
     captured_toy.runner.replay(captured_toy.world.make_batch(3, seed=0))
     assert domain.events == []
@@ -118,7 +118,7 @@ def test_ranges_cost_nothing_when_nobody_profiles(
 
 def test_the_injection_variable_is_what_nsight_sets(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
-    assert nvtx._tool_injected()
+    assert type(nvtx.SWITCH)().injected
     monkeypatch.delenv("NVTX_INJECTION64_PATH")
     monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
-    assert not nvtx._tool_injected()
+    assert not type(nvtx.SWITCH)().injected

@@ -23,7 +23,7 @@ from sampled_rows import sampling_rows
 from conftest import SLOW, runner_device
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.phases.sampled import SampledInputs, sampled_forward
+from graphrunner.phases.sampled import sampled_forward, with_sampling
 from graphrunner_ref import create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle
 
@@ -136,7 +136,7 @@ def eager_rows(
         one = copy.copy(batch)
         one.filter([i])
         with torch.no_grad():
-            got = step(SampledInputs(one, {n: t[i : i + 1] for n, t in rows.items()}))
+            got = step(with_sampling(one, {n: t[i : i + 1] for n, t in rows.items()}))
         assert isinstance(got, dict)
         out.append({k: v.clone() for k, v in got.items()})
     return out
@@ -191,7 +191,7 @@ def check_every_live_count(shared: Sampled, kind: str, size: int) -> None:
             expected = eager_rows(bundle, batch, rows)  # writes the live KV slots
             before = kv_state(bundle)
             poison(shared, raw_bs, bystander, floats, ints)
-            out = runner.replay(SampledInputs(batch, rows))
+            out = runner.replay(with_sampling(batch, rows))
             assert isinstance(out, dict)
             where = f"{kind} bs {size} live {raw_bs} poison {floats}/{ints}"
             for name, pad in PAD.items():

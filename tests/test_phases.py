@@ -5,7 +5,6 @@ runner is a phase on a mechanism, and the width check is runner data."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 import warnings
 from typing import Any
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from graphrunner import DecodeBatch, OutputSpec, create_runner
-from graphrunner.core import GraphKey
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
@@ -34,9 +32,9 @@ from graphrunner.phases import (
     verify_buffer_specs,
     verify_phase,
 )
-from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner.phases.sampled import with_sampling
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, SamplingParams, sampling_tensors
+from graphrunner.writers import PopulateError
 from graphrunner_ref import default_model
 from graphrunner_ref.model.token_rows import TokenRows
 from spec_world import SpecWorld
@@ -185,17 +183,47 @@ def test_width_needs_a_buffer_of_that_many_rows() -> None:
         create_runner(dataclasses.replace(phase, width=2), device="cpu", capture_sizes=[1])
 
 
-def test_each_phase_input_protocol_mirrors_its_buffers() -> None:
+@pytest.mark.parametrize("name", ["verify", "eagle_extend", "mtp"])
+def test_each_phase_reads_exactly_the_fields_its_specs_declare(name: str) -> None:
+    """No input type mirrors a phase by hand: the fields a runner takes are
+    its phase's declared buffers (the host ones from the mirrors); a batch
+    with exactly those replays, and one lacking any is refused naming it."""
     world = SpecWorld()
-    phases = {
-        VerifyInputs: verify_phase(world.model, 2),
-        EagleExtendInputs: eagle_draft_extend_phase(world.eagle, 2),
-        EagleDecodeInputs: eagle_draft_decode_phase(world.eagle),
-        MtpInputs: frozen_kv_mtp_phase(world.mtp),
-    }
-    for proto, phase in phases.items():
-        assert set(typing.get_type_hints(proto)) == {s.name for s in phase.specs}, proto
-    assert set(typing.get_type_hints(TokenRows)) == set(DECODE_FIELD_NAMES)
+    requests = world.reset(2, seed=3)
+    phase, full = {
+        "verify": (verify_phase(world.model, 2), world.verify_inputs(requests, 2, seed=3)),
+        "eagle_extend": (
+            eagle_draft_extend_phase(world.eagle, 2),
+            world.eagle_inputs(requests, 2, seed=3),
+        ),
+        "mtp": (frozen_kv_mtp_phase(world.mtp), world.mtp_inputs(requests, seed=3)),
+    }[name]
+    runner = create_runner(
+        phase, kind="eager", device="cpu", capture_sizes=[4], show_progress=False
+    )
+    runner.capture()
+    declared = [s.name for s in phase.specs if not s.host]
+    mirrors = {"req_pool_indices_cpu": full.req_pool_indices_cpu, "seq_lens_cpu": full.seq_lens_cpu}
+
+    def batch(without: str | None = None) -> SpecBatch:
+        fields = {n: getattr(full, n) for n in declared if n != without}
+        return SpecBatch(**mirrors, **fields)
+
+    state = world.state()
+    runner.replay(batch())
+    world.restore(state)
+    for field in declared:
+        with pytest.raises(PopulateError, match=field):
+            runner.replay(batch(without=field))
+
+
+def test_token_rows_are_the_decode_fields_of_every_token() -> None:
+    world = SpecWorld()
+    inputs = world.verify_inputs(world.reset(2, seed=1), 3, seed=1)
+    rows = TokenRows(inputs)
+    assert set(rows.tensors()) == set(DECODE_FIELD_NAMES)
+    assert rows.bs == 6 and rows.width == 3
+    torch.testing.assert_close(rows.seq_lens, inputs.positions + 1)
 
 
 def test_per_token_fields_name_decode_fields() -> None:
@@ -204,7 +232,7 @@ def test_per_token_fields_name_decode_fields() -> None:
     assert [s.name for s in kept] == [n for n in DECODE_FIELD_NAMES if n != "out_cache_loc"]
 
 
-def test_captures_are_keyed_by_size_and_tokens_per_row() -> None:
+def test_captures_are_keyed_by_size_alone() -> None:
     w = SpecWorld()
     common: dict[str, Any] = {"device": w.device, "kind": "eager", "show_progress": False}
     verify = create_runner(verify_phase(w.model, 3), capture_sizes=[2, 4], **common)
@@ -212,8 +240,8 @@ def test_captures_are_keyed_by_size_and_tokens_per_row() -> None:
     assert verify.graph_keys == decode.graph_keys == []  # nothing before capture
     verify.capture()
     decode.capture()
-    assert verify.graph_keys == [GraphKey(2, 3), GraphKey(4, 3)]
-    assert decode.graph_keys == [GraphKey(1, 1), GraphKey(4, 1)]
+    assert verify.graph_keys == [2, 4] and verify.width == 3
+    assert decode.graph_keys == [1, 4] and decode.width is None
 
 
 def test_a_sampled_decode_phase_adds_the_sampling_buffers_and_picks_tokens() -> None:
@@ -230,7 +258,7 @@ def test_a_sampled_decode_phase_adds_the_sampling_buffers_and_picks_tokens() -> 
     )
     batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams()]
-    out = runner.replay(SampledInputs(batch, sampling_tensors(params, [1, 2, 3], "cpu")))
+    out = runner.replay(with_sampling(batch, sampling_tensors(params, [1, 2, 3], "cpu")))
     assert isinstance(out, dict) and out["tokens"].shape == (3,)
     # Greedy rows and top-k 1 are the argmax; every row is a live request's.
     assert torch.equal(out["tokens"], out["logits"].argmax(-1))

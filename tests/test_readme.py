@@ -100,7 +100,7 @@ def test_readme_usage_example_runs(
 def test_readme_has_python_blocks_for_the_contracts() -> None:
     """Each contract's excerpt is a block that runs (the test above runs it)."""
     blocks = [b for _, b in _python_blocks([README])]
-    for needle in ("decode_buffer_specs", "DecodeInputs", "GraphBackend", "ReqToTokenPool"):
+    for needle in ("decode_buffer_specs", "StepInputs", "GraphBackend", "ReqToTokenPool"):
         assert any(needle in b for b in blocks), needle
 
 
@@ -189,7 +189,7 @@ def test_the_own_model_sanitizer_catches_a_padded_row_writing_live_state(
     last position, is stopped at the first replay where that changes a value."""
     example = _example()
 
-    def stray(self: torch.nn.Module, b: graphrunner.StepInputs) -> torch.Tensor:
+    def stray(self: torch.nn.Module, b: graphrunner.BufferView) -> torch.Tensor:
         padded = b.req_pool_indices == 0
         rows = torch.where(padded, 4, b.req_pool_indices)
         positions = torch.where(padded, b.positions.max(), b.positions)

@@ -17,7 +17,7 @@ from test_sampling_distribution import chi_square_critical
 from conftest import SLOW
 from graphrunner.core.runner import GraphRunner
 from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
-from graphrunner.phases.sampled import SampledInputs
+from graphrunner.phases.sampled import with_sampling
 from graphrunner.sampling import SamplingParams, filtered_probs, sampling_tensors
 from graphrunner_ref.engine.drafters import TargetDrafter
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
@@ -211,9 +211,9 @@ def test_the_sampled_mtp_loop_draws_as_its_eager_forward_at_a_padded_size():
     inputs = world.mtp_inputs(world.reset(3, seed=5), seed=5)
     params = [HOT[1], SamplingParams(), HOT[2]]  # a greedy row between two that sample
     rows = sampling_tensors(params, [11, 12, 13], world.device)
-    out = runner.replay(SampledInputs(inputs, rows))
+    out = runner.replay(with_sampling(inputs, rows))
     assert isinstance(out, dict)
-    expected = head.forward_draft_sampled(SampledInputs(inputs, rows))
+    expected = head.forward_draft_sampled(with_sampling(inputs, rows))
     assert torch.equal(out["tokens"], expected["tokens"])
     assert torch.allclose(out["probs"], expected["probs"])
     greedy = head.forward_draft(inputs)["tokens"]

@@ -5,6 +5,8 @@ into another's private attributes; no hard-coded warning stack levels."""
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import typing
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 
 import graphrunner
 import graphrunner_ref
-from graphrunner import DecodeInputs, StepInputs
+from graphrunner import StepInputs
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare import DECODE_FIELDS, DECODE_HOST_MIRRORS
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, decode_buffer_specs
@@ -34,8 +36,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     fields = set(DECODE_FIELD_NAMES)
     mirrors = set(DECODE_HOST_MIRRORS.values())
     assert set(DECODE_HOST_MIRRORS) <= fields
-    assert set(typing.get_type_hints(StepInputs)) == fields
-    assert _protocol_attributes(DecodeInputs) == fields | mirrors | {"batch_size"}
+    assert _protocol_attributes(StepInputs) == mirrors | {"batch_size"}
     geometry_and_seal = {"device", "max_context_len", "_sealed", "_host_ranges"}
     assert set(DecodeBatch.__slots__) == fields | mirrors | geometry_and_seal
     assert set(typing.get_type_hints(DecodeBatch)) == fields | mirrors | {"_sealed", "_host_ranges"}
@@ -43,7 +44,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     world = ToyWorld()
     batch = world.make_batch(2, seed=0)
     assert set(stale_values(world, batch)) == fields
-    assert isinstance(batch, DecodeInputs)
+    assert isinstance(batch, StepInputs)
 
 
 def test_filter_and_merge_carry_every_declared_field():
@@ -285,3 +286,77 @@ def test_the_decode_field_names_are_written_in_one_place():
             and id(node) not in text
         ]
     assert offenders == []
+
+
+#: The runners known by name: each is ``create_runner`` with one thing fixed.
+CARD_RUNNERS = {"CudaGraphRunner", "CpuGraphRunner", "EagleDraftExtendRunner", "FrozenKvMtpRunner"}
+#: The public types that describe a step's inputs: what replay takes, what a
+#: forward reads, and the two ready-made batches.
+INPUT_TYPES = {"StepInputs", "BufferView", "DecodeBatch", "SpecBatch"}
+
+
+def _library_trees() -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _runner_classes(trees: list[tuple[Path, ast.Module]]) -> dict[str, ast.ClassDef]:
+    """Every class of the library that derives from GraphRunner, by name."""
+    found: dict[str, ast.ClassDef] = {}
+    for _, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(base).split(".")[-1] in {"GraphRunner", *found} for base in node.bases
+            ):
+                found[node.name] = node
+    return found
+
+
+def test_create_runner_is_the_one_way_to_build_a_runner():
+    """A runner is built by ``create_runner``: ``GraphRunner(...)`` is called
+    nowhere else, the named runners only fix one of its arguments (a body of
+    ``__init__`` alone, handing ``runner_parts`` to the base), no other
+    function returns a new runner, and the reference calls no runner class."""
+    trees = _library_trees()
+    classes = _runner_classes(trees)
+    assert set(classes) == CARD_RUNNERS, "a GraphRunner subclass that is not a card binding"
+    for name, node in classes.items():
+        members = [n for n in node.body if not isinstance(n, ast.Expr)]  # the docstring
+        assert [getattr(m, "name", None) for m in members] == ["__init__"], name
+        assert "super().__init__(*runner_parts(" in ast.unparse(members[0]), name
+    builders = []
+    for path, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "GraphRunner":
+                builders.append(f"{path.name}: GraphRunner(...)")
+            if isinstance(node, ast.FunctionDef) and node.returns is not None:
+                returns = ast.unparse(node.returns).strip("'\"")
+                if returns == "GraphRunner" and node.name != "create_runner":
+                    builders.append(f"{path.name}: {node.name} -> GraphRunner")
+    assert builders == ["create.py: GraphRunner(...)"]
+    reference_calls = [
+        f"{path.relative_to(REFERENCE)}:{node.lineno}"
+        for path in sorted(REFERENCE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func).split(".")[-1] in CARD_RUNNERS | {"GraphRunner"}
+    ]
+    assert reference_calls == [], "the reference builds a runner past create_runner"
+
+
+def _public_names() -> list[tuple[str, object]]:
+    """Every name of ``graphrunner.__all__`` and of each public subpackage's."""
+    modules = [graphrunner] + [
+        importlib.import_module(f"graphrunner.{p.name}")
+        for p in sorted(PACKAGE.iterdir())
+        if (p / "__init__.py").exists()
+    ]
+    return [(n, getattr(m, n)) for m in modules for n in getattr(m, "__all__", [])]
+
+
+def test_at_most_four_public_types_describe_a_steps_inputs():
+    found = {
+        name
+        for name, value in _public_names()
+        if isinstance(value, type) and re.search(r"(Inputs|Batch|View|Tensors|Rows)$", name)
+    }
+    assert found == INPUT_TYPES

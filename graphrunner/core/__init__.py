@@ -8,14 +8,13 @@ from graphrunner.core.create import CpuGraphRunner, CudaGraphRunner, create_runn
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.core.input_check import host_range
 from graphrunner.core.options import RunnerOptions, best_runner_kind
-from graphrunner.core.replay import GraphKey, NotCapturedError
+from graphrunner.core.replay import NotCapturedError
 from graphrunner.core.runner import GraphRunner
 
 __all__ = [
     "CpuGraphRunner",
     "CudaGraphRunner",
     "FutureMap",
-    "GraphKey",
     "GraphRunner",
     "NotCapturedError",
     "RunnerOptions",

@@ -27,8 +27,8 @@ import torch
 from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.sealed import host_min_max, is_sealed_inputs, is_sealed_type
-from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.writers.base import PopulateError, check_sources
 
@@ -98,7 +98,7 @@ class InputGate:
         self.full_checks = 0
 
     def sources(
-        self, inputs: ReplayInputs, raw_bs: int, backend: GraphBackend, *, full: bool = False
+        self, inputs: StepInputs, raw_bs: int, backend: GraphBackend, *, full: bool = False
     ) -> Sequence[torch.Tensor]:
         """The inputs' tensors, one per declared buffer, validated: in full on
         ``full`` or first sight, else by identity. Raises before anything is

@@ -1,13 +1,16 @@
-"""Observers of a replay: the padding sanitizer and NVTX ranges watch the one
-step order of :meth:`graphrunner.GraphRunner.replay` through these hooks; they
-are not second copies of it.
+"""The debug work around a replay, as one hook object: the padding sanitizer
+and NVTX ranges watch the one step order of
+:meth:`graphrunner.GraphRunner.replay`; they are not second copies of it.
 
-A replay calls, in order: :meth:`~StepObserver.begin`, then (inputs checked,
-state ops run) :meth:`~StepObserver.before_write` and
-:meth:`~StepObserver.after_write` around populate, then (backend metadata set)
-:meth:`~StepObserver.before_launch` and :meth:`~StepObserver.after_launch`
-around the launch, and :meth:`~StepObserver.end` always, last (also after an
-error). The plain replay has no observer and pays one ``is None`` test a hook.
+Each replay asks the runner's :class:`StepHooks` which observer watches this
+step (:meth:`StepHooks.start`: NVTX ranges only while a tool or a profiler
+listens), then calls, in order: :meth:`~StepObserver.begin`, then (inputs
+checked, state ops run) :meth:`~StepObserver.before_write` and
+:meth:`~StepObserver.after_write` around populate, then (backend metadata
+set) :meth:`~StepObserver.before_launch` and
+:meth:`~StepObserver.after_launch` around the launch, and
+:meth:`~StepObserver.end` always, last (also after an error). With nothing on,
+the observer is :data:`NO_OBSERVER`, whose hooks do nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
 from graphrunner.sanitizer.reads import check_reads, unowned_rows
 from graphrunner.util import nvtx
 
-__all__ = ["NvtxRanges", "Observers", "SanitizedSteps", "StepObserver"]
+__all__ = ["NO_OBSERVER", "NvtxRanges", "SanitizedSteps", "StepHooks", "StepObserver"]
 
 
 class StepObserver:
@@ -32,8 +35,9 @@ class StepObserver:
     #: Whether the inputs are checked in full on every replay (else once).
     full_checks = False
 
-    def begin(self, name: str) -> None:
-        """A step named ``name`` (``"replay bs=8"``, ``"eager bs=70"``) starts."""
+    def begin(self, kind: str, bs: int) -> None:
+        """A step starts: ``kind`` ``"replay"`` of captured size ``bs``, or
+        ``"eager"`` of ``bs`` live rows."""
 
     def before_write(self, bs: int) -> None:
         """Populate of a size-``bs`` graph is about to write the buffers."""
@@ -74,8 +78,8 @@ class NvtxRanges(StepObserver):
     def _pop(self) -> None:
         self._open.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
 
-    def begin(self, name: str) -> None:
-        self._push(name)
+    def begin(self, kind: str, bs: int) -> None:
+        self._push(f"{kind} bs={bs}")
 
     def before_write(self, bs: int) -> None:
         self._push(f"populate bs={bs}")
@@ -122,7 +126,7 @@ class SanitizedSteps(StepObserver):
         self._where: tuple[StaticBuffers, int, int] | None = None  # the padded launch's
         self._held: Outputs | None = None
 
-    def begin(self, name: str) -> None:
+    def begin(self, kind: str, bs: int) -> None:
         state = self._captured()
         if state is not None:  # the tensors the captured forward reads are still its own
             state.check()
@@ -182,9 +186,9 @@ class _Both(StepObserver):
     def __init__(self, ranges: NvtxRanges, sanitized: SanitizedSteps) -> None:
         self.parts = (ranges, sanitized)
 
-    def begin(self, name: str) -> None:
+    def begin(self, kind: str, bs: int) -> None:
         for part in self.parts:
-            part.begin(name)
+            part.begin(kind, bs)
 
     def before_write(self, bs: int) -> None:
         for part in self.parts:
@@ -214,13 +218,17 @@ class _Both(StepObserver):
             part.end()
 
 
-class Observers:
-    """A runner's observers: its NVTX ranges (taken while a tool or a profiler
-    watches, :func:`graphrunner.util.nvtx.active`) and its sanitizer's checks
-    (with ``captured``, the runner's :class:`CapturedState` once captured).
+#: The observer of a step nobody watches: every hook a no-op.
+NO_OBSERVER = StepObserver()
 
-    ``plain`` is the observer of a replay nobody profiles (None without a
-    sanitizer), ``watched`` the one of a profiled replay."""
+
+class StepHooks:
+    """A runner's one hook object: its sanitizer's checks (with ``captured``,
+    the runner's :class:`CapturedState` once captured) and NVTX ranges (while
+    a tool or a torch profiler listens, :func:`graphrunner.util.nvtx.active`).
+
+    :meth:`start` gives each step its observer: :data:`NO_OBSERVER` when
+    neither is on."""
 
     def __init__(
         self,
@@ -230,5 +238,14 @@ class Observers:
         ranges = NvtxRanges()
         sanitized = None if sanitizer is None else SanitizedSteps(sanitizer, captured)
         self.sanitizer = sanitizer
-        self.plain: StepObserver | None = sanitized
-        self.watched: StepObserver = ranges if sanitized is None else _Both(ranges, sanitized)
+        self._unwatched: StepObserver = NO_OBSERVER if sanitized is None else sanitized
+        self._watched: StepObserver = ranges if sanitized is None else _Both(ranges, sanitized)
+
+    def start(self) -> StepObserver:
+        """The observer of the step that starts now."""
+        # nvtx.active() read inline (attributes, no call): this runs every replay.
+        switch = nvtx.SWITCH
+        watched = switch.enabled and (
+            switch.injected or torch.autograd.profiler._is_profiler_enabled
+        )
+        return self._watched if watched else self._unwatched

@@ -15,12 +15,11 @@ import torch
 
 from graphrunner.core.capture import capture_all
 from graphrunner.core.input_check import InputGate
-from graphrunner.core.observers import Observers, StepObserver
+from graphrunner.core.observers import StepHooks, StepObserver
 from graphrunner.core.options import RunnerOptions
 from graphrunner.core.phase import Phase
 from graphrunner.core.replay import (
     Graph,
-    GraphKey,
     NotCapturedError,
     batch_size_of,
     run_eager,
@@ -34,9 +33,9 @@ from graphrunner.core.runner_setup import (
 )
 from graphrunner.declare.buffers import StaticBuffers
 from graphrunner.declare.hooks import GraphBackend, NullBackend, as_graph_backend
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputLayout, Outputs
 from graphrunner.declare.state_ops import check_state_ops, run_state_ops
-from graphrunner.declare.step_inputs import ReplayInputs
 from graphrunner.mechanisms import CaptureMechanism
 from graphrunner.mechanisms.base import ForwardFn, Launcher, PopulateWriter
 from graphrunner.sanitizer.captured import CapturedState
@@ -44,7 +43,6 @@ from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.sizing.histogram import BatchSizeHistogram
 from graphrunner.sizing.report import CaptureReport, RunnerStats
 from graphrunner.sizing.sizes import pad_to
-from graphrunner.util import nvtx
 from graphrunner.util.exclusive import Exclusive
 from graphrunner.util.warn import warn_at_caller
 from graphrunner.writers.base import TorchWriter
@@ -101,13 +99,16 @@ class GraphRunner:
         self.stats = RunnerStats()
         self.batch_sizes = BatchSizeHistogram()  # raw sizes served: graphs and eager
         self.capture_report: CaptureReport | None = None
-        self._launchers: dict[GraphKey, Launcher] = {}
+        self._launchers: dict[int, Launcher] = {}
         self._graph_for: dict[int, Graph] = {}  # raw size -> the graph it replays
         self._warned_fallback = False
         self.state_ops = check_state_ops(options.state_ops)
         self.state_ops_run = 0  # state ops its pre-launch steps ran
         self.width = phase.width
         self._exclusive = Exclusive(f"{type(self).__name__}.replay")
+        self._lock = self._exclusive.lock
+        # The no-op backend plans nothing: its hook is not called.
+        self._plans_metadata = type(self.backend) is not NullBackend
         # The buffer whose host-side rows tell a batch's width (first per-token one).
         self._width_field = None if self.width is None else width_field(specs, self.width)
 
@@ -133,9 +134,9 @@ class GraphRunner:
         return len(self._launchers) == len(self._sizes)
 
     @property
-    def graph_keys(self) -> list[GraphKey]:
-        """What each capture is keyed by, ``(batch size, tokens per row)``,
-        by size (empty before :meth:`capture`)."""
+    def graph_keys(self) -> list[int]:
+        """What each capture is keyed by, its batch size, sorted (empty
+        before :meth:`capture`)."""
         return sorted(self._launchers)
 
     @property
@@ -175,16 +176,18 @@ class GraphRunner:
             self._launchers = {}
             self.mechanism.drop()
             raise
-        self._launchers, self._graph_for = graph_table(
-            launchers, self._sizes, self.width or 1, self.buffers
+        self._launchers, self._graph_for = (
+            launchers,
+            graph_table(launchers, self._sizes, self.buffers),
         )
         #: What the captured forward reads, checked under the sanitizer.
         self.captured_state = CapturedState(self.forward)
         return self.capture_report
 
-    def replay(self, inputs: ReplayInputs) -> Outputs:
+    def replay(self, inputs: StepInputs) -> Outputs:
         """Run one step for ``inputs``: any object with the declared buffers as
-        attributes and a host-side int ``batch_size`` (a :class:`DecodeBatch`).
+        attributes, the host mirrors and a host-side int ``batch_size``
+        (:class:`~graphrunner.StepInputs`, e.g. a :class:`DecodeBatch`).
 
         Returns the live rows' outputs, sliced by the declared outputs and valid
         until the next replay (CUDA: views of static memory; with a sanitizer
@@ -192,92 +195,73 @@ class GraphRunner:
         outlive the step. A batch above the largest size runs eagerly on the
         same checks, warned once and counted in ``stats.eager_fallbacks``; no
         rows is a :class:`~graphrunner.sizing.sizes.BatchSizeError`; before
-        :meth:`capture`, a :class:`~graphrunner.core.replay.NotCapturedError`;
-        a second thread inside, a :class:`~graphrunner.util.exclusive.ConcurrentUseError`.
-        Runs under ``no_grad``.
-
-        The step, in order: the input checks (O(1) for inputs validated where
-        they were made or on an earlier replay), the recorded state ops, one
-        staged write of the live rows and the pad values, the backend's
-        metadata, the launch, the slice to the live rows, the count. The
-        sanitizer and NVTX ranges observe it (:mod:`graphrunner.core.observers`).
+        :meth:`capture`, a :class:`NotCapturedError`; a second thread inside,
+        a :class:`~graphrunner.util.exclusive.ConcurrentUseError`. Runs
+        without grad. The sanitizer and NVTX ranges watch it through one hook
+        object (:mod:`graphrunner.core.observers`), a no-op when off.
         """
-        exclusive = self._exclusive
-        if not exclusive.lock.acquire(blocking=False):  # two threads would interleave
-            exclusive.refuse()  # on the static buffers: the second is refused, named
-        exclusive.owner = get_ident()
-        observer = self._observers.watched if nvtx.active() else self._observers.plain
-        grad = torch.is_grad_enabled()  # an engine's loop under no_grad skips the switch
+        if not self._lock.acquire(blocking=False):  # a second thread would interleave
+            self._exclusive.refuse()  # on the static buffers: refused, named
+        self._exclusive.owner = get_ident()
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        hooks = self._hooks.start()
         try:
-            if grad:
-                torch.set_grad_enabled(False)
             raw_bs = getattr(inputs, "batch_size", None)
-            if type(raw_bs) is not int or raw_bs < 1:
-                raw_bs = batch_size_of(inputs)  # raises, naming what is wrong
-            graph = self._graph_for.get(raw_bs)  # None: not captured, or above every size
+            graph = self._graph_for.get(raw_bs) if type(raw_bs) is int else None
             if graph is None or self._width_field is not None:
-                reason = self._eager_reason(inputs, raw_bs, graph)
+                raw_bs, reason = self._eager_reason(inputs, raw_bs, graph)  # raises if invalid
                 if reason is not None:
-                    return self._replay_eager(inputs, raw_bs, reason, observer)
-            assert graph is not None  # a graph, or a reason above
+                    return self._replay_eager(inputs, raw_bs, reason, hooks)
+            assert graph is not None and type(raw_bs) is int  # else an eager reason above
             bs = graph.bs
-            if observer is not None:
-                observer.begin(f"replay bs={bs}")
-            full = observer is not None and observer.full_checks
-            sources = self.input_gate.sources(inputs, raw_bs, self.backend, full=full)
-            if self.state_ops is not None:  # most runners record none: skip the call
-                self.pre_launch()
-            if observer is not None:
-                observer.before_write(bs)
-            ops = self.writer.write(sources, raw_bs, bs)
-            if observer is not None:
-                observer.after_write()
-            backend = self.backend
-            if type(backend) is not NullBackend:  # the no-op one is not called
-                backend.init_replay_metadata(bs, raw_bs, graph.view, inputs)
-            if observer is not None:
-                observer.before_launch(self.buffers, inputs, raw_bs, bs)
+            hooks.begin("replay", bs)
+            sources = self.input_gate.sources(inputs, raw_bs, self.backend, full=hooks.full_checks)
+            self.pre_launch()  # the recorded state ops, on the forward's stream
+            hooks.before_write(bs)
+            ops = self.writer.write(sources, raw_bs, bs)  # the one populate
+            hooks.after_write()
+            if self._plans_metadata:
+                self.backend.init_replay_metadata(bs, raw_bs, graph.view, inputs)
+            hooks.before_launch(self.buffers, inputs, raw_bs, bs)
             out = self.outputs.live(graph.launcher(), raw_bs)
-            if observer is not None:
-                observer.after_launch(out, lambda: self.outputs.live(graph.launcher(), raw_bs))
+            hooks.after_launch(out, lambda: self.outputs.live(graph.launcher(), raw_bs))
             self.stats.count_replay(raw_bs, bs, ops)
             self.batch_sizes.add(raw_bs)
             return out
         finally:
-            if grad:
-                torch.set_grad_enabled(True)
-            if observer is not None:
-                observer.end()
-            exclusive.owner = None
-            exclusive.lock.release()
+            hooks.end()
+            torch._C._set_grad_enabled(grad)
+            self._exclusive.owner = None
+            self._lock.release()
 
     @property
     def sanitizer(self) -> PaddingSanitizer | None:
         """The padding sanitizer checking every replay, or None; settable
         (its observer is rebuilt)."""
-        return self._observers.sanitizer
+        return self._hooks.sanitizer
 
     @sanitizer.setter
     def sanitizer(self, sanitizer: PaddingSanitizer | None) -> None:
         #: The sanitizer and NVTX ranges that observe each replay.
-        self._observers = Observers(sanitizer, lambda: self.captured_state)
+        self._hooks = StepHooks(sanitizer, lambda: self.captured_state)
 
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step: the recorded state ops, once per step."""
-        if self.state_ops is not None:
+        if self.state_ops is not None:  # most runners record none
             self.state_ops_run += run_state_ops(self.state_ops)
 
     def relaunch(self, bs: int) -> Outputs:
         """Launch captured size ``bs`` again on the buffers as they are: no
         populate, no checks, no stats (for tests that prove a graph leaves its
         inputs unchanged, and for benchmarks of the launch alone)."""
-        launcher = self._launchers.get(GraphKey(bs, self.width or 1))
+        launcher = self._launchers.get(bs)
         if launcher is None:
             raise NotCapturedError(f"size {bs} is not captured (sizes {self._sizes})")
         with torch.no_grad():
             return launcher()
 
-    def eager_reason(self, inputs: ReplayInputs, raw_bs: int) -> str | None:
+    def eager_reason(self, inputs: StepInputs, raw_bs: int) -> str | None:
         """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
         counted and warned once), or None: a batch above the largest size, or
         one of another width than the captured one (host shapes only)."""
@@ -285,14 +269,19 @@ class GraphRunner:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
         return width_reason(inputs, self._width_field, self.width, raw_bs)
 
-    def _eager_reason(self, inputs: ReplayInputs, raw_bs: int, graph: Graph | None) -> str | None:
+    def _eager_reason(
+        self, inputs: StepInputs, raw_bs: object, graph: Graph | None
+    ) -> tuple[int, str | None]:
+        """The batch size, checked (raises naming what is wrong), and why the
+        batch runs eagerly, or None (:meth:`eager_reason`)."""
+        size = batch_size_of(inputs)
         if graph is None and not self._graph_for:
             name = type(self).__name__
-            raise NotCapturedError(f"{name} is not captured (batch of {raw_bs}); call capture()")
-        return self.eager_reason(inputs, raw_bs)
+            raise NotCapturedError(f"{name} is not captured (batch of {size}); call capture()")
+        return size, self.eager_reason(inputs, size)
 
     def _replay_eager(
-        self, inputs: ReplayInputs, raw_bs: int, reason: str, observer: StepObserver | None
+        self, inputs: StepInputs, raw_bs: int, reason: str, observer: StepObserver
     ) -> Outputs:
         def warn_once() -> None:
             if not self._warned_fallback:

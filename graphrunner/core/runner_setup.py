@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.core.replay import Graph, GraphKey
+from graphrunner.core.replay import Graph
 from graphrunner.declare.buffers import BufferSpec, PadRule, StaticBuffers, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.mechanisms.base import Launcher
@@ -70,13 +70,11 @@ def width_reason(inputs: object, field: str | None, width: int | None, raw_bs: i
 
 
 def graph_table(
-    launchers: dict[int, Launcher], sizes: Sequence[int], width: int, buffers: StaticBuffers
-) -> tuple[dict[GraphKey, Launcher], dict[int, Graph]]:
-    """The captures keyed by ``(size, width)``, and the graph every raw size
-    ``1..max(sizes)`` replays (looked up once per replay)."""
-    keyed = {GraphKey(bs, width): launch for bs, launch in launchers.items()}
+    launchers: dict[int, Launcher], sizes: Sequence[int], buffers: StaticBuffers
+) -> dict[int, Graph]:
+    """The graph every raw size ``1..max(sizes)`` replays (looked up once per replay)."""
     table = {}
     for raw_bs in range(1, sizes[-1] + 1):
-        key = GraphKey(pad_to(sizes, raw_bs), width)
-        table[raw_bs] = Graph(key, keyed[key], buffers.view(key.bs), key.bs)
-    return keyed, table
+        bs = pad_to(sizes, raw_bs)
+        table[raw_bs] = Graph(bs, launchers[bs], buffers.view(bs))
+    return table

@@ -21,11 +21,9 @@ from graphrunner.declare.decode import (
 )
 from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend
 from graphrunner.declare.indexes import Index
-from graphrunner.declare.inputs import DecodeInputs, StepInputs
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
-from graphrunner.declare.sealed import SealedInputs
 from graphrunner.declare.state_ops import StateOps, run_state_ops
-from graphrunner.declare.step_inputs import ReplayInputs
 
 __all__ = [
     "DECODE_FIELDS",
@@ -41,18 +39,15 @@ __all__ = [
     "BaseGraphBackend",
     "BufferSpec",
     "BufferView",
-    "DecodeInputs",
     "GraphBackend",
     "Index",
     "NullBackend",
     "OutputDeclarationError",
     "OutputSpec",
     "PadRule",
-    "ReplayInputs",
-    "SealedInputs",
+    "StepInputs",
     "StateOps",
     "StaticBuffers",
-    "StepInputs",
     "check_width",
     "decode_buffer_specs",
     "per_token_fields",

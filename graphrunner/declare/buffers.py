@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -223,11 +224,12 @@ def _check_future(specs: Sequence[BufferSpec], tokens: torch.Tensor | None) -> t
 
 
 class BufferView:
-    """The first ``bs`` requests' rows of every static buffer, as attributes by name.
+    """What a forward reads: the step's declared buffers, as attributes by name.
 
-    This is what the model's forward receives during capture and replay.
-    ``bs`` is the captured size; rows past the live ones are padding. A buffer
-    of ``r`` rows per request shows ``bs * r`` rows.
+    At capture and replay, the first ``bs`` requests' rows of every static
+    buffer (``bs`` the captured size; rows past the live ones are padding); on
+    the eager path, the live rows themselves. A buffer of ``r`` rows per
+    request shows ``bs * r`` rows.
     """
 
     bs: int
@@ -238,6 +240,10 @@ class BufferView:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    if TYPE_CHECKING:  # the declared buffers, by name (set from the mapping)
+
+        def __getattr__(self, name: str) -> torch.Tensor: ...
 
 
 class StaticBuffers:

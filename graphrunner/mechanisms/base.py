@@ -12,15 +12,13 @@ import torch
 
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
-from graphrunner.declare.step_inputs import view_tensors
 
 __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 
-#: The model's step: called with one argument, the step's named tensors (a
-#: :class:`~graphrunner.declare.step_inputs.StepTensors`: a BufferView, or the
-#: live batch on the eager path). Its parameter is left open (``...``) so a
-#: phase's forward may type it with its own inputs protocol (``VerifyInputs``,
-#: ``MtpInputs``...), which names the buffers that phase declares.
+#: The model's step: called with one argument, a
+#: :class:`~graphrunner.declare.buffers.BufferView` of the phase's declared
+#: buffers by name (the padded static buffers at capture and replay, the live
+#: rows on the eager path).
 ForwardFn = Callable[..., Outputs]
 #: Runs a captured size on the static buffers; returns its static outputs.
 Launcher = Callable[[], Outputs]
@@ -66,7 +64,7 @@ class CaptureMechanism(abc.ABC):
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
         """The callable warmed up and captured for size ``bs``."""
-        tensors = view_tensors(view)
+        tensors = view
         return lambda: forward(tensors)
 
     def warmup(self, fn: Launcher) -> Outputs:

@@ -10,7 +10,6 @@ import torch
 
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
-from graphrunner.declare.step_inputs import view_tensors
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
@@ -142,7 +141,7 @@ class CudaGraphCapture(CaptureMechanism):
             self._capturing_bs = bs
         if self.compiler is not None:
             return self.compiler.step_fn(bs, forward, view)
-        tensors = view_tensors(view)
+        tensors = view
         return lambda: forward(tensors)
 
     def warmup(self, fn: Launcher) -> Outputs:

@@ -14,7 +14,6 @@ from graphrunner.phases.eagle import (
     eagle_draft_extend_phase,
     eagle_draft_extend_specs,
 )
-from graphrunner.phases.inputs import EagleDecodeInputs, EagleExtendInputs, MtpInputs, VerifyInputs
 from graphrunner.phases.models import EagleDraftModel, MtpDraftModel, VerifyModel
 from graphrunner.phases.mtp import (
     FrozenKvMtpRunner,
@@ -28,7 +27,7 @@ from graphrunner.phases.multistep import (
     check_steps_per_launch,
     multistep_phase,
 )
-from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, SampledInputs
+from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, with_sampling
 from graphrunner.phases.verify import verify_buffer_specs, verify_phase
 
 __all__ = [
@@ -36,17 +35,12 @@ __all__ = [
     "MAX_STEPS_PER_LAUNCH",
     "SAMPLED_OUTPUTS",
     "STEPS_LEFT",
-    "EagleDecodeInputs",
     "EagleDraftModel",
-    "EagleExtendInputs",
     "EagleDraftExtendRunner",
     "FrozenKvMtpRunner",
     "MtpDraftModel",
-    "MtpInputs",
     "Phase",
-    "SampledInputs",
     "SpecBatch",
-    "VerifyInputs",
     "VerifyModel",
     "check_steps_per_launch",
     "decode_phase",
@@ -59,4 +53,5 @@ __all__ = [
     "multistep_phase",
     "verify_buffer_specs",
     "verify_phase",
+    "with_sampling",
 ]

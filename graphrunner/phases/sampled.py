@@ -12,7 +12,7 @@ the step also returns the chosen tokens' log-probabilities ``"logprob"``
 their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
 (:func:`~graphrunner.sampling.logprobs`).
 
-:class:`SampledInputs` hands a step its sampling rows beside any decode
+:func:`with_sampling` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
 the replay path checks it in O(1).
 """
@@ -20,16 +20,17 @@ the replay path checks it in O(1).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
 
-__all__ = ["LOGPROB_OUTPUTS", "SAMPLED_OUTPUTS", "SampledInputs", "sampled_forward"]
+__all__ = ["LOGPROB_OUTPUTS", "SAMPLED_OUTPUTS", "sampled_forward", "with_sampling"]
 
 #: The outputs of a sampled step: one row per request each.
 SAMPLED_OUTPUTS: Mapping[str, OutputSpec] = {"logits": OutputSpec(), "tokens": OutputSpec()}
@@ -72,9 +73,9 @@ def sampled_forward(forward: ForwardFn, *, logprobs_n: int = 0) -> ForwardFn:
     return step
 
 
-class SampledInputs:
+def with_sampling(base: object, rows: Mapping[str, torch.Tensor]) -> StepInputs:
     """``base`` (any step inputs, e.g. a :class:`~graphrunner.DecodeBatch`)
-    with the sampling rows of its requests.
+    with the sampling rows of its requests, as one step's inputs.
 
     Args:
         base: the step's other inputs; every attribute not a sampling field
@@ -83,6 +84,11 @@ class SampledInputs:
             requests in row order: ``temperature``, ``top_p``, ``min_p``
             float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``.
     """
+    return cast(StepInputs, _WithSampling(base, rows))
+
+
+class _WithSampling:
+    """``base`` with sampling rows (see :func:`with_sampling`)."""
 
     def __init__(self, base: object, rows: Mapping[str, torch.Tensor]) -> None:
         missing = [n for n in SAMPLING_FIELD_NAMES if n not in rows]

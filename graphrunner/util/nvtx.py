@@ -22,35 +22,46 @@ import os
 import nvtx as _nvtx
 import torch
 
-__all__ = ["DOMAIN", "active", "enabled", "range", "set_enabled"]
+__all__ = ["DOMAIN", "SWITCH", "active", "enabled", "range", "set_enabled"]
 
 DOMAIN = "graphrunner"
 _domain = _nvtx.get_domain(DOMAIN)
 _OFF = frozenset({"0", "false", "off", "no", ""})
-_enabled = os.environ.get("GRAPHRUNNER_NVTX", "1").strip().lower() not in _OFF
+
+
+class _Switch:
+    """Whether ranges are on (``enabled``) and an NVTX tool is injected
+    (``injected``, read at import): plain attributes, so that a replay reads
+    them without a call."""
+
+    __slots__ = ("enabled", "injected")
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("GRAPHRUNNER_NVTX", "1").strip().lower() not in _OFF
+        self.injected = any(
+            os.environ.get(v) for v in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")
+        )
+
+
+#: The process-wide switch (:func:`set_enabled` sets it).
+SWITCH = _Switch()
 
 
 def set_enabled(on: bool) -> None:
     """Turn graphrunner's ranges on or off process-wide."""
-    global _enabled
     if not isinstance(on, bool):
         raise TypeError(f"set_enabled takes a bool, got {on!r}")
-    _enabled = on
+    SWITCH.enabled = on
 
 
 def enabled() -> bool:
-    return _enabled
+    return SWITCH.enabled
 
 
 def _profiler_active() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-def _tool_injected() -> bool:
-    return any(os.environ.get(v) for v in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH"))
-
-
-_injected = _tool_injected()
 _attributes: dict[tuple[object, str], object] = {}
 
 
@@ -87,8 +98,7 @@ _NULL = contextlib.nullcontext()
 def active() -> bool:
     """Whether :func:`range` pushes ranges now (enabled, and an NVTX tool
     injected or a torch profiler running)."""
-    # The profiler's flag read inline: this runs on every replay.
-    return _enabled and (_injected or torch.autograd.profiler._is_profiler_enabled)
+    return SWITCH.enabled and (SWITCH.injected or torch.autograd.profiler._is_profiler_enabled)
 
 
 def range(name: str) -> contextlib.AbstractContextManager[None]:  # noqa: A001

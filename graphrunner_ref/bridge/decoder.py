@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphrunner import KVCache, ReqToTokenPool, StepInputs, TokenToKVPoolAllocator
+from graphrunner import BufferView, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.declare import NullBackend
 from graphrunner.pools import whole_pages
 from graphrunner.util import needs_extra
@@ -80,7 +80,7 @@ class TransformersDecoder(nn.Module):
         logits: torch.Tensor = out.logits[0]
         return logits.float()
 
-    def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
+    def forward_decode(self, inputs: BufferView) -> torch.Tensor:
         """One decode step: logits float32 ``[bs, vocab]`` from the decode fields
         (int64 ``[bs]``); each row's K/V written at its ``out_cache_loc``."""
         b = inputs

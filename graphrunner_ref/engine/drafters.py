@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.declare import ReplayInputs
-from graphrunner.phases import SampledInputs, SpecBatch
+from graphrunner.declare import StepInputs
+from graphrunner.phases import with_sampling, SpecBatch
 from graphrunner.sampling import draft_sample
 from graphrunner_ref.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner_ref.model.draft import EagleHead
@@ -51,7 +51,7 @@ class Drafter(Protocol):
         """After the verify (its outputs, valid until the next replay)."""
 
 
-def replay_named(runner: GraphRunner, inputs: ReplayInputs) -> dict[str, torch.Tensor]:
+def replay_named(runner: GraphRunner, inputs: StepInputs) -> dict[str, torch.Tensor]:
     """``runner.replay(inputs)`` for a phase whose outputs are a dict."""
     out = runner.replay(inputs)
     if not isinstance(out, dict):
@@ -134,7 +134,7 @@ class MtpDrafter:
         if state.sampling is not None and self._build is not None:
             if self._sampled is None:
                 self._sampled = self._build()
-            out = self._sampled.replay(SampledInputs(inputs, state.sampling))
+            out = self._sampled.replay(with_sampling(inputs, state.sampling))
             if not isinstance(out, dict):
                 raise TypeError(f"the sampled MTP loop returned {type(out).__name__}")
             state.draft_probs = out["probs"].clone()

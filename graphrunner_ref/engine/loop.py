@@ -32,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from graphrunner import DecodeBatch, GraphRunner
-from graphrunner.declare import ReplayInputs
-from graphrunner.phases import SampledInputs
+from graphrunner.declare import StepInputs
+from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
 from graphrunner.util import Exclusive
@@ -301,10 +301,10 @@ class Engine:
             self._rank_check(batch.batch_size)
         inputs = self.decoder.inputs(batch)
         if self.sampling:
-            inputs = SampledInputs(inputs, self.sampling_rows.of(live))
+            inputs = with_sampling(inputs, self.sampling_rows.of(live))
         return check_step_out(self.runner.replay(inputs))
 
-    def launch(self, inputs: ReplayInputs) -> StepOut:
+    def launch(self, inputs: StepInputs) -> StepOut:
         """The runner's step on inputs a schedule built itself (a multi-step
         launch), its outputs checked."""
         return check_step_out(self.runner.replay(inputs))

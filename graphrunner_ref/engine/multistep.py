@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.declare import ReplayInputs
-from graphrunner.phases import STEPS_LEFT, SampledInputs, SpecBatch, check_steps_per_launch
+from graphrunner.declare import StepInputs
+from graphrunner.phases import STEPS_LEFT, with_sampling, SpecBatch, check_steps_per_launch
 from graphrunner.pools import PoolExhausted
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep_runner import multistep_of
@@ -166,7 +166,7 @@ class MultiStepSchedule:
         batch, n = run.batch, self.steps
         lens = batch.seq_lens_cpu
         slots = [r.slots + [0] * (n - r.budget) for r in plan]
-        inputs: ReplayInputs = SpecBatch(
+        inputs: StepInputs = SpecBatch(
             req_pool_indices_cpu=batch.req_pool_indices_cpu,
             seq_lens_cpu=lens + 1,
             req_pool_indices=batch.req_pool_indices,
@@ -177,7 +177,7 @@ class MultiStepSchedule:
             **{STEPS_LEFT: torch.tensor([r.budget for r in plan], dtype=torch.int64)},
         )
         if engine.sampling:
-            inputs = SampledInputs(inputs, engine.sampling_rows.of(run.live))
+            inputs = with_sampling(inputs, engine.sampling_rows.of(run.live))
         stats: EngineStats = run.stats
 
         def replay() -> StepOut:

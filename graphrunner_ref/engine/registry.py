@@ -28,7 +28,7 @@ from graphrunner import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from graphrunner.declare import ReplayInputs
+from graphrunner.declare import StepInputs
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.engine.config import EngineConfig, UsageError
 from graphrunner_ref.model.config import ModelConfig
@@ -103,7 +103,7 @@ class DecodeStep:
 
     forward: Callable[[Any], torch.Tensor]
     backend: GraphBackend
-    inputs: Callable[[DecodeBatch], ReplayInputs]
+    inputs: Callable[[DecodeBatch], StepInputs]
     sanitizer: Callable[[], PaddingSanitizer]
     state_ops: HybridReqToTokenPool | None = None
     mamba: bool = False

@@ -6,15 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 from graphrunner import (
-    EagleDraftExtendRunner,
-    FrozenKvMtpRunner,
     GraphRunner,
     KVCache,
     PaddingSanitizer,
     create_runner,
 )
 from graphrunner.declare import check_width
-from graphrunner.phases import eagle_draft_decode_phase, frozen_kv_sanitizer, verify_phase
+from graphrunner.phases import (
+    eagle_draft_decode_phase,
+    eagle_draft_extend_phase,
+    frozen_kv_mtp_phase,
+    frozen_kv_sanitizer,
+    verify_phase,
+)
 from graphrunner_ref.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
 from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.engine.ranks import refuse_sharded
@@ -144,11 +148,12 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
         head = FrozenKvMtpHead(b.model, steps=k, topk=1)
         init_draft_weights(head, seed)
         sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-        runner = _captured(FrozenKvMtpRunner(head, **cap.common(sanitizer)))
+        runner = _captured(create_runner(frozen_kv_mtp_phase(head), **cap.common(sanitizer)))
 
         def sampled() -> GraphRunner:
             fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-            return _captured(FrozenKvMtpRunner(head, sampling=True, **cap.common(fresh)))
+            phase = frozen_kv_mtp_phase(head, sampling=True)
+            return _captured(create_runner(phase, **cap.common(fresh)))
 
         return MtpDrafter(runner, k, sampled)
     cfg = b.config
@@ -158,7 +163,7 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
     eagle = EagleHead(b.model, draft_kv)
     init_draft_weights(eagle, seed)
     sanitizer = cap.pools_sanitizer(draft_kv)
-    extend = EagleDraftExtendRunner(eagle, k + 1, **cap.common(sanitizer))
+    extend = create_runner(eagle_draft_extend_phase(eagle, k + 1), **cap.common(sanitizer))
     decode: GraphRunner | None = None
     if k > 1:  # the seed comes from the extend; decode steps make the other k - 1
         sanitizer = cap.pools_sanitizer(draft_kv)

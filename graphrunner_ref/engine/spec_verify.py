@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.phases import SampledInputs
+from graphrunner.phases import with_sampling
 from graphrunner.sampling import (
     SamplingParams,
     deterministic_probs,
@@ -96,7 +96,7 @@ class RoundVerifier:
         if q is None:  # drafts not drawn: their one-hot
             q = deterministic_probs(drafts, self.bundle.config.vocab_size)
         inputs = state.tokens_step(ids, draft_probs=q)
-        return replay_named(self._sampled, SampledInputs(inputs, state.sampling or {}))
+        return replay_named(self._sampled, with_sampling(inputs, state.sampling or {}))
 
 
 def round_logprobs(verified: Verified, n: int) -> list[list[TokenLogprobs]]:

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from graphrunner import DecodeBatch, GraphRunner
-from graphrunner.declare import ReplayInputs
+from graphrunner.declare import StepInputs
 from graphrunner_ref.engine.registry import DecodeStep, ServingBundle
 from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run
 from graphrunner_ref.engine.sampling import SampledRows, StepOut
@@ -71,7 +71,7 @@ class EngineSteps(Protocol):
         """The runner's step on a prepared batch."""
         ...
 
-    def launch(self, inputs: ReplayInputs) -> StepOut:
+    def launch(self, inputs: StepInputs) -> StepOut:
         """The runner's step on inputs a schedule built itself (checked outputs)."""
         ...
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner import StepInputs
+from graphrunner import BufferView
 from graphrunner.core import host_range
-from graphrunner.declare import BufferView
 from graphrunner_ref.model.attention_live import LiveRows
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.attention_op import PagedRows
@@ -158,7 +157,7 @@ class TorchPagedBackend:
                 rows, self.heads, self.head_dim, device=self.req_to_token.device
             )
 
-    def decode_metadata(self, inputs: StepInputs, group: int) -> AttnMetadata:
+    def decode_metadata(self, inputs: BufferView, group: int) -> AttnMetadata:
         """Slots ``[bs, max_context_len]`` and mask ``[bs, 1, group, max_context_len]``."""
         return self.rows_metadata(inputs.req_pool_indices, inputs.seq_lens, group)
 

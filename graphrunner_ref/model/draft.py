@@ -21,8 +21,7 @@ import math
 import torch
 from torch import nn
 
-from graphrunner import KVCache, StepInputs
-from graphrunner.phases import EagleDecodeInputs, EagleExtendInputs, MtpInputs
+from graphrunner import BufferView, KVCache
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, draft_sample
 from graphrunner_ref.model.attention_backend import TorchPagedBackend
 from graphrunner_ref.model.attention_meta import AttnMetadata, attend
@@ -104,7 +103,7 @@ class EagleHead(_TargetFacts):
     def target(self) -> LlamaDecoder:
         return self._target[0]
 
-    def _run(self, rows: StepInputs, features: torch.Tensor) -> torch.Tensor:
+    def _run(self, rows: BufferView, features: torch.Tensor) -> torch.Tensor:
         target = self.target
         x = self.fusion(target.model.embed_tokens(rows.input_ids), features)
         meta = target.attn_backend.decode_metadata(rows, target.config.num_kv_groups)
@@ -115,7 +114,7 @@ class EagleHead(_TargetFacts):
         probs, ids = _topk_probs(self.target.logits(h), self.topk)
         return {"topk_p": probs, "topk_index": ids, "hidden": h}
 
-    def forward_extend(self, inputs: EagleExtendInputs) -> dict[str, torch.Tensor]:
+    def forward_extend(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """Draft extend over ``W`` verified tokens per request.
 
         ``inputs``: per-token ``input_ids``, ``positions``, ``out_cache_loc``
@@ -130,7 +129,7 @@ class EagleHead(_TargetFacts):
         h = self._run(rows, inputs.hidden_states)
         return self._propose(h[rows.select(inputs.accept_lens)])
 
-    def forward_decode(self, inputs: EagleDecodeInputs) -> dict[str, torch.Tensor]:
+    def forward_decode(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """One draft token per request: decode fields int64 ``[bs]`` plus
         ``hidden_states`` ``[bs, hidden]`` (the previous draft step's)."""
         return self._propose(self._run(inputs, inputs.hidden_states))
@@ -192,7 +191,7 @@ class FrozenKvMtpHead(_TargetFacts):
         h = self._block(self.fusion(t.model.embed_tokens(ids), features), positions, meta)
         return h, t.logits(h).log_softmax(-1)
 
-    def forward_draft(self, inputs: MtpInputs) -> dict[str, torch.Tensor]:
+    def forward_draft(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """The whole draft loop for ``bs`` requests.
 
         ``inputs`` (per request): ``input_ids`` (the bonus token),
@@ -231,7 +230,7 @@ class FrozenKvMtpHead(_TargetFacts):
             "parents": torch.stack(parents, 1),
         }
 
-    def forward_draft_sampled(self, inputs: MtpInputs) -> dict[str, torch.Tensor]:
+    def forward_draft_sampled(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """The draft loop as a chain (``topk`` 1) whose tokens are drawn.
 
         ``inputs``: :meth:`forward_draft`'s plus the sampling rows

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner import StepInputs
+from graphrunner import BufferView
 from graphrunner.declare import run_state_ops
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.model.attention import PagedAttention
@@ -22,15 +22,10 @@ from graphrunner_ref.model.attention_backend import TorchPagedBackend, device_at
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore
 from graphrunner_ref.model.hybrid_config import HybridConfig
 from graphrunner_ref.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from graphrunner_ref.model.mamba import MambaStepInputs
 from graphrunner_ref.model.mamba2_mixer import Mamba2Mixer
 from graphrunner_ref.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 
 __all__ = ["HybridConfig", "HybridLM"]
-
-
-class HybridStepInputs(StepInputs, MambaStepInputs):
-    """A decode step of a hybrid model: the KV fields and the Mamba fields."""
 
 
 class _NoRotary(RotaryEmbedding):
@@ -156,7 +151,7 @@ class HybridLM(nn.Module):
         )
         self.to(pool.device).requires_grad_(False)
 
-    def forward_decode(self, inputs: HybridStepInputs) -> torch.Tensor:
+    def forward_decode(self, inputs: BufferView) -> torch.Tensor:
         """One decode step: logits float32 ``[bs, vocab]``. Writes each row's K/V
         at ``out_cache_loc`` and advances each masked row's Mamba state."""
         pool = self.req_pool.mamba_pool

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner import StepInputs
-from graphrunner.phases import VerifyInputs
+from graphrunner import BufferView
 from graphrunner_ref.model.attention import PagedAttention
 from graphrunner_ref.model.attention_backend import TorchPagedBackend, device_attention
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore
@@ -251,7 +250,7 @@ class LlamaDecoder(nn.Module):
         """Columns of the logits (the whole vocabulary, every rank)."""
         return int(self.config.vocab_size)
 
-    def forward_decode(self, inputs: StepInputs) -> torch.Tensor:
+    def forward_decode(self, inputs: BufferView) -> torch.Tensor:
         """One decode step: logits float32 ``[bs, vocab]`` for the ``bs`` rows of ``inputs``.
 
         Writes each row's new K/V at ``out_cache_loc``, then attends over
@@ -260,7 +259,7 @@ class LlamaDecoder(nn.Module):
         """
         return self.logits(self._step_hidden(inputs))
 
-    def forward_tokens(self, inputs: VerifyInputs) -> dict[str, torch.Tensor]:
+    def forward_tokens(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """A multi-token step (target verify): ``W`` tokens per request.
 
         ``inputs``: per-token ``input_ids``, ``positions``, ``out_cache_loc``
@@ -273,12 +272,12 @@ class LlamaDecoder(nn.Module):
         h = self._step_hidden(TokenRows(inputs))
         return {"logits": self.logits(h), "hidden": h}
 
-    def forward_decode_hidden(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+    def forward_decode_hidden(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """:meth:`forward_decode` that also returns the final-norm ``hidden`` ``[bs, hidden]``."""
         h = self._step_hidden(inputs)
         return {"logits": self.logits(h), "hidden": h}
 
-    def _step_hidden(self, inputs: StepInputs) -> torch.Tensor:
+    def _step_hidden(self, inputs: BufferView) -> torch.Tensor:
         meta = self.attn_backend.decode_metadata(inputs, self.num_kv_groups)
         return self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
 

@@ -11,12 +11,13 @@ same forward serves every runner and padded rows never change a slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner import BufferView
 from graphrunner.declare import run_state_ops
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.model.config import UnsupportedConfigError
@@ -24,15 +25,7 @@ from graphrunner_ref.model.layers import RMSNorm
 from graphrunner_ref.model.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from graphrunner_ref.model.mamba_mixer import MambaMixer, MixerShape, gather_states, write_states
 
-__all__ = ["MambaConfig", "MambaLM", "MambaStepInputs"]
-
-
-class MambaStepInputs(Protocol):
-    """What a decode step of a Mamba model reads (int64 / bool ``[bs]``)."""
-
-    input_ids: torch.Tensor
-    mamba_track_indices: torch.Tensor
-    mamba_track_mask: torch.Tensor
+__all__ = ["MambaConfig", "MambaLM"]
 
 
 def config_int(hf: dict[str, Any], name: str, default: int | None = None) -> int:
@@ -184,7 +177,7 @@ class MambaLM(nn.Module):
         )
         self.to(pool.device).requires_grad_(False)
 
-    def forward_decode(self, inputs: MambaStepInputs) -> torch.Tensor:
+    def forward_decode(self, inputs: BufferView) -> torch.Tensor:
         """One decode step: logits float32 ``[bs, vocab]``; advances each masked
         row's state in its slot. Static shapes, no host reads: capturable."""
         pool = self.req_pool.mamba_pool

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner import StepInputs
+from graphrunner import BufferView
 from graphrunner.declare import PER_TOKEN_FIELD_NAMES
 
 __all__ = ["TokenRows"]
 
 
-class TokenRows:
-    """The :class:`~graphrunner.declare.inputs.StepInputs` of ``bs * W`` token rows.
+class TokenRows(BufferView):
+    """A ``W``-token step's view as the :class:`~graphrunner.BufferView` of
+    ``bs * W`` decode rows.
 
     Args:
         inputs: the decode fields of a ``W``-token step: the
@@ -34,21 +35,14 @@ class TokenRows:
     ``W`` is read from the shapes (host-side, static in a graph).
     """
 
-    # A static mirror of the decode fields for type checkers (tests/test_phases.py
-    # keeps it equal to DECODE_FIELD_NAMES); the values come from the loop below.
-    input_ids: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    out_cache_loc: torch.Tensor
-    positions: torch.Tensor
-
-    def __init__(self, inputs: StepInputs) -> None:
-        for name in PER_TOKEN_FIELD_NAMES:
-            setattr(self, name, getattr(inputs, name))
-        req = inputs.req_pool_indices
-        self.width = self.positions.shape[0] // max(req.shape[0], 1)
-        self.req_pool_indices = req.repeat_interleave(self.width)
-        self.seq_lens = self.positions + 1
+    def __init__(self, inputs: BufferView) -> None:
+        rows = {name: getattr(inputs, name) for name in PER_TOKEN_FIELD_NAMES}
+        req, positions = inputs.req_pool_indices, rows["positions"]
+        width = positions.shape[0] // max(req.shape[0], 1)
+        rows["req_pool_indices"] = req.repeat_interleave(width)
+        rows["seq_lens"] = positions + 1
+        super().__init__(positions.shape[0], rows)
+        self.width = width
 
     def select(self, accept_lens: torch.Tensor) -> torch.Tensor:
         """Each request's last accepted token row: ``row * W + accept_len - 1``,
