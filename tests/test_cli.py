@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import graphrunner_ref.cli.checks as cli_checks
-import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.demo as cli_demo
 import graphrunner_ref.cli.main as cli
 import graphrunner_ref.engine.memory as memory
+from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts, synthetic_trace
 from graphrunner_ref.io import save_checkpoint
@@ -125,7 +126,7 @@ def test_generate_rejects_bad_prompts_before_any_work(
     content: str,
     match: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     path = tmp_path / "prompts.jsonl"
     path.write_text(content)
     assert cli.main(["generate", "--prompts", str(path), *EAGER]) == 2
@@ -154,7 +155,7 @@ def test_bad_arguments_exit_2_naming_the_value(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main(args) == 2
     assert match in capsys.readouterr().err
 
@@ -254,7 +255,7 @@ def test_a_cuda_device_index_past_the_device_count_exits_2(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main(["demo", "--device", "cuda:2"]) == 2
     assert capsys.readouterr().err == (
         "graphrunner demo: error: --device cuda:2: expected cuda:N with N < 2 devices\n"
@@ -266,7 +267,7 @@ def test_runner_cuda_without_a_cuda_device_exits_2_before_any_work(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main([*command, "--runner", "cuda"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -294,7 +295,7 @@ def test_compile_without_the_cuda_runner_exits_2(
     if cuda and not runner:
         runner = ["--device", "cpu"]  # else a GPU host picks the cuda runner
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     argv = [a.replace("{prompts}", str(prompts_file)) for a in command]
     assert cli.main([*argv, *runner, "--compile"]) == 2
     captured = capsys.readouterr()
@@ -337,9 +338,8 @@ def test_compile_reaches_the_runner_only_when_asked_for(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 30, "a fake GPU"))
-    monkeypatch.setattr(cli, "_build", lambda *a: object())
-    monkeypatch.setattr(cli, "create_decode_runner", create)
-    monkeypatch.setattr(cli_generate, "create_decode_runner", create)
+    monkeypatch.setattr(serving, "build", lambda *a: object())
+    monkeypatch.setattr(serving, "create_decode_runner", create)
     command = [a.replace("{prompts}", str(prompts_file)) for a in command]
     with pytest.raises(_Stop):
         cli.main([*command, *argv, "--capture-sizes", "1,2"])
@@ -381,14 +381,14 @@ def test_demo_reports_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
 def built_page_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The KV page size of every bundle the CLI builds."""
     sizes: list[int] = []
-    real = cli._build
+    real = serving.build
 
     def build(*a: Any) -> ModelBundle:
         bundle = real(*a)
         sizes.append(bundle.kv_alloc.page_size)
         return bundle
 
-    monkeypatch.setattr(cli, "_build", build)
+    monkeypatch.setattr(serving, "build", build)
     return sizes
 
 
@@ -423,9 +423,11 @@ def test_generate_with_kv_pages_prints_the_same_tokens(
 def test_demo_exits_1_on_a_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = cli._capture
+    real = serving.create_decode_runner
     monkeypatch.setattr(
-        cli, "_capture", lambda bundle, *a, **k: StrayWriter(real(bundle, *a, **k), bundle)
+        serving,
+        "create_decode_runner",
+        lambda bundle, *a, **k: StrayWriter(real(bundle, *a, **k), bundle),
     )
     assert cli.main(["demo", "--steps", "10", "--max-bs", "2", "--runner", "eager"]) == 1
     out = capsys.readouterr().out
@@ -442,7 +444,7 @@ def test_demo_check_padding_checks_every_replay(capsys: pytest.CaptureFixture[st
 def test_demo_check_padding_exits_1_on_a_stray_write(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real_build = cli._build
+    real_build = serving.build
 
     def build_with_stray_forward(*a: Any) -> ModelBundle:
         bundle = real_build(*a)
@@ -455,7 +457,7 @@ def test_demo_check_padding_exits_1_on_a_stray_write(
         bundle.model.forward_decode = stray  # type: ignore[method-assign]
         return bundle
 
-    monkeypatch.setattr(cli, "_build", build_with_stray_forward)
+    monkeypatch.setattr(serving, "build", build_with_stray_forward)
     args = ["demo", "--steps", "4", "--max-bs", "2", "--runner", "eager", "--check-padding"]
     assert cli.main(args) == 1
     err = capsys.readouterr().err
@@ -514,7 +516,7 @@ def test_generate_rejects_bad_arguments_before_any_work(
     args: list[str],
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert cli.main(["generate", "--prompts", str(prompts_file), *EAGER, *args]) == 2
     captured = capsys.readouterr()
@@ -526,7 +528,7 @@ def test_generate_rejects_bad_arguments_before_any_work(
 def test_generate_names_the_line_of_a_non_utf8_prompt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(b"[1, 2]\n\n[3, \xff]\n[4]\n")
     assert cli.main(["generate", "--prompts", str(path), *EAGER]) == 2
@@ -604,7 +606,7 @@ def test_generate_exits_2_on_a_bad_config_value(
     edit: dict[str, Any],
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     path = _checkpoint(tmp_path, **edit)
     args = ["generate", "--prompts", str(prompts_file), "--checkpoint", str(path), *EAGER]
     assert cli.main(args) == 2
@@ -632,13 +634,13 @@ def test_demo_builds_the_embedded_model_at_the_context_it_reports(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     built: list[int] = []
-    real = cli._capture
+    real = serving.create_decode_runner
 
     def capture(bundle: ModelBundle, *a: Any, **k: Any) -> Any:
         built.append(bundle.max_context_len)
         return real(bundle, *a, **k)
 
-    monkeypatch.setattr(cli, "_capture", capture)
+    monkeypatch.setattr(serving, "create_decode_runner", capture)
     assert cli.main(["demo", "--steps", "6", "--max-bs", "2", "--runner", "eager"]) == 0
     reported = re.search(r"vocab 256, context (\d+)\n", capsys.readouterr().out)
     assert reported is not None
@@ -667,7 +669,7 @@ BIG = str(10**30)
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test, instead of hanging or allocating, if a refused run starts."""
-    monkeypatch.setattr(cli, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
+    monkeypatch.setattr(cli_demo, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
     real_sizes = cli_checks.default_capture_sizes
 
     def sizes(max_bs: int) -> list[int]:  # past 10**7 it would run for minutes
@@ -676,7 +678,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
         )
 
     monkeypatch.setattr(cli_checks, "default_capture_sizes", sizes)
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set {n} threads"))
 
 
@@ -812,7 +814,7 @@ def test_the_demo_runs_the_largest_step_count(monkeypatch: pytest.MonkeyPatch) -
         asked.append(kwargs["num_requests"])
         raise _Stop
 
-    monkeypatch.setattr(cli, "synthetic_trace", trace)
+    monkeypatch.setattr(cli_demo, "synthetic_trace", trace)
     with pytest.raises(_Stop):
         cli.main(["demo", "--runner", "eager", "--steps", "100000", "--page-size", "256"])
     assert asked == [100_000]
@@ -827,7 +829,7 @@ def test_generate_takes_the_largest_budget_and_arrival_gap(
         built.append(context)
         raise _Stop
 
-    monkeypatch.setattr(cli, "_build", build)
+    monkeypatch.setattr(serving, "build", build)
     path = tmp_path / "prompts.jsonl"
     path.write_text("[5]\n[6]\n")
     argv = ["generate", "--prompts", str(path), "--runner", "eager", "--page-size", "256"]
@@ -842,7 +844,7 @@ def test_a_huge_cuda_device_index_exits_2(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main(["demo", "--device", device]) == 2
     assert capsys.readouterr().err == (
         f"graphrunner demo: error: --device {device}: expected cuda:N with N < 2 devices\n"
@@ -948,7 +950,7 @@ def free_memory(monkeypatch: pytest.MonkeyPatch) -> int:
 def test_a_largest_batch_past_the_memory_exits_2_naming_the_batch_that_fits(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, free_memory: int
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main(["demo", "--runner", "eager", "--max-bs", "100000"]) == 2
     out, err = capsys.readouterr()
     found = re.fullmatch(

@@ -5,16 +5,17 @@ default for the CUDA runner only."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import graphrunner_ref.engine.kinds.llama as llama_kind
 from graphrunner_ref.cli import checks as cli_checks
 from graphrunner_ref.cli import main as cli
-from graphrunner_ref.cli import model_args as cli_model
+from graphrunner_ref.engine.config import EngineConfig
+from graphrunner_ref.engine.kinds.llama import with_attention
 from graphrunner_ref.io import save_checkpoint
 from graphrunner_ref.io.gguf_cache import CACHE_ENV
 from graphrunner_ref.model import default_model, shape_1b_config
@@ -35,7 +36,7 @@ def _built_with(
         raise _Stop
 
     monkeypatch.setattr(cli_checks, "available_memory", lambda device: (1 << 40, "a fake device"))
-    monkeypatch.setattr(cli, builder, build)
+    monkeypatch.setattr(llama_kind, builder, build)
     with pytest.raises(_Stop):
         cli.main(["demo", "--runner", "eager", "--max-bs", "2", *argv])
     [kwargs] = calls
@@ -180,5 +181,5 @@ def test_attention_triton_needs_cuda(capsys: pytest.CaptureFixture[str], choice:
 def test_attention_reaches_the_backend(choice: str, kernel: str, layout: str) -> None:
     bundle = default_model(max_requests=1)
     bundle.model.attn_backend.kernel = "triton"  # as on CUDA
-    cli_model.with_attention(argparse.Namespace(attention=choice), bundle)
+    with_attention(EngineConfig(attention=choice), bundle)
     assert (bundle.model.attn_backend.kernel, bundle.model.attn_backend.layout) == (kernel, layout)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import graphrunner_ref.cli.main as cli
+from graphrunner_ref.engine import serving
 from test_cli import EAGER, PROMPTS, _expected
 
 
@@ -60,7 +61,7 @@ def test_bad_speculative_options_exit_2_before_any_work(
     extra: list[str],
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     argv = ["generate", "--prompts", str(prompts_file), *EAGER, "--speculative", "mtp", *extra]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
@@ -69,7 +70,7 @@ def test_bad_speculative_options_exit_2_before_any_work(
 def test_draft_tokens_that_overflow_the_context_are_named(
     prompts_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     argv = ["generate", "--prompts", str(prompts_file), *EAGER, "--max-new-tokens", "245"]
     argv += ["--speculative", "mtp", "--draft-tokens", "8"]
     assert cli.main(argv) == 2

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import graphrunner_ref.cli.main as cli
+from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4], [5, 6]]
@@ -181,6 +182,6 @@ def test_generate_refuses_what_several_steps_per_launch_cannot_serve(
     argv: list[str],
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     assert cli.main(["generate", "--prompts", str(prompts_file), *EAGER, *argv]) == 2
     assert capsys.readouterr() == ("", f"graphrunner generate: error: {message}\n")

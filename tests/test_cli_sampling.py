@@ -5,6 +5,7 @@ the eager log-softmax, and every bad value exits 2 naming the flag or line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -15,11 +16,12 @@ import pytest
 import torch
 from test_engine_logprobs import eager_last_logits
 
-import graphrunner_ref.cli.generate as cli_generate
+import graphrunner_ref.cli.demo as cli_demo
 import graphrunner_ref.cli.main as cli
 from conftest import SLOW
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
+from graphrunner_ref.engine import serving
 from graphrunner_ref.io import save_checkpoint
 
 PROMPTS = [[1, 2, 3], [200], [7, 7, 7, 7, 7, 7, 7, 7], [0, 255, 9, 4]]
@@ -95,13 +97,13 @@ def test_temperature_0_is_the_greedy_output_bit_for_bit(
     assert _generate(capsys, "--prompts", str(prompts_file), "--temperature", "0") == greedy
     # With log-probabilities the sampled step runs, its temperature-0 tokens the argmax's.
     built: list[dict[str, Any]] = []
-    real = cli.create_decode_runner
+    real = serving.create_decode_runner
 
     def spy(*a: Any, **k: Any) -> Any:
         built.append(k)
         return real(*a, **k)
 
-    monkeypatch.setattr(cli_generate, "create_decode_runner", spy)
+    monkeypatch.setattr(serving, "create_decode_runner", spy)
     lines = _generate(capsys, "--prompts", str(prompts_file), "--logprobs", "1", "--top-k", "3")
     assert _tokens(lines) == _tokens(greedy)
     _generate(capsys, "--prompts", str(prompts_file))
@@ -166,8 +168,8 @@ def test_demo_samples_and_checks_every_step(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.fixture
 def no_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
-    monkeypatch.setattr(cli, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(cli_demo, "synthetic_trace", lambda **k: pytest.fail("built a trace"))
 
 
 BAD_FLAGS = [
@@ -295,12 +297,12 @@ def test_the_overlap_check_counts_a_seed_the_plain_run_does_not_share(
 ) -> None:
     """The plain reference samples with the run's seed: a reference drawn from
     another seed differs, and ``--check`` says so (exit 1)."""
-    import graphrunner_ref.cli.spec as cli_spec
+    real = serving.baseline
 
-    real = cli_spec.plain_run
-    monkeypatch.setattr(
-        cli_spec, "plain_run", lambda *a, **k: real(*a, **{**k, "seed": k["seed"] + 1})
-    )
+    def other_seed(config: Any, *a: Any, **k: Any) -> Any:
+        return real(dataclasses.replace(config, seed=config.seed + 1), *a, **k)
+
+    monkeypatch.setattr(serving, "baseline", other_seed)
     gen = ["generate", "--prompts", str(prompts_file), "--runner", "eager", *HOT, "--seed", "8"]
     assert cli.main([*gen, "--overlap", "--check", "--json", "--max-new-tokens", "12"]) == 1
     assert "mismatches: 0" not in capsys.readouterr().err

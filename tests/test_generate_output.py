@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-import graphrunner_ref.cli.generate as cli_generate
 import graphrunner_ref.cli.main as cli
+import graphrunner_ref.cli.options as cli_options
 from gguf_world import tiny_text_checkpoint
+from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.io.text import StreamPrinter, TextCodec
@@ -141,7 +142,7 @@ def test_text_streams_token_by_token_before_the_request_finishes(
             events.append(("write", s))
             return super().write(s)
 
-    monkeypatch.setattr(cli_generate, "Engine", Recorded)
+    monkeypatch.setattr(serving, "Engine", Recorded)
     texts = ["hello world, hello graphs", "what is the capital of france?"]
     argv = _text_argv(ckpt, "--ignore-eos", "--prompt", texts[0], "--prompt", texts[1])
     outputs = {}
@@ -244,7 +245,7 @@ def test_ids_and_jsonl_refuse_a_bad_line_naming_it(
     content: str,
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     path = tmp_path / "prompts.txt"
     path.write_text(content)
     argv = [*_text_argv(ckpt), "--prompts", str(path), "--prompts-format", fmt]
@@ -265,7 +266,7 @@ def test_ids_format_reads_token_ids_as_auto_does(
 
 def test_the_default_budget_leaves_room_for_an_answer() -> None:
     args = cli._parser().parse_args(["generate", "--prompt", "hi"])
-    assert args.max_new_tokens == cli_generate.DEFAULT_NEW_TOKENS == 128
+    assert args.max_new_tokens == cli_options.DEFAULT_NEW_TOKENS == 128
 
 
 class _Letters(TextCodec):

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import graphrunner_ref.cli.main as cli
+from graphrunner_ref.engine import serving
 from graphrunner_ref.model import ModelBundle
 from hf_tiny import save_tiny_llama
 
@@ -19,13 +20,13 @@ from hf_tiny import save_tiny_llama
 def built(monkeypatch: pytest.MonkeyPatch) -> list[ModelBundle]:
     """Every bundle the CLI builds, in order."""
     bundles: list[ModelBundle] = []
-    build = cli._build
+    build = serving.build
 
     def spy(*args: Any) -> ModelBundle:
         bundles.append(build(*args))
         return bundles[-1]
 
-    monkeypatch.setattr(cli, "_build", spy)
+    monkeypatch.setattr(serving, "build", spy)
     return bundles
 
 
@@ -106,7 +107,7 @@ def test_a_prompt_past_n_is_refused_before_any_work_naming_it(
     extra: list[str],
     message: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     argv = ["generate", "--prompts", str(_prompts(tmp_path, prompts)), "--runner", "eager"]
     argv += ["--max-new-tokens", "8", "--max-context-len", "12", *extra]
     assert cli.main(argv) == 2
@@ -125,7 +126,7 @@ def test_max_context_len_out_of_range_exits_2(
     value: str,
     command: str,
 ) -> None:
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     argv = [command, "--runner", "eager", "--max-context-len", value]
     if command == "generate":
         argv += ["--prompts", str(_prompts(tmp_path, [[1]]))]

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
+from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.text import TextCodec
@@ -164,7 +165,7 @@ def test_text_without_a_tokenizer_exits_2_with_one_line_and_writes_nothing(
         name = f"--checkpoint {tmp_path / 'ck'}"
     else:
         name = "the embedded random model"
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     for extra, what in [
         (["--prompt", "hi"], "--prompt"),
         (["--chat", "--prompts", str(_ids_file(tmp_path / "p", [[1]]))], "--chat"),

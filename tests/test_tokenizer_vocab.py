@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 import graphrunner_ref.cli.demo_real as demo_real
 import graphrunner_ref.cli.main as cli
 from gguf_world import tiny_text_checkpoint
+from graphrunner_ref.engine import serving
 from graphrunner_ref.io import read_config
 from graphrunner_ref.io.text import TextCodec, TokenizerVocabError
 from hf_tiny import save_tiny_llama
@@ -73,7 +74,7 @@ def test_generate_exits_2_with_one_line_before_building_a_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     _, oversized = ckpts
-    monkeypatch.setattr(cli, "_build", lambda *a: pytest.fail("built a model"))
+    monkeypatch.setattr(serving, "build", lambda *a: pytest.fail("built a model"))
     out = tmp_path / "out.txt"
     argv = ["generate", "--checkpoint", str(oversized), *EAGER, "--output", str(out)]
     if prompts == "text":

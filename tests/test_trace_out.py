@@ -13,6 +13,7 @@ import torch
 
 import graphrunner_ref.cli.main as cli
 from graphrunner.util import nvtx
+from graphrunner_ref.engine import serving
 
 
 def _range_names(path: Path) -> Counter[str]:
@@ -53,7 +54,7 @@ def test_no_trace_when_the_run_fails(tmp_path, monkeypatch):
         def run(self, *args: object, **kwargs: object) -> None:
             raise RuntimeError("engine failed")
 
-    monkeypatch.setattr(cli, "Engine", Broken)
+    monkeypatch.setattr(serving, "Engine", Broken)
     with pytest.raises(RuntimeError, match="engine failed"):
         _demo(tmp_path / "trace.json", "--runner", "eager")
     assert list(tmp_path.iterdir()) == []

@@ -20,13 +20,11 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.common import write_atomically
-from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.cli.text import Inputs
 from graphrunner_ref.engine.results import EngineStats, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings, cut_at_stop
@@ -34,7 +32,6 @@ from graphrunner_ref.io.text import TextCodec
 
 __all__ = [
     "Served",
-    "add_arguments",
     "emit",
     "finish_reason",
     "progress",
@@ -42,29 +39,6 @@ __all__ = [
     "summary",
     "to_lines",
 ]
-
-
-def add_arguments(gen: Options) -> None:
-    gen.add_argument(
-        "--output",
-        type=Path,
-        metavar="FILE",
-        help="write one JSON record per request here (JSON lines: prompt index, text, token "
-        "ids, finish reason, token counts), instead of printing the answers",
-    )
-    gen.add_argument(
-        "--json",
-        action="store_true",
-        help="print the JSON records instead of text (the default without a tokenizer)",
-    )
-    gen.add_argument(
-        "--no-stream",
-        action="store_true",
-        help="print each text answer whole, not token by token as it is generated",
-    )
-    gen.add_argument(
-        "--quiet", action="store_true", help="no progress bars and no summary line on stderr"
-    )
 
 
 def progress(args: argparse.Namespace) -> bool:

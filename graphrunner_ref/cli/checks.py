@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import torch
 
+from graphrunner.phases import MAX_STEPS_PER_LAUNCH
 from graphrunner.pools import whole_pages
 from graphrunner.sizing import default_capture_sizes
 from graphrunner_ref.cli import model_args as cli_model
-from graphrunner_ref.cli import model_impl as cli_model_impl
-from graphrunner_ref.cli import multistep as cli_multistep
-from graphrunner_ref.cli import overlap as cli_overlap
-from graphrunner_ref.cli import spec as cli_spec
 from graphrunner_ref.cli.common import UsageError, check_range, resolve_device
+from graphrunner_ref.cli.options import MAX_DRAFT_TOKENS, config_of
+from graphrunner_ref.engine import serving
+from graphrunner_ref.engine.kinds.llama import native_refusal
 from graphrunner_ref.engine.memory import MAX_KV_SLOTS, available_memory, memory_estimate
-from graphrunner_ref.io import read_config, resolve_checkpoint
+from graphrunner_ref.engine.registry import ModelKind
+from graphrunner_ref.io import resolve_checkpoint
 from graphrunner_ref.model import ModelConfig
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "check_common",
     "check_fits",
     "model_config",
+    "model_kind",
     "runner_kind",
 ]
 
@@ -57,9 +60,7 @@ def check_common(args: argparse.Namespace) -> str:
         check_range("--seed", args.seed, 0, MAX_SEED)
     else:
         args.seed = 0  # generate may draw one for sampling: cli_sampling.settle_seed
-    cli_spec.validate(args, UsageError)
-    cli_overlap.validate(args, UsageError)
-    cli_multistep.validate(args)
+    _check_modes(args)
     kind = runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)
@@ -102,21 +103,55 @@ def runner_kind(args: argparse.Namespace) -> str:
     return kind
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    if args.checkpoint is None:
-        cli_model_impl.resolve(args)  # refuses --model-impl transformers
-        return cli_model.embedded_config(args)
-    try:
-        # A .gguf file is converted once into the cache; the rest reads that
-        # directory (and --quantize int4 the file's own 4-bit codes).
+def model_kind(args: argparse.Namespace) -> ModelKind:
+    """The registered kind that serves ``args``' model, once it accepted every
+    option (:func:`~graphrunner_ref.engine.serving.model_kind`). A ``.gguf``
+    file is converted once into the cache first (the rest reads that
+    directory, and ``--quantize int4`` the file's own 4-bit codes); ``auto``
+    settles on the kind's ``--model-impl`` choice, saying on stderr when that
+    is the transformers bridge."""
+    if args.checkpoint is not None:
         if args.checkpoint.suffix.lower() == ".gguf" and not args.checkpoint.is_dir():
             args.gguf_file = args.checkpoint
-        args.checkpoint = resolve_checkpoint(args.checkpoint)
-        if cli_model_impl.resolve(args) == "transformers":
-            return cli_model_impl.bridge_config(args.checkpoint)
-        return read_config(args.checkpoint)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+        try:
+            args.checkpoint = resolve_checkpoint(args.checkpoint)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    kind = serving.model_kind(config_of(args))
+    if args.model_impl == "auto" and kind.impl == "transformers":
+        print(
+            f"graphrunner: {args.checkpoint_flag} {args.checkpoint}: not the native model "
+            f"({native_refusal(args.checkpoint)}); running it through the transformers bridge "
+            "(--model-impl transformers)",
+            file=sys.stderr,
+        )
+    args.model_impl = kind.impl  # decided once: the note is said once
+    return kind
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The shape of ``args``' model as its kind reads it, before anything is loaded."""
+    return model_kind(args).shape(config_of(args))
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """Refuse the speculative, overlap and multi-step options that cannot run
+    (their range, or a combination), before any work."""
+    if args.speculative is not None:
+        check_range("--draft-tokens", args.draft_tokens, 1, MAX_DRAFT_TOKENS)
+        if args.page_size != 1:
+            raise UsageError(
+                f"--page-size {args.page_size} with --speculative: expected 1 (speculative "
+                f"decoding runs one KV slot per token)"
+            )
+    if args.overlap and args.speculative:
+        raise UsageError("--overlap with --speculative: expected one of them (not combined yet)")
+    n = args.steps_per_launch
+    check_range("--steps-per-launch", n, 1, MAX_STEPS_PER_LAUNCH)
+    if n > 1 and args.speculative is not None:
+        raise UsageError(
+            f"--steps-per-launch {n} with --speculative: not supported; expected one of them"
+        )
 
 
 def _gib(n: int) -> str:

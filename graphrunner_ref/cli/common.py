@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from graphrunner.util import write_atomically
+from graphrunner_ref.engine.config import UsageError
 from graphrunner_ref.model import ModelConfig
 
 __all__ = [
@@ -28,10 +29,6 @@ __all__ = [
 #: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
 #: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
 MAX_STEPS = 100_000
-
-
-class UsageError(Exception):
-    """Bad arguments or input files, found before any work starts."""
 
 
 def check_range(flag: str, value: int, lo: int, hi: int, why: str = "") -> None:

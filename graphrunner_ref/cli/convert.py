@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from pathlib import Path
 
 from graphrunner_ref.cli.common import UsageError
-from graphrunner_ref.cli.groups import add_command
 from graphrunner_ref.io.gguf_import import GGUFImportError, convert_gguf, open_gguf
 from graphrunner_ref.io.text import has_tokenizer
 
-__all__ = ["add_parser"]
+__all__ = ["run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    conv = add_command(sub, "convert")
-    conv.add_argument("--gguf", type=Path, required=True, help="the .gguf file to read")
-    conv.add_argument(
-        "--out", type=Path, required=True, help="directory to write (must not exist, or be empty)"
-    )
-    conv.set_defaults(func=_convert)
-
-
-def _convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Convert ``--gguf`` into ``--out``; say what was written."""
     try:
         types = Counter(t.tensor_type.name for t in open_gguf(args.gguf).tensors)
         out = convert_gguf(args.gguf, args.out)

@@ -32,6 +32,7 @@ import torch
 from graphrunner.sizing import default_capture_sizes
 from graphrunner.util import write_atomically
 from graphrunner_ref.cli.exits import run_command
+from graphrunner_ref.cli.options import demo_real_parser
 from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.io import load_model, read_config, resolve_checkpoint
@@ -101,20 +102,10 @@ def fetch_gguf(root: Path) -> Path:
     return gguf
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m graphrunner_ref.cli.demo_real", description=__doc__)
-    p.add_argument("--prompts", type=int, default=4, help=f"how many, 1..{len(PROMPTS)} (4)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="1..64 (24)")
-    p.add_argument("--max-context-len", type=int, default=96, help="64..8192 (96)")
-    p.add_argument("--runner", choices=["cuda", "cpu", "eager"], help="default: cuda on a GPU")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's own)")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: its exit status (Ctrl-C 130 and SIGTERM 143 with one line,
     as every graphrunner command, see :mod:`graphrunner_ref.cli.exits`)."""
-    args = _parser().parse_args(argv)
+    args = demo_real_parser(__doc__, len(PROMPTS)).parse_args(argv)
     return run_command("demo-real", lambda: _run(args))
 
 

@@ -1,53 +1,14 @@
-"""How ``demo`` and ``generate`` present their options: one help group per
-concern, a one-line summary and examples per command, plain text throughout.
-
-Each module that adds options takes the group its options belong to (an
-:data:`Options` target: a parser or one of its groups), or :class:`Groups`
-when it adds to several, so ``--help`` lists them under these titles.
-"""
+"""How the commands present themselves: a one-line summary, a description
+and examples per command, plain text throughout (their options are
+:mod:`graphrunner_ref.cli.options`')."""
 
 from __future__ import annotations
 
 import argparse
 import textwrap
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COMMANDS", "Groups", "Options", "add_command"]
-
-#: Where options are added: a parser, or one of its argument groups.
-Options = argparse._ActionsContainer
-
-
-@dataclass(frozen=True, slots=True)
-class Groups:
-    """The help groups of a serving command."""
-
-    model: Options
-    runner: Options
-    scheduling: Options
-    sampling: Options
-    prompts: Options
-    output: Options
-
-    @classmethod
-    def of(
-        cls,
-        parser: argparse.ArgumentParser,
-        prompts: tuple[str, str] = ("prompts", "what is asked, how much is answered"),
-    ) -> Groups:
-        """The groups on ``parser``, in help order; ``prompts``: the title and
-        description of the group of what is served (the demo's is its trace)."""
-        add = parser.add_argument_group
-        return cls(
-            model=add("model", "which model, its dtype, attention and context"),
-            runner=add("runner and graphs", "how each step runs, what is captured and checked"),
-            scheduling=add("scheduling", "how requests are batched and decoded"),
-            sampling=add("sampling", "how tokens are picked (default: greedy)"),
-            prompts=add(*prompts),
-            output=add("output", "what is printed or written"),
-        )
-
+__all__ = ["COMMANDS", "add_command"]
 
 #: Each command's one-line summary, description and examples (shown by its --help).
 COMMANDS: dict[str, tuple[str, str, list[str]]] = {

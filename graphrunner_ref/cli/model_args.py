@@ -1,7 +1,7 @@
-"""CLI options of the model and how its step runs: ``--model`` (a checkpoint
-directory, a ``.gguf`` file or an embedded random model; ``--checkpoint`` is
-another name for it), ``--dtype``, ``--quantize``, ``--attention`` and
-``--compile/--no-compile``.
+"""The checks of the model's options and of how its step runs: ``--model`` (a
+checkpoint directory, a ``.gguf`` file or an embedded random model;
+``--checkpoint`` is another name for it), ``--dtype``, ``--quantize``,
+``--attention`` and ``--compile/--no-compile``.
 
 :func:`resolve_model` turns the two flags into what the rest of the CLI reads,
 once, right after parsing: ``args.checkpoint`` the path (or None) and
@@ -20,50 +20,28 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from graphrunner_ref.cli import model_impl as cli_model_impl
 from graphrunner_ref.cli.common import UsageError
-from graphrunner_ref.cli.groups import Groups
-from graphrunner_ref.io.gguf_int4 import read_gguf_int4
-from graphrunner_ref.model import EMBEDDED_CONFIGS, ModelBundle, ModelConfig
-from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
+from graphrunner_ref.engine.config import DTYPES
+from graphrunner_ref.engine.kinds.llama import EMBEDDED_MODELS
+from graphrunner_ref.model.attention_backend import ATTENTIONS
 from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_only_note
 from graphrunner_ref.model.cpu_kernels import kernel_status
-from graphrunner_ref.model.int4_linear import Int4Weight
-from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
-from graphrunner_ref.model.shapes import projection_shapes
 
 __all__ = [
-    "DTYPES",
-    "EMBEDDED_MODELS",
-    "add_arguments",
-    "check_atol",
     "check_attention",
     "check_quantize",
     "dtype",
-    "embedded_config",
-    "compile_option",
     "resolve_compile",
     "model_source",
     "note_half_precision",
-    "note_quantization",
     "resolve_model",
-    "with_attention",
-    "with_quantization",
 ]
 
 #: Loading the C++ kernels for longer than this means they were built: say so.
 BUILD_NOTE_SECONDS = 2.0
-#: ``--dtype`` names.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Logit / KV tolerance of ``--check`` per dtype: a 16-bit model's graph and
-#: eager forwards round differently (fused vs separate ops) by far more than 1e-4.
-_CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
-#: ``--model`` names of the embedded random models, and their configs' names.
-EMBEDDED_MODELS = {"embedded": "default", "embedded-1.1b": "1.1b"}
 #: Earlier names, still accepted (with a note on stderr).
 _DEPRECATED = {"default": "embedded", "1.1b": "embedded-1.1b"}
 #: ``org/name`` as the Hugging Face hub spells a model id.
@@ -72,66 +50,6 @@ _DOWNLOAD = (
     "Hugging Face hub ids are not fetched; download a local copy first "
     "(huggingface-cli download {id} --local-dir DIR), then --model DIR"
 )
-
-
-def add_arguments(g: Groups) -> None:
-    """``--compile`` in the runner group; ``--model``, ``--checkpoint``,
-    ``--attention`` and ``--dtype`` in the model group."""
-    p = g.runner
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CUDA runner only: run torch.compile'd programs (inductor, one per size) "
-        "inside the CUDA graphs (the default for --runner cuda; --no-compile captures the "
-        "eager forward)",
-    )
-    p = g.model
-    p.add_argument(
-        "--model",
-        default="embedded",
-        metavar="DIR|FILE.gguf|NAME",
-        help="a Hugging Face-layout checkpoint directory, a .gguf file (converted once into "
-        "the cache) or an embedded random model: embedded (the default: 2 layers, hidden 64) "
-        "or embedded-1.1b (the shape of a 1.1B Llama: 22 layers, hidden 2048, context 1024)",
-    )
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        metavar="DIR|FILE.gguf",
-        help="another name for --model PATH",
-    )
-    p.set_defaults(checkpoint_flag="--checkpoint")
-    p.add_argument(
-        "--attention",
-        choices=["auto", *ATTENTIONS],
-        default="auto",
-        help="decode attention of the model: auto (the Triton kernel on CUDA; on the CPU "
-        f"live from --max-context-len {LIVE_FROM_CAPACITY} up, torch below), torch (the "
-        "reference everywhere: reads the whole --max-context-len of every row), live (CPU "
-        "only: reads up to the batch's longest live row), triton (CUDA only) or "
-        "triton-all-heads (CUDA only: the kernel's other split launch, one program over "
-        "every KV head)",
-    )
-    cli_model_impl.add_argument(p)
-    p.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default="float32",
-        help="weights, activations and KV cache (float32); logits are always float32",
-    )
-    p.add_argument(
-        "--quantize",
-        choices=list(QUANTIZATIONS),
-        default=None,
-        help="CPU: compact weights for every projection and the LM head (the native Llama, "
-        "or any model's nn.Linear with --model-impl transformers), C++ AVX2 kernels built at "
-        "first use. int8: int8 per output channel, activations in --dtype (half precision: "
-        "torch's product, fast with AVX-512 or AMX); fp16: float16 weights, float32 "
-        "activations and accumulation (--dtype float32; half the weight bytes); int4: 4-bit "
-        "weights in groups of 32 columns with a scale and a min each, float32 activations "
-        "(--dtype float32; a fifth of the weight bytes; a .gguf file's Q4 blocks as they are)",
-    )
 
 
 def resolve_compile(args: argparse.Namespace, kind: str) -> bool:
@@ -144,12 +62,6 @@ def resolve_compile(args: argparse.Namespace, kind: str) -> bool:
             f"does); the runner here is {kind}"
         )
     return bool(args.compile)
-
-
-def compile_option(compile: bool) -> dict[str, Any]:
-    """The mechanism options of a resolved ``--compile``."""
-    # Passed only when asked for, so a plain run makes the call every engine accepts.
-    return {"compile": True} if compile else {}
 
 
 def resolve_model(args: argparse.Namespace) -> argparse.Namespace:
@@ -212,16 +124,8 @@ def model_source(args: argparse.Namespace) -> str:
     return f"{args.checkpoint_flag} {args.checkpoint}"
 
 
-def embedded_config(args: argparse.Namespace) -> ModelConfig:
-    return EMBEDDED_CONFIGS[EMBEDDED_MODELS[args.model]]()
-
-
 def dtype(args: argparse.Namespace) -> torch.dtype:
     return DTYPES[args.dtype]
-
-
-def check_atol(args: argparse.Namespace) -> float:
-    return _CHECK_ATOL[dtype(args)]
 
 
 def note_half_precision(args: argparse.Namespace) -> None:
@@ -262,59 +166,6 @@ def check_quantize(args: argparse.Namespace) -> None:
         print(f"graphrunner: {note}", file=sys.stderr)
 
 
-def with_quantization(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
-    """``bundle`` with its model quantized as ``--quantize`` says (unchanged
-    without it); int4 from a GGUF file takes the file's own Q4 codes."""
-    mode = getattr(args, "quantize", None)
-    if mode is None:
-        return bundle
-    codes = _gguf_codes(args) if mode == "int4" else None
-    try:
-        quantize_model(bundle.model, mode, codes=codes)
-    except ValueError as e:
-        raise UsageError(f"--quantize {mode}: {e}") from None
-    source = None
-    if mode == "int4":
-        config = bundle.model.config
-        total = config.num_layers * len(projection_shapes(config))
-        source = (
-            f"{len(codes)} of {total} projections keep the GGUF file's own 4-bit codes, "
-            f"{total - len(codes)} quantized from floats"
-            if codes is not None
-            else f"{total} projections quantized from floats"
-        )
-    note_quantization(args, source)
-    return bundle
-
-
-def _gguf_codes(args: argparse.Namespace) -> dict[str, Int4Weight] | None:
-    """The Q4 codes of ``--model FILE.gguf`` (None for any other checkpoint);
-    ``args.gguf_file`` is set where the file is resolved to its converted directory."""
-    path = getattr(args, "gguf_file", None)
-    return None if path is None else read_gguf_int4(path)
-
-
-def note_quantization(args: argparse.Namespace, source: str | None = None) -> None:
-    """One line on stderr (unless ``--quiet``): where ``--quantize``'s weights
-    came from (``source``, when there is something to say) and which product
-    runs on this CPU."""
-    if getattr(args, "quiet", False):
-        return
-    mode, why = args.quantize, kernel_status()
-    if mode == "int8" and dtype(args) != torch.float32:
-        product = "torch's weight-only int8 product (half-precision activations)"
-    elif why is None:
-        product = "the C++ AVX2 kernels" + ("" if mode == "int8" else ", fbgemm for the LM head")
-    else:
-        product = f"torch's and fbgemm's fallbacks ({why})"
-    capability = torch.backends.cpu.get_cpu_capability()
-    where = "" if source is None else f"{source}; "
-    print(
-        f"graphrunner: --quantize {mode}: {where}products: {product} (CPU capability {capability})",
-        file=sys.stderr,
-    )
-
-
 def check_attention(args: argparse.Namespace) -> None:
     """``--attention triton*`` needs a CUDA device, ``live`` the CPU (``args.device`` resolved)."""
     kernel = "auto" if args.attention == "auto" else ATTENTIONS[args.attention][0]
@@ -329,10 +180,3 @@ def check_attention(args: argparse.Namespace) -> None:
             f"--attention live runs on the CPU; the device here is {args.device} "
             "(on CUDA, triton reads only the live tokens)"
         )
-
-
-def with_attention(args: argparse.Namespace, bundle: ModelBundle) -> ModelBundle:
-    """``bundle`` with the decode attention ``--attention`` names (auto: the model's own)."""
-    if args.attention != "auto":
-        bundle.model.attn_backend.use(args.attention)
-    return bundle

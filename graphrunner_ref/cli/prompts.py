@@ -25,9 +25,8 @@ from typing import Any
 
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.common import UsageError, json_line, read_source
-from graphrunner_ref.cli.groups import Options
 
-__all__ = ["FORMATS", "PromptLine", "add_arguments", "read_lines"]
+__all__ = ["FORMATS", "PromptLine", "read_lines"]
 
 FORMATS = ("auto", "text", "ids", "jsonl")
 
@@ -47,25 +46,6 @@ class PromptLine:
     def is_ids_line(self) -> bool:
         """A bare JSON list (token ids), no object around it."""
         return isinstance(self.prompt, list) and not self.from_object
-
-
-def add_arguments(gen: Options) -> None:
-    gen.add_argument(
-        "--prompts",
-        type=Path,
-        metavar="FILE",
-        help="file of prompts, one per line (-: stdin); see --prompts-format",
-    )
-    gen.add_argument(
-        "--prompts-format",
-        choices=FORMATS,
-        default="auto",
-        help="text: a text prompt per line; ids: a JSON list of token ids per line; jsonl: "
-        'a JSON object per line, {"prompt": "text" or [ids], "max_new_tokens": N, '
-        '"temperature": T, ...} (the way to give a prompt with newlines: "\\n" in its '
-        "text); auto (default): [ lines are ids, { lines objects, others text, and a [ or { "
-        "line that is not such JSON is text when the model has a tokenizer",
-    )
 
 
 def read_lines(

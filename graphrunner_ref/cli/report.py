@@ -1,9 +1,11 @@
 """What ``demo`` prints: the device and model before a run, the engine's
-statistics and the sanitizer's after it."""
+statistics and the sanitizer's after it, and each mode's comparison with
+plain decoding (``--speculative``, ``--overlap``, ``--steps-per-launch``)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import torch
 
@@ -11,9 +13,24 @@ from graphrunner import GraphRunner
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.results import EngineStats
+from graphrunner_ref.engine.serving import samples
+from graphrunner_ref.engine.spec_stats import SpeculativeResult
+from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import ModelConfig
 
-__all__ = ["capture_line", "header", "launches", "padded_rows", "report", "report_sanitizer"]
+__all__ = [
+    "capture_line",
+    "differing",
+    "header",
+    "launches",
+    "multistep_report",
+    "overlap_report",
+    "padded_rows",
+    "plain_name",
+    "report",
+    "report_sanitizer",
+    "speculative_report",
+]
 
 
 def header(args: argparse.Namespace, kind: str, config: ModelConfig, context: int) -> None:
@@ -89,3 +106,84 @@ def report_sanitizer(args: argparse.Namespace, stats: EngineStats) -> None:
             f"padding sanitizer: {stats.sanitized_replays} replays checked, no violation "
             f"({stats.sanitizer_seconds:.2f} s of checks)"
         )
+
+
+def plain_name(trace: Sequence[Request]) -> str:
+    """What the plain baseline ran on ``trace``: plain greedy or plain sampling."""
+    return "plain sampling" if samples(trace) else "plain greedy"
+
+
+def differing(a: dict[int, list[int]], b: dict[int, list[int]]) -> int:
+    """Requests whose outputs disagree between two runs: neither is a prefix of
+    the other (a run cut by ``--steps`` may hold fewer tokens)."""
+
+    def agree(x: list[int], y: list[int]) -> bool:
+        n = min(len(x), len(y))
+        return x[:n] == y[:n]
+
+    return sum(not agree(a[rid], b.get(rid, [])) for rid in a)
+
+
+def speculative_report(
+    args: argparse.Namespace, result: SpeculativeResult, plain_tps: float, diff: int
+) -> None:
+    """The speculative demo's lines: its rounds, acceptance, speed against
+    plain greedy decoding and the outputs compared."""
+    s = result.stats
+    ratio = s.tokens_per_second / plain_tps if plain_tps else 0.0
+    print(
+        f"speculative: {args.speculative} ({args.draft} draft), K={args.draft_tokens}: "
+        f"{s.steps} rounds, {s.decode_tokens} tokens; prefill: {s.prefills} requests; "
+        f"finished {len(result.finished)} requests"
+    )
+    print(
+        f"acceptance: {s.acceptance_rate:.1%} ({s.accepted} of {s.proposed} drafts), "
+        f"{s.tokens_per_step:.2f} tokens per request per round"
+    )
+    print(
+        f"tokens/s: speculative {s.tokens_per_second:,.0f}, plain greedy {plain_tps:,.0f}, "
+        f"ratio {ratio:.2f}x"
+    )
+    print(f"outputs equal to plain greedy: {len(result.outputs) - diff} of {len(result.outputs)}")
+    print(f"mismatches: {diff}")
+
+
+def overlap_report(
+    args: argparse.Namespace,
+    result: EngineResult,
+    plain_tps: float,
+    diff: int,
+    plain: str = "plain greedy",
+) -> None:
+    """The overlap demo's lines: the run, its launches, its speed against
+    ``plain`` decoding, the outputs compared and (``--check-padding``) the
+    sanitizer's."""
+    s = result.stats
+    ratio = s.tokens_per_second / plain_tps if plain_tps else 0.0
+    print(
+        f"overlap: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
+        f"requests; finished {len(result.finished)} requests"
+    )
+    print(f"steps per launch {args.steps_per_launch}: {launches(s)}")
+    print(
+        f"tokens/s (engine loop): overlap {s.tokens_per_second:,.0f}, plain "
+        f"{plain_tps:,.0f}, ratio {ratio:.2f}x"
+    )
+    print(f"outputs equal to {plain}: {len(result.outputs) - diff} of {len(result.outputs)}")
+    print(f"mismatches: {diff}")
+    report_sanitizer(args, s)
+
+
+def multistep_report(
+    args: argparse.Namespace, result: EngineResult, single_tps: float, diff: int
+) -> None:
+    """The multi-step demo's lines: its launches, its speed against N = 1
+    on the same trace, the outputs compared and the sanitizer's."""
+    n, s = args.steps_per_launch, result.stats
+    ratio = s.tokens_per_second / single_tps if single_tps else 0.0
+    print(f"steps per launch {n}: {launches(s)}; finished {len(result.finished)} requests")
+    print(f"tokens/s: N={n} {s.tokens_per_second:,.0f}, N=1 {single_tps:,.0f}, ratio {ratio:.2f}x")
+    print(padded_rows(s))
+    print(f"outputs equal to N=1: {len(result.outputs) - diff} of {len(result.outputs)}")
+    print(f"mismatches: {diff}")
+    report_sanitizer(args, s)

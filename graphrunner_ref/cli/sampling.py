@@ -23,24 +23,20 @@ from typing import Any
 
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref.cli.common import UsageError, check_range, json_line
-from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import MAX_LOGPROBS
+from graphrunner_ref.engine.serving import samples
 from graphrunner_ref.engine.workload import Request
 
 __all__ = [
     "FLAGS",
     "LINE_FIELDS",
-    "add_arguments",
-    "add_logprobs_argument",
     "apply",
     "check_line",
     "check_modes",
     "flag_params",
     "output_line",
     "prompt_object",
-    "runner_options",
-    "samples",
     "settle_seed",
 ]
 
@@ -50,41 +46,6 @@ FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
 MAX_TOP_K = 2**63 - 1
 #: What a JSON-lines prompt may set besides its ``"prompt"``.
 LINE_FIELDS = ("max_new_tokens", *FLAGS, "seed")
-
-
-def add_arguments(p: Options) -> None:
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature, >= 0 (0: greedy, the argmax token, the default)",
-    )
-    p.add_argument(
-        "--top-k", type=int, default=0, help="keep the K most probable tokens, >= 0 (0: all)"
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="then the most probable tokens reaching probability P, in (0, 1] (1: all)",
-    )
-    p.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="then drop tokens below P times the most probable one's probability, in [0, 1]",
-    )
-
-
-def add_logprobs_argument(p: Options) -> None:
-    p.add_argument(
-        "--logprobs",
-        type=int,
-        default=0,
-        metavar="N",
-        help=f"write each token's log-probability and the top N (JSON lines), 0..{MAX_LOGPROBS} "
-        "(0: none)",
-    )
 
 
 def _reason(e: ValueError) -> str:
@@ -147,20 +108,6 @@ def apply(
         sampling = None if params.greedy else params
         out.append(dataclasses.replace(r, max_new_tokens=budget, sampling=sampling))
     return out
-
-
-def samples(trace: Sequence[Request]) -> bool:
-    """Whether any request of ``trace`` samples (temperature > 0)."""
-    return any(r.samples for r in trace)
-
-
-def runner_options(args: argparse.Namespace, trace: Sequence[Request]) -> dict[str, Any]:
-    """``create_decode_runner`` options: the sampled step when a request
-    samples or log-probabilities are asked; none (the plain runner) else."""
-    n = int(getattr(args, "logprobs", 0))
-    if not (n or samples(trace)):
-        return {}
-    return {"sampling": True, "logprobs": n} if n else {"sampling": True}
 
 
 def settle_seed(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:

@@ -16,7 +16,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
@@ -37,9 +37,8 @@ from graphrunner.sizing import (
 from graphrunner.util import remove_stale_temps, temp_path, write_atomically
 from graphrunner_ref.cli import sizes_plot
 from graphrunner_ref.cli.common import UsageError, check_range
-from graphrunner_ref.cli.groups import Options, add_command
 
-__all__ = ["add_parser", "add_run_outputs", "check_run_outputs", "profiled", "write_outputs"]
+__all__ = ["MAX_GRAPHS", "check_run_outputs", "profiled", "run", "write_outputs"]
 
 #: The CLI's bound on batch sizes (``cli.MAX_BATCH_SIZE``; a test keeps them equal).
 MAX_BATCH_SIZE = 1_000_000
@@ -48,47 +47,6 @@ MAX_GRAPHS = 4096
 #: Element operations the exact search may take (graphs x distinct sizes^2 / 2):
 #: about a minute of NumPy on a slow CPU.
 MAX_SEARCH_WORK = 20_000_000_000
-
-
-def add_parser(sub: Any) -> None:
-    """Register ``sizes`` on the CLI's subparsers."""
-    p = add_command(sub, "sizes")
-    p.add_argument(
-        "--trace",
-        type=Path,
-        required=True,
-        help="batch sizes served: a file of sizes, one per line, or a histogram written "
-        "by demo --batch-sizes-out (runner.batch_sizes / EngineStats.histogram .write())",
-    )
-    p.add_argument(
-        "--graphs", type=int, required=True, help=f"sizes to capture at most, 1..{MAX_GRAPHS}"
-    )
-    p.add_argument(
-        "--max-bs",
-        type=int,
-        help="the largest size, always captured (default: the trace's largest; with "
-        "--capture-report, the report's largest); larger batches run eagerly",
-    )
-    p.add_argument(
-        "--memory-budget",
-        type=int,
-        metavar="BYTES",
-        help="fit the graphs' pool bytes, per size as --capture-report recorded them",
-    )
-    p.add_argument(
-        "--capture-report",
-        type=Path,
-        help="a capture report written by demo --capture-report-out (with --memory-budget)",
-    )
-    p.add_argument("--output", type=Path, help="write the list here, as --capture-sizes takes it")
-    p.add_argument(
-        "--plot",
-        type=Path,
-        metavar="FILE.png",
-        help="draw the trace's histogram, the chosen sizes and the padding per size under "
-        "them and under the default list (needs matplotlib: the plots extra)",
-    )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,30 +179,6 @@ def _check_output(flag: str, path: Path) -> None:
         raise UsageError(f"{flag} {path}: directory {str(path.parent)!r} does not exist")
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory; expected a file path")
-
-
-def add_run_outputs(p: Options) -> None:
-    """A serving run's outputs (``demo``, ``generate``) for ``graphrunner sizes``
-    and for a profiler."""
-    p.add_argument(
-        "--batch-sizes-out",
-        type=Path,
-        metavar="FILE",
-        help="write the runner's histogram of served batch sizes (for graphrunner sizes)",
-    )
-    p.add_argument(
-        "--capture-report-out",
-        type=Path,
-        metavar="FILE",
-        help="write the capture report (seconds and pool bytes per size) as JSON",
-    )
-    p.add_argument(
-        "--trace-out",
-        type=Path,
-        metavar="FILE",
-        help="write a torch profiler trace (Chrome / Perfetto JSON) of capture and serving, "
-        "with graphrunner's capture, populate and replay ranges by name",
-    )
 
 
 def check_run_outputs(args: argparse.Namespace) -> None:

@@ -30,7 +30,6 @@ from graphrunner_ref.cli.common import (
     check_range,
     parse_id_prompts,
 )
-from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.stop import StopStrings
 from graphrunner_ref.io.text import (
@@ -44,58 +43,12 @@ from graphrunner_ref.model import ModelConfig
 
 __all__ = [
     "Inputs",
-    "add_context_argument",
-    "add_generate_arguments",
     "check_generate",
     "context_limit",
     "limit_why",
     "read_inputs",
     "run_context",
 ]
-
-
-def add_context_argument(p: Options) -> None:
-    p.add_argument(
-        "--max-context-len",
-        type=int,
-        metavar="N",
-        help="size request rows and the KV pool for N tokens, 1..the model's context "
-        "(default: what the workload needs); a prompt plus its new tokens past N is refused",
-    )
-
-
-def add_generate_arguments(gen: Options) -> None:
-    cli_prompts.add_arguments(gen)  # --prompts, --prompts-format
-    gen.add_argument(
-        "--prompt",
-        "-p",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="a text prompt (repeatable; needs a checkpoint with a tokenizer)",
-    )
-    gen.add_argument(
-        "prompt_text",
-        nargs="*",
-        metavar="PROMPT",
-        help="text prompts, as --prompt (quote each one)",
-    )
-    gen.add_argument(
-        "--chat", action="store_true", help="apply the checkpoint's chat template to text prompts"
-    )
-    gen.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="finish an answer where its text reaches TEXT, left out of the answer "
-        "(repeatable; needs the checkpoint's tokenizer)",
-    )
-    gen.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="do not stop at the tokenizer's end-of-sequence token",
-    )
 
 
 def context_limit(args: argparse.Namespace, config: ModelConfig) -> int:

@@ -42,10 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphrunner_ref.cli import checks as cli_checks
-from graphrunner_ref.cli import model_args as cli_model
-from graphrunner_ref.cli import ssm as cli_ssm
 from graphrunner_ref.cli.common import UsageError, check_range, resolve_device
-from graphrunner_ref.cli.groups import Options
 from graphrunner_ref.cli.tp_rank import (
     FAIL_RANK_ENV,
     Failure,
@@ -55,9 +52,9 @@ from graphrunner_ref.cli.tp_rank import (
     silence,
 )
 from graphrunner_ref.engine.launch import exit_with_parent, join_env_group, join_group, run_ranks
-from graphrunner_ref.model.parallel import SINGLE, TensorParallel, check_shardable
+from graphrunner_ref.model.parallel import TensorParallel, check_shardable
 
-__all__ = ["FAIL_RANK_ENV", "Parse", "add_argument", "place", "run"]
+__all__ = ["FAIL_RANK_ENV", "Parse", "run", "runs_ranks"]
 
 #: A bound on a spawned run, not a budget: a hang ends at a collective's timeout.
 _RUN_TIMEOUT_S = 7 * 24 * 3600.0
@@ -66,31 +63,17 @@ _RUN_TIMEOUT_S = 7 * 24 * 3600.0
 Parse = Callable[[list[str]], argparse.Namespace]
 
 
-def add_argument(p: Options) -> None:
-    p.add_argument(
-        "--tp",
-        type=int,
-        metavar="N",
-        help="tensor-parallel ranks: the model sharded over N worker processes started "
-        "here (gloo on the CPU, NCCL and one GPU a rank on CUDA), rank 0 printing; "
-        "1..this machine's cores (CPU) or GPUs (1; under torchrun: its WORLD_SIZE). "
-        "N > 1 not with --speculative, --overlap, --steps-per-launch > 1 or a Mamba/Jamba "
-        "model; --tp 1 runs the collectives in a group of one process",
-    )
-
-
-def place(args: argparse.Namespace) -> TensorParallel:
-    """This process's rank of the run: :data:`SINGLE` unless it runs as a rank."""
-    tp = getattr(args, "tensor_parallel", SINGLE)
-    return tp if isinstance(tp, TensorParallel) else SINGLE
+def runs_ranks(args: argparse.Namespace) -> bool:
+    """Whether the command runs as tensor-parallel ranks: ``--tp`` given, or
+    started by ``torchrun`` (a serving command only)."""
+    return hasattr(args, "tp") and (args.tp is not None or _torchrun_env() is not None)
 
 
 def run(args: argparse.Namespace, argv: list[str], parse: Parse) -> int:
-    """The command of ``args`` (parsed from ``argv`` by ``parse``): here alone,
-    as this ``torchrun`` rank, or on ``--tp N`` spawned ranks."""
+    """The command of ``args`` (parsed from ``argv`` by ``parse``) as this
+    ``torchrun`` rank, or on ``--tp N`` ranks (spawned here; ``--tp 1``: this
+    process alone in a group)."""
     env = _torchrun_env()
-    if not hasattr(args, "tp") or (env is None and args.tp is None):
-        return int(args.func(args))
     if env is not None:
         return _torchrun(args, *env)
     if args.tp == 1:
@@ -151,9 +134,6 @@ def _check(args: argparse.Namespace, world: int, *, spawned: bool) -> str:
     ):
         if given:
             raise UsageError(f"{flag} with {other}: not combined yet; expected one of them")
-    if cli_ssm.is_state_space_checkpoint(args.checkpoint):
-        source = cli_model.model_source(args)
-        raise UsageError(f"{flag}: {source} is a Mamba/Jamba model, not sharded; expected --tp 1")
     try:  # a .gguf file is converted here, once, before the ranks read the cache
         check_shardable(cli_checks.model_config(args), TensorParallel(0, world))
     except ValueError as e:
@@ -183,6 +163,7 @@ def _torchrun(args: argparse.Namespace, rank: int, world: int, local: int) -> in
             f"--tp {args.tp}: torchrun started WORLD_SIZE={world} ranks; expected --tp "
             f"{world} or no --tp"
         )
+    args.tp = world  # the ranks torchrun started, as --tp would say
     backend = _backend(_check(args, world, spawned=False))
     stderr = os.fdopen(silence(), "w") if rank else sys.stderr  # its failure's line only
     join = lambda: join_env_group(backend=backend)  # noqa: E731

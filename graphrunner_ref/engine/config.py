@@ -90,11 +90,9 @@ class EngineConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        # Ranges are the command line's to check, by flag, before any work.
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; expected one of {list(DTYPES)}")
-        for name in ("page_size", "steps_per_launch", "draft_tokens", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}; expected >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,0 +1,215 @@
+"""The one engine path: build the model an :class:`EngineConfig` names,
+serve a trace on it, and hand back what a report reads.
+
+``demo`` and ``generate`` run through here whatever the mode: :func:`build`
+asks the model registry for the config's kind (its refusals first) and
+loads it; :func:`serve` captures a decode runner (the sampled step when a
+request samples or log-probabilities are asked, N steps a launch, a future
+map for overlap) and runs :class:`~graphrunner_ref.engine.loop.Engine` over
+it, or the speculative engine with ``config.speculative``;
+:func:`baseline` is plain decoding of the same trace, what the other modes
+are compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from graphrunner import FutureMap, GraphRunner
+from graphrunner.sizing import CaptureReport
+from graphrunner_ref.engine import kinds
+from graphrunner_ref.engine.bundle import create_decode_runner
+from graphrunner_ref.engine.config import EngineConfig, UsageError
+from graphrunner_ref.engine.loop import Engine, EngineResult
+from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
+from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.spec_stats import SpeculativeResult
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.model.build import ModelBundle
+
+__all__ = [
+    "BUILT_IN_KINDS",
+    "Hooks",
+    "OnCapture",
+    "Outcome",
+    "baseline",
+    "build",
+    "model_kind",
+    "samples",
+    "serve",
+]
+
+#: The built-in kinds are registered before a config asks for its kind.
+BUILT_IN_KINDS = kinds.BUILT_IN
+
+#: Called once a runner is captured, before the run (a report's capture line).
+OnCapture = Callable[[GraphRunner, CaptureReport], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a run calls as it goes (as :class:`Engine` takes them), and the
+    token that ends a request (None: each runs to its token budget)."""
+
+    end_token: int | None = None
+    on_token: Callable[[int, int], None] | None = None
+    on_finish: Callable[[int, list[int]], None] | None = None
+    stop: Callable[[int, list[int]], bool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A served run: its result, and the decode runner with its capture
+    report (None for a speculative run, whose runners are its engine's)."""
+
+    result: EngineResult | SpeculativeResult
+    runner: GraphRunner | None = None
+    capture: CaptureReport | None = None
+
+
+def model_kind(config: EngineConfig) -> ModelKind:
+    """The registered kind that serves ``config``'s model, once it accepted
+    every option (:class:`UsageError` naming the one it refuses)."""
+    kind = kind_for(config)
+    kind.check(config)
+    return kind
+
+
+def build(config: EngineConfig, max_requests: int, context: int) -> ServingBundle:
+    """The model ``config`` names over pools for ``max_requests`` requests of
+    ``context`` tokens, loaded by its kind."""
+    return model_kind(config).load(config, max_requests, context)
+
+
+def samples(trace: Sequence[Request]) -> bool:
+    """Whether any request of ``trace`` samples (temperature > 0)."""
+    return any(r.samples for r in trace)
+
+
+def serve(
+    config: EngineConfig,
+    bundle: ServingBundle,
+    trace: Sequence[Request],
+    *,
+    hooks: Hooks | None = None,
+    progress: bool = False,
+    run_progress: bool | None = None,
+    on_capture: OnCapture | None = None,
+) -> Outcome:
+    """Serve ``trace`` on ``bundle`` as ``config`` says (``config.check``:
+    each step, or launch, also run eagerly; not with overlap, whose check
+    is a comparison with :func:`baseline`). ``progress``: the capture's bars
+    (and the run's, unless ``run_progress`` says otherwise)."""
+    hooks = hooks or Hooks()
+    if config.speculative:
+        return Outcome(_speculative(config, bundle, trace, hooks, progress))
+    runner = create_decode_runner(
+        bundle, config.runner, **_runner_options(config, bundle, trace, hooks, progress)
+    )
+    capture = runner.capture()
+    if on_capture is not None:
+        on_capture(runner, capture)
+    engine = Engine(
+        bundle,
+        runner,
+        check=config.check and not config.overlap,
+        end_token=hooks.end_token,
+        on_finish=hooks.on_finish,
+        on_token=hooks.on_token,
+        stop=hooks.stop,
+        overlap=config.overlap,
+        atol=config.atol,
+        seed=config.seed,
+        logprobs=config.logprobs,
+        steps_per_launch=config.steps_per_launch,
+    )
+    shown = progress if run_progress is None else run_progress
+    result = engine.run(trace, max_steps=config.max_steps, progress=shown)
+    return Outcome(result, runner, capture)
+
+
+def baseline(
+    config: EngineConfig,
+    bundle: ServingBundle,
+    trace: Sequence[Request],
+    *,
+    end_token: int | None = None,
+    progress: bool = False,
+    run_progress: bool = False,
+    on_capture: OnCapture | None = None,
+) -> Outcome:
+    """Plain decoding of ``trace`` on the same pools (one step a launch, no
+    overlap, no draft, no eager check): greedy, or sampled by the trace's own
+    parameters from the same run seed, so an overlapped or multi-step run of
+    the same trace draws the same tokens."""
+    plain = dataclasses.replace(
+        config, speculative=None, overlap=False, steps_per_launch=1, check=False, logprobs=0
+    )
+    hooks = Hooks(end_token=end_token)
+    return serve(
+        plain,
+        bundle,
+        trace,
+        hooks=hooks,
+        progress=progress,
+        run_progress=run_progress,
+        on_capture=on_capture,
+    )
+
+
+def _runner_options(
+    config: EngineConfig,
+    bundle: ServingBundle,
+    trace: Sequence[Request],
+    hooks: Hooks,
+    progress: bool,
+) -> dict[str, Any]:
+    """``create_decode_runner``'s options for this run: the sampled step when
+    a request samples or log-probabilities are asked (the plain argmax step
+    otherwise), a future map for overlap, N steps a launch (with the end
+    token the rows stop at)."""
+    options: dict[str, Any] = {
+        "capture_sizes": list(config.capture_sizes) or None,
+        "check_padding": config.check_padding,
+        "show_progress": progress,
+        **config.mechanism_options,
+    }
+    if config.logprobs or samples(trace):
+        options["sampling"] = True
+    if config.logprobs:
+        options["logprobs"] = config.logprobs
+    if config.overlap:
+        options["future_map"] = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device)
+    if config.steps_per_launch > 1:
+        options |= {"steps_per_launch": config.steps_per_launch, "end_token": hooks.end_token}
+    return options
+
+
+def _speculative(
+    config: EngineConfig,
+    bundle: ServingBundle,
+    trace: Sequence[Request],
+    hooks: Hooks,
+    progress: bool,
+) -> SpeculativeResult:
+    if not isinstance(bundle, ModelBundle):  # the draft heads read the native decoder
+        raise UsageError(f"--speculative {config.speculative}: expected the native model")
+    engine = speculative_engine(
+        bundle,
+        config.runner,
+        method=config.speculative or "",
+        draft=config.draft,
+        k=config.draft_tokens,
+        capture_sizes=list(config.capture_sizes) or None,
+        seed=config.seed,
+        run_seed=config.seed,
+        check_padding=config.check_padding,
+        show_progress=progress,
+        end_token=hooks.end_token,
+        logprobs=config.logprobs,
+        **config.mechanism_options,
+    )
+    return engine.run(trace, max_steps=config.max_steps, progress=progress)
