@@ -2,16 +2,19 @@
 
 A Llama-style model and Mamba / hybrid models over graphrunner's pools,
 checkpoint and GGUF I/O, an engine loop (plain, overlap, multi-step and
-speculative schedules) and the ``graphrunner`` command line. It imports the
-library only through public names (``graphrunner`` and its subpackages'
-``__all__``; a test holds it), so whatever this engine does, an engine of
-one's own can do too.
+speculative schedules), a model registry (a kind of model recognises, loads
+and steps its checkpoints: :func:`register` adds one) and the ``graphrunner``
+command line. It imports the library only through public names
+(``graphrunner`` and its subpackages' ``__all__``; a test holds it), so
+whatever this engine does, an engine of one's own can do too.
 """
 
 from __future__ import annotations
 
 from graphrunner_ref.engine.bundle import create_decode_runner
+from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.loop import Engine, EngineResult
+from graphrunner_ref.engine.registry import DecodeStep, ModelKind, register, unregister
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_any, load_model, read_config, save_checkpoint
 from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
@@ -23,11 +26,14 @@ from graphrunner_ref.model.quantize import QUANTIZATIONS, quantize_model
 
 __all__ = [
     "QUANTIZATIONS",
+    "DecodeStep",
     "Engine",
+    "EngineConfig",
     "EngineResult",
     "MambaConfig",
     "MixerShape",
     "ModelBundle",
+    "ModelKind",
     "ModelConfig",
     "Request",
     "TensorParallel",
@@ -39,5 +45,7 @@ __all__ = [
     "load_model",
     "quantize_model",
     "read_config",
+    "register",
     "save_checkpoint",
+    "unregister",
 ]

@@ -3,6 +3,7 @@ draft head and its runners, each captured on the chosen mechanism."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from graphrunner import (
@@ -26,10 +27,12 @@ from graphrunner_ref.engine.speculative import SpeculativeEngine
 from graphrunner_ref.model.build import ModelBundle
 from graphrunner_ref.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
 
-__all__ = ["DRAFTS", "METHODS", "speculative_engine"]
+__all__ = ["DRAFTS", "DRAFT_HEADS", "METHODS", "DraftHead", "speculative_engine"]
 
-METHODS = ("eagle", "mtp")
-DRAFTS = ("random", "self", "wrong")
+#: The target's own tokens as drafts, shifted by this many (``wrong``: none accepted).
+_TARGET_SHIFT = {"self": 0, "wrong": 1}
+#: The draft sources (``--draft``): a seeded random head of the method, or the target.
+DRAFTS = ("random", *_TARGET_SHIFT)
 
 
 class _Capture:
@@ -132,30 +135,43 @@ def speculative_engine(
 
 
 def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:
+    """The ``draft`` source: the target itself (``self``, ``wrong``), or a
+    seeded random head of ``method`` (:data:`DRAFT_HEADS`)."""
+    if draft in _TARGET_SHIFT:
+        return _target(cap, k, _TARGET_SHIFT[draft])
+    return DRAFT_HEADS[method](cap, k, seed)
+
+
+def _target(cap: _Capture, k: int, shift: int) -> Drafter:
     b = cap.bundle
-    if draft != "random":
-        target_decode = create_decode_runner(
-            b,
-            cap.kind,
-            capture_sizes=cap.kwargs["capture_sizes"],
-            max_bs=cap.kwargs["max_bs"],
-            check_padding=cap.check,
-            **cap.options,
-        )
-        shift = 1 if draft == "wrong" else 0
-        return TargetDrafter(b.model, _captured(target_decode), k, shift=shift)
-    if method == "mtp":
-        head = FrozenKvMtpHead(b.model, steps=k, topk=1)
-        init_draft_weights(head, seed)
-        sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-        runner = _captured(create_runner(frozen_kv_mtp_phase(head), **cap.common(sanitizer)))
+    target_decode = create_decode_runner(
+        b,
+        cap.kind,
+        capture_sizes=cap.kwargs["capture_sizes"],
+        max_bs=cap.kwargs["max_bs"],
+        check_padding=cap.check,
+        **cap.options,
+    )
+    return TargetDrafter(b.model, _captured(target_decode), k, shift=shift)
 
-        def sampled() -> GraphRunner:
-            fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
-            phase = frozen_kv_mtp_phase(head, sampling=True)
-            return _captured(create_runner(phase, **cap.common(fresh)))
 
-        return MtpDrafter(runner, k, sampled)
+def _mtp(cap: _Capture, k: int, seed: int) -> Drafter:
+    b = cap.bundle
+    head = FrozenKvMtpHead(b.model, steps=k, topk=1)
+    init_draft_weights(head, seed)
+    sanitizer = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+    runner = _captured(create_runner(frozen_kv_mtp_phase(head), **cap.common(sanitizer)))
+
+    def sampled() -> GraphRunner:
+        fresh = frozen_kv_sanitizer(b.req_pool, b.kv_cache)
+        phase = frozen_kv_mtp_phase(head, sampling=True)
+        return _captured(create_runner(phase, **cap.common(fresh)))
+
+    return MtpDrafter(runner, k, sampled)
+
+
+def _eagle(cap: _Capture, k: int, seed: int) -> Drafter:
+    b = cap.bundle
     cfg = b.config
     draft_kv = KVCache(
         b.kv_alloc.size, 1, cfg.num_kv_heads, cfg.head_dim, b.kv_cache.dtype, b.device
@@ -170,3 +186,13 @@ def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Draft
         runner = create_runner(eagle_draft_decode_phase(eagle), **cap.common(sanitizer))
         decode = _captured(runner)
     return EagleDrafter(eagle, _captured(extend), decode, k)
+
+
+#: Builds a draft head's drafter from the engine's runner arguments, the
+#: draft tokens per round and the head's seed.
+DraftHead = Callable[[_Capture, int, int], Drafter]
+
+#: The draft heads by method (``--speculative``): a new head is one builder
+#: and one row here.
+DRAFT_HEADS: dict[str, DraftHead] = {"eagle": _eagle, "mtp": _mtp}
+METHODS = tuple(DRAFT_HEADS)
