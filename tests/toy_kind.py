@@ -23,6 +23,7 @@ from graphrunner.pools import whole_pages
 from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.registry import DecodeStep, ModelKind
 from graphrunner_ref.model import ModelConfig
+from graphrunner_ref.model.build import PooledBundle
 
 MODEL_TYPE = "toy-counter"
 
@@ -59,26 +60,15 @@ class Counter:
 
 
 @dataclass(frozen=True, slots=True)
-class ToyBundle:
-    """The counter over its pools (no KV cache: it attends to nothing)."""
+class ToyBundle(PooledBundle):
+    """The counter over its pools (no KV cache: it attends to nothing); the
+    context, page size and device derive from the pools."""
 
     model: Counter
     req_pool: ReqToTokenPool
     kv_alloc: TokenToKVPoolAllocator
     config: ModelConfig
     kv_cache: None = None
-
-    @property
-    def max_context_len(self) -> int:
-        return self.req_pool.max_context_len
-
-    @property
-    def page_size(self) -> int:
-        return self.kv_alloc.page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.req_pool.device
 
 
 def _recognises(config: EngineConfig) -> bool:
