@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import toy_kind
 
 import graphrunner_ref.cli.main as cli
@@ -78,3 +79,15 @@ def test_a_kind_refuses_what_it_cannot_run_by_its_flag() -> None:
     bridge = kinds()[-1]
     with pytest.raises(UsageError, match="--attention torch: the native model's option"):
         bridge.check(EngineConfig(model=None, checkpoint=Path("x"), attention="torch"))
+
+
+def test_the_engine_path_sets_the_threads_it_is_given(
+    toy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    checkpoint = toy_kind.save_checkpoint(tmp_path / "toy")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1]\n")
+    assert _generate(checkpoint, prompts, "--threads", "1") == 0
+    assert threads == [1]

@@ -516,7 +516,7 @@ def config_of(
     return EngineConfig(
         model=get("model"),
         checkpoint=get("checkpoint"),
-        source=f"{get('checkpoint_flag')} {get('checkpoint')}",
+        source="" if get("checkpoint") is None else f"{get('checkpoint_flag')} {get('checkpoint')}",
         gguf_file=get("gguf_file"),
         model_impl=get("model_impl", "auto"),
         dtype=get("dtype", "float32"),
@@ -531,7 +531,7 @@ def config_of(
         page_size=get("page_size", 1),
         tp=get("tp"),
         placement=get("tensor_parallel") or SINGLE,
-        threads=get("threads", 1),
+        threads=get("threads"),
         check_padding=get("check_padding", False),
         check=get("check", False),
         speculative=get("speculative"),

@@ -50,7 +50,8 @@ class EngineConfig:
     Runner: ``runner`` (``cuda``, ``cpu``, ``eager``) on ``device``,
     ``compile`` (the CUDA runner's inductor programs), ``capture_sizes`` (empty:
     the library's policy), ``page_size`` KV slots a page, ``tp`` ranks and this
-    process's ``placement`` among them, ``threads`` torch CPU threads,
+    process's ``placement`` among them, ``threads`` torch CPU threads (None:
+    torch's own),
     ``check_padding`` (the sanitizer around every replay) and ``check`` (each
     step also run eagerly and compared).
 
@@ -77,7 +78,7 @@ class EngineConfig:
     page_size: int = 1
     tp: int | None = None
     placement: TensorParallel = field(default=SINGLE)
-    threads: int = 1
+    threads: int | None = None
     check_padding: bool = False
     check: bool = False
     speculative: str | None = None

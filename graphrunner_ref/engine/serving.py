@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine import kinds
@@ -80,8 +82,11 @@ def model_kind(config: EngineConfig) -> ModelKind:
 
 def build(config: EngineConfig, max_requests: int, context: int) -> ServingBundle:
     """The model ``config`` names over pools for ``max_requests`` requests of
-    ``context`` tokens, loaded by its kind."""
-    return model_kind(config).load(config, max_requests, context)
+    ``context`` tokens, loaded by its kind (``config.threads`` set first)."""
+    kind = model_kind(config)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    return kind.load(config, max_requests, context)
 
 
 def samples(trace: Sequence[Request]) -> bool:
