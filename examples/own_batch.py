@@ -27,7 +27,7 @@ class MyBatch:  # the declared decode fields (on the device), their host mirrors
     batch_size: int  # live rows, a host int
 
 
-def forward(b: gr.StepInputs, kv: gr.KVCache, req_to_token: torch.Tensor) -> torch.Tensor:
+def forward(b: gr.BufferView, kv: gr.KVCache, req_to_token: torch.Tensor) -> torch.Tensor:
     q = embed[b.input_ids].view(-1, 2, 8)  # [bs, heads, head_dim]
     kv.set_kv(0, b.out_cache_loc, q, -q)  # padded rows write the sink slot 0
     k, v = kv.get_kv(0)

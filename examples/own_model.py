@@ -25,7 +25,7 @@ class BagOfTokens(torch.nn.Module):
         self.register_buffer("history", torch.zeros(rows, context, hidden))
         self.register_buffer("steps", torch.arange(context))
 
-    def forward(self, b: gr.StepInputs) -> torch.Tensor:
+    def forward(self, b: gr.BufferView) -> torch.Tensor:
         rows, pos = b.req_pool_indices, b.positions  # [bs]; 0 on padded rows
         self.history[rows, pos] = self.embed(b.input_ids)  # each request's own row
         seen = (self.steps[None, :] < b.seq_lens[:, None]).unsqueeze(-1)  # [bs, context, 1]

@@ -33,10 +33,12 @@ __all__ = ["BatchError", "DecodeBatch", "host_min_max"]
 
 #: Attributes whose assignment from outside breaks a batch's seal.
 _SEALED_FIELDS = frozenset((*DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values()))
+#: The mirror whose length is the batch size.
+_ROWS_MIRROR = DECODE_HOST_MIRRORS[REQ_POOL_INDICES]
 
 
 class DecodeBatch:
-    """``bs`` live requests decoding one token each; satisfies :class:`DecodeInputs`.
+    """``bs`` live requests decoding one token each; satisfies :class:`~graphrunner.StepInputs`.
 
     Device tensors (int64 ``[bs]`` on ``device``):
         input_ids: the token each request feeds this step.
@@ -62,12 +64,18 @@ class DecodeBatch:
     __slots__ = (
         "device",
         "max_context_len",
-        "_sealed",
+        "sealed",
+        "batch_size",
         "_host_ranges",
         *DECODE_FIELD_NAMES,
         *DECODE_HOST_MIRRORS.values(),
     )
-    _sealed: bool
+    #: True while every field is the tensor this batch's own last operation
+    #: made and validated (see :meth:`is_sealed`); a plain attribute, read by
+    #: a runner's input gate without a call.
+    sealed: bool
+    #: Live requests: the host mirror's length, kept with it (never a sync).
+    batch_size: int
     _host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
     # A static mirror of the declared fields and mirrors, for type checkers
     # (the runtime slots and every assignment come from graphrunner.declare.decode;
@@ -85,13 +93,15 @@ class DecodeBatch:
         # batch's own operations re-seal once they have assigned everything.
         object.__setattr__(self, name, value)
         if name in _SEALED_FIELDS:
-            object.__setattr__(self, "_sealed", False)
+            object.__setattr__(self, "sealed", False)
+        if name == _ROWS_MIRROR and isinstance(value, torch.Tensor):
+            object.__setattr__(self, "batch_size", int(value.shape[0]))
 
     def is_sealed(self) -> bool:
         """True while every field and mirror is the tensor this batch's own
         last operation made and validated (no field assigned from outside
         since): a runner then skips its per-field input checks."""
-        return self._sealed
+        return self.sealed
 
     def _seal(self, ranges: dict[str, tuple[int, int]] | None = None) -> None:
         """Seal the fields as this operation made them; ``ranges`` gives the
@@ -101,7 +111,7 @@ class DecodeBatch:
             mirror = getattr(self, name)
             known[name] = (mirror, version_of(mirror), low, high)
         object.__setattr__(self, "_host_ranges", known)
-        object.__setattr__(self, "_sealed", True)
+        object.__setattr__(self, "sealed", True)
 
     def host_range(self, name: str) -> tuple[int, int] | None:
         """``(min, max)`` of host mirror ``name`` (``seq_lens_cpu`` or
@@ -178,11 +188,6 @@ class DecodeBatch:
         batch._fill({DECODE_HOST_MIRRORS[n]: t for n, t in host.items()}, {INPUT_IDS: input_ids})
         batch._seal(mirror_ranges(reqs, lens))
         return batch
-
-    @property
-    def batch_size(self) -> int:
-        """Live requests (from the host mirror, never a sync)."""
-        return int(self.req_pool_indices_cpu.shape[0])
 
     def is_empty(self) -> bool:
         return self.batch_size == 0

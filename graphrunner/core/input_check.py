@@ -109,7 +109,7 @@ class InputGate:
             sealed = self._sealed_types.get(kind)
             if sealed is None:
                 sealed = self._sealed_types[kind] = self._batch_made and is_sealed_type(kind)
-            if sealed and inputs.is_sealed() and inputs.device == self.device:  # type: ignore[attr-defined]
+            if sealed and _is_sealed_now(inputs) and inputs.device == self.device:  # type: ignore[attr-defined]
                 if validates:
                     backend.validate_inputs(raw_bs, inputs)
                 return self._fields(inputs)
@@ -155,3 +155,9 @@ def _fields_getter(names: tuple[str, ...]) -> Callable[[object], Sequence[torch.
         only = names[0]
         return lambda inputs: (getattr(inputs, only),)
     return attrgetter(*names)
+
+
+def _is_sealed_now(inputs: object) -> bool:
+    # The attribute where the batch keeps one (no call), else the protocol's method.
+    sealed = getattr(inputs, "sealed", None)
+    return inputs.is_sealed() if sealed is None else sealed  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ prepared, captured and launched.
 from __future__ import annotations
 
 from threading import get_ident
+from typing import cast
 
 import torch
 
@@ -203,17 +204,15 @@ class GraphRunner:
         if not self._lock.acquire(blocking=False):  # a second thread would interleave
             self._exclusive.refuse()  # on the static buffers: refused, named
         self._exclusive.owner = get_ident()
-        grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        grad = _grad_off()
         hooks = self._hooks.start()
         try:
-            raw_bs = getattr(inputs, "batch_size", None)
-            graph = self._graph_for.get(raw_bs) if type(raw_bs) is int else None
+            raw_bs = cast(int, getattr(inputs, "batch_size", None))  # checked if no graph
+            graph = cast(Graph, self._graph_for.get(raw_bs) if type(raw_bs) is int else None)
             if graph is None or self._width_field is not None:
                 raw_bs, reason = self._eager_reason(inputs, raw_bs, graph)  # raises if invalid
                 if reason is not None:
                     return self._replay_eager(inputs, raw_bs, reason, hooks)
-            assert graph is not None and type(raw_bs) is int  # else an eager reason above
             bs = graph.bs
             hooks.begin("replay", bs)
             sources = self.input_gate.sources(inputs, raw_bs, self.backend, full=hooks.full_checks)
@@ -226,14 +225,16 @@ class GraphRunner:
             hooks.before_launch(self.buffers, inputs, raw_bs, bs)
             out = self.outputs.live(graph.launcher(), raw_bs)
             hooks.after_launch(out, lambda: self.outputs.live(graph.launcher(), raw_bs))
-            self.stats.count_replay(raw_bs, bs, ops)
-            self.batch_sizes.add(raw_bs)
+            self._count(raw_bs, bs, ops)
             return out
         finally:
             hooks.end()
             torch._C._set_grad_enabled(grad)
-            self._exclusive.owner = None
-            self._lock.release()
+            self._exclusive.leave()
+
+    def _count(self, raw_bs: int, bs: int, ops: int) -> None:
+        self.stats.count_replay(raw_bs, bs, ops)
+        self.batch_sizes.add(raw_bs)
 
     @property
     def sanitizer(self) -> PaddingSanitizer | None:
@@ -296,3 +297,10 @@ class GraphRunner:
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
         self.batch_sizes.add(raw_bs)
         return out
+
+
+def _grad_off() -> bool:
+    """Switch grad off (a replay runs without it); whether it was on."""
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    return grad

@@ -30,6 +30,8 @@ class SealedInputs(Protocol):
     """
 
     device: torch.device
+    #: :meth:`is_sealed` as a plain attribute, which a replay reads without a call.
+    sealed: bool
 
     def is_sealed(self) -> bool:
         """True while no field was assigned from outside since the batch's

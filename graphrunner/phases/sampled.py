@@ -114,6 +114,10 @@ class _WithSampling:
         base = self._base
         return is_sealed_inputs(base) and base.is_sealed()
 
+    @property
+    def sealed(self) -> bool:
+        return self.is_sealed()
+
     def host_range(self, name: str) -> tuple[int, int] | None:
         base = self._base
         if is_sealed_inputs(base):
