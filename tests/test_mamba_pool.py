@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphrunner.core.runners import create_runner
+from graphrunner import create_runner
 from graphrunner.declare.buffers import BufferSpec, Index, PadRule
 from graphrunner.declare.decode import MAMBA_DECODE_FIELDS, decode_buffer_specs
 from graphrunner.declare.state_ops import run_state_ops

@@ -37,7 +37,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     mirrors = set(DECODE_HOST_MIRRORS.values())
     assert set(DECODE_HOST_MIRRORS) <= fields
     assert _protocol_attributes(StepInputs) == mirrors | {"batch_size"}
-    derived = {"sealed", "batch_size", "_host_ranges"}
+    derived = {"sealed", "batch_size", "host_ranges"}
     assert set(DecodeBatch.__slots__) == fields | mirrors | derived | {"device", "max_context_len"}
     assert set(typing.get_type_hints(DecodeBatch)) == fields | mirrors | derived
     assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]

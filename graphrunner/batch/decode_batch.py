@@ -66,7 +66,7 @@ class DecodeBatch:
         "max_context_len",
         "sealed",
         "batch_size",
-        "_host_ranges",
+        "host_ranges",
         *DECODE_FIELD_NAMES,
         *DECODE_HOST_MIRRORS.values(),
     )
@@ -76,7 +76,9 @@ class DecodeBatch:
     sealed: bool
     #: Live requests: the host mirror's length, kept with it (never a sync).
     batch_size: int
-    _host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
+    #: What the batch knows of its host mirrors' ranges: name -> (the mirror,
+    #: its version counter then, min, max); valid while both still hold.
+    host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
     # A static mirror of the declared fields and mirrors, for type checkers
     # (the runtime slots and every assignment come from graphrunner.declare.decode;
     # tests/test_structure.py keeps the two equal).
@@ -110,7 +112,7 @@ class DecodeBatch:
         for name, (low, high) in (ranges or {}).items():
             mirror = getattr(self, name)
             known[name] = (mirror, version_of(mirror), low, high)
-        object.__setattr__(self, "_host_ranges", known)
+        object.__setattr__(self, "host_ranges", known)
         object.__setattr__(self, "sealed", True)
 
     def host_range(self, name: str) -> tuple[int, int] | None:
@@ -121,12 +123,12 @@ class DecodeBatch:
         cost a lookup; known without computing after :meth:`prepare_decode`
         and :meth:`from_requests`, which hold the host ints already."""
         mirror = getattr(self, name)
-        entry = self._host_ranges.get(name)
+        entry = self.host_ranges.get(name)
         if entry is not None and entry[0] is mirror and entry[1] == version_of(mirror):
             return entry[2], entry[3]
         bounds = host_min_max(mirror)
         if bounds is not None:
-            self._host_ranges[name] = (mirror, version_of(mirror), *bounds)
+            self.host_ranges[name] = (mirror, version_of(mirror), *bounds)
         return bounds
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, REQ_POOL_INDICES, SEQ_LENS
+from graphrunner.declare.sealed import VERSION
 from graphrunner.pools.checks import as_index_list, check_count, check_device
 
 __all__ = [
@@ -30,12 +31,11 @@ def host_tensor(values: list[int]) -> torch.Tensor:
 
 
 #: torch's ``Tensor._version`` descriptor, looked up once (the private name stays torch's).
-_VERSION = vars(torch._C.TensorBase)["_version"]
 
 
 def version_of(tensor: torch.Tensor) -> int:
     """The tensor's version counter, bumped by every in-place change."""
-    return int(_VERSION.__get__(tensor))
+    return int(VERSION.__get__(tensor))
 
 
 def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ from graphrunner.declare.buffers import BufferSpec, StaticBuffers
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import StepInputs
-from graphrunner.declare.sealed import host_min_max, is_sealed_inputs, is_sealed_type
+from graphrunner.declare.sealed import VERSION, host_min_max, is_sealed_inputs, is_sealed_type
 from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.writers.base import PopulateError, check_sources
 
@@ -145,6 +145,10 @@ def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, in
     empty: :class:`~graphrunner.declare.sealed.SealedInputs` answer from what
     they knew when they made the mirror (a lookup); any other inputs object
     pays one host ``aminmax``."""
+    known = getattr(inputs, "host_ranges", None)  # a DecodeBatch's, read without a call
+    entry = None if known is None else known.get(name)
+    if entry is not None and entry[0] is values and entry[1] == VERSION.__get__(values):
+        return entry[2], entry[3]
     if is_sealed_inputs(inputs):
         return inputs.host_range(name)
     return host_min_max(values)

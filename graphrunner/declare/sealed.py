@@ -18,7 +18,7 @@ from typing import Protocol, TypeGuard
 
 import torch
 
-__all__ = ["SealedInputs", "host_min_max", "is_sealed_inputs", "is_sealed_type"]
+__all__ = ["VERSION", "SealedInputs", "host_min_max", "is_sealed_inputs", "is_sealed_type"]
 
 
 class SealedInputs(Protocol):
@@ -43,6 +43,10 @@ class SealedInputs(Protocol):
         tensor), None when it is empty; no device sync."""
         ...
 
+
+#: torch's version-counter descriptor: ``VERSION.__get__(t)`` reads ``t``'s
+#: counter in C (no Python frame on a replay's path).
+VERSION = vars(torch._C.TensorBase)["_version"]
 
 _METHODS = ("is_sealed", "host_range")
 _decided: dict[type, bool] = {}
