@@ -27,7 +27,7 @@ __all__ = [
 
 
 #: --steps, --arrive-every: engine steps. The demo builds its whole trace, one
-#: request per step, before it starts: about 3 s at this bound (30 s at 10**6).
+#: request per step, before it starts: the bound keeps that wait short.
 MAX_STEPS = 100_000
 
 

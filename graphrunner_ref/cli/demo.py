@@ -30,6 +30,7 @@ from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.registry import ServingBundle
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
 from graphrunner_ref.engine.workload import Request, synthetic_trace
+from graphrunner_ref.model import ModelConfig
 
 __all__ = ["run"]
 
@@ -47,25 +48,9 @@ def run(args: argparse.Namespace) -> int:
     model_context = cli_text.context_limit(args, shape)
     check_range("--page-size", args.page_size, 1, model_context, cli_text.limit_why(args))
     config = config_of(args, kind, sizes)
-    extra = config.extra_context  # a speculative round's fresh slots
-    if extra >= model_context:
-        raise UsageError(
-            f"--max-context-len {model_context}: expected more than the {extra} slots "
-            "a speculative round takes"
-        )
-    # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
-    trace = synthetic_trace(
-        num_requests=args.steps,
-        vocab_size=shape.vocab_size,
-        max_context_len=model_context - extra,
-        seed=args.seed,
-        prompt_len=(4, 48),
-        new_tokens=(8, 64),
-        mean_gap=4.0,
-    )
-    trace = cli_sampling.apply(trace, params)
+    trace = cli_sampling.apply(_trace(args, shape, model_context, config.extra_context), params)
     cli_sampling.check_modes(args, trace, "demo")
-    context = cli_text.run_context(args, trace, extra, model_context)
+    context = cli_text.run_context(args, trace, config.extra_context, model_context)
     max_prompt_len = max(len(r.prompt) for r in trace)
     cli_checks.check_fits(
         args, shape, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True
@@ -79,11 +64,38 @@ def run(args: argparse.Namespace) -> int:
         outcome = serving.serve(
             checked, bundle, trace, progress=True, on_capture=_printer(sizes, full=True)
         )
-    assert isinstance(outcome.result, EngineResult) and outcome.runner is not None
-    cli_sizes.write_outputs(args, outcome.runner)
-    cli_report.report(outcome.result)
-    cli_report.report_sanitizer(args, outcome.result.stats)
-    return 1 if outcome.result.stats.mismatches else 0
+    return _report(args, outcome)
+
+
+def _trace(args: argparse.Namespace, shape: ModelConfig, context: int, extra: int) -> list[Request]:
+    """The seeded synthetic trace, its requests short enough to leave the
+    ``extra`` slots a speculative round takes."""
+    if extra >= context:
+        raise UsageError(
+            f"--max-context-len {context}: expected more than the {extra} slots "
+            "a speculative round takes"
+        )
+    # Arrivals every ~4 steps against ~36-token budgets keep the batch size moving.
+    return synthetic_trace(
+        num_requests=args.steps,
+        vocab_size=shape.vocab_size,
+        max_context_len=context - extra,
+        seed=args.seed,
+        prompt_len=(4, 48),
+        new_tokens=(8, 64),
+        mean_gap=4.0,
+    )
+
+
+def _report(args: argparse.Namespace, outcome: serving.Outcome) -> int:
+    """The checked run's outputs and lines; exits 1 on any mismatch."""
+    result, runner = outcome.result, outcome.runner
+    if not isinstance(result, EngineResult) or runner is None:
+        raise TypeError(f"outcome={outcome!r}: expected a decode runner's engine result")
+    cli_sizes.write_outputs(args, runner)
+    cli_report.report(result)
+    cli_report.report_sanitizer(args, result.stats)
+    return 1 if result.stats.mismatches else 0
 
 
 def _printer(sizes: list[int], steps: int = 1, *, full: bool = False) -> serving.OnCapture:

@@ -44,8 +44,8 @@ __all__ = ["MAX_GRAPHS", "check_run_outputs", "profiled", "run", "write_outputs"
 MAX_BATCH_SIZE = 1_000_000
 #: --graphs: more graphs than this is no capture list anyone runs.
 MAX_GRAPHS = 4096
-#: Element operations the exact search may take (graphs x distinct sizes^2 / 2):
-#: about a minute of NumPy on a slow CPU.
+#: Element operations the exact search may take (graphs x distinct sizes^2 / 2)
+#: before it is refused as too long a wait.
 MAX_SEARCH_WORK = 20_000_000_000
 
 
