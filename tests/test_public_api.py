@@ -60,6 +60,18 @@ def test_a_bare_import_loads_the_library_alone():
     assert "graphrunner.core.runner" in ours  # the test reads what it claims to
 
 
+def test_a_bare_import_reads_at_most_ten_thousand_lines():
+    """What an engine pays to import the library: the fused Triton writer and
+    the reference stay unloaded until used."""
+    package = Path(graphrunner.__file__).parent
+    ours = [m for m in _loaded_after_bare_import() if m.split(".")[0] == "graphrunner"]
+    files = [package.parent / (m.replace(".", "/") + ".py") for m in ours]
+    files = [f if f.exists() else f.with_suffix("") / "__init__.py" for f in files]
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    assert "graphrunner.writers.fused" not in ours
+    assert 5_000 < lines <= 10_000, f"import graphrunner reads {lines} lines of {len(ours)} modules"
+
+
 def test_all_is_small_resolves_and_keeps_no_alias():
     names = graphrunner.__all__
     assert len(names) <= 30

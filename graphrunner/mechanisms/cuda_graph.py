@@ -4,7 +4,7 @@ optionally over an inductor-compiled forward."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,7 +12,9 @@ from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
-from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
+
+if TYPE_CHECKING:
+    from graphrunner.writers.fused import InGraphPopulate
 
 __all__ = ["POPULATE_MODES", "CudaGraphCapture", "pool_bytes"]
 
@@ -124,6 +126,9 @@ class CudaGraphCapture(CaptureMechanism):
         self._stream = torch.cuda.Stream(device=device)
 
     def bind_buffers(self, buffers: StaticBuffers) -> None:
+        # The fused writers load only where asked for (their kernel module is large).
+        from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
+
         if self.populate_mode == "fused":
             self.populate_writer = FusedPopulate(buffers)
         elif self.populate_mode == "graph":
