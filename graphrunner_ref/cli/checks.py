@@ -1,7 +1,9 @@
 """The command line's argument checks: every number bounded by what the machine
 can hold, before any work. Out of range, the CLI names the argument, the value
 and the allowed range (a :class:`UsageError`, exit 2). Sizes that allocate are
-checked against the available memory through :func:`memory_estimate`.
+checked against the available memory through :func:`memory_estimate`. The
+model's kind comes from the registry (:func:`model_kind`), which refuses by
+flag what that kind cannot run.
 """
 
 from __future__ import annotations
