@@ -20,6 +20,18 @@ TINY_DECODER: dict[str, Any] = dict(
 )
 
 
+def mixed_trace() -> list[Any]:
+    """Three requests of different lengths arriving over three steps: sizes
+    1, 2 and 4 of a capture list ``[1, 2, 4]`` all run, the last padded."""
+    from graphrunner_ref import Request
+
+    return [
+        Request(0, (3, 17, 5, 9, 22, 7), 6),
+        Request(1, (11, 2), 5, arrival_step=1),
+        Request(2, (40, 41, 42, 43), 4, arrival_step=2),
+    ]
+
+
 def save_tiny_llama(path: Path, *, tie: bool = False, seed: int = 0) -> Any:
     """Save a seeded 2-layer Llama (hidden 64, 4/2 heads, vocab 256) to ``path``
     and return it in eval mode."""
@@ -92,3 +104,28 @@ def save_decoders(
         model.save_pretrained(path)
         out[name] = (path, model)
     return out
+
+
+#: The shape of the swept decoders, in the names transformers' config classes
+#: map onto their own fields (``n_head``, ``n_embd``, ...).
+SWEPT_DECODER: dict[str, Any] = dict(
+    TINY_DECODER,
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    pad_token_id=0,
+)
+
+
+def tiny_config(model_type: str, **extra: Any) -> Any:
+    """transformers' config of ``model_type`` shrunk to :data:`SWEPT_DECODER`
+    (``extra`` over it); ``head_dim`` left to the class where it derives it."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    kwargs = {**SWEPT_DECODER, **extra}
+    try:
+        return cls(**kwargs)
+    except (AttributeError, TypeError, ValueError):  # head_dim is a read-only property
+        kwargs.pop("head_dim")
+        return cls(**kwargs)

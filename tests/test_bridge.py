@@ -13,9 +13,9 @@ import torch
 
 from graphrunner import PaddingViolation
 from graphrunner.mechanisms import UncapturableError
-from graphrunner_ref import Engine, Request, create_decode_runner
+from graphrunner_ref import Engine, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
-from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
+from hf_tiny import TINY_DECODER, hf_greedy, mixed_trace, save_decoders
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,11 +54,7 @@ def _configs() -> dict[str, Any]:
 
 
 ARCHS = sorted(_configs())
-TRACE = [
-    Request(0, (3, 17, 5, 9, 22, 7), 6),
-    Request(1, (11, 2), 5, arrival_step=1),
-    Request(2, (40, 41, 42, 43), 4, arrival_step=2),
-]
+TRACE = mixed_trace()
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +114,14 @@ def test_a_stray_write_from_the_attention_is_caught(
         Engine(bundle, runner).run(TRACE[:1])
 
 
-def test_a_model_without_layer_indexed_attention_is_refused() -> None:
+def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
     class Plain(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.config = transformers.LlamaConfig(**_SMALL)
             self.linear = torch.nn.Linear(4, 4)
 
-    with pytest.raises(ValueError, match="layer_idx"):
+    with pytest.raises(ValueError, match="not a transformers model"):
         build_transformers_bundle(Plain(), max_requests=2)
 
 

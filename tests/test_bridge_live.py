@@ -13,21 +13,17 @@ import pytest
 import torch
 
 import graphrunner_ref.bridge.attention as attention
-from graphrunner_ref import Engine, Request, create_decode_runner
+from graphrunner_ref import Engine, create_decode_runner
 from graphrunner_ref.bridge import load_transformers
 from graphrunner_ref.model.attention_live import COLUMN_STEP
-from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
+from hf_tiny import TINY_DECODER, hf_greedy, mixed_trace, save_decoders
 
 transformers = pytest.importorskip("transformers")
 
 #: A pool four column steps wide: the live rows below stay within the first.
 CAPACITY = 4 * COLUMN_STEP
 _SMALL = {**TINY_DECODER, "max_position_embeddings": CAPACITY}
-TRACE = [
-    Request(0, (3, 17, 5, 9, 22, 7), 6),
-    Request(1, (11, 2), 5, arrival_step=1),
-    Request(2, (40, 41, 42, 43), 4, arrival_step=2),
-]
+TRACE = mixed_trace()
 
 
 @pytest.fixture(scope="module")

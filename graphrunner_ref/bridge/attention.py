@@ -2,10 +2,13 @@
 
 transformers' decoders call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 with each layer's rotated ``query`` ``[1, H, T, D]``, ``key`` / ``value``
-``[1, KVH, T, D]`` and the keyword arguments the model was called with. The
+``[1, KVH, T, D]`` and whatever keyword arguments their layers pass on. The
 bridge calls the model on a step's ``T`` token rows as one sequence of batch 1
-(``use_cache=False``) and passes the step's pools and indices as
-``graphrunner=StepKV(...)``; :func:`paged_attention` writes each row's K/V at
+(``use_cache=False``). The step's pools and indices (:class:`StepKV`) do not
+travel as keyword arguments, which not every decoder layer passes down: each
+attention module the bridge found (:mod:`.find`) carries a :class:`Binding`
+to its decoder's :class:`StepSlot`, which the decoder fills around each model
+call, and to its KV layer. :func:`paged_attention` writes each row's K/V at
 its ``out_cache_loc`` slot (padded rows: the sink slot 0) and attends over the
 slots ``req_to_token`` lists for its request row, up to its length. What the
 layer asks for is honoured: ``scaling`` (``query_pre_attn_scalar`` models),
@@ -33,7 +36,11 @@ from graphrunner_ref.model.attention_live import COLUMN_STEP
 
 __all__ = [
     "ATTENTION",
+    "BINDING",
+    "Binding",
     "StepKV",
+    "StepSlot",
+    "bind",
     "live_rows_attention",
     "paged_attention",
     "register",
@@ -42,6 +49,8 @@ __all__ = [
 
 #: The name the bridge registers with transformers' attention (and mask) interfaces.
 ATTENTION = "graphrunner"
+#: The attribute of an attention module that holds its :class:`Binding`.
+BINDING = "graphrunner_kv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,31 @@ class StepKV:
     slots: torch.Tensor
 
 
+class StepSlot:
+    """Where a decoder leaves the step it is running for its attention
+    modules: ``step`` is set around each model call and None between them."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: StepKV | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """An attention module's decoder (the slot it reads its step from) and
+    the KV layer it writes and reads."""
+
+    slot: StepSlot
+    layer: int
+
+
+def bind(modules: tuple[nn.Module, ...], slot: StepSlot) -> None:
+    """Bind attention module ``i`` of ``modules`` to KV layer ``i`` and ``slot``."""
+    for layer, module in enumerate(modules):
+        setattr(module, BINDING, Binding(slot, layer))
+
+
 def paged_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -70,21 +104,21 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    graphrunner: StepKV | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over graphrunner's pools (see the
     module); returns ``[1, T, H, D]`` and no weights."""
-    if graphrunner is None:
+    binding: Binding | None = getattr(module, BINDING, None)
+    step = None if binding is None else binding.slot.step
+    if binding is None or step is None:
         raise ValueError(
-            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): the "
-            f"{ATTENTION!r} attention needs the step's pools (graphrunner=StepKV(...)); "
-            "call the model through graphrunner_ref.bridge.TransformersDecoder"
+            f"{type(module).__name__}: the {ATTENTION!r} attention reads the step's pools "
+            "from the decoder that bound it; call the model through "
+            "graphrunner_ref.bridge.TransformersDecoder"
         )
-    step, layer = graphrunner, int(getattr(module, "layer_idx"))  # noqa: B009 (an int)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    step.kv.set_kv(layer, step.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    k_all, v_all = step.kv.get_kv(layer)
+    step.kv.set_kv(binding.layer, step.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k_all, v_all = step.kv.get_kv(binding.layer)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # On the CPU the live width is a host read of host tensors; a CUDA graph
     # cannot replay one, so there every row reads its whole capacity.

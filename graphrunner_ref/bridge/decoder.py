@@ -27,7 +27,8 @@ from graphrunner import BufferView, KVCache, ReqToTokenPool, TokenToKVPoolAlloca
 from graphrunner.declare import NullBackend
 from graphrunner.pools import whole_pages
 from graphrunner.util import needs_extra
-from graphrunner_ref.bridge.attention import ATTENTION, StepKV, register
+from graphrunner_ref.bridge.attention import ATTENTION, StepKV, StepSlot, bind, register
+from graphrunner_ref.bridge.find import AttentionLayers, find_attention
 from graphrunner_ref.bridge.rope import RopeTable, has_dynamic_rope, install_rope_tables
 from graphrunner_ref.model.build import PooledBundle
 
@@ -49,14 +50,21 @@ class TransformersDecoder(nn.Module):
     Args:
         hf: the ``*ForCausalLM`` module, its attention set to the bridge's
             (:data:`~.attention.ATTENTION`).
-        kv_cache: one layer per decoder layer, its KV heads and head size.
+        kv_cache: one layer per attention layer, its KV heads and head size.
         req_pool: whose ``req_to_token`` (int32 ``[rows, context]``) the
             attention reads.
+        layers: ``hf``'s attention layers (:func:`~.find.find_attention`),
+            bound here to this decoder's step and their KV layers.
     """
 
-    def __init__(self, hf: nn.Module, kv_cache: KVCache, req_pool: ReqToTokenPool) -> None:
+    def __init__(
+        self, hf: nn.Module, kv_cache: KVCache, req_pool: ReqToTokenPool, layers: AttentionLayers
+    ) -> None:
         super().__init__()
         self.hf = hf
+        #: The step the attention modules read while the model runs.
+        self.slot = StepSlot()
+        bind(layers.modules, self.slot)
         self.kv_cache = kv_cache
         self.req_to_token = req_pool.req_to_token
         #: The RoPE tables decode looks up; the prefill runs transformers' modules.
@@ -74,9 +82,12 @@ class TransformersDecoder(nn.Module):
         return int(self.config.vocab_size)
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, step: StepKV) -> torch.Tensor:
-        out = self.hf(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False, graphrunner=step
-        )
+        # The step reaches the attention through the slot, whatever the layers pass on.
+        self.slot.step = step
+        try:
+            out = self.hf(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        finally:
+            self.slot.step = None
         logits: torch.Tensor = out.logits[0]
         return logits.float()
 
@@ -135,10 +146,6 @@ def _text_config(hf: nn.Module) -> Any:
     return text() if callable(text) else config
 
 
-def _attention_modules(hf: nn.Module) -> list[nn.Module]:
-    return [m for m in hf.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-
-
 def build_transformers_bundle(
     hf: nn.Module,
     *,
@@ -156,20 +163,17 @@ def build_transformers_bundle(
     ``longrope`` rotary module is replaced by its table over the context
     (:func:`~.rope.install_rope_tables`).
 
+    The attention layers, their count and K/V shape are found by one probe
+    forward (:func:`~.find.find_attention`), not read from module or config
+    names.
+
     Raises:
-        ValueError: a bad size, or a model whose attention layers cannot be
-            found (no module with a ``layer_idx``): the bridge routes each
-            layer's K/V by it.
+        ValueError: a bad size, or a model whose attention layers the bridge
+            cannot keep (:func:`~.find.find_attention` names the reason).
     """
     register()
     config = _text_config(hf)
-    layers = _attention_modules(hf)
-    if not layers:
-        raise ValueError(
-            f"{type(hf).__name__}: no attention module with a layer_idx; the transformers "
-            "bridge finds each layer's KV by module.layer_idx (a decoder whose attention "
-            "goes through transformers' attention interface has it)"
-        )
+    layers = find_attention(hf.eval())
     hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
     limit = int(getattr(config, "max_position_embeddings", DEFAULT_CONTEXT))
     context = min(limit, DEFAULT_CONTEXT) if max_context_len is None else max_context_len
@@ -185,21 +189,18 @@ def build_transformers_bundle(
     slots = whole_pages(max_requests * context, page_size) if kv_slots is None else kv_slots
     param = next(hf.parameters())
     install_rope_tables(hf, context, param.dtype)
-    heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kv_cache = KVCache(
         slots,
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
+        num_layers=len(layers.modules),
+        num_kv_heads=layers.kv_heads,
+        head_dim=layers.head_dim,
         dtype=param.dtype,
         device=param.device,
         page_size=page_size,
     )
     req_pool = ReqToTokenPool(max_requests, context, device=param.device)
     kv_alloc = TokenToKVPoolAllocator(slots, device=param.device, page_size=page_size)
-    model = TransformersDecoder(hf.eval().requires_grad_(False), kv_cache, req_pool)
+    model = TransformersDecoder(hf.eval().requires_grad_(False), kv_cache, req_pool, layers)
     return TransformersBundle(model, req_pool, kv_alloc, kv_cache)
 
 
@@ -213,12 +214,28 @@ def load_transformers(
     page_size: int = 1,
 ) -> TransformersBundle:
     """A checkpoint directory of any transformers ``*ForCausalLM`` decoder
-    (``AutoModelForCausalLM``), in ``dtype`` on ``device``, over new pools."""
+    (``AutoModelForCausalLM``), in ``dtype`` on ``device``, over new pools.
+
+    The model is built with transformers' own attention and switched to the
+    bridge's once its attention layers are found, so a decoder whose
+    attention does not go through transformers' interface is refused by
+    :func:`~.find.find_attention`, not by transformers' loader.
+
+    Raises:
+        ValueError: transformers cannot build the model (one line naming the
+            checkpoint and transformers' reason), or as
+            :func:`build_transformers_bundle`.
+    """
     with needs_extra("text", "the transformers bridge"):
         from transformers import AutoModelForCausalLM
 
-    register()
-    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=ATTENTION, dtype=dtype)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:  # whatever transformers raises, one line
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(
+            f"{path}: transformers cannot build the model ({type(e).__name__}: {first})"
+        ) from None
     model: nn.Module = hf
     model.to(device)
     return build_transformers_bundle(

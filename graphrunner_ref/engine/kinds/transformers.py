@@ -10,10 +10,10 @@ from pathlib import Path
 
 from graphrunner_ref.bridge import TransformersBundle, load_transformers
 from graphrunner_ref.bridge.quantize import quantize_linears
+from graphrunner_ref.bridge.shape import checkpoint_shape
 from graphrunner_ref.engine.config import EngineConfig, UsageError
 from graphrunner_ref.engine.kinds.llama import note_quantization, pooled_step
 from graphrunner_ref.engine.registry import DecodeStep, ModelKind
-from graphrunner_ref.io.safetensors_files import read_json
 from graphrunner_ref.model import ModelConfig
 
 __all__ = ["KIND", "bridge_config"]
@@ -43,27 +43,12 @@ def _check(config: EngineConfig) -> None:
 
 def bridge_config(path: Path) -> ModelConfig:
     """The shape of a transformers checkpoint as the checks read it
-    (vocabulary, context, the sizes a memory estimate counts)."""
-    hf = read_json(path / "config.json")
-    text = hf.get("text_config") or hf
+    (vocabulary, context, the sizes a memory estimate counts), through
+    transformers' config object (:func:`~graphrunner_ref.bridge.shape.checkpoint_shape`)."""
     try:
-        heads = int(text["num_attention_heads"])
-        return ModelConfig(
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text.get("intermediate_size") or 4 * text["hidden_size"]),
-            num_layers=int(text["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or 0),
-            max_position_embeddings=int(text.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(
-            f"{path}: config.json is not a decoder's ({e}); the transformers bridge needs "
-            "vocab_size, hidden_size, num_hidden_layers and num_attention_heads"
-        ) from None
+        return checkpoint_shape(path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _shape(config: EngineConfig) -> ModelConfig:
@@ -73,14 +58,17 @@ def _shape(config: EngineConfig) -> ModelConfig:
 def _load(config: EngineConfig, max_requests: int, context: int) -> TransformersBundle:
     """The checkpoint's own modules over graphrunner's pools (their linears
     compact ones with ``quantize``)."""
-    bundle = load_transformers(
-        config.checkpoint or Path(),
-        max_requests=max_requests,
-        max_context_len=context,
-        device=config.device,
-        dtype=config.torch_dtype,
-        page_size=config.page_size,
-    )
+    try:
+        bundle = load_transformers(
+            config.checkpoint or Path(),
+            max_requests=max_requests,
+            max_context_len=context,
+            device=config.device,
+            dtype=config.torch_dtype,
+            page_size=config.page_size,
+        )
+    except ValueError as e:  # the bridge's one-line refusal of the checkpoint
+        raise UsageError(str(e)) from None
     if config.quantize is not None:
         try:
             count = quantize_linears(bundle.model.hf, config.quantize)

@@ -1,0 +1,155 @@
+"""A sweep of transformers' decoders through the bridge, as a new user runs
+them: a tiny random checkpoint of each (transformers' own config class,
+shrunk, saved with ``save_pretrained``) through ``generate --model DIR
+--model-impl transformers --json --check-padding``, padded. Each either gives
+transformers' greedy tokens for every prompt or is refused at load with exit
+2 and one line naming the reason; never a crash or a silent wrong answer.
+
+The default run takes a sample: one architecture of each kind the bridge once
+refused or answered wrongly (attention whose output projection is not
+``o_proj``, a config that spells the head count its own way, layers that do
+not pass keyword arguments down to the attention, attention sinks, linear
+attention layers, attention outside transformers' interface), on the eager
+runner and one on the compiled CPU runner; ``GRAPHRUNNER_SLOW=1`` sweeps them
+all."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import SLOW
+from graphrunner_ref.cli import main as cli
+from graphrunner_ref.engine.workload import Request
+from hf_tiny import hf_greedy, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[3, 17, 5, 9, 22], [11, 2], [40, 41, 42]]
+NEW_TOKENS = 4
+
+#: Decoders that run, by transformers ``model_type``: extra config arguments.
+RUNS: dict[str, dict[str, Any]] = {
+    "apertus": {},
+    "arcee": {},
+    "biogpt": {},
+    "bitnet": {},
+    "codegen": {"rotary_dim": 8},
+    "cohere": {},
+    "cohere2": {},
+    "ernie4_5": {},
+    "exaone4": {},
+    "gemma3_text": {},
+    "glm": {},
+    "glm4": {},
+    "gpt2": {},
+    "gpt_bigcode": {},
+    "gpt_neox": {},
+    "gptj": {"rotary_dim": 8},
+    "granite": {},
+    "helium": {},
+    "hunyuan_v1_dense": {},
+    "ministral": {},
+    "mistral": {},
+    "nemotron": {},
+    "olmo": {},
+    "olmo2": {},
+    "olmo3": {},
+    "opt": {},
+    "persimmon": {},
+    "phi": {},
+    "phi3": {},
+    "qwen3": {},
+    "seed_oss": {},
+    "stablelm": {},
+    "starcoder2": {},
+}
+#: Decoders refused at load, and words of the reason.
+REFUSED: dict[str, str] = {
+    "bloom": "attention interface",
+    "diffllama": "called more than once",
+    "doge": "attention_mask",  # a mask of its own with a learned bias
+    "falcon": "attention interface",
+    "gpt_oss": "s_aux",
+    "minimax": "1 of its 2 layers",
+    "mpt": "attention interface",
+    "xglm": "attention interface",
+}
+#: The default run's sample (see the module).
+SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "falcon", "gpt_oss", "minimax"}
+#: On the compiled CPU runner too (the full sweep: every one that runs).
+CPU_SAMPLE = {"stablelm"}
+
+
+def _slow(*values: str) -> Any:
+    marks = [pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="GRAPHRUNNER_SLOW=1")]
+    return pytest.param(*values, marks=marks)
+
+
+def _runs() -> list[Any]:
+    sample = {"eager": SAMPLE, "cpu": CPU_SAMPLE}
+    return [
+        (kind, name) if name in sample[kind] else _slow(kind, name)
+        for kind in sample
+        for name in sorted(RUNS)
+    ]
+
+
+def _save(model_type: str, root: Path, **extra: Any) -> tuple[Path, Any]:
+    config = tiny_config(model_type, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="eager"
+    ).eval()
+    path = root / model_type
+    model.save_pretrained(path)
+    return path, model
+
+
+def _generate(path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, Any, str]:
+    prompts = path / "prompts.ids"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    capsys.readouterr()
+    rc = cli.main(
+        [
+            "generate", "--model", str(path), "--model-impl", "transformers", "--prompts",
+            str(prompts), "--prompts-format", "ids", "--max-new-tokens", str(NEW_TOKENS),
+            "--runner", kind, "--capture-sizes", "1,2,4", "--check-padding", "--json",
+        ]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return rc, [r["token_ids"] for r in sorted(records, key=lambda r: r["index"])], err
+
+
+def _expected(model: Any) -> list[list[int]]:
+    trace = [Request(i, tuple(p), NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    tokens = hf_greedy(model, trace)
+    return [tokens[i] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize(("kind", "model_type"), _runs())
+def test_a_decoder_answers_as_transformers(
+    kind: str, model_type: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, model = _save(model_type, tmp_path, **RUNS[model_type])
+    rc, tokens, err = _generate(path, kind, capsys)
+    assert rc == 0, err
+    assert tokens == _expected(model)
+
+
+@pytest.mark.parametrize("model_type", [n if n in SAMPLE else _slow(n) for n in sorted(REFUSED)])
+def test_a_decoder_the_bridge_cannot_keep_is_refused_in_one_line(
+    model_type: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = _save(model_type, tmp_path)
+    rc, tokens, err = _generate(path, "eager", capsys)
+    assert rc == 2 and tokens == []
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and REFUSED[model_type] in lines[0], err
+    assert "Traceback" not in err
