@@ -56,9 +56,8 @@ class StepObserver:
         """The step is about to launch: ``bs`` the padded size, None for the
         eager path (no padded rows; ``specs`` the declarations its inputs follow)."""
 
-    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
-        """The launch returned the live rows' ``outputs``; ``relaunch`` runs
-        the same graph again (None on the eager path)."""
+    def after_launch(self, outputs: Outputs) -> None:
+        """The launch returned the live rows' ``outputs``."""
 
     def end(self) -> None:
         """The step ended (returned or raised)."""
@@ -98,7 +97,7 @@ class NvtxRanges(StepObserver):
         if bs is not None:
             self._push(f"launch bs={bs}")
 
-    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
+    def after_launch(self, outputs: Outputs) -> None:
         if len(self._open) > 1:
             self._pop()
 
@@ -119,9 +118,11 @@ class SanitizedSteps(StepObserver):
         self,
         sanitizer: PaddingSanitizer,
         captured: Callable[[], CapturedState | None] = lambda: None,
+        relaunch: Callable[[int, int], Outputs] | None = None,
     ) -> None:
         self.sanitizer = sanitizer
         self._captured = captured
+        self._relaunch = relaunch  # (raw_bs, bs) -> the graph's live outputs again
         self._check: ReplayCheck | None = None
         self._where: tuple[StaticBuffers, int, int] | None = None  # the padded launch's
         self._held: Outputs | None = None
@@ -150,13 +151,17 @@ class SanitizedSteps(StepObserver):
             spare = [*buffers.tensors.values(), *(t for t in fields if isinstance(t, torch.Tensor))]
             poison_outputs(self._held, spare)
 
-    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
+    def after_launch(self, outputs: Outputs) -> None:
         check, self._check = self._check, None
         if check is not None:
             check.after_launch(outputs)
-            where = self._where
-            if relaunch is not None and where is not None and self.sanitizer.check_reads:
+            where, relaunch_at = self._where, self._relaunch
+            if relaunch_at is not None and where is not None and self.sanitizer.check_reads:
                 buffers, raw_bs, bs = where
+
+                def relaunch() -> Outputs:
+                    return relaunch_at(raw_bs, bs)
+
                 sanitizer = self.sanitizer
                 table = None if sanitizer.req_pool is None else sanitizer.req_pool.req_to_token
                 unowned = [unowned_rows(g, check.inputs, raw_bs, table) for g in sanitizer.guarded]
@@ -209,9 +214,9 @@ class _Both(StepObserver):
         for part in self.parts:
             part.before_launch(buffers, inputs, raw_bs, bs, specs)
 
-    def after_launch(self, outputs: Outputs, relaunch: Callable[[], Outputs] | None = None) -> None:
+    def after_launch(self, outputs: Outputs) -> None:
         for part in self.parts:
-            part.after_launch(outputs, relaunch)
+            part.after_launch(outputs)
 
     def end(self) -> None:
         for part in reversed(self.parts):
@@ -224,7 +229,8 @@ NO_OBSERVER = StepObserver()
 
 class StepHooks:
     """A runner's one hook object: its sanitizer's checks (with ``captured``,
-    the runner's :class:`CapturedState` once captured) and NVTX ranges (while
+    the runner's :class:`CapturedState` once captured, and ``relaunch``, which
+    launches a captured size again for the read check) and NVTX ranges (while
     a tool or a torch profiler listens, :func:`graphrunner.util.nvtx.active`).
 
     :meth:`start` gives each step its observer: :data:`NO_OBSERVER` when
@@ -234,9 +240,10 @@ class StepHooks:
         self,
         sanitizer: PaddingSanitizer | None,
         captured: Callable[[], CapturedState | None] = lambda: None,
+        relaunch: Callable[[int, int], Outputs] | None = None,
     ) -> None:
         ranges = NvtxRanges()
-        sanitized = None if sanitizer is None else SanitizedSteps(sanitizer, captured)
+        sanitized = None if sanitizer is None else SanitizedSteps(sanitizer, captured, relaunch)
         self.sanitizer = sanitizer
         self._unwatched: StepObserver = NO_OBSERVER if sanitized is None else sanitized
         self._watched: StepObserver = ranges if sanitized is None else _Both(ranges, sanitized)

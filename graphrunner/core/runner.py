@@ -10,7 +10,6 @@ prepared, captured and launched.
 from __future__ import annotations
 
 from threading import get_ident
-from typing import cast
 
 import torch
 
@@ -201,14 +200,11 @@ class GraphRunner:
         without grad. The sanitizer and NVTX ranges watch it through one hook
         object (:mod:`graphrunner.core.observers`), a no-op when off.
         """
-        if not self._lock.acquire(blocking=False):  # a second thread would interleave
-            self._exclusive.refuse()  # on the static buffers: refused, named
-        self._exclusive.owner = get_ident()
-        grad = _grad_off()
-        hooks = self._hooks.start()
+        grad = self._enter()  # one thread at a time (a second is refused, named), no grad
+        hooks = self._hooks.start()  # the sanitizer and NVTX ranges: a no-op when off
         try:
-            raw_bs = cast(int, getattr(inputs, "batch_size", None))  # checked if no graph
-            graph = cast(Graph, self._graph_for.get(raw_bs) if type(raw_bs) is int else None)
+            raw_bs: int = getattr(inputs, "batch_size", None)  # type: ignore[assignment]
+            graph: Graph = self._graph_for.get(raw_bs) if type(raw_bs) is int else None  # type: ignore[assignment]
             if graph is None or self._width_field is not None:
                 raw_bs, reason = self._eager_reason(inputs, raw_bs, graph)  # raises if invalid
                 if reason is not None:
@@ -224,17 +220,38 @@ class GraphRunner:
                 self.backend.init_replay_metadata(bs, raw_bs, graph.view, inputs)
             hooks.before_launch(self.buffers, inputs, raw_bs, bs)
             out = self.outputs.live(graph.launcher(), raw_bs)
-            hooks.after_launch(out, lambda: self.outputs.live(graph.launcher(), raw_bs))
+            hooks.after_launch(out)
             self._count(raw_bs, bs, ops)
             return out
         finally:
-            hooks.end()
-            torch._C._set_grad_enabled(grad)
-            self._exclusive.leave()
+            self._leave(hooks, grad)
+
+    def _enter(self) -> bool:
+        """Take the replay lock (a second thread is refused, named) and switch
+        grad off; whether grad was on (an engine's loop under no_grad pays no switch)."""
+        if not self._lock.acquire(blocking=False):
+            self._exclusive.refuse()
+        self._exclusive.owner = get_ident()
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        return grad
+
+    def _leave(self, hooks: StepObserver, grad: bool) -> None:
+        hooks.end()
+        if grad:
+            torch._C._set_grad_enabled(True)
+        self._exclusive.owner = None
+        self._lock.release()
 
     def _count(self, raw_bs: int, bs: int, ops: int) -> None:
         self.stats.count_replay(raw_bs, bs, ops)
         self.batch_sizes.add(raw_bs)
+
+    def _relaunch_live(self, raw_bs: int, bs: int) -> Outputs:
+        """Launch captured size ``bs`` again; its live rows' outputs (the
+        sanitizer's read check)."""
+        return self.outputs.live(self._launchers[bs](), raw_bs)
 
     @property
     def sanitizer(self) -> PaddingSanitizer | None:
@@ -245,7 +262,7 @@ class GraphRunner:
     @sanitizer.setter
     def sanitizer(self, sanitizer: PaddingSanitizer | None) -> None:
         #: The sanitizer and NVTX ranges that observe each replay.
-        self._hooks = StepHooks(sanitizer, lambda: self.captured_state)
+        self._hooks = StepHooks(sanitizer, lambda: self.captured_state, self._relaunch_live)
 
     def pre_launch(self) -> None:
         """The runner-owned pre-launch step: the recorded state ops, once per step."""
@@ -297,10 +314,3 @@ class GraphRunner:
         self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
         self.batch_sizes.add(raw_bs)
         return out
-
-
-def _grad_off() -> bool:
-    """Switch grad off (a replay runs without it); whether it was on."""
-    grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    return grad
