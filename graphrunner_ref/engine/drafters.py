@@ -17,7 +17,7 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.declare import StepInputs
-from graphrunner.phases import with_sampling, SpecBatch
+from graphrunner.phases import SpecBatch, with_sampling
 from graphrunner.sampling import draft_sample
 from graphrunner_ref.engine.spec_round import RoundState, SpecRequest, Verified
 from graphrunner_ref.model.draft import EagleHead

@@ -28,7 +28,7 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.declare import StepInputs
-from graphrunner.phases import STEPS_LEFT, with_sampling, SpecBatch, check_steps_per_launch
+from graphrunner.phases import STEPS_LEFT, SpecBatch, check_steps_per_launch, with_sampling
 from graphrunner.pools import PoolExhausted
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep_runner import multistep_of
