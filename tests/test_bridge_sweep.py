@@ -8,8 +8,9 @@ transformers' greedy tokens for every prompt or is refused at load with exit
 The default run takes a sample: one architecture of each kind the bridge once
 refused or answered wrongly (attention whose output projection is not
 ``o_proj``, a config that spells the head count its own way, layers that do
-not pass keyword arguments down to the attention, attention sinks, linear
-attention layers, attention outside transformers' interface), on the eager
+not pass keyword arguments down to the attention, mixture-of-experts rows
+grouped by expert, attention sinks, linear attention layers, attention
+outside transformers' interface), on the eager
 runner and one on the compiled CPU runner; ``GRAPHRUNNER_SLOW=1`` sweeps them
 all."""
 
@@ -33,7 +34,9 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = [[3, 17, 5, 9, 22], [11, 2], [40, 41, 42]]
 NEW_TOKENS = 4
 
-#: Decoders that run, by transformers ``model_type``: extra config arguments.
+_TOP2 = {"num_experts_per_tok": 2}
+#: Decoders that run, by transformers ``model_type``: extra config arguments
+#: (mixture-of-experts ones: 4 experts, top 2, rows run by the bridge's experts).
 RUNS: dict[str, dict[str, Any]] = {
     "apertus": {},
     "arcee": {},
@@ -43,28 +46,43 @@ RUNS: dict[str, dict[str, Any]] = {
     "cohere": {},
     "cohere2": {},
     "ernie4_5": {},
+    "ernie4_5_moe": {"moe_num_experts": 4, "moe_intermediate_size": 32, **_TOP2},
     "exaone4": {},
+    "flex_olmo": {"num_experts": 4, **_TOP2},
     "gemma3_text": {},
     "glm": {},
     "glm4": {},
+    "glm4_moe": {"n_routed_experts": 4, "moe_intermediate_size": 32, **_TOP2},
     "gpt2": {},
     "gpt_bigcode": {},
     "gpt_neox": {},
     "gptj": {"rotary_dim": 8},
     "granite": {},
+    "granitemoe": {"num_local_experts": 4, **_TOP2},
     "helium": {},
     "hunyuan_v1_dense": {},
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_intermediate_size": 32, **_TOP2},
     "ministral": {},
     "mistral": {},
+    "mixtral": {"num_local_experts": 4, **_TOP2},
     "nemotron": {},
     "olmo": {},
     "olmo2": {},
     "olmo3": {},
+    "olmoe": {"num_experts": 4, **_TOP2},
     "opt": {},
     "persimmon": {},
     "phi": {},
     "phi3": {},
+    "phimoe": {"num_local_experts": 4, **_TOP2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        **_TOP2,
+    },
     "qwen3": {},
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, **_TOP2},
     "seed_oss": {},
     "stablelm": {},
     "starcoder2": {},
@@ -81,7 +99,7 @@ REFUSED: dict[str, str] = {
     "xglm": "attention interface",
 }
 #: The default run's sample (see the module).
-SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "falcon", "gpt_oss", "minimax"}
+SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "mixtral", "falcon", "gpt_oss", "minimax"}
 #: On the compiled CPU runner too (the full sweep: every one that runs).
 CPU_SAMPLE = {"stablelm"}
 

@@ -28,6 +28,7 @@ from graphrunner.declare import NullBackend
 from graphrunner.pools import whole_pages
 from graphrunner.util import needs_extra
 from graphrunner_ref.bridge.attention import ATTENTION, StepKV, StepSlot, bind, register
+from graphrunner_ref.bridge.experts import install_experts
 from graphrunner_ref.bridge.find import AttentionLayers, find_attention
 from graphrunner_ref.bridge.rope import RopeTable, has_dynamic_rope, install_rope_tables
 from graphrunner_ref.model.build import PooledBundle
@@ -165,7 +166,9 @@ def build_transformers_bundle(
 
     The attention layers, their count and K/V shape are found by one probe
     forward (:func:`~.find.find_attention`), not read from module or config
-    names.
+    names. Experts that go through transformers' experts interface run row
+    by row (:func:`~.experts.install_experts`), so no row's output depends
+    on its neighbours' routing.
 
     Raises:
         ValueError: a bad size, or a model whose attention layers the bridge
@@ -175,6 +178,7 @@ def build_transformers_bundle(
     config = _text_config(hf)
     layers = find_attention(hf.eval())
     hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    install_experts(hf)
     limit = int(getattr(config, "max_position_embeddings", DEFAULT_CONTEXT))
     context = min(limit, DEFAULT_CONTEXT) if max_context_len is None else max_context_len
     if has_dynamic_rope(hf):
