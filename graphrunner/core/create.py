@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from graphrunner.core.options import RunnerOptions
 from graphrunner.core.phase import Phase
@@ -124,34 +124,34 @@ def _as_phase(
     return Phase("custom", step, tuple(specs), outputs=outputs, backend=backend, width=width)
 
 
-class CudaGraphRunner(GraphRunner):
+class _KindBound(GraphRunner):
+    """``create_runner`` with the kind fixed by the subclass's ``fixed_kind``."""
+
+    fixed_kind: ClassVar[str]
+
+    def __init__(
+        self,
+        step: ForwardFn | Phase,
+        specs: Sequence[BufferSpec] | None = None,
+        *,
+        options: RunnerOptions | None = None,
+        **fields: Any,
+    ) -> None:
+        super().__init__(*runner_parts(step, specs, options, fields, kind=self.fixed_kind))
+
+
+class CudaGraphRunner(_KindBound):
     """``create_runner(step, specs, kind="cuda", ...)``: one CUDA graph per
     size, captured largest first on a side stream into one shared memory
     pool; replay returns views of the graph's static outputs (the graphs:
     ``runner.mechanism.graphs``)."""
 
-    def __init__(
-        self,
-        step: ForwardFn | Phase,
-        specs: Sequence[BufferSpec] | None = None,
-        *,
-        options: RunnerOptions | None = None,
-        **fields: Any,
-    ) -> None:
-        super().__init__(*runner_parts(step, specs, options, fields, kind="cuda"))
+    fixed_kind = "cuda"
 
 
-class CpuGraphRunner(GraphRunner):
+class CpuGraphRunner(_KindBound):
     """``create_runner(step, specs, kind="cpu", ...)``: the forward compiled
     once by inductor, the batch dimension symbolic, and that program called
     directly at each captured size, padded."""
 
-    def __init__(
-        self,
-        step: ForwardFn | Phase,
-        specs: Sequence[BufferSpec] | None = None,
-        *,
-        options: RunnerOptions | None = None,
-        **fields: Any,
-    ) -> None:
-        super().__init__(*runner_parts(step, specs, options, fields, kind="cpu"))
+    fixed_kind = "cpu"
