@@ -14,8 +14,8 @@ import toy_kind
 
 import graphrunner_ref.cli.main as cli
 from graphrunner_ref.engine.config import EngineConfig, UsageError
+from graphrunner_ref.engine.kinds import BUILT_IN
 from graphrunner_ref.engine.registry import kind_for, kind_of, kinds, register, unregister
-from graphrunner_ref.engine.serving import BUILT_IN_KINDS
 from graphrunner_ref.model import default_model
 
 
@@ -71,7 +71,7 @@ def test_a_bundle_finds_its_kind_and_an_unknown_one_is_refused() -> None:
 
 def test_the_built_in_kinds_are_asked_state_space_first_and_the_bridge_last() -> None:
     names = [k.name for k in kinds()]
-    assert names == [k.name for k in reversed(BUILT_IN_KINDS)]
+    assert names == [k.name for k in reversed(BUILT_IN)]
     assert names == ["state-space", "llama", "transformers"]
 
 

@@ -22,9 +22,9 @@ import torch
 
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.sizing import CaptureReport
-from graphrunner_ref.engine import kinds
-from graphrunner_ref.engine.bundle import create_decode_runner
-from graphrunner_ref.engine.config import EngineConfig, UsageError
+from graphrunner_ref.engine.admission import extends_prefix
+from graphrunner_ref.engine.bundle import create_decode_runner  # registers the built-in kinds
+from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
 from graphrunner_ref.engine.spec_factory import speculative_engine
@@ -33,7 +33,6 @@ from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model.build import ModelBundle
 
 __all__ = [
-    "BUILT_IN_KINDS",
     "Hooks",
     "OnCapture",
     "Outcome",
@@ -42,10 +41,8 @@ __all__ = [
     "model_kind",
     "samples",
     "serve",
+    "token_budget",
 ]
-
-#: The built-in kinds are registered before a config asks for its kind.
-BUILT_IN_KINDS = kinds.BUILT_IN
 
 #: Called once a runner is captured, before the run (a report's capture line).
 OnCapture = Callable[[GraphRunner, CaptureReport], None]
@@ -130,6 +127,7 @@ def serve(
         seed=config.seed,
         logprobs=config.logprobs,
         steps_per_launch=config.steps_per_launch,
+        max_num_batched_tokens=token_budget(config, bundle),
     )
     shown = progress if run_progress is None else run_progress
     result = engine.run(trace, max_steps=config.max_steps, progress=shown)
@@ -163,6 +161,18 @@ def baseline(
         run_progress=run_progress,
         on_capture=on_capture,
     )
+
+
+def token_budget(config: EngineConfig, bundle: ServingBundle) -> int | None:
+    """The engine's ``max_num_batched_tokens`` for ``bundle``: None with
+    chunked prefill off, the one given, or the default where the model's
+    prefill extends a cached prefix (a Mamba / hybrid model's prompts are
+    prefilled whole unless a budget was given, which the engine refuses)."""
+    if not config.chunked_prefill:
+        return None
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return DEFAULT_BATCHED_TOKENS if extends_prefix(bundle) else None
 
 
 def _runner_options(
