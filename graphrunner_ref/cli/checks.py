@@ -22,6 +22,7 @@ from graphrunner_ref.cli import model_args as cli_model
 from graphrunner_ref.cli.common import UsageError, check_range, resolve_device
 from graphrunner_ref.cli.options import MAX_DRAFT_TOKENS, config_of
 from graphrunner_ref.engine import serving
+from graphrunner_ref.engine.config import MAX_BATCHED_TOKENS
 from graphrunner_ref.engine.kinds.llama import native_refusal
 from graphrunner_ref.engine.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner_ref.engine.registry import ModelKind
@@ -154,6 +155,13 @@ def _check_modes(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--steps-per-launch {n} with --speculative: not supported; expected one of them"
         )
+    budget = getattr(args, "max_num_batched_tokens", None)
+    if budget is not None:
+        check_range("--max-num-batched-tokens", budget, 1, MAX_BATCHED_TOKENS)
+        if getattr(args, "no_chunked_prefill", False):
+            raise UsageError(
+                f"--max-num-batched-tokens {budget} with --no-chunked-prefill: expected one of them"
+            )
 
 
 def _gib(n: int) -> str:

@@ -23,7 +23,12 @@ from graphrunner_ref.cli.common import MAX_STEPS
 from graphrunner_ref.cli.groups import add_command
 from graphrunner_ref.cli.prompts import FORMATS
 from graphrunner_ref.cli.sizes import MAX_GRAPHS
-from graphrunner_ref.engine.config import DTYPES, EngineConfig
+from graphrunner_ref.engine.config import (
+    DEFAULT_BATCHED_TOKENS,
+    DTYPES,
+    MAX_BATCHED_TOKENS,
+    EngineConfig,
+)
 from graphrunner_ref.engine.sampling import MAX_LOGPROBS
 from graphrunner_ref.engine.spec_factory import DRAFTS, METHODS
 from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
@@ -349,6 +354,21 @@ def _scheduling(p: _Options) -> None:
         "equal N = 1's; with --overlap, launch i+1 is prepared while launch i runs; not with "
         "--speculative or a Mamba/Jamba checkpoint",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens one engine step processes, 1..{MAX_BATCHED_TOKENS}: the running requests' "
+        f"decode tokens first, then prompt chunks, so a long prompt is prefilled over several "
+        f"steps and never stalls the running requests for its whole prefill (default "
+        f"{DEFAULT_BATCHED_TOKENS} where the model's prefill extends a cached prefix; a "
+        f"Mamba/Jamba checkpoint prefills each prompt whole and refuses this flag)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill each admitted prompt whole in one step (not with --max-num-batched-tokens)",
+    )
 
 
 def _prompts(gen: _Options) -> None:
@@ -539,6 +559,8 @@ def config_of(
         draft_tokens=get("draft_tokens", 2),
         overlap=get("overlap", False),
         steps_per_launch=get("steps_per_launch", 1),
+        chunked_prefill=not get("no_chunked_prefill", False),
+        max_num_batched_tokens=get("max_num_batched_tokens"),
         logprobs=get("logprobs", 0),
         max_steps=get("steps"),
         quiet=get("quiet", False),

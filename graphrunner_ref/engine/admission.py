@@ -1,10 +1,13 @@
 """Admission: prefill the requests the scheduling policy admits
-(:func:`~graphrunner_ref.engine.policy.admit_count`), each with its first
-token, and the trace's checks before a run."""
+(:func:`~graphrunner_ref.engine.policy.admit_count`), whole or in chunks
+under a per-step token budget, each with its first token once its prompt is
+in the KV cache, and the trace's checks before a run."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 import torch
 
@@ -14,7 +17,7 @@ from graphrunner_ref.engine.sampling import check_greedy, seed_of
 from graphrunner_ref.engine.steps import EngineSteps
 from graphrunner_ref.engine.workload import Request, check_trace
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "check_token_budget", "extends_prefix"]
 
 
 class Admission:
@@ -25,21 +28,43 @@ class Admission:
         agree: turns the count that fits into the count admitted (a sharded
             model's ranks admit rank 0's,
             :func:`~graphrunner_ref.engine.ranks.rank0_admits`), or None.
+        token_budget: the tokens one engine step may process (vLLM's
+            ``max_num_batched_tokens``): the running requests' decode tokens
+            first, then prompt chunks, so a long prompt is split over steps
+            and never stalls the running requests for its whole prefill
+            (each step prefills at least one token). None: every admitted
+            prompt is prefilled whole in the step it is admitted.
     """
 
-    def __init__(self, engine: EngineSteps, agree: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineSteps,
+        agree: Callable[[int], int] | None = None,
+        token_budget: int | None = None,
+    ) -> None:
         self.engine = engine
         self.agree = agree
+        self.token_budget = token_budget
 
     def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
-        """Prefill ``run``'s arrived requests in order while they fit; returns
-        each with its first token (a 0-d device tensor: drawn by its sampling
-        parameters when the engine samples, else the argmax). Raises
-        :class:`AdmissionError` when nothing runs and the next one can never fit."""
-        count = admit_count(self.engine, run)
-        if self.agree is not None:
-            count = self.agree(count)
-        return _prefill(self.engine, run, count)
+        """Prefill ``run``'s arrived requests in order while they fit, within
+        the step's token budget; returns those whose prompt is now whole in
+        the KV cache, each with its first token (a 0-d device tensor: drawn
+        by its sampling parameters when the engine samples, else the argmax).
+        Raises :class:`AdmissionError` when nothing runs and the next one can
+        never fit."""
+        # Decode rows first, then prompt tokens; a prompt always moves on.
+        total = self.token_budget
+        budget = None if total is None else max(total - len(run.live), 1)
+        joining, budget = _prefill_chunks(self.engine, run, budget)
+        if budget is None or budget > 0:
+            count = admit_count(self.engine, run)
+            if self.agree is not None:
+                count = self.agree(count)
+            for _ in range(count):
+                run.prefilling.append(_start(self.engine, run, run.pending.popleft()))
+            joining += _prefill_chunks(self.engine, run, budget)[0]
+        return joining
 
     def validate(self, trace: Sequence[Request]) -> None:
         """``trace`` checked before a run: valid requests, each fitting the
@@ -47,24 +72,96 @@ class Admission:
         _validate_trace(self.engine, trace)
 
 
-def _prefill(engine: EngineSteps, run: Run, count: int) -> list[tuple[LiveRequest, torch.Tensor]]:
-    b, pending = engine.bundle, run.pending
+def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
+    """``req`` admitted: its request row and the KV pages of its prompt (decode
+    continues in the last page), held by the run until freed."""
+    b = engine.bundle
+    live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
+    run.held[req.rid] = live
+    if engine.logprobs:
+        run.logprobs[req.rid] = live.logprobs
+    live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
+    live.slots = live.pages[: len(req.prompt)]
+    return live
+
+
+def _prefill_chunks(
+    engine: EngineSteps, run: Run, budget: int | None
+) -> tuple[list[tuple[LiveRequest, torch.Tensor]], int | None]:
+    """Prefill ``run.prefilling`` in order, ``budget`` prompt tokens at most
+    (None: every prompt whole): each chunk attends to the KV its earlier
+    chunks wrote. Returns the requests whose prompt is whole, with their first
+    token, and the budget left."""
     joining: list[tuple[LiveRequest, torch.Tensor]] = []
-    for _ in range(count):
-        req = pending.popleft()
-        live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
-        run.held[req.rid] = live
-        if engine.logprobs:
-            run.logprobs[req.rid] = live.logprobs
-        live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
-        live.slots = live.pages[: len(req.prompt)]  # decode continues in the last page
-        ids = torch.tensor(req.prompt, dtype=torch.int64).to(engine.device, non_blocking=True)
-        slots = torch.tensor(live.slots, dtype=torch.int64).to(engine.device, non_blocking=True)
-        logits = b.model.forward_extend(live.req_index, ids, slots)
+    while run.prefilling and (budget is None or budget > 0):
+        live = run.prefilling[0]
+        prompt = live.request.prompt
+        start = live.prefilled
+        end = len(prompt) if budget is None else min(len(prompt), start + budget)
+        logits = _extend(engine, live, start, end)
+        live.prefilled = end
+        run.stats.prefill_tokens += end - start
+        run.stats.prefill_chunks += 1
+        if budget is not None:
+            budget -= end - start
+        if end < len(prompt):
+            break  # the budget is spent inside this prompt
+        run.prefilling.pop(0)
         joining.append((live, engine.first_token(live, logits)))
         run.stats.prefills += 1
-        run.stats.prefill_tokens += len(req.prompt)
-    return joining
+    return joining, budget
+
+
+def _extend(engine: EngineSteps, live: LiveRequest, start: int, end: int) -> torch.Tensor:
+    """Prompt tokens ``start:end`` of ``live`` into the KV cache; the logits
+    of the last (float32 ``[vocab]``)."""
+    device = engine.device
+    ids = torch.tensor(live.request.prompt[start:end], dtype=torch.int64).to(
+        device, non_blocking=True
+    )
+    slots = torch.tensor(live.slots[start:end], dtype=torch.int64).to(device, non_blocking=True)
+    model = engine.bundle.model
+    if start == 0:  # a whole prompt, or its first chunk: every model kind
+        return model.forward_extend(live.req_index, ids, slots)
+    return cast(_ChunkedModel, model).forward_extend(live.req_index, ids, slots, prefix_len=start)
+
+
+class _ChunkedModel(Protocol):
+    """A model whose prefill extends a cached prefix (native Llama, the bridge)."""
+
+    def forward_extend(
+        self,
+        req_pool_index: int,
+        token_ids: torch.Tensor,
+        kv_slots: torch.Tensor,
+        *,
+        prefix_len: int,
+    ) -> torch.Tensor: ...
+
+
+def extends_prefix(bundle: object) -> bool:
+    """Whether ``bundle``'s model prefills a chunk after a cached prefix
+    (``forward_extend(..., prefix_len=)``: native Llama, the bridge)."""
+    extend = getattr(getattr(bundle, "model", None), "forward_extend", None)
+    return extend is not None and "prefix_len" in inspect.signature(extend).parameters
+
+
+def check_token_budget(bundle: object, token_budget: int | None) -> int | None:
+    """``token_budget`` (``max_num_batched_tokens``) checked: None, or an int
+    >= 1 for a model whose prefill extends a cached prefix; a Mamba or
+    hybrid model (its state is not carried across chunks) is refused by name."""
+    if token_budget is None:
+        return None
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"max_num_batched_tokens={token_budget!r}; expected an int >= 1 or None")
+    if not extends_prefix(bundle):
+        model = getattr(bundle, "model", None)
+        raise ValueError(
+            f"max_num_batched_tokens={token_budget}: chunked prefill needs a model whose "
+            f"prefill extends a cached prefix; {type(model).__name__} carries no state across "
+            f"chunks (Mamba / hybrid layers): expected None (--no-chunked-prefill)"
+        )
+    return token_budget
 
 
 def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:

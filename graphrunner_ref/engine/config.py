@@ -19,7 +19,11 @@ import torch
 
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 
-__all__ = ["DTYPES", "EngineConfig", "UsageError"]
+__all__ = ["DEFAULT_BATCHED_TOKENS", "DTYPES", "MAX_BATCHED_TOKENS", "EngineConfig", "UsageError"]
+
+#: Tokens one engine step processes by default (chunked prefill), and the most.
+DEFAULT_BATCHED_TOKENS = 2048
+MAX_BATCHED_TOKENS = 1 << 20
 
 #: ``dtype`` names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,8 +60,12 @@ class EngineConfig:
     step also run eagerly and compared).
 
     Scheduling: ``speculative`` (``eagle``, ``mtp`` or None) with ``draft``
-    and ``draft_tokens``; ``overlap``; ``steps_per_launch``; ``logprobs`` (the
-    top N of each token); ``max_steps`` bounds a run's decode steps.
+    and ``draft_tokens``; ``overlap``; ``steps_per_launch``; ``chunked_prefill``
+    with ``max_num_batched_tokens`` (the tokens one step processes, decode
+    rows first, then prompt chunks; None: :data:`DEFAULT_BATCHED_TOKENS` where
+    the model's prefill extends a cached prefix, each prompt whole elsewhere);
+    ``logprobs`` (the top N of each token); ``max_steps`` bounds a run's
+    decode steps.
     ``quiet`` keeps notes off stderr.
     """
 
@@ -86,6 +94,8 @@ class EngineConfig:
     draft_tokens: int = 2
     overlap: bool = False
     steps_per_launch: int = 1
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
     logprobs: int = 0
     max_steps: int | None = None
     quiet: bool = False

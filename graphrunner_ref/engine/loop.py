@@ -37,7 +37,7 @@ from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
 from graphrunner.util import Exclusive
-from graphrunner_ref.engine.admission import Admission
+from graphrunner_ref.engine.admission import Admission, check_token_budget
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.interrupts import deferred_interrupts
@@ -116,6 +116,12 @@ class Engine:
             ``overlap`` prepares launch i+1 while launch i runs
             (:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`);
             ``max_steps`` counts a launch's N steps whole.
+        max_num_batched_tokens: the tokens one engine step may process: the
+            running requests' decode tokens first, then prompt chunks (a long
+            prompt is prefilled over several steps, each chunk attending to
+            the KV its earlier chunks wrote); None: each prompt whole in the
+            step it is admitted. Native Llama and transformers bundles; a
+            Mamba / hybrid one is refused by name.
 
     ``decoder`` is the bundle's :class:`~graphrunner_ref.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -137,6 +143,7 @@ class Engine:
         seed: int = 0,
         logprobs: int = 0,
         steps_per_launch: int = 1,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.seed = check_seed("seed", seed)
         steps = check_multistep(runner, steps_per_launch, end_token, overlap, check, logprobs)
@@ -168,7 +175,8 @@ class Engine:
         self.logprobs = check_logprobs(logprobs, self.sampling)
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.
-        self.admitter = Admission(self, rank0_admits(bundle))
+        budget = check_token_budget(bundle, max_num_batched_tokens)
+        self.admitter = Admission(self, rank0_admits(bundle), budget)
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
         self._sync: Callable[[], None] = (
@@ -207,10 +215,10 @@ class Engine:
         self.schedule.begin(self, max_steps)
         try:
             with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
-                while (run.pending or run.live) and (
+                while (run.pending or run.live or run.prefilling) and (
                     max_steps is None or run.stats.steps < max_steps
                 ):
-                    if not run.live:  # idle: jump to the next arrival
+                    if not run.live and not run.prefilling:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
                     bar.update(self.schedule.step(self, run))
                     self._fire_callbacks()

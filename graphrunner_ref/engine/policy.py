@@ -60,7 +60,8 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
     (nothing running will ever free room for it)."""
     b = engine.bundle
     # KV slots (whole pages) promised to running requests but not yet allocated.
-    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in run.live)
+    admitted = [*run.live, *run.prefilling]
+    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in admitted)
     room = b.kv_alloc.available_size() - reserved
     rows = b.req_pool.available_size()
     count = 0
@@ -68,8 +69,8 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
         if req.arrival_step > run.clock:
             break
         need = engine.kv_need(req.max_len)
-        if len(run.live) + count >= engine.runner.max_bs or need > room or not rows:
-            if not run.live and not count:
+        if len(admitted) + count >= engine.runner.max_bs or need > room or not rows:
+            if not admitted and not count:
                 raise AdmissionError(
                     f"request {req.rid} can never be admitted: it needs 1 request row "
                     f"and {_kv_amount(engine, need)}, nothing is running, and "

@@ -30,8 +30,9 @@ class EngineStats:
     with a device sync on CUDA so they measure the work, not the launch."""
 
     steps: int = 0  # decode steps
-    prefills: int = 0
+    prefills: int = 0  # prompts whose prefill finished
     prefill_tokens: int = 0
+    prefill_chunks: int = 0  # forward_extend calls: one per prompt unless chunked
     decode_tokens: int = 0  # live rows over all decode steps
     decode_seconds: float = 0.0  # in runner.replay
     eager_seconds: float = 0.0  # in the eager reference (check mode)
@@ -100,6 +101,7 @@ class LiveRequest:
     tokens: list[int] = field(default_factory=list)
     seed: int = 0  # its sampling seed: its own, or derived from the run seed and its id
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token, when asked
+    prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
 
 
 @dataclass(slots=True)
@@ -110,6 +112,8 @@ class Run:
     batch: DecodeBatch
     outputs: dict[int, list[int]]
     live: list[LiveRequest] = field(default_factory=list)
+    # Admitted, their prompt partly in the KV cache: a chunk more each step, in order.
+    prefilling: list[LiveRequest] = field(default_factory=list)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked
     held: dict[int, LiveRequest] = field(
         default_factory=dict
