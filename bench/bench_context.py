@@ -83,17 +83,26 @@ def serve(
 ) -> dict[str, Any]:
     bundle, prompts = MODELS[model](capacity, largest)
     bundle.model.attn_backend.use(attention)
-    runner = create_decode_runner(bundle, kind, capture_sizes=[BATCH], show_progress=False)
-    start = time.perf_counter()
-    runner.capture()
-    capture_s = time.perf_counter() - start
-    trace = [Request(i, p, new) for i, p in enumerate(prompts)]
-    result = Engine(bundle, runner).run(trace)
-    stats = result.stats
     return {
         "runner": kind,
         "attention": attention,
         "capacity": capacity,
+        **run_batch(bundle, prompts, kind, new),
+    }
+
+
+def run_batch(bundle: Any, prompts: Sequence[Sequence[int]], kind: str, new: int) -> dict[str, Any]:
+    """Capture size :data:`BATCH` of ``bundle`` on runner ``kind`` and serve the
+    prompts (``new`` tokens each, arriving together): live lengths, decode
+    tokens/s, capture seconds and each request's tokens."""
+    runner = create_decode_runner(bundle, kind, capture_sizes=[BATCH], show_progress=False)
+    start = time.perf_counter()
+    runner.capture()
+    capture_s = time.perf_counter() - start
+    trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
+    result = Engine(bundle, runner).run(trace)
+    stats = result.stats
+    return {
         "live": [len(p) for p in prompts],
         "tokens_per_s": stats.decode_tokens / stats.decode_seconds,
         "capture_s": capture_s,
@@ -133,22 +142,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row = serve(args.model, kind, attention, capacity, largest, args.new)
                     row["same_tokens"] = not rows or row["outputs"] == rows[0]["outputs"]
                     rows.append(row)
-                    print(_line(row), flush=True)
-    result = {
-        "command": f"{CMD} {' '.join(argv)}".strip(),
-        "machine": machine(),
-        "model": args.model,
-        "tag": args.tag,
-        "new_tokens": args.new,
-        "batch": BATCH,
-        "rows": rows,
-        "load": [load_before, os.getloadavg()[0]],
-    }
+                    print(line(row), flush=True)
+    result = record(
+        f"{CMD} {' '.join(argv)}", rows, load_before, model=args.model, tag=args.tag, new=args.new
+    )
     print(f"results written to {write(result)}")
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
-def _line(r: dict[str, Any]) -> str:
+def record(
+    command: str, rows: list[dict[str, Any]], load_before: float, new: int, **extra: Any
+) -> dict[str, Any]:
+    """A run's record: its command, the machine, ``extra`` facts, the rows and
+    the load average before and now."""
+    return {
+        "command": command.strip(),
+        "machine": machine(),
+        **extra,
+        "new_tokens": new,
+        "batch": BATCH,
+        "rows": rows,
+        "load": [load_before, os.getloadavg()[0]],
+    }
+
+
+def line(r: dict[str, Any]) -> str:
+    """One served row as the run prints it."""
     return (
         f"{r['runner']:6} {r['attention']:6} capacity {r['capacity']:5}: "
         f"{r['tokens_per_s']:8.1f} tok/s  (capture {r['capture_s']:.1f} s, "
@@ -168,16 +187,31 @@ def write(result: dict[str, Any]) -> str:
         f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
         f"(a shared {os.cpu_count()}-core machine)",
         "",
+        *capacity_table(rows),
+    ]
+    tag = f"-{result['tag']}" if result["tag"] else ""
+    out = RESULTS_DIR / f"context-{result['model']}{tag}-cpu.md"
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return str(out)
+
+
+def capacity_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown table of ``rows`` (``runner``, ``attention``, ``capacity``,
+    ``tokens_per_s``, ``same_tokens``): a line per runner and attention, a
+    column per capacity, and the smallest capacity's tokens/s over the largest's."""
+    caps = _caps(rows)
+    lines = [
         "| runner | attention | "
-        + " | ".join(f"cap {c}" for c in _caps(rows))
-        + " | smallest / largest cap | tokens |",
-        "|---|---|" + "---|" * (len(_caps(rows)) + 2),
+        + " | ".join(f"cap {c}" for c in caps)
+        + f" | cap {caps[0]} / cap {caps[-1]} | tokens |",
+        "|---|---|" + "---|" * (len(caps) + 2),
     ]
     for kind, attention in dict.fromkeys((r["runner"], r["attention"]) for r in rows):
         mine = {
             r["capacity"]: r for r in rows if (r["runner"], r["attention"]) == (kind, attention)
         }
-        cells = [f"{mine[c]['tokens_per_s']:.1f}" if c in mine else "-" for c in _caps(rows)]
+        cells = [f"{mine[c]['tokens_per_s']:.1f}" if c in mine else "-" for c in caps]
         ends = sorted(mine)
         ratio = mine[ends[0]]["tokens_per_s"] / mine[ends[-1]]["tokens_per_s"]
         same = all(r["same_tokens"] for r in mine.values())
@@ -186,11 +220,7 @@ def write(result: dict[str, Any]) -> str:
             + " | ".join(cells)
             + f" | {ratio:.2f}x | {'same' if same else 'DIFFERENT'} |"
         )
-    tag = f"-{result['tag']}" if result["tag"] else ""
-    out = RESULTS_DIR / f"context-{result['model']}{tag}-cpu.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    return str(out)
+    return lines
 
 
 def _caps(rows: list[dict[str, Any]]) -> list[int]:
