@@ -57,8 +57,8 @@ class CudaGraphCapture(CaptureMechanism):
         populate: ``"torch"`` (default: grouped torch ops, the reference),
             ``"fused"`` (one Triton launch per replay, outside the graph) or
             ``"graph"`` (that launch captured inside each graph; a replay is
-            one table copy plus the graph). Default stays ``"torch"`` until
-            the fused modes are measured on a GPU.
+            one table copy plus the graph). ``"torch"`` is the default; the
+            fused modes are opt-in (``docs/gpu.md``).
 
     Needs a CUDA device; on a CPU build of torch every graph and stream call
     raises, so construction fails early with a clear error instead.

@@ -35,9 +35,8 @@ ATTENTIONS = {
 
 #: From this capacity (``max_context_len``) up, a CPU model runs the live-width
 #: attention by default. Below it the full-width gather, which inductor fuses
-#: into the score reduction, is as fast or faster (embedded model, compiled, at
-#: 128 columns: 10.1k tok/s full width, 6.3k live; at 1024: 5.1k and 6.5k;
-#: ``bench/results/context-embedded-cpu.md``).
+#: into the score reduction, is as fast or faster
+#: (``bench/results/context-embedded-cpu.md``).
 LIVE_FROM_CAPACITY = 512
 
 

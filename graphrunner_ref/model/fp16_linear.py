@@ -12,14 +12,10 @@ cannot change a live one), and it needs no AVX-512 or AMX. It is a
 dispatcher op with no Python in its call, so inductor calls it as one kernel
 inside the compiled CPU program.
 
-Measured against fbgemm's float16-weight product
-(``torch.ops.quantized.linear_dynamic_fp16``, this module's earlier path and
-still its fallback where the kernels cannot be built), one thread, on a Zen 4
-EPYC: 1 x 576 by 576 x 3072, 45-72 µs against 101-146 µs; 1 x 1536 by
-1536 x 576, 25-38 against 64-84 µs; a 192 x 576 weight 5 against 24-32 µs
-(fbgemm's fixed cost per call, ~20 µs, plus ~25 µs for the Python-implemented
-op that wrapped it, is gone); at 8 rows about even on the layers'
-shapes and slower on a 49152 x 576 LM head (9.1 against 5.4 ms).
+fbgemm's float16-weight product (``torch.ops.quantized.linear_dynamic_fp16``)
+is the fallback where the kernels cannot be built, and the LM head's product
+(:func:`head_linear`); how the two compare on each shape:
+``docs/text-and-gguf.md``.
 """
 
 from __future__ import annotations
@@ -83,8 +79,8 @@ def unpack_fp16(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
 
 
 # Registered through the low-level library API rather than
-# ``torch.library.custom_op``: custom_op's Python wrapper doubled its call
-# cost (measured 53 against 27 µs per call, fbgemm's own 21 µs included).
+# ``torch.library.custom_op``, whose Python wrapper about doubles the cost of
+# a call this short.
 _LIB = torch.library.Library("graphrunner", "FRAGMENT")
 _LIB.define("fp16_weight_linear(Tensor x, int handle, int out_features) -> Tensor")
 
@@ -105,10 +101,9 @@ fp16_weight_linear = torch.ops.graphrunner.fp16_weight_linear.default
 
 def head_linear(weight: torch.Tensor) -> Fp16WeightLinear:
     """A float16 LM head over ``weight`` ``[vocab, hidden]``: fbgemm's blocked
-    product, which reads a weight this large at 8 rows in about half the C++
-    kernel's time (5.4 against 9.1 ms for 49152 x 576) and at 1 row within
-    15% of it; the kernel's gain is per call, which one head call a step
-    hardly pays."""
+    product, faster than the C++ kernel on a weight this large at several
+    rows and close to it at one; the kernel's gain is per call, which one
+    head call a step hardly pays."""
     return Fp16WeightLinear(weight, kernel=False)
 
 
