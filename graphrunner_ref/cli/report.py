@@ -66,7 +66,8 @@ def report(result: EngineResult) -> None:
     ratio = s.tokens_per_second / s.eager_tokens_per_second if s.eager_seconds else 0.0
     print(
         f"decode: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
-        f"requests, {s.prefill_tokens} tokens; finished {len(result.finished)} requests"
+        f"requests, {s.prefill_tokens} tokens in {s.prefill_chunks} chunks; finished "
+        f"{len(result.finished)} requests"
     )
     print(f"batch sizes (live bs: steps): {dict(sorted(s.batch_sizes.items()))}")
     print(
