@@ -119,9 +119,9 @@ def transformers_run(
     checkpoint: Path, prompts: list[list[int]], bs: int, new: int
 ) -> tuple[float, list[list[int]]]:
     """transformers' decode tokens/s (prefill subtracted) and new tokens."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     # No end token: every row decodes all its tokens, as the engine's do (no
     # early stop, and no end-token logit masked either).
     model.generation_config.eos_token_id = None
