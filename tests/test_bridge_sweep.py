@@ -171,3 +171,18 @@ def test_a_decoder_the_bridge_cannot_keep_is_refused_in_one_line(
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and REFUSED[model_type] in lines[0], err
     assert "Traceback" not in err
+
+
+def test_a_checkpoint_transformers_cannot_build_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An activation transformers does not know: exit 2 and one line naming
+    the checkpoint and transformers' reason, not a traceback."""
+    path, _ = _save("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
+    rc, tokens, err = _generate(path, "eager", capsys)
+    assert rc == 2 and tokens == []
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "no_such_activation" in lines[0] and str(path) in lines[0], err
+    assert "Traceback" not in err
