@@ -1,7 +1,7 @@
 """Time to first token of one prompt: graphrunner's eager prefill
-(``forward_extend``, its attention torch's fused ``scaled_dot_product_attention``)
-against the materialised-scores attention it replaced (matmul, mask, float32
-softmax, matmul: the baseline, rebuilt here) and against transformers' own
+(``forward_extend``, its attention torch's fused ``scaled_dot_product_attention``,
+causal) against the materialised-scores attention it replaced (the gathered
+path: matmul, mask, float32 softmax, matmul) and against transformers' own
 forward of the same checkpoint, SmolLM2-135M, one thread, float32, prompts of
 128, 512 and 2,048 tokens, each the best of ``--repeats`` runs.
 
@@ -19,32 +19,27 @@ from typing import Any
 
 import torch
 
-import graphrunner_ref.model.attention_meta as attention_meta
 from bench.conftest import machine
 from graphrunner.util.atomic import write_atomically
+from graphrunner_ref.model.attention import PagedAttention
+from graphrunner_ref.model.attention_meta import AttnMetadata, attend
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_prefill"
 RESULTS = Path(__file__).parent / "results"
 LENGTHS = (128, 512, 2048)
 
 
-def materialised_attention(
+def _materialised(
+    self: PagedAttention,
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
-    keys: torch.Tensor | None,
-    decode: bool,
-    scale: float,
+    meta: AttnMetadata,
 ) -> torch.Tensor:
-    """The prompt attention before the fused one: every ``[R, T]`` score written out."""
-    k = k_buf[slots].transpose(1, 2)
-    v = v_buf[slots].transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    """The prompt attention before the fused one: the gathered path, every
+    ``[R, T]`` score written out, masked and softmaxed."""
+    out = attend(self._rows(q, 1), k_buf, v_buf, meta, self.scale)
+    return self._unrows(out, q.shape[0])
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -68,8 +63,8 @@ def main() -> None:
 
     checkpoint, _ = smollm2_chats()
     bundle = load_model(checkpoint, max_requests=1, max_context_len=max(LENGTHS))
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
-    fused = attention_meta.gathered_attention
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    fused = PagedAttention._prompt
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in LENGTHS:
@@ -85,11 +80,11 @@ def main() -> None:
                 hf(ids[None]).logits[0, -1]
 
         new = _best(ours, args.repeats)
-        attention_meta.gathered_attention = materialised_attention  # type: ignore[assignment]
+        PagedAttention._prompt = _materialised  # type: ignore[method-assign]
         try:
             old = _best(ours, args.repeats)
         finally:
-            attention_meta.gathered_attention = fused
+            PagedAttention._prompt = fused  # type: ignore[method-assign]
         hf_s = _best(theirs, args.repeats)
         bundle.kv_alloc.free(slots.tolist())
         bundle.req_pool.free([row])

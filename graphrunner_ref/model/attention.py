@@ -128,8 +128,38 @@ class PagedAttention(nn.Module):
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k_buf, v_buf = kv.get_kv(self.layer_id)
+        # A prompt takes torch's fused attention, whose softmax is float32 for
+        # float32 and half inputs; a float64 model keeps the float32 softmax of
+        # transformers' eager attention (and of decode), which it would widen.
+        fused = q.dtype != torch.float64 and meta.paged is None and meta.live is None
+        if fused and not meta.decode:
+            return self._prompt(q, k_buf, v_buf, meta)
         out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale)
         return self._unrows(out, n)
+
+    def _prompt(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata
+    ) -> torch.Tensor:
+        """A prompt's attention, ``q [n, H, D]`` over its row's slots: torch's
+        fused attention, heads sharing their KV head (``enable_gqa``), causal
+        by position. A whole prompt (no cached prefix) is plainly causal, which
+        lets the fused kernel skip the masked half; a chunk after a prefix
+        reads its mask. Returns ``[n, H D]``."""
+        n, group = q.shape[0], self.num_heads // self.num_kv_heads
+        k = k_buf[meta.slots].transpose(1, 2)  # [1, H_kv, T, D]
+        v = v_buf[meta.slots].transpose(1, 2)
+        whole = k.shape[2] == n
+        mask = None if whole else meta.mask.view(1, 1, n, group, -1)[:, :, :, 0]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=whole,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(n, -1)
 
     def _rows(self, q: torch.Tensor, b: int) -> torch.Tensor:
         """``[n, H, D]`` to ``[b, H_kv, R, D]``: in decode (b == n) the rows of a KV

@@ -6,7 +6,6 @@ rows' slots and masks it reads over a given set of columns
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["decode_columns", "gathered_attention"]
 
@@ -46,23 +45,22 @@ def gathered_attention(
     query row ``r`` of ``B`` reading column ``t`` where ``mask [B, 1, R, T]``
     holds. ``keys [B, T, 1, 1]`` (decode): the live columns, the others' values
     zeroed. Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32
-    as in transformers (a prompt, ``decode`` False: inside torch's fused
-    attention, as transformers' default ``sdpa`` attention runs it)."""
+    as in transformers."""
     k = k_buf[slots].transpose(1, 2)  # [B, H_kv, T, D]
     v = v_buf[slots]
-    if not decode:
-        # A prompt's [R, T] scores: torch's fused attention never writes them
-        # out (float32 softmax inside), which at thousands of tokens is most
-        # of a prefill's memory traffic.
-        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=scale)
     if keys is not None:
         # Masked columns read slot 0, the padding sink: a zero probability times
         # a non-finite value there would be NaN, so their values are zeroed.
         v = v.masked_fill(~keys, 0)
     v = v.transpose(1, 2)
-    # A broadcast product summed over D, not a matmul: compiled, the key gather
-    # fuses into the reduction and the gathered keys are never written out.
-    scores = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scale
+    if decode:
+        # A broadcast product summed over D, not a matmul: compiled, the key gather
+        # fuses into the reduction and the gathered keys are never written out
+        # (the CPU step runs ~1.5x faster). Eager it costs about what the matmul
+        # does at decode sizes; a prompt's [T, T] scores take the matmul.
+        scores = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * scale
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
