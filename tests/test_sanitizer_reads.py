@@ -186,3 +186,34 @@ def test_the_state_after_a_checked_replay_is_the_first_launchs() -> None:
     checked = _runner("eager", world, _correct(world))
     assert torch.equal(_replay(world, checked, 3, seed=5), first)
     assert all(torch.equal(world.state()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("kind", RUNNER_PARAMS)
+def test_rows_mixed_through_the_embedding_are_caught_with_no_vocabulary(kind: str) -> None:
+    """A model of one's own, no vocabulary declared to the sanitizer: its live
+    rows add the mean of every row's embedded token, padded rows included.
+    The read check changes the padded rows' token ids to the live rows' own
+    (always valid ids) and sees the live outputs move."""
+    world = ToyWorld("cuda" if kind.startswith("cuda") else "cpu")
+    embedding = torch.randn(
+        world.cfg.vocab, world.cfg.vocab, generator=torch.Generator().manual_seed(5)
+    )
+    embedding = embedding.to(world.device)
+
+    def forward(b: Any) -> torch.Tensor:
+        embedded = embedding[b.input_ids]
+        return world.model.forward(b) + b.bias + embedded.mean(0, keepdim=True)
+
+    specs = [
+        *decode_buffer_specs(),
+        BufferSpec(HIDDEN, torch.float32, PadRule.ZERO, extra_shape=(1,)),
+    ]
+    runner = make_runner(kind, forward, specs, capture_sizes=[4])
+    runner.capture()
+    runner.sanitizer = PaddingSanitizer.for_pools(
+        world.req_pool, world.kv, kv_allocator=world.kv_alloc
+    )
+    with pytest.raises(PaddingViolation, match="padded rows' input_ids"):
+        _replay(world, runner, 3, seed=1)
+    world.reset()
+    _replay(world, runner, 4, seed=1)  # no padded row: nothing to mix in

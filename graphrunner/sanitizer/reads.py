@@ -8,14 +8,15 @@ before the first launch, then every sink (row 0, and rows ``0..sink_rows-1``,
 of each floating guarded tensor: KV slot 0, Mamba slot 0), every row no live
 row owns (free KV slots and other requests' slots, free request and Mamba
 rows: :func:`unowned_rows`) and every padded row's value inputs (floating
-buffers, and token ids when the vocabulary is known) set to other finite
-values. The live rows' outputs must come out the
-same; a difference raises :class:`~graphrunner.sanitizer.padding.PaddingViolation`
-naming the output, the batch row and what it depended on. The state of the
-first launch is restored afterwards, so the step's effect is the first
-launch's. This catches a row attending one column past its length (that
-column is the sink slot 0), rows that mix (a batch statistic over padded
-rows), and a padded row's input reaching a live row.
+buffers, and token ids: random ones below the vocabulary when it is known,
+else the live rows' own ids, always valid) set to other values. The live
+rows' outputs must come out the same; a difference raises
+:class:`~graphrunner.sanitizer.padding.PaddingViolation` naming the output,
+the batch row and what it depended on. The state of the first launch is
+restored afterwards, so the step's effect is the first launch's. This
+catches a row attending one column past its length (that column is the sink
+slot 0), rows that mix (a batch statistic over padded rows, their embedded
+token ids included), and a padded row's input reaching a live row.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ __all__ = ["check_reads", "unowned_rows"]
 _RTOL = _ATOL = 1e-6
 
 
-def _perturb(t: torch.Tensor, gen: torch.Generator, vocab: int | None) -> None:
-    """``t`` in place: other finite values of its kind (a token id below
-    ``vocab`` for an integer tensor when ``vocab`` is given)."""
+def _perturb(
+    t: torch.Tensor, gen: torch.Generator, vocab: int | None, ids: torch.Tensor | None = None
+) -> None:
+    """``t`` in place: other finite values of its kind (for an integer tensor,
+    a token id below ``vocab`` when ``vocab`` is given, else one of ``ids``,
+    the live rows' own, so every id stays one the model can embed)."""
     if not t.numel():
         return
     if t.is_floating_point():
@@ -47,23 +51,28 @@ def _perturb(t: torch.Tensor, gen: torch.Generator, vocab: int | None) -> None:
         t.copy_(noise.mul_(3).add_(1))
     elif vocab is not None:
         t.copy_(torch.randint(0, vocab, t.shape, generator=gen, device=gen.device))
+    elif ids is not None and ids.numel():
+        pick = torch.randint(0, ids.numel(), t.shape, generator=gen, device=gen.device)
+        t.copy_(ids.reshape(-1)[pick])
 
 
 def _tails(
-    buffers: StaticBuffers, raw_bs: int, bs: int, vocab: int | None
-) -> list[tuple[str, torch.Tensor]]:
+    buffers: StaticBuffers, raw_bs: int, bs: int
+) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """The padded rows of every buffer a value may stand in: floating ones,
-    and token ids when the vocabulary is known (the other index buffers keep
-    pointing at the sinks)."""
+    and token ids (the other index buffers keep pointing at the sinks), each
+    with the live rows' ids of a token buffer (None for the others)."""
     out = []
     for spec in buffers.specs:
         tensor = buffers.tensors.get(spec.name)
         if tensor is None or spec.host:
             continue
-        token = spec.indexes is Index.TOKEN and vocab is not None
+        token = spec.indexes is Index.TOKEN
         if not (tensor.is_floating_point() or token):
             continue
-        out.append((spec.name, tensor[buffers.rows(spec, raw_bs) : buffers.rows(spec, bs)]))
+        live = buffers.rows(spec, raw_bs)
+        ids = tensor[:live].clone() if token else None
+        out.append((spec.name, tensor[live : buffers.rows(spec, bs)], ids))
     return out
 
 
@@ -144,17 +153,17 @@ def check_reads(
                 _perturb(values, gen, None)
                 guard.tensor[rows] = values
                 others.append(f"{guard.name}'s {guard.row_name}s no live row owns")
-        tails = _tails(buffers, raw_bs, bs, vocab_size)
-        saved = [(t, t.clone()) for _, t in tails]
-        for _, tail in tails:
-            _perturb(tail, gen, vocab_size)
+        tails = _tails(buffers, raw_bs, bs)
+        saved = [(t, t.clone()) for _, t, _ in tails]
+        for _, tail, ids in tails:
+            _perturb(tail, gen, vocab_size, ids)
         second = dict(named_outputs(relaunch()))
         for tail, value in saved:
             tail.copy_(value)
     finally:  # the step's effect is the first launch's
         for guard, value in zip(guarded, after, strict=True):
             guard.tensor.copy_(value)
-    depends = _what(sinks, [name for name, _ in tails], bs - raw_bs, others)
+    depends = _what(sinks, [name for name, _, _ in tails], bs - raw_bs, others)
     for name, want in expected:
         got = second[name]
         same = (
