@@ -63,7 +63,10 @@ def live_decode_attention(
     slots, mask, keys = decode_columns(
         req_to_token, req_pool_indices, seq_lens, columns, q.shape[2]
     )
-    return gathered_attention(q, k_buf, v_buf, slots, mask, keys, True, scale).contiguous()
+    # Run eagerly inside the op, the scores take the matmul (decode=False): the
+    # broadcast product pays only where inductor fuses it, and here it would
+    # write out [B, H_kv, R, T, D] per layer.
+    return gathered_attention(q, k_buf, v_buf, slots, mask, keys, False, scale).contiguous()
 
 
 @live_decode_attention.register_fake
