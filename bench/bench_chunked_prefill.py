@@ -141,7 +141,7 @@ def _write(model: str, rows: list[dict[str, Any]]) -> None:
         "",
         f"{model}, {BATCH} requests decoding, a {LONG}-token prompt arriving at step {ARRIVAL}. "
         "ITL: wall time between a running request's successive tokens; p99 over the gaps "
-        "that overlap the long prompt's prefill; median over the whole run.",
+        "that end during the long prompt's prefill; median over the whole run.",
         "",
         "| max_num_batched_tokens | median ITL ms | p99 ITL during prefill ms | p99 / median "
         "| long prompt TTFT s | prefill chunks | same tokens |",
