@@ -193,3 +193,26 @@ def test_the_budget_and_no_chunked_prefill_are_refused_together(
     assert "with --no-chunked-prefill: expected one of them" in capsys.readouterr().err
     assert cli.main(["generate", "--max-num-batched-tokens", "0"]) == 2
     assert "--max-num-batched-tokens 0: expected 1..1048576" in capsys.readouterr().err
+
+
+def test_the_flags_set_the_engines_budget(oracle: tuple[Path, dict[int, list[int]]]) -> None:
+    import graphrunner_ref.cli.main as cli
+    from fuzz_cases import MAMBA
+    from graphrunner_ref.cli.options import config_of
+    from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS
+    from graphrunner_ref.engine.serving import token_budget
+    from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
+
+    path, _ = oracle
+    llama = load_model(path, max_requests=2, max_context_len=CONTEXT)
+    mamba = build_state_space_model(MAMBA, max_requests=2, max_context_len=16)
+
+    def budget(extra: list[str], bundle: Any) -> int | None:
+        args = cli._parse(["generate", "--prompt", "[1, 2]", *extra])
+        return token_budget(config_of(args, "eager", [1, 2]), bundle)
+
+    assert budget([], llama) == DEFAULT_BATCHED_TOKENS
+    assert budget(["--max-num-batched-tokens", "16"], llama) == 16
+    assert budget(["--no-chunked-prefill"], llama) is None
+    assert budget([], mamba) is None  # prefilled whole, as before
+    assert budget(["--max-num-batched-tokens", "16"], mamba) == 16  # the engine refuses it

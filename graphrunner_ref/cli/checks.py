@@ -158,7 +158,7 @@ def _check_modes(args: argparse.Namespace) -> None:
     budget = getattr(args, "max_num_batched_tokens", None)
     if budget is not None:
         check_range("--max-num-batched-tokens", budget, 1, MAX_BATCHED_TOKENS)
-        if getattr(args, "no_chunked_prefill", False):
+        if not getattr(args, "chunked_prefill", True):
             raise UsageError(
                 f"--max-num-batched-tokens {budget} with --no-chunked-prefill: expected one of them"
             )

@@ -366,7 +366,8 @@ def _scheduling(p: _Options) -> None:
     )
     p.add_argument(
         "--no-chunked-prefill",
-        action="store_true",
+        dest="chunked_prefill",
+        action="store_false",
         help="prefill each admitted prompt whole in one step (not with --max-num-batched-tokens)",
     )
 
@@ -559,7 +560,7 @@ def config_of(
         draft_tokens=get("draft_tokens", 2),
         overlap=get("overlap", False),
         steps_per_launch=get("steps_per_launch", 1),
-        chunked_prefill=not get("no_chunked_prefill", False),
+        chunked_prefill=get("chunked_prefill", True),
         max_num_batched_tokens=get("max_num_batched_tokens"),
         logprobs=get("logprobs", 0),
         max_steps=get("steps"),
