@@ -34,6 +34,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
     return save_decoders(tmp_path_factory, configs)
 
 
+@pytest.fixture(params=["qwen2", "mixtral"])
+def decoder(request: pytest.FixtureRequest, saved: dict[str, tuple[Path, Any]]) -> tuple[Path, Any]:
+    """A dense and a mixture-of-experts decoder: the checkpoint and transformers' model."""
+    return saved[request.param]
+
+
 def _generate(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, model: Path, prompts: Any, *extra: str
 ) -> list[list[int]]:
@@ -45,7 +51,6 @@ def _generate(
     return [r["token_ids"] for r in sorted(records, key=lambda r: r["index"])]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mixtral"])
 @pytest.mark.parametrize(
     "mode",
     [
@@ -58,39 +63,34 @@ def _generate(
     ids=["plain", "overlap", "multistep", "chunked", "sanitized"],
 )
 def test_a_greedy_mode_gives_transformers_tokens(
-    arch: str,
     mode: list[str],
-    saved: dict[str, tuple[Path, Any]],
+    decoder: tuple[Path, Any],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    path, reference = saved[arch]
+    path, reference = decoder
     requests = [Request(i, tuple(p), NEW) for i, p in enumerate(PROMPTS)]
     expected = hf_greedy(reference, requests)
     got = _generate(capsys, tmp_path, path, PROMPTS, "--ignore-eos", *mode)
     assert got == [expected[i] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mixtral"])
 def test_quantized_weights_answer_every_prompt(
-    arch: str,
-    saved: dict[str, tuple[Path, Any]],
+    decoder: tuple[Path, Any],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    path, _ = saved[arch]
+    path, _ = decoder
     got = _generate(capsys, tmp_path, path, PROMPTS, "--ignore-eos", "--quantize", "fp16")
     assert [len(t) for t in got] == [NEW] * len(PROMPTS)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mixtral"])
 def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(
-    arch: str,
-    saved: dict[str, tuple[Path, Any]],
+    decoder: tuple[Path, Any],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    path, _ = saved[arch]
+    path, _ = decoder
     lines = [{"prompt": p, "temperature": 0.9, "seed": 100 + i} for i, p in enumerate(PROMPTS)]
     together = _generate(capsys, tmp_path, path, lines, "--ignore-eos")
     alone = _generate(capsys, tmp_path, path, lines[2:], "--ignore-eos")

@@ -30,9 +30,6 @@ def host_tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-#: torch's ``Tensor._version`` descriptor, looked up once (the private name stays torch's).
-
-
 def version_of(tensor: torch.Tensor) -> int:
     """The tensor's version counter, bumped by every in-place change."""
     return int(VERSION.__get__(tensor))

@@ -145,7 +145,10 @@ def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, in
     empty: :class:`~graphrunner.declare.sealed.SealedInputs` answer from what
     they knew when they made the mirror (a lookup); any other inputs object
     pays one host ``aminmax``."""
-    known = getattr(inputs, "host_ranges", None)  # a DecodeBatch's, read without a call
+    # A DecodeBatch's known ranges, checked here rather than through its
+    # host_range(): this runs in every replay's backend check, and a call into
+    # the batch module would put that module on the replay's path.
+    known = getattr(inputs, "host_ranges", None)
     entry = None if known is None else known.get(name)
     if entry is not None and entry[0] is values and entry[1] == VERSION.__get__(values):
         return entry[2], entry[3]

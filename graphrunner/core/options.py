@@ -5,6 +5,7 @@ one place they are spelled next to the mechanisms' own constructors)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class RunnerOptions:
         if self.kind is not None and self.kind not in MECHANISMS:
             raise ValueError(f"kind={self.kind!r}; expected one of {sorted(MECHANISMS)}")
         kind = self.resolved_kind
-        takes = set(inspect.signature(MECHANISMS[kind]).parameters)
+        takes = _takes(MECHANISMS[kind])
         for name in MECHANISM_FIELDS:
             if name not in takes and getattr(self, name) != _DEFAULTS[name]:
                 raise TypeError(
@@ -112,14 +113,17 @@ class RunnerOptions:
     def mechanism(self) -> CaptureMechanism:
         """A new mechanism of :attr:`resolved_kind` with the options it takes."""
         kind = self.resolved_kind
-        takes = inspect.signature(MECHANISMS[kind]).parameters
-        return MECHANISMS[kind](**{n: getattr(self, n) for n in MECHANISM_FIELDS if n in takes})
+        mechanism = MECHANISMS[kind]
+        return mechanism(**{n: getattr(self, n) for n in _takes(mechanism)})
 
 
-#: The options that belong to a mechanism: every parameter some mechanism's
-#: constructor takes (each kind takes some of them).
-MECHANISM_FIELDS = tuple(
-    sorted({p for m in MECHANISMS.values() for p in inspect.signature(m).parameters})
-)
+@functools.cache
+def _takes(mechanism: type[CaptureMechanism]) -> frozenset[str]:
+    """The options ``mechanism``'s constructor takes (read once per class)."""
+    return frozenset(inspect.signature(mechanism).parameters)
+
+
+#: The options that belong to a mechanism: those some built-in kind takes.
+MECHANISM_FIELDS = tuple(sorted(frozenset().union(*map(_takes, MECHANISMS.values()))))
 _FIELDS = frozenset(f.name for f in dataclasses.fields(RunnerOptions))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunnerOptions)}

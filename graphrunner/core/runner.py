@@ -106,7 +106,6 @@ class GraphRunner:
         self.state_ops_run = 0  # state ops its pre-launch steps ran
         self.width = phase.width
         self._exclusive = Exclusive(f"{type(self).__name__}.replay")
-        self._lock = self._exclusive.lock
         # The no-op backend plans nothing: its hook is not called.
         self._plans_metadata = type(self.backend) is not NullBackend
         # The buffer whose host-side rows tell a batch's width (first per-token one).
@@ -228,10 +227,13 @@ class GraphRunner:
 
     def _enter(self) -> bool:
         """Take the replay lock (a second thread is refused, named) and switch
-        grad off; whether grad was on (an engine's loop under no_grad pays no switch)."""
-        if not self._lock.acquire(blocking=False):
-            self._exclusive.refuse()
-        self._exclusive.owner = get_ident()
+        grad off; whether grad was on (an engine's loop under no_grad pays no switch).
+        The lock is taken here, not through ``Exclusive.enter``, so that no
+        call into another module precedes the launch."""
+        exclusive = self._exclusive
+        if not exclusive.lock.acquire(blocking=False):
+            exclusive.refuse()
+        exclusive.owner = get_ident()
         grad = torch.is_grad_enabled()
         if grad:
             torch._C._set_grad_enabled(False)
@@ -241,8 +243,7 @@ class GraphRunner:
         hooks.end()
         if grad:
             torch._C._set_grad_enabled(True)
-        self._exclusive.owner = None
-        self._lock.release()
+        self._exclusive.leave()
 
     def _count(self, raw_bs: int, bs: int, ops: int) -> None:
         self.stats.count_replay(raw_bs, bs, ops)

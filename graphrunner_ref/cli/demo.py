@@ -25,7 +25,6 @@ from graphrunner_ref.cli import text as cli_text
 from graphrunner_ref.cli.common import MAX_STEPS, UsageError, check_range
 from graphrunner_ref.cli.options import config_of
 from graphrunner_ref.engine import serving
-from graphrunner_ref.engine.admission import extends_prefix
 from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.registry import ServingBundle
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         args, shape, sizes, context, max_prompt_len=max_prompt_len, kind=kind, check=True
     )
     bundle = serving.build(config, sizes[-1], context)
-    if config.chunked_prefill and config.max_num_batched_tokens is None and extends_prefix(bundle):
+    if config.max_num_batched_tokens is None and serving.token_budget(config, bundle) is not None:
         # The demo's prompts (up to 48 tokens) are longer than its budget, so
         # its checked run prefills some of them in chunks.
         config = dataclasses.replace(config, max_num_batched_tokens=DEMO_BATCHED_TOKENS)
