@@ -36,6 +36,18 @@ COMMANDS: dict[str, tuple[str, str, list[str]]] = {
             "graphrunner generate --model smollm2/ --tp 2 --prompts questions.txt",
         ],
     ),
+    "serve": (
+        "serve a model over HTTP with OpenAI's completions and chat API",
+        "Serves the model over HTTP in OpenAI's shapes (/v1/models, /v1/completions, "
+        "/v1/chat/completions, streamed or not, /health, /metrics) with continuous batching "
+        "on a captured runner: one thread steps the engine, the HTTP side only validates, "
+        "queues and streams. SIGTERM or Ctrl-C finishes the requests in flight and exits 0.",
+        [
+            "graphrunner serve",
+            "graphrunner serve smollm2/ --port 8080 --api-key secret",
+            "graphrunner serve model.gguf --quantize int4 --max-bs 8 --max-waiting 64",
+        ],
+    ),
     "sizes": (
         "choose the capture sizes that minimise padding for a served trace",
         "Reads the batch sizes a run served (demo --batch-sizes-out) and picks at most "

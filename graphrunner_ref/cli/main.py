@@ -1,4 +1,4 @@
-"""Command line: ``python -m graphrunner demo`` and ``python -m graphrunner generate``.
+"""Command line: ``python -m graphrunner demo``, ``generate``, ``serve``, ``sizes``, ``convert``.
 
 ``demo`` serves a seeded synthetic trace on the embedded default model (or a
 checkpoint), every decode step through a captured runner and checked against
@@ -12,7 +12,8 @@ sampled by ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p`` and
 a tokenizer (:mod:`graphrunner_ref.cli.text`). ``convert`` writes a GGUF file as a Hugging
 Face checkpoint (:mod:`graphrunner_ref.cli.convert`); ``--checkpoint`` also
 takes a ``.gguf``, converted once into the cache; ``sizes`` picks capture
-sizes from served traffic (:mod:`graphrunner_ref.cli.sizes`).
+sizes from served traffic (:mod:`graphrunner_ref.cli.sizes`); ``serve`` answers
+OpenAI's completions and chat API over HTTP (:mod:`graphrunner_ref.cli.serve`).
 
 The options are :mod:`graphrunner_ref.cli.options`' (which maps them into the
 engine's one config); ``demo`` (:mod:`graphrunner_ref.cli.demo`) and
@@ -34,7 +35,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from graphrunner_ref.cli import convert, demo, generate, options, sizes, tp
+from graphrunner_ref.cli import convert, demo, generate, options, serve, sizes, tp
 from graphrunner_ref.cli.common import UsageError, read_prompts, resolve_device
 from graphrunner_ref.cli.exits import run_command
 from graphrunner_ref.cli.model_args import resolve_model
@@ -54,6 +55,7 @@ __all__ = [
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": demo.run,
     "generate": generate.run,
+    "serve": serve.run,
     "sizes": sizes.run,
     "convert": convert.run,
 }
@@ -68,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, line: list[str]) -> int:
     """The command here, or as tensor-parallel ranks when ``--tp`` (or torchrun) asks."""
     args = resolve_model(args)
+    if args.command == "serve" and tp.runs_ranks(args):  # one process answers HTTP
+        raise UsageError(f"--tp {args.tp} with serve: not served on several ranks; expected none")
     if tp.runs_ranks(args):
         return tp.run(args, line, _parse)
     return int(args.func(args))

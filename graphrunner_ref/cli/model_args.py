@@ -73,6 +73,13 @@ def resolve_model(args: argparse.Namespace) -> argparse.Namespace:
     ``.gguf``."""
     if not hasattr(args, "model"):
         return args
+    positional = getattr(args, "model_arg", None)  # serve MODEL
+    if positional is not None:
+        if args.model != "embedded" and args.model != positional:
+            raise UsageError(
+                f"MODEL {positional} and --model {args.model}: two different models; give one"
+            )
+        args.model, args.model_arg = positional, None
     name, path = args.model, args.checkpoint
     if name in _DEPRECATED:
         print(

@@ -1,8 +1,8 @@
 """Every command-line option, and how a serving command's flags become an
 :class:`~graphrunner_ref.engine.config.EngineConfig`.
 
-:func:`parser` declares the commands (``demo``, ``generate``, ``sizes``,
-``convert``) and their options, each in its help group (:class:`Groups`),
+:func:`parser` declares the commands (``demo``, ``generate``, ``serve``,
+``sizes``, ``convert``) and their options, each in its help group (:class:`Groups`),
 with its default, choices and bounds; :func:`demo_real_parser` declares
 ``make demo-real``'s. :func:`config_of` maps a parsed serving command to the
 engine's one config: nothing past it reads a flag to decide how the engine
@@ -93,13 +93,14 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="graphrunner",
         description="Capture LLM decode steps as graphs at fixed batch sizes and replay them "
-        "padded: demo, generate, sizes and convert. 'graphrunner COMMAND --help' shows a "
+        "padded: demo, generate, serve, sizes and convert. 'graphrunner COMMAND --help' shows a "
         "command's options and examples.",
     )
     top.add_argument("--version", action="version", version=f"%(prog)s {graphrunner.__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     _demo(add_command(sub, "demo"))
     _generate(add_command(sub, "generate"))
+    _serve(add_command(sub, "serve"))
     _sizes(add_command(sub, "sizes"))
     _convert(add_command(sub, "convert"))
     top.commands = sub.choices  # type: ignore[attr-defined]
@@ -118,12 +119,9 @@ def _demo(demo: argparse.ArgumentParser) -> None:
 def _generate(gen: argparse.ArgumentParser) -> None:
     g = Groups.of(gen)
     _serving(g)
-    g.output.add_argument(
-        "--logprobs",
-        type=int,
-        default=0,
-        metavar="N",
-        help=f"write each token's log-probability and the top N (JSON lines), 0..{MAX_LOGPROBS} "
+    _logprobs(
+        g.output,
+        f"write each token's log-probability and the top N (JSON lines), 0..{MAX_LOGPROBS} "
         "(0: none)",
     )
     _prompts(g.prompts)
@@ -148,6 +146,71 @@ def _generate(gen: argparse.ArgumentParser) -> None:
     g.prompts.add_argument("--end-token", type=int, help="a token id that ends a request")
     g.runner.add_argument("--check", action="store_true", help="check each step against eager")
     _run_outputs(g.output)
+
+
+def _logprobs(p: _Options, text: str) -> None:
+    p.add_argument("--logprobs", type=int, default=0, metavar="N", help=text)
+
+
+def _serve(serve: argparse.ArgumentParser) -> None:
+    g = Groups.of(serve, ("server", "where it listens, who may ask, what waits"))
+    g.model.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model takes it (default: embedded)",
+    )
+    _serving(g)
+    _logprobs(
+        g.output,
+        f"collect each token's log-probability and the top N, 0..{MAX_LOGPROBS}, so that "
+        "requests may ask for up to N (0: none may)",
+    )
+    g.prompts.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    g.prompts.add_argument(
+        "--port", type=int, default=8000, help="port to listen on, 0..65535 (8000; 0: a free one)"
+    )
+    g.prompts.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients give (default: --model as given)",
+    )
+    g.prompts.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="answer /v1 requests only with 'Authorization: Bearer KEY' (default: "
+        "$GRAPHRUNNER_API_KEY; unset: no check)",
+    )
+    g.prompts.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests that may wait for their first token, 1..1000000 (256); one more is "
+        "answered 503 with Retry-After",
+    )
+    g.prompts.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="abort a request still running after this long (default: no deadline)",
+    )
+    g.prompts.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before "
+        "they are aborted (30)",
+    )
+    g.prompts.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the tokenizer's end-of-sequence token",
+    )
+    g.output.add_argument(
+        "--quiet", action="store_true", help="only errors on stderr (no startup lines, no log)"
+    )
 
 
 def _serving(g: Groups) -> None:

@@ -42,6 +42,7 @@ from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, d
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.interrupts import deferred_interrupts
 from graphrunner_ref.engine.multistep import check_multistep
+from graphrunner_ref.engine.online import RequestSource
 from graphrunner_ref.engine.policy import schedule_for
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
 from graphrunner_ref.engine.results import (
@@ -184,9 +185,18 @@ class Engine:
         )
 
     def run(
-        self, trace: Sequence[Request], *, max_steps: int | None = None, progress: bool = False
+        self,
+        trace: Sequence[Request],
+        *,
+        max_steps: int | None = None,
+        progress: bool = False,
+        source: RequestSource | None = None,
     ) -> EngineResult:
         """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran.
+
+        ``source``: requests arriving while the run goes on
+        (:class:`~graphrunner_ref.engine.online.RequestSource`, asked at every
+        step boundary); the run then lasts until the source closes.
 
         Raises :class:`AdmissionError` when nothing is running and the next
         arrived request does not fit in the free request rows and KV pages
@@ -196,7 +206,7 @@ class Engine:
         (:mod:`~graphrunner_ref.engine.interrupts`).
         """
         with self._exclusive.held(), deferred_interrupts() as interrupted:
-            return self._run(trace, max_steps, progress, interrupted)
+            return self._run(trace, max_steps, progress, interrupted, source)
 
     def _run(
         self,
@@ -204,6 +214,7 @@ class Engine:
         max_steps: int | None,
         progress: bool,
         interrupted: Callable[[], None],
+        source: RequestSource | None = None,
     ) -> EngineResult:
         self.admitter.validate(trace)
         run = Run(
@@ -215,9 +226,7 @@ class Engine:
         self.schedule.begin(self, max_steps)
         try:
             with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
-                while (run.pending or run.live or run.prefilling) and (
-                    max_steps is None or run.stats.steps < max_steps
-                ):
+                while _more(run, source) and (max_steps is None or run.stats.steps < max_steps):
                     if not run.live and not run.prefilling:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
                     bar.update(self.schedule.step(self, run))
@@ -372,3 +381,11 @@ class Engine:
         )
         run.batch.merge(new)
         run.live.extend(joining)
+
+
+def _more(run: Run, source: RequestSource | None) -> bool:
+    """Whether ``run`` goes on: a request pending, prefilling or live (an
+    online source adds its arrivals first, at this step boundary)."""
+    if source is not None:
+        source.feed(run)
+    return bool(run.pending or run.live or run.prefilling)

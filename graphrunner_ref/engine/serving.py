@@ -1,12 +1,13 @@
 """The one engine path: build the model an :class:`EngineConfig` names,
 serve a trace on it, and hand back what a report reads.
 
-``demo`` and ``generate`` run through here whatever the mode: :func:`build`
+``demo``, ``generate`` and ``serve`` run through here whatever the mode: :func:`build`
 asks the model registry for the config's kind (its refusals first) and
 loads it; :func:`serve` captures a decode runner (the sampled step when a
 request samples or log-probabilities are asked, N steps a launch, a future
 map for overlap) and runs :class:`~graphrunner_ref.engine.loop.Engine` over
-it, or the speculative engine with ``config.speculative``;
+it, or the speculative engine with ``config.speculative`` (``serve`` hands
+it an online :class:`~graphrunner_ref.engine.online.RequestSource`);
 :func:`baseline` is plain decoding of the same trace, what the other modes
 are compared with.
 """
@@ -26,6 +27,7 @@ from graphrunner_ref.engine.admission import extends_prefix
 from graphrunner_ref.engine.bundle import create_decode_runner  # registers the built-in kinds
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
+from graphrunner_ref.engine.online import RequestSource
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
@@ -100,17 +102,21 @@ def serve(
     progress: bool = False,
     run_progress: bool | None = None,
     on_capture: OnCapture | None = None,
+    source: RequestSource | None = None,
 ) -> Outcome:
     """Serve ``trace`` on ``bundle`` as ``config`` says (``config.check``:
     each step, or launch, also run eagerly; not with overlap, whose check
     is a comparison with :func:`baseline`). ``progress``: the capture's bars
-    (and the run's, unless ``run_progress`` says otherwise)."""
+    (and the run's, unless ``run_progress`` says otherwise). ``source``:
+    requests that arrive while the run goes on (the runner then samples, as
+    any of them may); the run lasts until it closes."""
     hooks = hooks or Hooks()
     if config.speculative:
+        if source is not None:
+            raise UsageError(f"--speculative {config.speculative}: expected a trace, not online")
         return Outcome(_speculative(config, bundle, trace, hooks, progress))
-    runner = create_decode_runner(
-        bundle, config.runner, **_runner_options(config, bundle, trace, hooks, progress)
-    )
+    options = _runner_options(config, bundle, trace, hooks, progress, online=source is not None)
+    runner = create_decode_runner(bundle, config.runner, **options)
     capture = runner.capture()
     if on_capture is not None:
         on_capture(runner, capture)
@@ -130,7 +136,7 @@ def serve(
         max_num_batched_tokens=token_budget(config, bundle),
     )
     shown = progress if run_progress is None else run_progress
-    result = engine.run(trace, max_steps=config.max_steps, progress=shown)
+    result = engine.run(trace, max_steps=config.max_steps, progress=shown, source=source)
     return Outcome(result, runner, capture)
 
 
@@ -181,10 +187,12 @@ def _runner_options(
     trace: Sequence[Request],
     hooks: Hooks,
     progress: bool,
+    *,
+    online: bool = False,
 ) -> dict[str, Any]:
     """``create_decode_runner``'s options for this run: the sampled step when
-    a request samples or log-probabilities are asked (the plain argmax step
-    otherwise), a future map for overlap, N steps a launch (with the end
+    a request samples, may sample (``online``) or log-probabilities are asked
+    (the plain argmax step otherwise), a future map for overlap, N steps a launch (with the end
     token the rows stop at)."""
     options: dict[str, Any] = {
         "capture_sizes": list(config.capture_sizes) or None,
@@ -192,7 +200,7 @@ def _runner_options(
         "show_progress": progress,
         **config.mechanism_options,
     }
-    if config.logprobs or samples(trace):
+    if config.logprobs or online or samples(trace):
         options["sampling"] = True
     if config.logprobs:
         options["logprobs"] = config.logprobs

@@ -121,17 +121,22 @@ class TextCodec:
     def chat(self, text: str) -> list[int]:
         """The ids of a one-turn conversation (``text`` as the user's message)
         with the generation prompt appended, as ``apply_chat_template`` gives them."""
+        return self.chat_messages([{"role": "user", "content": text}], what="--chat")
+
+    def chat_messages(self, messages: list[dict[str, str]], *, what: str) -> list[int]:
+        """The ids of the conversation ``messages`` (``{"role", "content"}``
+        each) with the generation prompt appended, as ``apply_chat_template``
+        gives them; :class:`NoTokenizerError` naming ``what`` when the
+        checkpoint has no chat template or its template fails."""
         if self.tokenizer.chat_template is None:
-            raise NoTokenizerError("--chat: the checkpoint's tokenizer has no chat template")
-        with needs_extra("text", "--chat"):
+            raise NoTokenizerError(f"{what}: the checkpoint's tokenizer has no chat template")
+        with needs_extra("text", what):
             from graphrunner_ref.io.chat_template import ChatTemplateError, render_chat
         tokens = self.tokenizer.special_tokens_map
         try:
-            text = render_chat(
-                self.tokenizer.chat_template, [{"role": "user", "content": text}], tokens
-            )
+            text = render_chat(self.tokenizer.chat_template, messages, tokens)
         except ChatTemplateError as e:
-            raise NoTokenizerError(f"--chat: the checkpoint's chat template: {e}") from None
+            raise NoTokenizerError(f"{what}: the checkpoint's chat template: {e}") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 

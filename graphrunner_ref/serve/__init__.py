@@ -1,0 +1,19 @@
+"""``graphrunner serve``: an OpenAI-compatible HTTP server over the one engine path.
+
+One thread owns the model, its pools and the runner and steps the engine
+(:mod:`~graphrunner_ref.serve.online`, an online
+:class:`~graphrunner_ref.engine.online.RequestSource` of
+:func:`graphrunner_ref.engine.serving.serve`); the HTTP side
+(:mod:`~graphrunner_ref.serve.app`) only validates
+(:mod:`~graphrunner_ref.serve.protocol`, :mod:`~graphrunner_ref.serve.errors`),
+queues and streams. :mod:`~graphrunner_ref.serve.metrics` is ``/metrics``;
+:mod:`~graphrunner_ref.serve.server` starts and stops it all.
+
+Nothing here is imported by ``import graphrunner`` or ``import
+graphrunner_ref``: FastAPI, uvicorn, pydantic and prometheus-client (the
+``[serve]`` extra) load when ``graphrunner serve`` runs.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

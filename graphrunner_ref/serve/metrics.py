@@ -1,0 +1,131 @@
+"""``GET /metrics``: the server's state in Prometheus' text format.
+
+Requests running and waiting, KV slots and request rows used and total,
+prompt and generated token totals, time to first token and inter-token
+latency histograms, requests finished and aborted, and the runner's graph
+replays, eager fallbacks, live and padded rows. The engine thread writes
+its state at every step boundary (:meth:`Metrics.engine_state`); the event
+loop records the latencies as tokens reach it. Each server has a registry of
+its own (two in one process never mix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from graphrunner import GraphRunner
+from graphrunner_ref.engine.registry import ServingBundle
+from graphrunner_ref.engine.results import Run
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+#: The ``/metrics`` content type (Prometheus text format 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Latency buckets in seconds: a CPU decode step is milliseconds, a first
+#: token behind a queue can be seconds.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_PREFIX = "graphrunner"
+
+
+class _RunnerCounts(Collector):
+    """The runner's own counters, as last read on the engine thread."""
+
+    def __init__(self) -> None:
+        self.values = {"graph_replays": 0, "eager_fallbacks": 0, "live_rows": 0, "padded_rows": 0}
+
+    def collect(self) -> Iterator[Metric]:
+        helps = {
+            "graph_replays": "decode steps replayed from a captured graph",
+            "eager_fallbacks": "decode steps run eagerly (no graph for their batch size)",
+            "live_rows": "request rows of the replayed steps",
+            "padded_rows": "padding rows of the replayed steps",
+        }
+        for name, value in dict(self.values).items():
+            yield CounterMetricFamily(f"{_PREFIX}_{name}", helps[name], value=value)
+
+
+class Metrics:
+    """The server's metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(f"{_PREFIX}_{name}", text, registry=r)
+
+        self.running = gauge("requests_running", "requests admitted by the engine")
+        self.waiting = gauge("requests_waiting", "requests queued, no token yet")
+        self.kv_used = gauge("kv_slots_used", "KV cache slots held by requests")
+        self.kv_total = gauge("kv_slots_total", "KV cache slots in the pool")
+        self.rows_used = gauge("request_rows_used", "request-pool rows held by requests")
+        self.rows_total = gauge("request_rows_total", "request-pool rows in the pool")
+        self.prompt_tokens = Counter(
+            f"{_PREFIX}_prompt_tokens", "prompt tokens prefilled", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{_PREFIX}_generation_tokens", "tokens generated", registry=r
+        )
+        self.requests = Counter(
+            f"{_PREFIX}_requests", "requests answered, by outcome", ["outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{_PREFIX}_time_to_first_token_seconds",
+            "seconds from a request's arrival to its first token",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{_PREFIX}_inter_token_latency_seconds",
+            "seconds between a request's tokens",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.runner_counts = _RunnerCounts()
+        r.register(self.runner_counts)
+
+    def text(self) -> bytes:
+        """The exposition (:data:`CONTENT_TYPE`)."""
+        return bytes(generate_latest(self.registry))
+
+    # The engine thread.
+    def engine_state(self, bundle: ServingBundle, runner: GraphRunner | None, run: Run) -> None:
+        """The pools' and the runner's state, at a step boundary."""
+        kv, rows = bundle.kv_alloc, bundle.req_pool
+        self.running.set(len(run.live) + len(run.prefilling))
+        self.kv_total.set(kv.size)
+        self.kv_used.set(kv.size - kv.available_size())
+        self.rows_total.set(rows.size)
+        self.rows_used.set(rows.size - rows.available_size())
+        if runner is not None:
+            s = runner.stats
+            self.runner_counts.values = {
+                "graph_replays": s.replays,
+                "eager_fallbacks": s.eager_fallbacks,
+                "live_rows": s.live_rows,
+                "padded_rows": s.padded_rows,
+            }
+
+    # The event loop.
+    def waiting_http(self, count: int) -> None:
+        self.waiting.set(count)
+
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
+        self.ttft.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def next_tokens(self, seconds: float, count: int) -> None:
+        """``count`` tokens that came ``seconds`` after the request's previous ones."""
+        for _ in range(count):
+            self.itl.observe(seconds / count)
+
+    def generated(self, count: int) -> None:
+        self.generation_tokens.inc(count)
+
+    def finished(self, aborted: bool) -> None:
+        self.requests.labels(outcome="aborted" if aborted else "finished").inc()

@@ -1,0 +1,377 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions``
+(pydantic models, strict: a string is not a number, an unknown field is
+refused by name) and what the engine makes of them: :class:`Job`.
+
+Types and ranges are pydantic's to check; what depends on the served model
+(the context, the vocabulary, a tokenizer, the log-probabilities the runner
+collects) is :func:`job_of`'s. Fields OpenAI has and graphrunner does not
+serve (``n`` > 1, tools, penalties, ...) are refused by name when set to
+anything but their neutral value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from graphrunner.sampling import SamplingParams
+from graphrunner_ref.io.text import NoTokenizerError, TextCodec
+from graphrunner_ref.serve.errors import APIError
+
+__all__ = [
+    "MAX_STOPS",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "Job",
+    "Limits",
+    "StreamOptions",
+    "job_of",
+    "usage",
+]
+
+#: Stop strings a request may give (OpenAI's bound).
+MAX_STOPS = 4
+#: Characters a stop string may hold.
+MAX_STOP_CHARS = 256
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    """The fields both endpoints take."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI's, refused unless neutral (see _UNSUPPORTED).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a text or a list of token ids
+    (a list of one of either is taken too); ``logprobs`` the top N."""
+
+    prompt: Any = None
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Body):
+    """One part of a message's content: only text."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one text (parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``: ``messages`` through the checkpoint's
+    chat template; ``logprobs`` (a bool) with ``top_logprobs`` N."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+#: Fields refused unless neutral: the name, whether a value is neutral, why.
+_UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
+    ("n", lambda v: v in (None, 1), "one choice per request; expected 1"),
+    ("best_of", lambda v: v in (None, 1), "one choice per request; expected 1"),
+    ("echo", lambda v: not v, "the prompt is not echoed; expected false"),
+    ("suffix", lambda v: v is None, "no insertion; expected none"),
+    ("presence_penalty", lambda v: not v, "no penalties; expected 0"),
+    ("frequency_penalty", lambda v: not v, "no penalties; expected 0"),
+    ("repetition_penalty", lambda v: v in (None, 1), "no penalties; expected 1"),
+    ("logit_bias", lambda v: not v, "no logit bias; expected none"),
+    ("tools", lambda v: not v, "no tool calls; expected none"),
+    ("tool_choice", lambda v: v in (None, "none", "auto"), "no tool calls; expected none"),
+    ("functions", lambda v: not v, "no function calls; expected none"),
+    ("function_call", lambda v: v in (None, "none", "auto"), "no function calls; expected none"),
+    (
+        "response_format",
+        lambda v: v is None or v == {"type": "text"},
+        'free text only; expected {"type": "text"}',
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model allows: its context (prompt plus new tokens),
+    its vocabulary, the top log-probabilities the runner collects (0: none),
+    the default sampling of a request that sets none (the flags'), and its
+    tokenizer (None: token ids only)."""
+
+    context: int
+    vocab_size: int
+    max_logprobs: int
+    sampling: SamplingParams
+    codec: TextCodec | None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A validated request, as the engine takes it: prompt token ids, the
+    most new tokens, sampling, stop strings, the top log-probabilities
+    (None: none asked) and whether it streams (with a usage chunk)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
+    """``body`` checked against the served model and made a :class:`Job`;
+    :class:`APIError` (400) naming the field, the value and what was expected."""
+    fields = body.model_dump(exclude_unset=True)
+    for name, neutral, why in _UNSUPPORTED:
+        if name in fields and not neutral(fields[name]):
+            raise APIError(
+                400,
+                f"{name}={fields[name]!r}: not supported: {why}",
+                param=name,
+                code="unsupported",
+            )
+    if isinstance(body, ChatRequest):
+        prompt = _chat_prompt(body, limits)
+        logprobs = _chat_logprobs(body, limits)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        default_new = limits.context - len(prompt) + 1
+    else:
+        prompt = _completion_prompt(body.prompt, limits)
+        logprobs = _logprobs("logprobs", body.logprobs, limits)
+        max_tokens = body.max_tokens
+        default_new = 16  # OpenAI's default for completions
+    room = limits.context - len(prompt) + 1
+    if room < 1:
+        raise APIError(
+            400,
+            f"prompt: {len(prompt)} tokens; expected at most {limits.context} (the server's "
+            "context, --max-context-len)",
+            param="messages" if isinstance(body, ChatRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = min(default_new, room)
+    elif max_tokens > room:
+        which = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else ""
+        name = which or "max_tokens"
+        raise APIError(
+            400,
+            f"{name}={max_tokens}: the prompt's {len(prompt)} tokens plus {max_tokens} new "
+            f"ones need a context of {len(prompt) + max_tokens - 1}; expected 1..{room} "
+            f"(the server's context is {limits.context})",
+            param=name,
+            code="context_length_exceeded",
+        )
+    options = body.stream_options
+    if options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options: given with stream false; expected stream true", param="stream"
+        )
+    return Job(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=_sampling(body, limits.sampling),
+        stops=_stops(body.stop, limits),
+        logprobs=logprobs,
+        stream=body.stream,
+        include_usage=bool(options and options.include_usage),
+    )
+
+
+def _completion_prompt(prompt: Any, limits: Limits) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, 'prompt="": empty; expected a text or token ids', param="prompt")
+        ids = _encode(limits, prompt, "prompt")
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(
+            400,
+            f"prompt: a batch of {len(prompt)} prompts; expected one prompt per request",
+            param="prompt",
+        )
+    else:
+        shown = "missing" if prompt is None else f"{str(prompt)[:40]!r}"
+        raise APIError(
+            400,
+            f"prompt: {shown}; expected a text or a non-empty list of token ids",
+            param="prompt",
+        )
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"prompt: token id {bad[0]}; expected ids in 0..{limits.vocab_size - 1}",
+            param="prompt",
+        )
+    return ids
+
+
+def _encode(limits: Limits, text: str, field: str) -> list[int]:
+    if limits.codec is None:
+        raise APIError(
+            400,
+            f"{field}: text, but the served model has no tokenizer; expected token ids "
+            "(a list of ints)",
+            param=field,
+        )
+    ids = limits.codec.encode(text)
+    if not ids:
+        raise APIError(400, f"{field}: encodes to no tokens; expected some text", param=field)
+    return ids
+
+
+def _chat_prompt(body: ChatRequest, limits: Limits) -> list[int]:
+    if not body.messages:
+        raise APIError(400, "messages=[]: empty; expected at least one message", param="messages")
+    if limits.codec is None:
+        raise APIError(
+            400,
+            "messages: the served model has no tokenizer or chat template; expected "
+            "/v1/completions with token ids",
+            param="messages",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = limits.codec.chat_messages(messages, what="messages")
+    except NoTokenizerError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if not ids:
+        raise APIError(400, "messages: render to no tokens; expected some text", param="messages")
+    return ids
+
+
+def _logprobs(name: str, n: int | None, limits: Limits) -> int | None:
+    if n is None:
+        return None
+    if n > limits.max_logprobs:
+        raise APIError(
+            400,
+            f"{name}={n}: expected 0..{limits.max_logprobs} (the server collects the top "
+            f"{limits.max_logprobs}; start it with --logprobs N for more)",
+            param=name,
+        )
+    return n
+
+
+def _chat_logprobs(body: ChatRequest, limits: Limits) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(
+            400,
+            f"top_logprobs={body.top_logprobs}: given without logprobs; expected logprobs true",
+            param="top_logprobs",
+        )
+    if not body.logprobs:
+        return None
+    if limits.max_logprobs == 0:
+        raise APIError(
+            400,
+            "logprobs=true: the server collects no log-probabilities; start it with --logprobs N",
+            param="logprobs",
+        )
+    return _logprobs("top_logprobs", body.top_logprobs or 0, limits)
+
+
+def _sampling(body: CompletionRequest | ChatRequest, default: SamplingParams) -> SamplingParams:
+    given: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            given[name] = value
+    if given.get("top_k") == -1:
+        given["top_k"] = 0  # vLLM's spelling of "no limit"
+    try:
+        return dataclasses.replace(default, **given)
+    except ValueError as e:
+        name = str(e).split("=", 1)[0]
+        raise APIError(400, str(e), param=name) from None
+
+
+def _stops(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOPS:
+        raise APIError(
+            400, f"stop: {len(stops)} strings; expected at most {MAX_STOPS}", param="stop"
+        )
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise APIError(
+                400,
+                f"stop={s[:40]!r}: expected a text of 1..{MAX_STOP_CHARS} characters",
+                param="stop",
+            )
+    if stops and limits.codec is None:
+        raise APIError(
+            400,
+            f"stop={stops[0]!r}: the served model has no tokenizer to read answers as text; "
+            "expected no stop strings",
+            param="stop",
+        )
+    return tuple(stops)
+
+
+def usage(prompt: int, completion: int) -> Mapping[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
