@@ -205,6 +205,7 @@ LAYERS = (
     "io",
     "bridge",
     "engine",
+    "serve",
     "cli",
 )
 TOP_LEVEL = {

@@ -87,7 +87,7 @@ def validation_error(errors: Sequence[Mapping[str, Any]], prefix: Sequence[str] 
     """A 400 naming the first of pydantic's ``errors``: the field (dotted,
     list indices in brackets), the value received and what was expected."""
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if str(p) not in prefix]
+    loc = [str(p) for p in first.get("loc", ()) if str(p) not in prefix and not _union_tag(p)]
     field = ""
     for part in loc:
         field += f"[{part}]" if part.isdigit() else (f".{part}" if field else part)
@@ -101,6 +101,15 @@ def validation_error(errors: Sequence[Mapping[str, Any]], prefix: Sequence[str] 
     msg = str(first.get("msg", "invalid")).replace("Input should be", "expected")
     got = _shown(first.get("input"))
     return APIError(400, f"{field or 'request body'}={got}: {msg}", param=field or None)
+
+
+#: What pydantic puts in an error's location for the member of a union it tried.
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _union_tag(part: object) -> bool:
+    text = str(part)
+    return isinstance(part, str) and (text in _TYPE_NAMES or "[" in text)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -60,7 +60,7 @@ class _Common(_Body):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Any = None  # a text or a list of texts (checked by job_of)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -343,9 +343,17 @@ def _sampling(body: CompletionRequest | ChatRequest, default: SamplingParams) ->
         raise APIError(400, str(e), param=name) from None
 
 
-def _stops(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+def _stops(stop: Any, limits: Limits) -> tuple[str, ...]:
     if stop is None:
         return ()
+    if not (
+        isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise APIError(
+            400,
+            f"stop={str(stop)[:40]}: expected a text or a list of up to {MAX_STOPS} texts",
+            param="stop",
+        )
     stops = [stop] if isinstance(stop, str) else list(stop)
     if len(stops) > MAX_STOPS:
         raise APIError(
