@@ -19,8 +19,10 @@ agree.
 
 Variants (``--variants``): the eager and CPU runners in float32, and the CPU
 runner with compact weights: ``fp16`` (float16 weights, float32 activations),
-``int8`` (per-channel int8, torch's weight-only product), ``int4`` (groups
-of 32 columns, the project's AVX2 kernel) and ``bf16``
+``int8`` (per-channel int8, the project's AVX2 kernel), ``int4`` (groups
+of 32 columns, the project's AVX2 kernel), ``int4-q8`` (the same weights,
+activations quantized to 8 bits per group, integer dots on the kernel path
+the CPU's features pick) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
 (``graphrunner_ref.model.cpu_features``); they are measured all the same.
@@ -54,6 +56,7 @@ from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.cli.demo_real import fetch_gguf
 from graphrunner_ref.io import load_model
 from graphrunner_ref.io.gguf_cache import cache_root
+from graphrunner_ref.model.cpu_features import cpu_features, kernel_path
 from graphrunner_ref.model.quantize import quantize_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
@@ -64,6 +67,7 @@ VARIANTS = {
     "fp16": ("cpu", torch.float32, "fp16", "graphrunner cpu runner, --quantize fp16"),
     "int8": ("cpu", torch.float32, "int8", "graphrunner cpu runner, --quantize int8"),
     "int4": ("cpu", torch.float32, "int4", "graphrunner cpu runner, --quantize int4"),
+    "int4-q8": ("cpu", torch.float32, "int4-q8", "graphrunner cpu runner, --quantize int4-q8"),
     "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
 }
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
@@ -210,9 +214,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
     extra = {"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}
+    extra.update(kernel_facts([VARIANTS[v][2] for v in variants if v in VARIANTS]))
     result = run_record(f"{CMD} {' '.join(argv)}", extra, args.new, load, prompts, rows)
     print(f"results written to {write(result, args.out)}")
     return 0
+
+
+def kernel_facts(modes: list[str | None]) -> dict[str, str]:
+    """The CPU's features and the kernel path each ``--quantize`` mode ran."""
+    paths = {m: kernel_path(m) for m in dict.fromkeys(modes) if m is not None}
+    return {
+        "cpu features": cpu_features().describe(),
+        "kernel paths": ", ".join(
+            f"{m}: {'torch fallback' if p is None else f'{p.name} ({p.how})'}"
+            for m, p in paths.items()
+        )
+        or "none (no --quantize variant)",
+    }
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:

@@ -27,8 +27,13 @@ from graphrunner_ref.cli.common import UsageError
 from graphrunner_ref.engine.config import DTYPES
 from graphrunner_ref.engine.kinds.llama import EMBEDDED_MODELS
 from graphrunner_ref.model.attention_backend import ATTENTIONS
-from graphrunner_ref.model.cpu_features import half_precision_note, int8_weight_only_note
+from graphrunner_ref.model.cpu_features import (
+    half_precision_note,
+    int8_weight_only_note,
+    kernel_note,
+)
 from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.quantize import INT4_MODES
 
 __all__ = [
     "check_attention",
@@ -144,16 +149,16 @@ def note_half_precision(args: argparse.Namespace) -> None:
 
 
 def check_quantize(args: argparse.Namespace) -> None:
-    """``--quantize`` on the CPU, ``fp16`` and ``int4`` with ``--dtype float32``
-    (``args.device`` resolved); the C++ kernels loaded (built, the first time on
-    a machine, saying how long it took); a note where the weight-only product
-    is slow."""
+    """``--quantize`` on the CPU, ``fp16`` and the int4 modes with ``--dtype
+    float32`` (``args.device`` resolved); the C++ kernels loaded (built, the
+    first time on a machine, saying how long it took); which kernel path runs
+    on this CPU's features, and a note where the weight-only product is slow."""
     mode = getattr(args, "quantize", None)
     if mode is None:
         return
     if not str(args.device).startswith("cpu"):
         raise UsageError(f"--quantize {mode} runs on the CPU; the device here is {args.device}")
-    if mode in ("fp16", "int4") and dtype(args) != torch.float32:
+    if mode in ("fp16", *INT4_MODES) and dtype(args) != torch.float32:
         raise UsageError(
             f"--quantize {mode} runs float32 activations over compact weights; --dtype "
             f"{args.dtype}: expected float32 (use --quantize int8 with a half-precision model)"
@@ -171,6 +176,8 @@ def check_quantize(args: argparse.Namespace) -> None:
     note = int8_weight_only_note(dtype(args)) if mode == "int8" else None
     if note is not None and not quiet:
         print(f"graphrunner: {note}", file=sys.stderr)
+    if not quiet and (mode != "int8" or dtype(args) == torch.float32):
+        print(f"graphrunner: --quantize {mode}: {kernel_note(mode)}", file=sys.stderr)
 
 
 def check_attention(args: argparse.Namespace) -> None:

@@ -10,15 +10,224 @@ float32's tokens/s at batch 1 (half the weight bytes) but 0.51x at batch 8
 says so, once, where it applies. Torch's weight-only int8 product
 (``--quantize int8``) ran 0.41x and 0.10x there; :func:`int8_weight_only_note`
 says so.
+
+It also holds what the compact-weight kernels dispatch on: :func:`cpu_features`
+(the vector and matrix units, read once, AMX only where the OS grants its
+tiles) and :data:`KERNEL_PATHS`, the one table of which kernel runs on which
+features, best first. :func:`kernel_path` picks the first row the CPU has
+and the build compiled, at first use; :data:`DISABLE_ENV` hides features to
+force a fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.cpu_kernels import DISABLE_ENV, kernel_status
 
-__all__ = ["half_precision_note", "half_precision_units", "int8_weight_only_note"]
+__all__ = [
+    "DISABLE_ENV",
+    "FEATURES",
+    "KERNEL_PATHS",
+    "CpuFeatures",
+    "KernelPath",
+    "cpu_features",
+    "half_precision_note",
+    "half_precision_units",
+    "int8_weight_only_note",
+    "kernel_note",
+    "kernel_path",
+]
+
+# DISABLE_ENV: comma-separated features to treat as missing (``/proc/cpuinfo``
+# names, or ``all`` for every one above AVX2/FMA/F16C): forces a fallback
+# path; hiding avx2, fma or f16c skips the C++ kernels (torch's paths run).
+#: The features the kernels care about, by their ``/proc/cpuinfo`` names.
+FEATURES = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
+_BASE = frozenset({"avx2", "fma", "f16c"})
+_AMX = ("amx_tile", "amx_int8", "amx_bf16")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """The CPU's name and which of :data:`FEATURES` it has (those hidden by
+    :data:`DISABLE_ENV` removed). ``amx_permitted``: None without AMX, else
+    whether the OS granted this process the AMX tile state (Linux asks for it
+    with ``arch_prctl``; AMX features are dropped from ``flags`` when not)."""
+
+    model: str
+    flags: frozenset[str]
+    amx_permitted: bool | None
+    disabled: frozenset[str]
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.flags for n in names)
+
+    def describe(self) -> str:
+        """``AMD EPYC: avx2 fma f16c; no avx512f, ...``, AMX's OS permission said."""
+        have = " ".join(f for f in FEATURES if f in self.flags) or "none"
+        missing = [f for f in FEATURES if f not in self.flags]
+        text = f"{self.model}: {have}" + (f"; no {' '.join(missing)}" if missing else "")
+        if self.amx_permitted is False:
+            text += " (AMX present but the OS refused its tiles)"
+        if self.disabled:
+            text += f" ({DISABLE_ENV} hides {' '.join(sorted(self.disabled))})"
+        return text
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The model name and flags of ``/proc/cpuinfo`` (Linux), else torch's view."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    name, flags = platform.processor() or platform.machine(), set[str]()
+    for line in lines:
+        if line.startswith("model name") and ":" in line:
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and ":" in line:
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not lines:  # not Linux: torch's cpuinfo answers the coarse questions
+        cpu = torch.cpu
+        probes = {
+            "avx2": "_is_avx2_supported",
+            "avx512f": "_is_avx512_supported",
+            "avx512_vnni": "_is_vnni_supported",
+            "avx512_bf16": "_is_avx512_bf16_supported",
+            "amx_tile": "_is_amx_tile_supported",
+        }
+        flags = {f for f, probe in probes.items() if getattr(cpu, probe, lambda: False)()}
+        if "avx2" in flags:
+            flags |= {"fma", "f16c"}
+        if "avx512f" in flags:
+            flags |= {"avx512bw", "avx512vl"}
+    return name, flags
+
+
+def amx_permitted() -> bool:
+    """Ask Linux for this process's AMX tile data (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``); whether it was granted. Only called where the CPU
+    lists ``amx_tile``; elsewhere than Linux on x86-64, False."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """This CPU's :class:`CpuFeatures`, read once (AMX's permission asked once)."""
+    name, flags = _cpuinfo()
+    spec = os.environ.get(DISABLE_ENV, "")
+    disabled = {f.strip() for f in spec.split(",") if f.strip()}
+    if "all" in disabled:
+        disabled = (disabled - {"all"}) | (set(FEATURES) - _BASE)
+    have = {f for f in FEATURES if f in flags} - disabled
+    permitted = None
+    if "amx_tile" in have:
+        permitted = amx_permitted()
+        if not permitted:
+            have -= set(_AMX)
+    return CpuFeatures(name, frozenset(have), permitted, frozenset(disabled & set(FEATURES)))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPath:
+    """One row of :data:`KERNEL_PATHS`: ``product`` (a ``--quantize`` mode)
+    runs kernel ``name`` (the C++ op's path number ``code``) where the CPU has
+    every feature of ``needs``; ``how`` says what it does."""
+
+    product: str
+    name: str
+    needs: tuple[str, ...]
+    code: int
+    how: str
+
+
+#: feature -> kernel, for each product best first (:func:`kernel_path` takes
+#: the first the CPU has and the build compiled). int4, int8 and fp16 have
+#: one path: an AVX-512 build of int4's loop was measured on a Zen 4 and not
+#: kept (4% faster at 1 row, 25% slower at 8: ``cpu_kernels.cpp``). The
+#: VNNI rows cannot run on the AVX2 machine this was written on: they are
+#: compiled (where the compiler targets them) and tested where a CPU has them.
+KERNEL_PATHS = (
+    KernelPath(
+        "int4-q8",
+        "avx512-vnni",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        2,
+        "vpdpbusd (EVEX), 32 codes x 32 int8 activations an instruction",
+    ),
+    KernelPath("int4-q8", "avx-vnni", ("avx_vnni",), 1, "vpdpbusd (VEX), 32 codes an instruction"),
+    KernelPath(
+        "int4-q8",
+        "avx2",
+        ("avx2", "fma"),
+        0,
+        "vpmaddubsw + vpmaddwd, 32 codes x 32 int8 activations",
+    ),
+    KernelPath("int4", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
+    KernelPath("int8", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
+    KernelPath("fp16", "avx2", ("avx2", "fma", "f16c"), 0, "F16C widening, FMA"),
+)
+
+
+def _compiled(path: KernelPath) -> bool:
+    if path.product != "int4-q8":
+        return path.code == 0
+    return bool(int(torch.ops.graphrunner_int4.q8_paths()) >> path.code & 1)
+
+
+@functools.cache
+def kernel_path(product: str) -> KernelPath | None:
+    """The path ``product``'s C++ kernel takes on this CPU (None where the
+    kernels do not run here: the torch fallback runs). ValueError for a
+    product the table does not name."""
+    rows = [p for p in KERNEL_PATHS if p.product == product]
+    if not rows:
+        products = sorted({p.product for p in KERNEL_PATHS})
+        raise ValueError(f"kernel_path({product!r}): expected one of {', '.join(products)}")
+    if kernel_status() is not None:
+        return None
+    features = cpu_features()
+    return next((p for p in rows if features.has(*p.needs) and _compiled(p)), None)
+
+
+def kernel_note(product: str) -> str:
+    """One line: the kernel ``product`` runs here and the CPU's features."""
+    path = kernel_path(product)
+    how = (
+        f"the C++ {path.name} kernel ({path.how})"
+        if path is not None
+        else f"the torch fallback ({kernel_status() or 'no path for these features'})"
+    )
+    return f"kernel: {how}; CPU {cpu_features().describe()}"
 
 
 def half_precision_units() -> list[str]:

@@ -271,13 +271,247 @@ at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+
+// int4 x q8 (graphrunner_int4::linear_q8, int4_q8.py): the same 4-bit weights,
+// each input row's groups of 32 quantized to int8 with one float scale per
+// group (d = max|x_g| / 127, q = round-half-even(x * 127 / max|x_g|)), as
+// llama.cpp's Q8 blocks are. Per group an integer dot of 32 unsigned codes
+// with 32 signed activations, exact in int32 whichever instructions run it:
+//   y[r, o] = sum_g (scale[o, g] * d[r, g]) * (q[o, g] . qx[r, g]) + min[o, g] * sum(x[r, g])
+// (the min's share takes the float sum of the row's own floats). The paths
+// differ only in the instruction of the integer dot, so their outputs are
+// equal bit for bit; each row's float accumulation order is fixed (two
+// chains, even and odd groups), whatever the batch.
+//
+// A row's groups, quantized: codes (groups * 32 int8), scales and float sums.
+void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xg + 8 * k);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    d[g] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k)
+      i[k] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[k], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // Packing interleaves the 128-bit lanes; the permute puts codes back in order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup),
+                        _mm256_permutevar8x32_epi32(p, order));
+    s[g] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  }
+}
+
+// The 32 codes of a group (byte j: code j low, code j + 16 high) in order, one a byte.
+inline __m256i codes32(const uint8_t* bytes) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// mins . sums over a row's groups, 8 at a time (a fixed order for a given row).
+inline float min_share8(const float* mins, const float* sums, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(sums + g), acc);
+  float m = hsum(acc);
+  for (; g < groups; ++g) m = std::fma(mins[g], sums[g], m);
+  return m;
+}
+
+// The integer dot of each path: 8 int32 lanes, lane i the sum of bytes 4i..4i+3's
+// products. AVX2: maddubs (u8 x s8 pairs to int16: 15 * 127 * 2 cannot saturate),
+// then madd by ones (pairs of int16 to int32).
+struct DotAvx2 {
+  static inline __m256i dot(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+  }
+};
+
+template <int R, class Dot>
+inline void q8_group(const uint8_t* bytes, float dw, const int8_t* xq, const float* xd,
+                     int64_t kp, int64_t groups, int64_t g, __m256 (&acc)[R]) {
+  const __m256i w = codes32(bytes);
+  for (int r = 0; r < R; ++r) {
+    const __m256i xv =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + g * kGroup));
+    const __m256 p = _mm256_cvtepi32_ps(Dot::dot(w, xv));
+    acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * groups + g]), acc[r]);
+  }
+}
+
+template <int R, class Dot>
+inline void rows_q8_body(const int8_t* xq, const float* xd, const float* sx, int64_t groups,
+                         const uint8_t* packed, const float* scales, const float* mins, float* y,
+                         int64_t out, int64_t o0, int64_t o1) {
+  const int64_t kp = groups * kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wq = packed + o * groups * 16;
+    const float* sc = scales + o * groups;
+    __m256 even[R], odd[R];  // even and odd groups: two chains in flight
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      q8_group<R, Dot>(wq + g * 16, sc[g], xq, xd, kp, groups, g, even);
+      q8_group<R, Dot>(wq + g * 16 + 16, sc[g + 1], xq, xd, kp, groups, g + 1, odd);
+    }
+    if (g < groups) q8_group<R, Dot>(wq + g * 16, sc[g], xq, xd, kp, groups, g, even);
+    for (int r = 0; r < R; ++r) {
+      const float dot = hsum(_mm256_add_ps(even[r], odd[r]));
+      y[r * out + o] = dot + min_share8(mins + o * groups, sx + r * groups, groups);
+    }
+  }
+}
+
+// Each path's entry: the body inlined whole (flatten) under the path's own
+// target, so the dot's instruction is inlined too; the rest of the file stays AVX2.
+template <int R>
+__attribute__((flatten)) void rows_q8_avx2(const int8_t* xq, const float* xd, const float* sx,
+                                           int64_t groups, const uint8_t* packed,
+                                           const float* scales, const float* mins, float* y,
+                                           int64_t out, int64_t o0, int64_t o1) {
+  rows_q8_body<R, DotAvx2>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+}
+
+using Q8Fn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+                      const float*, const float*, float*, int64_t, int64_t, int64_t);
+
+#define GRAPHRUNNER_Q8_ROWS(fn) \
+  {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
+
+// The paths, by number (cpu_features.py's table names them): 0 AVX2, 1 AVX-VNNI
+// (256-bit vpdpbusd, VEX), 2 AVX-512 VNNI (the same instruction on 256-bit
+// registers, EVEX: AVX512VL). A path is compiled only where the compiler can
+// target it (its functions alone, with a target attribute) and run only where
+// the CPU has it (checked again in linear_q8).
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define GRAPHRUNNER_VNNI 1
+struct DotAvxVnni {
+  __attribute__((target("avxvnni"))) static inline __m256i dot(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+  }
+};
+struct DotAvx512Vnni {
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m256i dot(
+      __m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  }
+};
+
+template <int R>
+__attribute__((target("avxvnni"), flatten)) void rows_q8_avxvnni(
+    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* packed,
+    const float* scales, const float* mins, float* y, int64_t out, int64_t o0, int64_t o1) {
+  rows_q8_body<R, DotAvxVnni>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), flatten)) void rows_q8_avx512vnni(
+    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* packed,
+    const float* scales, const float* mins, float* y, int64_t out, int64_t o0, int64_t o1) {
+  rows_q8_body<R, DotAvx512Vnni>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+}
+#define GRAPHRUNNER_Q8_VNNI GRAPHRUNNER_Q8_ROWS(rows_q8_avxvnni)
+#define GRAPHRUNNER_Q8_VNNI512 GRAPHRUNNER_Q8_ROWS(rows_q8_avx512vnni)
+#else
+#define GRAPHRUNNER_Q8_VNNI {}
+#define GRAPHRUNNER_Q8_VNNI512 {}
+#endif
+
+constexpr int kQ8Paths = 3;
+constexpr Q8Fn q8_table[kQ8Paths][kTile + 1] = {
+    GRAPHRUNNER_Q8_ROWS(rows_q8_avx2), GRAPHRUNNER_Q8_VNNI, GRAPHRUNNER_Q8_VNNI512};
+
+// Whether this CPU runs path p (the Python table chose it; this is the guard
+// against an illegal instruction, never the choice).
+bool q8_cpu_has(int64_t p) {
+#ifdef GRAPHRUNNER_VNNI
+  __builtin_cpu_init();
+  if (p == 1) return __builtin_cpu_supports("avxvnni");
+  if (p == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+  return p == 0;
+}
+
+// Bit p set: path p is compiled into this build.
+int64_t q8_paths() {
+  int64_t bits = 0;
+  for (int p = 0; p < kQ8Paths; ++p)
+    if (q8_table[p][1] != nullptr) bits |= int64_t{1} << p;
+  return bits;
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& mins, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "graphrunner_int4::linear_q8: x must be a 2-D float32 CPU tensor [rows, in]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "graphrunner_int4::linear_q8: packed must be contiguous uint8 [out, groups * 16]");
+  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
+  const int64_t groups = packed.size(1) / 16;
+  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups,
+              "graphrunner_int4::linear_q8: packed ", packed.sizes(), " does not fit in=", in);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && mins.is_contiguous() &&
+                  scales.numel() == out * groups && mins.numel() == out * groups,
+              "graphrunner_int4::linear_q8: scales and mins must be contiguous float32 [out, groups]");
+  TORCH_CHECK(path >= 0 && path < kQ8Paths && q8_table[path][1] != nullptr && q8_cpu_has(path),
+              "graphrunner_int4::linear_q8: path ", path,
+              " is not compiled into this build or not supported by this CPU (compiled: bits ",
+              q8_paths(), ")");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const int64_t kp = groups * kGroup;
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xpad(kp, 0.0f), xd(kTile * groups), sx(kTile * groups);
+  std::vector<int8_t> xq(kTile * kp);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
+      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
+      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
+                      sx.data() + r * groups);
+    }
+    const Q8Fn fn = q8_table[path][nr];
+    const int8_t* xqp = xq.data();
+    const float* xdp = xd.data();
+    const float* sxp = sx.data();
+    float* yt = yp + r0 * out;
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xqp, xdp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+         mins.data_ptr<float>(), yt, out, o0, o1);
+    });
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_int4, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor packed, Tensor scales, Tensor mins, int path) -> Tensor");
+  m.def("q8_paths() -> int", &q8_paths);
 }
 
-TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_q8", &linear_q8);
+}
 
 TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");

@@ -3,7 +3,10 @@ beside this file): ``graphrunner_int4::linear`` (4-bit groups,
 :mod:`~graphrunner_ref.model.int4_linear`), ``graphrunner_int8::linear``
 (int8 per output channel, :mod:`~graphrunner_ref.model.int8_linear`) and
 ``graphrunner_fp16::linear`` (float16, :mod:`~graphrunner_ref.model.fp16_linear`),
-all with float32 activations, AVX2/FMA/F16C.
+all with float32 activations, AVX2/FMA/F16C, and ``graphrunner_int4::linear_q8``
+(4-bit weights times activations quantized to 8 bits per group,
+:mod:`~graphrunner_ref.model.int4_q8`), whose path (AVX2, AVX-VNNI, AVX-512
+VNNI) :func:`~graphrunner_ref.model.cpu_features.kernel_path` picks.
 
 Built once per machine on first use with
 ``torch.utils.cpp_extension.load_inline`` into torch's extension cache (a
@@ -24,14 +27,17 @@ import torch
 
 from graphrunner.util import warn_at_caller
 
-__all__ = ["KERNEL_ENV", "KERNEL_SOURCE", "kernel_status", "kernels_run"]
+__all__ = ["DISABLE_ENV", "KERNEL_ENV", "KERNEL_SOURCE", "kernel_status", "kernels_run"]
 
 #: Set to ``torch`` to skip the C++ kernels (the torch paths run).
 KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
+#: Features to treat as missing (``cpu_features.DISABLE_ENV``); hiding AVX2,
+#: FMA or F16C skips the C++ kernels.
+DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v8"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v9"
 
 
 def _build() -> str | None:
@@ -40,6 +46,9 @@ def _build() -> str | None:
     process: the ops' fakes are registered once."""
     if os.environ.get(KERNEL_ENV, "") == "torch":
         return f"{KERNEL_ENV}=torch"
+    hidden = {f.strip() for f in os.environ.get(DISABLE_ENV, "").split(",")}
+    if hidden & {"avx2", "fma", "f16c"}:
+        return f"{DISABLE_ENV} hides {', '.join(sorted(hidden & {'avx2', 'fma', 'f16c'}))}"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the C++ kernels need AVX2 and FMA; this CPU's capability is {capability}"
@@ -58,6 +67,7 @@ def _build() -> str | None:
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths run
         return f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip()[:300]})"
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
+    torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
     torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
@@ -67,6 +77,13 @@ def _fake_int4_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> torch.Tensor:
     """The int4 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _fake_int4_q8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, path: int
+) -> torch.Tensor:
+    """The int4 x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

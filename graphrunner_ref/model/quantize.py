@@ -1,12 +1,14 @@
-"""Compact weights for a loaded Llama model: ``--quantize int8`` / ``fp16`` / ``int4``.
+"""Compact weights for a loaded Llama model: ``--quantize`` int8, fp16, int4 or int4-q8.
 
 :func:`quantize_model` replaces every projection of the decoder (each
 layer's stacked query/key/value, output, gate, up and down projections) and
 the LM head with a linear over compact weights: int8 per output channel
 (:mod:`graphrunner_ref.model.int8_linear`), float16 with float32 activations
 (:mod:`graphrunner_ref.model.fp16_linear`) or 4-bit groups of 32 input
-columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`).
-With int4 the LM head takes float16 weights: 4-bit logits leave the float
+columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
+or the same weights times activations quantized to 8 bits per group
+(``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`).
+With int4 (either) the LM head takes float16 weights: 4-bit logits leave the float
 model's answers within a few tokens. It runs after the weights are loaded,
 whatever their source: a float
 checkpoint, or a GGUF file (whose blocks the import dequantized to floats:
@@ -32,6 +34,7 @@ from torch import nn
 
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
+from graphrunner_ref.model.int4_q8 import Int4Q8Linear
 from graphrunner_ref.model.int8_linear import Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
 from graphrunner_ref.model.shapes import projection_shapes
@@ -39,7 +42,13 @@ from graphrunner_ref.model.shapes import projection_shapes
 if TYPE_CHECKING:
     from graphrunner_ref.model.llama import LlamaDecoder
 
-__all__ = ["QUANTIZATIONS", "check_quantization", "compact_linear", "quantize_model"]
+__all__ = [
+    "INT4_MODES",
+    "QUANTIZATIONS",
+    "check_quantization",
+    "compact_linear",
+    "quantize_model",
+]
 
 #: ``--quantize`` names and what each runs.
 QUANTIZATIONS = {
@@ -54,7 +63,15 @@ QUANTIZATIONS = {
     "(a C++ AVX2 kernel built on first use: ~4.5x float32 at batch 1 where weights stream "
     "from memory, about even in cache, slower than fp16 at batch 8; without a compiler, "
     "dequantize-then-matmul, far slower than float32)",
+    "int4-q8": "int4's weights, each row's activations quantized to 8 bits per group of 32 "
+    "and multiplied in integers, as llama.cpp's Q4 x Q8 (opt-in, not exact: answers may "
+    "leave float32's; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI, whichever the CPU "
+    "has; rows independent of the batch bit for bit)",
 }
+
+#: The modes over int4's weights: a float32 model only, a GGUF file's own Q4
+#: codes taken as they are, a float16 LM head.
+INT4_MODES = ("int4", "int4-q8")
 
 
 def check_quantization(mode: str, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -69,9 +86,9 @@ def check_quantization(mode: str, dtype: torch.dtype, device: torch.device | str
             f"quantize='fp16' runs float32 activations over float16 weights; the model's "
             f"dtype is {dtype} (use quantize='int8' for a half-precision model)"
         )
-    if mode == "int4" and dtype != torch.float32:
+    if mode in INT4_MODES and dtype != torch.float32:
         raise ValueError(
-            f"quantize='int4' runs float32 activations over 4-bit weights; the model's "
+            f"quantize={mode!r} runs float32 activations over 4-bit weights; the model's "
             f"dtype is {dtype}, expected torch.float32 (use quantize='int8' for a "
             "half-precision model)"
         )
@@ -84,6 +101,8 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
         return lambda w: Int8Linear(w, dtype)
     if mode == "int4":
         return Int4Linear
+    if mode == "int4-q8":
+        return Int4Q8Linear
     return Fp16WeightLinear
 
 
@@ -92,7 +111,7 @@ def quantize_model(
 ) -> nn.Module:
     """Quantize ``model`` (a :class:`~graphrunner_ref.model.llama.LlamaDecoder`,
     weights loaded) in place with ``mode`` (a :data:`QUANTIZATIONS` name);
-    returns it. ``codes`` (int4 only): 4-bit weights by transformers name
+    returns it. ``codes`` (:data:`INT4_MODES` only): 4-bit weights by transformers name
     (``model.layers.0.mlp.up_proj.weight``) taken as they are for those
     projections, the rest quantized from the model's floats. Raises
     ValueError for another model, one already quantized, an unknown mode, a
@@ -112,8 +131,10 @@ def quantize_model(
         )
     dtype = model.model.norm.weight.dtype
     check_quantization(mode, dtype, model.model.norm.weight.device)
-    if codes and mode != "int4":
-        raise ValueError(f"quantize={mode!r}: codes are 4-bit weights; expected mode 'int4'")
+    if codes and mode not in INT4_MODES:
+        raise ValueError(
+            f"quantize={mode!r}: codes are 4-bit weights; expected a mode of {INT4_MODES}"
+        )
     config = model.config
     if config.attention_bias or config.mlp_bias:
         raise ValueError(
@@ -129,7 +150,7 @@ def quantize_model(
         # 4-bit logits drift from the float model's within a few tokens (the
         # head is often a tied embedding kept at 8 bits by GGUF files): the
         # LM head of int4 keeps float16 weights, half float32's bytes.
-        head = head_linear if mode in ("int4", "fp16") else make
+        head = head_linear if mode in (*INT4_MODES, "fp16") else make
         model.head_proj = head(model.lm_head_weight)
         if codes:
             _take_codes(model, codes)

@@ -1,0 +1,292 @@
+"""4-bit weights times 8-bit activations (``--quantize int4-q8``,
+:mod:`graphrunner_ref.model.int4_q8`) and the kernel paths by CPU feature
+(:mod:`graphrunner_ref.model.cpu_features`).
+
+The oracle is :func:`int4_q8_reference_linear` (the same quantization bit
+for bit, the same integer dots, a float64 sum); the error against the
+float activations' product is held to its analytic bound. Every path this
+CPU runs is checked, and they must agree bit for bit (their integer dots are
+exact); paths this CPU lacks are skipped and refused by the C++ guard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import graphrunner_ref
+from graphrunner_ref.engine.workload import requests_from_prompts
+from graphrunner_ref.model import cpu_features as features_module
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.cpu_features import (
+    DISABLE_ENV,
+    KERNEL_PATHS,
+    CpuFeatures,
+    cpu_features,
+    kernel_note,
+    kernel_path,
+)
+from graphrunner_ref.model.cpu_kernels import kernel_status
+from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
+from graphrunner_ref.model.int4_linear import GROUP, Int4Linear
+from graphrunner_ref.model.int4_q8 import (
+    Int4Q8Linear,
+    int4_q8_reference_linear,
+    quantize_activations_q8,
+)
+from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, quantize_model
+
+#: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a tile.
+SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9), (24, 96, 19)]
+Q8_PATHS = [p for p in KERNEL_PATHS if p.product == "int4-q8"]
+
+
+def _clear() -> None:
+    kernel_status.cache_clear()
+    cpu_features.cache_clear()
+    kernel_path.cache_clear()
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Feature detection and path choice read again, and again after the test."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    _clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    _clear()
+
+
+def _runnable(code: int) -> bool:
+    """Whether this CPU has, and this build compiled, int4-q8 path ``code``."""
+    if kernel_status() is not None:
+        return False
+    row = next(p for p in Q8_PATHS if p.code == code)
+    compiled = int(torch.ops.graphrunner_int4.q8_paths()) >> code & 1
+    return cpu_features().has(*row.needs) and bool(compiled)
+
+
+def _name(product: str) -> str | None:
+    path = kernel_path(product)
+    return None if path is None else path.name
+
+
+def _kernel(x: torch.Tensor, linear: Int4Linear, code: int) -> torch.Tensor:
+    return torch.ops.graphrunner_int4.linear_q8(x, linear.packed, linear.scales, linear.mins, code)
+
+
+def test_activation_codes_round_to_the_nearest_of_255_steps() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 70, generator=gen) * torch.tensor([[1.0], [1e-3], [50.0]])
+    x[1, 32:64] = 0.0  # a group of zeros: scale 0, codes 0
+    q, d, sums = quantize_activations_q8(x)
+    assert q.shape == (3, 3, GROUP) and q.dtype == torch.int8 and d.shape == sums.shape == (3, 3)
+    assert int(q.abs().max()) == 127 and float(d[1, 1]) == 0.0 and not bool(q[1, 1].any())
+    back = (q.float() * d[..., None]).view(3, -1)[:, :70]
+    assert bool(((back - x).abs() <= d.repeat_interleave(GROUP, 1)[:, :70] / 2 * 1.001).all())
+    padded = torch.nn.functional.pad(x, (0, 26)).view(3, 3, GROUP)
+    torch.testing.assert_close(sums, padded.sum(dim=2))
+
+
+@pytest.mark.parametrize("code", [p.code for p in Q8_PATHS])
+@pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
+def test_each_path_equals_the_reference(code: int, out: int, inp: int, rows: int) -> None:
+    if not _runnable(code):
+        pytest.skip(f"int4-q8 path {code} does not run on this CPU or build")
+    gen = torch.Generator().manual_seed(out + inp)
+    w, x = torch.randn(out, inp, generator=gen) * 0.05, torch.randn(rows, inp, generator=gen)
+    linear = Int4Linear(w)
+    y = _kernel(x, linear, code)
+    ref = int4_q8_reference_linear(x, linear.packed, linear.scales, linear.mins)
+    # Same codes and integer dots: only the float sums' order differs.
+    torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * max(float(ref.abs().max()), 1.0))
+    if code != 0:  # every path's integer dot is exact: the same output bit for bit
+        assert torch.equal(y, _kernel(x, linear, 0))
+
+
+@pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
+def test_the_error_stays_within_the_activations_rounding(out: int, inp: int, rows: int) -> None:
+    """|int4-q8 - x @ W| <= sum_g scale_g * d_g * 15 * 32 / 2 (each of a group's
+    32 activations within d/2 of its code, times codes up to 15; the min's
+    share is exact), whichever path runs here (the torch one too)."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(out, inp, generator=gen), torch.randn(rows, inp, generator=gen) * 3
+    for kernel in (None, False):
+        linear = Int4Q8Linear(w, kernel=kernel)
+        exact = x.double() @ linear.dequantized().double().T
+        _, d, _ = quantize_activations_q8(x)
+        bound = (d.double() @ linear.scales.double().T) * 15 * GROUP / 2
+        error = (linear(x).double() - exact).abs()
+        assert bool((error <= bound * (1 + 1e-4) + 1e-4).all()), float((error - bound).max())
+        assert float(error.max()) > 0  # it does round: an exact product would be int4's
+
+
+@pytest.mark.parametrize("kernel", [None, False])
+def test_a_row_never_depends_on_the_rows_beside_it(kernel: bool | None) -> None:
+    """Alone, with others, beside NaN, inf and huge rows, at every tile
+    remainder: a live row's output is the same bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    linear = Int4Q8Linear(torch.randn(80, 100, generator=gen), kernel=kernel)
+    x = torch.randn(19, 100, generator=gen)
+    together = linear(x)
+    for j in range(19):
+        assert torch.equal(linear(x[j : j + 1])[0], together[j]), j
+    for rows in (2, 3, 7, 8, 9, 16):
+        assert torch.equal(linear(x[:rows]), together[:rows]), rows
+    poisoned = x.clone()
+    poisoned[3], poisoned[4], poisoned[5:] = float("nan"), float("inf"), 3e38
+    assert torch.equal(linear(poisoned)[:3], together[:3])
+
+
+def test_the_kernel_runs_under_torch_compile() -> None:
+    if kernel_status() is not None:
+        pytest.skip(f"C++ kernels unavailable: {kernel_status()}")
+    gen = torch.Generator().manual_seed(3)
+    linear = Int4Q8Linear(torch.randn(48, 64, generator=gen), kernel=True)
+    x = torch.randn(4, 64, generator=gen)
+    compiled = torch.compile(linear, backend="inductor", fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
+
+
+def test_a_path_this_cpu_lacks_is_refused_by_the_kernel() -> None:
+    """The table never picks it; called anyway, the C++ guard raises rather
+    than running an illegal instruction."""
+    if kernel_status() is not None:
+        pytest.skip(f"C++ kernels unavailable: {kernel_status()}")
+    missing = [p.code for p in Q8_PATHS if not _runnable(p.code)]
+    if not missing:
+        pytest.skip("this CPU runs every int4-q8 path")
+    linear = Int4Linear(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="not compiled into this build or not supported"):
+        _kernel(torch.randn(1, 32), linear, missing[0])
+    with pytest.raises(RuntimeError, match="path 9"):
+        _kernel(torch.randn(1, 32), linear, 9)
+
+
+def test_the_table_picks_the_best_path_the_cpu_has(fresh: pytest.MonkeyPatch) -> None:
+    if kernel_status() is not None:
+        pytest.skip(f"C++ kernels unavailable: {kernel_status()}")
+    compiled = int(torch.ops.graphrunner_int4.q8_paths())
+    everything = {f for p in KERNEL_PATHS for f in p.needs}
+
+    def pretend(flags: set[str]) -> None:
+        fresh.setattr(features_module, "_cpuinfo", lambda: ("Test CPU", flags))
+        cpu_features.cache_clear()
+        kernel_path.cache_clear()
+
+    pretend(everything)
+    best = next(p for p in Q8_PATHS if compiled >> p.code & 1)
+    assert kernel_path("int4-q8") == best
+    pretend(everything - {"avx512_vnni"})
+    assert _name("int4-q8") == ("avx-vnni" if compiled & 2 else "avx2")
+    pretend({"avx2", "fma", "f16c"})
+    path = kernel_path("int4-q8")
+    assert path is not None and path.name == "avx2" and path.code == 0
+    assert _name("int4") == "avx2" and _name("fp16") == "avx2"
+    note = kernel_note("int4-q8")
+    assert note.startswith("kernel: the C++ avx2 kernel (vpmaddubsw")
+    assert "CPU Test CPU: avx2 fma f16c; no avx512f" in note
+    with pytest.raises(ValueError, match="kernel_path\\('int2'\\): expected one of"):
+        kernel_path("int2")
+
+
+def test_the_environment_hides_features_to_force_a_fallback(fresh: pytest.MonkeyPatch) -> None:
+    """Hiding VNNI forces the AVX2 path; hiding AVX2 skips the C++ kernels
+    (warned once): the torch path runs and gives the kernel's output."""
+    fresh.setenv(DISABLE_ENV, "avx512_vnni,avx_vnni")
+    _clear()
+    features = cpu_features()
+    assert not features.has("avx512_vnni") and not features.has("avx_vnni")
+    if kernel_status() is None:
+        assert _name("int4-q8") == "avx2"
+    assert f"{DISABLE_ENV} hides" in features.describe()
+    fresh.setenv(DISABLE_ENV, "all")
+    _clear()
+    assert cpu_features().flags <= {"avx2", "fma", "f16c"}
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(40, 70, generator=gen), torch.randn(5, 70, generator=gen)
+    fast = Int4Q8Linear(w)(x)
+    fresh.setenv(DISABLE_ENV, "avx2")
+    _clear()
+    with pytest.warns(RuntimeWarning, match=f"{DISABLE_ENV} hides avx2"):
+        assert kernel_status() == f"{DISABLE_ENV} hides avx2"
+    assert kernel_path("int4-q8") is None
+    assert "the torch fallback" in kernel_note("int4-q8")
+    slow = Int4Q8Linear(w)
+    assert not slow.kernel and "torch reference" in repr(slow)
+    torch.testing.assert_close(slow(x), fast, rtol=0, atol=2e-6 * float(fast.abs().max()))
+    with pytest.raises(RuntimeError, match="kernel=True"):
+        Int4Q8Linear(w, kernel=True)
+
+
+def test_amx_counts_only_where_the_os_grants_its_tiles(fresh: pytest.MonkeyPatch) -> None:
+    amx = {"avx2", "fma", "f16c", "amx_tile", "amx_int8", "amx_bf16"}
+    fresh.setattr(features_module, "_cpuinfo", lambda: ("Test Xeon", amx))
+    for granted in (False, True):
+        fresh.setattr(features_module, "amx_permitted", lambda granted=granted: granted)
+        cpu_features.cache_clear()
+        features = cpu_features()
+        assert features.amx_permitted is granted
+        assert features.has("amx_tile", "amx_int8") is granted
+        assert ("the OS refused its tiles" in features.describe()) is not granted
+    fresh.setattr(features_module, "_cpuinfo", lambda: ("Test EPYC", {"avx2"}))
+    cpu_features.cache_clear()
+    assert cpu_features().amx_permitted is None  # never asked without AMX
+
+
+def test_this_cpu_is_described() -> None:
+    features = cpu_features()
+    assert isinstance(features, CpuFeatures) and features.model
+    assert features.describe().startswith(features.model)
+
+
+def test_int4_q8_is_a_quantize_mode_refused_off_float32() -> None:
+    assert "int4-q8" in QUANTIZATIONS and "8 bits" in QUANTIZATIONS["int4-q8"]
+    check_quantization("int4-q8", torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"quantize='int4-q8'.*expected torch.float32"):
+        check_quantization("int4-q8", torch.bfloat16, "cpu")
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, graphrunner_ref.ModelBundle]:
+    bundles = {}
+    for mode in ("int4", "int4-q8"):
+        bundles[mode] = default_model(max_requests=4)
+        quantize_model(bundles[mode].model, mode)
+    return bundles
+
+
+def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
+    runner = graphrunner_ref.create_decode_runner(bundle, "eager", capture_sizes=[4])
+    runner.capture()
+    trace = requests_from_prompts([[1, 2, 3], [4, 5], [6]], max_new_tokens=6)
+    result = graphrunner_ref.Engine(bundle, runner).run(trace)
+    return {rid: list(tokens) for rid, tokens in result.outputs.items()}
+
+
+def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelBundle]) -> None:
+    """Every projection an Int4Q8Linear, the LM head float16; the embedded
+    (random, near-tied logits) model's greedy tokens start as int4's float
+    activations' do (its bound here: the first two of every row; SmolLM2's
+    agreement is measured in ``bench/bench_real_cpu.py``), and so do the torch
+    path's."""
+    model = models["int4-q8"].model
+    linears = [m for m in model.modules() if isinstance(m, Int4Q8Linear)]
+    assert len(linears) == 4 * len(model.model.layers) and model.quantization == "int4-q8"
+    assert isinstance(model.head_proj, Fp16WeightLinear)
+    outputs = _decode(models["int4-q8"])
+    exact = _decode(models["int4"])
+    assert sorted(outputs) == sorted(exact)
+    for rid, tokens in outputs.items():
+        assert tokens[:2] == exact[rid][:2], rid
+    if kernel_status() is None:
+        for m in linears:
+            m.kernel = False
+        try:  # a float64 sum, not the kernel's float32 one: near ties may part later
+            slow = _decode(models["int4-q8"])
+            assert all(slow[rid][:2] == tokens[:2] for rid, tokens in outputs.items())
+        finally:
+            for m in linears:
+                m.kernel = True
