@@ -85,7 +85,7 @@ class Server:
                 parsed: Any = json.loads(text)
             except ValueError:
                 parsed = text
-            return response.status, dict(response.getheaders()), parsed
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, parsed
         finally:
             conn.close()
 

@@ -58,9 +58,16 @@ class _Server(uvicorn.Server):
     admitting, a deadline for the requests in flight) and are not raised
     again once it has shut down (the command exits 0)."""
 
-    def __init__(self, config: uvicorn.Config, engine: OnlineEngine, timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: OnlineEngine, timeout: float, address: str
+    ) -> None:
         super().__init__(config)
-        self.engine, self.timeout = engine, timeout
+        self.engine, self.timeout, self.address = engine, timeout, address
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # said once the socket accepts connections
+            print(f"graphrunner serve: listening on {self.address}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -140,7 +147,9 @@ def run(
         timeout_graceful_shutdown=int(options.shutdown_timeout + _GRACE),
         lifespan="off",
     )
-    server = _Server(uconfig, engine, options.shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    server = _Server(uconfig, engine, options.shutdown_timeout, address)
     engine.start()
     try:
         return _serve(server, engine, sock, options)
@@ -160,9 +169,6 @@ def _serve(
     if engine.failure is not None:
         print(f"graphrunner serve: error: the engine failed: {engine.failure}", file=sys.stderr)
         return 1
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"graphrunner serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
 
     async def main() -> None:
         engine.bind(asyncio.get_running_loop())

@@ -1,0 +1,157 @@
+"""``graphrunner serve`` with a checkpoint's tokenizer and chat template
+(a tiny trained-tokenizer Llama): chat and text completions, streamed and
+not, through the HTTP API and the official ``openai`` client: the role
+first, the deltas joining to the whole answer, ``finish_reason`` on the
+last, usage counts equal to the tokenizer's, stop strings, and greedy chat
+answers equal to ``generate --chat``'s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+import graphrunner_ref.cli.main as cli
+from gguf_world import tiny_text_checkpoint
+from serve_world import Server
+
+MESSAGES = [
+    {"role": "system", "content": "answer briefly"},
+    {"role": "user", "content": "what is the capital of france?"},
+]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("serve-text") / "hf"
+    tiny_text_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt: Path) -> Any:
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Path) -> Iterator[Server]:
+    with Server(
+        str(ckpt), "--runner", "eager", "--max-bs", "4", "--served-model-name", "tiny"
+    ) as s:
+        yield s
+        assert s.stop() == 0, "".join(s.log)
+
+
+def _chat(server: Server, **fields: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": NEW, **fields}
+    status, _, answer = server.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    return dict(answer)
+
+
+def test_chat_answers_whole_with_the_tokenizers_counts(server: Server, tokenizer: Any) -> None:
+    answer = _chat(server)
+    choice = answer["choices"][0]
+    assert answer["object"] == "chat.completion"
+    assert choice["message"]["role"] == "assistant"
+    ids = choice["token_ids"]
+    assert choice["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+        prompt = prompt["input_ids"]
+    assert answer["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "total_tokens": len(prompt) + len(ids),
+    }
+    ended = ids[-1] == tokenizer.eos_token_id
+    assert choice["finish_reason"] == ("stop" if ended else "length")
+
+
+def test_streamed_chat_deltas_join_to_the_whole_answer(server: Server) -> None:
+    whole = _chat(server)
+    body = {"messages": MESSAGES, "max_tokens": NEW, "stream": True}
+    events = list(
+        server.stream("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    )
+    assert events[-1] == "[DONE]"
+    usage, chunks = events[-2], [e for e in events[:-2]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all("role" not in d for d in deltas[1:])
+    assert (
+        "".join(d.get("content", "") for d in deltas) == whole["choices"][0]["message"]["content"]
+    )
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == whole["choices"][0]["finish_reason"] and not any(finishes[:-1])
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+def test_text_completions_streamed_and_not(server: Server, tokenizer: Any) -> None:
+    prompt = "hello world, hello"
+    status, _, whole = server.post("/v1/completions", {"prompt": prompt, "max_tokens": NEW})
+    assert status == 200
+    assert whole["usage"]["prompt_tokens"] == len(tokenizer(prompt)["input_ids"])
+    body = {"prompt": prompt, "max_tokens": NEW, "stream": True}
+    events = list(server.stream("/v1/completions", body))
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == whole["choices"][0]["text"]
+
+
+def test_a_stop_string_ends_the_answer_before_it(server: Server) -> None:
+    free = _chat(server, max_tokens=40)["choices"][0]["message"]["content"]
+    stop = free.strip()[3:6]
+    if len(stop) < 2:
+        pytest.skip(f"the random model's answer {free!r} is too short to stop in")
+    answer = _chat(server, max_tokens=40, stop=[stop])["choices"][0]
+    assert answer["message"]["content"] == free[: free.index(stop)]
+    assert answer["finish_reason"] == "stop" and answer["stop_reason"] == stop
+    events = list(
+        server.stream(
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_tokens": 40, "stop": stop, "stream": True},
+        )
+    )
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == answer["message"]["content"]
+
+
+def test_greedy_chat_equals_generate_chat(
+    server: Server, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    question = MESSAGES[1]["content"]
+    argv = ["generate", "--model", str(ckpt), "--chat", "--prompt", question, "--json"]
+    assert cli.main([*argv, "--runner", "eager", "--max-new-tokens", str(NEW), "--quiet"]) == 0
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    answer = _chat(server, messages=[MESSAGES[1]])
+    assert answer["choices"][0]["token_ids"] == expected
+
+
+def test_the_openai_client_chats_streamed_and_not(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    assert model.id == "tiny"
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=NEW)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=NEW,
+        stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert "messages" in str(bad.value)
