@@ -92,9 +92,14 @@ def _serve(
     )
     # Text streaming to a terminal is the run's progress: no bar to break its lines.
     streaming = inputs.on_token is not None and sys.stdout.isatty()
-    outcome = serving.serve(
-        config, bundle, trace, hooks=hooks, progress=bars, run_progress=bars and not streaming
-    )
+    try:
+        outcome = serving.serve(
+            config, bundle, trace, hooks=hooks, progress=bars, run_progress=bars and not streaming
+        )
+    except BaseException:  # Ctrl-C mid-answer: its line ends before the exit's message
+        if inputs.printer is not None:
+            inputs.printer.end_line()
+        raise
     result, stats = outcome.result, outcome.result.stats
     mismatches = stats.mismatches if isinstance(stats, EngineStats) else 0
     if config.check and (config.speculative or config.overlap):

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or _model_name(args)
 
     from graphrunner_ref.serve.protocol import Limits
-    from graphrunner_ref.serve.server import ServerOptions
+    from graphrunner_ref.serve.server import ServerOptions, bind
     from graphrunner_ref.serve.server import run as serve_http
 
     limits = Limits(context, shape.vocab_size, args.logprobs, defaults, codec)
@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         log_level="warning" if args.quiet else "info",
     )
+    sock = bind(args.host, args.port)  # a taken port fails before the model loads
     bundle = serving.build(config, sizes[-1], context)
     if not args.quiet:
         print(
@@ -107,7 +108,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return serve_http(
-        config, bundle, limits, options, end_token=end, on_capture=_capture_line(sizes, args)
+        config,
+        bundle,
+        limits,
+        options,
+        end_token=end,
+        on_capture=_capture_line(sizes, args),
+        sock=sock,
     )
 
 

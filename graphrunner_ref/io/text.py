@@ -197,6 +197,14 @@ class StreamPrinter:
         if self._head < len(self.order) and self.tokens[self.order[self._head]]:
             self._show(self.order[self._head], final=False)  # the new head catches up
 
+    def end_line(self) -> None:
+        """End a block cut short (a run interrupted while it streamed) with its
+        newline, so what is printed after starts a line of its own."""
+        if self._head < len(self.order) and self.order[self._head] in self.shown:
+            out = self.out if self.out is not None else sys.stdout
+            out.write("\n")
+            out.flush()
+
     def close(self, outputs: dict[int, list[int]]) -> None:
         """Print every answer not printed yet, ``outputs`` by request id."""
         for rid in self.order:

@@ -30,7 +30,7 @@ from graphrunner_ref.serve.metrics import Metrics
 from graphrunner_ref.serve.online import OnCapture, OnlineEngine
 from graphrunner_ref.serve.protocol import Limits
 
-__all__ = ["ServerOptions", "run"]
+__all__ = ["ServerOptions", "bind", "run"]
 
 log = logging.getLogger("graphrunner.serve")
 
@@ -121,10 +121,12 @@ def run(
     *,
     end_token: int | None,
     on_capture: OnCapture | None = None,
+    sock: socket.socket | None = None,
 ) -> int:
     """Serve ``bundle`` over HTTP until a signal stops it; the exit status
-    (0 after a clean shutdown, 1 when the engine failed)."""
-    sock = bind(options.host, options.port)
+    (0 after a clean shutdown, 1 when the engine failed). ``sock``: bound
+    already (:func:`bind`; None: bound here to ``options``' host and port)."""
+    sock = sock or bind(options.host, options.port)
     metrics = Metrics()
     engine = OnlineEngine(
         config,
