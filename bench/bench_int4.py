@@ -12,10 +12,15 @@ its weight in cache) at 1 and 8 rows, and the same model's LM head
 * ``int4 aten``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` over the same
   codes (its ``(q - 8) * scale + zero`` format, ``zero = min + 8 * scale``);
 * ``int4 kernel``: the C++ AVX2 kernel
-  (``torch.ops.graphrunner_int4.linear``, built on first use).
+  (``torch.ops.graphrunner_int4.linear``, built on first use);
+* ``int4-q8 <path>``: the same codes times activations quantized to 8 bits
+  per group of 32 (``--quantize int4-q8``, ``torch.ops.graphrunner_int4.linear_q8``),
+  once for each kernel path this CPU runs (``cpu_features.KERNEL_PATHS``).
 
 Every candidate's output is first checked against ``int4 torch`` (atol 1e-4
-times the output's largest magnitude). Each is timed as the median over
+times the output's largest magnitude), the int4-q8 ones against
+:func:`~graphrunner_ref.model.int4_q8.int4_q8_reference_linear` (atol 2e-6);
+their error column is then the activations' rounding. Each is timed as the median over
 ``ROUNDS`` rounds of ``CALLS`` calls, candidates interleaved per round.
 Results: ``bench/results/int4-cpu.md``.
 
@@ -35,7 +40,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from graphrunner_ref.model.cpu_features import half_precision_units
+from graphrunner_ref.model.cpu_features import (
+    KERNEL_PATHS,
+    KernelPath,
+    cpu_features,
+    half_precision_units,
+    kernel_summary,
+)
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int4_linear import (
     GROUP,
@@ -43,18 +54,21 @@ from graphrunner_ref.model.int4_linear import (
     int4_reference_linear,
     quantize_int4,
 )
+from graphrunner_ref.model.int4_q8 import int4_q8_reference_linear
 
 RESULTS = Path(__file__).parent / "results" / "int4-cpu.md"
 #: (label, out, in, rows) of each product.
 PRODUCTS = [
     ("576x1536", 1536, 576, 1),
     ("576x1536", 1536, 576, 8),
+    ("1536x576 (down)", 576, 1536, 1),
+    ("1536x576 (down)", 576, 1536, 8),
     ("576x49152 (LM head)", 49152, 576, 1),
     ("576x49152 (LM head)", 49152, 576, 8),
 ]
 ROUNDS = 15
 #: Calls per round: enough for ~a few ms per round on the small product.
-CALLS = {1536: 50, 49152: 3}
+CALLS = {1536: 50, 576: 50, 49152: 3}
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
@@ -97,7 +111,25 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         )
     if int4_kernel_status() is None:
         out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, packed, scales, mins)
+        for path in q8_paths():
+            out[f"int4-q8 {path.name}"] = functools.partial(
+                torch.ops.graphrunner_int4.linear_q8,
+                packed=packed,
+                scales=scales,
+                mins=mins,
+                path=path.code,
+            )
     return out
+
+
+def q8_paths() -> list[KernelPath]:
+    """The int4-q8 kernel paths this CPU has and this build compiled."""
+    compiled = int(torch.ops.graphrunner_int4.q8_paths())
+    return [
+        p
+        for p in KERNEL_PATHS
+        if p.product == "int4-q8" and cpu_features().has(*p.needs) and compiled >> p.code & 1
+    ]
 
 
 def _median_us(fn: Callable[[], object], calls: int, rounds: list[float]) -> None:
@@ -115,10 +147,17 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
     fns = candidates(w)
     ref = fns["int4 torch"](x)
     scale = float(ref.abs().max())
+    packed, scales, mins = quantize_int4(w)
+    q8_ref = int4_q8_reference_linear(x, packed, scales, mins)
     errors = {}
     for name, fn in fns.items():
-        err = float((fn(x) - ref).abs().max()) / scale
-        if name != "float32" and name != "fp16" and err > 1e-4:
+        y = fn(x)
+        err = float((y - ref).abs().max()) / scale
+        if name.startswith("int4-q8"):
+            q8_err = float((y - q8_ref).abs().max()) / scale
+            if q8_err > 2e-6:
+                raise AssertionError(f"{name}: max error {q8_err:.2e} x output scale vs reference")
+        elif name != "float32" and name != "fp16" and err > 1e-4:
             raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
         errors[name] = err
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -143,20 +182,26 @@ def main() -> None:
         "times an `in x out` weight, median µs per call over "
         f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "
         "(above 1 is faster). Error: max |candidate - int4 torch| / max |output| "
-        "(float32 and fp16 multiply other weights, so theirs is the quantization error).",
+        "(float32 and fp16 multiply other weights, so theirs is the quantization error; "
+        "int4-q8's is its activations' rounding). int4-q8 vs int4: the int4 kernel's µs over "
+        "int4-q8's, same run.",
         "",
         *[f"- {k}: {v}" for k, v in facts.items()],
         f"- C++ kernel: {'built' if why is None else why}",
+        f"- CPU features: {cpu_features().describe()}",
+        f"- kernel paths: {kernel_summary(['int4', 'int4-q8', 'fp16'])}",
         "",
-        "| product | rows | candidate | µs | vs float32 | error |",
-        "|---|---|---|---|---|---|",
+        "| product | rows | candidate | µs | vs float32 | int4-q8 vs int4 | error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, out, inp, rows in PRODUCTS:
         results = measure(out, inp, rows)
         base = results["float32"][0]
+        int4 = results.get("int4 kernel", (float("nan"), 0.0))[0]
         for name, (us, err) in results.items():
             ratio = "" if name == "float32" else f"{base / us:.2f}x"
-            row = f"| {label} | {rows} | {name} | {us:.1f} | {ratio} | {err:.1e} |"
+            vs_int4 = f"{int4 / us:.2f}x" if name.startswith("int4-q8") else ""
+            row = f"| {label} | {rows} | {name} | {us:.1f} | {ratio} | {vs_int4} | {err:.1e} |"
             print(row.replace("|", " ").strip())
             lines.append(row)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

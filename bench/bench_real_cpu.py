@@ -56,7 +56,7 @@ from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.cli.demo_real import fetch_gguf
 from graphrunner_ref.io import load_model
 from graphrunner_ref.io.gguf_cache import cache_root
-from graphrunner_ref.model.cpu_features import cpu_features, kernel_path
+from graphrunner_ref.model.cpu_features import cpu_features, kernel_summary
 from graphrunner_ref.model.quantize import quantize_model
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
@@ -222,15 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def kernel_facts(modes: list[str | None]) -> dict[str, str]:
     """The CPU's features and the kernel path each ``--quantize`` mode ran."""
-    paths = {m: kernel_path(m) for m in dict.fromkeys(modes) if m is not None}
-    return {
-        "cpu features": cpu_features().describe(),
-        "kernel paths": ", ".join(
-            f"{m}: {'torch fallback' if p is None else f'{p.name} ({p.how})'}"
-            for m, p in paths.items()
-        )
-        or "none (no --quantize variant)",
-    }
+    return {"cpu features": cpu_features().describe(), "kernel paths": kernel_summary(modes)}
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import functools
 import os
 import platform
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ __all__ = [
     "int8_weight_only_note",
     "kernel_note",
     "kernel_path",
+    "kernel_summary",
 ]
 
 # DISABLE_ENV: comma-separated features to treat as missing (``/proc/cpuinfo``
@@ -217,6 +219,19 @@ def kernel_path(product: str) -> KernelPath | None:
         return None
     features = cpu_features()
     return next((p for p in rows if features.has(*p.needs) and _compiled(p)), None)
+
+
+def kernel_summary(products: Iterable[str | None]) -> str:
+    """``int4: avx2 (how), int4-q8: avx2 (how)``: the path each product runs
+    here (None entries and repeats skipped), for results files."""
+    names = [p for p in dict.fromkeys(products) if p is not None]
+    parts = []
+    for product in names:
+        path = kernel_path(product)
+        parts.append(
+            f"{product}: {'torch fallback' if path is None else f'{path.name} ({path.how})'}"
+        )
+    return ", ".join(parts) or "none"
 
 
 def kernel_note(product: str) -> str:
