@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.phases.base import SpecBatch
 from graphrunner.pools import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 __all__ = ["ToyDecodeModel", "ToyWorld", "ToyWorldConfig", "torch_threads"]
@@ -75,6 +76,25 @@ class ToyDecodeModel:
         return attn.flatten(1) @ self.unembed
 
     __call__ = forward
+
+    def forward_token_batch(self, b: object) -> torch.Tensor:
+        """A token batch (:mod:`graphrunner.phases.token_batch`): every token
+        written, then attending as a decode row of its own request up to its
+        position; logits ``[requests, vocab]`` of each request's last token."""
+        rows = _TokenRows(b)
+        return self.forward(rows)[b.last_token_index]  # type: ignore[attr-defined]
+
+
+class _TokenRows:
+    """A token batch seen as decode rows: a row per token, its request's row
+    of ``req_to_token``, its length its position + 1."""
+
+    def __init__(self, b: object) -> None:
+        self.input_ids = b.input_ids  # type: ignore[attr-defined]
+        self.positions = b.positions  # type: ignore[attr-defined]
+        self.out_cache_loc = b.out_cache_loc  # type: ignore[attr-defined]
+        self.req_pool_indices = b.token_req_pool_indices  # type: ignore[attr-defined]
+        self.seq_lens = b.positions + 1  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +174,43 @@ class ToyWorld:
         batch.prepare_decode(self.req_pool, self.kv_alloc)
         return batch
 
+    def make_token_batch(
+        self, chunks: list[tuple[int, int]], seed: int, bystanders: int = 4
+    ) -> SpecBatch:
+        """Reset, add ``bystanders`` idle requests and one live request per
+        ``(cached, new)`` of ``chunks``: ``cached`` tokens already in the KV
+        (0 for a fresh prompt), ``new`` tokens in this step (1: a decode
+        row; more: a prompt chunk), their slots allocated and recorded.
+        Returns the step's inputs (:func:`~graphrunner.phases.token_batch_inputs`)."""
+        from graphrunner.phases.token_batch import token_batch_inputs
+
+        rng = random.Random(seed)
+        self.reset()
+        max_len = self.cfg.max_context_len - 1
+        for _ in range(bystanders):
+            self.add_request(rng, rng.randint(1, max_len))
+        reqs, ids, locs = [], [], []
+        for cached, new in chunks:
+            if cached:
+                req = self.add_request(rng, cached)
+            else:
+                (req,) = self.req_pool.alloc(1)
+                self.slots_of[req] = []
+            slots = self.kv_alloc.alloc(new)
+            self.req_pool.write(req, cached, slots)
+            self.slots_of[req] += slots
+            reqs.append(req)
+            ids += [rng.randrange(self.cfg.vocab) for _ in range(new)]
+            locs += slots
+        return token_batch_inputs(
+            input_ids=ids,
+            out_cache_loc=locs,
+            req_pool_indices=reqs,
+            seq_lens=[c + n for c, n in chunks],
+            extend_lens=[n for _, n in chunks],
+            device=self.device,
+        )
+
     def state(self) -> dict[str, torch.Tensor]:
         """Clones of every pool tensor, for before/after comparisons."""
         return {
@@ -162,12 +219,14 @@ class ToyWorld:
             "v": self.kv.v_buffers[0].clone(),
         }
 
-    def eager_reference(self, batch: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The eager forward of the unpadded ``batch``: its logits and the pool
-        state it leaves. The pools are put back as they were before it, so the
-        runner under test sees the same state."""
+    def eager_reference(
+        self, batch: object, forward: Callable[[object], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The eager ``forward`` (default: the toy's decode) of the unpadded
+        ``batch``: its logits and the pool state it leaves. The pools are put
+        back as they were before it, so the runner under test sees the same state."""
         before = self.state()
-        expected = self.model(batch).clone()
+        expected = (forward or self.model)(batch).clone()
         expected_state = self.state()
         self.restore(before)
         return expected, expected_state

@@ -62,7 +62,7 @@ def _capture_one(
         compiled, warm_start = mechanism.compilations, time.perf_counter()
         # Outputs are checked on the first warm-up: a wrong declaration fails
         # before anything is captured.
-        layout.check(mechanism.warmup(fn), bs)
+        layout.check(mechanism.warmup(fn), buffers.size_of(bs))
         if mechanism.compilations > compiled:  # this warm-up traced and compiled
             compile_seconds += time.perf_counter() - warm_start
     memory_before = mechanism.memory_bytes()

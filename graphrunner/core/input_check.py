@@ -24,7 +24,7 @@ from operator import attrgetter
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import Axis, BufferSpec, Size, StaticBuffers, units
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import StepInputs
@@ -37,10 +37,12 @@ __all__ = ["InputGate", "check_host_mirrors", "host_range"]
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
 
 
-def check_host_mirrors(inputs: object, raw_bs: int) -> None:
-    """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors,
-    request rows >= 1: what can be checked on the host at no device cost (the
-    backend checks its ranges; the sanitizer checks the device values)."""
+def check_host_mirrors(inputs: object, size: Size) -> None:
+    """The host mirrors ``inputs`` carries are CPU int64 ``[raw_bs]`` tensors
+    (``raw_bs`` the step's live requests), request rows >= 1: what can be
+    checked on the host at no device cost (the backend checks its ranges; the
+    sanitizer checks the device values)."""
+    raw_bs = units(Axis.REQUEST, size)
     for name in _MIRRORS:
         mirror = getattr(inputs, name, None)
         if mirror is None:
@@ -90,7 +92,7 @@ class InputGate:
         self._watched = (*self._names, *(m for m in _MIRRORS if m not in self._names))
         self._batch_made = all(_batch_made(s) for s in buffers.specs)
         self._seen: list[weakref.ref[torch.Tensor] | None] = []
-        self._seen_bs = -1
+        self._seen_bs: Size = -1
         # Whether an inputs type is a sealed batch of exactly these buffers, per type.
         self._sealed_types: dict[type, bool] = {}
         self.device = buffers.device
@@ -98,7 +100,7 @@ class InputGate:
         self.full_checks = 0
 
     def sources(
-        self, inputs: StepInputs, raw_bs: int, backend: GraphBackend, *, full: bool = False
+        self, inputs: StepInputs, raw_bs: Size, backend: GraphBackend, *, full: bool = False
     ) -> Sequence[torch.Tensor]:
         """The inputs' tensors, one per declared buffer, validated: in full on
         ``full`` or first sight, else by identity. Raises before anything is
@@ -132,7 +134,7 @@ class InputGate:
                 return False
         return True
 
-    def _remember(self, inputs: object, raw_bs: int) -> None:
+    def _remember(self, inputs: object, raw_bs: Size) -> None:
         seen: list[weakref.ref[torch.Tensor] | None] = []
         for name in self._watched:
             value = getattr(inputs, name, None)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers
 from graphrunner.declare.outputs import Outputs, poison_outputs
 from graphrunner.sanitizer.captured import CapturedState
 from graphrunner.sanitizer.padding import PaddingSanitizer, ReplayCheck
@@ -35,11 +35,11 @@ class StepObserver:
     #: Whether the inputs are checked in full on every replay (else once).
     full_checks = False
 
-    def begin(self, kind: str, bs: int) -> None:
+    def begin(self, kind: str, bs: Size) -> None:
         """A step starts: ``kind`` ``"replay"`` of captured size ``bs``, or
         ``"eager"`` of ``bs`` live rows."""
 
-    def before_write(self, bs: int) -> None:
+    def before_write(self, bs: Size) -> None:
         """Populate of a size-``bs`` graph is about to write the buffers."""
 
     def after_write(self) -> None:
@@ -49,8 +49,8 @@ class StepObserver:
         self,
         buffers: StaticBuffers,
         inputs: object,
-        raw_bs: int,
-        bs: int | None,
+        raw_bs: Size,
+        bs: Size | None,
         specs: Sequence[BufferSpec] | None = None,
     ) -> None:
         """The step is about to launch: ``bs`` the padded size, None for the
@@ -77,10 +77,10 @@ class NvtxRanges(StepObserver):
     def _pop(self) -> None:
         self._open.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
 
-    def begin(self, kind: str, bs: int) -> None:
+    def begin(self, kind: str, bs: Size) -> None:
         self._push(f"{kind} bs={bs}")
 
-    def before_write(self, bs: int) -> None:
+    def before_write(self, bs: Size) -> None:
         self._push(f"populate bs={bs}")
 
     def after_write(self) -> None:
@@ -90,8 +90,8 @@ class NvtxRanges(StepObserver):
         self,
         buffers: StaticBuffers,
         inputs: object,
-        raw_bs: int,
-        bs: int | None,
+        raw_bs: Size,
+        bs: Size | None,
         specs: Sequence[BufferSpec] | None = None,
     ) -> None:
         if bs is not None:
@@ -118,16 +118,16 @@ class SanitizedSteps(StepObserver):
         self,
         sanitizer: PaddingSanitizer,
         captured: Callable[[], CapturedState | None] = lambda: None,
-        relaunch: Callable[[int, int], Outputs] | None = None,
+        relaunch: Callable[[Size, Size], Outputs] | None = None,
     ) -> None:
         self.sanitizer = sanitizer
         self._captured = captured
         self._relaunch = relaunch  # (raw_bs, bs) -> the graph's live outputs again
         self._check: ReplayCheck | None = None
-        self._where: tuple[StaticBuffers, int, int] | None = None  # the padded launch's
+        self._where: tuple[StaticBuffers, Size, Size] | None = None  # the padded launch's
         self._held: Outputs | None = None
 
-    def begin(self, kind: str, bs: int) -> None:
+    def begin(self, kind: str, bs: Size) -> None:
         state = self._captured()
         if state is not None:  # the tensors the captured forward reads are still its own
             state.check()
@@ -136,8 +136,8 @@ class SanitizedSteps(StepObserver):
         self,
         buffers: StaticBuffers,
         inputs: object,
-        raw_bs: int,
-        bs: int | None,
+        raw_bs: Size,
+        bs: Size | None,
         specs: Sequence[BufferSpec] | None = None,
     ) -> None:
         if bs is None:
@@ -191,11 +191,11 @@ class _Both(StepObserver):
     def __init__(self, ranges: NvtxRanges, sanitized: SanitizedSteps) -> None:
         self.parts = (ranges, sanitized)
 
-    def begin(self, kind: str, bs: int) -> None:
+    def begin(self, kind: str, bs: Size) -> None:
         for part in self.parts:
             part.begin(kind, bs)
 
-    def before_write(self, bs: int) -> None:
+    def before_write(self, bs: Size) -> None:
         for part in self.parts:
             part.before_write(bs)
 
@@ -207,8 +207,8 @@ class _Both(StepObserver):
         self,
         buffers: StaticBuffers,
         inputs: object,
-        raw_bs: int,
-        bs: int | None,
+        raw_bs: Size,
+        bs: Size | None,
         specs: Sequence[BufferSpec] | None = None,
     ) -> None:
         for part in self.parts:
@@ -240,7 +240,7 @@ class StepHooks:
         self,
         sanitizer: PaddingSanitizer | None,
         captured: Callable[[], CapturedState | None] = lambda: None,
-        relaunch: Callable[[int, int], Outputs] | None = None,
+        relaunch: Callable[[Size, Size], Outputs] | None = None,
     ) -> None:
         ranges = NvtxRanges()
         sanitized = None if sanitizer is None else SanitizedSteps(sanitizer, captured, relaunch)

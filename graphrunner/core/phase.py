@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphrunner.declare.buffers import BufferSpec, check_width
+from graphrunner.declare.buffers import Axis, BufferSpec, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
@@ -27,6 +27,9 @@ class Phase:
         backend: the attention backend's hooks (None: none needed).
         width: tokens per request of its per-token buffers (``W``), or None
             for a one-token step; a batch of another width runs eagerly.
+        max_requests: a token batch's most requests in one step (the size of
+            its request axis; its sizes count tokens), None for a phase whose
+            buffers all count requests.
     """
 
     name: str
@@ -35,7 +38,24 @@ class Phase:
     outputs: OutputsDecl | None = None
     backend: BaseGraphBackend | None = None
     width: int | None = None
+    max_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.width is not None:
             check_width("width", self.width)
+        token_axis = [s.name for s in self.specs if s.axis is Axis.TOKEN]
+        if bool(token_axis) != (self.max_requests is not None):
+            raise ValueError(
+                f"phase {self.name!r}: buffers on the token axis {token_axis}, "
+                f"max_requests={self.max_requests!r}; a token batch declares its most "
+                f"requests per step, and only it"
+            )
+        if self.max_requests is not None:
+            check_width("max_requests", self.max_requests)
+            if self.width is not None:
+                raise ValueError(f"phase {self.name!r}: a token batch has no width")
+
+    @property
+    def token_batch(self) -> bool:
+        """Whether this phase pads two axes, tokens and requests (its sizes count tokens)."""
+        return self.max_requests is not None

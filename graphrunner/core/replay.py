@@ -11,7 +11,7 @@ import torch
 
 from graphrunner.core.input_check import check_host_mirrors
 from graphrunner.core.observers import NO_OBSERVER, StepObserver
-from graphrunner.declare.buffers import BufferView, StaticBuffers
+from graphrunner.declare.buffers import Axis, BufferView, Size, StaticBuffers, units
 from graphrunner.declare.hooks import GraphBackend
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputLayout, Outputs
@@ -48,7 +48,7 @@ def batch_size_of(inputs: StepInputs) -> int:
     return int(raw_bs)
 
 
-def validate_step(backend: GraphBackend, inputs: StepInputs, raw_bs: int) -> None:
+def validate_step(backend: GraphBackend, inputs: StepInputs, raw_bs: Size) -> None:
     """What every step checks before it writes anything, graph or eager."""
     check_host_mirrors(inputs, raw_bs)
     backend.validate_inputs(raw_bs, inputs)
@@ -70,12 +70,12 @@ class StepParts(Protocol):
 class Graph(NamedTuple):
     """One capture as a replay reaches it (looked up by raw batch size)."""
 
-    bs: int  # the captured size
+    bs: Size  # the captured size (a token batch: tokens and requests)
     launcher: Launcher
     view: BufferView  # the buffers' rows for ``bs`` requests (what it reads)
 
 
-def live_view(inputs: StepInputs, buffers: StaticBuffers, raw_bs: int) -> BufferView:
+def live_view(inputs: StepInputs, buffers: StaticBuffers, raw_bs: Size) -> BufferView:
     """What the eager forward reads: the live rows of ``inputs``'s declared
     fields by name, host-produced ones moved to the buffers' device and
     future references resolved (the eager path does not go through populate)."""
@@ -87,13 +87,13 @@ def live_view(inputs: StepInputs, buffers: StaticBuffers, raw_bs: int) -> Buffer
             value = value.clone() if value is given else value
             resolve_futures(value, buffers.future_tokens)
         tensors[spec.name] = value
-    return BufferView(raw_bs, tensors)
+    return BufferView(units(Axis.REQUEST, raw_bs), tensors)
 
 
 def run_eager(
     parts: StepParts,
     inputs: StepInputs,
-    raw_bs: int,
+    raw_bs: Size,
     warn_once: Callable[[], None],
     observer: StepObserver = NO_OBSERVER,
     *,

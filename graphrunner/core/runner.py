@@ -28,10 +28,12 @@ from graphrunner.core.runner_setup import (
     check_fill_matches_backend,
     graph_table,
     resolve_sizes,
+    token_count,
+    token_field,
     width_field,
     width_reason,
 )
-from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.buffers import Axis, Size, StaticBuffers, StepSize, units
 from graphrunner.declare.hooks import GraphBackend, NullBackend, as_graph_backend
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputLayout, Outputs
@@ -82,10 +84,22 @@ class GraphRunner:
         if hasattr(backend, "seq_len_fill_value"):  # else refused as incomplete just below
             check_fill_matches_backend(specs, backend)
         self.backend: GraphBackend = as_graph_backend(backend)
-        self._sizes = resolve_sizes(options.capture_sizes, options.max_bs)
+        self._sizes = resolve_sizes(options.capture_sizes, options.max_bs, tokens=phase.token_batch)
         future_map = options.future_map
         tokens = None if future_map is None else future_map.tokens
-        self.buffers = StaticBuffers(specs, self._sizes[-1], device, future_tokens=tokens)
+        # A token batch's sizes count tokens; its request axis holds max_requests.
+        requests, max_tokens = phase.max_requests, None
+        if requests is not None:
+            max_tokens = self._sizes[-1]
+        self.buffers = StaticBuffers(
+            specs,
+            self._sizes[-1] if requests is None else requests,
+            device,
+            future_tokens=tokens,
+            max_tokens=max_tokens,
+        )
+        #: The token-axis buffer whose live rows count a token batch's tokens (None: one axis).
+        self._token_field = token_field(specs) if phase.token_batch else None
         #: Checks each replay's inputs once (graphrunner.core.input_check).
         self.input_gate = InputGate(self.buffers)
         self.future_map = future_map
@@ -110,6 +124,8 @@ class GraphRunner:
         self._plans_metadata = type(self.backend) is not NullBackend
         # The buffer whose host-side rows tell a batch's width (first per-token one).
         self._width_field = None if self.width is None else width_field(specs, self.width)
+        # A batch size alone does not pick the graph: check the width, or count tokens.
+        self._slow_lookup = self._width_field is not None or self._token_field is not None
 
     @property
     def kind(self) -> str:
@@ -118,11 +134,19 @@ class GraphRunner:
 
     @property
     def capture_sizes(self) -> list[int]:
+        """The captured sizes: batch sizes, or a token batch's token counts."""
         return list(self._sizes)
 
     @property
     def max_bs(self) -> int:
+        """The largest captured size (a token batch: its most tokens)."""
         return self._sizes[-1]
+
+    @property
+    def max_requests(self) -> int:
+        """The most requests a captured step holds (a token batch: its
+        phase's ``max_requests``; otherwise :attr:`max_bs`)."""
+        return self.buffers.max_bs
 
     @property
     def device(self) -> torch.device:
@@ -202,10 +226,10 @@ class GraphRunner:
         grad = self._enter()  # one thread at a time (a second is refused, named), no grad
         hooks = self._hooks.start()  # the sanitizer and NVTX ranges: a no-op when off
         try:
-            raw_bs: int = getattr(inputs, "batch_size", None)  # type: ignore[assignment]
+            raw_bs: Size = getattr(inputs, "batch_size", None)  # type: ignore[assignment]
             graph: Graph = self._graph_for.get(raw_bs) if type(raw_bs) is int else None  # type: ignore[assignment]
-            if graph is None or self._width_field is not None:
-                raw_bs, reason = self._eager_reason(inputs, raw_bs, graph)  # raises if invalid
+            if graph is None or self._slow_lookup:
+                raw_bs, graph, reason = self._eager_reason(inputs, raw_bs, graph)  # may raise
                 if reason is not None:
                     return self._replay_eager(inputs, raw_bs, reason, hooks)
             bs = graph.bs
@@ -245,14 +269,16 @@ class GraphRunner:
             torch._C._set_grad_enabled(True)
         self._exclusive.leave()
 
-    def _count(self, raw_bs: int, bs: int, ops: int) -> None:
-        self.stats.count_replay(raw_bs, bs, ops)
-        self.batch_sizes.add(raw_bs)
+    def _count(self, raw_bs: Size, bs: Size, ops: int) -> None:
+        # A token batch's stats and histogram count tokens.
+        raw, size = units(Axis.TOKEN, raw_bs), units(Axis.TOKEN, bs)
+        self.stats.count_replay(raw, size, ops)
+        self.batch_sizes.add(raw)
 
-    def _relaunch_live(self, raw_bs: int, bs: int) -> Outputs:
+    def _relaunch_live(self, raw_bs: Size, bs: Size) -> Outputs:
         """Launch captured size ``bs`` again; its live rows' outputs (the
         sanitizer's read check)."""
-        return self.outputs.live(self._launchers[bs](), raw_bs)
+        return self.outputs.live(self._launchers[units(Axis.TOKEN, bs)](), raw_bs)
 
     @property
     def sanitizer(self) -> PaddingSanitizer | None:
@@ -280,27 +306,42 @@ class GraphRunner:
         with torch.no_grad():
             return launcher()
 
-    def eager_reason(self, inputs: StepInputs, raw_bs: int) -> str | None:
+    def eager_reason(self, inputs: StepInputs, raw_bs: Size) -> str | None:
         """Why ``inputs`` cannot replay a captured graph (it then runs eagerly,
         counted and warned once), or None: a batch above the largest size, or
-        one of another width than the captured one (host shapes only)."""
+        one of another width than the captured one (host shapes only); a
+        token batch above the largest token count or with more requests
+        than the phase's ``max_requests``."""
+        if isinstance(raw_bs, StepSize):
+            if raw_bs.tokens > self.max_bs:
+                return f"{raw_bs.tokens} tokens are above the largest captured size {self.max_bs}"
+            if raw_bs.requests > self.max_requests:
+                return (
+                    f"{raw_bs.requests} requests are above the token batch's "
+                    f"max_requests={self.max_requests}"
+                )
+            return None
         if raw_bs > self.max_bs:
             return f"batch size {raw_bs} is above the largest captured size {self.max_bs}"
         return width_reason(inputs, self._width_field, self.width, raw_bs)
 
     def _eager_reason(
         self, inputs: StepInputs, raw_bs: object, graph: Graph | None
-    ) -> tuple[int, str | None]:
-        """The batch size, checked (raises naming what is wrong), and why the
-        batch runs eagerly, or None (:meth:`eager_reason`)."""
-        size = batch_size_of(inputs)
+    ) -> tuple[Size, Graph, str | None]:
+        """The batch's size, checked (raises naming what is wrong), the graph
+        it replays, and why it runs eagerly instead, or None (:meth:`eager_reason`)."""
+        requests = batch_size_of(inputs)
+        size: Size = requests
+        if self._token_field is not None:
+            size = StepSize(token_count(inputs, self._token_field, requests), requests)
+            graph = self._graph_for.get(size.tokens)
         if graph is None and not self._graph_for:
             name = type(self).__name__
             raise NotCapturedError(f"{name} is not captured (batch of {size}); call capture()")
-        return size, self.eager_reason(inputs, size)
+        return size, graph, self.eager_reason(inputs, size)  # type: ignore[return-value]
 
     def _replay_eager(
-        self, inputs: StepInputs, raw_bs: int, reason: str, observer: StepObserver
+        self, inputs: StepInputs, raw_bs: Size, reason: str, observer: StepObserver
     ) -> Outputs:
         def warn_once() -> None:
             if not self._warned_fallback:
@@ -310,8 +351,10 @@ class GraphRunner:
                     f"(counted in runner.stats.eager_fallbacks, warned once)"
                 )
 
-        same = width_reason(inputs, self._width_field, self.width, raw_bs) is None
+        one_axis = units(Axis.REQUEST, raw_bs)
+        same = width_reason(inputs, self._width_field, self.width, one_axis) is None
         out = run_eager(self, inputs, raw_bs, warn_once, observer, same_width=same)
-        self.stats.count_eager(raw_bs)  # counted once it ran: a failed forward counts nothing
-        self.batch_sizes.add(raw_bs)
+        # Counted once it ran: a failed forward counts nothing (a token batch counts tokens).
+        self.stats.count_eager(units(Axis.TOKEN, raw_bs))
+        self.batch_sizes.add(units(Axis.TOKEN, raw_bs))
         return out

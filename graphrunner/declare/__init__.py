@@ -4,7 +4,16 @@ attention backend's hooks and the state operations a step records."""
 
 from __future__ import annotations
 
-from graphrunner.declare.buffers import BufferSpec, BufferView, PadRule, StaticBuffers, check_width
+from graphrunner.declare.buffers import (
+    Axis,
+    BufferSpec,
+    BufferView,
+    PadRule,
+    Size,
+    StaticBuffers,
+    StepSize,
+    check_width,
+)
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
     DECODE_FIELDS,
@@ -36,6 +45,7 @@ __all__ = [
     "SEQ_LENS",
     "MAMBA_DECODE_FIELDS",
     "PER_TOKEN_FIELD_NAMES",
+    "Axis",
     "BaseGraphBackend",
     "BufferSpec",
     "BufferView",
@@ -45,7 +55,9 @@ __all__ = [
     "OutputDeclarationError",
     "OutputSpec",
     "PadRule",
+    "Size",
     "StepInputs",
+    "StepSize",
     "StateOps",
     "StaticBuffers",
     "check_width",

@@ -21,14 +21,27 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import torch
 
 from graphrunner.declare.indexes import Index
 from graphrunner.declare.packs import BufferPack, allocate_packed
 
-__all__ = ["BufferSpec", "BufferView", "Index", "PadRule", "StaticBuffers", "check_width"]
+__all__ = [
+    "Axis",
+    "BufferSpec",
+    "BufferView",
+    "Index",
+    "PadRule",
+    "Size",
+    "StaticBuffers",
+    "StepSize",
+    "check_width",
+    "fits",
+    "has_rows",
+    "units",
+]
 
 
 class PadRule(enum.Enum):
@@ -38,6 +51,53 @@ class PadRule(enum.Enum):
     FILL = "fill"  # a declared constant (e.g. the backend's seq_len fill value)
     WIDTH = "width"  # the buffer's declared width (speculative lengths: W tokens)
     KEEP = "keep"  # never read on padded rows; left as it is
+
+
+class Axis(enum.Enum):
+    """What a buffer's rows count: requests (decode and the speculative
+    phases: every buffer), or the step's tokens (a token batch's
+    ``input_ids``, ``positions``, ``out_cache_loc``)."""
+
+    REQUEST = "request"
+    TOKEN = "token"
+
+
+class StepSize(NamedTuple):
+    """A token batch's size on its two axes: ``tokens`` (rows of the
+    token-axis buffers) and ``requests`` (rows of the request-axis ones).
+    A one-axis step's size is a plain int, its requests."""
+
+    tokens: int
+    requests: int
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens x {self.requests} requests"
+
+
+#: A step's size: an int (requests) for a one-axis step, a :class:`StepSize` for a token batch.
+Size: TypeAlias = "int | StepSize"
+
+
+def units(axis: Axis, size: int | StepSize) -> int:
+    """How many units of ``axis`` a step of ``size`` holds."""
+    if type(size) is int:
+        return size
+    assert isinstance(size, StepSize)
+    return size.tokens if axis is Axis.TOKEN else size.requests
+
+
+def has_rows(size: int | StepSize) -> bool:
+    """Whether a step of ``size`` has any live row (capture's all-padding step has none)."""
+    return size > 0 if isinstance(size, int) else any(size)
+
+
+def fits(raw: int | StepSize, size: int | StepSize, top: int | StepSize) -> bool:
+    """``0 <= raw <= size <= top`` on every axis (sizes of one kind)."""
+    if type(size) is int:
+        return type(raw) is int and type(top) is int and 0 <= raw <= size <= top
+    if not (isinstance(raw, StepSize) and isinstance(size, StepSize) and isinstance(top, StepSize)):
+        return False
+    return all(0 <= r <= s <= t for r, s, t in zip(raw, size, top, strict=True))
 
 
 def _is_int(value: object) -> bool:
@@ -81,8 +141,11 @@ class BufferSpec:
         indexes: what the live values index (:class:`Index`), which the
             padding sanitizer checks; None: nothing it checks.
             :attr:`Index.COUNT` needs :attr:`PadRule.WIDTH` (its top is the width).
+        axis: what its rows count (:class:`Axis`): requests (the default) or,
+            in a token batch, the step's tokens.
 
-    Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``.
+    Shape of the allocated buffer: ``[max_bs * rows_per_request, *extra_shape]``
+    (a token-axis buffer: ``[max_tokens * rows_per_request, ...]``).
     """
 
     name: str
@@ -98,6 +161,7 @@ class BufferSpec:
     future: bool = False
     backend_fill: bool = False
     indexes: Index | None = None
+    axis: Axis = Axis.REQUEST
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -151,6 +215,10 @@ class BufferSpec:
                 f"buffer {self.name!r}: extra_shape={self.extra_shape!r}; "
                 f"expected a tuple of ints >= 1"
             )
+        if not isinstance(self.axis, Axis):
+            raise ValueError(
+                f"buffer {self.name!r}: axis={self.axis!r}; expected {[a for a in Axis]}"
+            )
         for flag in ("host", "index", "future"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
@@ -172,9 +240,10 @@ class BufferSpec:
             return self.width
         return self.fill_value
 
-    def rows(self, bs: int) -> int:
-        """Rows of this buffer that ``bs`` requests occupy."""
-        return bs * self.rows_per_request
+    def rows(self, bs: int | StepSize) -> int:
+        """Rows of this buffer that a step of ``bs`` requests (or of a
+        :class:`StepSize`, read on this buffer's axis) occupies."""
+        return units(self.axis, bs) * self.rows_per_request
 
     @property
     def takes_host_source(self) -> bool:
@@ -251,10 +320,17 @@ class StaticBuffers:
 
     Args:
         specs: one :class:`BufferSpec` per input; names unique.
-        max_bs: the largest captured batch size.
+        max_bs: the largest captured batch size (a token batch: the most
+            requests one step holds).
         device: where the buffers live (``host=True`` ones live on the CPU).
         future_tokens: the future map's tokens (int64 ``[rows]`` on ``device``),
             required exactly when a spec declares ``future=True``.
+        max_tokens: the largest captured token count, required exactly when
+            a spec lies on :attr:`Axis.TOKEN` (a token batch).
+
+    Sizes: a one-axis step's size is an int, its requests. A token batch's
+    is a :class:`StepSize`; an int ``n`` given for it is a captured token
+    count, whose requests are ``min(n, max_bs)`` (:meth:`size_of`).
     """
 
     def __init__(
@@ -264,6 +340,7 @@ class StaticBuffers:
         device: torch.device | str,
         *,
         future_tokens: torch.Tensor | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if not _is_int(max_bs) or max_bs < 1:
             raise ValueError(f"max_bs={max_bs!r}; expected an int >= 1")
@@ -276,31 +353,61 @@ class StaticBuffers:
             raise ValueError(f"buffer names declared more than once: {dupes}")
         self.specs: tuple[BufferSpec, ...] = tuple(specs)
         self.max_bs = max_bs
+        self.two_axes = _check_axes(self.specs, max_tokens)
+        #: The largest size: ``max_bs``, or for a token batch ``StepSize(max_tokens, max_bs)``.
+        self.max_size: int | StepSize = (
+            StepSize(max_tokens, max_bs) if max_tokens is not None else max_bs
+        )
         self.future_tokens = _check_future(self.specs, future_tokens)
         # Normalised (e.g. "cuda" -> "cuda:0") so input checks compare exactly.
         self.device = torch.empty(0, device=device).device
         # Read-only: populate's cached plans and the captured graphs hold these
         # exact tensors, so a buffer is never swapped for another. Buffers of
         # one layout are rows of one allocation (populate writes them at once).
-        tensors, packs = allocate_packed(self.specs, max_bs, self.device_of)
+        tensors, packs = allocate_packed(self.specs, self.max_size, self.device_of)
         self.packs: tuple[BufferPack, ...] = packs
         self.tensors: Mapping[str, torch.Tensor] = MappingProxyType(tensors)
-        self._views: dict[int, BufferView] = {}
+        self._views: dict[int | StepSize, BufferView] = {}
 
     def device_of(self, spec: BufferSpec) -> torch.device:
         """Where ``spec``'s buffer lives: the host for ``host`` buffers."""
         return torch.device("cpu") if spec.host else self.device
 
-    def rows(self, spec: BufferSpec, bs: int) -> int:
-        """Rows of ``spec``'s buffer that ``bs`` requests occupy."""
-        return spec.rows(bs)
+    def size_of(self, size: int | StepSize) -> int | StepSize:
+        """``size`` as these buffers count it: an int for one axis; for a
+        token batch, an int ``n`` (a captured token count) is
+        ``StepSize(n, min(n, max_bs))``: every request owns a token, so a
+        step of ``n`` tokens holds at most ``n`` requests."""
+        if self.two_axes and type(size) is int:
+            return StepSize(size, min(size, self.max_bs))
+        return size
 
-    def view(self, bs: int) -> BufferView:
-        """The cached view of the first ``bs`` requests' rows (stable addresses)."""
-        if not 1 <= bs <= self.max_bs:
-            raise ValueError(f"view size must be in [1, {self.max_bs}], got {bs}")
-        if bs not in self._views:
-            self._views[bs] = BufferView(
-                bs, {s.name: self.tensors[s.name][: s.rows(bs)] for s in self.specs}
-            )
-        return self._views[bs]
+    def rows(self, spec: BufferSpec, bs: int | StepSize) -> int:
+        """Rows of ``spec``'s buffer that a step of size ``bs`` occupies."""
+        return spec.rows(self.size_of(bs))
+
+    def view(self, bs: int | StepSize) -> BufferView:
+        """The cached view of a step of size ``bs``'s rows (stable addresses);
+        its ``bs`` attribute is the requests."""
+        size = self.size_of(bs)
+        if not fits(size, size, self.max_size) or units(Axis.REQUEST, size) < 1:
+            raise ValueError(f"view size must be in [1, {self.max_size}], got {size}")
+        view = self._views.get(size)
+        if view is None:
+            tensors = {s.name: self.tensors[s.name][: s.rows(size)] for s in self.specs}
+            view = self._views[size] = BufferView(units(Axis.REQUEST, size), tensors)
+        return view
+
+
+def _check_axes(specs: Sequence[BufferSpec], max_tokens: int | None) -> bool:
+    """Whether ``specs`` make a token batch (a buffer on :attr:`Axis.TOKEN`),
+    ``max_tokens`` given exactly then."""
+    token = [s.name for s in specs if s.axis is Axis.TOKEN]
+    if bool(token) != (max_tokens is not None):
+        raise ValueError(
+            f"buffers on the token axis: {token}; max_tokens={max_tokens!r} "
+            f"(a token batch needs its largest token count, and only it)"
+        )
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise ValueError(f"max_tokens={max_tokens!r}; expected an int >= 1")
+    return bool(token)

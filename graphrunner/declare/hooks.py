@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from graphrunner.declare.buffers import BufferView
+from graphrunner.declare.buffers import BufferView, Size
 
 __all__ = [
     "OPTIONAL_HOOKS",
@@ -52,7 +52,9 @@ class BaseGraphBackend(Protocol):
         """Prepare metadata for capturing size ``bs`` (``view`` is all padding)."""
         ...
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
+    def init_replay_metadata(
+        self, bs: Size, raw_bs: Size, view: BufferView, inputs: object
+    ) -> None:
         """Update metadata outside the graph before replaying size ``bs``.
 
         ``view`` is already populated; ``inputs`` carries the host mirrors
@@ -68,7 +70,7 @@ class GraphBackend(BaseGraphBackend, Protocol):
     ones of :class:`BaseGraphBackend` and the optional ones below (a backend
     lacking one gets its default through :func:`as_graph_backend`)."""
 
-    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+    def validate_inputs(self, raw_bs: Size, inputs: object) -> None:
         """Refuse inputs this backend cannot run, from host values only (the
         host mirrors ``seq_lens_cpu``, ``req_pool_indices_cpu``); called before
         every step, graph replay and eager fallback alike. Must not sync the
@@ -90,10 +92,12 @@ class NullBackend:
     def init_capture_metadata(self, bs: int, view: BufferView) -> None:
         pass
 
-    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+    def validate_inputs(self, raw_bs: Size, inputs: object) -> None:
         pass
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
+    def init_replay_metadata(
+        self, bs: Size, raw_bs: Size, view: BufferView, inputs: object
+    ) -> None:
         pass
 
 
@@ -113,10 +117,12 @@ class _WithDefaults:
     def init_capture_metadata(self, bs: int, view: BufferView) -> None:
         self.wrapped.init_capture_metadata(bs, view)
 
-    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+    def validate_inputs(self, raw_bs: Size, inputs: object) -> None:
         pass
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
+    def init_replay_metadata(
+        self, bs: Size, raw_bs: Size, view: BufferView, inputs: object
+    ) -> None:
         self.wrapped.init_replay_metadata(bs, raw_bs, view, inputs)
 
 

@@ -21,3 +21,6 @@ class Index(enum.Enum):
     POSITION = "position"  # a token's position: the req_to_token column the length implies
     LENGTH = "length"  # tokens in the cache after the step: 1..the req_to_token width
     COUNT = "count"  # a count of the step's tokens: 1..the buffer's width
+    #: a token batch's tokens of each request, in order (its tokens are the
+    #: next ones on the token axis): >= 1, summing to the live tokens
+    TOKEN_COUNT = "token count"

@@ -18,6 +18,8 @@ from typing import Any, TypeAlias
 
 import torch
 
+from graphrunner.declare.buffers import Axis, Size, units
+
 __all__ = [
     "OutputDeclarationError",
     "OutputLayout",
@@ -46,10 +48,13 @@ class OutputSpec:
             returned whole.
         rows_per_request: rows per request along ``batch_axis`` (``W`` for a
             per-token output of ``W`` tokens per request, ``k`` for top-k).
+        axis: what those rows count (a token batch): requests (the default,
+            e.g. each request's last-token logits) or the step's tokens.
     """
 
     batch_axis: int | None = 0
     rows_per_request: int = 1
+    axis: Axis = Axis.REQUEST
 
     def __post_init__(self) -> None:
         axis = self.batch_axis
@@ -59,7 +64,7 @@ class OutputSpec:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows_per_request={rows!r}; expected an int >= 1")
 
-    def check(self, name: str, t: object, bs: int, *, any_width: bool = False) -> None:
+    def check(self, name: str, t: object, bs: Size, *, any_width: bool = False) -> None:
         """Raise :class:`OutputDeclarationError` unless ``t`` has ``bs`` requests' rows
         (``any_width``: any whole number of rows per request, for an eager batch
         of another width than the captured one)."""
@@ -74,23 +79,26 @@ class OutputSpec:
                 f"output {name} has shape {tuple(t.shape)}: batch_axis={self.batch_axis} "
                 f"is out of range for {t.dim()} dims"
             )
-        expected = bs * self.rows_per_request
+        count = units(self.axis, bs)
+        expected = count * self.rows_per_request
         rows = t.shape[self.batch_axis]
-        other_width = any_width and self.rows_per_request > 1 and rows > 0 and rows % bs == 0
+        other_width = any_width and self.rows_per_request > 1 and rows > 0 and rows % count == 0
         if rows != expected and not other_width:
             raise OutputDeclarationError(
                 f"output {name} has shape {tuple(t.shape)}: expected {expected} rows "
-                f"({bs} requests x rows_per_request={self.rows_per_request}) on "
-                f"batch_axis={self.batch_axis}; declare its layout with OutputSpec"
+                f"({count} {self.axis.value}s x rows_per_request={self.rows_per_request}) "
+                f"on batch_axis={self.batch_axis}; declare its layout with OutputSpec"
             )
 
-    def live(self, t: torch.Tensor, raw_bs: int) -> torch.Tensor:
-        """The first ``raw_bs`` requests' rows of ``t`` (a view)."""
+    def live(self, t: torch.Tensor, raw_bs: Size) -> torch.Tensor:
+        """The live rows of ``t`` for a step of ``raw_bs`` live requests (a
+        token batch: its :class:`~graphrunner.declare.buffers.StepSize`) (a view)."""
         if self.batch_axis is None:
             return t
+        rows = units(self.axis, raw_bs) * self.rows_per_request
         if self.batch_axis == 0:
-            return t[: raw_bs * self.rows_per_request]
-        return t.narrow(self.batch_axis, 0, raw_bs * self.rows_per_request)
+            return t[:rows]
+        return t.narrow(self.batch_axis, 0, rows)
 
 
 #: How a runner's outputs are declared: one spec for every output, or a spec
@@ -112,7 +120,7 @@ class OutputLayout:
         self._single: OutputSpec | None = None
         self._named: dict[str, OutputSpec] | None = None
         self._positional: tuple[OutputSpec, ...] | None = None
-        self._last: tuple[Outputs, int, Outputs] | None = None
+        self._last: tuple[Outputs, Size, Outputs] | None = None
         if decl is None or isinstance(decl, OutputSpec):
             self._single = decl or _DEFAULT
         elif isinstance(decl, Mapping):
@@ -132,12 +140,12 @@ class OutputLayout:
             if not isinstance(spec, OutputSpec):
                 raise TypeError(f"outputs: expected OutputSpec, got {type(spec).__name__}")
 
-    def check(self, out: object, bs: int, *, any_width: bool = False) -> None:
+    def check(self, out: object, bs: Size, *, any_width: bool = False) -> None:
         """Every output matches its declaration for ``bs`` requests."""
         for name, spec, t in self._pairs(out):
             spec.check(name, t, bs, any_width=any_width)
 
-    def live(self, out: Outputs, raw_bs: int) -> Outputs:
+    def live(self, out: Outputs, raw_bs: Size) -> Outputs:
         """Views of ``out`` restricted to its first ``raw_bs`` requests. The
         last answer is kept: a graph's outputs are the same objects at every
         replay, so a repeated ``(out, raw_bs)`` costs an identity test (the
@@ -152,7 +160,7 @@ class OutputLayout:
         # A dict is the caller's to change (pop a key): each gets its own.
         return dict(live) if isinstance(live, dict) else live
 
-    def _slice(self, out: Outputs, raw_bs: int) -> Outputs:
+    def _slice(self, out: Outputs, raw_bs: Size) -> Outputs:
         if isinstance(out, torch.Tensor):
             return (self._single or _DEFAULT).live(out, raw_bs)
         if isinstance(out, dict):

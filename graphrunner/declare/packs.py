@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -33,7 +33,9 @@ class PackedSpec(Protocol):
     def rows_per_request(self) -> int: ...
     @property
     def extra_shape(self) -> tuple[int, ...]: ...
-    def rows(self, bs: int) -> int: ...
+    @property
+    def axis(self) -> object: ...
+    def rows(self, bs: Any) -> int: ...
 
 
 Spec = TypeVar("Spec", bound=PackedSpec)
@@ -55,13 +57,13 @@ class BufferPack:
 
 
 def allocate_packed(
-    specs: Sequence[Spec], max_bs: int, device_of: Callable[[Spec], torch.device]
+    specs: Sequence[Spec], max_bs: Any, device_of: Callable[[Spec], torch.device]
 ) -> tuple[dict[str, torch.Tensor], tuple[BufferPack, ...]]:
     """One zeroed allocation per layout; every spec's buffer a row of its
     pack. Returns the buffers by name (declaration order) and the packs."""
     layouts: dict[tuple[object, ...], list[Spec]] = {}
     for spec in specs:
-        key = (device_of(spec), spec.dtype, spec.rows_per_request, spec.extra_shape)
+        key = (device_of(spec), spec.dtype, spec.axis, spec.rows_per_request, spec.extra_shape)
         layouts.setdefault(key, []).append(spec)
     rows: dict[str, torch.Tensor] = {}
     packs = []

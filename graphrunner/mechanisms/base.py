@@ -10,7 +10,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from graphrunner.declare.buffers import BufferView, StaticBuffers
+from graphrunner.declare.buffers import BufferView, Size, StaticBuffers
 from graphrunner.declare.outputs import Outputs
 
 __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
@@ -29,7 +29,7 @@ class PopulateWriter(Protocol):
     the same declarations as :func:`graphrunner.writers.base.write_sources`,
     which it must equal bit for bit)."""
 
-    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: Size, bs: Size) -> int:
         """Write ``raw_bs`` live requests padded to ``bs``; return the device
         operations issued outside the graph."""
         ...

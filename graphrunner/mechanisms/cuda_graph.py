@@ -129,6 +129,11 @@ class CudaGraphCapture(CaptureMechanism):
         # The fused writers load only where asked for (their kernel module is large).
         from graphrunner.writers.fused import FusedPopulate, InGraphPopulate
 
+        if buffers.two_axes and self.populate_mode != "torch":
+            raise ValueError(
+                f"populate={self.populate_mode!r} writes buffers of one axis; a token batch "
+                f"(tokens and requests) takes populate='torch'"
+            )
         if self.populate_mode == "fused":
             self.populate_writer = FusedPopulate(buffers)
         elif self.populate_mode == "graph":

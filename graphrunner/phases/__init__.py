@@ -28,6 +28,11 @@ from graphrunner.phases.multistep import (
     multistep_phase,
 )
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, with_sampling
+from graphrunner.phases.token_batch import (
+    token_batch_inputs,
+    token_batch_phase,
+    token_batch_specs,
+)
 from graphrunner.phases.verify import verify_buffer_specs, verify_phase
 
 __all__ = [
@@ -51,6 +56,9 @@ __all__ = [
     "frozen_kv_sanitizer",
     "mtp_buffer_specs",
     "multistep_phase",
+    "token_batch_inputs",
+    "token_batch_phase",
+    "token_batch_specs",
     "verify_buffer_specs",
     "verify_phase",
     "with_sampling",

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.buffers import Size, StaticBuffers
 from graphrunner.declare.decode import (
     DECODE_FIELDS,
     DECODE_HOST_MIRRORS,
@@ -80,7 +80,7 @@ def _first_bad_row(bad: torch.Tensor) -> int:
     return int(torch.nonzero(bad.reshape(bad.shape[0], -1).any(1))[0])
 
 
-def check_tails(buffers: StaticBuffers, raw_bs: int, bs: int) -> None:
+def check_tails(buffers: StaticBuffers, raw_bs: Size, bs: Size) -> None:
     """Every buffer's rows ``[raw_bs:bs]`` hold exactly their pad value."""
     for spec in buffers.specs:
         value = spec.pad_value()

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers
 from graphrunner.declare.decode import OUT_CACHE_LOC
 from graphrunner.declare.outputs import Outputs
 from graphrunner.pools import KVCache, MambaStatePool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -189,7 +189,7 @@ class PaddingSanitizer:
             if pool.is_allocated(0):
                 raise PaddingViolation(f"{type(pool).__name__} handed out the reserved slot 0")
 
-    def check_live_values(self, inputs: object, raw_bs: int) -> None:
+    def check_live_values(self, inputs: object, raw_bs: Size) -> None:
         """Every live index value is one the step may use; reads the device.
 
         The checks follow the buffers' index declarations (see the class);
@@ -200,7 +200,7 @@ class PaddingSanitizer:
         check_declared_values(self._value_specs, inputs, raw_bs, ctx)
 
     def before_launch(
-        self, buffers: StaticBuffers, inputs: object, raw_bs: int, bs: int
+        self, buffers: StaticBuffers, inputs: object, raw_bs: Size, bs: Size
     ) -> ReplayCheck:
         """Check tails, then everything :meth:`snapshot` checks; snapshot guarded
         state for :meth:`ReplayCheck.after_launch`."""
@@ -212,7 +212,7 @@ class PaddingSanitizer:
     def snapshot(
         self,
         inputs: object,
-        raw_bs: int | None = None,
+        raw_bs: Size | None = None,
         *,
         specs: Sequence[BufferSpec] | None = None,
     ) -> ReplayCheck:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphrunner.declare.buffers import StaticBuffers
+from graphrunner.declare.buffers import Axis, Size, StaticBuffers, units
 from graphrunner.declare.decode import OUT_CACHE_LOC, REQ_POOL_INDICES, SEQ_LENS
 from graphrunner.declare.indexes import Index
 from graphrunner.declare.outputs import Outputs, named_outputs
@@ -57,7 +57,7 @@ def _perturb(
 
 
 def _tails(
-    buffers: StaticBuffers, raw_bs: int, bs: int
+    buffers: StaticBuffers, raw_bs: Size, bs: Size
 ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """The padded rows of every buffer a value may stand in: floating ones,
     and token ids (the other index buffers keep pointing at the sinks), each
@@ -85,7 +85,7 @@ def _live(inputs: object, name: str) -> torch.Tensor | None:
 
 
 def unowned_rows(
-    guard: GuardedTensor, inputs: object, raw_bs: int, req_to_token: torch.Tensor | None
+    guard: GuardedTensor, inputs: object, raw_bs: Size, req_to_token: torch.Tensor | None
 ) -> torch.Tensor | None:
     """A bool mask of ``guard``'s rows no live row owns, which no live output
     may depend on; None where ownership is not known (state only read, as
@@ -106,7 +106,8 @@ def unowned_rows(
         rows, lens = _live(inputs, REQ_POOL_INDICES), _live(inputs, SEQ_LENS)
         if req_to_token is None or rows is None or lens is None:
             return None
-        rows, lens = rows[:raw_bs].to(req_to_token.device), lens[:raw_bs].to(req_to_token.device)
+        live = units(Axis.REQUEST, raw_bs)
+        rows, lens = rows[:live].to(req_to_token.device), lens[:live].to(req_to_token.device)
         columns = torch.arange(req_to_token.shape[1], device=req_to_token.device)
         cached = req_to_token[rows][columns[None, :] < lens[:, None]]
         owned[cached.long().to(owned.device)] = True
@@ -117,8 +118,8 @@ def check_reads(
     guarded: Sequence[GuardedTensor],
     before: Sequence[torch.Tensor],
     buffers: StaticBuffers,
-    raw_bs: int,
-    bs: int,
+    raw_bs: Size,
+    bs: Size,
     first: Outputs,
     relaunch: Callable[[], Outputs],
     *,
@@ -163,7 +164,8 @@ def check_reads(
     finally:  # the step's effect is the first launch's
         for guard, value in zip(guarded, after, strict=True):
             guard.tensor.copy_(value)
-    depends = _what(sinks, [name for name, _, _ in tails], bs - raw_bs, others)
+    padded = sum(bs) - sum(raw_bs) if isinstance(bs, tuple) else bs - raw_bs  # type: ignore[arg-type, operator]
+    depends = _what(sinks, [name for name, _, _ in tails], padded, others)
     for name, want in expected:
         got = second[name]
         same = (

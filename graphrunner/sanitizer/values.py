@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from graphrunner.declare.buffers import BufferSpec, Index
+from graphrunner.declare.buffers import Axis, BufferSpec, Index, Size, units
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, decode_buffer_specs
 from graphrunner.pools import ReqToTokenPool
 from graphrunner.sanitizer.checks import (
@@ -49,7 +49,9 @@ class ValueContext:
     vocab_size: int | None
 
 
-def live_values(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> dict[Index, LiveValue]:
+def live_values(
+    specs: Sequence[BufferSpec], inputs: object, raw_bs: Size
+) -> dict[Index, LiveValue]:
     """The live values of each declared index (the first buffer of each kind;
     counts are checked one by one in :func:`check_declared_values`)."""
     found: dict[Index, LiveValue] = {}
@@ -63,16 +65,17 @@ def live_values(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> dic
 
 
 def check_declared_values(
-    specs: Sequence[BufferSpec], inputs: object, raw_bs: int, ctx: ValueContext
+    specs: Sequence[BufferSpec], inputs: object, raw_bs: Size, ctx: ValueContext
 ) -> None:
     """Every live value is one the step may use, as its buffer declares."""
     live = live_values(specs, inputs, raw_bs)
     rows = live.get(Index.REQUEST_ROW)
     if rows is not None and ctx.req_pool is not None:
         check_req_rows(ctx.req_pool, rows.values)
-    _check_mirrors(live, inputs, raw_bs)
-    _check_lengths(live, ctx.req_pool)
-    _check_kv(live, ctx)
+    _check_mirrors(live, inputs, units(Axis.REQUEST, raw_bs))
+    owners = _token_owners(live, raw_bs)
+    _check_lengths(live, ctx.req_pool, owners)
+    _check_kv(live, ctx, owners)
     _check_reserved(live.get(Index.RESERVED_KV_SLOT), ctx)
     _check_tokens(live.get(Index.TOKEN), ctx.vocab_size)
     _check_counts(specs, inputs, raw_bs)
@@ -86,10 +89,37 @@ def _check_mirrors(live: dict[Index, LiveValue], inputs: object, raw_bs: int) ->
         check_mirror(field, by_name.get(field), live_ints(inputs, mirror, raw_bs))
 
 
-def _check_lengths(live: dict[Index, LiveValue], req_pool: ReqToTokenPool | None) -> None:
+def _token_owners(live: dict[Index, LiveValue], raw_bs: Size) -> list[tuple[int, int, int]] | None:
+    """A token batch's live tokens as ``(request, tokens it owns, j)``, the
+    ``j``-th of its request's tokens, from the declared token counts (each
+    >= 1, summing to the live tokens: checked here); None for a one-axis
+    step, or where the counts are not declared."""
+    counts = live.get(Index.TOKEN_COUNT)
+    if not isinstance(raw_bs, tuple) or counts is None:
+        return None
+    name = counts.spec.name
+    for i, n in enumerate(counts.values):
+        if n < 1:
+            raise row_violation(name, i, n, "a live request's tokens in the step, >= 1")
+    if sum(counts.values) != raw_bs.tokens:
+        raise row_violation(
+            name,
+            0,
+            counts.values[0],
+            f"counts summing to the {raw_bs.tokens} live tokens (they sum to {sum(counts.values)})",
+        )
+    return [(i, n, j) for i, n in enumerate(counts.values) for j in range(n)]
+
+
+def _check_lengths(
+    live: dict[Index, LiveValue],
+    req_pool: ReqToTokenPool | None,
+    owners: list[tuple[int, int, int]] | None = None,
+) -> None:
     """Lengths in ``1..width`` (the req_to_token width) and each request's
     ``r`` positions the last ``r`` of its length: ``seq_lens - r + j`` for
-    its token ``j`` (decode: ``seq_lens - 1``)."""
+    its token ``j`` (decode: ``seq_lens - 1``; a token batch: ``r`` its
+    declared token count, the positions on the token axis)."""
     lengths, positions = live.get(Index.LENGTH), live.get(Index.POSITION)
     if lengths is None or lengths.spec.rows_per_request != 1:
         return
@@ -101,6 +131,15 @@ def _check_lengths(live: dict[Index, LiveValue], req_pool: ReqToTokenPool | None
             raise row_violation(name, i, n, f"1{top} (the req_to_token width)")
     if positions is None:
         return
+    if positions.spec.axis is Axis.TOKEN:
+        if owners is None:
+            return
+        for k, ((i, r, j), p) in enumerate(zip(owners, positions.values, strict=True)):
+            n = lengths.values[i]
+            if p != n - r + j:
+                want = f"{name}[{i}] - {r - j} = {n - r + j}"
+                raise row_violation(positions.spec.name, k, p, want)
+        return
     r = positions.spec.rows_per_request
     for k, p in enumerate(positions.values):
         n, j = lengths.values[k // r], k % r
@@ -108,7 +147,11 @@ def _check_lengths(live: dict[Index, LiveValue], req_pool: ReqToTokenPool | None
             raise row_violation(positions.spec.name, k, p, f"{name} - {r - j} = {n - r + j}")
 
 
-def _check_kv(live: dict[Index, LiveValue], ctx: ValueContext) -> None:
+def _check_kv(
+    live: dict[Index, LiveValue],
+    ctx: ValueContext,
+    owners: list[tuple[int, int, int]] | None = None,
+) -> None:
     """Each live KV slot allocated, not 0, once, and the one its request
     recorded at the token's position."""
     locs = live.get(Index.KV_SLOT)
@@ -117,6 +160,11 @@ def _check_kv(live: dict[Index, LiveValue], ctx: ValueContext) -> None:
     check_kv_slots(ctx.kv_allocator, locs.values)
     rows, positions = live.get(Index.REQUEST_ROW), live.get(Index.POSITION)
     if ctx.req_pool is None or rows is None or positions is None:
+        return
+    if locs.spec.axis is Axis.TOKEN:
+        if owners is not None and positions.spec.axis is Axis.TOKEN:
+            per_token = [rows.values[i] for i, _, _ in owners]
+            check_kv_owner(ctx.req_pool.req_to_token, per_token, positions.values, locs.values)
         return
     r = locs.spec.rows_per_request
     if positions.spec.rows_per_request != r or rows.spec.rows_per_request != 1:
@@ -142,7 +190,7 @@ def _check_tokens(tokens: LiveValue | None, vocab_size: int | None) -> None:
             raise row_violation(tokens.spec.name, i, t, f"a token id in 0..{vocab_size - 1}")
 
 
-def _check_counts(specs: Sequence[BufferSpec], inputs: object, raw_bs: int) -> None:
+def _check_counts(specs: Sequence[BufferSpec], inputs: object, raw_bs: Size) -> None:
     """Each count in ``1..W``, the buffer's width."""
     for spec in specs:
         if spec.indexes is not Index.COUNT or spec.width is None:

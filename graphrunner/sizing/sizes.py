@@ -14,6 +14,7 @@ __all__ = [
     "BatchSizeError",
     "PaddingWaste",
     "default_capture_sizes",
+    "default_token_sizes",
     "pad_to",
     "padding_waste",
     "validate_capture_sizes",
@@ -40,6 +41,18 @@ def default_capture_sizes(max_bs: int) -> list[int]:
         bs += 32
     capped = [s for s in sizes if s < max_bs]
     return [*capped, max_bs]
+
+
+def default_token_sizes(max_tokens: int) -> list[int]:
+    """A token batch's sizes (tokens per step): powers of two from 4 to 256,
+    where decode rows and short chunks live, then every 256 (a chunked
+    prefill's steps fill the budget: its size is what counts); capped at
+    ``max_tokens``, which is always included."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    sizes = [4, 8, 16, 32, 64, 128, 256]
+    sizes += list(range(512, max_tokens + 1, 256))
+    return [*(s for s in sizes if s < max_tokens), max_tokens]
 
 
 def validate_capture_sizes(sizes: Iterable[int]) -> list[int]:

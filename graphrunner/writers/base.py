@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers, has_rows
 from graphrunner.writers.plan import CopyGroup, Plan, PopulateError, plan_for
 
 __all__ = [
@@ -63,7 +63,7 @@ def _source(
     return src
 
 
-def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: int) -> list[torch.Tensor]:
+def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: Size) -> list[torch.Tensor]:
     """Every declared input of ``inputs`` for ``raw_bs >= 1`` live requests,
     validated (present, a tensor, dtype, device, ``[spec.rows(raw_bs),
     *extra_shape]``), in the order of ``buffers.specs``. The device is the
@@ -74,7 +74,7 @@ def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: int) -> list[t
     ]
 
 
-def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int) -> int:
+def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: Size, bs: Size) -> int:
     """Copy ``raw_bs`` live requests from ``inputs`` into the head of every
     buffer and apply each pad rule to rows ``[raw_bs:bs]`` only.
 
@@ -95,18 +95,18 @@ def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: int, bs: int
         value) at once, host buffers' included; one resolve per future
         buffer. Every input is validated before anything is written.
     """
-    if inputs is None and raw_bs:
+    if inputs is None and has_rows(raw_bs):
         raise PopulateError(f"inputs are required for raw_bs={raw_bs} > 0")
     plan = plan_for(buffers, raw_bs, bs)  # size errors before input errors
-    sources = check_sources(buffers, inputs, raw_bs) if raw_bs else []
+    sources = check_sources(buffers, inputs, raw_bs) if has_rows(raw_bs) else []
     return _write_planned(plan, sources)
 
 
 def write_sources(
     buffers: StaticBuffers,
     sources: Sequence[torch.Tensor],
-    raw_bs: int,
-    bs: int,
+    raw_bs: Size,
+    bs: Size,
     *,
     host_only: bool = False,
 ) -> int:
@@ -132,9 +132,9 @@ class TorchWriter:
 
     def __init__(self, buffers: StaticBuffers) -> None:
         self.buffers = buffers
-        self._plans: dict[tuple[int, int], Plan] = {}
+        self._plans: dict[tuple[Size, Size], Plan] = {}
 
-    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: Size, bs: Size) -> int:
         """Write ``raw_bs`` live requests' validated ``sources`` padded to
         ``bs``; return the device operations issued (as :func:`populate`)."""
         plan = self._plans.get((raw_bs, bs))
@@ -187,7 +187,7 @@ def resolve_futures(ids: torch.Tensor, future: torch.Tensor | None) -> None:
     torch.where(ids < 0, future.index_select(0, rows), ids, out=ids)
 
 
-def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: int) -> None:
+def check_inputs(buffers: StaticBuffers, inputs: object, raw_bs: Size) -> None:
     """Validate ``inputs`` for ``raw_bs`` live rows as :func:`populate` would,
     without writing anything: the eager fallback, whose batch is larger than
     the buffers (or of another width), runs the same checks; a field of several

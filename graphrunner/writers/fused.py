@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers
 from graphrunner.writers.base import write_sources
 from graphrunner.writers.fused_kernel import BLOCK, COLUMNS, ROW, kernel
 from graphrunner.writers.plan import plan_for
@@ -105,10 +105,11 @@ class FusedPopulate:
         #: Kernel launches issued (tests and benches read it).
         self.launches = 0
 
-    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: Size, bs: Size) -> int:
         """Write validated ``sources`` (one per spec, declaration order;
         empty when ``raw_bs == 0``): stage the table, launch once, write the
         host buffers with torch. Returns the device operations issued."""
+        assert isinstance(raw_bs, int) and isinstance(bs, int)  # one axis (checked at bind)
         table = self.stage(sources, raw_bs, bs)
         self.launch(table.grid)
         return 2 + self._write_host(sources, raw_bs, bs)
@@ -251,7 +252,8 @@ class InGraphPopulate(FusedPopulate):
         """The launch recorded in size ``bs``'s graph (its grid covers ``bs``)."""
         self.launch(self.grid(0, bs))
 
-    def write(self, sources: Sequence[torch.Tensor], raw_bs: int, bs: int) -> int:
+    def write(self, sources: Sequence[torch.Tensor], raw_bs: Size, bs: Size) -> int:
+        assert isinstance(raw_bs, int) and isinstance(bs, int)  # one axis (checked at bind)
         self.stage(sources, raw_bs, bs)
         self._staged = True
         return 1 + self._write_host(sources, raw_bs, bs)

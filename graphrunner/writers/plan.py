@@ -25,7 +25,7 @@ from operator import itemgetter
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, StaticBuffers
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers, fits, has_rows
 from graphrunner.declare.packs import BufferPack
 
 __all__ = ["Plan", "PopulateError", "plan_for"]
@@ -89,7 +89,7 @@ class Plan:
         object.__setattr__(self, "device_ops", staged + len(self.copies) + len(self.gathers))
 
 
-_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[int, int, bool], Plan]] = (
+_plans: weakref.WeakKeyDictionary[StaticBuffers, dict[tuple[Size, Size, bool], Plan]] = (
     weakref.WeakKeyDictionary()
 )
 _pad_rows: weakref.WeakKeyDictionary[StaticBuffers, dict[str, torch.Tensor]] = (
@@ -112,7 +112,7 @@ def _pad_source(buffers: StaticBuffers, spec: BufferSpec, value: int | float) ->
     return rows
 
 
-def _tail(buffers: StaticBuffers, spec: BufferSpec, raw_bs: int, bs: int) -> torch.Tensor | None:
+def _tail(buffers: StaticBuffers, spec: BufferSpec, raw_bs: Size, bs: Size) -> torch.Tensor | None:
     """The pad rows of ``spec`` for ``[raw_bs:bs]`` (None: no tail, or kept)."""
     live, total = spec.rows(raw_bs), spec.rows(bs)
     value = spec.pad_value()
@@ -122,7 +122,7 @@ def _tail(buffers: StaticBuffers, spec: BufferSpec, raw_bs: int, bs: int) -> tor
 
 
 def _copy_groups(
-    buffers: StaticBuffers, specs: list[tuple[int, BufferSpec]], raw_bs: int, bs: int
+    buffers: StaticBuffers, specs: list[tuple[int, BufferSpec]], raw_bs: Size, bs: Size
 ) -> list[CopyGroup]:
     """One foreach group per (device, dtype) of ``specs`` (index, spec)."""
     heads: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -157,14 +157,15 @@ def _staged(
     buffers: StaticBuffers,
     pack: BufferPack,
     members: list[tuple[int, BufferSpec]],
-    raw_bs: int,
-    bs: int,
+    raw_bs: Size,
+    bs: Size,
 ) -> StagedPack | None:
     """``pack`` as one staged write, or None when it is better written per
     field (a kept tail, one member, large rows, or a device pack)."""
     rows = members[0][1].rows(bs)
     pads = [_tail(buffers, spec, raw_bs, bs) for _, spec in members]
-    has_tail = rows > members[0][1].rows(raw_bs)
+    live_rows = members[0][1].rows(raw_bs)
+    has_tail = rows > live_rows
     if has_tail and any(p is None for p in pads):
         return None  # a kept tail: its rows are not rewritten
     storage = pack.storage
@@ -178,13 +179,13 @@ def _staged(
         return None  # large rows: the foreach copy moves them once, with dense pads
     parts: list[torch.Tensor] = []
     for pad in pads:
-        if raw_bs:
+        if live_rows:
             parts.append(HOLE)
         if pad is not None:
             parts.append(pad)
     if not parts:
         return None  # nothing to write
-    take = _getter([i for i, _ in members]) if raw_bs else None
+    take = _getter([i for i, _ in members]) if live_rows else None
     live = slice(0, None, 2) if has_tail else slice(None)
     row_shape = storage.shape[2:]
     if full:
@@ -196,7 +197,7 @@ def _staged(
     return StagedPack(take, parts, live, staging, dst)
 
 
-def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool) -> Plan:
+def _make_plan(buffers: StaticBuffers, raw_bs: Size, bs: Size, host_only: bool) -> Plan:
     position = {s.name: i for i, s in enumerate(buffers.specs)}
     staged: list[StagedPack] = []
     rest: list[tuple[int, BufferSpec]] = []
@@ -213,25 +214,26 @@ def _make_plan(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool) ->
     gathers = tuple(
         buffers.tensors[s.name][: s.rows(raw_bs)]
         for s in buffers.specs
-        if s.future and raw_bs and not host_only
+        if s.future and has_rows(raw_bs) and not host_only
     )
     copies = _copy_groups(buffers, sorted(rest, key=lambda m: m[0]), raw_bs, bs)
     return Plan(tuple(staged), tuple(copies), gathers, buffers.future_tokens)
 
 
-def plan_for(buffers: StaticBuffers, raw_bs: int, bs: int, host_only: bool = False) -> Plan:
-    """The cached plan of ``(raw_bs, bs)`` (PopulateError outside ``0..max_bs``);
-    ``host_only``: of the host buffers alone."""
+def plan_for(buffers: StaticBuffers, raw_bs: Size, bs: Size, host_only: bool = False) -> Plan:
+    """The cached plan of ``(raw_bs, bs)`` (PopulateError outside ``0..max_bs``;
+    a token batch's on both axes); ``host_only``: of the host buffers alone."""
     per_buffers = _plans.get(buffers)
     if per_buffers is None:
         per_buffers = _plans.setdefault(buffers, {})
     plan = per_buffers.get((raw_bs, bs, host_only))
     if plan is None:
-        if not 0 <= raw_bs <= bs <= buffers.max_bs:
+        raw, size = buffers.size_of(raw_bs), buffers.size_of(bs)
+        if not fits(raw, size, buffers.max_size):
             raise PopulateError(
-                f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw_bs}, bs={bs}, "
-                f"max_bs={buffers.max_bs}"
+                f"need 0 <= raw_bs <= bs <= max_bs, got raw_bs={raw}, bs={size}, "
+                f"max_bs={buffers.max_size}"
             )
-        plan = _make_plan(buffers, raw_bs, bs, host_only)
+        plan = _make_plan(buffers, raw, size, host_only)
         per_buffers[(raw_bs, bs, host_only)] = plan
     return plan

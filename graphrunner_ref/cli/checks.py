@@ -162,6 +162,31 @@ def _check_modes(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--max-num-batched-tokens {budget} with --no-chunked-prefill: expected one of them"
             )
+    args.token_sizes = _token_sizes(args, budget)
+
+
+def _token_sizes(args: argparse.Namespace, budget: int | None) -> list[int]:
+    """``--token-capture-sizes`` as a sorted list (empty: the default),
+    refused unless every size is in 1..MAX_BATCHED_TOKENS, the largest
+    covers the step budget and chunked prefill is on."""
+    given = getattr(args, "token_capture_sizes", None)
+    if given is None:
+        return []
+    flag = f"--token-capture-sizes {given!r}"
+    if not getattr(args, "chunked_prefill", True):
+        raise UsageError(f"{flag} with --no-chunked-prefill: expected one of them")
+    try:
+        sizes = sorted({int(s) for s in given.split(",")})
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated ints") from None
+    if not 1 <= sizes[0] <= sizes[-1] <= MAX_BATCHED_TOKENS:
+        raise UsageError(f"{flag}: expected sizes in 1..{MAX_BATCHED_TOKENS}")
+    if budget is not None and sizes[-1] < budget:
+        raise UsageError(
+            f"{flag}: expected the largest to cover --max-num-batched-tokens {budget} "
+            f"(a step's chunks hold up to that many tokens)"
+        )
+    return sizes
 
 
 def _gib(n: int) -> str:

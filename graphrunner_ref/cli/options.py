@@ -433,6 +433,13 @@ def _scheduling(p: _Options) -> None:
         action="store_false",
         help="prefill each admitted prompt whole in one step (not with --max-num-batched-tokens)",
     )
+    p.add_argument(
+        "--token-capture-sizes",
+        metavar="N,N,...",
+        help="token counts at which a step's prompt chunks are captured as one padded token "
+        "batch, e.g. 16,64,256, the largest at least --max-num-batched-tokens (default: "
+        "graphrunner's token sizes up to it); a step above the largest runs eagerly, counted",
+    )
 
 
 def _prompts(gen: _Options) -> None:
@@ -625,6 +632,7 @@ def config_of(
         steps_per_launch=get("steps_per_launch", 1),
         chunked_prefill=get("chunked_prefill", True),
         max_num_batched_tokens=get("max_num_batched_tokens"),
+        token_capture_sizes=tuple(get("token_sizes") or ()),
         logprobs=get("logprobs", 0),
         max_steps=get("steps"),
         quiet=get("quiet", False),

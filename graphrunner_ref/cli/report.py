@@ -55,8 +55,11 @@ def capture_line(
     launch, past one), the seconds, and whether it started cold or warm."""
     per_launch = f", {steps} steps a launch" if steps > 1 else ""
     start = "" if capture.start == "none" else f"; {capture.describe_start()}"
+    what = f"sizes {sizes}"
+    if runner.phase.token_batch:  # the prompt chunks' runner: its sizes count tokens
+        per_launch, what = ", token batch", f"token sizes {runner.capture_sizes}"
     return (
-        f"capture ({runner.mechanism.label}{per_launch}): sizes {sizes}, "
+        f"capture ({runner.mechanism.label}{per_launch}): {what}, "
         f"{capture.total_seconds:.1f} s{start}"
     )
 

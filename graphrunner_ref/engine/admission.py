@@ -11,6 +11,8 @@ from typing import Protocol, cast
 
 import torch
 
+from graphrunner import GraphRunner
+from graphrunner.phases import token_batch_inputs
 from graphrunner_ref.engine.policy import admit_count
 from graphrunner_ref.engine.results import LiveRequest, Run
 from graphrunner_ref.engine.sampling import check_greedy, seed_of
@@ -34,6 +36,10 @@ class Admission:
             and never stalls the running requests for its whole prefill
             (each step prefills at least one token). None: every admitted
             prompt is prefilled whole in the step it is admitted.
+        token_runner: a runner of the token-batch phase
+            (:func:`~graphrunner.phases.token_batch_phase` of the model's
+            ``forward_token_batch``) that runs each step's chunks as one
+            padded, captured step; None: each chunk eagerly, alone.
     """
 
     def __init__(
@@ -41,30 +47,34 @@ class Admission:
         engine: EngineSteps,
         agree: Callable[[int], int] | None = None,
         token_budget: int | None = None,
+        token_runner: GraphRunner | None = None,
     ) -> None:
         self.engine = engine
         self.agree = agree
         self.token_budget = token_budget
+        self.token_runner = token_runner
 
     def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
         """Prefill ``run``'s arrived requests in order while they fit, within
         the step's token budget; returns those whose prompt is now whole in
         the KV cache, each with its first token (a 0-d device tensor: drawn
         by its sampling parameters when the engine samples, else the argmax).
+        The step's chunks (those of every prompt it advances) run as one
+        token batch through the engine's token runner where it has one.
         Raises :class:`AdmissionError` when nothing runs and the next one can
         never fit."""
         # Decode rows first, then prompt tokens; a prompt always moves on.
         total = self.token_budget
         budget = None if total is None else max(total - len(run.live), 1)
-        joining, budget = _prefill_chunks(self.engine, run, budget)
+        chunks, budget = _plan_chunks(run, 0, budget)
         if budget is None or budget > 0:
             count = admit_count(self.engine, run)
             if self.agree is not None:
                 count = self.agree(count)
             for _ in range(count):
                 run.prefilling.append(_start(self.engine, run, run.pending.popleft()))
-            joining += _prefill_chunks(self.engine, run, budget)[0]
-        return joining
+            chunks += _plan_chunks(run, len(chunks), budget)[0]
+        return _prefill(self.engine, run, chunks, self.token_runner)
 
     def validate(self, trace: Sequence[Request]) -> None:
         """``trace`` checked before a run: valid requests, each fitting the
@@ -85,31 +95,70 @@ def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
     return live
 
 
-def _prefill_chunks(
-    engine: EngineSteps, run: Run, budget: int | None
-) -> tuple[list[tuple[LiveRequest, torch.Tensor]], int | None]:
-    """Prefill ``run.prefilling`` in order, ``budget`` prompt tokens at most
-    (None: every prompt whole): each chunk attends to the KV its earlier
-    chunks wrote. Returns the requests whose prompt is whole, with their first
-    token, and the budget left."""
+#: One prompt chunk of a step: the request, and its prompt tokens ``start:end``.
+Chunk = tuple[LiveRequest, int, int]
+
+
+def _plan_chunks(run: Run, first: int, budget: int | None) -> tuple[list[Chunk], int | None]:
+    """The chunks of ``run.prefilling[first:]``, in order, ``budget`` prompt
+    tokens at most (None: every prompt whole); the budget left."""
+    chunks: list[Chunk] = []
+    for live in run.prefilling[first:]:
+        if budget is not None and budget <= 0:
+            break
+        start, prompt = live.prefilled, len(live.request.prompt)
+        end = prompt if budget is None else min(prompt, start + budget)
+        chunks.append((live, start, end))
+        if budget is not None:
+            budget -= end - start
+    return chunks, budget
+
+
+def _prefill(
+    engine: EngineSteps, run: Run, chunks: list[Chunk], runner: GraphRunner | None
+) -> list[tuple[LiveRequest, torch.Tensor]]:
+    """Run the step's ``chunks`` (each attends to the KV its earlier chunks
+    wrote): one token batch through ``runner``, or each eagerly. Returns the
+    requests whose prompt is now whole, with their first token."""
+    if not chunks:
+        return []
+    if runner is not None:
+        logits = _token_batch(engine, runner, chunks)
+        last = [logits[i] for i in range(len(chunks))]
+    else:
+        last = [_extend(engine, live, start, end) for live, start, end in chunks]
     joining: list[tuple[LiveRequest, torch.Tensor]] = []
-    while run.prefilling and (budget is None or budget > 0):
-        live = run.prefilling[0]
-        prompt = live.request.prompt
-        start = live.prefilled
-        end = len(prompt) if budget is None else min(len(prompt), start + budget)
-        logits = _extend(engine, live, start, end)
+    for (live, start, end), row in zip(chunks, last, strict=True):
         live.prefilled = end
         run.stats.prefill_tokens += end - start
         run.stats.prefill_chunks += 1
-        if budget is not None:
-            budget -= end - start
-        if end < len(prompt):
-            break  # the budget is spent inside this prompt
-        run.prefilling.pop(0)
-        joining.append((live, engine.first_token(live, logits)))
+        if end < len(live.request.prompt):
+            continue  # the budget is spent inside this prompt
+        run.prefilling.remove(live)
+        joining.append((live, engine.first_token(live, row)))
         run.stats.prefills += 1
-    return joining, budget
+    return joining
+
+
+def _token_batch(engine: EngineSteps, runner: GraphRunner, chunks: list[Chunk]) -> torch.Tensor:
+    """The chunks as one token batch (their slots recorded in ``req_to_token``
+    first) through ``runner``: each chunk's last-token logits ``[chunks, vocab]``."""
+    pool = engine.bundle.req_pool
+    ids: list[int] = []
+    slots: list[int] = []
+    for live, start, end in chunks:
+        pool.write(live.req_index, start, live.slots[start:end])
+        ids += live.request.prompt[start:end]
+        slots += live.slots[start:end]
+    inputs = token_batch_inputs(
+        input_ids=ids,
+        out_cache_loc=slots,
+        req_pool_indices=[live.req_index for live, _, _ in chunks],
+        seq_lens=[end for _, _, end in chunks],
+        extend_lens=[end - start for _, start, end in chunks],
+        device=engine.device,
+    )
+    return cast(torch.Tensor, runner.replay(inputs))
 
 
 def _extend(engine: EngineSteps, live: LiveRequest, start: int, end: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from graphrunner import (
     create_runner,
     decode_phase,
 )
-from graphrunner.phases import check_steps_per_launch
+from graphrunner.phases import check_steps_per_launch, token_batch_phase
 from graphrunner_ref.engine import kinds
 from graphrunner_ref.engine.multistep_runner import (
     multistep_of,
@@ -35,12 +35,59 @@ __all__ = [
     "DecodeStep",
     "ServingBundle",
     "create_decode_runner",
+    "create_token_runner",
     "decode_step",
     "multistep_of",
 ]
 
 #: The built-in kinds are registered before any bundle asks for its step.
 BUILT_IN_KINDS = kinds.BUILT_IN
+
+
+#: The most prompts one token-batch step holds (its request axis): a step's
+#: budget goes to few prompts; a step of more runs eagerly, counted.
+TOKEN_BATCH_REQUESTS = 8
+
+
+def takes_token_batches(bundle: ServingBundle) -> bool:
+    """Whether ``bundle``'s model runs a token batch (``forward_token_batch``:
+    the native Llama)."""
+    return callable(getattr(getattr(bundle, "model", None), "forward_token_batch", None))
+
+
+def create_token_runner(
+    bundle: ServingBundle,
+    kind: str,
+    max_tokens: int,
+    *,
+    capture_sizes: Sequence[int] | None = None,
+    show_progress: bool = False,
+    check_padding: bool = False,
+    **mechanism_options: Any,
+) -> GraphRunner:
+    """A ``kind`` runner of the token-batch phase over ``bundle``'s
+    ``forward_token_batch`` (prompt chunks, prefilled as one padded step),
+    captured at ``capture_sizes`` token counts (None: the library's
+    :func:`~graphrunner.sizing.default_token_sizes` up to ``max_tokens``,
+    the engine's per-step budget), :data:`TOKEN_BATCH_REQUESTS` requests a
+    step. ``check_padding``: the bundle's sanitizer around every replay.
+    Not yet captured."""
+    if not takes_token_batches(bundle):
+        raise TypeError(f"{type(bundle.model).__name__} has no forward_token_batch")
+    step = decode_step(bundle)
+    model: Any = bundle.model
+    phase = token_batch_phase(model.forward_token_batch, max_requests=TOKEN_BATCH_REQUESTS)
+    sizes = list(capture_sizes) if capture_sizes else None
+    return create_runner(
+        phase,
+        kind=kind,
+        device=bundle.device,
+        capture_sizes=sizes,
+        max_bs=None if sizes else max_tokens,
+        show_progress=show_progress,
+        sanitizer=step.sanitizer() if check_padding else None,
+        **mechanism_options,
+    )
 
 
 def decode_step(bundle: ServingBundle) -> DecodeStep:

@@ -63,7 +63,10 @@ class EngineConfig:
     and ``draft_tokens``; ``overlap``; ``steps_per_launch``; ``chunked_prefill``
     with ``max_num_batched_tokens`` (the tokens one step processes, decode
     rows first, then prompt chunks; None: :data:`DEFAULT_BATCHED_TOKENS` where
-    the model's prefill extends a cached prefix, each prompt whole elsewhere);
+    the model's prefill extends a cached prefix, each prompt whole elsewhere),
+    each step's chunks one captured token batch where the model runs them
+    (``token_batches``; at ``token_capture_sizes`` token counts, empty: the
+    library's sizes up to the budget), else each chunk eagerly;
     ``logprobs`` (the top N of each token); ``max_steps`` bounds a run's
     decode steps.
     ``quiet`` keeps notes off stderr.
@@ -96,6 +99,8 @@ class EngineConfig:
     steps_per_launch: int = 1
     chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
+    token_batches: bool = True
+    token_capture_sizes: tuple[int, ...] = ()
     logprobs: int = 0
     max_steps: int | None = None
     quiet: bool = False

@@ -123,6 +123,10 @@ class Engine:
             the KV its earlier chunks wrote); None: each prompt whole in the
             step it is admitted. Native Llama and transformers bundles; a
             Mamba / hybrid one is refused by name.
+        token_runner: a captured runner of the token-batch phase over the
+            model (:func:`~graphrunner_ref.engine.bundle.create_token_runner`):
+            each step's prompt chunks run through it as one padded step;
+            None: each chunk eagerly, alone.
 
     ``decoder`` is the bundle's :class:`~graphrunner_ref.engine.bundle.DecodeStep`;
     ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
@@ -145,6 +149,7 @@ class Engine:
         logprobs: int = 0,
         steps_per_launch: int = 1,
         max_num_batched_tokens: int | None = None,
+        token_runner: GraphRunner | None = None,
     ) -> None:
         self.seed = check_seed("seed", seed)
         steps = check_multistep(runner, steps_per_launch, end_token, overlap, check, logprobs)
@@ -177,7 +182,7 @@ class Engine:
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.
         budget = check_token_budget(bundle, max_num_batched_tokens)
-        self.admitter = Admission(self, rank0_admits(bundle), budget)
+        self.admitter = Admission(self, rank0_admits(bundle), budget, token_runner)
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
         self._sync: Callable[[], None] = (

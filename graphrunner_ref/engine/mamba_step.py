@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from graphrunner import DecodeBatch, PaddingSanitizer, PaddingViolation
+from graphrunner.declare import Size
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner.sanitizer import live_ints
 
@@ -44,8 +45,9 @@ class MambaSanitizer(PaddingSanitizer):
     one its request row owns, never the sink 0, and its mask True. Build it
     with :meth:`PaddingSanitizer.for_pools` over a hybrid request pool."""
 
-    def check_live_values(self, inputs: object, raw_bs: int) -> None:
+    def check_live_values(self, inputs: object, raw_bs: Size) -> None:
         super().check_live_values(inputs, raw_bs)
+        assert isinstance(raw_bs, int)  # a decode step: one axis
         rows = live_ints(inputs, "req_pool_indices", raw_bs)
         slots = live_ints(inputs, "mamba_track_indices", raw_bs)
         mask = getattr(inputs, "mamba_track_mask", None)

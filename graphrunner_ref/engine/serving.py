@@ -24,7 +24,11 @@ import torch
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine.admission import extends_prefix
-from graphrunner_ref.engine.bundle import create_decode_runner  # registers the built-in kinds
+from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
+    create_decode_runner,
+    create_token_runner,
+    takes_token_batches,
+)
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.online import RequestSource
@@ -120,6 +124,10 @@ def serve(
     capture = runner.capture()
     if on_capture is not None:
         on_capture(runner, capture)
+    budget = token_budget(config, bundle)
+    tokens = _token_runner(config, bundle, budget, progress)
+    if tokens is not None and on_capture is not None:
+        on_capture(tokens, tokens.capture_report)  # type: ignore[arg-type]
     engine = Engine(
         bundle,
         runner,
@@ -133,7 +141,8 @@ def serve(
         seed=config.seed,
         logprobs=config.logprobs,
         steps_per_launch=config.steps_per_launch,
-        max_num_batched_tokens=token_budget(config, bundle),
+        max_num_batched_tokens=budget,
+        token_runner=tokens,
     )
     shown = progress if run_progress is None else run_progress
     result = engine.run(trace, max_steps=config.max_steps, progress=shown, source=source)
@@ -179,6 +188,28 @@ def token_budget(config: EngineConfig, bundle: ServingBundle) -> int | None:
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
     return DEFAULT_BATCHED_TOKENS if extends_prefix(bundle) else None
+
+
+def _token_runner(
+    config: EngineConfig, bundle: ServingBundle, budget: int | None, progress: bool
+) -> GraphRunner | None:
+    """The captured token-batch runner the run's prompt chunks go through:
+    with chunked prefill on a model that runs token batches, sized by
+    ``config.token_capture_sizes`` (empty: the library's sizes up to the
+    budget); None otherwise (each chunk eagerly)."""
+    if budget is None or not config.token_batches or not takes_token_batches(bundle):
+        return None
+    runner = create_token_runner(
+        bundle,
+        config.runner,
+        budget,
+        capture_sizes=list(config.token_capture_sizes) or None,
+        show_progress=progress,
+        check_padding=config.check_padding,
+        **config.mechanism_options,
+    )
+    runner.capture()
+    return runner
 
 
 def _runner_options(

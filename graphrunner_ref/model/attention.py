@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend
+from graphrunner_ref.model.attention_tokens import token_batch_attention
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.fused import register_stack
 from graphrunner_ref.model.layers import RotaryEmbedding
@@ -128,6 +129,8 @@ class PagedAttention(nn.Module):
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k_buf, v_buf = kv.get_kv(self.layer_id)
+        if meta.tokens is not None:  # a token batch: each request's own range
+            return token_batch_attention(q, k_buf, v_buf, meta.tokens, self.scale)
         # A prompt takes torch's fused attention, whose softmax is float32 for
         # float32 and half inputs; a float64 model keeps the float32 softmax of
         # transformers' eager attention (and of decode), which it would widen.

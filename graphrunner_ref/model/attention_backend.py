@@ -8,9 +8,11 @@ import torch
 
 from graphrunner import BufferView
 from graphrunner.core import host_range
+from graphrunner.declare import Size
 from graphrunner_ref.model.attention_live import LiveRows
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.attention_op import PagedRows
+from graphrunner_ref.model.attention_tokens import TokenLayout
 from graphrunner_ref.model.attention_torch import decode_columns
 from graphrunner_ref.model.kernels.decode_attention import LAYOUTS, DecodeScratch, choose_splits
 
@@ -183,6 +185,22 @@ class TorchPagedBackend:
             )  # fmt: skip
         return AttnMetadata(slots, mask, decode=True, keys=keys, paged=paged)
 
+    def token_batch_metadata(self, inputs: BufferView, group: int) -> AttnMetadata:
+        """A token batch's metadata (:mod:`graphrunner.phases.token_batch`).
+        Where its host layout is declared and the step runs on the CPU: each
+        request's range, planned on the host (one fused attention per
+        request). Otherwise (a CUDA graph holds no host loop): one decode row
+        per token, its request's row up to its position, read from the
+        device tensors by this backend's decode attention."""
+        lens = getattr(inputs, "extend_lens_cpu", None)
+        if lens is not None and self.req_to_token.device.type == "cpu":
+            layout = TokenLayout(
+                self.req_to_token, inputs.req_pool_indices, inputs.seq_lens_cpu, lens
+            )
+            none = inputs.seq_lens.new_zeros(0, 0)
+            return AttnMetadata(none, none.bool(), decode=False, tokens=layout)
+        return self.rows_metadata(inputs.token_req_pool_indices, inputs.positions + 1, group)
+
     def extend_metadata(
         self, req_pool_index: int, positions: torch.Tensor, width: int, group: int
     ) -> AttnMetadata:
@@ -210,7 +228,7 @@ class TorchPagedBackend:
                 f"expected 1..max_bs={self.max_bs} rows; call init_graph_state first"
             )
 
-    def validate_inputs(self, raw_bs: int, inputs: object) -> None:
+    def validate_inputs(self, raw_bs: Size, inputs: object) -> None:
         self._check_host_range("req_pool_indices_cpu", inputs, 1, self.req_to_token.shape[0] - 1)
         self._check_host_range("seq_lens_cpu", inputs, 1, self.max_context_len)
 
@@ -230,5 +248,7 @@ class TorchPagedBackend:
             bad = int(((values < lo) | (values > hi)).nonzero()[0, 0])
             raise ValueError(f"{name}[{bad}]={int(values[bad])}: expected {lo}..{hi}")
 
-    def init_replay_metadata(self, bs: int, raw_bs: int, view: BufferView, inputs: object) -> None:
+    def init_replay_metadata(
+        self, bs: Size, raw_bs: Size, view: BufferView, inputs: object
+    ) -> None:
         pass  # the metadata is computed inside the graph from the static buffers

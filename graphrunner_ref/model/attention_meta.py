@@ -11,6 +11,7 @@ import torch
 
 from graphrunner_ref.model.attention_live import LiveRows, live_attention
 from graphrunner_ref.model.attention_op import PagedRows, paged_attention
+from graphrunner_ref.model.attention_tokens import TokenLayout
 from graphrunner_ref.model.attention_torch import gathered_attention
 
 __all__ = ["AttnMetadata", "KVStore", "attend"]
@@ -39,6 +40,8 @@ class AttnMetadata:
         which then replaces the gather; None for the torch attention.
     live: the rows for the CPU live-width attention (decode with
         ``kernel="live"``), which then replaces the full-width gather.
+    tokens: a token batch's layout, planned on the host: the attention runs
+        per request (:mod:`graphrunner_ref.model.attention_tokens`); None otherwise.
     """
 
     slots: torch.Tensor
@@ -47,6 +50,7 @@ class AttnMetadata:
     keys: torch.Tensor | None = None
     paged: PagedRows | None = None
     live: LiveRows | None = None
+    tokens: TokenLayout | None = None
 
 
 def attend(

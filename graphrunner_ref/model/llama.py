@@ -272,6 +272,23 @@ class LlamaDecoder(nn.Module):
         h = self._step_hidden(TokenRows(inputs))
         return {"logits": self.logits(h), "hidden": h}
 
+    def forward_token_batch(self, inputs: BufferView) -> torch.Tensor:
+        """A token batch (prompt chunks and decode rows in one step,
+        :mod:`graphrunner.phases.token_batch`): logits float32 ``[R, vocab]``
+        of each request's last token.
+
+        ``inputs``: per token ``input_ids``, ``positions``, ``out_cache_loc``,
+        ``token_req_pool_indices`` int64 ``[T]`` (the slots already recorded
+        in ``req_to_token``); per request ``req_pool_indices``, ``seq_lens``,
+        ``extend_lens``, ``last_token_index`` int64 ``[R]`` and, for the
+        host-planned attention, ``seq_lens_cpu``, ``extend_lens_cpu``. Writes
+        every token's K/V, then each token attends to its request's KV up to
+        its own position.
+        """
+        meta = self.attn_backend.token_batch_metadata(inputs, self.num_kv_groups)
+        h = self._hidden(inputs.input_ids, inputs.positions, inputs.out_cache_loc, meta)
+        return self.logits(h[inputs.last_token_index])
+
     def forward_decode_hidden(self, inputs: BufferView) -> dict[str, torch.Tensor]:
         """:meth:`forward_decode` that also returns the final-norm ``hidden`` ``[bs, hidden]``."""
         h = self._step_hidden(inputs)

@@ -1,0 +1,115 @@
+"""A token batch's attention, run per request from a layout planned on the host.
+
+A token batch (:mod:`graphrunner.phases.token_batch`) holds any mix of
+prompt chunks and decode rows: request ``i`` owns the next ``extend_lens[i]``
+tokens and reads ``req_to_token[req_pool_indices[i], :seq_lens[i]]``, its
+tokens causal by position. Each request is one call of torch's fused
+attention (the prompt path of :class:`~graphrunner_ref.model.attention.PagedAttention`),
+its ranges read from the step's host buffers (``extend_lens_cpu``,
+``seq_lens_cpu``): no device read, and no work for padded requests (they own
+no token; padded tokens' rows stay zero).
+
+The loop is an opaque op (:func:`token_batch_attention`), so a compiled
+token-batch step keeps one program with a symbolic token axis and calls the
+op between its pieces. Where the step must be one device graph (CUDA), the
+backend runs the batch as decode rows instead, one per token, reading the
+layout from device tensors (``TorchPagedBackend.token_batch_metadata``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["TokenLayout", "token_batch_attention"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """Where each request of a token batch reads.
+
+    req_to_token: int32 ``[rows, context]``.
+    req_pool_indices: int64 ``[R]``, each request's row (padded: 0).
+    seq_lens_cpu, extend_lens_cpu: host int64 ``[R]``, each request's length
+        after the step and its tokens in the step (padded: the fill, 0).
+    """
+
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    extend_lens_cpu: torch.Tensor
+
+
+@torch.library.custom_op("graphrunner_ref::token_batch_attention", mutates_args=())
+def _attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    extend_lens_cpu: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    out = q.new_zeros(tokens, heads * dim)
+    columns = torch.arange(req_to_token.shape[1], device=q.device)
+    start = 0
+    rows = req_pool_indices.tolist() if req_pool_indices.device.type == "cpu" else None
+    for i, (n, length) in enumerate(
+        zip(extend_lens_cpu.tolist(), seq_lens_cpu.tolist(), strict=True)
+    ):
+        if n == 0:  # a padded request owns no token
+            continue
+        row = rows[i] if rows is not None else req_pool_indices[i]
+        slots = req_to_token[row, :length].long()
+        k = k_buf[slots].transpose(0, 1)[None]  # [1, H_kv, L, D]
+        v = v_buf[slots].transpose(0, 1)[None]
+        whole = length == n  # no cached prefix: plainly causal
+        mask = None if whole else columns[None, :length] <= (length - n + columns[:n, None])
+        chunk = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1)[None],
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=whole,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + n] = chunk[0].transpose(0, 1).reshape(n, -1)
+        start += n
+    return out
+
+
+@_attention.register_fake
+def _(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    extend_lens_cpu: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def token_batch_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layout: TokenLayout, scale: float
+) -> torch.Tensor:
+    """Rotated queries ``q [T, H, D]`` of a token batch over its requests' KV
+    (the step's K/V already written): the heads' outputs ``[T, H D]``, zero
+    on padded tokens."""
+    return _attention(
+        q,
+        k_buf,
+        v_buf,
+        layout.req_to_token,
+        layout.req_pool_indices,
+        layout.seq_lens_cpu,
+        layout.extend_lens_cpu,
+        scale,
+    )
