@@ -155,3 +155,12 @@ def test_the_openai_client_chats_streamed_and_not(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
     assert "messages" in str(bad.value)
+
+
+def test_log_probabilities_the_server_does_not_collect_are_refused(server: Server) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "hello", "logprobs": 1}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}),
+    ):
+        status, _, answer = server.post(path, body)
+        assert status == 400 and "--logprobs N" in answer["error"]["message"], answer

@@ -305,14 +305,21 @@ class OnlineEngine:
     def _take(self, run: Run) -> None:
         """Under the lock: arrivals into ``run.pending``, aborts and deadlines."""
         now = time.monotonic()
+        refused: list[tuple[Ticket, Delta]] = []
         for ticket in self._inbox:
             job = ticket.job
+            try:  # checked on the HTTP side already: a failure here is one request's alone
+                request = Request(
+                    ticket.rid, tuple(job.prompt), job.max_tokens, run.clock, job.sampling
+                )
+            except (TypeError, ValueError) as e:
+                refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))
+                continue
             self._tickets[ticket.rid] = ticket
-            request = Request(
-                ticket.rid, tuple(job.prompt), job.max_tokens, run.clock, job.sampling
-            )
             run.pending.append(request)
         self._inbox.clear()
+        if refused:
+            self._post(refused)
         gone, self._aborts = self._aborts, {}
         late = self._close_at is not None and now >= self._close_at
         for rid, ticket in self._tickets.items():

@@ -300,6 +300,12 @@ def _chat_prompt(body: ChatRequest, limits: Limits) -> list[int]:
 def _logprobs(name: str, n: int | None, limits: Limits) -> int | None:
     if n is None:
         return None
+    if limits.max_logprobs == 0:
+        raise APIError(
+            400,
+            f"{name}={n}: the server collects no log-probabilities; start it with --logprobs N",
+            param=name,
+        )
     if n > limits.max_logprobs:
         raise APIError(
             400,
