@@ -68,11 +68,14 @@ class Hooks:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """A served run: its result, and the decode runner with its capture
-    report (None for a speculative run, whose runners are its engine's)."""
+    report (None for a speculative run, whose runners are its engine's),
+    and the token-batch runner of its prompt chunks."""
 
     result: EngineResult | SpeculativeResult
     runner: GraphRunner | None = None
     capture: CaptureReport | None = None
+    #: The token-batch runner the prompt chunks went through (None: eagerly).
+    token_runner: GraphRunner | None = None
 
 
 def model_kind(config: EngineConfig) -> ModelKind:
@@ -146,7 +149,7 @@ def serve(
     )
     shown = progress if run_progress is None else run_progress
     result = engine.run(trace, max_steps=config.max_steps, progress=shown, source=source)
-    return Outcome(result, runner, capture)
+    return Outcome(result, runner, capture, tokens)
 
 
 def baseline(

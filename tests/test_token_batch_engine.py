@@ -1,0 +1,135 @@
+"""Chunked prefill through the captured token-batch step: each engine step's
+prompt chunks (of one prompt or several) run as one token batch, padded on
+tokens and requests, under the padding sanitizer; the answers are
+transformers' greedy ``generate`` of each prompt alone, as the unchunked
+engine's are. A step above the largest token size runs eagerly, counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import MECHANISMS, runner_device
+from graphrunner_ref.engine.bundle import create_token_runner
+from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
+from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.io import load_model
+from hf_tiny import hf_greedy, save_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+CONTEXT = 64
+#: Token sizes: a step of up to 8 prompt tokens is padded to 4 or 8; the
+#: budget of 9 makes some steps one token above the largest (eager, counted).
+TOKEN_SIZES = [4, 8]
+BUDGET = 9
+
+
+def _trace() -> list[Request]:
+    """Prompts of 1 to 33 tokens, arriving while others decode: with 9
+    tokens a step, a prompt is prefilled in 1 to 5 chunks, and a step's
+    chunks often belong to two prompts."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [3, 12, 33, 1, 17, 9, 26, 5, 2, 30]
+    requests, step = [], 0
+    for rid, n in enumerate(lengths):
+        prompt = tuple(torch.randint(128, (n,), generator=gen).tolist())
+        requests.append(Request(rid, prompt, 5 + rid % 3, arrival_step=step))
+        step += rid % 2
+    return requests
+
+
+TRACE = _trace()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[int]]]:
+    path = tmp_path_factory.mktemp("token-batch")
+    return path, hf_greedy(save_tiny_llama(path), TRACE)
+
+
+def _serve(path: Path, label: str) -> tuple[EngineResult, Any]:
+    kind, options = MECHANISMS[label]
+    bundle = load_model(
+        path, max_requests=4, max_context_len=CONTEXT, device=runner_device(label), page_size=4
+    )
+    decode = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4], **options)
+    decode.capture()
+    tokens = create_token_runner(
+        bundle, kind, BUDGET, capture_sizes=TOKEN_SIZES, check_padding=True, **options
+    )
+    tokens.capture()
+    engine = Engine(bundle, decode, max_num_batched_tokens=BUDGET, token_runner=tokens)
+    result = engine.run(TRACE)
+    assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size  # every page freed
+    assert bundle.req_pool.available_size() == bundle.req_pool.size
+    return result, tokens
+
+
+@pytest.mark.parametrize("label", ["eager", "cpu"])
+def test_prompt_chunks_through_the_token_runner_give_transformers_tokens(
+    oracle: tuple[Path, dict[int, list[int]]], label: str
+) -> None:
+    path, expected = oracle
+    result, tokens = _serve(path, label)
+    assert result.outputs == expected
+    stats = result.stats
+    assert stats.prefills == len(TRACE)
+    assert stats.prefill_tokens == sum(len(r.prompt) for r in TRACE)
+    assert stats.prefill_chunks >= len(TRACE) + 33 // BUDGET  # the long prompts split
+    served = tokens.batch_sizes.counts()  # the steps' live token counts
+    assert max(served) == BUDGET  # one above the largest size: eager, counted
+    assert tokens.stats.eager_fallbacks == served[BUDGET]
+    assert tokens.stats.replays == sum(n for size, n in served.items() if size <= 8)
+    assert tokens.stats.padded_rows > 0  # padded replays, checked by the sanitizer
+    assert tokens.sanitizer is not None and tokens.sanitizer.stats.replays_checked > 0
+
+
+def test_generate_runs_prompt_chunks_through_the_token_runner(
+    oracle: tuple[Path, dict[int, list[int]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``generate --max-num-batched-tokens N --token-capture-sizes ...`` on a
+    prompt of 4N tokens prints the token sizes' capture line and gives
+    transformers' greedy answer."""
+    import graphrunner_ref.cli.main as cli
+
+    path, expected = oracle
+    request = TRACE[2]  # 33 tokens: N = 8 is 5 chunks
+    (tmp_path / "p.jsonl").write_text(json.dumps(list(request.prompt)) + "\n")
+    argv = ["generate", "--checkpoint", str(path), "--prompts", str(tmp_path / "p.jsonl")]
+    argv += ["--max-new-tokens", str(request.max_new_tokens), "--json", "--runner", "eager"]
+    argv += ["--capture-sizes", "1,2", "--max-num-batched-tokens", "8"]
+    argv += ["--token-capture-sizes", "4,8", "--max-context-len", str(CONTEXT)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr()
+    record = json.loads(out.out.splitlines()[0])
+    assert record["token_ids"] == expected[2]
+    assert "prefill (eager, token batch): token sizes [4, 8]" in out.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--token-capture-sizes", "4,x"], "expected comma-separated ints"),
+        (["--token-capture-sizes", "0,8"], "expected sizes in 1..1048576"),
+        (
+            ["--max-num-batched-tokens", "16", "--token-capture-sizes", "4,8"],
+            "expected the largest to cover --max-num-batched-tokens 16",
+        ),
+        (["--no-chunked-prefill", "--token-capture-sizes", "4"], "with --no-chunked-prefill"),
+    ],
+)
+def test_bad_token_sizes_are_refused_by_flag(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import graphrunner_ref.cli.main as cli
+
+    assert cli.main(["generate", "--prompt", "[1, 2]", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--token-capture-sizes" in err and message in err
