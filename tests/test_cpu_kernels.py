@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, pack_fp16, unpack_fp16
-from graphrunner_ref.model.int8_linear import Int8Linear
+from graphrunner_ref.model.int8_linear import Int8GroupLinear, Int8Linear, quantize_per_group
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -102,3 +102,42 @@ def test_fp16_kernel_runs_under_torch_compile() -> None:
     x = torch.randn(3, 36)
     compiled = torch.compile(linear, fullgraph=True)
     torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("out", "inp"), [(24, 64), (13, 45), (40, 100), (3, 7)])
+def test_grouped_int8_kernel_equals_the_dequantized_product(out: int, inp: int) -> None:
+    torch.manual_seed(out + 7 * inp)
+    linear = Int8GroupLinear(torch.randn(out, inp))
+    assert linear.kernel and linear.weight.shape == (out, -(-inp // 32) * 32)
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, inp)
+        torch.testing.assert_close(linear(x), x @ linear.dequantized().T, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_int8_keeps_a_q8_0_weight_bit_for_bit() -> None:
+    """GGUF's Q8_0 (``d`` a float16 per 32 columns, ``q`` in -127..127 with
+    127 reached in every block) dequantized and quantized again is the same."""
+    torch.manual_seed(5)
+    d = (torch.rand(16, 3) * 0.01 + 1e-3).half().float()
+    q = torch.randint(-127, 128, (16, 3, 32))
+    q[..., 0] = 127 * torch.sign(torch.randn(16, 3)).long()
+    w = (q.float() * d[..., None]).view(16, 96)
+    codes, scales = quantize_per_group(w)
+    assert torch.equal(codes.view(16, 3, 32).long(), q) and torch.equal(scales, d)
+    assert torch.equal(Int8GroupLinear(w).dequantized(), w)
+
+
+def test_grouped_int8_rows_are_bit_for_bit_independent_of_the_batch() -> None:
+    torch.manual_seed(6)
+    linear = Int8GroupLinear(torch.randn(37, 70))
+    x = torch.randn(19, 70)
+    together = linear(x)
+    for j in range(19):
+        assert torch.equal(linear(x[j : j + 1])[0], together[j]), j
+    poisoned = x.clone()
+    poisoned[4:] = float("nan")
+    assert torch.equal(linear(poisoned)[:4], together[:4])
+    compiled = torch.compile(linear, fullgraph=True)
+    torch.testing.assert_close(compiled(x), together, rtol=0, atol=0)
+    linear.kernel = False  # the torch path: the same product, another order
+    torch.testing.assert_close(linear(x), together, rtol=1e-5, atol=1e-5)

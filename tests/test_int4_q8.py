@@ -36,6 +36,7 @@ from graphrunner_ref.model.int4_q8 import (
     int4_q8_reference_linear,
     quantize_activations_q8,
 )
+from graphrunner_ref.model.int8_linear import Int8GroupLinear
 from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, quantize_model
 
 #: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a tile.
@@ -267,7 +268,7 @@ def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
 
 
 def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelBundle]) -> None:
-    """Every projection an Int4Q8Linear, the LM head float16; the embedded
+    """Every projection an Int4Q8Linear, the LM head int8 in groups; the embedded
     (random, near-tied logits) model's greedy tokens start as int4's float
     activations' do (its bound here: the first two of every row; SmolLM2's
     agreement is measured in ``bench/bench_real_cpu.py``), and so do the torch
@@ -275,7 +276,8 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
     model = models["int4-q8"].model
     linears = [m for m in model.modules() if isinstance(m, Int4Q8Linear)]
     assert len(linears) == 4 * len(model.model.layers) and model.quantization == "int4-q8"
-    assert isinstance(model.head_proj, Fp16WeightLinear)
+    assert isinstance(model.head_proj, Int8GroupLinear)
+    assert isinstance(models["int4"].model.head_proj, Fp16WeightLinear)  # int4 unchanged
     outputs = _decode(models["int4-q8"])
     exact = _decode(models["int4"])
     assert sorted(outputs) == sorted(exact)

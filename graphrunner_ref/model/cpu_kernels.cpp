@@ -203,6 +203,89 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 
+// int8 in groups (graphrunner_int8::linear_grouped, int8_linear.py): int8 codes
+// in groups of 32 input columns with one float scale each (GGUF's Q8_0 layout,
+// -127..127), float32 activations:  y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]).
+// A tile of up to 8 rows (zero-padded to whole groups) against each output
+// row; each row's groups alternate between two accumulators, as int4's do.
+template <int R>
+inline void int8g_group(const int8_t* q, float d, const float* xp, int64_t kp, int64_t g,
+                        __m256 (&acc)[R]) {
+  __m256 w[4];
+  for (int k = 0; k < 4; ++k)
+    w[k] = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int r = 0; r < R; ++r) {
+    const float* xg = xp + r * kp + g * kGroup;
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), t);
+    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), t);
+    t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), t);
+    acc[r] = _mm256_fmadd_ps(t, dv, acc[r]);
+  }
+}
+
+template <int R>
+void rows_int8g(const float* xp, int64_t groups, const int8_t* q, const float* scales, float* y,
+                int64_t out, int64_t o0, int64_t o1) {
+  const int64_t kp = groups * kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wq = q + o * kp;
+    const float* sc = scales + o * groups;
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      int8g_group<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
+      int8g_group<R>(wq + (g + 1) * kGroup, sc[g + 1], xp, kp, g + 1, odd);
+    }
+    if (g < groups) int8g_group<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
+    for (int r = 0; r < R; ++r) y[r * out + o] = hsum(_mm256_add_ps(even[r], odd[r]));
+  }
+}
+
+using Int8gFn = void (*)(const float*, int64_t, const int8_t*, const float*, float*, int64_t,
+                         int64_t, int64_t);
+constexpr Int8gFn kInt8g[kTile + 1] = {nullptr,       rows_int8g<1>, rows_int8g<2>,
+                                       rows_int8g<3>, rows_int8g<4>, rows_int8g<5>,
+                                       rows_int8g<6>, rows_int8g<7>, rows_int8g<8>};
+
+at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "graphrunner_int8::linear_grouped: x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  const int64_t groups = (in + kGroup - 1) / kGroup, kp = groups * kGroup;
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+                  weight.size(1) == kp,
+              "graphrunner_int8::linear_grouped: weight must be contiguous int8 [out, ", kp,
+              "] for in=", in, ", got ", weight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == out * groups,
+              "graphrunner_int8::linear_grouped: scales must be contiguous float32 [out, ", groups,
+              "]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xpad(kTile * kp);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    std::fill(xpad.begin(), xpad.end(), 0.0f);
+    for (int r = 0; r < nr; ++r)
+      std::memcpy(xpad.data() + r * kp, xs + (r0 + r) * in, in * sizeof(float));
+    const Int8gFn fn = kInt8g[nr];
+    const float* xpp = xpad.data();
+    float* yt = yp + r0 * out;
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xpp, groups, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), yt, out, o0, o1);
+    });
+  }
+  return y;
+}
+
 // fp16: the weight is packed in blocks of 8 output rows (fp16_linear.py):
 // [out / 8][in8 / 8][8 rows][8 columns], zero rows and columns past `out` and
 // `in`, so each block streams from memory in order. Every block is read once
@@ -515,9 +598,13 @@ TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
 
 TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) { m.impl("linear", &linear_int8); }
+TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) {
+  m.impl("linear", &linear_int8);
+  m.impl("linear_grouped", &linear_int8_grouped);
+}
 
 TORCH_LIBRARY(graphrunner_fp16, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");

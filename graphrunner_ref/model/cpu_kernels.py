@@ -37,7 +37,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v9"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v10"
 
 
 def _build() -> str | None:
@@ -69,6 +69,7 @@ def _build() -> str | None:
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
+    torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
     torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
 

@@ -8,12 +8,14 @@ the LM head with a linear over compact weights: int8 per output channel
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
 (``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`).
-With int4 (either) the LM head takes float16 weights: 4-bit logits leave the float
-model's answers within a few tokens. It runs after the weights are loaded,
-whatever their source: a float
+With int4 the LM head takes float16 weights: 4-bit logits leave the float
+model's answers within a few tokens; with int4-q8, int8 weights in groups of
+32 (:class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`, float32
+activations): half float16's bytes, and a GGUF file's Q8_0 head exactly.
+Quantization runs after the weights are loaded, whatever their source: a float
 checkpoint, or a GGUF file (whose blocks the import dequantized to floats:
 they are requantized here, per output channel for int8 and per group of 32
-for int4; with int4, ``codes`` (:func:`~graphrunner_ref.io.gguf_int4.read_gguf_int4`)
+for int4; with the int4 modes, ``codes`` (:func:`~graphrunner_ref.io.gguf_int4.read_gguf_int4`)
 puts the file's own Q4_0 / Q4_1 / Q4_K codes in place of the requantized
 ones, so those projections run the file's weights exactly). The
 token embedding stays in the model's dtype (a lookup reads one row), and so
@@ -35,7 +37,7 @@ from torch import nn
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
 from graphrunner_ref.model.int4_q8 import Int4Q8Linear
-from graphrunner_ref.model.int8_linear import Int8Linear
+from graphrunner_ref.model.int8_linear import Int8GroupLinear, Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
 from graphrunner_ref.model.shapes import projection_shapes
 
@@ -46,6 +48,7 @@ __all__ = [
     "INT4_MODES",
     "QUANTIZATIONS",
     "check_quantization",
+    "compact_head",
     "compact_linear",
     "quantize_model",
 ]
@@ -70,7 +73,7 @@ QUANTIZATIONS = {
 }
 
 #: The modes over int4's weights: a float32 model only, a GGUF file's own Q4
-#: codes taken as they are, a float16 LM head.
+#: codes taken as they are, a compact LM head of their own (:func:`compact_head`).
 INT4_MODES = ("int4", "int4-q8")
 
 
@@ -104,6 +107,20 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
     if mode == "int4-q8":
         return Int4Q8Linear
     return Fp16WeightLinear
+
+
+def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+    """What makes the LM head of ``mode`` from its float weight ``[vocab, hidden]``:
+    float16 weights for fp16 and int4 (4-bit logits drift from the float
+    model's within a few tokens), int8 in groups of 32 for int4-q8 (its
+    8-bit activations stop at the head, whose logits pick the token; half
+    float16's bytes: a batch-1 step reads the head more than any layer), and
+    the projections' own linear for int8."""
+    if mode in ("int4", "fp16"):
+        return head_linear
+    if mode == "int4-q8":
+        return Int8GroupLinear
+    return compact_linear(mode, dtype)
 
 
 def quantize_model(
@@ -147,11 +164,7 @@ def quantize_model(
         for layer in model.model.layers:
             cast(PagedAttention, layer.self_attn).quantize(make)
             cast(SwiGLUMLP, layer.mlp).quantize(make)
-        # 4-bit logits drift from the float model's within a few tokens (the
-        # head is often a tied embedding kept at 8 bits by GGUF files): the
-        # LM head of int4 keeps float16 weights, half float32's bytes.
-        head = head_linear if mode in (*INT4_MODES, "fp16") else make
-        model.head_proj = head(model.lm_head_weight)
+        model.head_proj = compact_head(mode, dtype)(model.lm_head_weight)
         if codes:
             _take_codes(model, codes)
     model.quantization = mode
