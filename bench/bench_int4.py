@@ -6,7 +6,9 @@ its weight in cache) at 1 and 8 rows, and the same model's LM head
 
 * ``float32``: ``F.linear`` over the float32 weight (the baseline);
 * ``fp16``: :class:`~graphrunner_ref.model.fp16_linear.Fp16WeightLinear`
-  (``--quantize fp16``, fbgemm), for comparison;
+  (``--quantize fp16``, the C++ kernel), for comparison;
+* ``int8 groups``: :class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`
+  (int8 in groups of 32, float32 activations: int4-q8's LM head);
 * ``int4 torch``: dequantize to float32, then ``F.linear``
   (:func:`~graphrunner_ref.model.int4_linear.int4_reference_linear`);
 * ``int4 aten``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` over the same
@@ -55,6 +57,7 @@ from graphrunner_ref.model.int4_linear import (
     quantize_int4,
 )
 from graphrunner_ref.model.int4_q8 import int4_q8_reference_linear
+from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
 RESULTS = Path(__file__).parent / "results" / "int4-cpu.md"
 #: (label, out, in, rows) of each product.
@@ -99,6 +102,7 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "float32": lambda x: F.linear(x, w),
         "fp16": Fp16WeightLinear(w),
+        "int8 groups": Int8GroupLinear(w),
         "int4 torch": lambda x: int4_reference_linear(x, packed, scales, mins),
     }
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and w.shape[1] % GROUP == 0:
@@ -157,7 +161,7 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
             q8_err = float((y - q8_ref).abs().max()) / scale
             if q8_err > 2e-6:
                 raise AssertionError(f"{name}: max error {q8_err:.2e} x output scale vs reference")
-        elif name != "float32" and name != "fp16" and err > 1e-4:
+        elif name not in ("float32", "fp16", "int8 groups") and err > 1e-4:
             raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
         errors[name] = err
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -182,7 +186,8 @@ def main() -> None:
         "times an `in x out` weight, median µs per call over "
         f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "
         "(above 1 is faster). Error: max |candidate - int4 torch| / max |output| "
-        "(float32 and fp16 multiply other weights, so theirs is the quantization error; "
+        "(float32, fp16 and int8 groups multiply other weights, so theirs is the "
+        "quantization error; "
         "int4-q8's is its activations' rounding). int4-q8 vs int4: the int4 kernel's µs over "
         "int4-q8's, same run.",
         "",
