@@ -30,6 +30,7 @@ from graphrunner.phases import (
     eagle_draft_extend_phase,
     frozen_kv_mtp_phase,
     frozen_kv_sanitizer,
+    token_batch_phase,
     verify_phase,
 )
 from graphrunner.phases.sampled import with_sampling
@@ -52,7 +53,10 @@ PHASES = (
     "eagle_decode",
     "mtp",
     "mamba_decode",
+    "token_batch",
 )
+#: The most requests a token-batch step of the fuzz holds.
+TOKEN_REQUESTS = 3
 #: Every mechanism by label: the runner kind and its options (CUDA ones need a GPU).
 MECHANISMS: dict[str, tuple[str, dict[str, Any]]] = {
     "eager": ("eager", {}),
@@ -148,6 +152,9 @@ class SpecCase(FuzzCase):
             "eagle_extend": lambda: eagle_draft_extend_phase(w.eagle, W),
             "eagle_decode": lambda: eagle_draft_decode_phase(w.eagle),
             "mtp": lambda: frozen_kv_mtp_phase(w.mtp),
+            "token_batch": lambda: token_batch_phase(
+                model.forward_token_batch, max_requests=TOKEN_REQUESTS
+            ),
         }[phase]()
         self.forward = made.forward
         self.build(made, label, sizes, sanitizer)
@@ -163,7 +170,10 @@ class SpecCase(FuzzCase):
 
     def inputs(self, raw_bs: int, seed: int) -> Any:
         w, phase = self.world, self.phase
-        requests = w.reset(raw_bs, seed)
+        live = raw_bs
+        if phase == "token_batch":
+            live = 1 + seed % min(raw_bs, TOKEN_REQUESTS)
+        requests = w.reset(live, seed)
         if phase == "verify":
             return w.verify_inputs(requests, W, seed)
         if phase == "sampled_verify":
@@ -172,6 +182,8 @@ class SpecCase(FuzzCase):
             return w.eagle_inputs(requests, W, seed)
         if phase == "mtp":
             return w.mtp_inputs(requests, seed)
+        if phase == "token_batch":  # raw_bs tokens over up to TOKEN_REQUESTS requests
+            return w.token_batch(requests, raw_bs, seed)
         fields = w.tokens_step(requests, 1, seed)
         if phase == "sampled_decode":
             return with_sampling(SpecBatch(**fields), sampling_rows(raw_bs, seed, w.device))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fuzz_cases import FuzzCase
-from graphrunner.declare.buffers import BufferSpec
+from graphrunner.declare.buffers import Axis, BufferSpec, StepSize, units
 from graphrunner.sanitizer.padding import PaddingViolation
 
 #: Float tail, integer tail of each pattern (see the module doc).
@@ -107,11 +107,20 @@ def tail_value(
     return case.bystander().get(kind or "", int(getattr(inputs, spec.name).reshape(-1)[-1]))
 
 
+def live_size(case: FuzzCase, raw_bs: int, inputs: Any) -> Any:
+    """The step's live size: ``raw_bs`` requests, or for a token batch
+    ``raw_bs`` tokens of the inputs' requests."""
+    if case.runner.buffers.two_axes:
+        return StepSize(raw_bs, inputs.batch_size)
+    return raw_bs
+
+
 def poison_tails(case: FuzzCase, raw_bs: int, pattern: str, inputs: Any) -> None:
-    """Fill every static buffer past ``raw_bs`` requests' rows with the pattern."""
+    """Fill every static buffer past the live rows with the pattern."""
     bufs = case.runner.buffers
+    size = live_size(case, raw_bs, inputs)
     for spec in bufs.specs:
-        tail = bufs.tensors[spec.name][bufs.rows(spec, raw_bs) :]
+        tail = bufs.tensors[spec.name][bufs.rows(spec, size) :]
         if pattern.endswith("/live") and not (tail.is_floating_point() or tail.dtype == torch.bool):
             live = getattr(inputs, spec.name).to(tail.device, tail.dtype)
             tail.copy_(live[torch.arange(tail.shape[0], device=tail.device) % live.shape[0]])
@@ -204,7 +213,7 @@ def check_replay(case: FuzzCase, raw_bs: int, pattern: str, seed: int, counts: F
         return
     after = case.state()
     counts.live_rows += raw_bs
-    bad = row_mismatches(got, expected, raw_bs)
+    bad = row_mismatches(got, expected, units(Axis.REQUEST, live_size(case, raw_bs, inputs)))
     counts.mismatches += len(bad)
     if bad:
         counts.note(f"{where}: live rows {sorted(bad)} differ from eager")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.phases import SpecBatch
+from graphrunner.phases import SpecBatch, token_batch_inputs
 from graphrunner.pools import KVCache
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.draft import EagleHead, FrozenKvMtpHead, init_draft_weights
@@ -103,6 +103,29 @@ class SpecWorld:
             "out_cache_loc": torch.tensor(slots, device=dev),
             **self._mirrors(requests, [c + width for _, c in requests]),
         }
+
+    def token_batch(self, requests: list[tuple[int, int]], tokens: int, seed: int) -> SpecBatch:
+        """A token batch of ``tokens`` new tokens split over ``requests`` (each
+        at least one, a seeded split): each request's chunk at positions
+        ``L..``, its fresh KV slots recorded in ``req_to_token``."""
+        b, gen = self.bundle, torch.Generator().manual_seed(seed)
+        cuts = torch.randperm(tokens - 1, generator=gen)[: len(requests) - 1] + 1
+        bounds = [0, *sorted(cuts.tolist()), tokens]
+        lens = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        ids, slots = [], []
+        for (row, committed), n in zip(requests, lens, strict=True):
+            fresh = b.kv_alloc.alloc(n)
+            b.req_pool.write(row, committed, fresh)
+            slots += fresh
+            ids += torch.randint(0, 256, (n,), generator=gen).tolist()
+        return token_batch_inputs(
+            input_ids=ids,
+            out_cache_loc=slots,
+            req_pool_indices=[row for row, _ in requests],
+            seq_lens=[c + n for (_, c), n in zip(requests, lens, strict=True)],
+            extend_lens=lens,
+            device=self.device,
+        )
 
     def verify_inputs(self, requests: list[tuple[int, int]], width: int, seed: int) -> SpecBatch:
         return SpecBatch(**self.tokens_step(requests, width, seed))

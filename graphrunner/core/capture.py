@@ -20,9 +20,10 @@ from graphrunner.writers.base import populate
 
 __all__ = ["WARMUP_RUNS", "capture_all"]
 
-#: Runs before capture so lazy initialisation (autotuning, compilation,
-#: allocator growth) happens outside the graph.
-WARMUP_RUNS = 2
+#: Runs before a CUDA graph capture so lazy initialisation (autotuning,
+#: compilation, allocator growth) happens outside the graph (a mechanism
+#: says how many it needs: :attr:`CaptureMechanism.warmup_runs`).
+WARMUP_RUNS = CaptureMechanism.warmup_runs
 
 
 @contextlib.contextmanager
@@ -58,7 +59,7 @@ def _capture_one(
     backend.init_capture_metadata(bs, view)
     fn = mechanism.step_fn(bs, forward, view)
     compile_seconds = 0.0
-    for _ in range(WARMUP_RUNS):
+    for _ in range(mechanism.warmup_runs):
         compiled, warm_start = mechanism.compilations, time.perf_counter()
         # Outputs are checked on the first warm-up: a wrong declaration fails
         # before anything is captured.

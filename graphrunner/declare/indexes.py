@@ -24,3 +24,6 @@ class Index(enum.Enum):
     #: a token batch's tokens of each request, in order (its tokens are the
     #: next ones on the token axis): >= 1, summing to the live tokens
     TOKEN_COUNT = "token count"
+    #: a request's row on a token batch's token axis (its last token: the
+    #: row its outputs come from)
+    TOKEN_ROW = "token row"

@@ -47,6 +47,11 @@ class CaptureMechanism(abc.ABC):
     kind: ClassVar[str]
     #: Who writes the buffers at replay; None: the torch populate.
     populate_writer: PopulateWriter | None = None
+    #: Runs of each size before :meth:`capture` (the first checks the
+    #: outputs against their declaration): lazy initialisation happens
+    #: outside a graph. A mechanism whose capture itself runs the step
+    #: outside any graph needs only the first.
+    warmup_runs: int = 2
 
     @property
     def label(self) -> str:

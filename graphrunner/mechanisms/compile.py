@@ -182,6 +182,9 @@ class SizeCompiler:
         self.cache_hits = 0
         #: Sizes launched through dynamo because their program cannot be called directly.
         self.direct_fallbacks = 0
+        # Programs whose direct call reproduced dynamo's outputs once (one
+        # program serves every size: it is checked at its first).
+        self._verified: dict[int, Callable[..., Any]] = {}  # held: their ids stay theirs
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -264,7 +267,7 @@ class SizeCompiler:
             self._compiling_bs = bs
             fn = self._specialised(bs, *self._steps[bs])
             calls, expected, spec = self._record(fn)
-        direct = self._direct(calls, expected, spec)
+        direct = self._direct(calls, expected, spec, self._verified)
         if direct is not None:
             return direct
         self.direct_fallbacks += 1
@@ -287,16 +290,21 @@ class SizeCompiler:
         return calls, expected, spec
 
     @staticmethod
-    def _direct(calls: list[_Call], expected: list[Any], spec: Any) -> Launcher | None:
+    def _direct(
+        calls: list[_Call], expected: list[Any], spec: Any, verified: dict[int, Any]
+    ) -> Launcher | None:
         """A launcher calling the one program of ``calls`` directly with its
         arguments; None where there is not exactly one (a graph break, or
         nothing compiled) or the direct call's outputs differ from
-        ``expected`` (the dynamo path's)."""
+        ``expected`` (the dynamo path's), which is checked once per program
+        (``verified`` holds those checked)."""
         if len(calls) != 1:
             return None
         program, inputs, _ = calls[0]
-        if not _same(expected, list(program(*inputs))):
-            return None
+        if id(program) not in verified:
+            if not _same(expected, list(program(*inputs))):
+                return None
+            verified[id(program)] = program
         if spec == pytree.tree_flatten(torch.empty(0))[1]:  # a single tensor: skip pytree
             return lambda: program(*inputs)[0]
         return lambda: pytree.tree_unflatten(list(program(*inputs)), spec)
@@ -304,4 +312,5 @@ class SizeCompiler:
     def drop(self) -> None:
         self._per_size.clear()
         self._steps.clear()
+        self._verified.clear()
         self.direct_fallbacks = 0  # a retried capture counts (and warns) afresh

@@ -39,6 +39,9 @@ class InductorCapture(CaptureMechanism):
     """
 
     kind = "cpu"
+    #: One: it compiles (or reuses the one program) and checks the outputs;
+    #: capture then records and calls the program outside any graph.
+    warmup_runs = 1
 
     def __init__(
         self,

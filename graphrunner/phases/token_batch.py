@@ -102,7 +102,7 @@ def token_batch_specs(*, seq_len_fill_value: int = 1, host_layout: bool = True) 
             indexes=Index.LENGTH,
         ),
         BufferSpec(EXTEND_LENS, _I64, PadRule.ZERO, indexes=Index.TOKEN_COUNT),
-        BufferSpec(LAST_TOKEN_INDEX, _I64, PadRule.ZERO, index=True),
+        BufferSpec(LAST_TOKEN_INDEX, _I64, PadRule.ZERO, index=True, indexes=Index.TOKEN_ROW),
     ]
     if host_layout:
         specs += [

@@ -58,21 +58,29 @@ def _perturb(
 
 def _tails(
     buffers: StaticBuffers, raw_bs: Size, bs: Size
-) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+) -> list[tuple[str, torch.Tensor, torch.Tensor | None, bool]]:
     """The padded rows of every buffer a value may stand in: floating ones,
-    and token ids (the other index buffers keep pointing at the sinks), each
-    with the live rows' ids of a token buffer (None for the others)."""
+    token ids (the other index buffers keep pointing at the sinks) and a
+    token batch's token rows; each with the values an integer one takes (a
+    token buffer's live ids; for token rows, the padded token rows, so a
+    padded request reads a padded token: None where there is none), and
+    whether they are token ids (then any id below the vocabulary will do)."""
     out = []
     for spec in buffers.specs:
         tensor = buffers.tensors.get(spec.name)
         if tensor is None or spec.host:
             continue
-        token = spec.indexes is Index.TOKEN
-        if not (tensor.is_floating_point() or token):
+        token, row = spec.indexes is Index.TOKEN, spec.indexes is Index.TOKEN_ROW
+        if not (tensor.is_floating_point() or token or row):
             continue
         live = buffers.rows(spec, raw_bs)
         ids = tensor[:live].clone() if token else None
-        out.append((spec.name, tensor[live : buffers.rows(spec, bs)], ids))
+        if row:
+            first, end = units(Axis.TOKEN, raw_bs), units(Axis.TOKEN, bs)
+            if first == end:
+                continue  # no padded token to point at: the rows stay
+            ids = torch.arange(first, end, device=tensor.device)
+        out.append((spec.name, tensor[live : buffers.rows(spec, bs)], ids, token))
     return out
 
 
@@ -155,9 +163,9 @@ def check_reads(
                 guard.tensor[rows] = values
                 others.append(f"{guard.name}'s {guard.row_name}s no live row owns")
         tails = _tails(buffers, raw_bs, bs)
-        saved = [(t, t.clone()) for _, t, _ in tails]
-        for _, tail, ids in tails:
-            _perturb(tail, gen, vocab_size, ids)
+        saved = [(t, t.clone()) for _, t, _, _ in tails]
+        for _, tail, ids, token in tails:
+            _perturb(tail, gen, vocab_size if token else None, ids)
         second = dict(named_outputs(relaunch()))
         for tail, value in saved:
             tail.copy_(value)
@@ -165,7 +173,7 @@ def check_reads(
         for guard, value in zip(guarded, after, strict=True):
             guard.tensor.copy_(value)
     padded = sum(bs) - sum(raw_bs) if isinstance(bs, tuple) else bs - raw_bs  # type: ignore[arg-type, operator]
-    depends = _what(sinks, [name for name, _, _ in tails], padded, others)
+    depends = _what(sinks, [name for name, _, _, _ in tails], padded, others)
     for name, want in expected:
         got = second[name]
         same = (

@@ -76,6 +76,7 @@ def check_declared_values(
     owners = _token_owners(live, raw_bs)
     _check_lengths(live, ctx.req_pool, owners)
     _check_kv(live, ctx, owners)
+    _check_token_rows(live.get(Index.TOKEN_ROW), owners)
     _check_reserved(live.get(Index.RESERVED_KV_SLOT), ctx)
     _check_tokens(live.get(Index.TOKEN), ctx.vocab_size)
     _check_counts(specs, inputs, raw_bs)
@@ -171,6 +172,17 @@ def _check_kv(
         return
     per_token = [row for row in rows.values for _ in range(r)]
     check_kv_owner(ctx.req_pool.req_to_token, per_token, positions.values, locs.values)
+
+
+def _check_token_rows(rows: LiveValue | None, owners: list[tuple[int, int, int]] | None) -> None:
+    """Each request's token row is its own last token's (a row of another
+    request's tokens, or a padded one, would give it their outputs)."""
+    if rows is None or owners is None:
+        return
+    last = {i: k for k, (i, _, _) in enumerate(owners)}  # a request's last token wins
+    for i, row in enumerate(rows.values):
+        if row != last.get(i):
+            raise row_violation(rows.spec.name, i, row, f"{last.get(i)}, its request's last token")
 
 
 def _check_reserved(locs: LiveValue | None, ctx: ValueContext) -> None:
