@@ -248,12 +248,16 @@ class MultiStepSchedule:
         self, engine: EngineSteps, run: Run, req: LiveRequest, tokens: list[int], c: int
     ) -> bool:
         """Record the ``c`` tokens ``req`` took of its row ``tokens`` (``N``);
-        returns whether it finished (a row that did not took all ``N``)."""
+        returns whether it finished (a row that did not took all ``N``). The
+        engine's ``stop`` hook (a stop string, a cancelled request) may end it
+        inside the launch: its later tokens are dropped, their KV freed with it."""
         run.stats.decode_tokens += c
         done = False
         for k, token in enumerate(tokens[:c]):
             done = engine.record_token(run, req, token)
             if done and k != c - 1:
+                if token != engine.end_token:
+                    return True  # the stop hook ended it here
                 raise RuntimeError(
                     f"request {req.request.rid} finished at step {k} of the launch but the "
                     f"runner kept it for {c}: its end token differs from the engine's"
