@@ -24,17 +24,21 @@ times the output's largest magnitude), the int4-q8 ones against
 :func:`~graphrunner_ref.model.int4_q8.int4_q8_reference_linear` (atol 2e-6);
 their error column is then the activations' rounding. Each is timed as the median over
 ``ROUNDS`` rounds of ``CALLS`` calls, candidates interleaved per round.
-Results: ``bench/results/int4-cpu.md``.
+Results: ``bench/results/int4-cpu.md`` (a Zen 4 EPYC),
+``bench/results/int4-q8-avx2-cpu.md`` (an AVX2 EPYC, int4-q8 beside int4).
 
-Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_int4``.
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_int4 [--out NAME]``
+(``bench/results/NAME.md``, ``int4-cpu`` by default).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +63,7 @@ from graphrunner_ref.model.int4_linear import (
 from graphrunner_ref.model.int4_q8 import int4_q8_reference_linear
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
-RESULTS = Path(__file__).parent / "results" / "int4-cpu.md"
+RESULTS = Path(__file__).parent / "results"
 #: (label, out, in, rows) of each product.
 PRODUCTS = [
     ("576x1536", 1536, 576, 1),
@@ -175,14 +179,18 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(t), errors[name]) for name, t in times.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="int4-cpu", help="results name under bench/results/")
+    path = RESULTS / f"{p.parse_args(argv).out}.md"
     torch.set_num_threads(1)
     facts = cpu_facts()
     why = int4_kernel_status()
     lines = [
         "# int4 weights on the CPU, one thread",
         "",
-        "`PYTHONPATH=. .venv/bin/python -m bench.bench_int4`: `rows x in` float32 activations "
+        f"`{' '.join(['PYTHONPATH=. .venv/bin/python -m bench.bench_int4', *(argv or sys.argv[1:])])}`: "
+        "`rows x in` float32 activations "
         "times an `in x out` weight, median µs per call over "
         f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "
         "(above 1 is faster). Error: max |candidate - int4 torch| / max |output| "
@@ -209,9 +217,9 @@ def main() -> None:
             row = f"| {label} | {rows} | {name} | {us:.1f} | {ratio} | {vs_int4} | {err:.1e} |"
             print(row.replace("|", " ").strip())
             lines.append(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -93,20 +93,27 @@ constexpr RowsFn kAvx2[kTile + 1] = {nullptr,      rows_avx2<1>, rows_avx2<2>,
                                      rows_avx2<3>, rows_avx2<4>, rows_avx2<5>,
                                      rows_avx2<6>, rows_avx2<7>, rows_avx2<8>};
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                  const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "graphrunner_int4::linear: x must be a 2-D float32 CPU tensor [rows, in]");
+// The int4 ops' argument checks (op names the op in the errors); the groups.
+int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                   const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor [rows, in]");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "graphrunner_int4::linear: packed must be contiguous uint8 [out, groups * 16]");
-  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
-  const int64_t groups = packed.size(1) / 16;
-  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups,
-              "graphrunner_int4::linear: packed ", packed.sizes(), " does not fit in=", in);
+              op, ": packed must be contiguous uint8 [out, groups * 16]");
+  const int64_t in = x.size(1), out = packed.size(0), groups = packed.size(1) / 16;
+  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups, op,
+              ": packed ", packed.sizes(), " does not fit in=", in);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && mins.is_contiguous() &&
                   scales.numel() == out * groups && mins.numel() == out * groups,
-              "graphrunner_int4::linear: scales and mins must be contiguous float32 [out, groups]");
+              op, ": scales and mins must be contiguous float32 [out, groups]");
+  return groups;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const at::Tensor& mins) {
+  const int64_t groups = check_int4("graphrunner_int4::linear", x, packed, scales, mins);
+  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
@@ -539,18 +546,8 @@ int64_t q8_paths() {
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const at::Tensor& mins, int64_t path) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "graphrunner_int4::linear_q8: x must be a 2-D float32 CPU tensor [rows, in]");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "graphrunner_int4::linear_q8: packed must be contiguous uint8 [out, groups * 16]");
+  const int64_t groups = check_int4("graphrunner_int4::linear_q8", x, packed, scales, mins);
   const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
-  const int64_t groups = packed.size(1) / 16;
-  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups,
-              "graphrunner_int4::linear_q8: packed ", packed.sizes(), " does not fit in=", in);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && mins.is_contiguous() &&
-                  scales.numel() == out * groups && mins.numel() == out * groups,
-              "graphrunner_int4::linear_q8: scales and mins must be contiguous float32 [out, groups]");
   TORCH_CHECK(path >= 0 && path < kQ8Paths && q8_table[path][1] != nullptr && q8_cpu_has(path),
               "graphrunner_int4::linear_q8: path ", path,
               " is not compiled into this build or not supported by this CPU (compiled: bits ",
