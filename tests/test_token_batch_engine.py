@@ -133,3 +133,35 @@ def test_bad_token_sizes_are_refused_by_flag(
     assert cli.main(["generate", "--prompt", "[1, 2]", *extra]) == 2
     err = capsys.readouterr().err
     assert "--token-capture-sizes" in err and message in err
+
+
+def test_the_sizes_tool_chooses_token_sizes_from_a_run(
+    oracle: tuple[Path, dict[int, list[int]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``generate --token-sizes-out`` writes the prefill steps' token counts;
+    ``graphrunner sizes --tokens`` chooses token sizes from them."""
+    import graphrunner_ref.cli.main as cli
+    from graphrunner.sizing import read_histogram
+
+    path, _ = oracle
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(list(r.prompt)) + "\n" for r in TRACE[:4]))
+    counts = tmp_path / "tokens.json"
+    argv = ["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--json"]
+    argv += ["--max-new-tokens", "3", "--runner", "eager", "--capture-sizes", "1,2,4"]
+    argv += ["--max-num-batched-tokens", "8", "--max-context-len", str(CONTEXT)]
+    assert cli.main([*argv, "--token-sizes-out", str(counts)]) == 0
+    served = read_histogram(counts).counts()
+    assert max(served) <= 8 and sum(n * c for n, c in served.items()) == sum(
+        len(r.prompt) for r in TRACE[:4]
+    )
+    capsys.readouterr()
+    assert cli.main(["sizes", "--trace", str(counts), "--graphs", "2", "--tokens"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("--token-capture-sizes ") and last.endswith(str(max(served)))
+    unchunked = [a for a in argv if a not in ("--max-num-batched-tokens", "8")]
+    refused = [*unchunked, "--no-chunked-prefill", "--token-sizes-out", str(tmp_path / "x")]
+    assert cli.main(refused) == 2
+    assert "not with --no-chunked-prefill" in capsys.readouterr().err

@@ -99,7 +99,7 @@ def _report(args: argparse.Namespace, outcome: serving.Outcome) -> int:
     result, runner = outcome.result, outcome.runner
     if not isinstance(result, EngineResult) or runner is None:
         raise TypeError(f"outcome={outcome!r}: expected a decode runner's engine result")
-    cli_sizes.write_outputs(args, runner)
+    cli_sizes.write_outputs(args, runner, tokens=outcome.token_runner)
     cli_report.report(result)
     cli_report.report_sanitizer(args, result.stats)
     return 1 if result.stats.mismatches else 0

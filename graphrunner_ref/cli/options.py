@@ -524,6 +524,13 @@ def _run_outputs(p: _Options) -> None:
         help="write the runner's histogram of served batch sizes (for graphrunner sizes)",
     )
     p.add_argument(
+        "--token-sizes-out",
+        type=Path,
+        metavar="FILE",
+        help="write the token-batch runner's histogram of the prefill steps' token counts "
+        "(for graphrunner sizes --tokens)",
+    )
+    p.add_argument(
         "--capture-report-out",
         type=Path,
         metavar="FILE",
@@ -567,6 +574,12 @@ def _sizes(p: argparse.ArgumentParser) -> None:
         help="a capture report written by demo --capture-report-out (with --memory-budget)",
     )
     p.add_argument("--output", type=Path, help="write the list here, as --capture-sizes takes it")
+    p.add_argument(
+        "--tokens",
+        action="store_true",
+        help="the trace counts a token batch's tokens (demo --token-sizes-out): print the "
+        "list as --token-capture-sizes",
+    )
     p.add_argument(
         "--plot",
         type=Path,

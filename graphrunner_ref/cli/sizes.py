@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         sizes_plot.plot_plan(args.plot, f"trace {args.trace}", counts, plan.sizes)
         print(f"picture written to {args.plot}")
-    print(f"--capture-sizes {text}")
+    print(f"--{'token-' if args.tokens else ''}capture-sizes {text}")
     return 0
 
 
@@ -183,14 +183,18 @@ def _check_output(flag: str, path: Path) -> None:
 
 def check_run_outputs(args: argparse.Namespace) -> None:
     """Refuse bad output paths (and outputs a mode does not make) before any work."""
-    for flag in ("--batch-sizes-out", "--capture-report-out", "--trace-out"):
-        path = getattr(args, flag[2:].replace("-", "_"))
+    for flag in ("--batch-sizes-out", "--token-sizes-out", "--capture-report-out", "--trace-out"):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
         if path is None:
             continue
         _check_output(flag, path)
         if flag != "--trace-out" and (args.speculative or args.overlap):
             mode = "--speculative" if args.speculative else "--overlap"
             raise UsageError(f"{flag} records the plain engine's runner; not with {mode}")
+        if flag == "--token-sizes-out" and not getattr(args, "chunked_prefill", True):
+            raise UsageError(
+                f"{flag} records the token-batch runner; not with --no-chunked-prefill"
+            )
 
 
 @contextlib.contextmanager
@@ -218,13 +222,26 @@ def profiled(args: argparse.Namespace, file: TextIO | None = None) -> Iterator[N
 
 
 def write_outputs(
-    args: argparse.Namespace, runner: GraphRunner, file: TextIO | None = None
+    args: argparse.Namespace,
+    runner: GraphRunner,
+    file: TextIO | None = None,
+    tokens: GraphRunner | None = None,
 ) -> None:
-    """Write ``--batch-sizes-out`` and ``--capture-report-out`` for ``runner``;
+    """Write ``--batch-sizes-out`` and ``--capture-report-out`` for ``runner``
+    and ``--token-sizes-out`` for the token-batch runner ``tokens``;
     ``file``: where to say so (default stdout)."""
     if args.batch_sizes_out is not None:
         runner.batch_sizes.write(args.batch_sizes_out)
         print(f"batch sizes written to {args.batch_sizes_out}", file=file)
+    token_out = getattr(args, "token_sizes_out", None)
+    if token_out is not None:
+        if tokens is None:
+            raise UsageError(
+                f"--token-sizes-out {token_out}: no prompt chunk ran as a token batch "
+                f"(chunked prefill off, or a model that runs none)"
+            )
+        tokens.batch_sizes.write(token_out)
+        print(f"token counts written to {token_out}", file=file)
     if args.capture_report_out is not None and runner.capture_report is not None:
         write_capture_report(
             runner.capture_report, args.capture_report_out, mechanism=runner.mechanism.label
