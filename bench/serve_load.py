@@ -143,8 +143,7 @@ def offline(args: argparse.Namespace, prompts: list[list[int]], rows: int) -> di
     checks.model_kind(parsed)
     sizes = checks.capture_sizes(parsed)
     config = config_of(parsed, kind, sizes)
-    context = max(len(p) for p in prompts) + args.max_tokens
-    bundle = serving.build(config, rows, context)
+    bundle = serving.build(config, rows, args.max_context_len)
     trace = requests_from_prompts(prompts, max_new_tokens=args.max_tokens)
     began: list[float] = []
     outcome = serving.serve(
@@ -170,6 +169,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-context-len",
+        type=int,
+        default=256,
+        help="the context of the server's pools and the offline run's",
+    )
     p.add_argument("--name", default=None)
     p.add_argument("--repeat", type=int, default=2, help="runs of each measurement; the best kept")
     args = p.parse_args()
@@ -178,6 +183,8 @@ def main() -> None:
         [rng.randrange(1, 200) for _ in range(args.prompt_len)] for _ in range(args.requests)
     ]
     serve_args = [
+        "--max-context-len",
+        str(args.max_context_len),
         "--runner",
         args.runner,
         "--max-bs",
@@ -226,7 +233,7 @@ def main() -> None:
         "",
         f"`{command}`: {args.requests} streamed completions per concurrency, prompts of "
         f"{args.prompt_len} token ids, {args.max_tokens} new tokens each (end token ignored), "
-        f"--max-bs {args.max_bs}, --threads {args.threads}; each figure the best of "
+        f"--max-bs {args.max_bs}, --max-context-len {args.max_context_len}, --threads {args.threads}; each figure the best of "
         f"{args.repeat} runs; server exit status {status}.",
         "",
         "| concurrency | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | lost |",
