@@ -286,3 +286,58 @@ def test_token_counts_must_cover_the_tokens() -> None:
     batch.extend_lens[0] = 1  # the device counts disagree with the tokens
     with pytest.raises(PaddingViolation, match="summing to the 5 live tokens"):
         runner.replay(batch)
+
+
+# --- CUDA: one full graph per token size ------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile_", [False, True], ids=["graphs", "graphs+compile"])
+def test_cuda_full_graphs_per_token_size(compile_: bool) -> None:
+    """The toy's token forward reads its layout from device tensors only
+    (each token a decode row), so each token size is one CUDA graph: every
+    token count up to the largest and one above equals eager, sanitized."""
+    world = ToyWorld("cuda")
+    phase = token_batch_phase(world.model.forward_token_batch, max_requests=MAX_REQUESTS)
+    runner = create_runner(
+        phase, kind="cuda", compile=compile_, capture_sizes=SIZES,
+        sanitizer=_sanitizer(world), show_progress=False,
+    )  # fmt: skip
+    runner.capture()
+    for tokens in range(1, SIZES[-1] + 2):
+        _replay_against_eager(world, runner, _chunks(tokens, seed=tokens))
+    assert runner.stats.replays == SIZES[-1] and runner.stats.eager_fallbacks == 1
+
+
+@pytest.mark.cuda
+def test_cuda_llama_token_batch_equals_its_eager_prefill() -> None:
+    """The reference Llama on CUDA runs a token batch as one decode row per
+    token (the Triton kernel reads the layout on the device), captured per
+    token size: each chunk's last logits equal its eager ``forward_extend``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from spec_world import SpecWorld
+
+    w = SpecWorld("cuda")
+    b, model = w.bundle, w.model
+    runner = create_runner(
+        token_batch_phase(model.forward_token_batch, max_requests=MAX_REQUESTS),
+        kind="cuda", capture_sizes=[8, 16],
+        sanitizer=PaddingSanitizer.for_pools(b.req_pool, b.kv_cache, kv_allocator=b.kv_alloc),
+        show_progress=False,
+    )  # fmt: skip
+    runner.capture()
+    for splits in ([5], [1, 7, 3], [12, 1, 1, 2]):
+        requests = w.reset(len(splits), seed=3)
+        batch = w.token_batch(requests, sum(splits), seed=len(splits))
+        before = w.state()
+        start, want = 0, []
+        for (row, committed), n in zip(requests, batch.extend_lens_cpu.tolist(), strict=True):
+            ids, locs = batch.input_ids[start : start + n], batch.out_cache_loc[start : start + n]
+            want.append(model.forward_extend(row, ids, locs, prefix_len=committed))
+            start += n
+        w.restore(before)
+        got = runner.replay(batch)
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-4, atol=1e-4)
