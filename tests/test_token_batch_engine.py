@@ -165,3 +165,28 @@ def test_the_sizes_tool_chooses_token_sizes_from_a_run(
     refused = [*unchunked, "--no-chunked-prefill", "--token-sizes-out", str(tmp_path / "x")]
     assert cli.main(refused) == 2
     assert "not with --no-chunked-prefill" in capsys.readouterr().err
+
+
+def test_the_bridge_runs_prompt_chunks_as_token_batches_on_two_architectures(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The transformers bridge's token step (each token a row of its own
+    request) through the eager token runner, sanitized: transformers' tokens."""
+    from graphrunner_ref.bridge import load_transformers
+    from hf_tiny import save_decoders, tiny_config
+
+    configs = {"qwen2": tiny_config("qwen2"), "gemma": tiny_config("gemma")}
+    for name, (path, reference) in save_decoders(tmp_path_factory, configs).items():
+        expected = hf_greedy(reference, TRACE)
+        bundle = load_transformers(path, max_requests=4, max_context_len=CONTEXT)
+        decode = create_decode_runner(bundle, "eager", capture_sizes=[1, 2, 4])
+        decode.capture()
+        tokens = create_token_runner(
+            bundle, "eager", BUDGET, capture_sizes=TOKEN_SIZES, check_padding=True
+        )
+        tokens.capture()
+        engine = Engine(bundle, decode, max_num_batched_tokens=BUDGET, token_runner=tokens)
+        assert engine.run(TRACE).outputs == expected, name
+        assert tokens.stats.replays > 0 and tokens.sanitizer is not None
+        checked = tokens.stats.replays + tokens.stats.eager_fallbacks  # eager steps too
+        assert tokens.sanitizer.stats.replays_checked == checked

@@ -101,6 +101,19 @@ class TransformersDecoder(nn.Module):
         )
         return self._logits(b.input_ids, b.positions, step)
 
+    def forward_token_batch(self, inputs: BufferView) -> torch.Tensor:
+        """A token batch (prompt chunks and decode rows in one step,
+        :mod:`graphrunner.phases.token_batch`): logits float32 ``[R, vocab]``
+        of each request's last token. Each token attends as a row of its own:
+        its request's ``req_to_token`` row up to its position (its slots
+        recorded already), its K/V written at its ``out_cache_loc``."""
+        b = inputs
+        step = StepKV(
+            self.kv_cache, self.req_to_token, b.token_req_pool_indices, b.positions + 1,
+            b.out_cache_loc,
+        )  # fmt: skip
+        return self._logits(b.input_ids, b.positions, step)[b.last_token_index]
+
     @torch.no_grad()
     def forward_extend(
         self,
