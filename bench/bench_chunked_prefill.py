@@ -9,7 +9,9 @@ latencies are timed (wall clock between a request's successive tokens): the
 median over the run and the p99 of the gaps that end during the long
 prompt's prefill, from its arrival to its first token (the steps after it,
 decoding a 2,048-token row, are the decode attention's cost, not the stall). Goal (issue 50): p99 <= 3x the median with
-chunking. Every run's tokens must equal the unchunked run's.
+chunking. Every run's tokens must equal the unchunked run's. With a budget
+the prompt chunks run as the engine runs them: one captured token batch a
+step (the CPU runner, captured at the budget).
 
     PYTHONPATH=. .venv/bin/python -m bench.bench_chunked_prefill [--model embedded]
 """
@@ -28,6 +30,7 @@ import torch
 
 from bench.conftest import machine
 from graphrunner.util.atomic import write_atomically
+from graphrunner_ref.engine.bundle import create_token_runner
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import default_model
@@ -73,7 +76,14 @@ def run(bundle: Any, trace: list[Request], budget: int | None) -> dict[str, Any]
     def on_token(rid: int, token: int) -> None:
         times[rid].append(time.perf_counter())
 
-    engine = Engine(bundle, runner, on_token=on_token, max_num_batched_tokens=budget)
+    # Chunks run as the engine runs them: one captured token batch a step.
+    tokens = None
+    if budget is not None:
+        tokens = create_token_runner(bundle, "cpu", budget, capture_sizes=[budget])
+        tokens.capture()
+    engine = Engine(
+        bundle, runner, on_token=on_token, max_num_batched_tokens=budget, token_runner=tokens
+    )
     arrival = [0.0]
     step = engine.schedule.step
 
