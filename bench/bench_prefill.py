@@ -42,7 +42,7 @@ def _materialised(
     return self._unrows(out, q.shape[0])
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> float:
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -79,13 +79,13 @@ def main() -> None:
             with torch.no_grad():
                 hf(ids[None]).logits[0, -1]
 
-        new = _best(ours, args.repeats)
+        new = best_of(ours, args.repeats)
         PagedAttention._prompt = _materialised  # type: ignore[method-assign]
         try:
-            old = _best(ours, args.repeats)
+            old = best_of(ours, args.repeats)
         finally:
             PagedAttention._prompt = fused  # type: ignore[method-assign]
-        hf_s = _best(theirs, args.repeats)
+        hf_s = best_of(theirs, args.repeats)
         bundle.kv_alloc.free(slots.tolist())
         bundle.req_pool.free([row])
         rows.append({"tokens": n, "fused_s": new, "materialised_s": old, "transformers_s": hf_s})

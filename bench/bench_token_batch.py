@@ -29,12 +29,12 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.bench_prefill import best_of
 from bench.conftest import machine
 from graphrunner import create_runner
 from graphrunner.phases import token_batch_inputs, token_batch_phase
@@ -46,15 +46,6 @@ LENGTHS = (128, 512, 2048)
 REQUESTS = 8
 DECODE_SIZES = [1, 2, 4, 8]
 BUDGET = 2048
-
-
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _prompt_inputs(bundle: Any, row: int, slots: list[int], ids: torch.Tensor) -> Any:
@@ -79,12 +70,12 @@ def ttft(bundle: Any, hf: Any, repeats: int) -> list[dict[str, Any]]:
         slots = bundle.kv_alloc.alloc(n)
         inputs = _prompt_inputs(bundle, row, slots, ids)
         loc = torch.tensor(slots)
-        captured = _best(lambda inputs=inputs: runner.replay(inputs), repeats)
-        eager = _best(
+        captured = best_of(lambda inputs=inputs: runner.replay(inputs), repeats)
+        eager = best_of(
             lambda ids=ids, row=row, loc=loc: model.forward_extend(row, ids, loc), repeats
         )
         with torch.no_grad():
-            theirs = _best(lambda ids=ids: hf(ids[None]).logits[0, -1], repeats)
+            theirs = best_of(lambda ids=ids: hf(ids[None]).logits[0, -1], repeats)
         got = runner.replay(inputs)[0]
         want = model.forward_extend(row, ids, loc)
         agree = bool(got.argmax() == want.argmax())

@@ -30,6 +30,7 @@ __all__ = [
     "MAMBA_DECODE_FIELDS",
     "PER_TOKEN_FIELD_NAMES",
     "decode_buffer_specs",
+    "host_seq_lens_spec",
     "per_token_fields",
 ]
 
@@ -105,17 +106,21 @@ def decode_buffer_specs(
     if mamba:
         specs.extend(MAMBA_DECODE_FIELDS)
     if host_seq_lens:
-        specs.append(
-            BufferSpec(
-                DECODE_HOST_MIRRORS[SEQ_LENS],
-                _I64,
-                PadRule.FILL,
-                fill_value=seq_len_fill_value,
-                host=True,
-                backend_fill=True,
-            )
-        )
+        specs.append(host_seq_lens_spec(seq_len_fill_value))
     return specs
+
+
+def host_seq_lens_spec(seq_len_fill_value: int = 1) -> BufferSpec:
+    """``seq_lens_cpu`` as a padded host buffer (the backend's fill on padded
+    rows), for backends that plan on the host from the padded lengths."""
+    return BufferSpec(
+        DECODE_HOST_MIRRORS[SEQ_LENS],
+        _I64,
+        PadRule.FILL,
+        fill_value=seq_len_fill_value,
+        host=True,
+        backend_fill=True,
+    )
 
 
 def per_token_fields(width: int, *, without: frozenset[str] = frozenset()) -> list[BufferSpec]:

@@ -47,12 +47,12 @@ import torch
 from graphrunner.core.phase import Phase
 from graphrunner.declare.buffers import Axis, BufferSpec, Index, PadRule
 from graphrunner.declare.decode import (
-    DECODE_HOST_MIRRORS,
     INPUT_IDS,
     OUT_CACHE_LOC,
     POSITIONS,
     REQ_POOL_INDICES,
     SEQ_LENS,
+    host_seq_lens_spec,
 )
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.declare.outputs import OutputsDecl
@@ -106,14 +106,7 @@ def token_batch_specs(*, seq_len_fill_value: int = 1, host_layout: bool = True) 
     ]
     if host_layout:
         specs += [
-            BufferSpec(
-                DECODE_HOST_MIRRORS[SEQ_LENS],
-                _I64,
-                PadRule.FILL,
-                fill_value=seq_len_fill_value,
-                host=True,
-                backend_fill=True,
-            ),
+            host_seq_lens_spec(seq_len_fill_value),
             BufferSpec(f"{EXTEND_LENS}_cpu", _I64, PadRule.ZERO, host=True),
         ]
     return specs
