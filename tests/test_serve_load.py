@@ -65,9 +65,13 @@ def _stream_all(server: Server, body: dict[str, Any], out: list[Any]) -> None:
         out.append(e)
 
 
-@pytest.mark.parametrize(("timeout", "tokens"), [(30, 8), (0.5, 250)])
+@pytest.mark.parametrize(
+    ("sig", "timeout", "tokens"),
+    [(signal.SIGTERM, 30, 8), (signal.SIGTERM, 0.5, 250), (signal.SIGINT, 0.5, 250)],
+    ids=["sigterm-finishes", "sigterm-aborts", "ctrl-c-aborts"],
+)
 def test_sigterm_during_a_load_answers_every_request_and_exits_0(
-    timeout: float, tokens: int
+    sig: int, timeout: float, tokens: int
 ) -> None:
     args = ["--runner", "eager", "--max-bs", "2", "--shutdown-timeout", str(timeout)]
     with Server(*args) as server:
@@ -82,7 +86,7 @@ def test_sigterm_during_a_load_answers_every_request_and_exits_0(
         while server.metrics()["graphrunner_requests_running"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(sig)
         for t in threads:
             t.join(60)
         assert server.stop() == 0, "".join(server.log)
