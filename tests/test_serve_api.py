@@ -117,7 +117,9 @@ def test_clients_that_go_away_free_every_slot_and_row(server: Server) -> None:
         assert next(events)["choices"][0]["token_ids"]
         events.close()  # the connection closes mid-answer
     after = server.idle_metrics()
-    generated = after["graphrunner_generation_tokens_total"] - before["graphrunner_generation_tokens_total"]
+    generated = (
+        after["graphrunner_generation_tokens_total"] - before["graphrunner_generation_tokens_total"]
+    )
     assert generated < 20 * 200 / 4  # cut near where each client left, not run to the end
     assert after["graphrunner_kv_slots_used"] == 0
     assert after["graphrunner_request_rows_used"] == 0
