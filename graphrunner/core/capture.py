@@ -62,12 +62,18 @@ def _capture_one(
     for _ in range(mechanism.warmup_runs):
         compiled, warm_start = mechanism.compilations, time.perf_counter()
         # Outputs are checked on the first warm-up: a wrong declaration fails
-        # before anything is captured.
+        # before anything is captured (with none, on the capture's own run).
         layout.check(mechanism.warmup(fn), buffers.size_of(bs))
         if mechanism.compilations > compiled:  # this warm-up traced and compiled
             compile_seconds += time.perf_counter() - warm_start
     memory_before = mechanism.memory_bytes()
+    compiled, capture_start = mechanism.compilations, time.perf_counter()
     launcher = mechanism.capture(bs, fn)
+    if mechanism.compilations > compiled:  # a mechanism that compiles as it captures
+        compile_seconds += time.perf_counter() - capture_start
+    if not mechanism.warmup_runs:  # the outputs the capture computed, else one launch
+        outputs = mechanism.captured_outputs()
+        layout.check(launcher() if outputs is None else outputs, buffers.size_of(bs))
     memory_after = mechanism.memory_bytes()
     memory = None if memory_before is None or memory_after is None else memory_after - memory_before
     seconds = time.perf_counter() - start

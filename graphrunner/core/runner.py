@@ -270,10 +270,10 @@ class GraphRunner:
         self._exclusive.leave()
 
     def _count(self, raw_bs: Size, bs: Size, ops: int) -> None:
-        # A token batch's stats and histogram count tokens.
-        raw, size = units(Axis.TOKEN, raw_bs), units(Axis.TOKEN, bs)
-        self.stats.count_replay(raw, size, ops)
-        self.batch_sizes.add(raw)
+        if type(raw_bs) is not int:  # a token batch's stats and histogram count tokens
+            raw_bs, bs = units(Axis.TOKEN, raw_bs), units(Axis.TOKEN, bs)
+        self.stats.count_replay(raw_bs, bs, ops)  # type: ignore[arg-type]
+        self.batch_sizes.add(raw_bs)
 
     def _relaunch_live(self, raw_bs: Size, bs: Size) -> Outputs:
         """Launch captured size ``bs`` again; its live rows' outputs (the

@@ -50,7 +50,7 @@ class CaptureMechanism(abc.ABC):
     #: Runs of each size before :meth:`capture` (the first checks the
     #: outputs against their declaration): lazy initialisation happens
     #: outside a graph. A mechanism whose capture itself runs the step
-    #: outside any graph needs only the first.
+    #: outside any graph needs none (its :meth:`captured_outputs` are checked).
     warmup_runs: int = 2
 
     @property
@@ -79,6 +79,11 @@ class CaptureMechanism(abc.ABC):
     @abc.abstractmethod
     def capture(self, bs: int, fn: Launcher) -> Launcher:
         """Capture ``fn`` for size ``bs``; return what replays it."""
+
+    def captured_outputs(self) -> Outputs | None:
+        """The outputs the last :meth:`capture` computed running the step
+        (a mechanism with no warm-up), or None."""
+        return None
 
     def drop(self) -> None:
         """Forget every captured size and free what it holds."""

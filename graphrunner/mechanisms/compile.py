@@ -185,6 +185,8 @@ class SizeCompiler:
         # Programs whose direct call reproduced dynamo's outputs once (one
         # program serves every size: it is checked at its first).
         self._verified: dict[int, Callable[..., Any]] = {}  # held: their ids stay theirs
+        #: The outputs of the last size's recorded run (the capture's own).
+        self.recorded: Outputs | None = None
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -267,6 +269,7 @@ class SizeCompiler:
             self._compiling_bs = bs
             fn = self._specialised(bs, *self._steps[bs])
             calls, expected, spec = self._record(fn)
+        self.recorded = pytree.tree_unflatten(expected, spec)
         direct = self._direct(calls, expected, spec, self._verified)
         if direct is not None:
             return direct
@@ -313,4 +316,5 @@ class SizeCompiler:
         self._per_size.clear()
         self._steps.clear()
         self._verified.clear()
+        self.recorded = None
         self.direct_fallbacks = 0  # a retried capture counts (and warns) afresh

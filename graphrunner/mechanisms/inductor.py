@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphrunner.declare.buffers import BufferView
+from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 
@@ -39,9 +40,9 @@ class InductorCapture(CaptureMechanism):
     """
 
     kind = "cpu"
-    #: One: it compiles (or reuses the one program) and checks the outputs;
-    #: capture then records and calls the program outside any graph.
-    warmup_runs = 1
+    #: None: capture itself runs the step outside any graph (compiling it,
+    #: or reusing the one program) and records the program's arguments.
+    warmup_runs = 0
 
     def __init__(
         self,
@@ -72,6 +73,9 @@ class InductorCapture(CaptureMechanism):
 
     def capture(self, bs: int, fn: Launcher) -> Launcher:
         return self.compiler.launcher(bs, fn)
+
+    def captured_outputs(self) -> Outputs | None:
+        return self.compiler.recorded
 
     def drop(self) -> None:
         self.compiler.drop()
