@@ -7,9 +7,9 @@ the LM head) by the compact linear the native model uses for the same mode
 (:func:`~graphrunner_ref.model.quantize.compact_linear`), as vLLM's
 Transformers backend swaps the linears of the models it runs. A linear's
 bias stays in the model's dtype and is added after the compact product
-(:class:`BiasedLinear`). As in the native model, int4's LM head takes float16
-weights, and a float16 head runs fbgemm's product
-(:func:`~graphrunner_ref.model.fp16_linear.head_linear`). The embedding
+(:class:`BiasedLinear`). The LM head is the native model's for the mode
+(:func:`~graphrunner_ref.model.quantize.compact_head`: float16 weights for
+int4 and fp16, int8 groups for int4-q8). The embedding
 stays as it is (a lookup reads one row).
 """
 
@@ -20,8 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from graphrunner_ref.model.fp16_linear import head_linear
-from graphrunner_ref.model.quantize import check_quantization, compact_linear
+from graphrunner_ref.model.quantize import check_quantization, compact_head, compact_linear
 
 __all__ = ["BiasedLinear", "quantize_linears"]
 
@@ -71,10 +70,9 @@ def quantize_linears(hf: nn.Module, mode: str) -> int:
         )
     with torch.no_grad():
         for name, linear in targets:
-            # 4-bit logits drift from the float model's within a few tokens:
-            # int4's LM head keeps float16 weights, as the native model's does.
-            is_head = linear is head and mode in ("int4", "fp16")
-            build = head_linear if is_head else make
+            # The LM head is the native model's for the mode (4-bit logits
+            # drift from the float model's within a few tokens).
+            build = compact_head(mode, param.dtype) if linear is head else make
             parent_name, _, child = name.rpartition(".")
             parent = hf.get_submodule(parent_name) if parent_name else hf
             setattr(parent, child, _replace(linear, build))

@@ -22,9 +22,10 @@ from graphrunner_ref.model import (
     UnsupportedModelError,
     default_model,
 )
+from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import Int4Weight
-from graphrunner_ref.model.quantize import quantize_model
+from graphrunner_ref.model.quantize import INT4_MODES, quantize_model
 from graphrunner_ref.model.shapes import projection_shapes
 
 __all__ = [
@@ -121,13 +122,13 @@ def with_quantization(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
     mode = config.quantize
     if mode is None:
         return bundle
-    codes = _gguf_codes(config) if mode == "int4" else None
+    codes = _gguf_codes(config) if mode in INT4_MODES else None
     try:
         quantize_model(bundle.model, mode, codes=codes)
     except ValueError as e:
         raise UsageError(f"--quantize {mode}: {e}") from None
     source = None
-    if mode == "int4":
+    if mode in INT4_MODES:
         shape = bundle.model.config
         total = shape.num_layers * len(projection_shapes(shape))
         source = (
@@ -155,7 +156,9 @@ def note_quantization(config: EngineConfig, source: str | None = None) -> None:
     if mode == "int8" and config.torch_dtype != torch.float32:
         product = "torch's weight-only int8 product (half-precision activations)"
     elif why is None:
-        product = "the C++ AVX2 kernels" + ("" if mode == "int8" else ", fbgemm for the LM head")
+        path = kernel_path(mode)
+        kernels = "the C++ kernels" if path is None else f"the C++ {path.name.upper()} kernels"
+        product = kernels + ("" if mode == "int8" else ", a compact LM head")
     else:
         product = f"torch's and fbgemm's fallbacks ({why})"
     capability = torch.backends.cpu.get_cpu_capability()
