@@ -129,3 +129,83 @@ def tiny_config(model_type: str, **extra: Any) -> Any:
     except (AttributeError, TypeError, ValueError):  # head_dim is a read-only property
         kwargs.pop("head_dim")
         return cls(**kwargs)
+
+
+#: Integer fields of a config shrunk for the whole-mapping sweep, by a word of
+#: their name (the first that matches), to at most this value: experts to 4 of
+#: top 2, every width and count to :data:`SWEPT_DECODER`'s scale.
+_SHRINK: tuple[tuple[str, int], ...] = (
+    ("per_tok", 2),
+    ("topk_group", 1),
+    ("n_group", 1),
+    ("topk", 2),
+    ("top_k", 2),
+    ("moe_k", 2),
+    ("shared_expert", 32),
+    ("n_shared", 1),
+    ("expert_ffn", 32),
+    ("moe_intermediate", 32),
+    ("expert", 4),
+    ("lora_rank", 16),
+    ("rope_head_dim", 8),
+    ("nope_head_dim", 8),
+    ("head_dim", 16),
+    ("kv_heads", 2),
+    ("key_value_heads", 2),
+    ("heads", 4),
+    ("layers", 2),
+    ("n_layer", 2),
+    ("intermediate", 128),
+    ("ffn", 128),
+    ("hidden", 64),
+    ("d_model", 64),
+    ("embed_dim", 64),
+    ("n_embd", 64),
+    ("state_size", 16),
+    ("vocab", 128),
+    ("max_position", 64),
+    ("max_length", 64),
+)
+
+
+def _shrunk_fields(cls: Any) -> dict[str, Any]:
+    """Keyword arguments shrinking config class ``cls``: its integer fields
+    named as in :data:`_SHRINK`, sub-configs (``cls.sub_configs``) as dicts
+    shrunk the same way."""
+    try:
+        defaults = cls().to_dict()
+    except Exception:  # a class that needs arguments: shrink by the common names only
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in defaults.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        low = key.lower()
+        for word, size in _SHRINK:
+            if word in low:
+                if value > size:
+                    out[key] = size
+                break
+    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type):
+            out[key] = {**SWEPT_DECODER, **_shrunk_fields(sub)}
+    return out
+
+
+def swept_config(model_type: str, **extra: Any) -> Any:
+    """transformers' config of ``model_type`` (any in its causal-LM mapping)
+    shrunk for the sweep: :data:`SWEPT_DECODER`'s common names, as a
+    decoder (``is_decoder``), over every integer field and sub-config named
+    as in :data:`_SHRINK` (``extra`` over all). Falls back to
+    :func:`tiny_config` where the class refuses the shrunk fields."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = {**_shrunk_fields(cls), **SWEPT_DECODER, "is_decoder": True, **extra}
+    for drop in ((), ("head_dim",)):
+        kwargs = {k: v for k, v in fields.items() if k not in drop}
+        try:
+            return cls(**kwargs)
+        except Exception:  # noqa: S112 - the next, smaller set of fields
+            continue
+    return tiny_config(model_type, is_decoder=True, **extra)

@@ -27,7 +27,7 @@ import torch
 from conftest import SLOW
 from graphrunner_ref.cli import main as cli
 from graphrunner_ref.engine.workload import Request
-from hf_tiny import hf_greedy, tiny_config
+from hf_tiny import hf_greedy, swept_config, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,9 +97,15 @@ REFUSED: dict[str, str] = {
     "minimax": "1 of its 2 layers",
     "mpt": "attention interface",
     "xglm": "attention interface",
+    # Found by the whole-mapping sweep (bench/bridge_sweep.py), built as it builds them:
+    "bart": "same query at positions 0 and 1",  # positions from the sequence's length
+    "falcon_h1": "recurrent state",  # Mamba mixers beside the attention
+    "gemma4_text": "K/V of different shapes",  # a per-layer head_dim
 }
+#: Built by :func:`hf_tiny.swept_config`, as the whole-mapping sweep builds them.
+SWEPT = {"bart", "falcon_h1", "gemma4_text"}
 #: The default run's sample (see the module).
-SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "mixtral", "falcon", "gpt_oss", "minimax"}
+SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "mixtral", "falcon", "gpt_oss", "minimax", *SWEPT}
 #: On the compiled CPU runner too (the full sweep: every one that runs).
 CPU_SAMPLE = {"stablelm"}
 
@@ -119,7 +125,7 @@ def _runs() -> list[Any]:
 
 
 def _save(model_type: str, root: Path, **extra: Any) -> tuple[Path, Any]:
-    config = tiny_config(model_type, **extra)
+    config = (swept_config if model_type in SWEPT else tiny_config)(model_type, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         copy.deepcopy(config), attn_implementation="eager"

@@ -11,6 +11,14 @@ modules, in the order the forward calls them, are the KV layers; their key
 shapes are the KV cache's heads and head size. A module's class name, its
 projection names (``o_proj``, ``dense``, ``c_proj``) and the config's keys
 play no part.
+
+The probe runs twice, at positions 0 and 1: a model whose queries are the
+same at both takes its positions from the sequence's length rather than
+from ``position_ids`` (BART-style decoders), and the bridge, which runs a
+step's rows as one sequence each at its own position, cannot place its
+rows. A model whose own cache (transformers' ``DynamicCache`` for its
+config) keeps recurrent state beside the KV (linear attention, Mamba
+mixers) is refused too: the bridge keeps only K and V.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class AttentionLayers:
 @dataclass(frozen=True, slots=True)
 class _Call:
     module: nn.Module
+    #: The query the module passed (to see whether the position reached it).
+    query: torch.Tensor
     key: tuple[int, ...]
     value: tuple[int, ...]
     #: What the layer passes that the bridge would not apply.
@@ -69,7 +79,10 @@ class _Recorder:
         passed = [k for k in UNHONOURED if kwargs.get(k) is not None]
         if attention_mask is not None:  # built by the model itself, not the mask interface
             passed.append("attention_mask")
-        self.calls.append(_Call(module, tuple(key.shape), tuple(value.shape), tuple(passed)))
+        call = _Call(
+            module, query.detach().clone(), tuple(key.shape), tuple(value.shape), tuple(passed)
+        )
+        self.calls.append(call)
         b, heads, t, _ = query.shape
         return query.new_zeros(b, t, heads, value.shape[-1]), None
 
@@ -110,25 +123,7 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
         )
     _register()
     config: Any = hf.config
-    before = getattr(config, "_attn_implementation", None)
-    param = next(hf.parameters())
-    _RECORDER.calls.clear()
-    try:
-        hf.set_attn_implementation(PROBE)  # type: ignore[operator]
-        ids = torch.ones(1, 1, dtype=torch.long, device=param.device)
-        with torch.no_grad():
-            hf(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
-    except Exception as e:  # whatever transformers raises, one line
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(
-            f"{name}: a one-token forward failed ({type(e).__name__}: {first}); the "
-            "transformers bridge finds the attention layers by calling the model"
-        ) from None
-    finally:
-        calls = list(_RECORDER.calls)
-        _RECORDER.calls.clear()
-        if before is not None:
-            hf.set_attn_implementation(before)  # type: ignore[operator]
+    calls, moved = _probe(hf, 0), _probe(hf, 1)
     if not calls:
         raise ValueError(
             f"{name}: no module calls transformers' attention interface; the transformers "
@@ -148,6 +143,12 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
             "interface; the others (linear attention or recurrent state) keep state the "
             "transformers bridge does not"
         )
+    recurrent = _recurrent_cache_layers(hf)
+    if recurrent:
+        raise ValueError(
+            f"{name}: its cache keeps recurrent state beside K and V ({', '.join(recurrent)}); "
+            "the transformers bridge keeps only K and V"
+        )
     modules = [c.module for c in calls]
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError(
@@ -161,6 +162,15 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
             f"size, value heads, value size: {sorted(shapes)}); the transformers bridge "
             "keeps one KV shape for every layer"
         )
+    if len(moved) == len(calls) and all(
+        a.query.shape == b.query.shape and torch.equal(a.query, b.query)
+        for a, b in zip(calls, moved, strict=True)
+    ):
+        raise ValueError(
+            f"{name}: its layers see the same query at positions 0 and 1 (positions taken "
+            "from the sequence's length, not position_ids); the transformers bridge runs a "
+            "step's rows as one sequence, each at the position_ids it passes"
+        )
     kv_heads, key_dim, v_heads, value_dim = shapes.pop()
     if (kv_heads, key_dim) != (v_heads, value_dim):
         raise ValueError(
@@ -168,3 +178,45 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
             f"of {value_dim}; the transformers bridge keeps keys and values of one shape"
         )
     return AttentionLayers(tuple(modules), kv_heads, key_dim)
+
+
+def _probe(hf: nn.Module, position: int) -> list[_Call]:
+    """The attention calls of one forward of ``hf`` on one token at
+    ``position``, through the probe; the attention implementation restored."""
+    name = type(hf).__name__
+    before = getattr(hf.config, "_attn_implementation", None)
+    param = next(hf.parameters())
+    _RECORDER.calls.clear()
+    try:
+        hf.set_attn_implementation(PROBE)  # type: ignore[operator]
+        ids = torch.ones(1, 1, dtype=torch.long, device=param.device)
+        with torch.no_grad():
+            hf(input_ids=ids, position_ids=torch.full_like(ids, position), use_cache=False)
+    except Exception as e:  # whatever transformers raises, one line
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(
+            f"{name}: a one-token forward failed ({type(e).__name__}: {first}); the "
+            "transformers bridge finds the attention layers by calling the model"
+        ) from None
+    finally:
+        calls = list(_RECORDER.calls)
+        _RECORDER.calls.clear()
+        if before is not None:
+            hf.set_attn_implementation(before)  # type: ignore[operator]
+    return calls
+
+
+def _recurrent_cache_layers(hf: nn.Module) -> list[str]:
+    """The classes of the layers of transformers' own cache for ``hf``'s
+    config that keep recurrent state (linear attention, Mamba); empty where
+    there are none or transformers builds no such cache for it."""
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+        cache = DynamicCache(config=hf.config)
+    except Exception:  # an older transformers, or a config it builds no cache from
+        return []
+    layers = getattr(cache, "layers", [])
+    return sorted(
+        {type(x).__name__ for x in layers if isinstance(x, LinearAttentionCacheLayerMixin)}
+    )

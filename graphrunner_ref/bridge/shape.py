@@ -24,7 +24,13 @@ DEFAULT_POSITIONS = 2048
 
 
 def _int(config: Any, name: str) -> int | None:
-    value = getattr(config, name, None)
+    """``config.name`` when a positive int; None when absent or when reading
+    it raises (a per-layer value with no one global value, e.g. Gemma 4's
+    ``head_dim``, raises transformers' own error, not AttributeError)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # whatever transformers raises: no single value
+        return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
