@@ -35,6 +35,7 @@ CLI_ONLY = {
     "arrive_every",
     "end_token",
     "batch_sizes_out",
+    "token_sizes_out",
     "capture_report_out",
     "trace_out",
     "temperature",

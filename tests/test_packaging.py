@@ -1,5 +1,5 @@
 """The package installs and imports with its core dependencies alone: the
-optional ones (``[text]``, ``[gguf]``, ``[cuda]``, ``[plots]``) are imported
+optional ones (``[text]``, ``[gguf]``, ``[cuda]``, ``[plots]``, ``[serve]``) are imported
 only where a feature uses them, and a missing one names the extra to
 install. Plus the version, one string in one place."""
 
@@ -143,7 +143,7 @@ def test_pyproject_core_and_extras_match_the_code() -> None:
         names = [r.split(">")[0].split(";")[0].strip() for r in extras[extra]]
         assert names == list(modules), extra
     assert extras["cuda"] == ["triton; sys_platform == 'linux'"]
-    assert extras["all"] == ["graphrunner[text,gguf,cuda,plots]"]
+    assert extras["all"] == ["graphrunner[text,gguf,cuda,plots,serve]"]
     assert project["project"]["license"] == "Apache-2.0"
     assert project["project"]["dynamic"] == ["version"]
     dynamic = project["tool"]["setuptools"]["dynamic"]["version"]

@@ -145,8 +145,9 @@ def test_buffers_lie_on_their_axes() -> None:
 
 
 def test_default_token_sizes() -> None:
-    assert default_token_sizes(1024) == [4, 8, 16, 32, 64, 128, 256, 512, 768, 1024]
+    assert default_token_sizes(2048) == [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
     assert default_token_sizes(100) == [4, 8, 16, 32, 64, 100]
+    assert default_token_sizes(3) == [3]
     with pytest.raises(ValueError, match="max_tokens"):
         default_token_sizes(0)
 

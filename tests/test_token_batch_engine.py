@@ -95,9 +95,10 @@ def test_generate_runs_prompt_chunks_through_the_token_runner(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``generate --max-num-batched-tokens N --token-capture-sizes ...`` on a
-    prompt of 4N tokens prints the token sizes' capture line and gives
-    transformers' greedy answer."""
+    prompt of 4N tokens gives transformers' greedy answer, its chunks run
+    as token batches (their token counts written by ``--token-sizes-out``)."""
     import graphrunner_ref.cli.main as cli
+    from graphrunner.sizing import read_histogram
 
     path, expected = oracle
     request = TRACE[2]  # 33 tokens: N = 8 is 5 chunks
@@ -106,11 +107,11 @@ def test_generate_runs_prompt_chunks_through_the_token_runner(
     argv += ["--max-new-tokens", str(request.max_new_tokens), "--json", "--runner", "eager"]
     argv += ["--capture-sizes", "1,2", "--max-num-batched-tokens", "8"]
     argv += ["--token-capture-sizes", "4,8", "--max-context-len", str(CONTEXT)]
+    argv += ["--token-sizes-out", str(tmp_path / "tokens.json")]
     assert cli.main(argv) == 0
-    out = capsys.readouterr()
-    record = json.loads(out.out.splitlines()[0])
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
     assert record["token_ids"] == expected[2]
-    assert "prefill (eager, token batch): token sizes [4, 8]" in out.err
+    assert read_histogram(tmp_path / "tokens.json").counts() == {1: 1, 8: 4}  # 8+8+8+8+1
 
 
 @pytest.mark.parametrize(

@@ -44,14 +44,16 @@ def default_capture_sizes(max_bs: int) -> list[int]:
 
 
 def default_token_sizes(max_tokens: int) -> list[int]:
-    """A token batch's sizes (tokens per step): powers of two from 4 to 256,
-    where decode rows and short chunks live, then every 256 (a chunked
-    prefill's steps fill the budget: its size is what counts); capped at
-    ``max_tokens``, which is always included."""
+    """A token batch's sizes (tokens per step): powers of two from 4, capped
+    at ``max_tokens``, which is always included. Few sizes, since each
+    costs a run of the step at capture (a compiled CPU program one, a CUDA
+    graph three), and a chunked prefill's steps fill the budget: the largest
+    size is what most of them replay."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    sizes = [4, 8, 16, 32, 64, 128, 256]
-    sizes += list(range(512, max_tokens + 1, 256))
+    sizes = [4]
+    while sizes[-1] * 2 < max_tokens:
+        sizes.append(sizes[-1] * 2)
     return [*(s for s in sizes if s < max_tokens), max_tokens]
 
 

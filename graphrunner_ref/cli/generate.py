@@ -107,8 +107,6 @@ def _serve(
         mismatches = cli_report.differing(result.outputs, plain.result.outputs)
     if outcome.runner is not None and not config.overlap:
         cli_sizes.write_outputs(args, outcome.runner, sys.stderr, outcome.token_runner)
-    if outcome.token_runner is not None and not config.quiet:
-        print(cli_report.token_batch_line(outcome.token_runner), file=sys.stderr)
     engine_stats = stats if isinstance(stats, EngineStats) else None  # speculative: its own
     return cli_answers.Served(
         result.outputs,

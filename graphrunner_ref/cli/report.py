@@ -64,19 +64,6 @@ def capture_line(
     )
 
 
-def token_batch_line(runner: GraphRunner) -> str:
-    """What the token-batch runner did: its sizes and capture time, then the
-    prefill steps it replayed, those run eagerly and the padded tokens."""
-    capture = runner.capture_report
-    seconds = 0.0 if capture is None else capture.total_seconds
-    stats = runner.stats
-    return (
-        f"prefill ({runner.mechanism.label}, token batch): token sizes "
-        f"{runner.capture_sizes}, capture {seconds:.1f} s; {stats.replays} steps replayed, "
-        f"{stats.eager_fallbacks} eager, padded tokens {stats.padded_fraction:.1%}"
-    )
-
-
 def report(result: EngineResult) -> None:
     s = result.stats
     ratio = s.tokens_per_second / s.eager_tokens_per_second if s.eager_seconds else 0.0
