@@ -15,7 +15,8 @@ against transformers' greedy ``generate`` of each prompt alone. Outcomes:
   exception out of the command, a padding violation, a timeout);
 - ``not built``: transformers cannot build and run a tiny model of it
   offline (its config class refuses the shrunk fields, the model will not
-  construct, or transformers' own ``generate`` fails on it).
+  construct, or, where the bridge did not refuse it, transformers' own
+  ``generate`` fails on it).
 
 Each architecture runs in a worker process with one torch thread; one that
 runs past ``--timeout`` seconds is killed, recorded as failed, and the
@@ -115,18 +116,18 @@ def sweep_one(model_type: str, root: Path) -> dict[str, Any]:
     except Exception as e:  # whatever transformers raises: the class is not built tiny
         return {"outcome": "not built", "why": _one_line(e)}
     name = type(model).__name__
-    try:
+    rc, tokens, err = _bridge(path)
+    errors = [x for x in err.splitlines() if "error:" in x or "violation" in x]
+    if rc == 2 and len(errors) == 1 and "Traceback" not in err and not tokens:
+        why = errors[0].split("error: ", 1)[-1]
+        return {"outcome": "refused", "why": why[:300], "class": name}
+    try:  # the reference, where the bridge did not refuse
         trace = [Request(i, tuple(p), NEW_TOKENS) for i, p in enumerate(PROMPTS)]
         expected = hf_greedy(model, trace)
     except Exception as e:  # transformers' own generate fails on its tiny model
         return {"outcome": "not built", "why": f"transformers' generate: {_one_line(e)}",
                 "class": name}  # fmt: skip
     want = [expected[i] for i in range(len(PROMPTS))]
-    rc, tokens, err = _bridge(path)
-    errors = [x for x in err.splitlines() if "error:" in x or "violation" in x]
-    if rc == 2 and len(errors) == 1 and "Traceback" not in err and not tokens:
-        why = errors[0].split("error: ", 1)[-1]
-        return {"outcome": "refused", "why": why[:300], "class": name}
     if rc != 0:
         tail = [x for x in err.splitlines() if x.strip()][-1:] or [""]
         why = (errors[0] if errors else tail[0])[:300]

@@ -201,7 +201,11 @@ def swept_config(model_type: str, **extra: Any) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    fields = {**_shrunk_fields(cls), **SWEPT_DECODER, "is_decoder": True, **extra}
+    fields = {**_shrunk_fields(cls), **SWEPT_DECODER, "is_decoder": True}
+    if "qk_rope_head_dim" in fields:  # multi-head latent attention: RoPE's share is head_dim
+        fields["head_dim"] = fields["qk_rope_head_dim"]
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    fields.update(extra)
     for drop in ((), ("head_dim",)):
         kwargs = {k: v for k, v in fields.items() if k not in drop}
         try:
