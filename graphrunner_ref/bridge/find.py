@@ -213,7 +213,7 @@ def _recurrent_cache_layers(hf: nn.Module) -> list[str]:
     try:
         from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
-        cache = DynamicCache(config=hf.config)
+        cache = DynamicCache(config=hf.config)  # type: ignore[arg-type]
     except Exception:  # an older transformers, or a config it builds no cache from
         return []
     layers = getattr(cache, "layers", [])
