@@ -27,6 +27,9 @@ from graphrunner.testing import ToyWorld, torch_threads  # noqa: E402
 
 TEST_CAPTURE_SIZES = [1, 2, 4, 8]
 SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
+# Engine runs capture no token-batch runner unless a test asks for one
+# (tests/test_token_batch_engine.py): each would compile a second program.
+os.environ.setdefault("GRAPHRUNNER_TOKEN_BATCHES", "0")
 
 # The default run draws the same examples every time, so a CI run cannot flake
 # on a lucky draw; the slow run (``make test-slow``) explores fresh ones.

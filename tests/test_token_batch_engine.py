@@ -29,6 +29,12 @@ TOKEN_SIZES = [4, 8]
 BUDGET = 9
 
 
+@pytest.fixture(autouse=True)
+def _token_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine runs capture their token runner here (the suite turns it off elsewhere)."""
+    monkeypatch.setenv("GRAPHRUNNER_TOKEN_BATCHES", "1")
+
+
 def _trace() -> list[Request]:
     """Prompts of 1 to 33 tokens, arriving while others decode: with 9
     tokens a step, a prompt is prefilled in 1 to 5 chunks, and a step's

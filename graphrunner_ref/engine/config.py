@@ -11,6 +11,7 @@ sampling parameters travel with the request
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,27 @@ import torch
 
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 
-__all__ = ["DEFAULT_BATCHED_TOKENS", "DTYPES", "MAX_BATCHED_TOKENS", "EngineConfig", "UsageError"]
+__all__ = [
+    "DEFAULT_BATCHED_TOKENS",
+    "DTYPES",
+    "MAX_BATCHED_TOKENS",
+    "TOKEN_BATCHES_ENV",
+    "EngineConfig",
+    "UsageError",
+]
 
 #: Tokens one engine step processes by default (chunked prefill), and the most.
 DEFAULT_BATCHED_TOKENS = 2048
 MAX_BATCHED_TOKENS = 1 << 20
+
+#: Set to 0, prompt chunks run eagerly, one by one, and no token-batch runner
+#: is captured (a faster start where prefill speed does not matter: tests).
+TOKEN_BATCHES_ENV = "GRAPHRUNNER_TOKEN_BATCHES"
+
+
+def _token_batches() -> bool:
+    return os.environ.get(TOKEN_BATCHES_ENV, "1") != "0"
+
 
 #: ``dtype`` names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,8 +82,9 @@ class EngineConfig:
     rows first, then prompt chunks; None: :data:`DEFAULT_BATCHED_TOKENS` where
     the model's prefill extends a cached prefix, each prompt whole elsewhere),
     each step's chunks one captured token batch where the model runs them
-    (``token_batches``; at ``token_capture_sizes`` token counts, empty: the
-    library's sizes up to the budget), else each chunk eagerly;
+    (``token_batches``, default on unless :data:`TOKEN_BATCHES_ENV` is 0; at
+    ``token_capture_sizes`` token counts, empty: the library's sizes up to
+    the budget), else each chunk eagerly;
     ``logprobs`` (the top N of each token); ``max_steps`` bounds a run's
     decode steps.
     ``quiet`` keeps notes off stderr.
@@ -99,7 +117,7 @@ class EngineConfig:
     steps_per_launch: int = 1
     chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
-    token_batches: bool = True
+    token_batches: bool = field(default_factory=_token_batches)
     token_capture_sizes: tuple[int, ...] = ()
     logprobs: int = 0
     max_steps: int | None = None
