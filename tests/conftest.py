@@ -52,11 +52,36 @@ RUNNER_PARAMS = [
 ]
 
 
+#: The longest tests whose ground another test of the default run covers:
+#: run with ``GRAPHRUNNER_SLOW=1`` (``make test-slow``), so ``make test`` stays
+#: inside CI's time on two cores.
+SLOW_TESTS = (
+    "tests/test_small_batch.py::test_served_tokens_equal_transformers",
+    "tests/test_bridge_moe.py::test_the_compiled_cpu_runner_equals_transformers",
+    "tests/test_tensor_parallel.py::test_sharded_cpu_runner_equals_one_process",
+    "tests/test_spec_sampling.py::test_a_sampling_request_depends_on_its_seed_alone[mtp-self]",
+    "tests/test_bridge_live.py::test_a_wide_pool_answers_as_transformers_reading_only_live_"
+    "columns[cpu-gemma2]",
+    "tests/test_tensor_parallel_checkpoint.py::test_two_ranks_give_transformers_greedy_tokens",
+    "tests/test_cpu_bfloat16.py::test_bfloat16_cpu_runner_within_tolerance_of_eager_and_near_"
+    "float32_tokens",
+    "tests/test_decode_attention.py::test_kernels_compile_for_hopper",
+    "tests/test_gguf_cache.py::test_processes_converting_one_file_at_once_all_get_it",
+    "tests/test_serve_load.py::",
+    "tests/test_spec_logprobs.py::test_speculative_logprobs_are_the_eager_log_softmax_of_each_"
+    "token[eagle-random]",
+    "tests/test_exit_with_parent.py::test_a_child_ends_soon_after_its_launcher_is_killed[unwatched]",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="long: GRAPHRUNNER_SLOW=1")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+        if not SLOW and item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(skip_slow)
 
 
 def runner_device(label: str) -> str:
