@@ -71,6 +71,13 @@ SLOW_TESTS = (
     "tests/test_spec_logprobs.py::test_speculative_logprobs_are_the_eager_log_softmax_of_each_"
     "token[eagle-random]",
     "tests/test_exit_with_parent.py::test_a_child_ends_soon_after_its_launcher_is_killed[unwatched]",
+    "tests/test_padded_suite.py::test_random_lifecycles_match_eager_with_sanitizer_on[eager]",
+    "tests/test_tensor_parallel.py::test_sharded_eager_decode_equals_one_process",
+    "tests/test_overlap.py::test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot[cpu-4]",
+    "tests/test_tensor_parallel_alone.py::test_compiled_cpu_programs_hold_the_collectives_and_"
+    "equal_no_group",
+    "tests/test_chunked_prefill.py::test_chunked_prefill_through_the_compiled_runner[cpu]",
+    "tests/test_bridge.py::test_the_compiled_cpu_runner_equals_transformers",
 )
 
 
