@@ -30,6 +30,10 @@ SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
 # Engine runs capture no token-batch runner unless a test asks for one
 # (tests/test_token_batch_engine.py): each would compile a second program.
 os.environ.setdefault("GRAPHRUNNER_TOKEN_BATCHES", "0")
+# Commands the tests start (the CLI, server and tensor-parallel ranks) run one
+# torch thread, as the tests themselves do: two workers' threads spinning on
+# two cores would make each several times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The default run draws the same examples every time, so a CI run cannot flake
 # on a lucky draw; the slow run (``make test-slow``) explores fresh ones.
