@@ -88,15 +88,13 @@ class GraphRunner:
         future_map = options.future_map
         tokens = None if future_map is None else future_map.tokens
         # A token batch's sizes count tokens; its request axis holds max_requests.
-        requests, max_tokens = phase.max_requests, None
-        if requests is not None:
-            max_tokens = self._sizes[-1]
+        top = self._sizes[-1]
         self.buffers = StaticBuffers(
             specs,
-            self._sizes[-1] if requests is None else requests,
+            phase.max_requests or top,
             device,
             future_tokens=tokens,
-            max_tokens=max_tokens,
+            max_tokens=top if phase.token_batch else None,
         )
         #: The token-axis buffer whose live rows count a token batch's tokens (None: one axis).
         self._token_field = token_field(specs) if phase.token_batch else None
@@ -355,6 +353,7 @@ class GraphRunner:
         same = width_reason(inputs, self._width_field, self.width, one_axis) is None
         out = run_eager(self, inputs, raw_bs, warn_once, observer, same_width=same)
         # Counted once it ran: a failed forward counts nothing (a token batch counts tokens).
-        self.stats.count_eager(units(Axis.TOKEN, raw_bs))
-        self.batch_sizes.add(units(Axis.TOKEN, raw_bs))
+        counted = units(Axis.TOKEN, raw_bs)
+        self.stats.count_eager(counted)
+        self.batch_sizes.add(counted)
         return out
