@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ class RunnerOptions:
         populate: ``cuda`` only: ``"torch"``, ``"fused"`` or ``"graph"``.
         dynamic_batch: one compiled program for every size (True) or one per size.
         fullgraph: refuse a forward with a graph break, by name.
+        aot_cache, aot_key: ``cpu`` only: the program saved in a folder and
+            loaded without tracing (:mod:`graphrunner.mechanisms.aot`).
 
     A mechanism option the chosen kind does not take, given otherwise than
     its default, is a TypeError naming it.
@@ -71,6 +74,8 @@ class RunnerOptions:
     populate: str = "torch"
     dynamic_batch: bool = True
     fullgraph: bool = False
+    aot_cache: str | os.PathLike[str] | None = None
+    aot_key: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in MECHANISMS:

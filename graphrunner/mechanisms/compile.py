@@ -80,13 +80,13 @@ def _step(forward: Any, view: BufferView) -> Outputs:
     return forward(view)
 
 
-def _named_step(name: str) -> types.FunctionType:
-    # A code object of its own: dynamo caches (and limits recompiles) per code.
+def named_step(name: str) -> types.FunctionType:
+    """``forward(view)`` on a code object of its own (dynamo caches per code)."""
     code = _step.__code__.replace(co_name=name)
     return types.FunctionType(code, _step.__globals__, code.co_name)
 
 
-def _mark_batch_dynamic(view: BufferView) -> None:
+def mark_batch_dynamic(view: BufferView) -> None:
     """Every static buffer's first dimension (its rows) is the batch: symbolic."""
     for tensor in view.tensors().values():
         if tensor.dim() > 0:
@@ -94,7 +94,7 @@ def _mark_batch_dynamic(view: BufferView) -> None:
 
 
 @contextlib.contextmanager
-def _size_oblivious() -> Iterator[None]:
+def size_oblivious() -> Iterator[None]:
     """Batch 1 traced like any other size, not specialised (dynamo otherwise
     specialises sizes 0 and 1, and batch 1 would compile a program of its own)."""
     from torch.fx.experimental import _config as shape_config
@@ -170,7 +170,7 @@ class SizeCompiler:
         #: Refuse a forward with a graph break (UncapturableError) instead of
         #: running it through dynamo piecewise.
         self.fullgraph = fullgraph
-        self._shared = _named_step("graphrunner_step")  # dynamic: every size's code
+        self._shared = named_step("graphrunner_step")  # dynamic: every size's code
         self._compiled: Callable[..., Any] | None = None
         self._compiling_bs = 0
         self._per_size: dict[int, int] = {}
@@ -222,10 +222,10 @@ class SizeCompiler:
                 options={"guard_filter_fn": without_shape_guards},
             )
         compiled = self._compiled
-        _mark_batch_dynamic(view)
+        mark_batch_dynamic(view)
 
         def launch() -> Outputs:
-            with _size_oblivious(), self._refusing(bs):
+            with size_oblivious(), self._refusing(bs):
                 return compiled(forward, view)
 
         return launch
@@ -233,7 +233,7 @@ class SizeCompiler:
     def _specialised(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
         """Size ``bs``'s own shape-specialised step, on a code object of its own."""
         step = torch.compile(
-            _named_step(f"graphrunner_step_bs{bs}"),
+            named_step(f"graphrunner_step_bs{bs}"),
             backend=self._backend,
             dynamic=False,
             fullgraph=self.fullgraph,

@@ -9,10 +9,13 @@ frame evaluation and guards (over a third of a small step's host time). A
 size whose program cannot be called directly (a graph break, or outputs that
 do not match the dynamo path at capture) keeps the dynamo path, counted in
 ``direct_fallbacks`` and warned once.
+
+``aot_cache=DIR``: the program saved and loaded without tracing (:mod:`.aot`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +40,8 @@ class InductorCapture(CaptureMechanism):
         compile_mode: a ``torch.compile`` mode whose inductor options apply
             (those that turn on inductor's CUDA graphs are refused).
         inductor_options: inductor config patches, as ``torch.compile(options=...)``.
+        aot_cache, aot_key: a folder where the program is saved and loaded
+            without tracing, and more fields its key holds (:mod:`.aot`).
     """
 
     kind = "cpu"
@@ -51,9 +56,23 @@ class InductorCapture(CaptureMechanism):
         inductor_options: Mapping[str, Any] | None = None,
         dynamic_batch: bool = True,
         fullgraph: bool = False,
+        aot_cache: str | os.PathLike[str] | None = None,
+        aot_key: Mapping[str, str] | None = None,
     ) -> None:
         patches = inductor_patches(compile_mode, inductor_options)
         self.compiler = SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph)
+        self._pending: dict[int, tuple[ForwardFn, BufferView]] = {}
+        self._aot_recorded = False
+        self.aot: Any = None  # an AotPrograms, imported only when asked for
+        if aot_cache is not None or aot_key is not None:
+            from graphrunner.mechanisms.aot import AotPrograms
+
+            self.aot = AotPrograms(aot_cache, aot_key, patches, dynamic_batch)
+
+    @property
+    def aot_status(self) -> str | None:
+        """With ``aot_cache``: ``loaded``, ``built (why)`` or ``refused (why)``."""
+        return None if self.aot is None else self.aot.status
 
     @property
     def direct_fallbacks(self) -> int:
@@ -62,23 +81,35 @@ class InductorCapture(CaptureMechanism):
 
     @property
     def compilations(self) -> int:
-        return self.compiler.compilations
+        return self.compiler.compilations + (self.aot.compilations if self.aot else 0)
 
     @property
     def cache_hits(self) -> int:
-        return self.compiler.cache_hits
+        return self.compiler.cache_hits + (self.aot.cache_hits if self.aot else 0)
 
     def step_fn(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher:
-        return self.compiler.step_fn(bs, forward, view)
+        if self.aot is None or not self.aot.active:
+            return self.compiler.step_fn(bs, forward, view)
+        self._pending[bs] = (forward, view)
+        return lambda: forward(view)
 
     def capture(self, bs: int, fn: Launcher) -> Launcher:
+        self._aot_recorded = False
+        if bs in self._pending:
+            forward, view = self._pending.pop(bs)
+            launcher = self.aot.capture(bs, forward, view)
+            if launcher is not None:
+                self._aot_recorded = True
+                return launcher
+            fn = self.compiler.step_fn(bs, forward, view)
         return self.compiler.launcher(bs, fn)
 
     def captured_outputs(self) -> Outputs | None:
-        return self.compiler.recorded
+        return self.aot.recorded if self._aot_recorded else self.compiler.recorded
 
     def drop(self) -> None:
         self.compiler.drop()
+        self._pending.clear()
 
     def programs(self, bs: int) -> int:
         return self.compiler.programs(bs)

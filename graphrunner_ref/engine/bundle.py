@@ -90,6 +90,29 @@ def create_token_runner(
     )
 
 
+def aot_key(bundle: ServingBundle) -> dict[str, str]:
+    """What a saved CPU program of ``bundle`` is keyed by besides the library's
+    own fields (:mod:`graphrunner.mechanisms.aot`): the model (its class and
+    config, hashed), its dtype, its quantize mode and this CPU's features and
+    compact-weight kernel paths."""
+    import hashlib
+
+    from graphrunner_ref.model.cpu_features import KERNEL_PATHS, cpu_features, kernel_summary
+
+    model: Any = bundle.model
+    config = f"{type(model).__qualname__}:{getattr(model, 'config', None)!r}"
+    dtype = next((str(p.dtype) for p in model.parameters()), "none")
+    quantize = getattr(model, "quantization", None)
+    known = {p.product for p in KERNEL_PATHS}
+    products = [p for p in (quantize, f"{quantize}-q8") if p in known]
+    return {
+        "model": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "dtype": dtype.removeprefix("torch."),
+        "quantize": str(quantize),
+        "cpu features": f"{cpu_features().describe()}; kernels {kernel_summary(products)}",
+    }
+
+
 def decode_step(bundle: ServingBundle) -> DecodeStep:
     """The :class:`DecodeStep` of ``bundle``, made by its registered kind
     (``TypeError`` for a bundle of no registered kind)."""
@@ -130,6 +153,8 @@ def create_decode_runner(
     ``{"tokens", "count", "logits"}``, with ``logprobs`` each step's ``[bs, N]``
     / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
     bundles only (with ``future_map`` each launch stores each row's last token there).
+    With ``aot_cache=DIR`` (``cpu``) the program is saved in ``DIR`` and later
+    captures load it without tracing, keyed by :func:`aot_key` too.
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
     for ``cuda``; a step that asks for it (the transformers bridge's)
     compiles with ``fullgraph=True`` (a model that cannot be captured is
@@ -159,6 +184,9 @@ def create_decode_runner(
             sampling=sampling,
             logprobs=logprobs,
         )
+    if kind == "cpu" and mechanism_options.get("aot_cache") is not None:
+        key = {"steps": str(steps), "sampling": f"{sampling}/{logprobs}", **aot_key(bundle)}
+        mechanism_options.setdefault("aot_key", key)
     compiles = kind == "cpu" or mechanism_options.get("compile", False)
     if step.fullgraph and compiles:
         mechanism_options.setdefault("fullgraph", True)

@@ -1,0 +1,218 @@
+"""The CPU runner's program saved ahead of time (``aot_cache``): a warm capture
+loads it without tracing and replays what the cold one does; a stale, foreign
+or damaged artifact is refused, with the reason, and rebuilt, never run.
+
+One real AOTInductor build (the toy model, module-scoped); the refusals that
+would rebuild put that pristine artifact back instead of compiling again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from graphrunner import create_runner
+from graphrunner.declare.decode import decode_buffer_specs
+from graphrunner.mechanisms import aot
+from graphrunner.testing import ToyWorld
+from tests.poison import assert_state_matches, poison_tails, stale_values
+
+SIZES = [1, 2, 4]
+Built = tuple[Path, Any, ToyWorld]
+KEY = {"model": "toy", "dtype": "float32", "cpu features": "test"}
+
+
+def _runner(world: ToyWorld, cache: Path, key: dict[str, str] | None = None) -> Any:
+    return create_runner(
+        world.model,
+        decode_buffer_specs(),
+        device="cpu",
+        kind="cpu",
+        capture_sizes=SIZES,
+        show_progress=False,
+        aot_cache=cache,
+        aot_key=KEY if key is None else key,
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """A cold capture that builds the artifact; the folder, its runner, its world."""
+    cache = tmp_path_factory.mktemp("aot")
+    world = ToyWorld("cpu")
+    runner = _runner(world, cache)
+    report = runner.capture()
+    assert runner.mechanism.aot_status == "built (none saved)"
+    assert report.start == "cold"
+    return cache, runner, world
+
+
+def _artifact(cache: Path) -> Path:
+    (folder,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    return folder
+
+
+def _copy(built: Built, tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    shutil.copytree(built[0], cache)
+    return cache
+
+
+def test_warm_load_replays_equal_to_the_cold_program(built: Built, tmp_path: Path) -> None:
+    """The loaded program, in another world (other tensors, same shapes),
+    gives the cold program's outputs and KV writes bit for bit at every raw
+    size, padded tails poisoned with live indices, and equals eager."""
+    cold_runner, cold_world = built[1], built[2]
+    world = ToyWorld("cpu")
+    warm = _runner(world, _copy(built, tmp_path))
+    report = warm.capture()
+    assert warm.mechanism.aot_status == "loaded"
+    assert report.start == "warm" and report.cache_hits == report.compilations == 1
+    for raw_bs in (1, 2, 3, 4):
+        results = []
+        for runner, w in ((cold_runner, cold_world), (warm, world)):
+            batch = w.make_batch(raw_bs, seed=raw_bs)
+            expected, expected_state = w.eager_reference(batch)
+            poison_tails(runner, raw_bs, stale_values(w, batch))
+            live = set(batch.out_cache_loc.tolist())
+            out = runner.replay(batch).clone()
+            torch.testing.assert_close(out, expected)
+            state = w.state()
+            for name in ("k", "v"):
+                assert_state_matches(
+                    state[name], expected_state[name], live, exact=False, name=name
+                )
+            results.append((out, state))
+        (cold_out, cold_state), (warm_out, warm_state) = results
+        assert torch.equal(cold_out, warm_out)
+        for name in ("k", "v"):
+            assert torch.equal(cold_state[name][1:], warm_state[name][1:])
+
+
+@pytest.mark.parametrize(
+    "field", ["torch", "max size", "buffers", "cpu capability", "model", "dtype", "cpu features"]
+)
+def test_a_manifest_changed_in_a_key_field_is_refused_and_rebuilt(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """The folder is right but its manifest says another torch, size, dtype,
+    CPU or model: refused naming the field, rebuilt (here: the pristine
+    artifact put back), and the new manifest holds the current value."""
+    cache = _copy(built, tmp_path)
+    manifest_path = _artifact(cache) / aot.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    current = manifest["key"][field]
+    manifest["key"][field] = current + "-other"
+    manifest_path.write_text(json.dumps(manifest))
+    rebuilt = _fake_rebuild(built, monkeypatch)
+    runner = _runner(ToyWorld("cpu"), cache)
+    runner.capture()
+    status = runner.mechanism.aot_status
+    assert status.startswith(f"built (refused: {field} differs: saved '{current}-other'"), status
+    assert rebuilt == [1]
+    assert json.loads(manifest_path.read_text())["key"][field] == current
+
+
+def _fake_rebuild(built: Built, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """AotPrograms._build replaced by a copy of the pristine artifact (no compile)."""
+    calls: list[int] = []
+    pristine = _artifact(built[0])
+
+    def build(self: Any, folder: Path, key: Any, forward: Any, view: Any) -> None:
+        calls.append(1)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(pristine, folder)
+        self._manifest = json.loads((folder / aot.MANIFEST).read_text())
+        self._open(folder / aot.PACKAGE)
+
+    monkeypatch.setattr(aot.AotPrograms, "_build", build)
+    return calls
+
+
+def test_a_changed_key_looks_in_another_folder(built: Built, tmp_path: Path) -> None:
+    """Another model (the caller's key) is another artifact: nothing of the
+    saved one is read, a new one is built beside it."""
+    cache = _copy(built, tmp_path)
+    runner = _runner(ToyWorld("cpu"), cache, key={**KEY, "model": "another"})
+    mechanism = runner.mechanism
+    mechanism.aot._build = lambda *a: (_ for _ in ()).throw(aot.AotRefused("not built here"))
+    with pytest.warns(RuntimeWarning, match="not built here"):
+        runner.capture()
+    assert mechanism.aot_status == "refused (not built here)"
+    assert runner.compilations == 1  # compiled as without a cache
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing", "manifest"])
+def test_a_damaged_artifact_is_refused_and_rebuilt(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    cache = _copy(built, tmp_path)
+    folder = _artifact(cache)
+    package = folder / aot.PACKAGE
+    data = package.read_bytes()
+    if damage == "truncated":
+        package.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped":
+        package.write_bytes(data[:1000] + bytes([data[1000] ^ 1]) + data[1001:])
+    elif damage == "missing":
+        package.unlink()
+    else:
+        (folder / aot.MANIFEST).write_text('{"key": {"torch"')
+    rebuilt = _fake_rebuild(built, monkeypatch)
+    runner = _runner(ToyWorld("cpu"), cache)
+    runner.capture()
+    status = runner.mechanism.aot_status
+    why = {"manifest": "manifest unreadable", "missing": "package missing"}.get(
+        damage, "package damaged"
+    )
+    assert status.startswith(f"built (refused: {why}"), status
+    assert rebuilt == [1]
+
+
+def test_a_foreign_model_of_other_shapes_is_refused_by_its_tensor(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manifest whose key matches but whose arguments do not (a model of
+    another width under the same key): refused naming the tensor."""
+    from graphrunner.testing import ToyWorldConfig
+
+    cache = _copy(built, tmp_path)
+    world = ToyWorld("cpu", ToyWorldConfig(vocab=101))
+    rebuilt = _fake_rebuild(built, monkeypatch)
+    runner = _runner(world, cache)
+    with pytest.raises(aot.AotRefused):  # the pristine copy put back is foreign too
+        runner.capture()
+    assert rebuilt == [1]
+    status = runner.mechanism.aot_status
+    assert "refused: forward." in status and "has shape" in status, status
+
+
+def test_a_failed_build_leaves_nothing_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that dies after its package is written leaves no folder under
+    the key (nor a staging one): the next capture finds none."""
+    cache = tmp_path / "cache"
+    world = ToyWorld("cpu")
+
+    def dies(self: Any, flat: Any, args: Any, dynamic: Any) -> Path:
+        stage = tmp_path / "stage"
+        stage.mkdir()
+        (stage / aot.PACKAGE).write_bytes(b"half")
+        return stage / aot.PACKAGE
+
+    monkeypatch.setattr(aot.AotPrograms, "_compile", dies)
+    real_dump = json.dump
+
+    def dump(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(aot.json, "dump", dump)
+    with pytest.raises(OSError, match="disk full"):
+        _runner(world, cache).capture()
+    monkeypatch.setattr(aot.json, "dump", real_dump)
+    assert not cache.exists() or list(cache.iterdir()) == []
