@@ -88,7 +88,9 @@ def test_the_width_covers_the_longest_row_alone(widths: list[int]) -> None:
     req_to_token[1:] = torch.randint(1, slots, (2, CAPACITY), dtype=torch.int32)
     rows, lens = torch.tensor([1, 2, 0]), torch.tensor([COLUMN_STEP + 1, 3, 1])
     q = torch.randn(3, heads, dim)
-    live = attention.live_rows_attention(q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5)
-    full = attention.rows_attention(q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5)
+    live = attention.live_rows_attention(
+        q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5, None
+    )
+    full = attention.rows_attention(q, k_all, v_all, req_to_token, rows, lens, 0.3, None, 0.5, None)
     torch.testing.assert_close(live, full, rtol=1e-6, atol=1e-6)
     assert widths == [2 * COLUMN_STEP, CAPACITY]

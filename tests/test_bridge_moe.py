@@ -15,13 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrunner_ref import Engine, create_decode_runner
 from graphrunner_ref.bridge import load_transformers
-from graphrunner_ref.bridge.experts import EXPERTS
+from graphrunner_ref.bridge.experts import EXPERTS, row_experts_forward
 from hf_tiny import hf_greedy, mixed_trace, save_decoders, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -108,3 +111,44 @@ def test_a_rows_logits_are_the_same_bits_whatever_its_neighbours(
     crowded = _step_logits(bundle, rows, next_tokens, lens)[0]
     shuffled = _step_logits(bundle, [rows[0], rows[2]], [60, 99], [lens[0], lens[2]])[0]
     assert torch.equal(alone, crowded) and torch.equal(alone, shuffled)
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """The most elements of any tensor an op allocated (views of its inputs excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        read = {_storage(t) for t in pytree.tree_leaves((args, kwargs))}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage(t) not in read:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _storage(t: Any) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+def test_eagerly_a_rows_experts_are_read_in_place_never_copied(
+    saved: dict[str, tuple[Path, Any]],
+) -> None:
+    path, _ = saved["mixtral"]
+    bundle = load_transformers(path, max_requests=4, max_context_len=32)
+    experts = next(m for m in bundle.model.hf.modules() if hasattr(m, "gate_up_proj"))
+    n_experts, hidden = experts.gate_up_proj.shape[0], experts.down_proj.shape[1]
+    torch.manual_seed(0)
+    x = torch.randn(6, hidden)
+    index = torch.stack([torch.randperm(n_experts)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2)
+    with torch.no_grad(), _LargestNewTensor() as seen:
+        eager = row_experts_forward(experts, x, index, weights)
+    # An eager gather copies [6, 2, ...] expert weights; in place, nothing
+    # grows past one row's projections.
+    assert seen.largest < experts.gate_up_proj[0].numel()
+    with torch.no_grad(), mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        gathered = row_experts_forward(experts, x, index, weights)
+    torch.testing.assert_close(eager, gathered)

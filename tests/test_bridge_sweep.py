@@ -56,6 +56,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "gpt2": {},
     "gpt_bigcode": {},
     "gpt_neox": {},
+    "gpt_oss": {"num_local_experts": 4, **_TOP2},  # attention sinks, biased experts
     "gptj": {"rotary_dim": 8},
     "granite": {},
     "granitemoe": {"num_local_experts": 4, **_TOP2},
@@ -93,7 +94,6 @@ REFUSED: dict[str, str] = {
     "diffllama": "called more than once",
     "doge": "attention_mask",  # a mask of its own with a learned bias
     "falcon": "attention interface",
-    "gpt_oss": "s_aux",
     "minimax": "1 of its 2 layers",
     "mpt": "attention interface",
     "xglm": "attention interface",

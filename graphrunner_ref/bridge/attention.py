@@ -12,7 +12,9 @@ call, and to its KV layer. :func:`paged_attention` writes each row's K/V at
 its ``out_cache_loc`` slot (padded rows: the sink slot 0) and attends over the
 slots ``req_to_token`` lists for its request row, up to its length. What the
 layer asks for is honoured: ``scaling`` (``query_pre_attn_scalar`` models),
-``sliding_window``, attention logit ``softcap``, grouped KV heads.
+``sliding_window``, attention logit ``softcap``, grouped KV heads, and
+attention sinks (``s_aux``: a logit per head that joins every row's softmax
+and attends to nothing, as GPT-OSS's).
 
 On the CPU a step reads each row's columns only up to the batch's longest
 live row (:func:`live_rows_attention`, as the native model's live attention),
@@ -104,6 +106,7 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over graphrunner's pools (see the
@@ -124,7 +127,16 @@ def paged_attention(
     # cannot replay one, so there every row reads its whole capacity.
     attend = live_rows_attention if q.device.type == "cpu" else rows_attention
     out = attend(
-        q, k_all, v_all, step.req_to_token, step.rows, step.lens, scale, sliding_window, softcap
+        q,
+        k_all,
+        v_all,
+        step.req_to_token,
+        step.rows,
+        step.lens,
+        scale,
+        sliding_window,
+        softcap,
+        s_aux,
     )
     return out.to(query.dtype)[None], None
 
@@ -139,12 +151,14 @@ def rows_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
     width: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over the first ``width`` columns (default:
     all) of each token's ``req_to_token`` row ``rows [T]``, of which it reads
     ``lens [T]`` (its last ``window``, if given), grouped KV heads, scores
-    soft-capped by ``softcap``; float32 ``[T, H, D]``. Columns past a length
+    soft-capped by ``softcap``, each head's ``sinks [H]`` logit (if given) in
+    its softmax's denominator; float32 ``[T, H, D]``. Columns past a length
     read the sink slot 0, their values zeroed, so whatever a stale column or
     the sink holds never reaches a row."""
     cols = torch.arange(req_to_token.shape[1] if width is None else width, device=q.device)
@@ -161,7 +175,12 @@ def rows_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
-    out = torch.einsum("tkgc,tckd->tkgd", scores.softmax(-1), v.float())
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink's column joins the softmax, then is dropped: it attends to nothing
+        sink = sinks.float().reshape(1, k.shape[2], groups, 1).expand(t, -1, -1, 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    out = torch.einsum("tkgc,tckd->tkgd", probs, v.float())
     return out.reshape(t, heads, dim)
 
 
@@ -176,6 +195,7 @@ def live_rows_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`rows_attention` over the columns up to the longest of ``lens``
     (rounded up to :data:`~graphrunner_ref.model.attention_live.COLUMN_STEP`,
@@ -187,7 +207,9 @@ def live_rows_attention(
     (:func:`~graphrunner_ref.model.attention_live.live_decode_attention`)."""
     longest = int(lens.max()) if lens.numel() else 1
     width = min(req_to_token.shape[1], -(-max(longest, 1) // COLUMN_STEP) * COLUMN_STEP)
-    return rows_attention(q, k_all, v_all, req_to_token, rows, lens, scale, window, softcap, width)
+    return rows_attention(
+        q, k_all, v_all, req_to_token, rows, lens, scale, window, softcap, sinks, width
+    )
 
 
 @live_rows_attention.register_fake
@@ -201,6 +223,7 @@ def _fake(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=torch.float32)
 

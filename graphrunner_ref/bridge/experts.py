@@ -7,9 +7,11 @@ other rows (padded ones included) chose. The bridge registers its own
 implementation with transformers' experts interface (``ExpertsInterface``,
 the ``@use_experts_implementation`` experts modules of Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE, ...) under :data:`EXPERTS`: each row runs its own top-k
-experts, their weights gathered by the row's own expert indices, as
-broadcast products summed over the input (a row's sums never see another
-row), then the row's routing weights combine its k outputs. Everything
+experts (compiled or captured: their weights gathered by the row's own
+expert indices, as broadcast products summed over the input; eagerly: one
+product per row and expert on the expert's own weight, never a copy), so a
+row's sums never see another row; then the row's routing weights combine
+its k outputs. Everything
 around the experts stays the model's own: the router and its weight
 normalisation, shared experts, biases, the gate's activation, a post-expert
 norm. Shapes are static (no grouping by expert), so the step captures.
@@ -35,11 +37,44 @@ def _project(
 ) -> torch.Tensor:
     """Each row's product with each of its experts: ``x [N, k or 1, in]``,
     ``weight [E, out, in]`` (``[E, in, out]`` when ``transposed``), ``index
-    [N, k]``; ``[N, k, out]``. Compiled, the gather fuses into the sum."""
-    picked = weight[index]  # [N, k, out, in] or [N, k, in, out]
-    if transposed:
-        return (picked * x[:, :, :, None]).sum(-2)
-    return (picked * x[:, :, None, :]).sum(-1)
+    [N, k]``; ``[N, k, out]``. Compiled or captured, the experts are gathered
+    by index (compiled, the gather fuses into the sum; a graph cannot read
+    the indices on the host); eagerly, :func:`_project_each`."""
+    if torch.compiler.is_compiling() or _graph_capturing(weight):
+        picked = weight[index]  # [N, k, out, in] or [N, k, in, out]
+        if transposed:
+            return (picked * x[:, :, :, None]).sum(-2)
+        return (picked * x[:, :, None, :]).sum(-1)
+    return _project_each(x, weight, index, transposed)
+
+
+def _graph_capturing(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _project_each(
+    x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, transposed: bool
+) -> torch.Tensor:
+    """:func:`_project` one product per (row, expert) on the expert's own
+    weight: an eager gather would copy k experts' weights for every row
+    (hundreds of MB a row on a real model's prompt). Still row by row, so a
+    row's bits never depend on its neighbours."""
+    rows = []
+    for n, experts in enumerate(index.tolist()):
+        inputs = x[n].expand(len(experts), -1)  # [k, in]: one input, or one per expert
+        rows.append(
+            torch.stack(
+                [
+                    inputs[j] @ weight[e] if transposed else weight[e] @ inputs[j]
+                    for j, e in enumerate(experts)
+                ]
+            )
+        )
+    return torch.stack(rows) if rows else x.new_empty(0, index.shape[1], _out(weight, transposed))
+
+
+def _out(weight: torch.Tensor, transposed: bool) -> int:
+    return weight.shape[2] if transposed else weight.shape[1]
 
 
 def row_experts_forward(

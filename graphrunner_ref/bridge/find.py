@@ -36,9 +36,10 @@ __all__ = ["PROBE", "UNHONOURED", "AttentionLayers", "find_attention"]
 #: The name the probe registers with transformers' attention (and mask) interfaces.
 PROBE = "graphrunner_probe"
 #: Attention arguments that change the result and that the bridge's attention
-#: does not apply (attention sinks, a relative position bias, sparse indices):
-#: a layer that passes one is refused rather than answered wrongly.
-UNHONOURED = ("s_aux", "sinks", "position_bias", "indices", "block_indices", "head_mask")
+#: does not apply (sinks passed by another name, a relative position bias,
+#: sparse indices): a layer that passes one is refused rather than answered
+#: wrongly. (``s_aux``, GPT-OSS's attention sinks, it applies.)
+UNHONOURED = ("sinks", "position_bias", "indices", "block_indices", "head_mask")
 
 
 @dataclass(frozen=True, slots=True)
