@@ -52,7 +52,7 @@ def widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     real = attention.rows_attention
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        width = args[9] if len(args) > 9 else kwargs.get("width")
+        width = args[10] if len(args) > 10 else kwargs.get("width")
         seen.append(args[3].shape[1] if width is None else width)
         return real(*args, **kwargs)
 
