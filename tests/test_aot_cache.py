@@ -47,7 +47,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     runner = _runner(world, cache)
     report = runner.capture()
     assert runner.mechanism.aot_status == "built (none saved)"
-    assert report.start == "cold"
+    assert report.start == "cold" and [s.programs for s in report.sizes] == [1, 0, 0]
     return cache, runner, world
 
 
@@ -216,3 +216,18 @@ def test_a_failed_build_leaves_nothing_half_written(
         _runner(world, cache).capture()
     monkeypatch.setattr(aot.json, "dump", real_dump)
     assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_the_aot_cache_flag_and_the_references_key(tmp_path: Path) -> None:
+    """``--aot-cache DIR`` is the engine config's; the reference keys the CPU
+    runners' programs by its model, dtype, quantize mode and CPU."""
+    from graphrunner_ref.cli import main as cli
+    from graphrunner_ref.cli.options import config_of
+    from graphrunner_ref.engine.bundle import aot_key
+    from graphrunner_ref.model import default_model
+
+    args = cli._parse(["generate", "--prompt", "[1, 2]", "--aot-cache", str(tmp_path)])
+    assert config_of(args, "cpu", [1]).aot_cache == str(tmp_path)
+    key = aot_key(default_model(max_requests=2, max_context_len=16))
+    assert {"model", "dtype", "quantize", "cpu features"} <= set(key)
+    assert key["dtype"] == "float32" and key["quantize"] == "None"

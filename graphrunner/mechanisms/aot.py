@@ -259,6 +259,8 @@ class AotPrograms:
         self.extra = {str(k): str(v) for k, v in (extra or {}).items()}
         self.patches = {k: v for k, v in patches.items() if not k.startswith("triton.")}
         self.status: str | None = None
+        #: The size whose capture loaded or built the program.
+        self.first: int | None = None
         #: False once the forward could not be saved: the caller compiles.
         self.active = True
         self.compilations = 0
@@ -282,11 +284,12 @@ class AotPrograms:
         if not self.active:
             return None
         if self._loader is None:
+            self.first = bs
             key = key_fields(view, bs, self.extra)
             try:
                 self._prepare(key, forward, view)
             except AotRefused as e:
-                self.active = False
+                self.active, self.first = False, None
                 self.status = f"refused ({e})"
                 warn_at_caller(f"aot_cache: {e}; compiling without the cache")
                 return None

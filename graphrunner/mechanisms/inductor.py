@@ -112,4 +112,4 @@ class InductorCapture(CaptureMechanism):
         self._pending.clear()
 
     def programs(self, bs: int) -> int:
-        return self.compiler.programs(bs)
+        return self.compiler.programs(bs) + (self.aot is not None and self.aot.first == bs)

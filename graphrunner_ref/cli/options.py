@@ -258,6 +258,13 @@ def _runner(p: _Options) -> None:
         "inside the CUDA graphs (the default for --runner cuda; --no-compile captures the "
         "eager forward)",
     )
+    p.add_argument(
+        "--aot-cache",
+        metavar="DIR",
+        help="CPU runner only: save the compiled step in DIR (an AOTInductor library) and "
+        "load it at the next run without tracing the forward; a program saved for another "
+        "model, size, dtype, torch or CPU is refused and rebuilt",
+    )
 
 
 def _model(g: Groups) -> None:
@@ -634,6 +641,7 @@ def config_of(
         runner=runner,
         device=str(get("device") or "cpu"),
         compile=bool(get("compile")),
+        aot_cache=get("aot_cache"),
         capture_sizes=tuple(sizes),
         page_size=get("page_size", 1),
         tp=get("tp"),

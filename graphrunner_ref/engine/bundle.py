@@ -78,6 +78,8 @@ def create_token_runner(
     model: Any = bundle.model
     phase = token_batch_phase(model.forward_token_batch, max_requests=TOKEN_BATCH_REQUESTS)
     sizes = list(capture_sizes) if capture_sizes else None
+    if kind == "cpu" and mechanism_options.get("aot_cache") is not None:
+        mechanism_options.setdefault("aot_key", {"phase": "token batch", **aot_key(bundle)})
     return create_runner(
         phase,
         kind=kind,

@@ -122,6 +122,9 @@ class EngineConfig:
     logprobs: int = 0
     max_steps: int | None = None
     quiet: bool = False
+    #: The CPU decode and token-batch runners' saved programs' folder
+    #: (``--aot-cache``; None: none); speculative runners compile as without.
+    aot_cache: str | None = None
 
     def __post_init__(self) -> None:
         # Ranges are the command line's to check, by flag, before any work.

@@ -210,6 +210,7 @@ def _token_runner(
         show_progress=progress,
         check_padding=config.check_padding,
         **config.mechanism_options,
+        **({"aot_cache": config.aot_cache} if config.runner == "cpu" else {}),
     )
     runner.capture()
     return runner
@@ -234,6 +235,8 @@ def _runner_options(
         "show_progress": progress,
         **config.mechanism_options,
     }
+    if config.aot_cache is not None and config.runner == "cpu":
+        options["aot_cache"] = config.aot_cache
     if config.logprobs or online or samples(trace):
         options["sampling"] = True
     if config.logprobs:

@@ -1,0 +1,172 @@
+"""Warm start: the CPU runner's capture of six sizes (1, 2, 4, 8, 12, 16) cold,
+warm from inductor's cache (today's warm start: dynamo traces the forward,
+AOTAutograd and inductor answer from their caches), and from the program saved
+ahead of time (``aot_cache``: loaded, nothing traced), in one run, per model:
+the embedded default model and SmolLM2-135M-Instruct (the checkpoint
+``make demo-real`` fetches).
+
+Every capture runs in a fresh interpreter with an inductor cache folder of its
+own (``TORCHINDUCTOR_CACHE_DIR``): *cold* an empty one, *warm cache* the one
+the cold capture filled, *AOT build* an empty one and an empty ``aot_cache``
+(it traces, exports and AOTInductor-compiles, then saves), *AOT load* an empty
+inductor folder and the ``aot_cache`` the build filled. Each child also
+decodes one batch of 8 requests (64 cached tokens, fixed seed) and reports
+its argmax tokens: the AOT load's must equal the cold capture's.
+
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start`` (writes
+``bench/results/warm-start-cpu.md`` and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.conftest import RESULTS_DIR, machine
+
+CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start"
+SIX = [1, 2, 4, 8, 12, 16]
+GOALS = {"embedded": 2.0, "smollm2": 4.0}  # seconds, warm capture of six sizes (issue 53)
+RUNS = ("cold", "warm cache", "AOT build", "AOT load")
+
+
+def child(model: str, aot: str | None) -> dict[str, Any]:
+    """One capture in this (fresh) interpreter: its seconds, how it started,
+    and the tokens of one decode step."""
+    from bench.bench_capture import _bundle
+    from bench.bench_gpu_model import filled_batch
+    from graphrunner_ref import create_decode_runner
+
+    bundle = _bundle(model)
+    runner = create_decode_runner(bundle, "cpu", capture_sizes=SIX, aot_cache=aot)
+    start = time.perf_counter()
+    report = runner.capture()
+    seconds = time.perf_counter() - start
+    torch.manual_seed(0)
+    batch = filled_batch(bundle, 8, 64)
+    logits: Any = runner.replay(batch)
+    tokens = logits.argmax(-1).tolist()
+    return {
+        "seconds": seconds,
+        "start": report.start,
+        "aot": getattr(runner.mechanism, "aot_status", None),
+        "dynamo imported": "torch._dynamo" in sys.modules,
+        "tokens": tokens,
+    }
+
+
+def _child(model: str, cache: Path, aot: Path | None) -> dict[str, Any]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": "."}
+    argv = [sys.executable, "-m", "bench.bench_warm_start", "--child", model]
+    out = subprocess.run(
+        argv + ([str(aot)] if aot else []), env=env, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise RuntimeError(f"child {model} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, root: Path) -> dict[str, Any]:
+    inductor, aot = root / f"{model}-inductor", root / f"{model}-aot"
+    result = {
+        "cold": _child(model, inductor, None),
+        "warm cache": _child(model, inductor, None),
+        "AOT build": _child(model, root / f"{model}-inductor-build", aot),
+        "AOT load": _child(model, root / f"{model}-inductor-empty", aot),
+    }
+    print(f"{model}: " + ", ".join(f"{k} {v['seconds']:.2f}s" for k, v in result.items()))
+    return result
+
+
+def _table(model: str, r: dict[str, Any]) -> list[str]:
+    cold, warm, load = (r[k]["seconds"] for k in ("cold", "warm cache", "AOT load"))
+    goal = GOALS[model]
+    lines = [
+        f"### {model}",
+        "",
+        "| capture of six sizes | seconds | vs cold | vs warm cache | start | aot_cache | "
+        "dynamo imported |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in RUNS:
+        c = r[name]
+        lines.append(
+            f"| {name} | {c['seconds']:.2f} | {c['seconds'] / cold:.3f}x | "
+            f"{c['seconds'] / warm:.3f}x | {c['start']} | {c['aot'] or '-'} | "
+            f"{c['dynamo imported']} |"
+        )
+    same = r["AOT load"]["tokens"] == r["cold"]["tokens"]
+    met = "met" if load <= goal else "not met"
+    lines += [
+        "",
+        f"Goal: warm capture of six sizes <= {goal:.0f} s: **{met}** ({load:.2f} s loaded "
+        f"from the AOT cache; {warm:.2f} s warm from inductor's cache, "
+        f"{warm / load:.1f}x slower). Tokens of one batch of 8, AOT load vs cold: "
+        f"{'equal' if same else 'DIFFERENT'}.",
+        "",
+    ]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="embedded,smollm2")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.child:
+        model, *aot = args.child
+        print(json.dumps(child(model, aot[0] if aot else None)))
+        return 0
+    from graphrunner_ref.model.cpu_features import cpu_features
+
+    path = RESULTS_DIR / "warm-start-cpu.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results.update(
+        {
+            "machine": machine(),
+            "command": CMD,
+            "threads": 1,
+            "cpu": cpu_features().describe(),
+            "kernel path": f"inductor C++ codegen at {torch.backends.cpu.get_cpu_capability()}",
+        }
+    )
+    models = results.setdefault("models", {})
+    with tempfile.TemporaryDirectory(prefix="graphrunner-warm-start-") as tmp:
+        for model in args.models.split(","):
+            print(f"measuring {model} ...", file=sys.stderr)
+            models[model] = measure(model, Path(tmp))
+    lines = [
+        "# Warm start: the CPU runner's capture from the AOT cache",
+        "",
+        f"Machine: {results['machine']}; CPU: {results['cpu']}; kernel path: "
+        f"{results['kernel path']} (float32 models, no compact-weight kernel); one torch "
+        f"thread. Command: `{CMD}`.",
+        "Each capture in a fresh interpreter (seconds: `runner.capture()`, imports and "
+        "model load outside). Cold: an empty inductor cache folder; warm cache: the folder "
+        "the cold capture filled; AOT build: empty folders, `aot_cache=DIR` (traces, "
+        "exports, AOTInductor-compiles, saves); AOT load: an empty inductor folder and the "
+        "DIR the build filled.",
+        "",
+    ]
+    for model, result in models.items():
+        lines += _table(model, result)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    (RESULTS_DIR / "warm-start-cpu.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
