@@ -231,3 +231,19 @@ def test_the_aot_cache_flag_and_the_references_key(tmp_path: Path) -> None:
     key = aot_key(default_model(max_requests=2, max_context_len=16))
     assert {"model", "dtype", "quantize", "cpu features"} <= set(key)
     assert key["dtype"] == "float32" and key["quantize"] == "None"
+
+
+def test_a_program_whose_outputs_differ_from_eager_is_refused(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load runs the program once against the eager forward: a difference
+    (here: every comparison said false) is refused and rebuilt."""
+    cache = _copy(built, tmp_path)
+    rebuilt = _fake_rebuild(built, monkeypatch)
+    monkeypatch.setattr(aot, "_close", lambda a, b: False)
+    runner = _runner(ToyWorld("cpu"), cache)
+    runner.capture()
+    assert runner.mechanism.aot_status == (
+        "built (refused: the loaded program's outputs differ from the eager forward's)"
+    )
+    assert rebuilt == [1]

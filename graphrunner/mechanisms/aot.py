@@ -269,6 +269,7 @@ class AotPrograms:
         self._loader: Any = None
         self._manifest: dict[str, Any] = {}
         self._model_args: dict[int, torch.Tensor] = {}
+        self._checked: list[torch.Tensor] | None = None
 
     @property
     def folder(self) -> Path | None:
@@ -295,7 +296,8 @@ class AotPrograms:
                 return None
         args = self._arguments(forward, view)
         run, spec, order = self._loader.run, self._spec(), self._manifest["outputs"]
-        self.recorded = pytree.tree_unflatten([o for o in self._pick(run(args), order)], spec)
+        first, self._checked = self._checked, None  # a load's checked run is this size's
+        self.recorded = pytree.tree_unflatten(first or self._pick(run(args), order), spec)
         return lambda: pytree.tree_unflatten(self._pick(run(args), order), spec)
 
     @staticmethod
@@ -357,6 +359,7 @@ class AotPrograms:
         got = self._pick(self._loader.run(args), manifest["outputs"])
         if len(got) != len(expected) or not all(map(_close, got, expected)):
             raise AotRefused("the loaded program's outputs differ from the eager forward's")
+        self._checked = got
 
     def _open(self, package: Path) -> None:
         try:
