@@ -356,7 +356,10 @@ class AotPrograms:
         except (KeyError, AttributeError, IndexError, TypeError) as e:
             raise AotRefused(f"an argument's path does not resolve here ({e!r})") from None
         expected = pytree.tree_flatten(forward(view))[0]
-        got = self._pick(self._loader.run(args), manifest["outputs"])
+        try:
+            got = self._pick(self._loader.run(args), manifest["outputs"])
+        except (RuntimeError, IndexError) as e:
+            raise AotRefused(f"the loaded program fails ({str(e).splitlines()[0]})") from None
         if len(got) != len(expected) or not all(map(_close, got, expected)):
             raise AotRefused("the loaded program's outputs differ from the eager forward's")
         self._checked = got
@@ -455,7 +458,11 @@ class AotPrograms:
         }
         flat = _Flat(gm, ints, len(args))
         real = tuple(args[i] for i in tensors)
-        _write(folder, self._manifest, self._compile(flat, real, tuple(dynamic)))
+        package = self._compile(flat, real, tuple(dynamic))
+        try:
+            _write(folder, self._manifest, package)
+        except OSError as e:
+            raise AotRefused(f"cannot save in {folder.parent} ({e})") from None
         self._manifest = json.loads((folder / MANIFEST).read_text())
         self._open(folder / PACKAGE)
 
