@@ -106,6 +106,26 @@ def test_other_rows_never_reach_a_live_row(use_kernel: bool) -> None:
             assert torch.equal(linear(x[j : j + 1])[0], linear(x)[j])
 
 
+def test_kernel_results_never_depend_on_neighbours(kernel: None) -> None:
+    """The kernel runs rows in tiles of up to 8 and outputs in blocks of up to
+    4 (a short last block repeats the last output): with an ``in`` that is not
+    a multiple of 32 and an ``out`` that is not a multiple of any block, every
+    row equals itself run alone and in every batch size, and every output equals
+    itself computed as a one-output linear, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    out, inp = 37, 100
+    w, x = torch.randn(out, inp, generator=gen), torch.randn(11, inp, generator=gen)
+    linear = Int4Linear(w, kernel=True)
+    together = linear(x)
+    for rows in range(1, 12):
+        assert torch.equal(linear(x[:rows]), together[:rows])
+    for j in range(11):
+        assert torch.equal(linear(x[j : j + 1])[0], together[j])
+    for o in (0, 1, 35, 36):
+        assert torch.equal(Int4Linear(w[o : o + 1], kernel=True)(x)[:, 0], together[:, o])
+    _close(together, int4_reference_linear(x, linear.packed, linear.scales, linear.mins))
+
+
 def test_kernel_runs_under_torch_compile(kernel: None) -> None:
     """Inductor calls the registered op (its fake gives the shape) in one graph."""
     gen = torch.Generator().manual_seed(3)

@@ -194,7 +194,13 @@ KERNEL_PATHS = (
         0,
         "vpmaddubsw + vpmaddwd, 32 codes x 32 int8 activations",
     ),
-    KernelPath("int4", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
+    KernelPath(
+        "int4",
+        "avx2",
+        ("avx2", "fma"),
+        0,
+        "bytes and low codes widened to float32, FMA, up to 4 outputs a pass",
+    ),
     KernelPath("int8", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
     KernelPath("fp16", "avx2", ("avx2", "fma", "f16c"), 0, "F16C widening, FMA"),
 )

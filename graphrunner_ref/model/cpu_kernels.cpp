@@ -8,12 +8,22 @@
 // (int8_linear.py):  y[r, o] = scale[o] * (x[r] . q[o])
 // graphrunner_fp16::linear: float16 weights, packed (fp16_linear.py):  y[r, o] = x[r] . w[o]
 //
-// AVX2/FMA, 8 lanes at a time. Each output row accumulates over its groups
-// alternately into two accumulators (even and odd groups: two FMA chains in
-// flight), in an order that does not depend on how many rows run together:
-// a row's result never depends on the rows beside it, bit for bit. (An
-// AVX-512 build of the same loop, 16 codes widened per instruction, was
-// measured on a Zen 4 EPYC and not kept: 4% faster at 1 row, 25% slower at 8.)
+// AVX2/FMA, 8 lanes at a time. int4: each input row is first rewritten once
+// per call (its own floats only) so that a group's 16 bytes need no nibble
+// split for half their codes: byte j of a group is b = lo + 16 * hi (lo code j,
+// hi code j + 16), so
+//   x[j] * lo + x[j + 16] * hi = (x[j + 16] / 16) * b + (x[j] - x[j + 16] / 16) * lo
+// (x / 16 is exact; the difference rounds once, as a product does). Per group:
+// two byte-to-lane widenings, two masks and four conversions make the 32
+// weights' floats (b for bytes 0..7 and 8..15, lo for the same), four FMAs
+// against the rewritten row and one FMA by the group's scale. One accumulator
+// per (row, output), groups in order; rows run in tiles of up to 8 and
+// outputs in blocks of up to 4 (fewer for more rows, the block's tail reusing
+// the last output), so a row's arithmetic never depends on the rows or
+// outputs beside it, bit for bit. The mins' share, min_g * sum(x_g), is one
+// 8-group dot per row after the groups. (An AVX-512 build of the older loop,
+// 16 codes widened per instruction, was measured on a Zen 4 EPYC and not
+// kept: 4% faster at 1 row, 25% slower at 8.)
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -37,52 +47,96 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The mins' share of output row o for input row r: min_g times the group's input sum.
-inline float min_share(const float* mins, const float* sums, int64_t groups) {
-  float m = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) m = std::fma(mins[g], sums[g], m);
+// mins . sums over a row's groups, 8 at a time (a fixed order for a given row).
+inline float min_share8(const float* mins, const float* sums, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(sums + g), acc);
+  float m = hsum(acc);
+  for (; g < groups; ++g) m = std::fma(mins[g], sums[g], m);
   return m;
 }
 
-// R input rows (each padded to groups * 32 floats, zeros past `in`) against
-// output rows [o0, o1), 8 lanes at a time.
-template <int R>
-void rows_avx2(const float* xp, const float* sx, int64_t groups, const uint8_t* packed,
-               const float* scales, const float* mins, float* y, int64_t out, int64_t o0,
-               int64_t o1) {
+// A row rewritten for the int4 kernel (see the top of the file): per group of
+// the zero-padded row x, 32 floats [x[16..32) / 16, x[0..16) - x[16..32) / 16],
+// and the group's sum of x.
+void int4_row(const float* x, int64_t groups, float* xt, float* sums) {
+  const __m256 sixteenth = _mm256_set1_ps(0.0625f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    float* tg = xt + g * kGroup;
+    const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+    const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+    const __m256 a0 = _mm256_mul_ps(x2, sixteenth), a1 = _mm256_mul_ps(x3, sixteenth);
+    _mm256_storeu_ps(tg, a0);
+    _mm256_storeu_ps(tg + 8, a1);
+    _mm256_storeu_ps(tg + 16, _mm256_sub_ps(x0, a0));
+    _mm256_storeu_ps(tg + 24, _mm256_sub_ps(x1, a1));
+    sums[g] = hsum(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+  }
+}
+
+// R rewritten input rows against the P output rows os[0..P): one accumulator
+// per pair, the group's 32 weights widened once for all R rows.
+template <int R, int P>
+inline void block_int4(const float* xt, const float* sx, int64_t groups, const uint8_t* packed,
+                       const float* scales, const float* mins, float* y, int64_t out,
+                       const int64_t (&os)[P]) {
   const int64_t kp = groups * kGroup;
   const __m256i low = _mm256_set1_epi32(0x0F);
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* wq = packed + o * groups * 16;
-    const float* sc = scales + o * groups;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones. Each
-      // half is zero-extended to 32-bit lanes straight from memory and its
-      // nibbles split there (fewer shuffles than splitting the bytes first).
-      const uint8_t* bytes = wq + g * 16;
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  const uint8_t* wq[P];
+  const float* sc[P];
+  for (int p = 0; p < P; ++p) {
+    wq[p] = packed + os[p] * groups * 16;
+    sc[p] = scales + os[p] * groups;
+  }
+  __m256 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* bytes = wq[p] + g * 16;
+      const __m256i b0 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
       const __m256i b1 =
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  // codes 0..7
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  // codes 8..15
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));   // codes 16..23
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));   // codes 24..31
-      const __m256 d = _mm256_broadcast_ss(sc + g);
+      const __m256 w0 = _mm256_cvtepi32_ps(b0);                           // bytes 0..7
+      const __m256 w1 = _mm256_cvtepi32_ps(b1);                           // bytes 8..15
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));  // codes 0..7
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));  // codes 8..15
+      const __m256 d = _mm256_broadcast_ss(sc[p] + g);
       for (int r = 0; r < R; ++r) {
-        const float* xg = xp + r * kp + g * kGroup;
-        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
-        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
-        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
-        acc[r][g & 1] = _mm256_fmadd_ps(t, d, acc[r][g & 1]);
+        const float* tg = xt + r * kp + g * kGroup;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(tg));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(tg + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(tg + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(tg + 24), t);
+        acc[r][p] = _mm256_fmadd_ps(t, d, acc[r][p]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const float dot = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-      y[r * out + o] = dot + min_share(mins + o * groups, sx + r * groups, groups);
-    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r)
+      y[r * out + os[p]] =
+          hsum(acc[r][p]) + min_share8(mins + os[p] * groups, sx + r * groups, groups);
+}
+
+// Outputs per block for R rows: as many as the 16 registers hold accumulators for.
+template <int R>
+constexpr int kOutBlock = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+
+// R rewritten input rows against output rows [o0, o1), kOutBlock<R> at a time;
+// a short last block repeats output o1 - 1 (the same value, written again).
+template <int R>
+void rows_avx2(const float* xt, const float* sx, int64_t groups, const uint8_t* packed,
+               const float* scales, const float* mins, float* y, int64_t out, int64_t o0,
+               int64_t o1) {
+  constexpr int P = kOutBlock<R>;
+  int64_t os[P];
+  for (int64_t o = o0; o < o1; o += P) {
+    for (int p = 0; p < P; ++p) os[p] = std::min(o + p, o1 - 1);
+    block_int4<R, P>(xt, sx, groups, packed, scales, mins, y, out, os);
   }
 }
 
@@ -120,27 +174,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   const int64_t kp = groups * kGroup;
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> xpad(kTile * kp), sx(kTile * groups);
+  std::vector<float> xpad(kp, 0.0f), xt(kTile * kp), sx(kTile * groups);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    // Copy the tile's rows, zero-padded to whole groups, with each group's sum.
-    std::fill(xpad.begin(), xpad.end(), 0.0f);
-    for (int r = 0; r < nr; ++r) {
-      std::memcpy(xpad.data() + r * kp, xs + (r0 + r) * in, in * sizeof(float));
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = xpad.data() + r * kp + g * kGroup;
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-        sx[r * groups + g] = hsum(s);
-      }
+    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
+      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
+      int4_row(xpad.data(), groups, xt.data() + r * kp, sx.data() + r * groups);
     }
     const RowsFn fn = kAvx2[nr];
-    const float* xpp = xpad.data();
+    const float* xtp = xt.data();
     const float* sxp = sx.data();
     float* yt = yp + r0 * out;
     // Output rows split across torch's intra-op threads (one with set_num_threads(1)).
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xpp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+      fn(xtp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
          mins.data_ptr<float>(), yt, out, o0, o1);
     });
   }
@@ -406,17 +453,6 @@ inline __m256i codes32(const uint8_t* bytes) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// mins . sums over a row's groups, 8 at a time (a fixed order for a given row).
-inline float min_share8(const float* mins, const float* sums, int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(sums + g), acc);
-  float m = hsum(acc);
-  for (; g < groups; ++g) m = std::fma(mins[g], sums[g], m);
-  return m;
 }
 
 // The integer dot of each path: 8 int32 lanes, lane i the sum of bytes 4i..4i+3's

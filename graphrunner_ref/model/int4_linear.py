@@ -19,17 +19,23 @@ The product runs one of two ways, chosen once per process:
   ``torch.utils.cpp_extension.load_inline`` into torch's extension cache,
   registered as the op ``graphrunner_int4::linear`` with a fake
   implementation, so ``torch.compile`` (inductor) calls it as one extern
-  kernel. It widens each group's codes to float32 in registers
-  and multiplies float32 activations, accumulating in float32:
-  ``y = sum_g scale_g * (x_g . q_g) + min_g * sum(x_g)``, AVX2/FMA (an
-  AVX-512 loop measured no faster on a Zen 4, see the source). Measured on a
-  Zen 4 EPYC, one thread, against float32 ``F.linear``
-  (``bench/results/int4-cpu.md``): 4.5x at 1 row and 1.7-1.9x at 8 rows for
-  a 576 x 49152 weight (streamed from memory), about even at 1 row (0.9-1.15x
-  across runs) and 0.75-0.8x at 8 rows for a 576 x 1536 one (in cache: the
-  widening of the codes costs more than the bytes it saves). fbgemm's
-  float16 weights (``--quantize fp16``) are as fast at 1 row and faster at
-  8; int4's gain over them is memory: about 1/5 of float32's bytes, not 1/2.
+  kernel. It multiplies float32 activations by the codes widened to float32
+  in registers, accumulating in float32:
+  ``y = sum_g scale_g * (x_g . q_g) + min_g * sum(x_g)``, AVX2/FMA. Each
+  input row is first rewritten once per call so that half of a group's
+  floats come from its bytes whole (``b = lo + 16 * hi``) and only the other
+  half need a nibble mask: ``x[j] lo + x[j+16] hi = (x[j+16]/16) b +
+  (x[j] - x[j+16]/16) lo`` (``x/16`` exact; the difference rounds once, as a
+  product does); up to 4 outputs run in one pass over the groups
+  (``cpu_kernels.cpp``). Measured on an AVX2 EPYC (Zen 3), one thread
+  (``bench/results/int4-avx2-cpu.md``), this took a 576 x 1536 product at one
+  row from about 0.5x to about 0.85x of the int4-q8 kernel's speed (integer
+  dots on 8-bit activations), about 1.5x float32 ``F.linear``; the older loop
+  (one output a pass, every code masked) measured on a Zen 4 EPYC
+  (``bench/results/int4-cpu.md``): 4.5x float32 at 1 row for a 576 x 49152
+  weight (streamed from memory), about even at 1 row for a 576 x 1536 one
+  (in cache). int4's gain over fbgemm's float16 weights (``--quantize
+  fp16``) is memory: about 1/5 of float32's bytes, not 1/2.
 * ``torch``: dequantize to float32, then ``F.linear`` (plain torch ops,
   compile-friendly) where no compiler or no AVX2 is at hand; this rebuilds
   the float weight every call, so it is slower than float32 and says so
