@@ -101,9 +101,10 @@ REFUSED: dict[str, str] = {
     "bart": "same query at positions 0 and 1",  # positions from the sequence's length
     "falcon_h1": "recurrent state",  # Mamba mixers beside the attention
     "gemma4_text": "K/V of different shapes",  # a per-layer head_dim
+    "deepseek_v4": "K/V for 161 positions",  # K/V compressed every 128 tokens
 }
 #: Built by :func:`hf_tiny.swept_config`, as the whole-mapping sweep builds them.
-SWEPT = {"bart", "falcon_h1", "gemma4_text"}
+SWEPT = {"bart", "falcon_h1", "gemma4_text", "deepseek_v4"}
 #: The default run's sample (see the module).
 SAMPLE = {"gpt_neox", "gpt2", "stablelm", "phi", "mixtral", "falcon", "gpt_oss", "minimax", *SWEPT}
 #: On the compiled CPU runner too (the full sweep: every one that runs).

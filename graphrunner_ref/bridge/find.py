@@ -31,7 +31,7 @@ from torch import nn
 
 from graphrunner.util import needs_extra
 
-__all__ = ["PROBE", "UNHONOURED", "AttentionLayers", "find_attention"]
+__all__ = ["LONG_PROBE", "PROBE", "UNHONOURED", "AttentionLayers", "find_attention"]
 
 #: The name the probe registers with transformers' attention (and mask) interfaces.
 PROBE = "graphrunner_probe"
@@ -40,6 +40,9 @@ PROBE = "graphrunner_probe"
 #: sparse indices): a layer that passes one is refused rather than answered
 #: wrongly. (``s_aux``, GPT-OSS's attention sinks, it applies.)
 UNHONOURED = ("sinks", "position_bias", "indices", "block_indices", "head_mask")
+#: Tokens of the probe that looks for K/V a layer makes of its own (more than
+#: a compression window of the models that compress, such as 128).
+LONG_PROBE = 160
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,7 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
             "from the sequence's length, not position_ids); the transformers bridge runs a "
             "step's rows as one sequence, each at the position_ids it passes"
         )
+    _refuse_kv_of_its_own(hf, name)
     kv_heads, key_dim, v_heads, value_dim = shapes.pop()
     if (kv_heads, key_dim) != (v_heads, value_dim):
         raise ValueError(
@@ -181,22 +185,44 @@ def find_attention(hf: nn.Module) -> AttentionLayers:
     return AttentionLayers(tuple(modules), kv_heads, key_dim)
 
 
-def _probe(hf: nn.Module, position: int) -> list[_Call]:
-    """The attention calls of one forward of ``hf`` on one token at
-    ``position``, through the probe; the attention implementation restored."""
+def _refuse_kv_of_its_own(hf: nn.Module, name: str) -> None:
+    """Refuse ``hf`` where a layer passes K/V for more (or fewer) positions
+    than its query has tokens, seen on a prompt of :data:`LONG_PROBE` tokens:
+    entries the layer makes itself, such as K/V compressed every so many
+    tokens, which the bridge's one K/V slot per token cannot hold. A model
+    that cannot take so long a prompt (learned positions, fewer of them) makes
+    no such entries at those lengths either, and passes."""
+    try:
+        calls = _probe(hf, 0, LONG_PROBE)
+    except ValueError:
+        return
+    odd = sorted({(c.query.shape[2], c.key[2]) for c in calls if c.key[2] != c.query.shape[2]})
+    if odd:
+        query_len, key_len = odd[0]
+        raise ValueError(
+            f"{name}: its attention layers pass K/V for {key_len} positions with a "
+            f"{query_len}-token query (entries of their own, such as compressed K/V); the "
+            "transformers bridge keeps one K/V per token"
+        )
+
+
+def _probe(hf: nn.Module, position: int, tokens: int = 1) -> list[_Call]:
+    """The attention calls of one forward of ``hf`` on ``tokens`` tokens
+    from ``position``, through the probe; the attention implementation restored."""
     name = type(hf).__name__
     before = getattr(hf.config, "_attn_implementation", None)
     param = next(hf.parameters())
     _RECORDER.calls.clear()
     try:
         hf.set_attn_implementation(PROBE)  # type: ignore[operator]
-        ids = torch.ones(1, 1, dtype=torch.long, device=param.device)
+        ids = torch.ones(1, tokens, dtype=torch.long, device=param.device)
+        positions = torch.arange(position, position + tokens, device=param.device)[None]
         with torch.no_grad():
-            hf(input_ids=ids, position_ids=torch.full_like(ids, position), use_cache=False)
+            hf(input_ids=ids, position_ids=positions, use_cache=False)
     except Exception as e:  # whatever transformers raises, one line
         first = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(
-            f"{name}: a one-token forward failed ({type(e).__name__}: {first}); the "
+            f"{name}: a {_tokens(tokens)} forward failed ({type(e).__name__}: {first}); the "
             "transformers bridge finds the attention layers by calling the model"
         ) from None
     finally:
@@ -205,6 +231,10 @@ def _probe(hf: nn.Module, position: int) -> list[_Call]:
         if before is not None:
             hf.set_attn_implementation(before)  # type: ignore[operator]
     return calls
+
+
+def _tokens(n: int) -> str:
+    return "one-token" if n == 1 else f"{n}-token"
 
 
 def _recurrent_cache_layers(hf: nn.Module) -> list[str]:
