@@ -82,6 +82,25 @@ SLOW_TESTS = (
     "equal_no_group",
     "tests/test_chunked_prefill.py::test_chunked_prefill_through_the_compiled_runner[cpu]",
     "tests/test_bridge.py::test_the_compiled_cpu_runner_equals_transformers",
+    # CI time: each covered by a cheaper case of the same test or a neighbour.
+    "tests/test_cuda_runner.py::test_compiled_forward_matches_eager_on_the_reference_model[cpu]",
+    "tests/test_cli_quantize.py::test_generate_quantized_prints_transformers_tokens[fp16-cpu]",
+    "tests/test_oracle.py::test_greedy_tokens_equal_transformers_generate[cpu-4]",
+    "tests/test_cli_tp.py::test_a_failing_rank_ends_the_run_naming_it",
+    "tests/test_cli_tp.py::test_tp_one_runs_the_collectives_in_a_group_of_its_own",
+    "tests/test_small_batch.py::test_kernel_compiles_for_hopper_with_vector_loads",
+    "tests/test_engine_multistep_logprobs.py::test_each_token_has_the_entry_of_one_step_per_"
+    "launch[greedy-2]",
+    "tests/test_tensor_parallel.py::test_ranks_with_different_capture_sizes_are_refused_naming_both",
+    "tests/test_spec_sampling.py::test_temperature_0_is_greedy_alone_and_beside_sampling_"
+    "requests[mtp-random]",
+    "tests/test_readme_commands.py::test_readme_block_runs_as_written[docs/sizes.md:81:default]",
+    "tests/test_readme_commands.py::test_readme_block_runs_as_written[docs/text-and-gguf.md:218:",
+    "tests/test_serve_modes.py::test_each_schedule_serves_generates_tokens_and_frees_what_it_cut["
+    "multistep]",
+    "tests/test_cli_exits.py::test_a_signal_mid_run_ends_with_one_line[15-143-terminated]",
+    "tests/test_engine_multistep.py::test_an_end_token_stops_rows_inside_a_launch_as_one_step_"
+    "does[1-4]",
 )
 
 
