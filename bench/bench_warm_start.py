@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [
         "# Warm start: the CPU runner's capture from the AOT cache",
         "",
-        f"Machine: {results['machine']}; CPU: {results['cpu']}; kernel path: "
+        f"Machine: {', '.join(f'{k} {v}' for k, v in results['machine'].items())}; CPU: {results['cpu']}; kernel path: "
         f"{results['kernel path']} (float32 models, no compact-weight kernel); one torch "
         f"thread. Command: `{CMD}`.",
         "Each capture in a fresh interpreter (seconds: `runner.capture()`, imports and "
