@@ -94,8 +94,6 @@ SLOW_TESTS = (
     "tests/test_tensor_parallel.py::test_ranks_with_different_capture_sizes_are_refused_naming_both",
     "tests/test_spec_sampling.py::test_temperature_0_is_greedy_alone_and_beside_sampling_"
     "requests[mtp-random]",
-    "tests/test_readme_commands.py::test_readme_block_runs_as_written[docs/sizes.md:81:default]",
-    "tests/test_readme_commands.py::test_readme_block_runs_as_written[docs/text-and-gguf.md:218:",
     "tests/test_serve_modes.py::test_each_schedule_serves_generates_tokens_and_frees_what_it_cut["
     "multistep]",
     "tests/test_cli_exits.py::test_a_signal_mid_run_ends_with_one_line[15-143-terminated]",
