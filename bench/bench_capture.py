@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +109,12 @@ def child_steps(model: str) -> dict[str, Any]:
     return {"rows": rows}
 
 
-def _child(argv: list[str], cache: Path) -> dict[str, Any]:
+def fresh_child(module: str, argv: list[str], cache: Path) -> dict[str, Any]:
+    """``python -m module --child *argv`` in a fresh interpreter whose inductor
+    cache folder is ``cache``: the JSON its last line prints."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": "."}
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_capture", "--child", *argv],
+        [sys.executable, "-m", module, "--child", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -120,6 +122,45 @@ def _child(argv: list[str], cache: Path) -> dict[str, Any]:
     if out.returncode:
         raise RuntimeError(f"child {argv} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _child(argv: list[str], cache: Path) -> dict[str, Any]:
+    return fresh_child("bench.bench_capture", argv, cache)
+
+
+def write_models(
+    name: str,
+    models: str,
+    measure: Callable[[str, Path], dict[str, Any]],
+    header: Callable[[dict[str, Any]], list[str]],
+    table: Callable[[str, dict[str, Any]], list[str]],
+    facts: dict[str, Any],
+) -> int:
+    """Measure each of ``models`` (comma-separated) in a temporary folder and
+    write ``bench/results/<name>.json`` and ``.md``: ``header`` of the
+    results, then each model's ``table``. Models measured in other runs (the
+    same machine) stay in the file."""
+    path = RESULTS_DIR / f"{name}.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results.update({"machine": machine(), "threads": 1, **facts})
+    measured = results.setdefault("models", {})
+    with tempfile.TemporaryDirectory(prefix=f"graphrunner-{name}-") as tmp:
+        for model in models.split(","):
+            print(f"measuring {model} ...", file=sys.stderr)
+            measured[model] = measure(model, Path(tmp))
+    lines = header(results)
+    for model, result in measured.items():
+        lines += table(model, result)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    path.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def machine_words(results: dict[str, Any]) -> str:
+    """The results' machine as words: ``device AMD EPYC, cpus 2, ...``."""
+    return ", ".join(f"{k} {v}" for k, v in results["machine"].items())
 
 
 def measure(model: str, root: Path) -> dict[str, Any]:
@@ -177,30 +218,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(json.dumps(child_steps(model)))
         return 0
-    path = RESULTS_DIR / "capture-one-compile-cpu.json"
-    # Models measured in other runs (the same machine) stay in the file.
-    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    results.update({"machine": machine(), "command": CMD, "threads": 1})
-    models = results.setdefault("models", {})
-    with tempfile.TemporaryDirectory(prefix="graphrunner-capture-bench-") as tmp:
-        for model in args.models.split(","):
-            print(f"measuring {model} ...", file=sys.stderr)
-            models[model] = measure(model, Path(tmp))
-    lines = [
+    return write_models(
+        "capture-one-compile-cpu", args.models, measure, _header, _table, {"command": CMD}
+    )
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    return [
         "# Capture in the time of one compile (CPU runner)",
         "",
-        f"Machine: {results['machine']}; one torch thread. Command: `{CMD}`.",
+        f"Machine: {machine_words(results)}; one torch thread. Command: `{CMD}`.",
         "Each capture in a fresh interpreter; cold: an empty inductor cache folder,",
         "warm: the folder the cold six-size capture filled.",
         "",
     ]
-    for model, result in models.items():
-        lines += _table(model, result)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    (RESULTS_DIR / "capture-one-compile-cpu.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench.conftest import RESULTS_DIR, machine
+from bench.bench_capture import fresh_child, machine_words, write_models
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start"
 SIX = [1, 2, 4, 8, 12, 16]
@@ -66,14 +63,7 @@ def child(model: str, aot: str | None) -> dict[str, Any]:
 
 
 def _child(model: str, cache: Path, aot: Path | None) -> dict[str, Any]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": "."}
-    argv = [sys.executable, "-m", "bench.bench_warm_start", "--child", model]
-    out = subprocess.run(
-        argv + ([str(aot)] if aot else []), env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        raise RuntimeError(f"child {model} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_child("bench.bench_warm_start", [model, *([str(aot)] if aot else [])], cache)
 
 
 def measure(model: str, root: Path) -> dict[str, Any]:
@@ -130,26 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from graphrunner_ref.model.cpu_features import cpu_features
 
-    path = RESULTS_DIR / "warm-start-cpu.json"
-    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    results.update(
-        {
-            "machine": machine(),
-            "command": CMD,
-            "threads": 1,
-            "cpu": cpu_features().describe(),
-            "kernel path": f"inductor C++ codegen at {torch.backends.cpu.get_cpu_capability()}",
-        }
-    )
-    models = results.setdefault("models", {})
-    with tempfile.TemporaryDirectory(prefix="graphrunner-warm-start-") as tmp:
-        for model in args.models.split(","):
-            print(f"measuring {model} ...", file=sys.stderr)
-            models[model] = measure(model, Path(tmp))
-    lines = [
+    facts = {
+        "command": CMD,
+        "cpu": cpu_features().describe(),
+        "kernel path": f"inductor C++ codegen at {torch.backends.cpu.get_cpu_capability()}",
+    }
+    return write_models("warm-start-cpu", args.models, measure, _header, _table, facts)
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    return [
         "# Warm start: the CPU runner's capture from the AOT cache",
         "",
-        f"Machine: {', '.join(f'{k} {v}' for k, v in results['machine'].items())}; CPU: {results['cpu']}; kernel path: "
+        f"Machine: {machine_words(results)}; CPU: {results['cpu']}; kernel path: "
         f"{results['kernel path']} (float32 models, no compact-weight kernel); one torch "
         f"thread. Command: `{CMD}`.",
         "Each capture in a fresh interpreter (seconds: `runner.capture()`, imports and "
@@ -159,13 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "DIR the build filled.",
         "",
     ]
-    for model, result in models.items():
-        lines += _table(model, result)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    (RESULTS_DIR / "warm-start-cpu.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
