@@ -78,8 +78,7 @@ def create_token_runner(
     model: Any = bundle.model
     phase = token_batch_phase(model.forward_token_batch, max_requests=TOKEN_BATCH_REQUESTS)
     sizes = list(capture_sizes) if capture_sizes else None
-    if kind == "cpu" and mechanism_options.get("aot_cache") is not None:
-        mechanism_options.setdefault("aot_key", {"phase": "token batch", **aot_key(bundle)})
+    _key_saved_program(kind, bundle, mechanism_options, phase="token batch")
     return create_runner(
         phase,
         kind=kind,
@@ -113,6 +112,16 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
         "quantize": str(quantize),
         "cpu features": f"{cpu_features().describe()}; kernels {kernel_summary(products)}",
     }
+
+
+def _key_saved_program(
+    kind: str, bundle: ServingBundle, mechanism_options: dict[str, Any], **fields: str
+) -> None:
+    """Where a CPU runner saves its program (``aot_cache``), key it by
+    ``fields`` (what the phase is) and :func:`aot_key` too, unless the
+    caller gave an ``aot_key`` of its own."""
+    if kind == "cpu" and mechanism_options.get("aot_cache") is not None:
+        mechanism_options.setdefault("aot_key", {**fields, **aot_key(bundle)})
 
 
 def decode_step(bundle: ServingBundle) -> DecodeStep:
@@ -186,9 +195,9 @@ def create_decode_runner(
             sampling=sampling,
             logprobs=logprobs,
         )
-    if kind == "cpu" and mechanism_options.get("aot_cache") is not None:
-        key = {"steps": str(steps), "sampling": f"{sampling}/{logprobs}", **aot_key(bundle)}
-        mechanism_options.setdefault("aot_key", key)
+    _key_saved_program(
+        kind, bundle, mechanism_options, steps=str(steps), sampling=f"{sampling}/{logprobs}"
+    )
     compiles = kind == "cpu" or mechanism_options.get("compile", False)
     if step.fullgraph and compiles:
         mechanism_options.setdefault("fullgraph", True)

@@ -210,10 +210,16 @@ def _token_runner(
         show_progress=progress,
         check_padding=config.check_padding,
         **config.mechanism_options,
-        **({"aot_cache": config.aot_cache} if config.runner == "cpu" else {}),
+        **_aot_options(config),
     )
     runner.capture()
     return runner
+
+
+def _aot_options(config: EngineConfig) -> dict[str, Any]:
+    """The saved-program folder, for the CPU runner where one is named."""
+    named = config.aot_cache is not None and config.runner == "cpu"
+    return {"aot_cache": config.aot_cache} if named else {}
 
 
 def _runner_options(
@@ -234,9 +240,8 @@ def _runner_options(
         "check_padding": config.check_padding,
         "show_progress": progress,
         **config.mechanism_options,
+        **_aot_options(config),
     }
-    if config.aot_cache is not None and config.runner == "cpu":
-        options["aot_cache"] = config.aot_cache
     if config.logprobs or online or samples(trace):
         options["sampling"] = True
     if config.logprobs:
