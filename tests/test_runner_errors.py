@@ -13,6 +13,7 @@ import torch
 
 from graphrunner import GraphRunner, NotCapturedError, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.mechanisms.eager import EagerCapture
 from graphrunner.sizing.sizes import BatchSizeError
 from graphrunner.testing import ToyWorld
 from graphrunner.writers.base import PopulateError
@@ -127,7 +128,9 @@ def test_a_failing_eager_fallback_leaves_stats_unchanged():
     assert (runner.stats.eager_fallbacks, runner.stats.live_rows) == (0, 0)
 
 
-def test_capture_leaves_the_applications_gc_freeze_alone():
+def test_capture_leaves_the_applications_gc_freeze_alone(monkeypatch: pytest.MonkeyPatch):
+    # The freeze a capturing or compiling mechanism makes, on the quick eager one.
+    monkeypatch.setattr(EagerCapture, "freezes_heap", True)
     world = ToyWorld()
     gc.freeze()
     try:
@@ -138,3 +141,11 @@ def test_capture_leaves_the_applications_gc_freeze_alone():
         gc.unfreeze()
     make(world.model, [1]).capture()
     assert gc.get_freeze_count() == 0  # ours is undone when the application froze nothing
+
+
+def test_an_eager_capture_never_collects_the_heap(monkeypatch: pytest.MonkeyPatch):
+    # Nothing is captured or compiled: a full collection would cost tenths of a second.
+    collections: list[object] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    make(ToyWorld().model, [1, 2]).capture()
+    assert (collections, gc.get_freeze_count()) == ([], 0)

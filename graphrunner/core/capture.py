@@ -105,7 +105,8 @@ def capture_all(
     order = sorted(sizes, reverse=True)
     label = mechanism.label
     bar = tqdm(order, desc=f"capture ({label})", disable=not show_progress)
-    with bar, _frozen_gc(), torch.no_grad(), nvtx.range(f"capture {label}"):
+    heap = _frozen_gc() if mechanism.freezes_heap else contextlib.nullcontext()
+    with bar, heap, torch.no_grad(), nvtx.range(f"capture {label}"):
         for bs in bar:
             bar.set_postfix(bs=bs)
             with nvtx.range(f"capture bs={bs}"):

@@ -52,6 +52,8 @@ class CaptureMechanism(abc.ABC):
     #: outside a graph. A mechanism whose capture itself runs the step
     #: outside any graph needs none (its :meth:`captured_outputs` are checked).
     warmup_runs: int = 2
+    #: Collect, then freeze the heap before capture: its collections scan only its objects.
+    freezes_heap: bool = True
 
     @property
     def label(self) -> str:

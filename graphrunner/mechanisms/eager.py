@@ -11,8 +11,8 @@ class EagerCapture(CaptureMechanism):
     """No graph, no compile: the reference every other mechanism must equal."""
 
     kind = "eager"
-    #: One: the outputs' check (nothing initialises lazily, nothing is captured).
-    warmup_runs = 1
+    warmup_runs = 1  # the outputs' check: nothing initialises lazily, nothing is captured
+    freezes_heap = False  # nor compiled: a full collection would be pure cost
 
     def capture(self, bs: int, fn: Launcher) -> Launcher:
         return fn
