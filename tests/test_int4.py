@@ -26,7 +26,13 @@ from graphrunner_ref.model.int4_linear import (
     int4_reference_linear,
     quantize_int4,
 )
-from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, quantize_model
+from graphrunner_ref.model.int8_linear import Int8GroupLinear
+from graphrunner_ref.model.quantize import (
+    QUANTIZATIONS,
+    check_quantization,
+    exact_or_fp16_head,
+    quantize_model,
+)
 
 #: (out, in, rows): in-features a multiple of 32, not one (padded), and below one group.
 SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9)]
@@ -191,8 +197,35 @@ def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
     return {rid: list(tokens) for rid, tokens in result.outputs.items()}
 
 
+def _q8_0_weight(out: int, inp: int) -> torch.Tensor:
+    """A float weight as a GGUF file's Q8_0 blocks dequantize: per group of 32,
+    a float16 scale times int8 codes, one of them +-127."""
+    gen = torch.Generator().manual_seed(3)
+    groups = -(-inp // GROUP)
+    codes = torch.randint(-127, 128, (out, groups, GROUP), generator=gen)
+    codes[:, :, 5] = 127 * torch.where(torch.rand(out, groups, generator=gen) < 0.5, -1, 1)
+    scales = (torch.rand(out, groups, 1, generator=gen) * 1e-2 + 1e-3).half().float()
+    return (codes.float() * scales).view(out, -1)[:, :inp]
+
+
+def test_int4_lm_head_is_int8_groups_only_where_they_hold_the_weight_exactly() -> None:
+    """A Q8_0 head (SmolLM2's) is read as int8 groups, bit for bit, in half
+    float16's bytes; any other float weight keeps float16, as before."""
+    exact = _q8_0_weight(300, 70)
+    head = exact_or_fp16_head(exact)
+    assert isinstance(head, Int8GroupLinear) and torch.equal(head.dequantized(), exact)
+    x = torch.randn(5, 70)
+    ref = torch.nn.functional.linear(x.double(), exact.double()).float()
+    torch.testing.assert_close(head(x), ref, rtol=1e-5, atol=1e-5)
+    nearly = exact.clone()
+    nearly[7, 3] += 1e-4  # one weight off the grid: int8 groups would round it
+    assert isinstance(exact_or_fp16_head(nearly), Fp16WeightLinear)
+    assert isinstance(exact_or_fp16_head(torch.randn(300, 70)), Fp16WeightLinear)
+
+
 def test_int4_model_decodes_the_torch_paths_tokens(quantized: graphrunner_ref.ModelBundle) -> None:
-    """Every projection is an Int4Linear and the LM head float16 weights;
+    """Every projection is an Int4Linear and the (random, off the int8 grid)
+    LM head float16 weights;
     eager decode gives 4 in-vocab tokens per request, the same whichever
     product runs."""
     model = quantized.model

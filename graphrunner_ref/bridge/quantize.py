@@ -9,7 +9,8 @@ Transformers backend swaps the linears of the models it runs. A linear's
 bias stays in the model's dtype and is added after the compact product
 (:class:`BiasedLinear`). The LM head is the native model's for the mode
 (:func:`~graphrunner_ref.model.quantize.compact_head`: float16 weights for
-int4 and fp16, int8 groups for int4-q8). The embedding
+fp16; for int4 int8 groups where they hold the weight exactly, else float16;
+int8 groups for int4-q8). The embedding
 stays as it is (a lookup reads one row).
 """
 

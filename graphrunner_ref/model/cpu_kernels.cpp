@@ -58,6 +58,28 @@ inline float min_share8(const float* mins, const float* sums, int64_t groups) {
   return m;
 }
 
+// At a few rows a step the 4-bit weights stream from memory, and the hardware
+// prefetcher alone leaves the kernel waiting on them (each row reads three
+// arrays: codes, scales, mins). The rows kAheadRows past those being
+// multiplied are asked for now: a 30-layer SmolLM2-shaped pass at 1 row went
+// from 26.4 to 20.0 ms (median, interleaved in one process, AVX2 EPYC).
+constexpr int64_t kAheadRows = 6;
+
+// Prefetch output rows [a, b) of an int4 weight (clipped to `out`).
+inline void prefetch_rows(const uint8_t* packed, const float* scales, const float* mins,
+                          int64_t groups, int64_t a, int64_t b, int64_t out) {
+  b = std::min(b, out);
+  if (a >= b) return;
+  const char* codes = reinterpret_cast<const char*>(packed + a * groups * 16);
+  for (int64_t i = 0; i < (b - a) * groups * 16; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
+  const char* sc = reinterpret_cast<const char*>(scales + a * groups);
+  const char* mn = reinterpret_cast<const char*>(mins + a * groups);
+  for (int64_t i = 0; i < (b - a) * groups * 4; i += 64) {
+    _mm_prefetch(sc + i, _MM_HINT_T0);
+    _mm_prefetch(mn + i, _MM_HINT_T0);
+  }
+}
+
 // A row rewritten for the int4 kernel (see the top of the file): per group of
 // the zero-padded row x, 32 floats [x[16..32) / 16, x[0..16) - x[16..32) / 16],
 // and the group's sum of x.
@@ -160,6 +182,7 @@ void rows_avx2(const float* xt, const float* sx, int64_t groups, const uint8_t* 
   constexpr int P = kOutBlock<R>;
   int64_t os[P];
   for (int64_t o = o0; o < o1; o += P) {
+    prefetch_rows(packed, scales, mins, groups, o + kAheadRows, o + kAheadRows + P, o1);
     for (int p = 0; p < P; ++p) os[p] = std::min(o + p, o1 - 1);
     block_int4<R, P>(xt, sx, groups, packed, scales, mins, y, out, os);
   }
@@ -507,6 +530,7 @@ inline void rows_q8_body(const int8_t* xq, const float* xd, const float* sx, int
                          int64_t out, int64_t o0, int64_t o1) {
   const int64_t kp = groups * kGroup;
   for (int64_t o = o0; o < o1; ++o) {
+    prefetch_rows(packed, scales, mins, groups, o + kAheadRows, o + kAheadRows + 1, o1);
     const uint8_t* wq = packed + o * groups * 16;
     const float* sc = scales + o * groups;
     __m256 even[R], odd[R];  // even and odd groups: two chains in flight

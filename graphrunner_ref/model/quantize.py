@@ -8,10 +8,11 @@ the LM head with a linear over compact weights: int8 per output channel
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
 (``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`).
-With int4 the LM head takes float16 weights: 4-bit logits leave the float
-model's answers within a few tokens; with int4-q8, int8 weights in groups of
-32 (:class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`, float32
-activations): half float16's bytes, and a GGUF file's Q8_0 head exactly.
+With int4 the LM head takes int8 weights in groups of 32
+(:class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`, float32
+activations) where they hold its weight exactly (a GGUF file's Q8_0 head:
+half float16's bytes), else float16 weights (4-bit logits leave the float
+model's answers within a few tokens); with int4-q8, int8 groups always.
 Quantization runs after the weights are loaded, whatever their source: a float
 checkpoint, or a GGUF file (whose blocks the import dequantized to floats:
 they are requantized here, per output channel for int8 and per group of 32
@@ -50,6 +51,7 @@ __all__ = [
     "check_quantization",
     "compact_head",
     "compact_linear",
+    "exact_or_fp16_head",
     "quantize_model",
 ]
 
@@ -111,16 +113,30 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
 
 def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
     """What makes the LM head of ``mode`` from its float weight ``[vocab, hidden]``:
-    float16 weights for fp16 and int4 (4-bit logits drift from the float
-    model's within a few tokens), int8 in groups of 32 for int4-q8 (its
-    8-bit activations stop at the head, whose logits pick the token; half
-    float16's bytes: a batch-1 step reads the head more than any layer), and
-    the projections' own linear for int8."""
-    if mode in ("int4", "fp16"):
+    float16 weights for fp16; for int4, int8 in groups of 32 where they
+    hold the weight exactly, else float16 (:func:`exact_or_fp16_head`);
+    int8 in groups of 32 for int4-q8 (its 8-bit activations stop at the
+    head, whose logits pick the token; half float16's bytes: a batch-1 step
+    reads the head more than any layer); the projections' own linear for int8."""
+    if mode == "fp16":
         return head_linear
+    if mode == "int4":
+        return exact_or_fp16_head
     if mode == "int4-q8":
         return Int8GroupLinear
     return compact_linear(mode, dtype)
+
+
+def exact_or_fp16_head(weight: torch.Tensor) -> nn.Module:
+    """The exact int4 mode's LM head over ``weight`` ``[vocab, hidden]``: int8
+    in groups of 32 where that holds every weight bit for bit (a head
+    dequantized from a GGUF file's Q8_0 blocks), read in half float16's
+    bytes; else float16 (4-bit logits drift from the float model's within a
+    few tokens, and int8 groups would round this weight too)."""
+    grouped = Int8GroupLinear(weight)
+    if torch.equal(grouped.dequantized(), weight.detach().float().cpu()):
+        return grouped
+    return head_linear(weight)
 
 
 def quantize_model(
