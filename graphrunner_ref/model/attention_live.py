@@ -13,6 +13,9 @@ The width is a host read of ``seq_lens``, so it is an opaque
 ``torch.library`` op: the compiled CPU program calls it as one extern kernel
 with its width chosen per step (a CUDA graph could not: there, the Triton
 kernel plays this part, reading each row's live tokens on the device).
+Where it builds, the C++ kernel of :mod:`~graphrunner_ref.model.attention_cpu`
+runs in its place (float32): each row its own live tokens, no gather, no
+per-op dispatch; this op stays the reference it must equal.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrunner_ref.model.attention_cpu import cpp_attention_runs, cpp_decode_attention
 from graphrunner_ref.model.attention_torch import decode_columns, gathered_attention
 
 __all__ = ["COLUMN_STEP", "LiveRows", "live_attention", "live_decode_attention"]
@@ -85,7 +89,7 @@ def _fake(
 def live_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: LiveRows, scale: float
 ) -> torch.Tensor:
-    """:func:`live_decode_attention` of ``q [B, H_kv, R, D]`` over ``rows``."""
-    return live_decode_attention(
-        q, k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, scale
-    )
+    """:func:`live_decode_attention` of ``q [B, H_kv, R, D]`` over ``rows``:
+    the C++ kernel where it runs (float32 on the CPU), else this reference."""
+    attend = cpp_decode_attention if cpp_attention_runs(q, k_buf) else live_decode_attention
+    return attend(q, k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, scale)

@@ -6,7 +6,9 @@ beside this file): ``graphrunner_int4::linear`` (4-bit groups,
 all with float32 activations, AVX2/FMA/F16C, and ``graphrunner_int4::linear_q8``
 (4-bit weights times activations quantized to 8 bits per group,
 :mod:`~graphrunner_ref.model.int4_q8`), whose path (AVX2, AVX-VNNI, AVX-512
-VNNI) :func:`~graphrunner_ref.model.cpu_features.kernel_path` picks.
+VNNI) :func:`~graphrunner_ref.model.cpu_features.kernel_path` picks. The CPU
+decode attention (``attention_cpu.cpp``) is built the same way, alone
+(:func:`build_extension`, :mod:`~graphrunner_ref.model.attention_cpu`).
 
 Built once per machine on first use with
 ``torch.utils.cpp_extension.load_inline`` into torch's extension cache (a
@@ -27,7 +29,14 @@ import torch
 
 from graphrunner.util import warn_at_caller
 
-__all__ = ["DISABLE_ENV", "KERNEL_ENV", "KERNEL_SOURCE", "kernel_status", "kernels_run"]
+__all__ = [
+    "DISABLE_ENV",
+    "KERNEL_ENV",
+    "KERNEL_SOURCE",
+    "build_extension",
+    "kernel_status",
+    "kernels_run",
+]
 
 #: Set to ``torch`` to skip the C++ kernels (the torch paths run).
 KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
@@ -44,6 +53,23 @@ def _build() -> str | None:
     """Build (or load the cached build of) the kernels; None on success, else
     why not. Called through :func:`kernel_status` (cached), so once per
     process: the ops' fakes are registered once."""
+    why = build_extension(_KERNEL_NAME, KERNEL_SOURCE)
+    if why is not None:
+        return why
+    torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
+    torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
+    torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
+    torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
+    torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
+    return None
+
+
+def build_extension(name: str, source: Path) -> str | None:
+    """Build (or load torch's cached build of) the C++ file ``source`` as the
+    extension ``name`` (AVX2/FMA/F16C; its ``TORCH_LIBRARY`` blocks register its
+    ops); None on success, else why not: :data:`KERNEL_ENV` set to ``torch``,
+    a feature hidden by :data:`DISABLE_ENV`, a CPU without AVX2, or a failed
+    build (no compiler)."""
     if os.environ.get(KERNEL_ENV, "") == "torch":
         return f"{KERNEL_ENV}=torch"
     hidden = {f.strip() for f in os.environ.get(DISABLE_ENV, "").split(",")}
@@ -58,19 +84,14 @@ def _build() -> str | None:
         # is_python_module=False: the library's TORCH_LIBRARY blocks register the
         # ops with the dispatcher, so compiled code calls them without Python.
         cpp_extension.load_inline(
-            name=_KERNEL_NAME,
-            cpp_sources=[KERNEL_SOURCE.read_text()],
+            name=name,
+            cpp_sources=[source.read_text()],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
             is_python_module=False,
             no_implicit_headers=True,
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths run
         return f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip()[:300]})"
-    torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
-    torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
-    torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
-    torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
-    torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
 
 

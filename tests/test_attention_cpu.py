@@ -1,0 +1,107 @@
+"""The CPU decode attention in C++ (:mod:`graphrunner_ref.model.attention_cpu`):
+it equals the torch reference (:func:`live_decode_attention`) for random
+lengths, groups, head sizes, pages and padded rows, reads no slot outside a
+row's live tokens (every other slot holds NaN), gives a row the same output
+bit for bit alone or in a batch, refuses out-of-range rows by name, and is
+what the live attention runs in a float32 CPU model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode_attention import CASES, World, make_world
+
+from graphrunner_ref.model import attention_cpu
+from graphrunner_ref.model.attention_cpu import cpp_attention_runs, cpp_decode_attention
+from graphrunner_ref.model.attention_live import LiveRows, live_attention, live_decode_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    why = attention_cpu._status()
+    if why is not None:
+        pytest.skip(f"the C++ attention cannot run here: {why}")
+
+
+def _grouped(world: World) -> tuple[torch.Tensor, ...]:
+    rows, heads, dim = world.q.shape
+    q = world.q.view(rows, heads // world.group, world.group, dim)
+    return q, world.k, world.v, world.req_to_token, world.req, world.lens
+
+
+@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "ctx", "page", "splits"), CASES)
+@pytest.mark.parametrize("pad", [0, 3])
+def test_it_equals_the_torch_reference_and_reads_only_live_slots(
+    lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    ctx: int,
+    page: int,
+    splits: int,
+    pad: int,
+) -> None:
+    world = make_world(
+        lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=ctx, page_size=page, pad=pad
+    )
+    args = _grouped(world)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpp_decode_attention(*args, scale)
+    ref = live_decode_attention(*args, scale)
+    assert out.shape == ref.shape and bool(torch.isfinite(out).all())  # NaN slots never read
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rows_output_is_the_same_alone_and_in_a_batch() -> None:
+    world = make_world([7, 90, 33, 1], kv_heads=3, group=3, head_dim=64, ctx=128)
+    q, k, v, table, req, lens = _grouped(world)
+    batch = cpp_decode_attention(q, k, v, table, req, lens, 0.125)
+    for b in range(q.shape[0]):
+        alone = cpp_decode_attention(
+            q[b : b + 1], k, v, table, req[b : b + 1], lens[b : b + 1], 0.125
+        )
+        assert torch.equal(alone[0], batch[b]), b
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("lens", 0, r"seq_lens\[1\] = 0, expected 1\.\.64"),
+        ("lens", 65, r"seq_lens\[1\] = 65, expected 1\.\.64"),
+        ("req", 9, r"req_pool_indices\[1\] = 9 out of range \[0, 3\)"),
+    ],
+)
+def test_an_out_of_range_row_is_refused_by_name(field: str, value: int, message: str) -> None:
+    world = make_world([3, 4], kv_heads=1, group=2, head_dim=8, ctx=64)
+    getattr(world, field)[1] = value
+    with pytest.raises(RuntimeError, match=message):
+        cpp_decode_attention(*_grouped(world), 1.0)
+
+
+def test_the_live_attention_runs_it_for_float32_cpu_tensors_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = make_world([5, 9], kv_heads=2, group=2, head_dim=16, ctx=64)
+    q, k, v, table, req, lens = _grouped(world)
+    assert cpp_attention_runs(q, k) and not cpp_attention_runs(q.bfloat16(), k.bfloat16())
+    calls: list[int] = []
+    monkeypatch.setattr(
+        "graphrunner_ref.model.attention_live.cpp_decode_attention",
+        lambda *args: calls.append(1) or cpp_decode_attention(*args),
+    )
+    live_attention(q, k, v, LiveRows(table, req, lens), 0.25)
+    live_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), LiveRows(table, req, lens), 0.25)
+    assert calls == [1]
+
+
+def test_compiled_it_is_one_extern_call_equal_to_eager() -> None:
+    world = make_world([12, 40, 3], kv_heads=2, group=4, head_dim=32, ctx=96, pad=2)
+    args = _grouped(world)
+
+    def step(*a: torch.Tensor) -> torch.Tensor:
+        return cpp_decode_attention(*a, 0.2) * 2.0
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), step(*args), rtol=0, atol=0)
