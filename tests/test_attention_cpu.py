@@ -13,14 +13,17 @@ import pytest
 import torch
 from test_decode_attention import CASES, World, make_world
 
-from graphrunner_ref.model import attention_cpu
-from graphrunner_ref.model.attention_cpu import cpp_attention_runs, cpp_decode_attention
+from graphrunner_ref.model.attention_cpu import (
+    cpp_attention_runs,
+    cpp_attention_status,
+    cpp_decode_attention,
+)
 from graphrunner_ref.model.attention_live import LiveRows, live_attention, live_decode_attention
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    why = attention_cpu._status()
+    why = cpp_attention_status()
     if why is not None:
         pytest.skip(f"the C++ attention cannot run here: {why}")
 

@@ -9,6 +9,7 @@ import torch
 from graphrunner import BufferView
 from graphrunner.core import host_range
 from graphrunner.declare import Size
+from graphrunner_ref.model.attention_cpu import cpp_attention_status
 from graphrunner_ref.model.attention_live import LiveRows
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.attention_op import PagedRows
@@ -145,6 +146,8 @@ class TorchPagedBackend:
                 "kernel='live' on a CUDA device: expected 'triton' (which reads only the "
                 "live tokens on the device) or 'torch'"
             )
+        if kernel == "live":  # its C++ op registered before a saved program calls it
+            cpp_attention_status()
         self._kernel = kernel
         self._size_scratch(self.req_to_token.shape[0] - 1)
 

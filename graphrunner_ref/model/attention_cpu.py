@@ -21,7 +21,12 @@ import torch
 
 from graphrunner_ref.model.cpu_kernels import build_extension
 
-__all__ = ["ATTENTION_SOURCE", "cpp_attention_runs", "cpp_decode_attention"]
+__all__ = [
+    "ATTENTION_SOURCE",
+    "cpp_attention_runs",
+    "cpp_attention_status",
+    "cpp_decode_attention",
+]
 
 #: The kernel's C++ source.
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
@@ -30,8 +35,9 @@ _NAME = "graphrunner_cpu_attention_v2"
 
 
 @functools.cache
-def _status() -> str | None:
-    """None where the kernel runs here (built on first call), else why not."""
+def cpp_attention_status() -> str | None:
+    """None where the kernel runs here (built and its op registered on first
+    call), else why not."""
     why = build_extension(_NAME, ATTENTION_SOURCE)
     if why is None:
         torch.library.register_fake("graphrunner_attention::decode", _fake)
@@ -54,7 +60,7 @@ def _fake(
 def _built() -> bool:
     """Whether the kernel runs here: a constant to a traced forward (dynamo
     would break the graph at every layer tracing into the build)."""
-    return _status() is None
+    return cpp_attention_status() is None
 
 
 def cpp_attention_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
