@@ -7,7 +7,11 @@ what the live attention runs in a float32 CPU model."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +112,36 @@ def test_compiled_it_is_one_extern_call_equal_to_eager() -> None:
 
     compiled = torch.compile(step, backend="inductor", fullgraph=True)
     torch.testing.assert_close(compiled(*args), step(*args), rtol=0, atol=0)
+
+
+_SAVE_OR_LOAD = """
+import dataclasses, json, sys
+import torch
+from graphrunner_ref import create_decode_runner
+from graphrunner_ref.model import default_model
+from graphrunner_ref.model.default import default_config
+config = dataclasses.replace(default_config(), max_position_embeddings=1024)
+bundle = default_model(max_requests=2, max_context_len=600, config=config)
+runner = create_decode_runner(bundle, "cpu", capture_sizes=[2], aot_cache=sys.argv[1])
+report = runner.capture()
+print(json.dumps([bundle.model.attn_backend.kernel, report.cache_hits]))
+"""
+
+
+def test_a_saved_program_calling_it_loads_in_a_fresh_process(tmp_path: Path) -> None:
+    # The saved program calls the C++ op; a process that loads it traces
+    # nothing, so the op must be registered when the backend picks the kernel
+    # (without that the program is refused and rebuilt: tried).
+    def run() -> list[object]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _SAVE_OR_LOAD, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    assert run() == ["live", 0]  # built and saved
+    assert run() == ["live", 1]  # loaded, not rebuilt
