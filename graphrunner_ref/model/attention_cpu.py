@@ -26,6 +26,7 @@ __all__ = [
     "cpp_attention_runs",
     "cpp_attention_status",
     "cpp_decode_attention",
+    "decode_attention_fake",
 ]
 
 #: The kernel's C++ source.
@@ -40,11 +41,11 @@ def cpp_attention_status() -> str | None:
     call), else why not."""
     why = build_extension(_NAME, ATTENTION_SOURCE)
     if why is None:
-        torch.library.register_fake("graphrunner_attention::decode", _fake)
+        torch.library.register_fake("graphrunner_attention::decode", decode_attention_fake)
     return why
 
 
-def _fake(
+def decode_attention_fake(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
@@ -53,6 +54,9 @@ def _fake(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """The output of a decode attention, for tracing: shaped as ``q``
+    ``[B, H_kv, R, D]``, contiguous, no data (this op's and the torch
+    reference's alike)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

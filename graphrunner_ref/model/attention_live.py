@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrunner_ref.model.attention_cpu import cpp_attention_runs, cpp_decode_attention
+from graphrunner_ref.model.attention_cpu import (
+    cpp_attention_runs,
+    cpp_decode_attention,
+    decode_attention_fake,
+)
 from graphrunner_ref.model.attention_torch import decode_columns, gathered_attention
 
 __all__ = ["COLUMN_STEP", "LiveRows", "live_attention", "live_decode_attention"]
@@ -73,17 +77,7 @@ def live_decode_attention(
     return gathered_attention(q, k_buf, v_buf, slots, mask, keys, False, scale).contiguous()
 
 
-@live_decode_attention.register_fake
-def _fake(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+live_decode_attention.register_fake(decode_attention_fake)
 
 
 def live_attention(

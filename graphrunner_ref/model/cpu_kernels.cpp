@@ -65,10 +65,11 @@ inline float min_share8(const float* mins, const float* sums, int64_t groups) {
 // from 26.4 to 20.0 ms (median, interleaved in one process, AVX2 EPYC).
 constexpr int64_t kAheadRows = 6;
 
-// Prefetch output rows [a, b) of an int4 weight (clipped to `out`).
+// Prefetch output rows [a, b) of an int4 weight, none at or past `end` (the
+// last row the caller multiplies, plus one).
 inline void prefetch_rows(const uint8_t* packed, const float* scales, const float* mins,
-                          int64_t groups, int64_t a, int64_t b, int64_t out) {
-  b = std::min(b, out);
+                          int64_t groups, int64_t a, int64_t b, int64_t end) {
+  b = std::min(b, end);
   if (a >= b) return;
   const char* codes = reinterpret_cast<const char*>(packed + a * groups * 16);
   for (int64_t i = 0; i < (b - a) * groups * 16; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);

@@ -46,7 +46,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v14"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v15"
 
 
 def _build() -> str | None:
