@@ -56,6 +56,7 @@ from graphrunner_ref.model.cpu_features import (
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int4_linear import (
     GROUP,
+    block_codes,
     int4_kernel_status,
     int4_reference_linear,
     quantize_int4,
@@ -118,11 +119,12 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
             x, aten_packed, GROUP, sz
         )
     if int4_kernel_status() is None:
-        out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, packed, scales, mins)
+        blocked = block_codes(packed)
+        out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, blocked, scales, mins)
         for path in q8_paths():
             out[f"int4-q8 {path.name}"] = functools.partial(
                 torch.ops.graphrunner_int4.linear_q8,
-                packed=packed,
+                blocked=blocked,
                 scales=scales,
                 mins=mins,
                 path=path.code,

@@ -18,13 +18,16 @@ from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import default_model, int4_linear
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
 from graphrunner_ref.model.int4_linear import (
+    BLOCK_ROWS,
     GROUP,
     KERNEL_ENV,
     Int4Linear,
+    block_codes,
     dequantize_int4,
     int4_kernel_status,
     int4_reference_linear,
     quantize_int4,
+    unblock_codes,
 )
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 from graphrunner_ref.model.quantize import (
@@ -130,6 +133,52 @@ def test_kernel_results_never_depend_on_neighbours(kernel: None) -> None:
     for o in (0, 1, 35, 36):
         assert torch.equal(Int4Linear(w[o : o + 1], kernel=True)(x)[:, 0], together[:, o])
     _close(together, int4_reference_linear(x, linear.packed, linear.scales, linear.mins))
+
+
+@pytest.mark.parametrize("out", [1, 4, 6, 37])
+def test_blocked_codes_put_each_rows_group_at_its_place(out: int) -> None:
+    """Row ``o``'s group ``g`` lies at bytes ``64 g + 16 (o % 4)`` of block
+    ``o // 4``; rows past ``out`` are zero; unblocking gives ``packed`` back."""
+    gen = torch.Generator().manual_seed(out)
+    packed = torch.randint(0, 256, (out, 3 * 16), dtype=torch.uint8, generator=gen)
+    blocked = block_codes(packed)
+    blocks = -(-out // BLOCK_ROWS)
+    assert blocked.shape == (blocks, 3 * 16 * BLOCK_ROWS) and blocked.is_contiguous()
+    for o in range(blocks * BLOCK_ROWS):
+        for g in range(3):
+            at = blocked[o // BLOCK_ROWS, 64 * g + 16 * (o % BLOCK_ROWS) :][:16]
+            want = (
+                packed[o, 16 * g : 16 * g + 16] if o < out else torch.zeros(16, dtype=torch.uint8)
+            )
+            assert torch.equal(at, want), (o, g)
+    assert torch.equal(unblock_codes(blocked, out), packed)
+
+
+def test_kernel_refuses_codes_not_blocked(kernel: None) -> None:
+    """Codes in :class:`Int4Weight`'s row order (``[out, groups * 16]``) are
+    refused by name, with the shape the kernel expected."""
+    linear = Int4Linear(torch.randn(8, 64), kernel=True)
+    with pytest.raises(RuntimeError, match=r"blocked codes must be contiguous uint8 \[2, 128\]"):
+        torch.ops.graphrunner_int4.linear(
+            torch.randn(1, 64), linear.packed, linear.scales, linear.mins
+        )
+
+
+def test_kernel_rows_split_across_threads_equal_one_thread(kernel: None) -> None:
+    """Several threads split the outputs wherever the split falls (inside a
+    block of 4 here: 206 outputs in 3 chunks of 69): the same bits as one thread."""
+    gen = torch.Generator().manual_seed(8)
+    linear = Int4Linear(torch.randn(206, 100, generator=gen), kernel=True)
+    x = torch.randn(9, 100, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear(x)
+        torch.set_num_threads(3)
+        split = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, alone)
 
 
 def test_kernel_runs_under_torch_compile(kernel: None) -> None:

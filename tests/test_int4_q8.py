@@ -76,7 +76,7 @@ def _name(product: str) -> str | None:
 
 
 def _kernel(x: torch.Tensor, linear: Int4Linear, code: int) -> torch.Tensor:
-    return torch.ops.graphrunner_int4.linear_q8(x, linear.packed, linear.scales, linear.mins, code)
+    return torch.ops.graphrunner_int4.linear_q8(x, linear.blocked, linear.scales, linear.mins, code)
 
 
 def test_activation_codes_round_to_the_nearest_of_255_steps() -> None:

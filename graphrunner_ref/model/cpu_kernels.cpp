@@ -4,6 +4,12 @@
 // graphrunner_int4::linear: 4-bit weights in groups of 32 input columns
 // (int4_linear.py describes the format and holds the torch reference):
 //   y[r, o] = sum_g scale[o, g] * (x[r, g] . q[o, g]) + min[o, g] * sum(x[r, g])
+// The codes come blocked (int4_linear.block_codes): output rows in blocks of
+// 4, a block's groups in order, each group's 16 bytes of its 4 rows side by
+// side (64 bytes, one cache line). A step at a few rows streams the weights
+// from memory; four rows' codes in one stream, fetched a few blocks ahead,
+// took a 30-layer SmolLM2-shaped pass at 1 row from 16.6 to 12.3 ms (median,
+// interleaved in one process, AVX2 EPYC) against four rows' own streams.
 // graphrunner_int8::linear: int8 weights, one scale per output channel
 // (int8_linear.py):  y[r, o] = scale[o] * (x[r] . q[o])
 // graphrunner_fp16::linear: float16 weights, packed (fp16_linear.py):  y[r, o] = x[r] . w[o]
@@ -58,27 +64,46 @@ inline float min_share8(const float* mins, const float* sums, int64_t groups) {
   return m;
 }
 
-// At a few rows a step the 4-bit weights stream from memory, and the hardware
-// prefetcher alone leaves the kernel waiting on them (each row reads three
-// arrays: codes, scales, mins). The rows kAheadRows past those being
-// multiplied are asked for now: a 30-layer SmolLM2-shaped pass at 1 row went
-// from 26.4 to 20.0 ms (median, interleaved in one process, AVX2 EPYC).
-constexpr int64_t kAheadRows = 6;
+// Output rows per block of the blocked codes, and the bytes between one
+// group's codes and the next within a row.
+constexpr int64_t kBlockRows = 4;
+constexpr int64_t kCodeStride = kBlockRows * 16;
 
-// Prefetch output rows [a, b) of an int4 weight, none at or past `end` (the
-// last row the caller multiplies, plus one).
-inline void prefetch_rows(const uint8_t* packed, const float* scales, const float* mins,
-                          int64_t groups, int64_t a, int64_t b, int64_t end) {
-  b = std::min(b, end);
-  if (a >= b) return;
-  const char* codes = reinterpret_cast<const char*>(packed + a * groups * 16);
-  for (int64_t i = 0; i < (b - a) * groups * 16; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
-  const char* sc = reinterpret_cast<const char*>(scales + a * groups);
-  const char* mn = reinterpret_cast<const char*>(mins + a * groups);
-  for (int64_t i = 0; i < (b - a) * groups * 4; i += 64) {
+// Row o's codes in the blocked layout: group g's 16 bytes at + g * kCodeStride.
+inline const uint8_t* row_codes(const uint8_t* blocked, int64_t groups, int64_t o) {
+  return blocked + (o / kBlockRows) * groups * kCodeStride + (o % kBlockRows) * 16;
+}
+
+// At a few rows a step the 4-bit weights stream from memory, and the hardware
+// prefetcher alone leaves the kernel waiting on them (each block reads three
+// arrays: codes, scales, mins). The block kAheadBlocks past the one being
+// multiplied is asked for now (with the codes' rows each in their own
+// stream, 6 rows ahead took the pass from 26.4 to 20.0 ms; blocked, 3 or 4
+// blocks ahead measured best).
+constexpr int64_t kAheadBlocks = 4;
+
+// Prefetch block b of an int4 weight (its codes, its rows' scales and mins)
+// unless it holds no row before `end` (the last row the caller multiplies, plus one).
+inline void prefetch_block(const uint8_t* blocked, const float* scales, const float* mins,
+                           int64_t groups, int64_t b, int64_t end) {
+  if (b * kBlockRows >= end) return;
+  const char* codes = reinterpret_cast<const char*>(blocked + b * groups * kCodeStride);
+  for (int64_t i = 0; i < groups * kCodeStride; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
+  const int64_t rows = std::min(kBlockRows, end - b * kBlockRows);
+  const char* sc = reinterpret_cast<const char*>(scales + b * kBlockRows * groups);
+  const char* mn = reinterpret_cast<const char*>(mins + b * kBlockRows * groups);
+  for (int64_t i = 0; i < rows * groups * 4; i += 64) {
     _mm_prefetch(sc + i, _MM_HINT_T0);
     _mm_prefetch(mn + i, _MM_HINT_T0);
   }
+}
+
+// Called as row o's pass begins, P rows a pass: the block kAheadBlocks
+// ahead, once per block whatever P is.
+inline void prefetch_ahead(const uint8_t* blocked, const float* scales, const float* mins,
+                           int64_t groups, int64_t o, int P, int64_t end) {
+  if (o % kBlockRows < P)
+    prefetch_block(blocked, scales, mins, groups, o / kBlockRows + kAheadBlocks, end);
 }
 
 // A row rewritten for the int4 kernel (see the top of the file): per group of
@@ -103,7 +128,7 @@ void int4_row(const float* x, int64_t groups, float* xt, float* sums) {
 // R rewritten input rows against the P output rows os[0..P): one accumulator
 // per pair, the group's 32 weights widened once for all R rows.
 template <int R, int P>
-inline void block_int4(const float* xt, const float* sx, int64_t groups, const uint8_t* packed,
+inline void block_int4(const float* xt, const float* sx, int64_t groups, const uint8_t* blocked,
                        const float* scales, const float* mins, float* y, int64_t out,
                        const int64_t (&os)[P]) {
   const int64_t kp = groups * kGroup;
@@ -111,7 +136,7 @@ inline void block_int4(const float* xt, const float* sx, int64_t groups, const u
   const uint8_t* wq[P];
   const float* sc[P];
   for (int p = 0; p < P; ++p) {
-    wq[p] = packed + os[p] * groups * 16;
+    wq[p] = row_codes(blocked, groups, os[p]);
     sc[p] = scales + os[p] * groups;
   }
   // Each accumulator starts with its mins' share, 8 groups a lane (masked past the last).
@@ -131,7 +156,7 @@ inline void block_int4(const float* xt, const float* sx, int64_t groups, const u
   }
   for (int64_t g = 0; g < groups; ++g) {
     for (int p = 0; p < P; ++p) {
-      const uint8_t* bytes = wq[p] + g * 16;
+      const uint8_t* bytes = wq[p] + g * kCodeStride;
       const __m256i b0 =
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
       const __m256i b1 =
@@ -177,15 +202,15 @@ constexpr int kOutBlock = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
 // R rewritten input rows against output rows [o0, o1), kOutBlock<R> at a time;
 // a short last block repeats output o1 - 1 (the same value, written again).
 template <int R>
-void rows_avx2(const float* xt, const float* sx, int64_t groups, const uint8_t* packed,
+void rows_avx2(const float* xt, const float* sx, int64_t groups, const uint8_t* blocked,
                const float* scales, const float* mins, float* y, int64_t out, int64_t o0,
                int64_t o1) {
   constexpr int P = kOutBlock<R>;
   int64_t os[P];
   for (int64_t o = o0; o < o1; o += P) {
-    prefetch_rows(packed, scales, mins, groups, o + kAheadRows, o + kAheadRows + P, o1);
+    prefetch_ahead(blocked, scales, mins, groups, o, P, o1);
     for (int p = 0; p < P; ++p) os[p] = std::min(o + p, o1 - 1);
-    block_int4<R, P>(xt, sx, groups, packed, scales, mins, y, out, os);
+    block_int4<R, P>(xt, sx, groups, blocked, scales, mins, y, out, os);
   }
 }
 
@@ -197,26 +222,33 @@ constexpr RowsFn kAvx2[kTile + 1] = {nullptr,      rows_avx2<1>, rows_avx2<2>,
                                      rows_avx2<6>, rows_avx2<7>, rows_avx2<8>};
 
 // The int4 ops' argument checks (op names the op in the errors); the groups.
-int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& packed,
+// The output rows are the scales' rows.
+int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& blocked,
                    const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
               ": x must be a 2-D float32 CPU tensor [rows, in]");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              op, ": packed must be contiguous uint8 [out, groups * 16]");
-  const int64_t in = x.size(1), out = packed.size(0), groups = packed.size(1) / 16;
-  TORCH_CHECK(packed.size(1) == groups * 16 && (in + kGroup - 1) / kGroup == groups, op,
-              ": packed ", packed.sizes(), " does not fit in=", in);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && mins.is_contiguous() &&
-                  scales.numel() == out * groups && mins.numel() == out * groups,
-              op, ": scales and mins must be contiguous float32 [out, groups]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat &&
+                  mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  mins.is_contiguous() && mins.sizes() == scales.sizes(),
+              op, ": scales and mins must be contiguous float32 [out, groups], got ",
+              scales.sizes(), " and ", mins.sizes());
+  const int64_t in = x.size(1), out = scales.size(0), groups = scales.size(1);
+  TORCH_CHECK((in + kGroup - 1) / kGroup == groups, op, ": scales ", scales.sizes(),
+              " do not fit in=", in, " (expected ", (in + kGroup - 1) / kGroup, " groups)");
+  TORCH_CHECK(blocked.dim() == 2 && blocked.scalar_type() == at::kByte &&
+                  blocked.is_contiguous() &&
+                  blocked.size(0) == (out + kBlockRows - 1) / kBlockRows &&
+                  blocked.size(1) == groups * kCodeStride,
+              op, ": blocked codes must be contiguous uint8 [", (out + kBlockRows - 1) / kBlockRows,
+              ", ", groups * kCodeStride, "] for out=", out, " (int4_linear.block_codes), got ",
+              blocked.sizes());
   return groups;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                   const at::Tensor& mins) {
-  const int64_t groups = check_int4("graphrunner_int4::linear", x, packed, scales, mins);
-  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
+  const int64_t groups = check_int4("graphrunner_int4::linear", x, blocked, scales, mins);
+  const int64_t rows = x.size(0), in = x.size(1), out = scales.size(0);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
@@ -236,7 +268,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
     float* yt = yp + r0 * out;
     // Output rows split across torch's intra-op threads (one with set_num_threads(1)).
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xtp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+      fn(xtp, sxp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
          mins.data_ptr<float>(), yt, out, o0, o1);
     });
   }
@@ -527,21 +559,21 @@ inline void q8_group(const uint8_t* bytes, float dw, const int8_t* xq, const flo
 
 template <int R, class Dot>
 inline void rows_q8_body(const int8_t* xq, const float* xd, const float* sx, int64_t groups,
-                         const uint8_t* packed, const float* scales, const float* mins, float* y,
+                         const uint8_t* blocked, const float* scales, const float* mins, float* y,
                          int64_t out, int64_t o0, int64_t o1) {
   const int64_t kp = groups * kGroup;
   for (int64_t o = o0; o < o1; ++o) {
-    prefetch_rows(packed, scales, mins, groups, o + kAheadRows, o + kAheadRows + 1, o1);
-    const uint8_t* wq = packed + o * groups * 16;
+    prefetch_ahead(blocked, scales, mins, groups, o, 1, o1);
+    const uint8_t* wq = row_codes(blocked, groups, o);
     const float* sc = scales + o * groups;
     __m256 even[R], odd[R];  // even and odd groups: two chains in flight
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-      q8_group<R, Dot>(wq + g * 16, sc[g], xq, xd, kp, groups, g, even);
-      q8_group<R, Dot>(wq + g * 16 + 16, sc[g + 1], xq, xd, kp, groups, g + 1, odd);
+      q8_group<R, Dot>(wq + g * kCodeStride, sc[g], xq, xd, kp, groups, g, even);
+      q8_group<R, Dot>(wq + (g + 1) * kCodeStride, sc[g + 1], xq, xd, kp, groups, g + 1, odd);
     }
-    if (g < groups) q8_group<R, Dot>(wq + g * 16, sc[g], xq, xd, kp, groups, g, even);
+    if (g < groups) q8_group<R, Dot>(wq + g * kCodeStride, sc[g], xq, xd, kp, groups, g, even);
     for (int r = 0; r < R; ++r) {
       const float dot = hsum(_mm256_add_ps(even[r], odd[r]));
       y[r * out + o] = dot + min_share8(mins + o * groups, sx + r * groups, groups);
@@ -553,10 +585,10 @@ inline void rows_q8_body(const int8_t* xq, const float* xd, const float* sx, int
 // target, so the dot's instruction is inlined too; the rest of the file stays AVX2.
 template <int R>
 __attribute__((flatten)) void rows_q8_avx2(const int8_t* xq, const float* xd, const float* sx,
-                                           int64_t groups, const uint8_t* packed,
+                                           int64_t groups, const uint8_t* blocked,
                                            const float* scales, const float* mins, float* y,
                                            int64_t out, int64_t o0, int64_t o1) {
-  rows_q8_body<R, DotAvx2>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+  rows_q8_body<R, DotAvx2>(xq, xd, sx, groups, blocked, scales, mins, y, out, o0, o1);
 }
 
 using Q8Fn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
@@ -587,16 +619,16 @@ struct DotAvx512Vnni {
 
 template <int R>
 __attribute__((target("avxvnni"), flatten)) void rows_q8_avxvnni(
-    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* packed,
+    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* blocked,
     const float* scales, const float* mins, float* y, int64_t out, int64_t o0, int64_t o1) {
-  rows_q8_body<R, DotAvxVnni>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+  rows_q8_body<R, DotAvxVnni>(xq, xd, sx, groups, blocked, scales, mins, y, out, o0, o1);
 }
 
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), flatten)) void rows_q8_avx512vnni(
-    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* packed,
+    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* blocked,
     const float* scales, const float* mins, float* y, int64_t out, int64_t o0, int64_t o1) {
-  rows_q8_body<R, DotAvx512Vnni>(xq, xd, sx, groups, packed, scales, mins, y, out, o0, o1);
+  rows_q8_body<R, DotAvx512Vnni>(xq, xd, sx, groups, blocked, scales, mins, y, out, o0, o1);
 }
 #define GRAPHRUNNER_Q8_VNNI GRAPHRUNNER_Q8_ROWS(rows_q8_avxvnni)
 #define GRAPHRUNNER_Q8_VNNI512 GRAPHRUNNER_Q8_ROWS(rows_q8_avx512vnni)
@@ -630,10 +662,10 @@ int64_t q8_paths() {
   return bits;
 }
 
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                      const at::Tensor& mins, int64_t path) {
-  const int64_t groups = check_int4("graphrunner_int4::linear_q8", x, packed, scales, mins);
-  const int64_t rows = x.size(0), in = x.size(1), out = packed.size(0);
+  const int64_t groups = check_int4("graphrunner_int4::linear_q8", x, blocked, scales, mins);
+  const int64_t rows = x.size(0), in = x.size(1), out = scales.size(0);
   TORCH_CHECK(path >= 0 && path < kQ8Paths && q8_table[path][1] != nullptr && q8_cpu_has(path),
               "graphrunner_int4::linear_q8: path ", path,
               " is not compiled into this build or not supported by this CPU (compiled: bits ",
@@ -659,7 +691,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
     const float* sxp = sx.data();
     float* yt = yp + r0 * out;
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xqp, xdp, sxp, groups, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+      fn(xqp, xdp, sxp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
          mins.data_ptr<float>(), yt, out, o0, o1);
     });
   }
@@ -669,8 +701,8 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_int4, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor packed, Tensor scales, Tensor mins, int path) -> Tensor");
+  m.def("linear(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor blocked, Tensor scales, Tensor mins, int path) -> Tensor");
   m.def("q8_paths() -> int", &q8_paths);
 }
 

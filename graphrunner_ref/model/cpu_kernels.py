@@ -46,7 +46,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v15"
+_KERNEL_NAME = "graphrunner_cpu_kernels_v16"
 
 
 def _build() -> str | None:
@@ -96,17 +96,18 @@ def build_extension(name: str, source: Path) -> str | None:
 
 
 def _fake_int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> torch.Tensor:
-    """The int4 op's output for tracing: ``[rows, out]`` float32, no data."""
-    return x.new_empty(x.shape[0], packed.shape[0])
+    """The int4 op's output for tracing: ``[rows, out]`` float32 (``out`` the
+    scales' rows), no data."""
+    return x.new_empty(x.shape[0], scales.shape[0])
 
 
 def _fake_int4_q8_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, path: int
+    x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, path: int
 ) -> torch.Tensor:
     """The int4 x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
-    return x.new_empty(x.shape[0], packed.shape[0])
+    return x.new_empty(x.shape[0], scales.shape[0])
 
 
 def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

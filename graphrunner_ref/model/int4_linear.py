@@ -12,6 +12,13 @@ float32 ``[out, groups]``: 4.5 + 1.5 bits a weight against float32's 32.
 An ``in`` that is not a multiple of 32 is padded: the last group's extra
 codes exist in ``packed`` but no input column meets them.
 
+:class:`Int4Linear` keeps its codes blocked for the kernel
+(:func:`block_codes`): output rows in blocks of :data:`BLOCK_ROWS` = 4, each
+group's 16 bytes of a block's 4 rows side by side (one 64-byte line), so a
+step that streams the weights from memory reads one stream of codes, not
+four. ``scales`` and ``mins`` keep their ``[out, groups]`` order (a block's
+rows are already side by side there).
+
 The product runs one of two ways, chosen once per process:
 
 * ``kernel``: a small C++ kernel (in ``cpu_kernels.cpp``,
@@ -59,19 +66,24 @@ from torch import nn
 from graphrunner_ref.model.cpu_kernels import KERNEL_ENV, KERNEL_SOURCE, kernel_status, kernels_run
 
 __all__ = [
+    "BLOCK_ROWS",
     "GROUP",
     "KERNEL_ENV",
     "KERNEL_SOURCE",
     "Int4Linear",
     "Int4Weight",
+    "block_codes",
     "dequantize_int4",
     "int4_kernel_status",
     "int4_reference_linear",
     "quantize_int4",
+    "unblock_codes",
 ]
 
 #: Input columns per quantization group (one scale and one min each).
 GROUP = 32
+#: Output rows whose codes the kernel's layout interleaves (:func:`block_codes`).
+BLOCK_ROWS = 4
 
 
 class Int4Weight(NamedTuple):
@@ -112,6 +124,25 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed.reshape(out, groups * 16).contiguous(), scales, mins)
 
 
+def block_codes(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` uint8 ``[out, groups * 16]`` in the kernel's blocked layout:
+    uint8 ``[ceil(out / 4), groups * 64]``, block ``b``'s group ``g`` holding
+    the 16 bytes of rows ``4b .. 4b + 3`` in turn (rows past ``out`` zero)."""
+    out, width = packed.shape
+    blocks = -(-out // BLOCK_ROWS)
+    padded = packed.new_zeros(blocks * BLOCK_ROWS, width)
+    padded[:out] = packed
+    grouped = padded.view(blocks, BLOCK_ROWS, width // 16, 16).transpose(1, 2)
+    return grouped.reshape(blocks, width * BLOCK_ROWS).contiguous()
+
+
+def unblock_codes(blocked: torch.Tensor, out: int) -> torch.Tensor:
+    """The ``[out, groups * 16]`` codes of :func:`block_codes`' ``blocked``."""
+    blocks, width = blocked.shape
+    rows = blocked.view(blocks, width // (16 * BLOCK_ROWS), BLOCK_ROWS, 16).transpose(1, 2)
+    return rows.reshape(blocks * BLOCK_ROWS, width // BLOCK_ROWS)[:out]
+
+
 def dequantize_int4(
     packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_features: int
 ) -> torch.Tensor:
@@ -139,20 +170,22 @@ int4_kernel_status = kernel_status
 class Int4Linear(nn.Module):
     """Group-wise 4-bit linear: ``[..., in]`` float32 ``-> [..., out]`` float32.
 
-    Buffers: ``packed`` uint8 ``[out, groups * 16]``, ``scales`` and ``mins``
-    float32 ``[out, groups]`` (:func:`quantize_int4`). ``kernel`` picks the
-    product: None (the C++ kernel where it builds, else the torch path),
-    True (the kernel; RuntimeError where it cannot run) or False (torch).
+    Buffers: ``blocked`` uint8 ``[ceil(out / 4), groups * 64]`` (the codes in
+    the kernel's layout, :func:`block_codes`), ``scales`` and ``mins`` float32
+    ``[out, groups]`` (:func:`quantize_int4`); :attr:`packed` gives the codes
+    in :class:`Int4Weight`'s order. ``kernel`` picks the product: None (the
+    C++ kernel where it builds, else the torch path), True (the kernel;
+    RuntimeError where it cannot run) or False (torch).
     """
 
-    packed: torch.Tensor
+    blocked: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, kernel: bool | None = None) -> None:
         super().__init__()
         packed, scales, mins = quantize_int4(weight)
-        self.register_buffer("packed", packed)
+        self.register_buffer("blocked", block_codes(packed))
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.out_features, self.in_features = weight.shape
@@ -184,9 +217,16 @@ class Int4Linear(nn.Module):
                 f"[rows, {groups}] with start + rows <= {self.out_features}"
             )
         end = start + rows
-        self.packed[start:end] = weight.packed
+        packed = self.packed.clone()
+        packed[start:end] = weight.packed
+        self.blocked.copy_(block_codes(packed))
         self.scales[start:end] = weight.scales.float()
         self.mins[start:end] = weight.mins.float()
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The codes as uint8 ``[out, groups * 16]`` (:class:`Int4Weight`'s order)."""
+        return unblock_codes(self.blocked, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` this linear multiplies by."""
@@ -196,7 +236,7 @@ class Int4Linear(nn.Module):
         if not self.kernel:
             return int4_reference_linear(x, self.packed, self.scales, self.mins)
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.graphrunner_int4.linear(flat, self.packed, self.scales, self.mins)
+        out = torch.ops.graphrunner_int4.linear(flat, self.blocked, self.scales, self.mins)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

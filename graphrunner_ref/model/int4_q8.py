@@ -87,7 +87,7 @@ class Int4Q8Linear(Int4Linear):
             return int4_q8_reference_linear(x, self.packed, self.scales, self.mins)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.graphrunner_int4.linear_q8(
-            flat, self.packed, self.scales, self.mins, self.path
+            flat, self.blocked, self.scales, self.mins, self.path
         )
         return out.view(*x.shape[:-1], self.out_features)
 
