@@ -231,11 +231,14 @@ def test_the_aot_cache_flag_and_the_references_key(tmp_path: Path) -> None:
     from graphrunner_ref.cli.options import config_of
     from graphrunner_ref.engine.bundle import aot_key
     from graphrunner_ref.model import default_model
+    from graphrunner_ref.model.attention_cpu import ATTENTION_BUILD
+    from graphrunner_ref.model.cpu_kernels import KERNEL_BUILD
 
     args = cli._parse(["generate", "--prompt", "[1, 2]", "--aot-cache", str(tmp_path)])
     assert config_of(args, "cpu", [1]).aot_cache == str(tmp_path)
     key = aot_key(default_model(max_requests=2, max_context_len=16))
-    assert {"model", "dtype", "quantize", "cpu features"} <= set(key)
+    assert {"model", "dtype", "quantize", "cpu features", "kernel builds"} <= set(key)
+    assert KERNEL_BUILD in key["kernel builds"] and ATTENTION_BUILD in key["kernel builds"]
     assert key["dtype"] == "float32" and key["quantize"] == "None"
 
 

@@ -94,11 +94,14 @@ def create_token_runner(
 def aot_key(bundle: ServingBundle) -> dict[str, str]:
     """What a saved CPU program of ``bundle`` is keyed by besides the library's
     own fields (:mod:`graphrunner.mechanisms.aot`): the model (its class and
-    config, hashed), its dtype, its quantize mode and this CPU's features and
-    compact-weight kernel paths."""
+    config, hashed), its dtype, its quantize mode, this CPU's features and
+    compact-weight kernel paths, and the C++ kernels' builds (a program saved
+    against another build's ops or weight layout is never loaded)."""
     import hashlib
 
+    from graphrunner_ref.model.attention_cpu import ATTENTION_BUILD
     from graphrunner_ref.model.cpu_features import KERNEL_PATHS, cpu_features, kernel_summary
+    from graphrunner_ref.model.cpu_kernels import KERNEL_BUILD
 
     model: Any = bundle.model
     config = f"{type(model).__qualname__}:{getattr(model, 'config', None)!r}"
@@ -111,6 +114,7 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
         "dtype": dtype.removeprefix("torch."),
         "quantize": str(quantize),
         "cpu features": f"{cpu_features().describe()}; kernels {kernel_summary(products)}",
+        "kernel builds": f"{KERNEL_BUILD}, {ATTENTION_BUILD}",
     }
 
 

@@ -22,6 +22,7 @@ import torch
 from graphrunner_ref.model.cpu_kernels import build_extension
 
 __all__ = [
+    "ATTENTION_BUILD",
     "ATTENTION_SOURCE",
     "cpp_attention_runs",
     "cpp_attention_status",
@@ -31,15 +32,16 @@ __all__ = [
 
 #: The kernel's C++ source.
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-#: Bump with any change to the source: it names the cached build.
-_NAME = "graphrunner_cpu_attention_v2"
+#: Bump with any change to the source: it names the cached build (and keys
+#: saved programs, ``engine.bundle.aot_key``).
+ATTENTION_BUILD = "graphrunner_cpu_attention_v2"
 
 
 @functools.cache
 def cpp_attention_status() -> str | None:
     """None where the kernel runs here (built and its op registered on first
     call), else why not."""
-    why = build_extension(_NAME, ATTENTION_SOURCE)
+    why = build_extension(ATTENTION_BUILD, ATTENTION_SOURCE)
     if why is None:
         torch.library.register_fake("graphrunner_attention::decode", decode_attention_fake)
     return why

@@ -31,6 +31,7 @@ from graphrunner.util import warn_at_caller
 
 __all__ = [
     "DISABLE_ENV",
+    "KERNEL_BUILD",
     "KERNEL_ENV",
     "KERNEL_SOURCE",
     "build_extension",
@@ -45,15 +46,16 @@ KERNEL_ENV = "GRAPHRUNNER_INT4_KERNEL"
 DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 #: The kernels' C++ source.
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-#: Bump with any change to the source: it names the cached build.
-_KERNEL_NAME = "graphrunner_cpu_kernels_v16"
+#: Bump with any change to the source (a layout included): it names the
+#: cached build and keys saved programs (``engine.bundle.aot_key``).
+KERNEL_BUILD = "graphrunner_cpu_kernels_v16"
 
 
 def _build() -> str | None:
     """Build (or load the cached build of) the kernels; None on success, else
     why not. Called through :func:`kernel_status` (cached), so once per
     process: the ops' fakes are registered once."""
-    why = build_extension(_KERNEL_NAME, KERNEL_SOURCE)
+    why = build_extension(KERNEL_BUILD, KERNEL_SOURCE)
     if why is not None:
         return why
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
