@@ -557,27 +557,55 @@ inline void q8_group(const uint8_t* bytes, float dw, const int8_t* xq, const flo
   }
 }
 
+// Outputs per pass for R rows (a block's 4 share its cache lines of codes).
+template <int R>
+constexpr int kQ8OutBlock = R == 1 ? 4 : (R == 2 ? 2 : 1);
+
+// R quantized rows against the P output rows os[0..P): per pair two chains
+// (even and odd groups), then the mins' share; the same sums whatever P is.
+template <int R, int P, class Dot>
+inline void block_q8(const int8_t* xq, const float* xd, const float* sx, int64_t groups,
+                     const uint8_t* blocked, const float* scales, const float* mins, float* y,
+                     int64_t out, const int64_t (&os)[P]) {
+  const int64_t kp = groups * kGroup;
+  const uint8_t* wq[P];
+  const float* sc[P];
+  __m256 even[P][R], odd[P][R];
+  for (int p = 0; p < P; ++p) {
+    wq[p] = row_codes(blocked, groups, os[p]);
+    sc[p] = scales + os[p] * groups;
+    for (int r = 0; r < R; ++r) even[p][r] = odd[p][r] = _mm256_setzero_ps();
+  }
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    for (int p = 0; p < P; ++p) {
+      q8_group<R, Dot>(wq[p] + g * kCodeStride, sc[p][g], xq, xd, kp, groups, g, even[p]);
+      q8_group<R, Dot>(wq[p] + (g + 1) * kCodeStride, sc[p][g + 1], xq, xd, kp, groups, g + 1,
+                       odd[p]);
+    }
+  }
+  if (g < groups)
+    for (int p = 0; p < P; ++p)
+      q8_group<R, Dot>(wq[p] + g * kCodeStride, sc[p][g], xq, xd, kp, groups, g, even[p]);
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) {
+      const float dot = hsum(_mm256_add_ps(even[p][r], odd[p][r]));
+      y[r * out + os[p]] = dot + min_share8(mins + os[p] * groups, sx + r * groups, groups);
+    }
+}
+
+// R quantized rows against output rows [o0, o1), kQ8OutBlock<R> at a time; a
+// short last pass repeats output o1 - 1 (the same value, written again).
 template <int R, class Dot>
 inline void rows_q8_body(const int8_t* xq, const float* xd, const float* sx, int64_t groups,
                          const uint8_t* blocked, const float* scales, const float* mins, float* y,
                          int64_t out, int64_t o0, int64_t o1) {
-  const int64_t kp = groups * kGroup;
-  for (int64_t o = o0; o < o1; ++o) {
-    prefetch_ahead(blocked, scales, mins, groups, o, 1, o1);
-    const uint8_t* wq = row_codes(blocked, groups, o);
-    const float* sc = scales + o * groups;
-    __m256 even[R], odd[R];  // even and odd groups: two chains in flight
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      q8_group<R, Dot>(wq + g * kCodeStride, sc[g], xq, xd, kp, groups, g, even);
-      q8_group<R, Dot>(wq + (g + 1) * kCodeStride, sc[g + 1], xq, xd, kp, groups, g + 1, odd);
-    }
-    if (g < groups) q8_group<R, Dot>(wq + g * kCodeStride, sc[g], xq, xd, kp, groups, g, even);
-    for (int r = 0; r < R; ++r) {
-      const float dot = hsum(_mm256_add_ps(even[r], odd[r]));
-      y[r * out + o] = dot + min_share8(mins + o * groups, sx + r * groups, groups);
-    }
+  constexpr int P = kQ8OutBlock<R>;
+  int64_t os[P];
+  for (int64_t o = o0; o < o1; o += P) {
+    prefetch_ahead(blocked, scales, mins, groups, o, P, o1);
+    for (int p = 0; p < P; ++p) os[p] = std::min(o + p, o1 - 1);
+    block_q8<R, P, Dot>(xq, xd, sx, groups, blocked, scales, mins, y, out, os);
   }
 }
 
