@@ -128,13 +128,20 @@ def test_the_error_stays_within_the_activations_rounding(out: int, inp: int, row
 @pytest.mark.parametrize("kernel", [None, False])
 def test_a_row_never_depends_on_the_rows_beside_it(kernel: bool | None) -> None:
     """Alone, with others, beside NaN, inf and huge rows, at every tile
-    remainder: a live row's output is the same bit for bit."""
+    remainder: a live row's output is the same bit for bit. Outputs run 4
+    (1 row) or 2 (2 rows) a pass, a short last pass repeating the last: with
+    81 outputs, each equals itself computed as a one-output linear."""
     gen = torch.Generator().manual_seed(2)
-    linear = Int4Q8Linear(torch.randn(80, 100, generator=gen), kernel=kernel)
+    w = torch.randn(81, 100, generator=gen)
+    linear = Int4Q8Linear(w, kernel=kernel)
     x = torch.randn(19, 100, generator=gen)
     together = linear(x)
     for j in range(19):
         assert torch.equal(linear(x[j : j + 1])[0], together[j]), j
+    for o in (0, 3, 79, 80):
+        alone = Int4Q8Linear(w[o : o + 1], kernel=kernel)
+        assert torch.equal(alone(x[:1])[0, 0], together[0, o]), o
+        assert torch.equal(alone(x[:2])[:, 0], together[:2, o]), o
     for rows in (2, 3, 7, 8, 9, 16):
         assert torch.equal(linear(x[:rows]), together[:rows]), rows
     poisoned = x.clone()
