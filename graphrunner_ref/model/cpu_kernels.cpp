@@ -255,7 +255,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocked, const at::Tens
   const int64_t kp = groups * kGroup;
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> xpad(kp, 0.0f), xt(kTile * kp), sx(kTile * groups);
+  // Scratch for one tile (no more rows than the call has: a 1-row call
+  // clears kp floats, not 8 * kp).
+  const int64_t tile = std::min<int64_t>(rows, kTile);
+  std::vector<float> xpad(kp, 0.0f), xt(tile * kp), sx(tile * groups);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
     for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
@@ -405,7 +408,7 @@ at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
   if (rows == 0 || out == 0) return y;
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> xpad(kTile * kp);
+  std::vector<float> xpad(std::min<int64_t>(rows, kTile) * kp);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
     std::fill(xpad.begin(), xpad.end(), 0.0f);
@@ -495,13 +498,20 @@ at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 // group (d = max|x_g| / 127, q = round-half-even(x * 127 / max|x_g|)), as
 // llama.cpp's Q8 blocks are. Per group an integer dot of 32 unsigned codes
 // with 32 signed activations, exact in int32 whichever instructions run it:
-//   y[r, o] = sum_g (scale[o, g] * d[r, g]) * (q[o, g] . qx[r, g]) + min[o, g] * sum(x[r, g])
-// (the min's share takes the float sum of the row's own floats). The paths
+//   y[r, o] = sum_g (scale[o, g] * d[r, g]) * (q[o, g] . qx[r, g]) + min[o, g] * d[r, g] * sum(qx[r, g])
+// The min's share takes the quantized row's sum (as llama.cpp's Q8_1 blocks
+// do), so the product is the dequantized row's times the weight, and each
+// activation's rounding meets its own weight, not the weight minus the group's
+// min: the rounding errors cancel as the weights' signs do. (Taking the
+// floats' own sum there, as an earlier version did, left the errors times
+// weights that are all of one sign: SmolLM2 kept 12.4 leading tokens of 32 of
+// float32 transformers', against llama.cpp's 19.9.) The paths
 // differ only in the instruction of the integer dot, so their outputs are
 // equal bit for bit; each row's float accumulation order is fixed (two
 // chains, even and odd groups), whatever the batch.
 //
-// A row's groups, quantized: codes (groups * 32 int8), scales and float sums.
+// A row's groups, quantized: codes (groups * 32 int8), scales d and the
+// codes' sums times d (the dequantized group's sum, one rounding).
 void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -525,7 +535,12 @@ void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float*
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup),
                         _mm256_permutevar8x32_epi32(p, order));
-    s[g] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    // The codes' sum, exact in int32 (the packs' saturation cannot bite: |x * inv| <= 127).
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    s[g] = d[g] * static_cast<float>(_mm_cvtsi128_si32(t));
   }
 }
 
@@ -704,8 +719,9 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
   const int64_t kp = groups * kGroup;
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> xpad(kp, 0.0f), xd(kTile * groups), sx(kTile * groups);
-  std::vector<int8_t> xq(kTile * kp);
+  const int64_t tile = std::min<int64_t>(rows, kTile);  // scratch for one tile, as linear's
+  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
+  std::vector<int8_t> xq(tile * kp);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
     for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
