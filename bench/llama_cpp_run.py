@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["llama_cpp_available", "llama_cpp_run", "llama_cpp_system"]
+__all__ = ["llama_cpp_available", "llama_cpp_logits", "llama_cpp_run", "llama_cpp_system"]
 
 
 def llama_cpp_available() -> bool:
@@ -70,6 +70,11 @@ class _Context:
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """Run ``(token, position, sequence, wants_logits)`` entries as one batch;
         the greedy next token of each entry that wants logits, in order."""
+        return [int(np.argmax(row)) for row in self.logits(entries)]
+
+    def logits(self, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Run ``(token, position, sequence, wants_logits)`` entries as one batch;
+        the float32 logits ``[vocab]`` of each entry that wants them, in order."""
         b = self.batch
         for i, (token, pos, seq, logits) in enumerate(entries):
             b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
@@ -77,12 +82,12 @@ class _Context:
         b.n_tokens = len(entries)
         if self.lc.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
-        picks = []
+        rows = []
         for i, (*_, logits) in enumerate(entries):
             if logits:
                 row = self.lc.llama_get_logits_ith(self.ctx, i)
-                picks.append(int(np.argmax(np.ctypeslib.as_array(row, shape=(self.vocab,)))))
-        return picks
+                rows.append(np.ctypeslib.as_array(row, shape=(self.vocab,)).copy())
+        return rows
 
     def close(self) -> None:
         self.lc.llama_batch_free(self.batch)
@@ -121,3 +126,17 @@ def llama_cpp_run(
     finally:
         run.close()
     return decoded / decode_s, outputs
+
+
+def llama_cpp_logits(gguf: Path, sequences: list[list[int]]) -> list[np.ndarray]:
+    """Each sequence run whole through llama.cpp (one thread): its logits at
+    every position, float32 ``[len, vocab]`` (teacher-forced)."""
+    run = _Context(gguf, 1, max(len(s) for s in sequences))
+    try:
+        out = []
+        for tokens in sequences:
+            run.lc.llama_memory_clear(run.lc.llama_get_memory(run.ctx), True)
+            out.append(np.stack(run.logits([(t, i, 0, True) for i, t in enumerate(tokens)])))
+        return out
+    finally:
+        run.close()
