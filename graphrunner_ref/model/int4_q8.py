@@ -7,7 +7,8 @@ are: ``d = max|x_g| / 127`` and ``qx = round_half_even(x_g * (127 / max|x_g|))``
 in -127..127 (a group of zeros: ``d = 0``, codes 0). The product is then an
 integer dot per group, exact in int32, and a float sum over groups:
 
-    y[r, o] = sum_g (scale[o, g] * d[r, g]) * (q[o, g] . qx[r, g]) + min[o, g] * d[r, g] * sum(qx[r, g])
+    y[r, o] = sum_g (scale[o, g] * d[r, g]) * (q[o, g] . qx[r, g])
+              + min[o, g] * d[r, g] * sum(qx[r, g])
 
 that is, the dequantized row ``d * qx`` times the weight, as llama.cpp's
 Q4_1 x Q8_1 product. The min's share takes the quantized row's sum, not the
