@@ -28,7 +28,6 @@ Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_agreement [--new 32]``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -37,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_context import smollm2_chats
-from bench.bench_real_cpu import cpu_flags, kernel_facts, transformers_run
-from bench.conftest import RESULTS_DIR, machine
+from bench.bench_real_cpu import cpu_flags, kernel_facts, save_results, transformers_run
+from bench.conftest import machine
 from bench.llama_cpp_run import llama_cpp_available, llama_cpp_logits, llama_cpp_system
 from graphrunner.testing import torch_threads
 from graphrunner_ref.cli.demo_real import fetch_gguf
@@ -144,10 +143,7 @@ def write(result: dict[str, Any], name: str) -> str:
             f"| {r['who']} | {r['top1']:.3f} ({round(r['top1'] * r['positions'])}/"
             f"{r['positions']}) | {r['logit_rms']:.3f} | {r['kl']:.2e} |"
         )
-    out = RESULTS_DIR / f"{name}.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    return str(out)
+    return save_results(name, lines, result)
 
 
 if __name__ == "__main__":
