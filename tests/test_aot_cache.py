@@ -26,13 +26,15 @@ Built = tuple[Path, Any, ToyWorld]
 KEY = {"model": "toy", "dtype": "float32", "cpu features": "test"}
 
 
-def _runner(world: ToyWorld, cache: Path, key: dict[str, str] | None = None) -> Any:
+def _runner(
+    world: ToyWorld, cache: Path, key: dict[str, str] | None = None, sizes: list[int] = SIZES
+) -> Any:
     return create_runner(
         world.model,
         decode_buffer_specs(),
         device="cpu",
         kind="cpu",
-        capture_sizes=SIZES,
+        capture_sizes=sizes,
         show_progress=False,
         aot_cache=cache,
         aot_key=KEY if key is None else key,
@@ -91,6 +93,24 @@ def test_warm_load_replays_equal_to_the_cold_program(built: Built, tmp_path: Pat
         assert torch.equal(cold_out, warm_out)
         for name in ("k", "v"):
             assert torch.equal(cold_state[name][1:], warm_state[name][1:])
+
+
+def test_a_program_of_size_one_alone_is_saved_and_loaded(tmp_path: Path) -> None:
+    """Capturing size 1 alone (a batch-1 server) saves a program of that one
+    size (export has no symbolic range 1..1), and a warm capture loads it and
+    replays what eager gives."""
+    cache = tmp_path / "cache"
+    outputs = []
+    for status in ("built (none saved)", "loaded"):
+        world = ToyWorld("cpu")
+        runner = _runner(world, cache, sizes=[1])
+        runner.capture()
+        assert runner.mechanism.aot_status == status
+        batch = world.make_batch(1, seed=1)
+        expected, _ = world.eager_reference(batch)
+        outputs.append(runner.replay(batch).clone())
+        torch.testing.assert_close(outputs[-1], expected)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize(

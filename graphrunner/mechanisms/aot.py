@@ -435,7 +435,11 @@ class AotPrograms:
             shape = [_sym(n) or int(n) for n in ex.shape]
             spec_j = {}
             for d, n in enumerate(shape):
-                if isinstance(n, str):
+                if isinstance(n, str) and t.shape[d] == 1:
+                    # Only size 1 is captured: export has no range 1..1 to give,
+                    # so the program is exported at that one size.
+                    shape[d] = 1
+                elif isinstance(n, str):
                     if not n.isidentifier():
                         raise AotRefused(f"a buffer's rows are {n}; only a plain batch is saved")
                     spec_j[d] = dims.setdefault(n, torch.export.Dim(n, min=1, max=t.shape[d]))
