@@ -118,13 +118,18 @@ def test_each_step_of_a_multi_step_launch_reads_its_own_live_width() -> None:
     assert _serve("live", 2048, "eager", steps=4).outputs == expected
 
 
-def test_a_model_on_the_cpu_runs_the_live_attention_from_its_capacity_up() -> None:
-    def kernel(capacity: int) -> str:
-        bundle = default_model(max_requests=1, max_context_len=capacity, config=CONFIG)
+def test_a_model_on_the_cpu_runs_the_live_attention_by_its_kv_dtype_and_capacity() -> None:
+    """A float32 KV cache: the live attention (the C++ kernel) at every
+    capacity; another dtype (the torch reference's live gather): from
+    LIVE_FROM_CAPACITY up, the fused full width below."""
+
+    def kernel(capacity: int, dtype: torch.dtype = torch.float32) -> str:
+        bundle = default_model(max_requests=1, max_context_len=capacity, config=CONFIG, dtype=dtype)
         return bundle.model.attn_backend.kernel
 
-    assert kernel(LIVE_FROM_CAPACITY - 1) == "torch"  # the fused full width is faster
-    assert kernel(LIVE_FROM_CAPACITY) == "live"
+    assert kernel(16) == kernel(LIVE_FROM_CAPACITY) == "live"
+    assert kernel(LIVE_FROM_CAPACITY - 1, torch.bfloat16) == "torch"
+    assert kernel(LIVE_FROM_CAPACITY, torch.bfloat16) == "live"
     backend = default_model(max_requests=1, max_context_len=2048, config=CONFIG).model.attn_backend
     backend.use("torch")  # the reference stays one call away
     assert backend.kernel == "torch"

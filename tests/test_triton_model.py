@@ -49,7 +49,7 @@ def _prefilled(attention: str, **kwargs: Any) -> tuple[ModelBundle, DecodeBatch]
 
 def test_backend_kernel_is_checked_and_defaults_by_device() -> None:
     bundle = default_model(max_requests=1, device=DEVICE)
-    assert bundle.model.attn_backend.kernel == ("triton" if DEVICE == "cuda" else "torch")
+    assert bundle.model.attn_backend.kernel == ("triton" if DEVICE == "cuda" else "live")
     with pytest.raises(
         ValueError, match=r"kernel='cuda': expected one of \('torch', 'triton', 'live'\)"
     ):

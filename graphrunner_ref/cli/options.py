@@ -289,7 +289,8 @@ def _model(g: Groups) -> None:
         choices=["auto", *ATTENTIONS],
         default="auto",
         help="decode attention of the model: auto (the Triton kernel on CUDA; on the CPU "
-        f"live from --max-context-len {LIVE_FROM_CAPACITY} up, torch below), torch (the "
+        "live with a float32 KV cache, otherwise live from --max-context-len "
+        f"{LIVE_FROM_CAPACITY} up and torch below), torch (the "
         "reference everywhere: reads the whole --max-context-len of every row), live (CPU "
         "only: reads up to the batch's longest live row), triton (CUDA only) or "
         "triton-all-heads (CUDA only: the kernel's other split launch, one program over "

@@ -133,7 +133,8 @@ class HybridLM(nn.Module):
         self.kv = _LayerKV(kv_cache, {j: i for i, j in enumerate(config.attention_layers)})
         # No Triton kernel here: its scratch needs the head counts, unknown to the backend.
         table = req_pool.req_to_token
-        kernel = device_attention(table.device, table.shape[1])
+        kv_dtype = kv_cache.get_kv(0)[0].dtype if config.attention_layers else torch.float32
+        kernel = device_attention(table.device, table.shape[1], kv_dtype)
         self.attn_backend = TorchPagedBackend(
             table, kernel="torch" if kernel == "triton" else kernel
         )

@@ -222,7 +222,9 @@ class LlamaDecoder(nn.Module):
         self.small_batch_rows, self.programmatic_launch = 0, False
         self.num_kv_groups = local.num_kv_groups  # this rank's query heads per KV head
         self.kv_cache = kv_cache
-        kernel = device_attention(req_to_token.device, req_to_token.shape[1])
+        kernel = device_attention(
+            req_to_token.device, req_to_token.shape[1], kv_cache.k_buffers[0].dtype
+        )
         self.attn_backend = TorchPagedBackend(
             req_to_token,
             kernel=kernel,
