@@ -378,17 +378,32 @@ inline void int8g_group(const int8_t* q, float d, const float* xp, int64_t kp, i
   }
 }
 
+// The output row this many bytes of codes ahead is requested while a row is
+// multiplied, a line every 2 groups and a line of its scales every 16 (the
+// LM head at 1 row streams ~30 MB a step: SmolLM2's ran 1.16x to 1.37x
+// faster in three interleaved A/B runs on an AVX2 EPYC, 3.7 to 2.7 ms at
+// best; 4 to 12 rows of 576 ahead within noise).
+constexpr int64_t kInt8AheadBytes = 3072;
+
 template <int R>
 void rows_int8g(const float* xp, int64_t groups, const int8_t* q, const float* scales, float* y,
                 int64_t out, int64_t o0, int64_t o1) {
   const int64_t kp = groups * kGroup;
+  const int64_t ahead = std::max<int64_t>(1, kInt8AheadBytes / kp);
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* wq = q + o * kp;
     const float* sc = scales + o * groups;
+    const bool fetch = o + ahead < o1;
+    const char* next_q = reinterpret_cast<const char*>(wq + ahead * kp);
+    const char* next_sc = reinterpret_cast<const char*>(sc + ahead * groups);
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
+      if (fetch) {
+        _mm_prefetch(next_q + g * kGroup, _MM_HINT_T0);
+        if (g % 16 == 0) _mm_prefetch(next_sc + g * 4, _MM_HINT_T0);
+      }
       int8g_group<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
       int8g_group<R>(wq + (g + 1) * kGroup, sc[g + 1], xp, kp, g + 1, odd);
     }
