@@ -26,6 +26,10 @@ the CPU's features pick) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
 (``graphrunner_ref.model.cpu_features``); they are measured all the same.
+``int4-aot`` and ``int4-q8-aot`` are ``int4`` and ``int4-q8`` with
+``--aot-cache`` (a fresh folder: the program is built, saved and run as an
+AOTInductor package, whose C++ wrapper calls the kernels with no Python
+between them; the build is not timed, the decode is).
 ``llama.cpp`` (when ``llama_cpp`` imports: ``pip install llama-cpp-python``)
 decodes the same prompts from the model's own GGUF file, one thread
 (:mod:`bench.llama_cpp_run`); its build's CPU features are written with the
@@ -46,6 +50,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,7 +86,22 @@ VARIANTS = {
     "int4": ("cpu", torch.float32, "int4", "graphrunner cpu runner, --quantize int4"),
     "int4-q8": ("cpu", torch.float32, "int4-q8", "graphrunner cpu runner, --quantize int4-q8"),
     "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
+    "int4-aot": (
+        "cpu",
+        torch.float32,
+        "int4",
+        "graphrunner cpu runner, --quantize int4 --aot-cache",
+    ),
+    "int4-q8-aot": (
+        "cpu",
+        torch.float32,
+        "int4-q8",
+        "graphrunner cpu runner, --quantize int4-q8 --aot-cache",
+    ),
 }
+#: Variants whose program is saved and run as an AOTInductor package
+#: (``--aot-cache DIR``: its C++ wrapper calls the kernels, no Python between them).
+AOT_VARIANTS = ("int4-aot", "int4-q8-aot")
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
 LLAMA_CPP = "llama.cpp"
 #: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.
@@ -143,15 +163,19 @@ def graphrunner_run(
     bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
     if quantize is not None:
         quantize_model(bundle.model, quantize)
-    return serve(bundle, kind, prompts, bs, new)
+    if variant not in AOT_VARIANTS:
+        return serve(bundle, kind, prompts, bs, new)
+    with tempfile.TemporaryDirectory() as cache:  # built here, then run: steady state alike
+        return serve(bundle, kind, prompts, bs, new, aot_cache=cache)
 
 
 def serve(
-    bundle: Any, kind: str, prompts: list[list[int]], bs: int, new: int
+    bundle: Any, kind: str, prompts: list[list[int]], bs: int, new: int, **options: Any
 ) -> tuple[float, list[list[int]]]:
-    """Capture ``bundle``'s step at size ``bs`` on runner ``kind``, serve the
-    prompts (``new`` tokens each): decode tokens/s and new tokens in prompt order."""
-    runner = create_decode_runner(bundle, kind, capture_sizes=[bs], show_progress=False)
+    """Capture ``bundle``'s step at size ``bs`` on runner ``kind`` (``options``
+    to its mechanism), serve the prompts (``new`` tokens each): decode
+    tokens/s and new tokens in prompt order."""
+    runner = create_decode_runner(bundle, kind, capture_sizes=[bs], show_progress=False, **options)
     runner.capture()
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
     result = Engine(bundle, runner).run(trace)
