@@ -141,3 +141,42 @@ def test_grouped_int8_rows_are_bit_for_bit_independent_of_the_batch() -> None:
     torch.testing.assert_close(compiled(x), together, rtol=0, atol=0)
     linear.kernel = False  # the torch path: the same product, another order
     torch.testing.assert_close(linear(x), together, rtol=1e-5, atol=1e-5)
+
+
+def test_the_streaming_kernels_keep_their_prefetches() -> None:
+    """The int4, int4-q8 and int8-group kernels at 1 row request the weights
+    ahead of their use (``BlockPrefetch`` and ``rows_int8g`` in
+    ``cpu_kernels.cpp``): a build whose compiler dropped the requests (GCC
+    once dropped every call to a non-inlined helper that only prefetches)
+    streams its weights 1.2-1.4x slower, with no wrong output to show it.
+    Read from the built library's disassembly."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from graphrunner_ref.model.cpu_kernels import KERNEL_BUILD
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump is not installed")
+    library = Path(cpp_extension._get_build_directory(KERNEL_BUILD, False)) / f"{KERNEL_BUILD}.so"
+    if not library.exists():
+        pytest.skip(f"{library} is not where torch builds it here")
+    listing = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", str(library)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    kernels = ("rows_avx2<1>", "rows_q8_avx2<1>", "rows_int8g<1>")
+    prefetches = {}
+    for body in listing.split("\n\n"):
+        found = re.search(r"<[^>]*?(rows_\w+<1>)\(", body.split("\n", 1)[0])
+        if found and found.group(1) in kernels:
+            prefetches[found.group(1)] = body.count("prefetch")
+    assert set(prefetches) == set(kernels), f"kernels found: {sorted(prefetches)}"
+    assert all(n > 0 for n in prefetches.values()), prefetches
