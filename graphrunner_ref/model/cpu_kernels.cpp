@@ -395,9 +395,11 @@ void rows_int8g(const float* xp, int64_t groups, const int8_t* q, const float* s
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* wq = q + o * kp;
     const float* sc = scales + o * groups;
+    // The row ahead's addresses, formed only where that row exists (past the
+    // weight's end a pointer may not even be formed).
     const bool fetch = o + ahead < o1;
-    const char* next_q = reinterpret_cast<const char*>(wq + ahead * kp);
-    const char* next_sc = reinterpret_cast<const char*>(sc + ahead * groups);
+    const char* next_q = fetch ? reinterpret_cast<const char*>(wq + ahead * kp) : nullptr;
+    const char* next_sc = fetch ? reinterpret_cast<const char*>(sc + ahead * groups) : nullptr;
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t g = 0;
