@@ -7,16 +7,16 @@ captured size: capture costs one compilation, not one per size. Sizes are
 traced size-oblivious and dynamo's shape guards are checked by the compiler
 itself (:mod:`graphrunner.mechanisms.shape_guards`), so batch 1 shares the
 program, while a size the forward decides on differently (a Python branch on
-the batch) gets a program of its own. ``dynamic=False`` compiles one shape-specialised program per
-size, each on its own code object (so dynamo's per-code recompile limit never
-sends a size to eager): the older way, kept as the baseline the benchmark
-compares against.
+the batch) gets a program of its own. ``dynamic=False`` compiles one program
+per size, each on its own code object (so dynamo's per-code recompile limit
+never sends a size to eager): the baseline the benchmark compares against.
 
 Each size's program is then called directly with the arguments dynamo passed
 it at capture, skipping dynamo's frame evaluation and guards: sound for the
 reason a graph replay is, since the inputs are the static buffers and the
 model's own tensors at fixed addresses and shapes, and the forward must be a
-pure tensor program (as graphs require too).
+pure tensor program (as graphs require too). A ``ChunkSafeCall`` makes the
+call (:mod:`graphrunner.util.stack_chunks`).
 
 Where inductor keeps its caches (``TORCHINDUCTOR_CACHE_DIR``, by default
 ``/tmp/torchinductor_$USER``) a second run of the same model and sizes
@@ -112,11 +112,8 @@ class UncapturableError(RuntimeError):
 def _uncapturable(bs: int, error: Exception) -> UncapturableError:
     """``error`` (dynamo's) as one line: the size, the reason, where."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    stack = list(getattr(error, "real_stack", None) or [])
-    where = ""
-    if stack:
-        frame = stack[-1]
-        where = f" in {frame.name} ({frame.filename}:{frame.lineno})"
+    stack = list(getattr(error, "real_stack", None) or [])  # the innermost frame is where
+    where = f" in {stack[-1].name} ({stack[-1].filename}:{stack[-1].lineno})" if stack else ""
     return UncapturableError(
         f"size {bs}: the forward cannot be captured{where}: {reason}; a captured step "
         "must be a pure tensor program (no .item(), .tolist() or branch on a tensor's "
@@ -272,7 +269,9 @@ class SizeCompiler:
         self.recorded = pytree.tree_unflatten(expected, spec)
         direct = self._direct(calls, expected, spec, self._verified)
         if direct is not None:
-            return direct
+            from graphrunner.util.stack_chunks import ChunkSafeCall  # with the first launcher
+
+            return ChunkSafeCall(direct)
         self.direct_fallbacks += 1
         if self.direct_fallbacks == 1:
             warn_at_caller(

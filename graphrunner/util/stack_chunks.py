@@ -1,0 +1,119 @@
+"""Calling a compiled program where its calls do not cross a stack chunk.
+
+CPython (3.11 on) keeps frames in chunks of a per-thread stack. A frame that
+does not fit in the current chunk gets a new one (16 KB or more, mapped from
+the OS), freed again when that frame returns. Inductor's Python wrapper is
+one function whose frame holds a slot for every buffer it names (1,700 for
+SmolLM2), and it calls an op through a small Python frame per layer and
+projection. Where the wrapper's frame ends a few slots short of its chunk's
+end, every one of those calls maps a chunk, faults its page in and unmaps it:
+~10 µs a call, 150 calls a SmolLM2 step, 25% of its batch-1 decode. Whether
+it happens depends only on how deep the caller stands, so it came and went
+between runs of the same benchmark. CPython caches one chunk from 3.13's and
+3.14's later releases on (gh-142183), not in 3.11 or 3.12.
+
+:class:`ChunkSafeCall` calls the program from a spacer frame, one of a few
+sizes, and counts the page faults a call takes (each fresh chunk takes at
+least one): it keeps the first spacer whose calls run without them (or the
+one with the fewest), and checks one call in :data:`RECHECK` after that, so
+a caller that moves deeper is followed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["ChunkSafeCall"]
+
+T = TypeVar("T")
+
+#: Slots each spacer adds to the call's depth: 0 is the plain call. A shift
+#: larger than the op's frame moves the wrapper's frame out of the window.
+SPACER_SLOTS = (0, 48, 160, 480)
+#: Calls measured at each spacer while choosing.
+PROBES = 2
+#: Faults a call may take and still count as clean (a new output's page).
+QUIET = 2
+#: Once a spacer is chosen, one call in this many is measured.
+RECHECK = 4
+#: False: every ChunkSafeCall calls its program plainly (a benchmark's baseline).
+ENABLED = True
+
+
+def _spacer(slots: int) -> Callable[[Callable[[], T]], T]:
+    """A function calling its argument from a frame ``slots`` locals larger
+    (the locals are declared, never assigned: the frame is all they cost)."""
+    if slots == 0:
+        return lambda fn: fn()
+    names = " = ".join(f"_{i}" for i in range(slots))
+    namespace: dict[str, Callable[[Callable[[], T]], T]] = {}
+    exec(f"def spacer(fn):\n    if False:\n        {names} = None\n    return fn()\n", namespace)
+    return namespace["spacer"]
+
+
+_SPACERS = tuple(_spacer(slots) for slots in SPACER_SLOTS)
+
+
+def _fault_counter() -> Callable[[], int] | None:
+    """The calling thread's minor page faults so far; None where the OS
+    does not count them (the call then runs plain)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return lambda: resource.getrusage(who).ru_minflt
+
+
+_faults = _fault_counter()
+
+
+class ChunkSafeCall(Generic[T]):
+    """``fn()`` called from the spacer frame its calls take the fewest page
+    faults under (see the module's docstring); the result is ``fn()``'s."""
+
+    def __init__(self, fn: Callable[[], T], faults: Callable[[], int] | None = _faults) -> None:
+        self.fn = fn
+        self._faults = faults
+        self.at = 0  # the spacer in use, an index into SPACER_SLOTS
+        self.settled = faults is None
+        self._seen: list[int | None] = [None] * len(_SPACERS)
+        self._probes = PROBES
+        self._calls = 0
+
+    def __call__(self) -> T:
+        if not ENABLED:
+            return self.fn()
+        self._calls += 1
+        if self.settled and (self._faults is None or self._calls % RECHECK):
+            return _SPACERS[self.at](self.fn)
+        assert self._faults is not None
+        before = self._faults()
+        out = _SPACERS[self.at](self.fn)
+        self._observe(self._faults() - before)
+        return out
+
+    def _observe(self, faults: int) -> None:
+        if self.settled:
+            best = self._seen[self.at] or 0
+            if faults > QUIET and faults > 2 * best:  # the caller moved: choose again
+                self._seen = [None] * len(_SPACERS)
+                self.at, self._probes, self.settled = 0, PROBES, False
+            return
+        seen = self._seen[self.at]
+        self._seen[self.at] = faults if seen is None else min(seen, faults)
+        self._probes -= 1
+        if faults <= QUIET:
+            self.settled = True
+        elif self._probes == 0:
+            self._next()
+
+    def _next(self) -> None:
+        """Probe the next spacer not yet seen, or settle on the best seen."""
+        unseen = [i for i, seen in enumerate(self._seen) if seen is None]
+        if unseen:
+            self.at, self._probes = unseen[0], PROBES
+            return
+        self.at = min(range(len(_SPACERS)), key=lambda i: self._seen[i] or 0)
+        self.settled = True
