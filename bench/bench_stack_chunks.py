@@ -6,11 +6,13 @@ and projection; at some depths of the caller its own frame ends just short of
 a CPython stack chunk, and each such call then maps and unmaps a chunk. The
 sweep runs one short request (``--sweep-new`` tokens) from each depth of
 ``--depths`` (frames of a small recursion, more than a chunk's worth) and
-counts the minor page faults per decode step, the programs called plainly
+counts the minor page faults per step of the second of two runs (the first
+lets the guard settle at that depth), the programs called plainly
 (``stack_chunks.ENABLED = False``) and through the guard. The timing then
 serves the 8 chat prompts (``--new`` tokens each) from the first depth where
 the plain call faults, and from one where it does not, the two ways
-interleaved for ``--rounds`` rounds: decode tokens/s, medians.
+interleaved for ``--rounds`` rounds (each round's order the last's reversed):
+decode tokens/s, medians.
 
 SmolLM2-135M-Instruct with ``--quantize int4-q8`` at batch 1, one thread, by
 default (``--model embedded`` for the default model, no download).
@@ -82,7 +84,8 @@ def sweep(engine: Engine, prompt: tuple[int, ...], depths: range, new: int) -> l
         row: dict[str, Any] = {"depth": depth}
         for way, guarded in WAYS.items():
             trace = [Request(0, prompt, new)]
-            result, n = at_depth(depth, lambda g=guarded, t=trace: served(engine, t, g))
+            for _ in range(2):  # the first run lets the guard settle at this depth
+                result, n = at_depth(depth, lambda g=guarded, t=trace: served(engine, t, g))
             row[way] = n / result.stats.steps
         rows.append(row)
         print(f"depth {depth}: faults/step {row['plain']:.1f} plain, {row['guarded']:.1f} guarded")
@@ -93,8 +96,9 @@ def timed(engine: Engine, trace: list[Request], depth: int, rounds: int) -> dict
     """Decode tokens/s each way from ``depth``, interleaved; outputs compared."""
     tps: dict[str, list[float]] = {way: [] for way in WAYS}
     outputs: dict[str, Any] = {}
-    for _ in range(rounds):
-        for way, guarded in WAYS.items():
+    for round_ in range(rounds):
+        order = list(WAYS.items())
+        for way, guarded in order[:: -1 if round_ % 2 else 1]:  # ABBA: no order favoured
             result, _ = at_depth(depth, lambda g=guarded: served(engine, trace, g))
             tps[way].append(result.stats.decode_tokens / result.stats.decode_seconds)
             outputs[way] = [result.outputs[i] for i in range(len(trace))]
@@ -114,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--depths", type=int, default=160, help="caller depths swept: 0..N-1")
     p.add_argument("--sweep-new", type=int, default=6)
     p.add_argument("--new", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default="stack-chunks-cpu")
     args = p.parse_args(argv)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * args.depths))
@@ -141,6 +145,7 @@ def kernels(quantize: str) -> str:
 
 def write(args: argparse.Namespace, rows: list[dict], bad: list[int], timings: list[dict]) -> None:
     worst = max(rows, key=lambda r: r["guarded"])
+    both = [r["depth"] for r in rows if min(r["plain"], r["guarded"]) > 20]
     lines = [
         "# The CPU runner's decode at every caller depth: plain calls and ChunkSafeCall",
         "",
@@ -151,14 +156,18 @@ def write(args: argparse.Namespace, rows: list[dict], bad: list[int], timings: l
         f"- model: {args.model}, --quantize {args.quantize}, batch 1, one thread",
         "",
         f"Sweep: one request of {args.sweep_new} tokens from each caller depth 0..{args.depths - 1}"
-        " (frames of a small recursion); minor page faults per decode step.",
+        " (frames of a small recursion), run twice, the second counted; minor page faults per"
+        " engine step.",
         "",
         f"- depths where the plain call faults on its ops' calls: {bad or 'none'}",
         f"- most faults per step guarded, any depth: {worst['guarded']:.1f} (depth "
         f"{worst['depth']}); plain at its worst: {max(r['plain'] for r in rows):.1f}",
+        f"- depths where both ways take over 20 a step: {both or 'none'} (frames outside the "
+        "program's call, the engine's and the runner's own, crossing a chunk: no spacer of "
+        "the call's moves those)",
         "",
         f"Timing: the 8 chat prompts, {args.new} tokens each, {args.rounds} rounds, the two ways"
-        " interleaved; decode tokens/s, medians.",
+        " interleaved, each round's order the last's reversed; decode tokens/s, medians.",
         "",
         "| caller depth | plain tok/s | guarded tok/s | guarded / plain | tokens equal |",
         "|---|---|---|---|---|",
