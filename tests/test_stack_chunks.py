@@ -9,7 +9,13 @@ from collections.abc import Callable
 import pytest
 
 from graphrunner.util import stack_chunks
-from graphrunner.util.stack_chunks import PROBES, QUIET, RECHECK, SPACER_SLOTS, ChunkSafeCall
+from graphrunner.util.stack_chunks import (
+    PROBES,
+    QUIET,
+    RECHECK,
+    SPACER_SLOTS,
+    ChunkSafeCall,
+)
 
 resource = pytest.importorskip("resource")
 CALLS = 100  # small calls per program call, as a wrapper's op calls
@@ -73,7 +79,10 @@ class FakeFaults:
 
     def __init__(self, cost: dict[int, int]) -> None:
         self.cost = cost
+        self.extra = 0  # faults of another cause, added to every call
+        self.once = 0  # faults of another cause, added to the next call only
         self.total = 0
+        self.visits = {spacer: 0 for spacer in cost}
         self.guard: ChunkSafeCall[int] | None = None
 
     def __call__(self) -> int:
@@ -81,7 +90,9 @@ class FakeFaults:
 
     def program(self) -> int:
         assert self.guard is not None
-        self.total += self.cost[self.guard.at]
+        self.visits[self.guard.at] += 1
+        self.total += self.cost[self.guard.at] + self.extra + self.once
+        self.once = 0
         return 7
 
 
@@ -113,6 +124,39 @@ def test_a_clean_call_settles_at_once_and_is_checked_again() -> None:
         guard()
     assert (guard.at, guard.settled) == (1, True)
     assert fake.cost[guard.at] <= QUIET
+
+
+def settled_at_1() -> tuple[ChunkSafeCall[int], FakeFaults]:
+    """A guard settled on spacer 1 (4 faults a call: its frame's fresh chunk),
+    spacer 0 mapping a chunk per op call."""
+    guard, fake = guarded({0: 100, 1: 4, 2: 30, 3: 30})
+    for _ in range(PROBES * len(SPACER_SLOTS)):
+        guard()
+    assert (guard.at, guard.settled) == (1, True)
+    fake.visits = dict.fromkeys(fake.visits, 0)
+    return guard, fake
+
+
+def test_a_spike_of_another_cause_does_not_send_it_back_to_a_bad_spacer() -> None:
+    guard, fake = settled_at_1()
+    for _ in range(4 * RECHECK):
+        if guard._calls % RECHECK == RECHECK - 1:  # the next call is measured
+            fake.once = 40  # say a KV page written for the first time
+        guard()
+    assert fake.visits[0] == 0, "a spike elsewhere had the thrashing spacer probed"
+    assert (guard.at, guard.settled) == (1, True)
+
+
+def test_faults_ever_over_the_mark_choose_again_ever_more_rarely() -> None:
+    guard, fake = settled_at_1()
+    fake.extra = 10
+    choices = 0
+    for _ in range(2000):
+        fake.extra *= 3  # every call over any mark a former call set
+        was_settled = guard.settled
+        guard()
+        choices += was_settled and not guard.settled
+    assert 3 <= choices <= 12, f"{choices} choices in 2000 calls: the gap should double"
 
 
 def test_unmeasured_calls_cost_no_count() -> None:

@@ -16,7 +16,11 @@ between runs of the same benchmark. CPython caches one chunk from 3.13's and
 sizes, and counts the page faults a call takes (each fresh chunk takes at
 least one): it keeps the first spacer whose calls run without them (or the
 one with the fewest), and checks one call in :data:`RECHECK` after that, so
-a caller that moves deeper is followed.
+a caller that moves deeper is followed. Faults come from elsewhere too (a
+KV page written for the first time), so a checked call over the mark has
+the spacer in use measured again first, and only a spacer that stays over
+it is left; such a choice is made again no sooner than a gap of calls that
+doubles each time.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ PROBES = 2
 QUIET = 2
 #: Once a spacer is chosen, one call in this many is measured.
 RECHECK = 4
+#: Calls between two choices at first, and at most (the gap doubles).
+FIRST_GAP, LAST_GAP = 4, 1024
 #: False: every ChunkSafeCall calls its program plainly (a benchmark's baseline).
 ENABLED = True
 
@@ -81,6 +87,9 @@ class ChunkSafeCall(Generic[T]):
         self._seen: list[int | None] = [None] * len(_SPACERS)
         self._probes = PROBES
         self._calls = 0
+        self._clean = QUIET  # a probed call at most this faulty settles the choice
+        self._gap = FIRST_GAP
+        self._next_choice = FIRST_GAP
 
     def __call__(self) -> T:
         if not ENABLED:
@@ -96,18 +105,25 @@ class ChunkSafeCall(Generic[T]):
 
     def _observe(self, faults: int) -> None:
         if self.settled:
-            best = self._seen[self.at] or 0
-            if faults > QUIET and faults > 2 * best:  # the caller moved: choose again
-                self._seen = [None] * len(_SPACERS)
-                self.at, self._probes, self.settled = 0, PROBES, False
+            mark = max(QUIET, 2 * (self._seen[self.at] or 0))
+            if faults > mark and self._calls >= self._next_choice:
+                self._choose_again(mark)
             return
         seen = self._seen[self.at]
         self._seen[self.at] = faults if seen is None else min(seen, faults)
         self._probes -= 1
-        if faults <= QUIET:
+        if faults <= self._clean:
             self.settled = True
         elif self._probes == 0:
             self._next()
+
+    def _choose_again(self, mark: int) -> None:
+        """Probe again, the spacer in use first: a call as clean as ``mark``
+        keeps it (the faults were another cause's)."""
+        self._seen = [None] * len(_SPACERS)
+        self._probes, self.settled, self._clean = PROBES, False, mark
+        self._gap = min(2 * self._gap, LAST_GAP)
+        self._next_choice = self._calls + self._gap
 
     def _next(self) -> None:
         """Probe the next spacer not yet seen, or settle on the best seen."""
