@@ -7,8 +7,9 @@ a CPython stack chunk, and each such call then maps and unmaps a chunk. The
 sweep runs one short request (``--sweep-new`` tokens) from each depth of
 ``--depths`` (frames of a small recursion, more than a chunk's worth) and
 counts the minor page faults per step of the second of two runs (the first
-lets the guard settle at that depth), the programs called plainly
-(``stack_chunks.ENABLED = False``) and through the guard. The timing then
+lets the guards settle at that depth), the programs and the engine's step
+called plainly (``stack_chunks.ENABLED = False``) and through their guards
+(the runner's launcher's and the engine loop's). The timing then
 serves the 8 chat prompts (``--new`` tokens each) from the first depth where
 the plain call faults, and from one where it does not, the two ways
 interleaved for ``--rounds`` rounds (each round's order the last's reversed):
@@ -95,17 +96,20 @@ def sweep(engine: Engine, prompt: tuple[int, ...], depths: range, new: int) -> l
 def timed(engine: Engine, trace: list[Request], depth: int, rounds: int) -> dict[str, Any]:
     """Decode tokens/s each way from ``depth``, interleaved; outputs compared."""
     tps: dict[str, list[float]] = {way: [] for way in WAYS}
+    faults_per_step: dict[str, list[float]] = {way: [] for way in WAYS}
     outputs: dict[str, Any] = {}
     for round_ in range(rounds):
         order = list(WAYS.items())
         for way, guarded in order[:: -1 if round_ % 2 else 1]:  # ABBA: no order favoured
-            result, _ = at_depth(depth, lambda g=guarded: served(engine, trace, g))
+            result, n = at_depth(depth, lambda g=guarded: served(engine, trace, g))
             tps[way].append(result.stats.decode_tokens / result.stats.decode_seconds)
+            faults_per_step[way].append(n / result.stats.steps)
             outputs[way] = [result.outputs[i] for i in range(len(trace))]
     medians = {way: statistics.median(v) for way, v in tps.items()}
     return {
         "depth": depth,
         **medians,
+        **{f"{way} faults": statistics.median(v) for way, v in faults_per_step.items()},
         "ratio": medians["guarded"] / medians["plain"],
         "equal": outputs["plain"] == outputs["guarded"],
     }
@@ -147,7 +151,7 @@ def write(args: argparse.Namespace, rows: list[dict], bad: list[int], timings: l
     worst = max(rows, key=lambda r: r["guarded"])
     both = [r["depth"] for r in rows if min(r["plain"], r["guarded"]) > 20]
     lines = [
-        "# The CPU runner's decode at every caller depth: plain calls and ChunkSafeCall",
+        "# The CPU runner's decode at every caller depth: plain calls and ChunkSafeCall's",
         "",
         f"- command: `{CMD}" + (f" {' '.join(sys.argv[1:])}`" if sys.argv[1:] else "`"),
         *(f"- {k}: {v}" for k, v in machine().items()),
@@ -159,21 +163,22 @@ def write(args: argparse.Namespace, rows: list[dict], bad: list[int], timings: l
         " (frames of a small recursion), run twice, the second counted; minor page faults per"
         " engine step.",
         "",
-        f"- depths where the plain call faults on its ops' calls: {bad or 'none'}",
+        f"- depths where the plain calls fault, guarded ones not: {bad or 'none'}",
         f"- most faults per step guarded, any depth: {worst['guarded']:.1f} (depth "
         f"{worst['depth']}); plain at its worst: {max(r['plain'] for r in rows):.1f}",
-        f"- depths where both ways take over 20 a step: {both or 'none'} (frames outside the "
-        "program's call, the engine's and the runner's own, crossing a chunk: no spacer of "
-        "the call's moves those)",
+        f"- depths where both ways take over 20 a step: {both or 'none'}",
         "",
         f"Timing: the 8 chat prompts, {args.new} tokens each, {args.rounds} rounds, the two ways"
-        " interleaved, each round's order the last's reversed; decode tokens/s, medians.",
+        " interleaved, each round's order the last's reversed; decode tokens/s and faults per"
+        " step, medians. The timing's frames differ from the sweep's, so its depths are its"
+        " own: each row's faults say whether the plain calls fault there.",
         "",
-        "| caller depth | plain tok/s | guarded tok/s | guarded / plain | tokens equal |",
-        "|---|---|---|---|---|",
+        "| caller depth (timing's) | faults/step plain, guarded | plain tok/s | guarded tok/s"
+        " | guarded / plain | tokens equal |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {t['depth']}{' (plain faults)' if t['depth'] in bad else ''} | {t['plain']:.1f}"
-            f" | {t['guarded']:.1f} | {t['ratio']:.2f}x | {t['equal']} |"
+            f"| {t['depth']} | {t['plain faults']:.1f}, {t['guarded faults']:.1f} | "
+            f"{t['plain']:.1f} | {t['guarded']:.1f} | {t['ratio']:.2f}x | {t['equal']} |"
             for t in timings
         ),
     ]

@@ -38,12 +38,7 @@ from graphrunner.declare import (
     StepInputs,
     decode_buffer_specs,
 )
-from graphrunner.phases import (
-    EagleDraftExtendRunner,
-    FrozenKvMtpRunner,
-    Phase,
-    decode_phase,
-)
+from graphrunner.phases import EagleDraftExtendRunner, FrozenKvMtpRunner, Phase, decode_phase
 from graphrunner.pools import (
     KVCache,
     MambaStatePool,

@@ -169,6 +169,9 @@ def test_unmeasured_calls_cost_no_count() -> None:
 
 def test_the_program_s_result_and_errors_pass_through() -> None:
     assert ChunkSafeCall(lambda: (1, 2))() == (1, 2)
+    add = ChunkSafeCall(lambda a, b=0: a + b)
+    assert [add(1, 2) for _ in range(3 * RECHECK)] == [3] * 3 * RECHECK
+    assert add(1) == 1
 
     def fails() -> None:
         raise ValueError("from the program")

@@ -18,12 +18,7 @@ from graphrunner.core.input_check import InputGate
 from graphrunner.core.observers import StepHooks, StepObserver
 from graphrunner.core.options import RunnerOptions
 from graphrunner.core.phase import Phase
-from graphrunner.core.replay import (
-    Graph,
-    NotCapturedError,
-    batch_size_of,
-    run_eager,
-)
+from graphrunner.core.replay import Graph, NotCapturedError, batch_size_of, run_eager
 from graphrunner.core.runner_setup import (
     check_fill_matches_backend,
     graph_table,

@@ -28,11 +28,7 @@ from graphrunner.phases.multistep import (
     multistep_phase,
 )
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, with_sampling
-from graphrunner.phases.token_batch import (
-    token_batch_inputs,
-    token_batch_phase,
-    token_batch_specs,
-)
+from graphrunner.phases.token_batch import token_batch_inputs, token_batch_phase, token_batch_specs
 from graphrunner.phases.verify import verify_buffer_specs, verify_phase
 
 __all__ = [

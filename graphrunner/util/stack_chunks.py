@@ -26,7 +26,7 @@ doubles each time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["ChunkSafeCall"]
 
@@ -47,14 +47,15 @@ FIRST_GAP, LAST_GAP = 4, 1024
 ENABLED = True
 
 
-def _spacer(slots: int) -> Callable[[Callable[[], T]], T]:
-    """A function calling its argument from a frame ``slots`` locals larger
-    (the locals are declared, never assigned: the frame is all they cost)."""
+def _spacer(slots: int) -> Callable[..., Any]:
+    """``spacer(fn, *args)``: ``fn(*args)`` called from a frame ``slots``
+    locals larger (declared, never assigned: the frame is all they cost)."""
     if slots == 0:
-        return lambda fn: fn()
+        return lambda fn, *args: fn(*args)
     names = " = ".join(f"_{i}" for i in range(slots))
-    namespace: dict[str, Callable[[Callable[[], T]], T]] = {}
-    exec(f"def spacer(fn):\n    if False:\n        {names} = None\n    return fn()\n", namespace)
+    namespace: dict[str, Callable[..., Any]] = {}
+    src = f"def spacer(fn, *args):\n    if False:\n        {names} = None\n    return fn(*args)\n"
+    exec(src, namespace)
     return namespace["spacer"]
 
 
@@ -76,10 +77,10 @@ _faults = _fault_counter()
 
 
 class ChunkSafeCall(Generic[T]):
-    """``fn()`` called from the spacer frame its calls take the fewest page
-    faults under (see the module's docstring); the result is ``fn()``'s."""
+    """``fn(*args)`` called from the spacer frame its calls take the fewest
+    page faults under (see the module's docstring); the result is ``fn``'s."""
 
-    def __init__(self, fn: Callable[[], T], faults: Callable[[], int] | None = _faults) -> None:
+    def __init__(self, fn: Callable[..., T], faults: Callable[[], int] | None = _faults) -> None:
         self.fn = fn
         self._faults = faults
         self.at = 0  # the spacer in use, an index into SPACER_SLOTS
@@ -91,15 +92,15 @@ class ChunkSafeCall(Generic[T]):
         self._gap = FIRST_GAP
         self._next_choice = FIRST_GAP
 
-    def __call__(self) -> T:
+    def __call__(self, *args: Any) -> T:
         if not ENABLED:
-            return self.fn()
+            return self.fn(*args)
         self._calls += 1
         if self.settled and (self._faults is None or self._calls % RECHECK):
-            return _SPACERS[self.at](self.fn)
+            return _SPACERS[self.at](self.fn, *args)
         assert self._faults is not None
         before = self._faults()
-        out = _SPACERS[self.at](self.fn)
+        out: T = _SPACERS[self.at](self.fn, *args)
         self._observe(self._faults() - before)
         return out
 

@@ -36,7 +36,7 @@ from graphrunner.declare import StepInputs
 from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import check_seed
-from graphrunner.util import Exclusive
+from graphrunner.util import ChunkSafeCall, Exclusive
 from graphrunner_ref.engine.admission import Admission, check_token_budget
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
@@ -185,6 +185,9 @@ class Engine:
         self.admitter = Admission(self, rank0_admits(bundle), budget, token_runner)
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
+        # A step's own frames (scheduler, populate) make many small calls too:
+        # kept off a stack chunk's end as the programs' are, learnt across runs.
+        self._step = ChunkSafeCall(self.schedule.step)
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -234,7 +237,7 @@ class Engine:
                 while _more(run, source) and (max_steps is None or run.stats.steps < max_steps):
                     if not run.live and not run.prefilling:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
-                    bar.update(self.schedule.step(self, run))
+                    bar.update(self._step(self, run))
                     self._fire_callbacks()
                     run.clock += 1
                     interrupted()  # a Ctrl-C held since the step began raises here
