@@ -186,8 +186,9 @@ class Engine:
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
         # A step's own frames (scheduler, populate) make many small calls too:
-        # kept off a stack chunk's end as the programs' are, learnt across runs.
-        self._step = ChunkSafeCall(self.schedule.step)
+        # kept off a stack chunk's end as the programs' are, learnt across runs
+        # (the schedule's step looked up at each call: it may be replaced).
+        self._step = ChunkSafeCall(lambda run: self.schedule.step(self, run))
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
@@ -237,7 +238,7 @@ class Engine:
                 while _more(run, source) and (max_steps is None or run.stats.steps < max_steps):
                     if not run.live and not run.prefilling:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
-                    bar.update(self._step(self, run))
+                    bar.update(self._step(run))
                     self._fire_callbacks()
                     run.clock += 1
                     interrupted()  # a Ctrl-C held since the step began raises here
