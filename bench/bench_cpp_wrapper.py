@@ -1,17 +1,25 @@
-"""The CPU runner's host time with inductor's C++ wrapper against its Python
-wrapper, in one run.
+"""The CPU runner's host time with inductor's C++ wrapper (the default)
+against its Python wrapper, in one run.
 
 Each size's inductor program is a wrapper calling the generated kernels (and
-the opaque ops: the live attention, the float16-weight linear); the Python
-wrapper pays the interpreter per call, ``inductor_options={"cpp_wrapper":
-True}`` compiles the wrapper to C++ too. Same model, same trace, tokens
-compared. The embedded default model (a step of a few hundred µs, so the
-wrapper's share shows) and, with ``--quantize fp16``, the same with its
-projections through the float16-weight op and the live attention.
+the opaque ops: the live attention, the compact-weight linears); the Python
+wrapper pays the interpreter per call, the C++ one (the CPU runner's default,
+``CPU_INDUCTOR_DEFAULTS``: ``cpp_wrapper``, its entry built apart from the
+kernels) calls them back to back; ``inductor_options={"cpp_wrapper": False}``
+asks for the Python one. Same model, same trace, tokens compared:
+
+- the embedded default model (a step of a few hundred µs, so the wrapper's
+  share shows) and, with ``--quantize fp16``, the same with its projections
+  through the float16-weight op and the live attention; a 3-token prompt per
+  request, ``--new`` tokens;
+- SmolLM2-135M-Instruct (``make demo-real``'s checkpoint) with ``--quantize
+  int4`` and ``int4-q8`` at batch 1: the 8 chat prompts one at a time, 32
+  tokens each (``--smollm2``; ``--no-smollm2`` skips it).
 
 Decode µs per step: the engine's decode seconds over its steps, median of
-``--rounds`` runs of ``--new`` tokens per request; capture seconds of each
-size (cold only with an empty inductor cache, as the command below runs it).
+``--rounds`` runs; capture seconds of each size (cold only with an empty
+inductor cache, as the command below runs it: the two wrappers never share a
+program).
 
 Run: ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m
 bench.bench_cpp_wrapper`` (writes
@@ -34,7 +42,8 @@ from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 CMD = (
     "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
 )
-WRAPPERS = {"python": {}, "c++": {"cpp_wrapper": True}}
+#: The runner's ``inductor_options`` per wrapper (None: the default, C++).
+WRAPPERS: dict[str, dict[str, Any] | None] = {"python": {"cpp_wrapper": False}, "c++": None}
 
 
 def measure(bs: int, fp16: bool, wrapper: str, new: int, rounds: int) -> dict[str, Any]:
@@ -42,26 +51,45 @@ def measure(bs: int, fp16: bool, wrapper: str, new: int, rounds: int) -> dict[st
     if fp16:
         quantize_model(bundle.model, "fp16")
         bundle.model.attn_backend.use("live")
+    trace = [Request(i, (3 + i, 5 + i, 7 + i), new) for i in range(bs)]
+    model = "embedded, --quantize fp16, live attention" if fp16 else "embedded"
+    return {"bs": bs, "model": model, "wrapper": wrapper, **run(bundle, bs, wrapper, trace, rounds)}
+
+
+def measure_smollm2(mode: str, wrapper: str, rounds: int) -> dict[str, Any]:
+    """SmolLM2 ``--quantize mode`` at batch 1 over the 8 chat prompts."""
+    from bench.bench_context import smollm2_chats
+    from graphrunner_ref.io import load_model
+
+    checkpoint, prompts = smollm2_chats()
+    new = 32
+    bundle = load_model(checkpoint, max_requests=1, max_context_len=max(map(len, prompts)) + new)
+    quantize_model(bundle.model, mode)
+    trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
+    model = f"SmolLM2-135M, --quantize {mode}"
+    return {"bs": 1, "model": model, "wrapper": wrapper, **run(bundle, 1, wrapper, trace, rounds)}
+
+
+def run(bundle: Any, bs: int, wrapper: str, trace: list[Request], rounds: int) -> dict[str, Any]:
+    """Capture ``bundle``'s step at ``bs`` with ``wrapper``, run ``trace``
+    ``rounds`` times after a warm-up: µs per step, capture s, tokens."""
     runner = create_decode_runner(
         bundle, "cpu", capture_sizes=[bs], show_progress=False, inductor_options=WRAPPERS[wrapper]
     )
     start = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - start
+    assert getattr(runner.mechanism, "wrapper", None) == wrapper, "the wrapper asked for runs"
     engine = Engine(bundle, runner)
-    trace = [Request(i, (3 + i, 5 + i, 7 + i), new) for i in range(bs)]
     result = engine.run(trace)  # warm-up
     per_step = []
     for _ in range(rounds):
         result = engine.run(trace)
         per_step.append(result.stats.decode_seconds / result.stats.steps * 1e6)
     return {
-        "bs": bs,
-        "model": "embedded, --quantize fp16, live attention" if fp16 else "embedded",
-        "wrapper": wrapper,
         "us_per_step": statistics.median(per_step),
         "capture_s": capture_s,
-        "tokens": [result.outputs[i] for i in range(bs)],
+        "tokens": [result.outputs[r.rid] for r in trace],
     }
 
 
@@ -70,27 +98,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,8")
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
         for fp16 in (False, True):
             for bs in (int(s) for s in args.sizes.split(",")):
-                pair = [measure(bs, fp16, w, args.new, args.rounds) for w in WRAPPERS]
-                base = pair[0]
-                for row in pair:
-                    row["ratio"] = base["us_per_step"] / row["us_per_step"]
-                    row["tokens_equal"] = row["tokens"] == base["tokens"]
-                    print(_line(row), flush=True)
-                rows += pair
+                rows += pair([measure(bs, fp16, w, args.new, args.rounds) for w in WRAPPERS])
+        for mode in ("int4", "int4-q8") if args.smollm2 else ():
+            rows += pair([measure_smollm2(mode, w, max(3, args.rounds // 2)) for w in WRAPPERS])
     lines = [
         "# CPU runner: inductor's C++ wrapper against its Python wrapper",
         "",
         f"- command: `{CMD}`",
         *(f"- {k}: {v}" for k, v in machine().items()),
-        f"- one torch thread; bs requests of a 3-token prompt, {args.new} greedy tokens each; "
-        f"decode µs per step, median of {args.rounds} engine runs; capture: seconds to "
-        f"capture the size (inductor cache at the start: {_cache_state()})",
+        f"- one torch thread; embedded: bs requests of a 3-token prompt, {args.new} greedy "
+        f"tokens each, median of {args.rounds} engine runs; SmolLM2: the 8 chat prompts one "
+        f"at a time, 32 tokens each, median of {max(3, args.rounds // 2)} runs; decode µs "
+        f"per step; capture: seconds to capture the size (inductor cache at the start: "
+        f"{_cache_state()})",
         f"- load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} (a shared machine)",
         "",
         "| model | bs | wrapper | decode µs/step | speed-up | capture s | tokens equal |",
@@ -101,6 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text("\n".join(lines) + "\n")
     print(f"results written to {out}")
     return 0
+
+
+def pair(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (one per wrapper, the Python one first) with their ratio to
+    it and whether their tokens equal its, printed."""
+    for row in rows:
+        row["ratio"] = rows[0]["us_per_step"] / row["us_per_step"]
+        row["tokens_equal"] = row["tokens"] == rows[0]["tokens"]
+        print(_line(row), flush=True)
+    return rows
 
 
 def _cache_state() -> str:

@@ -5,10 +5,10 @@ eager). A runner composes one; see :class:`CaptureMechanism`."""
 from __future__ import annotations
 
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
-from graphrunner.mechanisms.compile import UncapturableError
 from graphrunner.mechanisms.cuda_graph import CudaGraphCapture
 from graphrunner.mechanisms.eager import EagerCapture
 from graphrunner.mechanisms.inductor import InductorCapture
+from graphrunner.mechanisms.uncapturable import UncapturableError
 
 __all__ = [
     "MECHANISMS",

@@ -38,9 +38,10 @@ from graphrunner.declare.buffers import BufferView
 from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import ForwardFn, Launcher
 from graphrunner.mechanisms.shape_guards import TraceGuards, without_shape_guards
+from graphrunner.mechanisms.uncapturable import uncapturable
 from graphrunner.util.warn import warn_at_caller
 
-__all__ = ["CUDAGRAPH_OPTION", "SizeCompiler", "UncapturableError", "inductor_patches"]
+__all__ = ["CUDAGRAPH_OPTION", "SizeCompiler", "inductor_patches"]
 
 #: The inductor option that makes inductor capture CUDA graphs of its own.
 CUDAGRAPH_OPTION = "triton.cudagraphs"
@@ -103,24 +104,6 @@ def size_oblivious() -> Iterator[None]:
         yield
 
 
-class UncapturableError(RuntimeError):
-    """The forward cannot be captured as one program: a host sync or a branch
-    on a tensor's value (dynamo's graph break), named by its reason and the
-    line of the model's code that made it."""
-
-
-def _uncapturable(bs: int, error: Exception) -> UncapturableError:
-    """``error`` (dynamo's) as one line: the size, the reason, where."""
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    stack = list(getattr(error, "real_stack", None) or [])  # the innermost frame is where
-    where = f" in {stack[-1].name} ({stack[-1].filename}:{stack[-1].lineno})" if stack else ""
-    return UncapturableError(
-        f"size {bs}: the forward cannot be captured{where}: {reason}; a captured step "
-        "must be a pure tensor program (no .item(), .tolist() or branch on a tensor's "
-        "value): move that decision out of the step, or use the eager runner"
-    )
-
-
 def _cache_hits() -> int:
     """Compilations answered by inductor's FX graph cache or AOTAutograd's cache."""
     from torch._dynamo.utils import counters
@@ -154,15 +137,23 @@ class SizeCompiler:
             (True), or one shape-specialised program per size (False).
         fullgraph: a graph break raises :class:`UncapturableError` naming it
             (False: that size runs through dynamo, counted and warned).
+        fallback: patches to compile with, warned once, where ``patches``
+            fail to compile (the CPU runner's C++ wrapper, a default; None: raise).
     """
 
     def __init__(
-        self, patches: Mapping[str, Any], *, dynamic: bool = True, fullgraph: bool = False
+        self,
+        patches: Mapping[str, Any],
+        *,
+        dynamic: bool = True,
+        fullgraph: bool = False,
+        fallback: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (("dynamic", dynamic), ("fullgraph", fullgraph)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r}; expected a bool")
         self.patches = dict(patches)
+        self.fallback = None if fallback is None else dict(fallback)
         self.dynamic = dynamic
         #: Refuse a forward with a graph break (UncapturableError) instead of
         #: running it through dynamo piecewise.
@@ -190,7 +181,18 @@ class SizeCompiler:
 
         hits = _cache_hits()
         guards = TraceGuards.of_trace(gm)  # before lowering adds its own
-        compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
+        try:
+            compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
+        except Exception as e:  # noqa: BLE001 - the fallback's own compile says what else failed
+            if self.fallback is None:
+                raise
+            extra = sorted(k for k, v in self.patches.items() if self.fallback.get(k) != v)
+            warn_at_caller(
+                f"inductor could not compile the step with {', '.join(extra)} "
+                f"({type(e).__name__}: {str(e).strip()[:300]}); compiled without them"
+            )
+            self.patches, self.fallback = self.fallback, None
+            compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
         if not callable(compiled):  # compile_fx's union also covers AOT artefacts
             raise TypeError(f"inductor returned {type(compiled).__name__}, not a callable")
         self.compilations += 1
@@ -250,7 +252,7 @@ class SizeCompiler:
         except torch._dynamo.exc.Unsupported as e:
             if not self.fullgraph:
                 raise
-            raise _uncapturable(bs, e) from None
+            raise uncapturable(bs, e) from None
 
     def programs(self, bs: int) -> int:
         """Programs compiled while size ``bs`` warmed up (0: it reused one)."""

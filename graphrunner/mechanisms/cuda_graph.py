@@ -11,7 +11,6 @@ import torch
 from graphrunner.declare.buffers import BufferView, StaticBuffers
 from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
-from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches
 
 if TYPE_CHECKING:
     from graphrunner.writers.fused import InGraphPopulate
@@ -89,6 +88,8 @@ class CudaGraphCapture(CaptureMechanism):
                 f"compile_mode={compile_mode!r}, inductor_options={inductor_options!r}: "
                 f"they apply only with compile=True"
             )
+        from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches  # at first use
+
         patches = inductor_patches(compile_mode, inductor_options)
         self.compiler = (
             SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph) if compile else None
