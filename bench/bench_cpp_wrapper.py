@@ -17,9 +17,9 @@ asks for the Python one. Same model, same trace, tokens compared:
   tokens each (``--smollm2``; ``--no-smollm2`` skips it).
 
 Decode µs per step: the engine's decode seconds over its steps, median of
-``--rounds`` runs; capture seconds of each size (cold only with an empty
-inductor cache, as the command below runs it: the two wrappers never share a
-program).
+``--rounds`` runs, the two wrappers' runs alternating (both captured first);
+capture seconds of each size (cold only with an empty inductor cache, as the
+command below runs it: the two wrappers never share a program).
 
 Run: ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m
 bench.bench_cpp_wrapper`` (writes
@@ -32,7 +32,7 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.conftest import RESULTS_DIR, machine
@@ -46,51 +46,69 @@ CMD = (
 WRAPPERS: dict[str, dict[str, Any] | None] = {"python": {"cpp_wrapper": False}, "c++": None}
 
 
-def measure(bs: int, fp16: bool, wrapper: str, new: int, rounds: int) -> dict[str, Any]:
-    bundle = default_model(max_requests=bs, max_context_len=new + 8)
-    if fp16:
-        quantize_model(bundle.model, "fp16")
-        bundle.model.attn_backend.use("live")
+def measure(bs: int, fp16: bool, new: int, rounds: int) -> list[dict[str, Any]]:
+    """The embedded model (``fp16``: its projections float16, the live
+    attention) at ``bs``: a row per wrapper."""
+
+    def bundle() -> Any:
+        made = default_model(max_requests=bs, max_context_len=new + 8)
+        if fp16:
+            quantize_model(made.model, "fp16")
+            made.model.attn_backend.use("live")
+        return made
+
     trace = [Request(i, (3 + i, 5 + i, 7 + i), new) for i in range(bs)]
     model = "embedded, --quantize fp16, live attention" if fp16 else "embedded"
-    return {"bs": bs, "model": model, "wrapper": wrapper, **run(bundle, bs, wrapper, trace, rounds)}
+    return [{"bs": bs, "model": model, **row} for row in interleaved(bundle, bs, trace, rounds)]
 
 
-def measure_smollm2(mode: str, wrapper: str, rounds: int) -> dict[str, Any]:
-    """SmolLM2 ``--quantize mode`` at batch 1 over the 8 chat prompts."""
+def measure_smollm2(mode: str, rounds: int) -> list[dict[str, Any]]:
+    """SmolLM2 ``--quantize mode`` at batch 1 over the 8 chat prompts: a row per wrapper."""
     from bench.bench_context import smollm2_chats
     from graphrunner_ref.io import load_model
 
     checkpoint, prompts = smollm2_chats()
     new = 32
-    bundle = load_model(checkpoint, max_requests=1, max_context_len=max(map(len, prompts)) + new)
-    quantize_model(bundle.model, mode)
+
+    def bundle() -> Any:
+        made = load_model(checkpoint, max_requests=1, max_context_len=max(map(len, prompts)) + new)
+        quantize_model(made.model, mode)
+        return made
+
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
     model = f"SmolLM2-135M, --quantize {mode}"
-    return {"bs": 1, "model": model, "wrapper": wrapper, **run(bundle, 1, wrapper, trace, rounds)}
+    return [{"bs": 1, "model": model, **row} for row in interleaved(bundle, 1, trace, rounds)]
 
 
-def run(bundle: Any, bs: int, wrapper: str, trace: list[Request], rounds: int) -> dict[str, Any]:
-    """Capture ``bundle``'s step at ``bs`` with ``wrapper``, run ``trace``
-    ``rounds`` times after a warm-up: µs per step, capture s, tokens."""
-    runner = create_decode_runner(
-        bundle, "cpu", capture_sizes=[bs], show_progress=False, inductor_options=WRAPPERS[wrapper]
-    )
-    start = time.perf_counter()
-    runner.capture()
-    capture_s = time.perf_counter() - start
-    assert getattr(runner.mechanism, "wrapper", None) == wrapper, "the wrapper asked for runs"
-    engine = Engine(bundle, runner)
-    result = engine.run(trace)  # warm-up
-    per_step = []
+def interleaved(
+    bundle: Callable[[], Any], bs: int, trace: list[Request], rounds: int
+) -> list[dict[str, Any]]:
+    """Each wrapper's runner over its own ``bundle()``, captured at ``bs``
+    (timed), then ``trace`` run on each in turn, ``rounds`` times after a
+    warm-up (a phase of the machine meets both): wrapper, median µs per
+    step, capture s, tokens."""
+    engines = {}
+    rows = {}
+    for wrapper, options in WRAPPERS.items():
+        made = bundle()
+        runner = create_decode_runner(
+            made, "cpu", capture_sizes=[bs], show_progress=False, inductor_options=options
+        )
+        start = time.perf_counter()
+        runner.capture()
+        rows[wrapper] = {"wrapper": wrapper, "capture_s": time.perf_counter() - start}
+        assert getattr(runner.mechanism, "wrapper", None) == wrapper, "the wrapper asked for runs"
+        engines[wrapper] = Engine(made, runner)
+        engines[wrapper].run(trace)  # warm-up
+    per_step: dict[str, list[float]] = {w: [] for w in WRAPPERS}
     for _ in range(rounds):
-        result = engine.run(trace)
-        per_step.append(result.stats.decode_seconds / result.stats.steps * 1e6)
-    return {
-        "us_per_step": statistics.median(per_step),
-        "capture_s": capture_s,
-        "tokens": [result.outputs[r.rid] for r in trace],
-    }
+        for wrapper, engine in engines.items():
+            result = engine.run(trace)
+            per_step[wrapper].append(result.stats.decode_seconds / result.stats.steps * 1e6)
+            rows[wrapper]["tokens"] = [result.outputs[r.rid] for r in trace]
+    for wrapper, row in rows.items():
+        row["us_per_step"] = statistics.median(per_step[wrapper])
+    return list(rows.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,9 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch_threads(1):
         for fp16 in (False, True):
             for bs in (int(s) for s in args.sizes.split(",")):
-                rows += pair([measure(bs, fp16, w, args.new, args.rounds) for w in WRAPPERS])
+                rows += pair(measure(bs, fp16, args.new, args.rounds))
         for mode in ("int4", "int4-q8") if args.smollm2 else ():
-            rows += pair([measure_smollm2(mode, w, max(3, args.rounds // 2)) for w in WRAPPERS])
+            rows += pair(measure_smollm2(mode, args.rounds))
     lines = [
         "# CPU runner: inductor's C++ wrapper against its Python wrapper",
         "",
@@ -115,9 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         *(f"- {k}: {v}" for k, v in machine().items()),
         f"- one torch thread; embedded: bs requests of a 3-token prompt, {args.new} greedy "
         f"tokens each, median of {args.rounds} engine runs; SmolLM2: the 8 chat prompts one "
-        f"at a time, 32 tokens each, median of {max(3, args.rounds // 2)} runs; decode µs "
-        f"per step; capture: seconds to capture the size (inductor cache at the start: "
-        f"{_cache_state()})",
+        f"at a time, 32 tokens each, median of {args.rounds} runs; the wrappers' runs "
+        f"alternate; decode µs per step; capture: seconds to capture the size (inductor "
+        f"cache at the start: {_cache_state()})",
         f"- load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} (a shared machine)",
         "",
         "| model | bs | wrapper | decode µs/step | speed-up | capture s | tokens equal |",
