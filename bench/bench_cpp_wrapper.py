@@ -1,12 +1,11 @@
-"""The CPU runner's host time with inductor's C++ wrapper (the default)
-against its Python wrapper, in one run.
+"""The CPU runner's host time with inductor's C++ wrapper against its Python
+wrapper (the default), in one run.
 
 Each size's inductor program is a wrapper calling the generated kernels (and
 the opaque ops: the live attention, the compact-weight linears); the Python
-wrapper pays the interpreter per call, the C++ one (the CPU runner's default,
-``CPU_INDUCTOR_DEFAULTS``: ``cpp_wrapper``, its entry built apart from the
-kernels) calls them back to back; ``inductor_options={"cpp_wrapper": False}``
-asks for the Python one. Same model, same trace, tokens compared:
+wrapper pays the interpreter per call, the C++ one
+(``inductor_options=CPP_WRAPPER``: ``cpp_wrapper``, its entry built apart
+from the kernels) calls them back to back. Same model, same trace, tokens compared:
 
 - the embedded default model (a step of a few hundred µs, so the wrapper's
   share shows) and, with ``--quantize fp16``, the same with its projections
@@ -32,18 +31,19 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.conftest import RESULTS_DIR, machine
+from graphrunner.mechanisms.inductor import CPP_WRAPPER
 from graphrunner.testing import torch_threads
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model, quantize_model
 
 CMD = (
     "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
 )
-#: The runner's ``inductor_options`` per wrapper (None: the default, C++).
-WRAPPERS: dict[str, dict[str, Any] | None] = {"python": {"cpp_wrapper": False}, "c++": None}
+#: The runner's ``inductor_options`` per wrapper (None: the default, Python).
+WRAPPERS: dict[str, Mapping[str, Any] | None] = {"python": None, "c++": CPP_WRAPPER}
 
 
 def measure(bs: int, fp16: bool, new: int, rounds: int) -> list[dict[str, Any]]:

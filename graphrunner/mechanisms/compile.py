@@ -137,23 +137,15 @@ class SizeCompiler:
             (True), or one shape-specialised program per size (False).
         fullgraph: a graph break raises :class:`UncapturableError` naming it
             (False: that size runs through dynamo, counted and warned).
-        fallback: patches to compile with, warned once, where ``patches``
-            fail to compile (the CPU runner's C++ wrapper, a default; None: raise).
     """
 
     def __init__(
-        self,
-        patches: Mapping[str, Any],
-        *,
-        dynamic: bool = True,
-        fullgraph: bool = False,
-        fallback: Mapping[str, Any] | None = None,
+        self, patches: Mapping[str, Any], *, dynamic: bool = True, fullgraph: bool = False
     ) -> None:
         for name, value in (("dynamic", dynamic), ("fullgraph", fullgraph)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r}; expected a bool")
         self.patches = dict(patches)
-        self.fallback = None if fallback is None else dict(fallback)
         self.dynamic = dynamic
         #: Refuse a forward with a graph break (UncapturableError) instead of
         #: running it through dynamo piecewise.
@@ -181,18 +173,7 @@ class SizeCompiler:
 
         hits = _cache_hits()
         guards = TraceGuards.of_trace(gm)  # before lowering adds its own
-        try:
-            compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
-        except Exception as e:  # noqa: BLE001 - the fallback's own compile says what else failed
-            if self.fallback is None:
-                raise
-            extra = sorted(k for k, v in self.patches.items() if self.fallback.get(k) != v)
-            warn_at_caller(
-                f"inductor could not compile the step with {', '.join(extra)} "
-                f"({type(e).__name__}: {str(e).strip()[:300]}); compiled without them"
-            )
-            self.patches, self.fallback = self.fallback, None
-            compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
         if not callable(compiled):  # compile_fx's union also covers AOT artefacts
             raise TypeError(f"inductor returned {type(compiled).__name__}, not a callable")
         self.compilations += 1

@@ -10,11 +10,10 @@ size whose program cannot be called directly (a graph break, or outputs that
 do not match the dynamo path at capture) keeps the dynamo path, counted in
 ``direct_fallbacks`` and warned once.
 
-The program's wrapper is compiled to C++ by default
-(:data:`CPU_INDUCTOR_DEFAULTS`): the Python wrapper pays the interpreter for
-every kernel it calls (a few hundred a step on a 30-layer model), the C++ one
-calls them back to back. Where the C++ wrapper cannot be built the Python one
-runs, warned once; ``inductor_options={"cpp_wrapper": False}`` asks for it.
+The program calls its kernels from inductor's Python wrapper, a line of
+Python per kernel, size check and buffer; ``inductor_options=CPP_WRAPPER``
+compiles the wrapper to C++ (SmolLM2 at batch 1: 1.05x decode, a slower cold
+capture; :attr:`InductorCapture.wrapper` says which runs).
 
 ``aot_cache=DIR``: the program saved and loaded without tracing (:mod:`.aot`).
 """
@@ -29,13 +28,11 @@ from graphrunner.declare.buffers import BufferView
 from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 
-__all__ = ["CPU_INDUCTOR_DEFAULTS", "InductorCapture"]
+__all__ = ["CPP_WRAPPER", "InductorCapture"]
 
-#: Inductor options the CPU runner adds where ``inductor_options`` does not
-#: set ``cpp_wrapper``: the wrapper in C++, its entry built apart from the
-#: kernels. SmolLM2 at batch 1, cold: capture 115 s against 96 s for the
-#: Python wrapper (267 s built whole), decode 1.15-1.25x.
-CPU_INDUCTOR_DEFAULTS: Mapping[str, Any] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+#: ``inductor_options`` for inductor's C++ wrapper, its entry built apart from
+#: the kernels (built whole, SmolLM2's cold capture took 267 s, not 115 s).
+CPP_WRAPPER: Mapping[str, Any] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 class InductorCapture(CaptureMechanism):
@@ -50,8 +47,8 @@ class InductorCapture(CaptureMechanism):
             instead of running that size through dynamo piecewise.
         compile_mode: a ``torch.compile`` mode whose inductor options apply
             (those that turn on inductor's CUDA graphs are refused).
-        inductor_options: inductor config patches, as ``torch.compile(options=...)``;
-            :data:`CPU_INDUCTOR_DEFAULTS` join them unless they set ``cpp_wrapper``.
+        inductor_options: inductor config patches, as ``torch.compile(options=...)``
+            (:data:`CPP_WRAPPER`: the wrapper in C++).
         aot_cache, aot_key: a folder where the program is saved and loaded
             without tracing, and more fields its key holds (:mod:`.aot`).
     """
@@ -74,13 +71,7 @@ class InductorCapture(CaptureMechanism):
         from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches  # at first use
 
         patches = inductor_patches(compile_mode, inductor_options)
-        chosen = inductor_options is not None and "cpp_wrapper" in inductor_options
-        self.compiler = SizeCompiler(
-            patches if chosen else {**patches, **CPU_INDUCTOR_DEFAULTS},
-            dynamic=dynamic_batch,
-            fullgraph=fullgraph,
-            fallback=None if chosen else patches,
-        )
+        self.compiler = SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph)
         self._pending: dict[int, tuple[ForwardFn, BufferView]] = {}
         self._aot_recorded = False
         self.aot: Any = None  # an AotPrograms, imported only when asked for
