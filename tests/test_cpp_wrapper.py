@@ -11,26 +11,22 @@ from typing import Any
 
 import torch
 
-from graphrunner import CpuGraphRunner, DecodeBatch, decode_buffer_specs
+from conftest import make_runner
+from graphrunner import DecodeBatch, GraphRunner, decode_buffer_specs
 from graphrunner.mechanisms import InductorCapture
 from graphrunner.mechanisms.inductor import CPP_WRAPPER
 from graphrunner.testing import ToyWorld
 
 
-def _runner(world: ToyWorld, options: Mapping[str, Any] | None) -> CpuGraphRunner:
-    runner = CpuGraphRunner(
-        world.model,
-        decode_buffer_specs(),
-        device="cpu",
-        capture_sizes=[4],
-        show_progress=False,
-        inductor_options=options,
+def _runner(world: ToyWorld, options: Mapping[str, Any] | None) -> GraphRunner:
+    runner = make_runner(
+        "cpu", world.model, decode_buffer_specs(), capture_sizes=[4], inductor_options=options
     )
     runner.capture()
     return runner
 
 
-def _builtin_calls(runner: CpuGraphRunner, batch: DecodeBatch) -> Counter[str]:
+def _builtin_calls(runner: GraphRunner, batch: DecodeBatch) -> Counter[str]:
     """The C functions called from Python frames during one replay, by name
     (the Python wrapper calls each kernel, size assert and buffer; the C++
     wrapper is called once, as ``inductor_entry_cpp``)."""
