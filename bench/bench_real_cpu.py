@@ -40,8 +40,31 @@ from the same checkpoint, one process and one thread
 (:mod:`bench.vllm_cpu_run`); its version is written with the results, and
 each row's ratio to vLLM's faster dtype at the same batch.
 
+Rounds (``--rounds``): with 1 (the default) each variant is prepared, run
+once and closed, one after the other, so two variants' figures may be
+minutes apart; this machine's speed drifts by about 20% over minutes, so
+their ratio is partly the machine's. With N > 1, per batch, transformers and
+every variant but vLLM are prepared first (graphrunner: model loaded,
+quantized, runner captured; llama.cpp: its context opened; transformers: its
+model loaded; none of it timed), then N rounds run, each decoding the 8
+prompts once per variant (the same decode-only timing), the order rotated by
+one each round (:func:`round_order`) so that no variant always goes first.
+A row gives the median tok/s over the rounds and its min-max; its ratios to
+transformers and llama.cpp are the medians of the per-round ratios, each
+against the same round's baseline (:func:`median_ratio`), so a drift from
+one round to the next cancels out (one within a round does not). Agreement
+is from the first round's tokens, and each row says whether every round gave
+the same tokens (greedy: they should). vLLM (another process and
+environment) runs once per batch after the rounds, and its rows say they
+were not interleaved. The .json keeps every round's figures. Each variant is
+a :class:`Contender` (prepared once, then :meth:`~Contender.decode` a round
+at a time, then closed): both protocols, and :func:`graphrunner_run`,
+:func:`transformers_run` and :func:`bench.llama_cpp_run.llama_cpp_run`, run
+a round through the same ``decode``.
+
 Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu`` (writes
-``bench/results/real-smollm2-cpu.md`` and ``.json``).
+``bench/results/real-smollm2-cpu.md`` and ``.json``); add ``--rounds N``
+for the interleaved protocol.
 """
 
 from __future__ import annotations
@@ -49,18 +72,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from bench.bench_context import smollm2_chats
 from bench.conftest import RESULTS_DIR, machine
-from bench.llama_cpp_run import llama_cpp_available, llama_cpp_run, llama_cpp_system
+from bench.llama_cpp_run import LlamaCppDecoder, llama_cpp_available, llama_cpp_system
 from bench.vllm_cpu_run import (
     VLLM_PYTHON,
     vllm_available,
@@ -108,6 +133,8 @@ LLAMA_CPP = "llama.cpp"
 VLLM = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
 #: The label that starts vLLM's rows.
 VLLM_WHO = "vLLM CPU engine"
+#: transformers' own ``generate``, the baseline every batch has (not a ``--variants`` name).
+TRANSFORMERS = "transformers"
 
 
 def all_variants() -> list[str]:
@@ -154,19 +181,158 @@ def cpu_flags() -> str:
     return " ".join(f for f in flags if f.startswith(wanted))
 
 
+class Contender(Protocol):
+    """A variant prepared once (model loaded, quantized and its runner
+    captured; llama.cpp's context opened: none of it timed), then decoded a
+    round at a time: each :meth:`decode` runs the prompts once. ``who`` is
+    its row's label."""
+
+    who: str
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        """One round: decode tokens/s (prefill excluded) and each prompt's new
+        tokens, in prompt order."""
+        ...
+
+    def close(self) -> None:
+        """Free what preparing took (a second call does nothing)."""
+        ...
+
+
+class EngineDecoder:
+    """``bundle``'s step captured at size ``bs`` on runner ``kind``
+    (``options`` to its mechanism); each :meth:`decode` serves the prompts
+    (``new`` tokens each) through one engine over that runner: the engine
+    frees every request row and KV page a run took, so its runs repeat."""
+
+    def __init__(
+        self,
+        bundle: Any,
+        kind: str,
+        prompts: list[list[int]],
+        bs: int,
+        new: int,
+        *,
+        who: str = "graphrunner",
+        **options: Any,
+    ) -> None:
+        self.who = who
+        runner = create_decode_runner(
+            bundle, kind, capture_sizes=[bs], show_progress=False, **options
+        )
+        runner.capture()
+        self.engine = Engine(bundle, runner)
+        self.trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        """One engine run of the prompts: the engine's decode tokens/s (its
+        decode replays) and new tokens in prompt order."""
+        result = self.engine.run(self.trace)
+        stats = result.stats
+        return stats.decode_tokens / stats.decode_seconds, [
+            result.outputs[r.rid] for r in self.trace
+        ]
+
+    def close(self) -> None:
+        """Nothing to free beyond what the garbage collector takes."""
+
+
+class GraphrunnerDecoder(EngineDecoder):
+    """``--variants`` ``variant`` (a :data:`VARIANTS` name) on the checkpoint:
+    loaded for ``bs`` requests, quantized, captured (an AOT variant's package
+    built into a fresh folder that :meth:`close` removes)."""
+
+    def __init__(
+        self, checkpoint: Path, prompts: list[list[int]], variant: str, bs: int, new: int
+    ) -> None:
+        kind, dtype, quantize, who = VARIANTS[variant]
+        context = max(len(p) for p in prompts) + new
+        bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
+        if quantize is not None:
+            quantize_model(bundle.model, quantize)
+        # Built here, then run: steady state alike.
+        self._cache = tempfile.TemporaryDirectory() if variant in AOT_VARIANTS else None
+        options = {} if self._cache is None else {"aot_cache": self._cache.name}
+        try:
+            super().__init__(bundle, kind, prompts, bs, new, who=who, **options)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove the AOT package's folder, if any."""
+        if self._cache is not None:
+            self._cache.cleanup()
+            self._cache = None
+
+
+class TransformersDecoder:
+    """transformers' model from the checkpoint, float32, loaded once; each
+    :meth:`decode` runs ``generate`` over the prompts ``bs`` at a time."""
+
+    who = "transformers generate"
+
+    def __init__(self, checkpoint: Path, prompts: list[list[int]], bs: int, new: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        # No end token: every row decodes all its tokens, as the engine's do (no
+        # early stop, and no end-token logit masked either).
+        model.generation_config.eos_token_id = None
+        self.pad = (
+            model.config.eos_token_id
+            if model.config.pad_token_id is None
+            else model.config.pad_token_id
+        )
+        self.model, self.prompts, self.bs, self.new = model, prompts, bs, new
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        """Decode tokens/s (the new tokens after the first over the time of
+        ``generate(new)`` minus ``generate(1)`` on the same inputs) and new
+        tokens in prompt order."""
+        prompts, bs, new, pad = self.prompts, self.bs, self.new, self.pad
+        outputs: list[list[int]] = []
+        decode_s = 0.0
+        for start in range(0, len(prompts), bs):
+            group = prompts[start : start + bs]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+
+            _, first_s = _generate(self.model, ids, mask, 1, pad)
+            out, all_s = _generate(self.model, ids, mask, new, pad)
+            decode_s += all_s - first_s
+            outputs += [row[width:].tolist() for row in out]
+        return len(prompts) * (new - 1) / decode_s, outputs
+
+    def close(self) -> None:
+        """Nothing to free beyond what the garbage collector takes."""
+
+
+def one_round(contender: Contender) -> tuple[float, list[list[int]]]:
+    """``contender``'s one round (decode tokens/s and tokens), closed after it."""
+    try:
+        return contender.decode()
+    finally:
+        contender.close()
+
+
+def prepare(name: str, checkpoint: Path, prompts: list[list[int]], bs: int, new: int) -> Contender:
+    """The contender of ``--variants`` ``name`` (or :data:`TRANSFORMERS`) at
+    batch ``bs``, prepared; not for vLLM (its own process, run whole)."""
+    if name == TRANSFORMERS:
+        return TransformersDecoder(checkpoint, prompts, bs, new)
+    if name == LLAMA_CPP:
+        return LlamaCppDecoder(fetch_gguf(cache_root()), prompts, bs, new)
+    return GraphrunnerDecoder(checkpoint, prompts, name, bs, new)
+
+
 def graphrunner_run(
     checkpoint: Path, prompts: list[list[int]], variant: str, bs: int, new: int
 ) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s and each prompt's new tokens (in prompt order)."""
-    kind, dtype, quantize, _ = VARIANTS[variant]
-    context = max(len(p) for p in prompts) + new
-    bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
-    if quantize is not None:
-        quantize_model(bundle.model, quantize)
-    if variant not in AOT_VARIANTS:
-        return serve(bundle, kind, prompts, bs, new)
-    with tempfile.TemporaryDirectory() as cache:  # built here, then run: steady state alike
-        return serve(bundle, kind, prompts, bs, new, aot_cache=cache)
+    """Decode tokens/s and each prompt's new tokens (in prompt order): one
+    round of a fresh :class:`GraphrunnerDecoder`."""
+    return one_round(GraphrunnerDecoder(checkpoint, prompts, variant, bs, new))
 
 
 def serve(
@@ -174,45 +340,16 @@ def serve(
 ) -> tuple[float, list[list[int]]]:
     """Capture ``bundle``'s step at size ``bs`` on runner ``kind`` (``options``
     to its mechanism), serve the prompts (``new`` tokens each): decode
-    tokens/s and new tokens in prompt order."""
-    runner = create_decode_runner(bundle, kind, capture_sizes=[bs], show_progress=False, **options)
-    runner.capture()
-    trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
-    result = Engine(bundle, runner).run(trace)
-    stats = result.stats
-    return stats.decode_tokens / stats.decode_seconds, [
-        result.outputs[i] for i in range(len(prompts))
-    ]
+    tokens/s and new tokens in prompt order (one round of an :class:`EngineDecoder`)."""
+    return one_round(EngineDecoder(bundle, kind, prompts, bs, new, **options))
 
 
 def transformers_run(
     checkpoint: Path, prompts: list[list[int]], bs: int, new: int
 ) -> tuple[float, list[list[int]]]:
-    """transformers' decode tokens/s (prefill subtracted) and new tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    # No end token: every row decodes all its tokens, as the engine's do (no
-    # early stop, and no end-token logit masked either).
-    model.generation_config.eos_token_id = None
-    pad = (
-        model.config.eos_token_id
-        if model.config.pad_token_id is None
-        else model.config.pad_token_id
-    )
-    outputs: list[list[int]] = []
-    decode_s = 0.0
-    for start in range(0, len(prompts), bs):
-        group = prompts[start : start + bs]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-
-        _, first_s = _generate(model, ids, mask, 1, pad)
-        out, all_s = _generate(model, ids, mask, new, pad)
-        decode_s += all_s - first_s
-        outputs += [row[width:].tolist() for row in out]
-    return len(prompts) * (new - 1) / decode_s, outputs
+    """transformers' decode tokens/s (prefill subtracted) and new tokens: one
+    round of a fresh :class:`TransformersDecoder`."""
+    return one_round(TransformersDecoder(checkpoint, prompts, bs, new))
 
 
 def _generate(
@@ -231,6 +368,178 @@ def _generate(
     return out, time.perf_counter() - begin
 
 
+def round_order(names: Sequence[str], index: int) -> list[str]:
+    """The order of round ``index`` (from 0): ``names`` rotated left by
+    ``index``, so round r starts with the r-th name (modulo their count)."""
+    if not names:
+        return []
+    k = index % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def per_round_ratios(values: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """Each round's ``values[r] / baseline[r]`` (the baseline of the same round)."""
+    if len(values) != len(baseline):
+        raise ValueError(f"{len(values)} rounds against a baseline of {len(baseline)}")
+    return [v / b for v, b in zip(values, baseline, strict=True)]
+
+
+def median_ratio(values: Sequence[float], baseline: Sequence[float]) -> float:
+    """The median of the per-round ratios (not the ratio of the medians)."""
+    return statistics.median(per_round_ratios(values, baseline))
+
+
+def rounds_count(text: str) -> int:
+    """``--rounds``: a whole number >= 1, else an argparse error naming it."""
+    try:
+        rounds = int(text)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return rounds
+
+
+def sequential(
+    checkpoint: Path, prompts: list[list[int]], variants: list[str], bs: int, new: int
+) -> list[dict[str, Any]]:
+    """Batch ``bs`` with ``--rounds 1``: transformers, then each variant in
+    turn, each prepared, run once and closed: a row each."""
+    hf_tps, hf_tokens = one_round(prepare(TRANSFORMERS, checkpoint, prompts, bs, new))
+    rows = [
+        {
+            "bs": bs,
+            "who": TransformersDecoder.who,
+            "tokens_per_s": hf_tps,
+            **agreement(hf_tokens, hf_tokens),
+        }
+    ]
+    print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
+    for variant in variants:
+        if variant in VLLM:
+            rows.append(vllm_row(checkpoint, prompts, variant, bs, new, hf_tokens))
+            continue
+        contender = prepare(variant, checkpoint, prompts, bs, new)
+        tps, tokens = one_round(contender)
+        rows.append({"bs": bs, "who": contender.who, "tokens_per_s": tps})
+        rows[-1].update(agreement(tokens, hf_tokens))
+        print(
+            f"bs {bs} {contender.who}: {tps:.1f} tok/s, {rows[-1]['agree']}/8 rows and "
+            f"{rows[-1]['prefix']:.1f} leading tokens as transformers",
+            flush=True,
+        )
+    return rows
+
+
+def vllm_row(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    variant: str,
+    bs: int,
+    new: int,
+    hf_tokens: list[list[int]],
+    **facts: Any,
+) -> dict[str, Any]:
+    """vLLM ``variant`` run once in its own process: its row (``facts`` added
+    after tokens/s), printed."""
+    tps, tokens = vllm_cpu_run(checkpoint, prompts, bs, new, VLLM[variant])
+    row = {"bs": bs, "who": f"{VLLM_WHO}, --dtype {VLLM[variant]}", "tokens_per_s": tps}
+    row.update(facts)
+    row.update(agreement(tokens, hf_tokens))
+    print(
+        f"bs {bs} {row['who']}: {tps:.1f} tok/s, {row['agree']}/8 rows and "
+        f"{row['prefix']:.1f} leading tokens as transformers",
+        flush=True,
+    )
+    return row
+
+
+def interleaved(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    variants: list[str],
+    bs: int,
+    new: int,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """Batch ``bs`` with ``--rounds`` > 1: transformers and every variant but
+    vLLM prepared, then ``rounds`` rounds, each decoding the prompts once per
+    variant in :func:`round_order`; then vLLM once, not interleaved. A row
+    each: the median tok/s, min, max and every round's figure, the medians of
+    the per-round ratios, agreement from the first round's tokens, and
+    whether every round gave the same tokens."""
+    names = [TRANSFORMERS, *(v for v in variants if v not in VLLM)]
+    figures: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[list[list[int]]]] = {n: [] for n in names}
+    orders: list[list[str]] = []
+    with ExitStack() as stack:
+        contenders: dict[str, Contender] = {}
+        for name in names:
+            contenders[name] = prepare(name, checkpoint, prompts, bs, new)
+            stack.callback(contenders[name].close)
+        print(f"bs {bs}: {len(names)} prepared, {rounds} rounds", flush=True)
+        for index in range(rounds):
+            orders.append(round_order(names, index))
+            for name in orders[-1]:
+                tps, got = contenders[name].decode()
+                figures[name].append(tps)
+                tokens[name].append(got)
+            done = ", ".join(f"{n} {figures[n][-1]:.1f}" for n in orders[-1])
+            print(f"bs {bs} round {index + 1}/{rounds}: {done} tok/s", flush=True)
+        whos = {n: c.who for n, c in contenders.items()}
+    hf_tokens = tokens[TRANSFORMERS][0]
+    rows = []
+    for name in names:
+        row = rounds_row(name, figures, tokens[name], orders, hf_tokens)
+        rows.append({"bs": bs, "who": whos[name], **row})
+        print(f"bs {bs} {whos[name]}: {rounds_line(row)}", flush=True)
+    for variant in (v for v in variants if v in VLLM):
+        rows.append(vllm_row(checkpoint, prompts, variant, bs, new, hf_tokens, interleaved=False))
+    return rows
+
+
+def rounds_row(
+    name: str,
+    figures: dict[str, list[float]],
+    tokens: list[list[list[int]]],
+    orders: list[list[str]],
+    hf_tokens: list[list[int]],
+) -> dict[str, Any]:
+    """Contender ``name``'s interleaved figures (``figures``: every
+    contender's tok/s per round; ``tokens``: its tokens per round)."""
+    mine = figures[name]
+    differ = [r for r, got in enumerate(tokens) if got != tokens[0]]
+    row: dict[str, Any] = {
+        "interleaved": True,
+        "tokens_per_s": statistics.median(mine),
+        "min": min(mine),
+        "max": max(mine),
+        "rounds_tokens_per_s": mine,
+        "round_positions": [order.index(name) for order in orders],
+        "vs_transformers": median_ratio(mine, figures[TRANSFORMERS]),
+        "vs_transformers_per_round": per_round_ratios(mine, figures[TRANSFORMERS]),
+    }
+    if LLAMA_CPP in figures:
+        row["vs_llama_cpp"] = median_ratio(mine, figures[LLAMA_CPP])
+        row["vs_llama_cpp_per_round"] = per_round_ratios(mine, figures[LLAMA_CPP])
+    row["same_tokens_every_round"] = not differ
+    row["rounds_with_other_tokens"] = differ
+    return {**row, **agreement(tokens[0], hf_tokens)}
+
+
+def rounds_line(row: dict[str, Any]) -> str:
+    """An interleaved row, printed: median, range, ratios, agreement."""
+    ratios = f"{row['vs_transformers']:.2f}x transformers"
+    if "vs_llama_cpp" in row:
+        ratios += f", {row['vs_llama_cpp']:.2f}x llama.cpp"
+    same = "" if row["same_tokens_every_round"] else ", TOKENS DIFFER BETWEEN ROUNDS"
+    return (
+        f"median {row['tokens_per_s']:.1f} tok/s ({row['min']:.1f}-{row['max']:.1f}), "
+        f"{ratios} (medians of per-round ratios), {row['agree']}/8 rows and "
+        f"{row['prefix']:.1f} leading tokens as transformers{same}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
@@ -239,6 +548,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--variants",
         default=default_variants(),
         help=f"comma-separated, of {', '.join(all_variants())}",
+    )
+    p.add_argument(
+        "--rounds",
+        type=rounds_count,
+        default=1,
+        help="1: each variant run once, one after the other (the default); N > 1: every "
+        "variant but vLLM prepared once, then N rounds of each decoding the prompts, the "
+        "order rotated each round; medians and medians of per-round ratios",
     )
     p.add_argument(
         "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
@@ -254,34 +571,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = os.getloadavg()[0]
     with torch_threads(1):
         for bs in (int(b) for b in args.batches.split(",")):
-            hf_tps, hf_tokens = transformers_run(checkpoint, prompts, bs, args.new)
-            rows.append(
-                {
-                    "bs": bs,
-                    "who": "transformers generate",
-                    "tokens_per_s": hf_tps,
-                    **agreement(hf_tokens, hf_tokens),
-                }
-            )
-            print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
-            for variant in variants:
-                if variant == LLAMA_CPP:
-                    gguf = fetch_gguf(cache_root())
-                    tps, tokens = llama_cpp_run(gguf, prompts, bs, args.new)
-                    who = f"llama.cpp on {gguf.name}"
-                elif variant in VLLM:
-                    tps, tokens = vllm_cpu_run(checkpoint, prompts, bs, args.new, VLLM[variant])
-                    who = f"{VLLM_WHO}, --dtype {VLLM[variant]}"
-                else:
-                    tps, tokens = graphrunner_run(checkpoint, prompts, variant, bs, args.new)
-                    who = VARIANTS[variant][3]
-                row = {"bs": bs, "who": who, "tokens_per_s": tps}
-                rows.append({**row, **agreement(tokens, hf_tokens)})
-                print(
-                    f"bs {bs} {row['who']}: {tps:.1f} tok/s, {rows[-1]['agree']}/8 rows and "
-                    f"{rows[-1]['prefix']:.1f} leading tokens as transformers",
-                    flush=True,
-                )
+            if args.rounds == 1:
+                rows += sequential(checkpoint, prompts, variants, bs, args.new)
+            else:
+                rows += interleaved(checkpoint, prompts, variants, bs, args.new, args.rounds)
     extra = {"llama.cpp": llama_cpp_system()} if LLAMA_CPP in variants else {}
     if any(v in VLLM for v in variants):
         extra["vLLM"] = (
@@ -290,7 +583,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     extra.update(kernel_facts([VARIANTS[v][2] for v in variants if v in VARIANTS]))
     result = run_record(f"{CMD} {' '.join(argv)}", extra, args.new, load, prompts, rows)
-    print(f"results written to {write(result, args.out)}")
+    if args.rounds > 1:
+        result["rounds"] = args.rounds
+        print(f"results written to {write_rounds(result, args.out)}")
+    else:
+        print(f"results written to {write(result, args.out)}")
     return 0
 
 
@@ -378,6 +675,59 @@ def write(result: dict[str, Any], name: str) -> str:
         lines.append(
             f"| {r['bs']} | {r['who']} | {tps:.1f} | {tps / base[r['bs']]:.2f}x | {vs_llama} | "
             f"{vs_vllm} | {r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} |"
+        )
+    return save_results(name, lines, result)
+
+
+def write_rounds(result: dict[str, Any], name: str) -> str:
+    """An interleaved run's results (``result["rounds"]`` > 1): medians,
+    ranges and medians of per-round ratios; vLLM's rows, not interleaved,
+    against the baselines' medians."""
+    rounds = result["rounds"]
+    header = results_header(result, "SmolLM2-135M-Instruct on the CPU: decode tokens/s")
+    header[-1:-1] = [
+        f"- interleaved, {rounds} rounds per batch: transformers and every variant but vLLM "
+        "prepared first (model loaded, quantized, runner captured; llama.cpp's context "
+        "opened; none of it timed), then each round decodes the 8 prompts once per variant, "
+        "the order rotated by one each round (no variant always first); tok/s is the median "
+        "over the rounds, min-max beside it; a ratio is the median of the per-round ratios, "
+        "each against the same round's baseline",
+    ]
+    rows = result["rows"]
+    if any(not r.get("interleaved", True) for r in rows):
+        header[-1:-1] = [
+            "- vLLM: run once per batch after the rounds, in its own process: NOT interleaved; "
+            "its ratios, and the other rows' ratios against it, are of medians, measured "
+            "minutes apart"
+        ]
+    lines = [
+        *header,
+        f"| batch | who | decode tok/s (median of {rounds}) | min-max | vs transformers | "
+        "vs llama.cpp | vs vLLM (faster dtype) | rows as transformers | "
+        "leading tokens as transformers | same tokens every round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
+    llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
+    vllm: dict[int, float] = {}
+    for r in rows:
+        if r["who"].startswith(VLLM_WHO):
+            vllm[r["bs"]] = max(vllm.get(r["bs"], 0.0), r["tokens_per_s"])
+    for r in rows:
+        tps, bs = r["tokens_per_s"], r["bs"]
+        if r.get("interleaved", True):
+            spread = f"{r['min']:.1f}-{r['max']:.1f}"
+            vs_hf = f"{r['vs_transformers']:.2f}x"
+            vs_llama = f"{r['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in r else "-"
+            same = "yes" if r["same_tokens_every_round"] else "NO"
+        else:
+            spread, same = "one run, not interleaved", "-"
+            vs_hf = f"{tps / base[bs]:.2f}x (of medians)"
+            vs_llama = f"{tps / llama[bs]:.2f}x (of medians)" if bs in llama else "-"
+        vs_vllm = f"{tps / vllm[bs]:.2f}x" if bs in vllm else "-"
+        lines.append(
+            f"| {bs} | {r['who']} | {tps:.1f} | {spread} | {vs_hf} | {vs_llama} | {vs_vllm} | "
+            f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} | {same} |"
         )
     return save_results(name, lines, result)
 

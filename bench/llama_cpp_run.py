@@ -6,6 +6,9 @@ each is prefilled alone, then every decode step is one ``llama_decode`` of
 one token per sequence, as the graphrunner engine's steps are. Only the
 decode steps are timed; the greedy pick (a numpy argmax over the logits
 llama.cpp returns) is inside that time, as graphrunner's sampling is.
+A :class:`LlamaCppDecoder` opens its context once and decodes the prompts
+round after round over it (``bench_real_cpu --rounds``); :func:`llama_cpp_run`
+is one round of a fresh one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["llama_cpp_available", "llama_cpp_logits", "llama_cpp_run", "llama_cpp_system"]
+__all__ = [
+    "LlamaCppDecoder",
+    "llama_cpp_available",
+    "llama_cpp_logits",
+    "llama_cpp_run",
+    "llama_cpp_system",
+]
 
 
 def llama_cpp_available() -> bool:
@@ -95,16 +104,26 @@ class _Context:
         self.lc.llama_model_free(self.model)
 
 
-def llama_cpp_run(
-    gguf: Path, prompts: list[list[int]], bs: int, new: int
-) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s (prefill excluded) and each prompt's ``new`` greedy
-    tokens, the prompts run ``bs`` at a time, one thread."""
-    context = max(len(p) for p in prompts) + new
-    run = _Context(gguf, bs, context)
-    outputs: list[list[int]] = []
-    decode_s, decoded = 0.0, 0
-    try:
+class LlamaCppDecoder:
+    """llama.cpp on ``gguf``, prepared once to decode ``prompts`` ``bs`` at a
+    time (``new`` tokens each): its context is opened here, and each
+    :meth:`decode` (one round) reuses it, clearing its memory per group.
+
+    ``who`` is its row's label; :meth:`close` frees the context and model.
+    """
+
+    def __init__(self, gguf: Path, prompts: list[list[int]], bs: int, new: int) -> None:
+        self.who = f"llama.cpp on {gguf.name}"
+        self.prompts, self.bs, self.new = prompts, bs, new
+        self.run = _Context(gguf, bs, max(len(p) for p in prompts) + new)
+        self._open = True
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        """One round: decode tokens/s (prefill excluded) and each prompt's
+        ``new`` greedy tokens, in prompt order."""
+        run, prompts, bs, new = self.run, self.prompts, self.bs, self.new
+        outputs: list[list[int]] = []
+        decode_s, decoded = 0.0, 0
         for start in range(0, len(prompts), bs):
             group = prompts[start : start + bs]
             run.lc.llama_memory_clear(run.lc.llama_get_memory(run.ctx), True)
@@ -123,9 +142,26 @@ def llama_cpp_run(
             decode_s += time.perf_counter() - begin
             decoded += len(group) * (new - 1)
             outputs += tokens
+        return decoded / decode_s, outputs
+
+    def close(self) -> None:
+        """Free the context and model (a second call does nothing)."""
+        if self._open:
+            self._open = False
+            self.run.close()
+
+
+def llama_cpp_run(
+    gguf: Path, prompts: list[list[int]], bs: int, new: int
+) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s (prefill excluded) and each prompt's ``new`` greedy
+    tokens, the prompts run ``bs`` at a time, one thread: one round of a
+    :class:`LlamaCppDecoder`, closed after it."""
+    decoder = LlamaCppDecoder(gguf, prompts, bs, new)
+    try:
+        return decoder.decode()
     finally:
-        run.close()
-    return decoded / decode_s, outputs
+        decoder.close()
 
 
 def llama_cpp_logits(gguf: Path, sequences: list[list[int]]) -> list[np.ndarray]:

@@ -1,0 +1,57 @@
+"""The pure parts of ``bench/bench_real_cpu.py --rounds``: the order each
+round runs its variants in, and ratios taken as the median of per-round
+ratios (not the ratio of medians). No model is loaded, nothing compiled."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import bench_real_cpu
+from bench.bench_real_cpu import median_ratio, per_round_ratios, round_order
+
+NAMES = ["transformers", "int4", "llama.cpp"]
+
+
+def test_round_order_rotates_by_one_each_round() -> None:
+    assert round_order(NAMES, 0) == ["transformers", "int4", "llama.cpp"]
+    assert round_order(NAMES, 1) == ["int4", "llama.cpp", "transformers"]
+    assert round_order(NAMES, 2) == ["llama.cpp", "transformers", "int4"]
+    assert round_order(NAMES, 3) == round_order(NAMES, 0)
+    assert round_order([], 4) == []
+
+
+def test_every_variant_goes_first_and_each_round_runs_all_once() -> None:
+    orders = [round_order(NAMES, r) for r in range(len(NAMES))]
+    assert sorted(o[0] for o in orders) == sorted(NAMES)
+    assert all(sorted(o) == sorted(NAMES) for o in orders)
+    # Each variant takes every position once over len(NAMES) rounds.
+    for name in NAMES:
+        assert sorted(o.index(name) for o in orders) == list(range(len(NAMES)))
+    assert NAMES == ["transformers", "int4", "llama.cpp"]  # the input is not rotated in place
+
+
+def test_ratio_is_the_median_of_per_round_ratios_not_of_medians() -> None:
+    # The machine runs twice as fast in round 2: the per-round ratio stays 2.
+    variant = [20.0, 40.0, 21.0]
+    baseline = [10.0, 20.0, 30.0]
+    assert per_round_ratios(variant, baseline) == [2.0, 2.0, 0.7]
+    assert median_ratio(variant, baseline) == pytest.approx(2.0)
+    # The ratio of the medians would read 21 / 20.
+    assert median_ratio(variant, baseline) != pytest.approx(21.0 / 20.0)
+    # An even count: the mean of the two middle ratios.
+    assert median_ratio([3.0, 8.0], [1.0, 2.0]) == pytest.approx(3.5)
+
+
+def test_ratios_refuse_rounds_that_do_not_pair() -> None:
+    with pytest.raises(ValueError, match="3 rounds against a baseline of 2"):
+        per_round_ratios([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_rounds_refused_by_value(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        bench_real_cpu.main(["--variants", "int4", "--rounds", bad])
+    assert stop.value.code == 2
+    assert f"argument --rounds: expected a whole number >= 1, got '{bad}'" in (
+        capsys.readouterr().err
+    )
