@@ -48,7 +48,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_context import smollm2_chats
-from bench.bench_real_cpu import cpu_flags, kernel_facts, save_results, transformers_run
+from bench.bench_real_cpu import (
+    cpu_flags,
+    kernel_facts,
+    leading_tokens,
+    save_results,
+    transformers_run,
+)
 from bench.conftest import machine
 from bench.llama_cpp_run import (
     llama_cpp_available,
@@ -134,8 +140,7 @@ def divergences(
     logit there) from the reference's teacher-forced ``logits``."""
     firsts, leading = [], []
     for row, (got, want) in enumerate(zip(tokens, reference, strict=True)):
-        same = [a == b for a, b in zip(got, want, strict=True)] + [False]
-        i = same.index(False)
+        i = leading_tokens(got, want)
         leading.append(i)
         if i < len(want):
             scores = logits[row][at[row].start + i]

@@ -596,12 +596,15 @@ def kernel_facts(modes: list[str | None]) -> dict[str, str]:
     return {"cpu features": cpu_features().describe(), "kernel paths": kernel_summary(modes)}
 
 
+def leading_tokens(got: list[int], want: list[int]) -> int:
+    """How many of ``got``'s first tokens equal ``want``'s (as long as each other)."""
+    same = [a == b for a, b in zip(got, want, strict=True)] + [False]
+    return same.index(False)
+
+
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
     """Rows equal to ``reference`` and the mean count of leading tokens that agree."""
-    prefixes = []
-    for got, want in zip(tokens, reference, strict=True):
-        same = [a == b for a, b in zip(got, want, strict=True)] + [False]
-        prefixes.append(same.index(False))
+    prefixes = [leading_tokens(got, want) for got, want in zip(tokens, reference, strict=True)]
     equal = sum(a == b for a, b in zip(tokens, reference, strict=True))
     return {"agree": equal, "prefix": sum(prefixes) / len(prefixes)}
 
