@@ -76,7 +76,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
@@ -389,15 +389,33 @@ def median_ratio(values: Sequence[float], baseline: Sequence[float]) -> float:
     return statistics.median(per_round_ratios(values, baseline))
 
 
-def rounds_count(text: str) -> int:
-    """``--rounds``: a whole number >= 1, else an argparse error naming it."""
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low``, else an error naming the text."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+#: ``--rounds``: a whole number >= 1, else an argparse error naming it.
+rounds_count = at_least(1)
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``--batches``: comma-separated whole numbers >= 1, else an argparse
+    error naming the one that is not."""
+    one = at_least(1)
     try:
-        rounds = int(text)
-    except ValueError:
-        rounds = 0
-    if rounds < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return rounds
+        return [one(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"in {text!r}: {e}") from None
 
 
 def sequential(
@@ -542,8 +560,12 @@ def rounds_line(row: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--new", type=int, default=32, help="new tokens per prompt (32)")
-    p.add_argument("--batches", default="8,1")
+    p.add_argument(
+        "--new", type=at_least(2), default=32, help="new tokens per prompt, at least 2 (32)"
+    )
+    p.add_argument(
+        "--batches", type=batch_sizes, default="8,1", help="comma-separated batch sizes (8,1)"
+    )
     p.add_argument(
         "--variants",
         default=default_variants(),
@@ -570,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
-        for bs in (int(b) for b in args.batches.split(",")):
+        for bs in args.batches:
             if args.rounds == 1:
                 rows += sequential(checkpoint, prompts, variants, bs, args.new)
             else:

@@ -47,11 +47,22 @@ def test_ratios_refuse_rounds_that_do_not_pair() -> None:
         per_round_ratios([1.0, 2.0, 3.0], [1.0, 2.0])
 
 
-@pytest.mark.parametrize("bad", ["0", "-2", "two"])
-def test_rounds_refused_by_value(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("option", "bad", "says"),
+    [
+        ("--rounds", "0", "expected a whole number >= 1, got '0'"),
+        ("--rounds", "-2", "expected a whole number >= 1, got '-2'"),
+        ("--rounds", "two", "expected a whole number >= 1, got 'two'"),
+        # One new token has no decode step to time.
+        ("--new", "1", "expected a whole number >= 2, got '1'"),
+        ("--batches", "8,x", "in '8,x': expected a whole number >= 1, got 'x'"),
+        ("--batches", "0", "in '0': expected a whole number >= 1, got '0'"),
+    ],
+)
+def test_bad_numbers_refused_by_value(
+    option: str, bad: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as stop:
-        bench_real_cpu.main(["--variants", "int4", "--rounds", bad])
+        bench_real_cpu.main(["--variants", "int4", option, bad])
     assert stop.value.code == 2
-    assert f"argument --rounds: expected a whole number >= 1, got '{bad}'" in (
-        capsys.readouterr().err
-    )
+    assert f"argument {option}: {says}" in capsys.readouterr().err
