@@ -1,11 +1,15 @@
-"""The CPU runner's host time with inductor's C++ wrapper against its Python
-wrapper (the default), in one run.
+"""The CPU runner's host time with each of inductor's wrappers, in one run:
+its Python wrapper with its size and stride asserts (``python-asserts``,
+``inductor_options={"size_asserts": True}``, the default before
+``DIRECT_CALL_OPTIONS``), without them (``python``, the default) and its
+C++ wrapper (``c++``).
 
 Each size's inductor program is a wrapper calling the generated kernels (and
 the opaque ops: the live attention, the compact-weight linears); the Python
-wrapper pays the interpreter per call, the C++ one
-(``inductor_options=CPP_WRAPPER``: ``cpp_wrapper``, its entry built apart
-from the kernels) calls them back to back. Same model, same trace, tokens compared:
+wrapper pays the interpreter per call (and per input, for each assert), the
+C++ one (``inductor_options=CPP_WRAPPER``: ``cpp_wrapper``, its entry built
+apart from the kernels) calls them back to back. Same model, same trace,
+tokens compared:
 
 - the embedded default model (a step of a few hundred µs, so the wrapper's
   share shows) and, with ``--quantize fp16``, the same with its projections
@@ -16,13 +20,14 @@ from the kernels) calls them back to back. Same model, same trace, tokens compar
   tokens each (``--smollm2``; ``--no-smollm2`` skips it).
 
 Decode µs per step: the engine's decode seconds over its steps, median of
-``--rounds`` runs, the two wrappers' runs alternating (both captured first);
+``--rounds`` runs, the wrappers' runs interleaved (all captured first, the
+order rotated each round); a ratio is against the first of ``--wrappers``;
 capture seconds of each size (cold only with an empty inductor cache, as the
-command below runs it: the two wrappers never share a program).
+command below runs it: the wrappers never share a program).
 
 Run: ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m
-bench.bench_cpp_wrapper`` (writes
-``bench/results/cpp-wrapper-cpu.md``). Not collected as a test.
+bench.bench_cpp_wrapper [--wrappers python-asserts,python] [--out NAME]`` (writes
+``bench/results/NAME.md``, ``cpp-wrapper-cpu`` by default). Not collected as a test.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from bench.bench_real_cpu import round_order
 from bench.conftest import RESULTS_DIR, machine
 from graphrunner.mechanisms.inductor import CPP_WRAPPER
 from graphrunner.testing import torch_threads
@@ -42,11 +49,18 @@ from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 CMD = (
     "TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python -m bench.bench_cpp_wrapper"
 )
-#: The runner's ``inductor_options`` per wrapper (None: the default, Python).
-WRAPPERS: dict[str, Mapping[str, Any] | None] = {"python": None, "c++": CPP_WRAPPER}
+#: Per ``--wrappers`` name: the runner's ``inductor_options`` (None: the
+#: default) and the wrapper it runs (``InductorCapture.wrapper``).
+WRAPPERS: dict[str, tuple[Mapping[str, Any] | None, str]] = {
+    "python-asserts": ({"size_asserts": True}, "python"),
+    "python": (None, "python"),
+    "c++": (CPP_WRAPPER, "c++"),
+}
 
 
-def measure(bs: int, fp16: bool, new: int, rounds: int) -> list[dict[str, Any]]:
+def measure(
+    bs: int, fp16: bool, new: int, rounds: int, wrappers: Sequence[str]
+) -> list[dict[str, Any]]:
     """The embedded model (``fp16``: its projections float16, the live
     attention) at ``bs``: a row per wrapper."""
 
@@ -59,10 +73,11 @@ def measure(bs: int, fp16: bool, new: int, rounds: int) -> list[dict[str, Any]]:
 
     trace = [Request(i, (3 + i, 5 + i, 7 + i), new) for i in range(bs)]
     model = "embedded, --quantize fp16, live attention" if fp16 else "embedded"
-    return [{"bs": bs, "model": model, **row} for row in interleaved(bundle, bs, trace, rounds)]
+    rows = interleaved(bundle, bs, trace, rounds, wrappers)
+    return [{"bs": bs, "model": model, **row} for row in rows]
 
 
-def measure_smollm2(mode: str, rounds: int) -> list[dict[str, Any]]:
+def measure_smollm2(mode: str, rounds: int, wrappers: Sequence[str]) -> list[dict[str, Any]]:
     """SmolLM2 ``--quantize mode`` at batch 1 over the 8 chat prompts: a row per wrapper."""
     from bench.bench_context import smollm2_chats
     from graphrunner_ref.io import load_model
@@ -77,19 +92,21 @@ def measure_smollm2(mode: str, rounds: int) -> list[dict[str, Any]]:
 
     trace = [Request(i, tuple(p), new) for i, p in enumerate(prompts)]
     model = f"SmolLM2-135M, --quantize {mode}"
-    return [{"bs": 1, "model": model, **row} for row in interleaved(bundle, 1, trace, rounds)]
+    rows = interleaved(bundle, 1, trace, rounds, wrappers)
+    return [{"bs": 1, "model": model, **row} for row in rows]
 
 
 def interleaved(
-    bundle: Callable[[], Any], bs: int, trace: list[Request], rounds: int
+    bundle: Callable[[], Any], bs: int, trace: list[Request], rounds: int, wrappers: Sequence[str]
 ) -> list[dict[str, Any]]:
-    """Each wrapper's runner over its own ``bundle()``, captured at ``bs``
-    (timed), then ``trace`` run on each in turn, ``rounds`` times after a
-    warm-up (a phase of the machine meets both): wrapper, median µs per
-    step, capture s, tokens."""
+    """Each of ``wrappers``' runners over its own ``bundle()``, captured at
+    ``bs`` (timed), then ``trace`` run on each in turn, ``rounds`` times after
+    a warm-up, the order rotated a round (a phase of the machine meets them
+    all): wrapper, median µs per step, capture s, tokens."""
     engines = {}
     rows = {}
-    for wrapper, options in WRAPPERS.items():
+    for wrapper in wrappers:
+        options, runs = WRAPPERS[wrapper]
         made = bundle()
         runner = create_decode_runner(
             made, "cpu", capture_sizes=[bs], show_progress=False, inductor_options=options
@@ -97,13 +114,13 @@ def interleaved(
         start = time.perf_counter()
         runner.capture()
         rows[wrapper] = {"wrapper": wrapper, "capture_s": time.perf_counter() - start}
-        assert getattr(runner.mechanism, "wrapper", None) == wrapper, "the wrapper asked for runs"
+        assert getattr(runner.mechanism, "wrapper", None) == runs, "the wrapper asked for runs"
         engines[wrapper] = Engine(made, runner)
         engines[wrapper].run(trace)  # warm-up
-    per_step: dict[str, list[float]] = {w: [] for w in WRAPPERS}
-    for _ in range(rounds):
-        for wrapper, engine in engines.items():
-            result = engine.run(trace)
+    per_step: dict[str, list[float]] = {w: [] for w in wrappers}
+    for index in range(rounds):
+        for wrapper in round_order(list(wrappers), index):
+            result = engines[wrapper].run(trace)
             per_step[wrapper].append(result.stats.decode_seconds / result.stats.steps * 1e6)
             rows[wrapper]["tokens"] = [result.outputs[r.rid] for r in trace]
     for wrapper, row in rows.items():
@@ -117,24 +134,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--wrappers",
+        default=",".join(WRAPPERS),
+        help=f"comma-separated, of {', '.join(WRAPPERS)}; ratios against the first",
+    )
+    p.add_argument("--out", default="cpp-wrapper-cpu", help="results file under bench/results/")
     args = p.parse_args(argv)
+    wrappers = args.wrappers.split(",")
+    unknown = [w for w in wrappers if w not in WRAPPERS]
+    if unknown:
+        p.error(f"--wrappers {unknown[0]}: expected one of {', '.join(WRAPPERS)}")
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
         for fp16 in (False, True):
             for bs in (int(s) for s in args.sizes.split(",")):
-                rows += pair(measure(bs, fp16, args.new, args.rounds))
+                rows += pair(measure(bs, fp16, args.new, args.rounds, wrappers))
         for mode in ("int4", "int4-q8") if args.smollm2 else ():
-            rows += pair(measure_smollm2(mode, args.rounds))
+            rows += pair(measure_smollm2(mode, args.rounds, wrappers))
     lines = [
-        "# CPU runner: inductor's C++ wrapper against its Python wrapper",
+        f"# CPU runner: inductor's wrappers ({', '.join(wrappers)}), interleaved",
         "",
-        f"- command: `{CMD}`",
+        f"- command: `{CMD} {' '.join(argv if argv is not None else sys.argv[1:])}`",
         *(f"- {k}: {v}" for k, v in machine().items()),
         f"- one torch thread; embedded: bs requests of a 3-token prompt, {args.new} greedy "
         f"tokens each, median of {args.rounds} engine runs; SmolLM2: the 8 chat prompts one "
         f"at a time, 32 tokens each, median of {args.rounds} runs; the wrappers' runs "
-        f"alternate; decode µs per step; capture: seconds to capture the size (inductor "
+        f"interleaved, the order rotated a round; decode µs per step; ratio against "
+        f"{wrappers[0]}; capture: seconds to capture the size (inductor "
         f"cache at the start: {_cache_state()})",
         f"- load average before / after: {load:.1f} / {os.getloadavg()[0]:.1f} (a shared machine)",
         "",
@@ -142,14 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|",
         *(_line(r) for r in rows),
     ]
-    out = RESULTS_DIR / "cpp-wrapper-cpu.md"
+    out = RESULTS_DIR / f"{args.out}.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"results written to {out}")
     return 0
 
 
 def pair(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` (one per wrapper, the Python one first) with their ratio to
+    """``rows`` (one per wrapper, the baseline first) with their ratio to
     it and whether their tokens equal its, printed."""
     for row in rows:
         row["ratio"] = rows[0]["us_per_step"] / row["us_per_step"]

@@ -1,6 +1,8 @@
 """The CPU runner's program calls its kernels from inductor's Python wrapper
-by default and from its C++ wrapper with ``inductor_options=CPP_WRAPPER``,
-and gives the eager forward's outputs either way."""
+by default, with no size or stride assert (``DIRECT_CALL_OPTIONS``; the
+caller's ``inductor_options`` may set them back), and from its C++ wrapper
+with ``inductor_options=CPP_WRAPPER``, and gives the eager forward's outputs
+every way."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ def _runner(world: ToyWorld, options: Mapping[str, Any] | None) -> GraphRunner:
 
 def _builtin_calls(runner: GraphRunner, batch: DecodeBatch) -> Counter[str]:
     """The C functions called from Python frames during one replay, by name
-    (the Python wrapper calls each kernel, size assert and buffer; the C++
-    wrapper is called once, as ``inductor_entry_cpp``)."""
+    (the Python wrapper calls each kernel as ``kernel``, and each size assert;
+    the C++ wrapper is called once, as ``inductor_entry_cpp``)."""
     count: Counter[str] = Counter()
 
     def hook(frame: Any, event: str, arg: Any) -> None:
@@ -44,20 +46,30 @@ def _builtin_calls(runner: GraphRunner, batch: DecodeBatch) -> Counter[str]:
     return count
 
 
-def test_the_cpp_wrapper_calls_the_kernels_from_cpp_with_the_eager_outputs() -> None:
+def test_each_wrapper_calls_what_it_should_with_the_eager_outputs() -> None:
     world = ToyWorld()
-    default = _runner(world, None)
-    cpp = _runner(world, CPP_WRAPPER)
-    assert isinstance(default.mechanism, InductorCapture)
-    assert isinstance(cpp.mechanism, InductorCapture)
-    assert (default.mechanism.wrapper, cpp.mechanism.wrapper) == ("python", "c++")
-    assert default.direct_fallbacks == cpp.direct_fallbacks == 0
+    runners = {
+        "default": _runner(world, None),
+        "asserts": _runner(world, {"size_asserts": True}),
+        "cpp": _runner(world, CPP_WRAPPER),
+    }
+    wrappers = {}
+    for name, runner in runners.items():
+        assert isinstance(runner.mechanism, InductorCapture)
+        assert runner.direct_fallbacks == 0
+        wrappers[name] = runner.mechanism.wrapper
+    assert wrappers == {"default": "python", "asserts": "python", "cpp": "c++"}
     for raw_bs in (1, 3, 4):
         batch = world.make_batch(raw_bs, seed=raw_bs)
         expected, _ = world.eager_reference(batch)
-        torch.testing.assert_close(default.replay(batch), expected)
-        torch.testing.assert_close(cpp.replay(batch), expected)
+        for runner in runners.values():
+            torch.testing.assert_close(runner.replay(batch), expected)
     batch = world.make_batch(3, seed=7)
-    cpp_calls, python_calls = _builtin_calls(cpp, batch), _builtin_calls(default, batch)
-    assert cpp_calls["inductor_entry_cpp"] == 1 and cpp_calls["assert_size_stride"] == 0
-    assert python_calls["inductor_entry_cpp"] == 0 and python_calls["assert_size_stride"] > 0
+    calls = {name: _builtin_calls(runner, batch) for name, runner in runners.items()}
+    # The Python wrapper calls its kernels from Python, by default with no asserts.
+    assert calls["default"]["kernel"] > 0 and calls["default"]["assert_size_stride"] == 0
+    assert calls["asserts"]["kernel"] > 0 and calls["asserts"]["assert_size_stride"] > 0
+    assert calls["default"]["inductor_entry_cpp"] == calls["asserts"]["inductor_entry_cpp"] == 0
+    # The C++ wrapper is one call from Python.
+    assert calls["cpp"]["inductor_entry_cpp"] == 1 and calls["cpp"]["kernel"] == 0
+    assert calls["cpp"]["assert_size_stride"] == 0

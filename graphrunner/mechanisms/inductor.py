@@ -11,9 +11,12 @@ do not match the dynamo path at capture) keeps the dynamo path, counted in
 ``direct_fallbacks`` and warned once.
 
 The program calls its kernels from inductor's Python wrapper, a line of
-Python per kernel, size check and buffer; ``inductor_options=CPP_WRAPPER``
-compiles the wrapper to C++ (SmolLM2 at batch 1: 1.05x decode, a slower cold
-capture; :attr:`InductorCapture.wrapper` says which runs).
+Python per kernel and buffer; ``inductor_options=CPP_WRAPPER`` compiles the
+wrapper to C++ (SmolLM2 at batch 1: 1.05x decode, a slower cold capture;
+:attr:`InductorCapture.wrapper` says which runs). The wrapper is generated
+without its size and stride asserts (:data:`DIRECT_CALL_OPTIONS`): replay
+passes the program the very tensors it was captured with, so an assert per
+input per call would check what cannot have changed.
 
 ``aot_cache=DIR``: the program saved and loaded without tracing (:mod:`.aot`).
 """
@@ -28,7 +31,16 @@ from graphrunner.declare.buffers import BufferView
 from graphrunner.declare.outputs import Outputs
 from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
 
-__all__ = ["CPP_WRAPPER", "InductorCapture"]
+__all__ = ["CPP_WRAPPER", "DIRECT_CALL_OPTIONS", "InductorCapture"]
+
+#: Inductor options under the caller's ``inductor_options`` (which may set them
+#: back): no size and stride asserts in the program's wrapper. Each is a call
+#: per input tensor (every weight is one) on every replay, about 640 a step for
+#: SmolLM2, checking tensors that replay never changes (the program is called
+#: with the arguments it was captured with); without them SmolLM2 decodes at
+#: batch 1 1.04-1.08x faster (int4-q8, int4), the embedded model 1.07-1.22x
+#: (``bench/results/size-asserts-cpu.md``).
+DIRECT_CALL_OPTIONS: Mapping[str, Any] = {"size_asserts": False}
 
 #: ``inductor_options`` for inductor's C++ wrapper, its entry built apart from
 #: the kernels (built whole, SmolLM2's cold capture took 267 s, not 115 s).
@@ -47,8 +59,8 @@ class InductorCapture(CaptureMechanism):
             instead of running that size through dynamo piecewise.
         compile_mode: a ``torch.compile`` mode whose inductor options apply
             (those that turn on inductor's CUDA graphs are refused).
-        inductor_options: inductor config patches, as ``torch.compile(options=...)``
-            (:data:`CPP_WRAPPER`: the wrapper in C++).
+        inductor_options: inductor config patches, as ``torch.compile(options=...)``,
+            over :data:`DIRECT_CALL_OPTIONS` (:data:`CPP_WRAPPER`: the wrapper in C++).
         aot_cache, aot_key: a folder where the program is saved and loaded
             without tracing, and more fields its key holds (:mod:`.aot`).
     """
@@ -70,7 +82,9 @@ class InductorCapture(CaptureMechanism):
     ) -> None:
         from graphrunner.mechanisms.compile import SizeCompiler, inductor_patches  # at first use
 
-        patches = inductor_patches(compile_mode, inductor_options)
+        patches = inductor_patches(
+            compile_mode, {**DIRECT_CALL_OPTIONS, **(inductor_options or {})}
+        )
         self.compiler = SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph)
         self._pending: dict[int, tuple[ForwardFn, BufferView]] = {}
         self._aot_recorded = False
