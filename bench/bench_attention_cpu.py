@@ -25,6 +25,7 @@ Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_attention_cpu --against HEAD
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_real_cpu import cpu_flags, save_results
+from bench.bench_real_cpu import cpu_flags, round_order, save_results
 from bench.conftest import machine
 from graphrunner.testing import torch_threads
 from graphrunner_ref.model.attention_cpu import (
@@ -56,9 +57,10 @@ CALLS = {64: 400, 256: 150, 1024: 40, 4096: 10}
 Operands = tuple[torch.Tensor, ...]
 
 
-def kernel_at(rev: str) -> Callable[..., torch.Tensor]:
+def kernel_at(rev: str) -> tuple[Callable[..., torch.Tensor], str]:
     """``attention_cpu.cpp`` as committed at ``rev``, built under a library of
-    its own (so it loads beside the working tree's): its ``decode`` op."""
+    its own (so it loads beside the working tree's): its ``decode`` op, and
+    ``rev``'s short commit hash."""
     path = ATTENTION_SOURCE.relative_to(Path.cwd().resolve())
     try:
         source = subprocess.run(
@@ -79,7 +81,7 @@ def kernel_at(rev: str) -> Callable[..., torch.Tensor]:
         why = build_extension(f"graphrunner_cpu_attention_at_{sha}", file)
     if why is not None:
         raise SystemExit(f"--against {rev}: its kernel did not build: {why}")
-    return getattr(torch.ops, library).decode
+    return getattr(torch.ops, library).decode, sha
 
 
 def operands(rows: int, kv_heads: int, group: int, dim: int, context: int) -> Operands:
@@ -110,7 +112,7 @@ def measure(
     candidates: dict[str, Callable[..., torch.Tensor]], args: Operands, calls: int, rounds: int
 ) -> dict[str, list[float]]:
     """Each candidate's µs a call in each round (candidates interleaved,
-    their order rotated a round), after checking its output against the reference."""
+    their order rotated a round: ``round_order``), after checking its output against the reference."""
     scale = args[0].shape[-1] ** -0.5
     want = live_decode_attention(*args, scale)
     for name, fn in candidates.items():
@@ -118,9 +120,8 @@ def measure(
     times: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = candidates[name]
-            times[name].append(time_round(lambda fn=fn: fn(*args, scale), calls))
+        for name in round_order(names, r):
+            times[name].append(time_round(functools.partial(candidates[name], *args, scale), calls))
     return times
 
 
@@ -141,8 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"the C++ attention cannot run here: {why}")
         return 0
-    old = kernel_at(args.against)
-    candidates = {"torch": live_decode_attention, "at": old, "now": cpp_decode_attention}
+    old, sha = kernel_at(args.against)
+    candidates: dict[str, Callable[..., torch.Tensor]] = {
+        "torch": live_decode_attention,
+        "at": old,
+        "now": cpp_decode_attention,
+    }
     rows = []
     with torch_threads(1):
         for label, kv_heads, group, dim in SHAPES:
@@ -172,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "command": command.strip(),
         "machine": {**machine(), "cpu flags": cpu_flags()},
-        "against": args.against,
+        "against": f"{args.against} ({sha})" if sha != args.against else sha,
         "rows": rows,
     }
     print(f"results written to {write(result, args.out)}")
