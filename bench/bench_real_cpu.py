@@ -10,9 +10,14 @@ decodes the same number of tokens), one torch thread, float32:
 - batch 1: the prompts one at a time (graphrunner: a pool of one request,
   one captured size of 1; transformers: one ``generate`` call per prompt).
 
-Decode tokens/s excludes prefill: graphrunner's engine times its decode
-replays; transformers' is (the new tokens after the first) over the time of
-``generate(new)`` minus ``generate(1)`` on the same inputs. The tokens of
+Decode tokens/s excludes prefill: graphrunner's is the engine's decode
+tokens over its steps' wall time outside admission
+(``EngineStats.decode_wall_seconds``: each step whole, its batch prepared,
+the replay, the tokens read back and recorded, as llama.cpp's loop is timed
+whole; results before 2026-11-30 timed the replays alone,
+``decode_seconds``, about 5% less at batch 1); transformers' is (the new
+tokens after the first) over the time of ``generate(new)`` minus
+``generate(1)`` on the same inputs. The tokens of
 each graphrunner run are compared with transformers' float32 ones: rows
 whose ``--new`` tokens all agree, and the mean number of leading tokens that
 agree.
@@ -226,10 +231,10 @@ class EngineDecoder:
 
     def decode(self) -> tuple[float, list[list[int]]]:
         """One engine run of the prompts: the engine's decode tokens/s (its
-        decode replays) and new tokens in prompt order."""
+        steps' wall time outside admission) and new tokens in prompt order."""
         result = self.engine.run(self.trace)
         stats = result.stats
-        return stats.decode_tokens / stats.decode_seconds, [
+        return stats.decode_tokens / stats.decode_wall_seconds, [
             result.outputs[r.rid] for r in self.trace
         ]
 
@@ -670,7 +675,8 @@ def results_header(result: dict[str, Any], title: str) -> list[str]:
         *(f"- {k}: {v}" for k, v in result["machine"].items()),
         f"- one torch thread, greedy, {result['new_tokens']} new tokens per prompt, "
         f"8 chat prompts of {min(lengths)}-{max(lengths)} tokens; steady-state decode "
-        "(prefill excluded)",
+        "(prefill excluded; graphrunner: its engine's decode steps whole, wall time, "
+        "as llama.cpp's loop)",
         f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f} "
         f"(a shared {os.cpu_count()}-core machine)",
         "- agreement: with transformers' float32 tokens (rows whose every token agrees; "

@@ -353,3 +353,12 @@ def test_paged_admission_reserves_whole_pages_not_tokens() -> None:
 def test_build_rejects_a_bad_page_size(page_size: Any) -> None:
     with pytest.raises(ValueError, match=f"page_size={page_size!r}: expected an int >= 1"):
         default_model(max_requests=1, page_size=page_size)
+
+
+def test_step_time_holds_the_replays_and_admission_apart() -> None:
+    stats = _engine().run(_trace(4)).stats
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    # The replays and the admissions are parts of the steps, apart from each other.
+    assert stats.step_seconds >= stats.prefill_seconds + stats.decode_seconds
+    assert stats.decode_wall_seconds == stats.step_seconds - stats.prefill_seconds
+    assert stats.decode_wall_seconds >= stats.decode_seconds

@@ -238,7 +238,9 @@ class Engine:
                 while _more(run, source) and (max_steps is None or run.stats.steps < max_steps):
                     if not run.live and not run.prefilling:  # idle: jump to the next arrival
                         run.clock = max(run.clock, run.pending[0].arrival_step)
+                    begin = time.perf_counter()
                     bar.update(self._step(run))
+                    run.stats.step_seconds += time.perf_counter() - begin
                     self._fire_callbacks()
                     run.clock += 1
                     interrupted()  # a Ctrl-C held since the step began raises here
@@ -274,7 +276,14 @@ class Engine:
         """Prefill arrived requests in order while they fit; returns each with
         its first token (a 0-d device tensor); see
         :class:`~graphrunner_ref.engine.admission.Admission`."""
-        return self.admitter.admit(run)
+        # Host time, no device sync (an overlapped schedule admits while the
+        # last step runs): on a GPU, prefill's device work may be waited for
+        # in the step's read back instead.
+        begin = time.perf_counter()
+        try:
+            return self.admitter.admit(run)
+        finally:
+            run.stats.prefill_seconds += time.perf_counter() - begin
 
     def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""

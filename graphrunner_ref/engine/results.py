@@ -26,8 +26,10 @@ class AdmissionError(RuntimeError):
 
 @dataclass(slots=True)
 class EngineStats:
-    """What a run did. Seconds are wall time around the forward calls only,
-    with a device sync on CUDA so they measure the work, not the launch."""
+    """What a run did. ``decode_seconds`` and ``eager_seconds`` are wall time
+    around the forward calls only, with a device sync on CUDA so they measure
+    the work, not the launch; ``step_seconds`` and ``prefill_seconds`` are the
+    host's wall time of whole steps and of their admission."""
 
     steps: int = 0  # decode steps
     prefills: int = 0  # prompts whose prefill finished
@@ -35,6 +37,8 @@ class EngineStats:
     prefill_chunks: int = 0  # forward_extend calls: one per prompt unless chunked
     decode_tokens: int = 0  # live rows over all decode steps
     decode_seconds: float = 0.0  # in runner.replay
+    step_seconds: float = 0.0  # wall time of the run's steps: admission, decode, bookkeeping
+    prefill_seconds: float = 0.0  # wall time in admission: prefill chunks, first tokens
     eager_seconds: float = 0.0  # in the eager reference (check mode)
     live_rows: int = 0
     padded_rows: int = 0
@@ -48,6 +52,15 @@ class EngineStats:
     syncs: int = 0  # device-to-host reads of decode tokens
     sanitized_replays: int = 0  # replays the runner's padding sanitizer checked (0: none)
     sanitizer_seconds: float = 0.0  # host seconds those checks took
+
+    @property
+    def decode_wall_seconds(self) -> float:
+        """The steps' wall time outside admission: each decode step whole
+        (its batch prepared, the replay, the tokens read back and recorded,
+        finished requests retired), where :attr:`decode_seconds` is the
+        replays alone. On a GPU a prefill's device work may land here (it is
+        waited for at the step's read back)."""
+        return self.step_seconds - self.prefill_seconds
 
     @property
     def launches_per_token(self) -> float:
