@@ -444,14 +444,26 @@ def sequential(
             continue
         contender = prepare(variant, checkpoint, prompts, bs, new)
         tps, tokens = one_round(contender)
-        rows.append({"bs": bs, "who": contender.who, "tokens_per_s": tps})
-        rows[-1].update(agreement(tokens, hf_tokens))
-        print(
-            f"bs {bs} {contender.who}: {tps:.1f} tok/s, {rows[-1]['agree']}/8 rows and "
-            f"{rows[-1]['prefix']:.1f} leading tokens as transformers",
-            flush=True,
-        )
+        rows.append(once_row(bs, contender.who, tps, tokens, hf_tokens))
     return rows
+
+
+def once_row(
+    bs: int,
+    who: str,
+    tps: float,
+    tokens: list[list[int]],
+    hf_tokens: list[list[int]],
+    **facts: Any,
+) -> dict[str, Any]:
+    """A row run once: its tok/s, ``facts`` and agreement with ``hf_tokens``, printed."""
+    row = {"bs": bs, "who": who, "tokens_per_s": tps, **facts, **agreement(tokens, hf_tokens)}
+    print(
+        f"bs {bs} {who}: {tps:.1f} tok/s, {row['agree']}/8 rows and "
+        f"{row['prefix']:.1f} leading tokens as transformers",
+        flush=True,
+    )
+    return row
 
 
 def vllm_row(
@@ -466,15 +478,8 @@ def vllm_row(
     """vLLM ``variant`` run once in its own process: its row (``facts`` added
     after tokens/s), printed."""
     tps, tokens = vllm_cpu_run(checkpoint, prompts, bs, new, VLLM[variant])
-    row = {"bs": bs, "who": f"{VLLM_WHO}, --dtype {VLLM[variant]}", "tokens_per_s": tps}
-    row.update(facts)
-    row.update(agreement(tokens, hf_tokens))
-    print(
-        f"bs {bs} {row['who']}: {tps:.1f} tok/s, {row['agree']}/8 rows and "
-        f"{row['prefix']:.1f} leading tokens as transformers",
-        flush=True,
-    )
-    return row
+    who = f"{VLLM_WHO}, --dtype {VLLM[variant]}"
+    return once_row(bs, who, tps, tokens, hf_tokens, **facts)
 
 
 def interleaved(
@@ -685,6 +690,20 @@ def results_header(result: dict[str, Any], title: str) -> list[str]:
     ]
 
 
+def baselines(
+    rows: list[dict[str, Any]],
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per batch size, the tok/s that ratios are against: transformers',
+    llama.cpp's and vLLM's faster dtype's."""
+    base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
+    llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
+    vllm: dict[int, float] = {}
+    for r in rows:
+        if r["who"].startswith(VLLM_WHO):
+            vllm[r["bs"]] = max(vllm.get(r["bs"], 0.0), r["tokens_per_s"])
+    return base, llama, vllm
+
+
 def write(result: dict[str, Any], name: str) -> str:
     lines = [
         *results_header(result, "SmolLM2-135M-Instruct on the CPU: decode tokens/s"),
@@ -693,12 +712,7 @@ def write(result: dict[str, Any], name: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     rows = result["rows"]
-    base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
-    llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
-    vllm: dict[int, float] = {}
-    for r in rows:
-        if r["who"].startswith(VLLM_WHO):
-            vllm[r["bs"]] = max(vllm.get(r["bs"], 0.0), r["tokens_per_s"])
+    base, llama, vllm = baselines(rows)
     for r in rows:
         tps = r["tokens_per_s"]
         vs_llama = f"{tps / llama[r['bs']]:.2f}x" if r["bs"] in llama else "-"
@@ -738,12 +752,7 @@ def write_rounds(result: dict[str, Any], name: str) -> str:
         "leading tokens as transformers | same tokens every round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith("transformers")}
-    llama = {r["bs"]: r["tokens_per_s"] for r in rows if r["who"].startswith(LLAMA_CPP)}
-    vllm: dict[int, float] = {}
-    for r in rows:
-        if r["who"].startswith(VLLM_WHO):
-            vllm[r["bs"]] = max(vllm.get(r["bs"], 0.0), r["tokens_per_s"])
+    base, llama, vllm = baselines(rows)
     for r in rows:
         tps, bs = r["tokens_per_s"], r["bs"]
         if r.get("interleaved", True):
