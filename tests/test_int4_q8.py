@@ -281,14 +281,19 @@ def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
 
 
 def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelBundle]) -> None:
-    """Every projection an Int4Q8Linear, the LM head int8 in groups; the embedded
+    """Every projection an Int4Q8Linear but the q/k/v one (int4's float32
+    activations, the same weights), the LM head int8 in groups; the embedded
     (random, near-tied logits) model's greedy tokens start as int4's float
     activations' do (its bound here: the first two of every row; SmolLM2's
     agreement is measured in ``bench/bench_real_cpu.py``), and so do the torch
     path's."""
     model = models["int4-q8"].model
     linears = [m for m in model.modules() if isinstance(m, Int4Q8Linear)]
-    assert len(linears) == 4 * len(model.model.layers) and model.quantization == "int4-q8"
+    assert len(linears) == 3 * len(model.model.layers) and model.quantization == "int4-q8"
+    int4_layers = models["int4"].model.model.layers
+    for layer, same in zip(model.model.layers, int4_layers, strict=True):
+        assert type(layer.self_attn.qkv_proj) is Int4Linear
+        assert torch.equal(layer.self_attn.qkv_proj.blocked, same.self_attn.qkv_proj.blocked)
     assert isinstance(model.head_proj, Int8GroupLinear)
     assert isinstance(models["int4"].model.head_proj, Fp16WeightLinear)  # int4 unchanged
     outputs = _decode(models["int4-q8"])

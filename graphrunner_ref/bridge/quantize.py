@@ -10,7 +10,9 @@ bias stays in the model's dtype and is added after the compact product
 (:class:`BiasedLinear`). The LM head is the native model's for the mode
 (:func:`~graphrunner_ref.model.quantize.compact_head`: float16 weights for
 fp16; for int4 int8 groups where they hold the weight exactly, else float16;
-int8 groups for int4-q8). The embedding
+int8 groups for int4-q8), and so is the attention's q/k/v projection
+(:func:`~graphrunner_ref.model.quantize.qkv_linear`: int4-q8 keeps its
+float32 activations), found by name (:data:`QKV_NAMES`). The embedding
 stays as it is (a lookup reads one row).
 """
 
@@ -21,9 +23,21 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from graphrunner_ref.model.quantize import check_quantization, compact_head, compact_linear
+from graphrunner_ref.model.quantize import (
+    check_quantization,
+    compact_head,
+    compact_linear,
+    qkv_linear,
+)
 
-__all__ = ["BiasedLinear", "quantize_linears"]
+__all__ = ["QKV_NAMES", "BiasedLinear", "quantize_linears"]
+
+#: The last names of the linears that make an attention's queries, keys and
+#: values, each alone or packed (Llama and most decoders; Phi3, GPT-NeoX,
+#: MPT and Baichuan packed).
+QKV_NAMES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "Wqkv", "W_pack"}
+)
 
 
 class BiasedLinear(nn.Module):
@@ -60,7 +74,7 @@ def quantize_linears(hf: nn.Module, mode: str) -> int:
     """
     param = next(hf.parameters())
     check_quantization(mode, param.dtype, param.device)
-    make = compact_linear(mode, param.dtype)
+    make, make_qkv = compact_linear(mode, param.dtype), qkv_linear(mode, param.dtype)
     get_head = getattr(hf, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     targets = [(n, m) for n, m in hf.named_modules() if isinstance(m, nn.Linear)]
@@ -73,8 +87,11 @@ def quantize_linears(hf: nn.Module, mode: str) -> int:
         for name, linear in targets:
             # The LM head is the native model's for the mode (4-bit logits
             # drift from the float model's within a few tokens).
-            build = compact_head(mode, param.dtype) if linear is head else make
             parent_name, _, child = name.rpartition(".")
+            if linear is head:
+                build = compact_head(mode, param.dtype)
+            else:
+                build = make_qkv if child in QKV_NAMES else make
             parent = hf.get_submodule(parent_name) if parent_name else hf
             setattr(parent, child, _replace(linear, build))
     return len(targets)

@@ -46,7 +46,7 @@ class PagedAttention(nn.Module):
     reading, so a token attends to itself, then returns ``[n, hidden]``.
     The q/k/v projections run as one product over ``qkv_weight``, of which
     their weights are views (:func:`~graphrunner_ref.model.fused.stack_weights`),
-    or, once :meth:`quantize` ran, as ``qkv_proj`` (an int8 linear).
+    or, once :meth:`quantize` ran, as ``qkv_proj`` (a compact linear).
     """
 
     qkv_weight: torch.Tensor
@@ -80,10 +80,15 @@ class PagedAttention(nn.Module):
             self._stack_qkv()
         return self
 
-    def quantize(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
-        """Replace the stacked q/k/v and the output projections by ``make(weight)``
-        (an int8 linear); the float weights are dropped."""
-        self.qkv_proj = make(self.qkv_weight)
+    def quantize(
+        self,
+        make: Callable[[torch.Tensor], nn.Module],
+        make_qkv: Callable[[torch.Tensor], nn.Module] | None = None,
+    ) -> None:
+        """Replace the stacked q/k/v and the output projections by compact
+        linears of their weights: ``make_qkv(weight)`` (default ``make``) and
+        ``make(weight)``; the float weights are dropped."""
+        self.qkv_proj = (make if make_qkv is None else make_qkv)(self.qkv_weight)
         self.o_proj = make(cast(torch.Tensor, self.o_proj.weight))
         del self.q_proj, self.k_proj, self.v_proj, self.qkv_weight
 

@@ -7,7 +7,8 @@ the LM head with a linear over compact weights: int8 per output channel
 (:mod:`graphrunner_ref.model.fp16_linear`) or 4-bit groups of 32 input
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
-(``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`).
+(``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`; the attention's
+q/k/v projection keeps int4's float32 activations there: :func:`qkv_linear`).
 With int4 the LM head takes int8 weights in groups of 32
 (:class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`, float32
 activations) where they hold its weight exactly (a GGUF file's Q8_0 head:
@@ -52,6 +53,7 @@ __all__ = [
     "compact_head",
     "compact_linear",
     "exact_or_fp16_head",
+    "qkv_linear",
     "quantize_model",
 ]
 
@@ -70,8 +72,9 @@ QUANTIZATIONS = {
     "dequantize-then-matmul, far slower than float32)",
     "int4-q8": "int4's weights, each row's activations quantized to 8 bits per group of 32 "
     "and multiplied in integers, as llama.cpp's Q4 x Q8 (opt-in, not exact: answers may "
-    "leave float32's; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI, whichever the CPU "
-    "has; rows independent of the batch bit for bit)",
+    "leave float32's; the attention's q/k/v projection keeps float32 activations, which "
+    "halves the logits' divergence; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI, "
+    "whichever the CPU has; rows independent of the batch bit for bit)",
 }
 
 #: The modes over int4's weights: a float32 model only, a GGUF file's own Q4
@@ -109,6 +112,25 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
     if mode == "int4-q8":
         return Int4Q8Linear
     return Fp16WeightLinear
+
+
+def qkv_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+    """What makes the attention's q/k/v projection of ``mode`` (stacked or
+    each alone) from its float weight: :func:`compact_linear`'s, except for
+    int4-q8, whose q/k/v projection keeps int4's float32 activations
+    (:class:`~graphrunner_ref.model.int4_linear.Int4Linear`, same weights).
+    On SmolLM2 (8 chat prompts, 32 tokens each, teacher-forced against
+    float32 transformers, ``bench/bench_agreement.py``) each projection's
+    8-bit inputs were a share of the mode's logits' KL (2.75e-3) out of
+    proportion to its weights': q/k/v 53% of it for 16% of a layer's weights
+    (gate/up 40% for 50%, down 33% for 25%, output 9% for 9%). With q/k/v's
+    inputs in float32 the KL is 1.30e-3 (llama.cpp's Q4_1 x Q8: 2.71e-3) and
+    the free-running rows equal to transformers' went from 3/8 to 5/8
+    (leading tokens 16.1 to 27.1; llama.cpp 3/8, 19.9), at batch-1 speed
+    within noise of all-8-bit (``bench/results/int4-q8-qkv-float-cpu.md``)."""
+    if mode == "int4-q8":
+        return Int4Linear
+    return compact_linear(mode, dtype)
 
 
 def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
@@ -176,9 +198,10 @@ def quantize_model(
             "(expected a bias-free Llama)"
         )
     make = compact_linear(mode, dtype)
+    make_qkv = qkv_linear(mode, dtype)
     with torch.no_grad():
         for layer in model.model.layers:
-            cast(PagedAttention, layer.self_attn).quantize(make)
+            cast(PagedAttention, layer.self_attn).quantize(make, make_qkv)
             cast(SwiGLUMLP, layer.mlp).quantize(make)
         model.head_proj = compact_head(mode, dtype)(model.lm_head_weight)
         if codes:
