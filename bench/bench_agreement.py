@@ -94,7 +94,14 @@ def graphrunner_logits(
 ) -> list[torch.Tensor]:
     """graphrunner's model under ``--quantize mode``: each sequence's logits
     ``[len, vocab]`` from one prefill into request slot 1."""
-    model = quantized_model(checkpoint, mode, max(len(s) for s in sequences))
+    return model_logits(
+        quantized_model(checkpoint, mode, max(len(s) for s in sequences)), sequences
+    )
+
+
+def model_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """``model``'s (one request slot) logits ``[len, vocab]`` of each sequence,
+    from one prefill into request slot 1."""
     out = []
     for s in sequences:
         ids = torch.tensor(s)
@@ -110,6 +117,13 @@ def graphrunner_greedy(
     ``new`` greedy tokens (its prefill, then one token a step, cache slot
     ``i + 1`` for position ``i``)."""
     model = quantized_model(checkpoint, mode, max(len(p) for p in prompts) + new)
+    return model_greedy(model, prompts, new)
+
+
+def model_greedy(model: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """``model``'s (one request slot) ``new`` greedy tokens after each prompt,
+    eagerly (its prefill, then one token a step, cache slot ``i + 1`` for
+    position ``i``)."""
     out = []
     for prompt in prompts:
         hidden = model.extend_hidden(1, torch.tensor(prompt), torch.arange(1, len(prompt) + 1))

@@ -316,9 +316,10 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
 @pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1")
 def test_smollm2_keeps_its_agreement_bound() -> None:
     """SmolLM2-135M-Instruct's 8 chat prompts, 32 greedy tokens at batch 8
-    (eager runner): int4-q8 keeps on average at least 10 leading tokens of
-    float32 transformers' (measured 12.4-15.5 on an AVX2 EPYC; llama.cpp's
-    Q4_1 x Q8 15.9 on a Zen 4) and int4 every token of every row."""
+    (eager runner): int4-q8 keeps on average at least 20 leading tokens of
+    float32 transformers', above llama.cpp's Q4_1 x Q8 (19.9 on an AVX2 EPYC;
+    int4-q8 measured 27.75 there, 5/8 rows; 12.4-16.1 when the q/k/v inputs
+    were 8-bit too) and int4 every token of every row."""
     import subprocess
 
     from bench.bench_context import smollm2_chats
@@ -339,7 +340,7 @@ def test_smollm2_keeps_its_agreement_bound() -> None:
         result = graphrunner_ref.Engine(bundle, runner).run(trace)
         got[mode] = agreement([result.outputs[i] for i in range(8)], expected)
     assert got["int4"] == {"agree": 8, "prefix": 32.0}
-    assert got["int4-q8"]["prefix"] >= 10, got
+    assert got["int4-q8"]["prefix"] >= 20, got
 
 
 @pytest.mark.slow
@@ -348,10 +349,12 @@ def test_smollm2_teacher_forced_logits_stay_near_float32s() -> None:
     """SmolLM2's 8 chat prompts, each followed by float32 transformers' 32
     greedy tokens, run whole (``bench/bench_agreement.py``): at the 256
     positions predicting those tokens int4-q8 picks transformers' token at
-    least 95% of the time with a logit RMS error of at most 0.35 (measured
-    97.7% and 0.27 on an AVX2 EPYC, llama.cpp's Q4_1 x Q8_1 97.3% and 0.24;
-    the min's share from the floats' own sums gave 94.1% and 0.56), and int4
-    every pick, its logits within float rounding."""
+    least 95% of the time, its logits within an RMS error of 0.22 and a mean
+    KL of 2e-3, below llama.cpp's Q4_1 x Q8_1 (measured 97.7%, 0.18 and
+    1.30e-3 on an AVX2 EPYC, llama.cpp 97.3%, 0.24 and 2.71e-3; with 8-bit
+    q/k/v inputs too 97.7%, 0.27 and 2.75e-3; with the min's share from the
+    floats' own sums 94.1%, 0.56), and int4 every pick, its logits within
+    float rounding."""
     import subprocess
 
     from bench.bench_agreement import compare, graphrunner_logits, transformers_logits
@@ -369,5 +372,5 @@ def test_smollm2_teacher_forced_logits_stay_near_float32s() -> None:
     want = transformers_logits(checkpoint, sequences)
     q8 = compare(graphrunner_logits(checkpoint, "int4-q8", sequences), want, at)
     exact = compare(graphrunner_logits(checkpoint, "int4", sequences), want, at)
-    assert q8["top1"] >= 0.95 and q8["logit_rms"] <= 0.35, q8
+    assert q8["top1"] >= 0.95 and q8["logit_rms"] <= 0.22 and q8["kl"] <= 2e-3, q8
     assert exact["top1"] == 1.0 and exact["logit_rms"] < 1e-3, exact

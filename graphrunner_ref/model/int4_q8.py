@@ -26,6 +26,10 @@ path gives the same int32, so the same output bit for bit. A row's groups
 are quantized from that row alone and summed in a fixed order, so a row's
 output never depends on the rows beside it or their number.
 
+The mode runs this product for each layer's output, gate/up and down
+projections; the q/k/v projection keeps int4's float32 activations
+(:func:`~graphrunner_ref.model.quantize.qkv_linear` says why).
+
 :func:`int4_q8_reference_linear` is the torch oracle (and the fallback where
 the kernels cannot run): the same quantization, equal bit for bit, and the
 same integer dots; only its float sum's order differs.

@@ -126,8 +126,9 @@ def qkv_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Mod
     (gate/up 40% for 50%, down 33% for 25%, output 9% for 9%). With q/k/v's
     inputs in float32 the KL is 1.30e-3 (llama.cpp's Q4_1 x Q8: 2.71e-3) and
     the free-running rows equal to transformers' went from 3/8 to 5/8
-    (leading tokens 16.1 to 27.1; llama.cpp 3/8, 19.9), at batch-1 speed
-    within noise of all-8-bit (``bench/results/int4-q8-qkv-float-cpu.md``)."""
+    (leading tokens 16.1 to 27.1; llama.cpp 3/8, 19.9), for 0-5% of the
+    batch-1 speed (0.95x and 1.00x of all-8-bit in two interleaved runs,
+    ``bench/results/int4-q8-qkv-float-cpu.md``)."""
     if mode == "int4-q8":
         return Int4Linear
     return compact_linear(mode, dtype)
