@@ -113,12 +113,17 @@ def test_summary_line_counts_the_run_and_quiet_drops_it(
     _, err = _run(capsys, *argv, "--capture-sizes", "4")
     # 3 live rows in a graph of 4 on each of the 3 decode steps: 1 padded row
     # in 4, and one launch and one read back a step for 9 decode tokens.
-    assert re.fullmatch(
+    match = re.fullmatch(
         r"generate: 3 requests, 12 prompt tokens, 12 generated tokens, "
-        r"decode [0-9,]+\.\d tokens/s, padded rows 25\.0%, capture \d+\.\d s \((cold|warm) start\), "
+        r"decode ([0-9,]+\.\d) tokens/s \(([0-9,]+\.\d) timing whole steps\), "
+        r"padded rows 25\.0%, capture \d+\.\d s \((cold|warm) start\), "
         r"0\.333 launches and 0\.333 syncs per token\n",
         err,
-    ), err
+    )
+    assert match is not None, err
+    # Whole steps hold the replays and more: never faster.
+    replays, whole = (float(match.group(i).replace(",", "")) for i in (1, 2))
+    assert whole <= replays, err
     _, err = _run(capsys, *argv, "--capture-sizes", "4", "--quiet")
     assert err == ""
 

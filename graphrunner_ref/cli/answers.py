@@ -105,7 +105,8 @@ def summary(
     stats: EngineStats | None = None,
 ) -> str:
     """The run's summary line: requests, prompt and generated tokens, decode
-    tokens/s, the padded-row fraction, the capture time (with its start:
+    tokens/s (the replays alone; with ``stats``, also each decode step
+    whole, as another engine's loop is timed), the padded-row fraction, the capture time (with its start:
     cold where something compiled afresh, warm where the compile caches
     answered) and the graph launches and device-to-host reads per decode token (the last three when
     known)."""
@@ -115,6 +116,8 @@ def summary(
         f"{sum(len(t) for t in outputs.values())} generated tokens",
         f"decode {tokens_per_second:,.1f} tokens/s",
     ]
+    if stats is not None and stats.wall_tokens_per_second > 0:
+        parts[-1] += f" ({stats.wall_tokens_per_second:,.1f} timing whole steps)"
     if padded_fraction is not None:
         parts.append(f"padded rows {padded_fraction:.1%}")
     if capture is not None:

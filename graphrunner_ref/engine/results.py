@@ -75,6 +75,14 @@ class EngineStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
+    def wall_tokens_per_second(self) -> float:
+        """Decode tokens over :attr:`decode_wall_seconds` (each decode step
+        whole, as another engine's loop is timed), where
+        :attr:`tokens_per_second` counts the replays alone."""
+        wall = self.decode_wall_seconds
+        return self.decode_tokens / wall if wall > 0 else 0.0
+
+    @property
     def eager_tokens_per_second(self) -> float:
         return self.decode_tokens / self.eager_seconds if self.eager_seconds else 0.0
 
