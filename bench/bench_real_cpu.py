@@ -234,9 +234,7 @@ class EngineDecoder:
         steps' wall time outside admission) and new tokens in prompt order."""
         result = self.engine.run(self.trace)
         stats = result.stats
-        return stats.wall_tokens_per_second, [
-            result.outputs[r.rid] for r in self.trace
-        ]
+        return stats.wall_tokens_per_second, [result.outputs[r.rid] for r in self.trace]
 
     def close(self) -> None:
         """Nothing to free beyond what the garbage collector takes."""

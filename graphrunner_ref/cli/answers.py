@@ -109,12 +109,7 @@ def summary(
     whole, as another engine's loop is timed), the padded-row fraction, the
     capture time (with its start: cold where something compiled afresh, warm
     where the compile caches answered) and the graph launches and
-    device-to-host reads per decode token (the last three when known)."""The run's summary line: requests, prompt and generated tokens, decode
-    tokens/s (the replays alone; with ``stats``, also each decode step
-    whole, as another engine's loop is timed), the padded-row fraction, the capture time (with its start:
-    cold where something compiled afresh, warm where the compile caches
-    answered) and the graph launches and device-to-host reads per decode token (the last three when
-    known)."""
+    device-to-host reads per decode token (the last three when known)."""
     parts = [
         f"{len(prompts)} requests",
         f"{sum(len(p) for p in prompts)} prompt tokens",
