@@ -257,9 +257,28 @@ def test_the_aot_cache_flag_and_the_references_key(tmp_path: Path) -> None:
     args = cli._parse(["generate", "--prompt", "[1, 2]", "--aot-cache", str(tmp_path)])
     assert config_of(args, "cpu", [1]).aot_cache == str(tmp_path)
     key = aot_key(default_model(max_requests=2, max_context_len=16))
-    assert {"model", "dtype", "quantize", "cpu features", "kernel builds"} <= set(key)
+    assert {"model", "modules", "dtype", "quantize", "cpu features", "kernel builds"} <= set(key)
     assert KERNEL_BUILD in key["kernel builds"] and ATTENTION_BUILD in key["kernel builds"]
     assert key["dtype"] == "float32" and key["quantize"] == "None"
+
+
+def test_the_key_follows_which_product_each_projection_runs() -> None:
+    """Two int4-q8 models alike but for the q/k/v projection's product (8-bit
+    inputs or float32 ones, the same weights) key their programs apart."""
+    from bench.bench_q8_inputs import with_float_inputs
+    from graphrunner_ref.engine.bundle import aot_key
+    from graphrunner_ref.model import default_model
+    from graphrunner_ref.model.quantize import quantize_model
+
+    keys = []
+    for kinds in (None, ()):
+        bundle = default_model(max_requests=2, max_context_len=16)
+        with_float_inputs(quantize_model(bundle.model, "int4-q8"), kinds)
+        keys.append(aot_key(bundle))
+    assert keys[0]["modules"] != keys[1]["modules"]
+    assert {k: v for k, v in keys[0].items() if k != "modules"} == {
+        k: v for k, v in keys[1].items() if k != "modules"
+    }
 
 
 def test_a_program_whose_outputs_differ_from_eager_is_refused(

@@ -94,9 +94,11 @@ def create_token_runner(
 def aot_key(bundle: ServingBundle) -> dict[str, str]:
     """What a saved CPU program of ``bundle`` is keyed by besides the library's
     own fields (:mod:`graphrunner.mechanisms.aot`): the model (its class and
-    config, hashed), its dtype, its quantize mode, this CPU's features and
-    compact-weight kernel paths, and the C++ kernels' builds (a program saved
-    against another build's ops or weight layout is never loaded)."""
+    config, hashed), the classes of its modules in order (hashed: which
+    product each projection runs, e.g. int4-q8's q/k/v on float32 inputs),
+    its dtype, its quantize mode, this CPU's features and compact-weight
+    kernel paths, and the C++ kernels' builds (a program saved against
+    another build's ops or weight layout is never loaded)."""
     import hashlib
 
     from graphrunner_ref.model.attention_cpu import ATTENTION_BUILD
@@ -105,12 +107,14 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
 
     model: Any = bundle.model
     config = f"{type(model).__qualname__}:{getattr(model, 'config', None)!r}"
+    modules = ",".join(type(m).__qualname__ for m in model.modules())
     dtype = next((str(p.dtype) for p in model.parameters()), "none")
     quantize = getattr(model, "quantization", None)
     known = {p.product for p in KERNEL_PATHS}
     products = [p for p in (quantize, f"{quantize}-q8") if p in known]
     return {
         "model": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "modules": hashlib.sha256(modules.encode()).hexdigest()[:16],
         "dtype": dtype.removeprefix("torch."),
         "quantize": str(quantize),
         "cpu features": f"{cpu_features().describe()}; kernels {kernel_summary(products)}",
