@@ -42,10 +42,10 @@ from bench.bench_agreement import (
 from bench.bench_context import smollm2_chats
 from bench.bench_real_cpu import (
     EngineDecoder,
+    alternate,
     at_least,
     kernel_facts,
     median_ratio,
-    round_order,
     run_record,
     save_results,
     transformers_run,
@@ -130,14 +130,7 @@ def speed_row(checkpoint: Any, prompts: list[list[int]], rounds: int) -> dict[st
     """Every projection 8-bit against the shipped mode, ``rounds`` alternating rounds."""
     names = [ALL_8BIT, SHIPPED]
     contenders = {n: decoder(checkpoint, prompts, CONFIGS[n]) for n in names}
-    speeds: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, list[list[list[int]]]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in round_order(names, r):
-            tps, out = contenders[n].decode()
-            speeds[n].append(tps)
-            tokens[n].append(out)
-        print({n: round(v[-1], 1) for n, v in speeds.items()}, flush=True)
+    speeds, tokens, _ = alternate(contenders, rounds)
     return {
         "rounds": rounds,
         "tokens_per_s": speeds,

@@ -81,7 +81,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
@@ -495,23 +495,13 @@ def interleaved(
     the per-round ratios, agreement from the first round's tokens, and
     whether every round gave the same tokens."""
     names = [TRANSFORMERS, *(v for v in variants if v not in VLLM)]
-    figures: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, list[list[list[int]]]] = {n: [] for n in names}
-    orders: list[list[str]] = []
     with ExitStack() as stack:
         contenders: dict[str, Contender] = {}
         for name in names:
             contenders[name] = prepare(name, checkpoint, prompts, bs, new)
             stack.callback(contenders[name].close)
         print(f"bs {bs}: {len(names)} prepared, {rounds} rounds", flush=True)
-        for index in range(rounds):
-            orders.append(round_order(names, index))
-            for name in orders[-1]:
-                tps, got = contenders[name].decode()
-                figures[name].append(tps)
-                tokens[name].append(got)
-            done = ", ".join(f"{n} {figures[n][-1]:.1f}" for n in orders[-1])
-            print(f"bs {bs} round {index + 1}/{rounds}: {done} tok/s", flush=True)
+        figures, tokens, orders = alternate(contenders, rounds, f"bs {bs} ")
         whos = {n: c.who for n, c in contenders.items()}
     hf_tokens = tokens[TRANSFORMERS][0]
     rows = []
@@ -522,6 +512,27 @@ def interleaved(
     for variant in (v for v in variants if v in VLLM):
         rows.append(vllm_row(checkpoint, prompts, variant, bs, new, hf_tokens, interleaved=False))
     return rows
+
+
+def alternate(
+    contenders: Mapping[str, Contender], rounds: int, label: str = ""
+) -> tuple[dict[str, list[float]], dict[str, list[list[list[int]]]], list[list[str]]]:
+    """``rounds`` rounds, each decoding once per contender in
+    :func:`round_order` (a line per round, after ``label``): each
+    contender's tok/s and tokens per round, and each round's order."""
+    names = list(contenders)
+    figures: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[list[list[int]]]] = {n: [] for n in names}
+    orders: list[list[str]] = []
+    for index in range(rounds):
+        orders.append(round_order(names, index))
+        for name in orders[-1]:
+            tps, got = contenders[name].decode()
+            figures[name].append(tps)
+            tokens[name].append(got)
+        done = ", ".join(f"{n} {figures[n][-1]:.1f}" for n in orders[-1])
+        print(f"{label}round {index + 1}/{rounds}: {done} tok/s", flush=True)
+    return figures, tokens, orders
 
 
 def rounds_row(

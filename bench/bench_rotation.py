@@ -27,10 +27,10 @@ import torch
 from bench.bench_context import smollm2_chats
 from bench.bench_real_cpu import (
     GraphrunnerDecoder,
+    alternate,
     at_least,
     kernel_facts,
     median_ratio,
-    round_order,
     run_record,
     save_results,
 )
@@ -71,21 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, formula in ((CAT, rotate_by_cat), (ROLL, layers.rotate)):
             with rotation(formula):
                 decoders[name] = GraphrunnerDecoder(checkpoint, prompts, "int4-q8", 1, NEW)
-        speeds: dict[str, list[float]] = {n: [] for n in decoders}
-        tokens: dict[str, list[list[int]]] = {}
-        for r in range(args.rounds):
-            for name in round_order(list(decoders), r):
-                tps, out = decoders[name].decode()
-                speeds[name].append(tps)
-                tokens.setdefault(name, out)
-            print({n: round(v[-1], 1) for n, v in speeds.items()}, flush=True)
+        speeds, tokens, _ = alternate(decoders, args.rounds)
     command = "PYTHONPATH=. .venv/bin/python -m bench.bench_rotation " + " ".join(argv)
     result = run_record(command, kernel_facts(["int4-q8"]), NEW, load, prompts, [])
     result.update(
         rounds=args.rounds,
         tokens_per_s=speeds,
         ratio=median_ratio(speeds[ROLL], speeds[CAT]),
-        same_tokens=tokens[CAT] == tokens[ROLL],
+        same_tokens=all(t == tokens[CAT][0] for runs in tokens.values() for t in runs),
     )
     print(f"results written to {write(result, args.out)}")
     return 0

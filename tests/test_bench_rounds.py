@@ -66,3 +66,28 @@ def test_bad_numbers_refused_by_value(
         bench_real_cpu.main(["--variants", "int4", option, bad])
     assert stop.value.code == 2
     assert f"argument {option}: {says}" in capsys.readouterr().err
+
+
+class _Fake:
+    """A contender whose round k decodes at ``base + k`` tok/s and logs its turns."""
+
+    def __init__(self, name: str, base: float, log: list[str]) -> None:
+        self.who, self.name, self.base, self.log, self.runs = name, name, base, log, 0
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        self.log.append(self.name)
+        self.runs += 1
+        return self.base + self.runs - 1, [[self.runs]]
+
+    def close(self) -> None:
+        pass
+
+
+def test_alternate_runs_each_contender_once_a_round_in_the_rotated_order() -> None:
+    log: list[str] = []
+    fakes = {n: _Fake(n, b, log) for n, b in [("a", 10.0), ("b", 20.0), ("c", 30.0)]}
+    figures, tokens, orders = bench_real_cpu.alternate(fakes, 4)
+    assert orders == [round_order(list(fakes), r) for r in range(4)]
+    assert log == [n for order in orders for n in order]
+    assert figures == {"a": [10, 11, 12, 13], "b": [20, 21, 22, 23], "c": [30, 31, 32, 33]}
+    assert tokens["b"] == [[[1]], [[2]], [[3]], [[4]]]
