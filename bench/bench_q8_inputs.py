@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any, cast
@@ -42,10 +41,10 @@ from bench.bench_agreement import (
 from bench.bench_context import smollm2_chats
 from bench.bench_real_cpu import (
     EngineDecoder,
+    ab_summary,
     alternate,
     at_least,
     kernel_facts,
-    median_ratio,
     run_record,
     save_results,
     transformers_run,
@@ -131,13 +130,7 @@ def speed_row(checkpoint: Any, prompts: list[list[int]], rounds: int) -> dict[st
     names = [ALL_8BIT, SHIPPED]
     contenders = {n: decoder(checkpoint, prompts, CONFIGS[n]) for n in names}
     speeds, tokens, _ = alternate(contenders, rounds)
-    return {
-        "rounds": rounds,
-        "tokens_per_s": speeds,
-        "median": {n: statistics.median(v) for n, v in speeds.items()},
-        "ratio": median_ratio(speeds[SHIPPED], speeds[ALL_8BIT]),
-        "same_tokens_every_round": all(all(t == v[0] for t in v) for v in tokens.values()),
-    }
+    return ab_summary(speeds, tokens, SHIPPED, ALL_8BIT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

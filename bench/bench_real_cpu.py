@@ -535,6 +535,24 @@ def alternate(
     return figures, tokens, orders
 
 
+def ab_summary(
+    figures: Mapping[str, list[float]],
+    tokens: Mapping[str, list[list[list[int]]]],
+    new: str,
+    old: str,
+) -> dict[str, Any]:
+    """Two contenders' :func:`alternate` rounds: how many, each one's tok/s
+    per round and median, ``new`` over ``old`` as the median of the per-round
+    ratios, and whether each gave the same tokens every round."""
+    return {
+        "rounds": len(figures[old]),
+        "tokens_per_s": dict(figures),
+        "median": {n: statistics.median(v) for n, v in figures.items()},
+        "ratio": median_ratio(figures[new], figures[old]),
+        "same_tokens_every_round": all(all(t == v[0] for t in v) for v in tokens.values()),
+    }
+
+
 def rounds_row(
     name: str,
     figures: dict[str, list[float]],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,10 +26,10 @@ import torch
 from bench.bench_context import smollm2_chats
 from bench.bench_real_cpu import (
     GraphrunnerDecoder,
+    ab_summary,
     alternate,
     at_least,
     kernel_facts,
-    median_ratio,
     run_record,
     save_results,
 )
@@ -74,19 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         speeds, tokens, _ = alternate(decoders, args.rounds)
     command = "PYTHONPATH=. .venv/bin/python -m bench.bench_rotation " + " ".join(argv)
     result = run_record(command, kernel_facts(["int4-q8"]), NEW, load, prompts, [])
-    result.update(
-        rounds=args.rounds,
-        tokens_per_s=speeds,
-        ratio=median_ratio(speeds[ROLL], speeds[CAT]),
-        same_tokens=all(t == tokens[CAT][0] for runs in tokens.values() for t in runs),
-    )
+    result.update(ab_summary(speeds, tokens, ROLL, CAT))
+    result["same_tokens"] = result["same_tokens_every_round"] and tokens[CAT][0] == tokens[ROLL][0]
     print(f"results written to {write(result, args.out)}")
     return 0
 
 
 def write(result: dict[str, Any], name: str) -> str:
     """The results file: the run's facts, each formula's median, the ratio."""
-    medians = {n: statistics.median(v) for n, v in result["tokens_per_s"].items()}
+    medians = result["median"]
     lines = [
         "# SmolLM2-135M-Instruct, --quantize int4-q8, CPU runner, batch 1: the rotary's formula",
         "",

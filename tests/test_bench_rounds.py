@@ -91,3 +91,18 @@ def test_alternate_runs_each_contender_once_a_round_in_the_rotated_order() -> No
     assert log == [n for order in orders for n in order]
     assert figures == {"a": [10, 11, 12, 13], "b": [20, 21, 22, 23], "c": [30, 31, 32, 33]}
     assert tokens["b"] == [[[1]], [[2]], [[3]], [[4]]]
+
+
+def test_ab_summary_takes_the_median_of_per_round_ratios_and_checks_each_ones_tokens() -> None:
+    log: list[str] = []
+    fakes = {"old": _Fake("old", 10.0, log), "new": _Fake("new", 30.0, log)}
+    figures, tokens, _ = bench_real_cpu.alternate(fakes, 3)
+    summary = bench_real_cpu.ab_summary(figures, tokens, "new", "old")
+    assert summary["rounds"] == 3
+    assert summary["median"] == {"old": 11, "new": 31}
+    assert summary["ratio"] == 31 / 11  # rounds 30/10, 31/11, 32/12: the middle one
+    assert summary["tokens_per_s"] == figures
+    # The fakes' tokens change every round.
+    assert summary["same_tokens_every_round"] is False
+    steady = {n: [[[1]]] * 3 for n in figures}
+    assert bench_real_cpu.ab_summary(figures, steady, "new", "old")["same_tokens_every_round"]

@@ -86,9 +86,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     in one elementwise expression. ``torch.cat`` of the two halves made
     inductor write them as aliased views of one buffer, each a Python call a
     step in the CPU runner's wrapper (SmolLM2's step: 210 such calls, 32
-    now); the CPU
-    runner's SmolLM2 int4-q8 batch-1 decode ran 1.02x as fast this way
-    (``bench/results/rotation-roll-int4-q8-cpu.md``, the same tokens)."""
+    now); the CPU runner's SmolLM2 int4-q8 batch-1 decode ran 1.02x as fast
+    this way (``bench/results/rotation-roll-int4-q8-cpu.md``, the same tokens)."""
     half = x.shape[-1] // 2
     first_half = torch.arange(x.shape[-1], device=x.device) < half
     return x * cos + torch.roll(x, half, dims=-1) * torch.where(first_half, -sin, sin)
