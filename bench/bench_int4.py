@@ -17,7 +17,11 @@ its weight in cache) at 1 and 8 rows, and the same model's LM head
   (``torch.ops.graphrunner_int4.linear``, built on first use);
 * ``int4-q8 <path>``: the same codes times activations quantized to 8 bits
   per group of 32 (``--quantize int4-q8``, ``torch.ops.graphrunner_int4.linear_q8``),
-  once for each kernel path this CPU runs (``cpu_features.KERNEL_PATHS``).
+  once for each kernel path this CPU runs (``cpu_features.KERNEL_PATHS``);
+* ``bf16 onednn`` (where the CPU multiplies bfloat16 natively: AVX-512 BF16
+  or AMX): oneDNN's bfloat16 product over the weight prepacked once, the
+  activations rounded to bfloat16 and the output widened back, as vLLM's CPU
+  engine runs a bfloat16 model's linears: the matrix units' figure, for context.
 
 Every candidate's output is first checked against ``int4 torch`` (atol 1e-4
 times the output's largest magnitude), the int4-q8 ones against
@@ -118,6 +122,8 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         out["int4 aten"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, aten_packed, GROUP, sz
         )
+    if half_precision_units() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        out["bf16 onednn"] = bf16_onednn(w)
     if int4_kernel_status() is None:
         blocked = block_codes(packed)
         out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, blocked, scales, mins)
@@ -130,6 +136,15 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
                 path=path.code,
             )
     return out
+
+
+def bf16_onednn(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [rows, in]`` float32 -> float32 through oneDNN's bfloat16 product
+    over ``w`` ``[out, in]`` prepacked once for this CPU."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
+    return lambda x: torch.ops.mkldnn._linear_pointwise(
+        x.bfloat16(), packed, None, "none", [None], ""
+    ).float()
 
 
 def q8_paths() -> list[KernelPath]:
@@ -167,7 +182,7 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
             q8_err = float((y - q8_ref).abs().max()) / scale
             if q8_err > 2e-6:
                 raise AssertionError(f"{name}: max error {q8_err:.2e} x output scale vs reference")
-        elif name not in ("float32", "fp16", "int8 groups") and err > 1e-4:
+        elif name not in ("float32", "fp16", "int8 groups", "bf16 onednn") and err > 1e-4:
             raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
         errors[name] = err
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -196,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         "times an `in x out` weight, median µs per call over "
         f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "
         "(above 1 is faster). Error: max |candidate - int4 torch| / max |output| "
-        "(float32, fp16 and int8 groups multiply other weights, so theirs is the "
-        "quantization error; "
+        "(float32, fp16, int8 groups and bf16 onednn multiply other weights, so theirs "
+        "is the quantization error; "
         "int4-q8's is its activations' rounding). int4-q8 vs int4: the int4 kernel's µs over "
         "int4-q8's, same run.",
         "",
