@@ -178,7 +178,7 @@ class KernelPath:
 #: kept (4% faster at 1 row, 25% slower at 8: ``cpu_kernels.cpp``). The
 #: VNNI rows are compiled where the compiler targets them and tested where a
 #: CPU has them. On a Zen 4 (``bench/results/int4-q8-zmm-zen4-cpu.md``) the
-#: AVX-512 VNNI path ran 1.06-1.14x the AVX2 one at 1 row, 1.36-1.43x at 8
+#: AVX-512 VNNI path ran 1.13-1.14x the AVX2 one at 1 row, 1.35-1.43x at 8
 #: (256-bit registers, one group at a time, ran between: replaced). AVX-VNNI
 #: has not run on hardware here.
 KERNEL_PATHS = (
