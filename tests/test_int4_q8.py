@@ -316,10 +316,14 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
 @pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1")
 def test_smollm2_keeps_its_agreement_bound() -> None:
     """SmolLM2-135M-Instruct's 8 chat prompts, 32 greedy tokens at batch 8
-    (eager runner): int4-q8 keeps on average at least 20 leading tokens of
-    float32 transformers', above llama.cpp's Q4_1 x Q8 (19.9 on an AVX2 EPYC;
-    int4-q8 measured 27.75 there, 5/8 rows; 12.4-16.1 when the q/k/v inputs
-    were 8-bit too) and int4 every token of every row."""
+    (eager runner): int4 keeps every token of every row, int4-q8 at least 14
+    leading tokens on average. Free-running, a row parts from transformers'
+    at its first near tie (margins of 0.01-0.1 logits), so 8 rows cannot
+    tell int4-q8 from llama.cpp: int4-q8 measured 27.75 on an AVX2 EPYC and
+    15.1 on a Zen 4 (whose torch float ops sum in other orders), 20.1-21.25
+    there compiled or at batch 1; llama.cpp 19.9 and 15.9. The bound catches
+    a broken product (12.4 when the min's share took the floats' own sums);
+    the teacher-forced test below holds the mode to llama.cpp's accuracy."""
     import subprocess
 
     from bench.bench_context import smollm2_chats
@@ -340,7 +344,7 @@ def test_smollm2_keeps_its_agreement_bound() -> None:
         result = graphrunner_ref.Engine(bundle, runner).run(trace)
         got[mode] = agreement([result.outputs[i] for i in range(8)], expected)
     assert got["int4"] == {"agree": 8, "prefix": 32.0}
-    assert got["int4-q8"]["prefix"] >= 20, got
+    assert got["int4-q8"]["prefix"] >= 14, got
 
 
 @pytest.mark.slow
@@ -351,7 +355,8 @@ def test_smollm2_teacher_forced_logits_stay_near_float32s() -> None:
     positions predicting those tokens int4-q8 picks transformers' token at
     least 95% of the time, its logits within an RMS error of 0.22 and a mean
     KL of 2e-3, below llama.cpp's Q4_1 x Q8_1 (measured 97.7%, 0.18 and
-    1.30e-3 on an AVX2 EPYC, llama.cpp 97.3%, 0.24 and 2.71e-3; with 8-bit
+    1.30e-3 on an AVX2 EPYC, llama.cpp 97.3%, 0.24 and 2.71e-3; on a Zen 4
+    97.7%, 0.18 and 1.28e-3, llama.cpp 96.5%, 0.25 and 3.38e-3; with 8-bit
     q/k/v inputs too 97.7%, 0.27 and 2.75e-3; with the min's share from the
     floats' own sums 94.1%, 0.56), and int4 every pick, its logits within
     float rounding."""
