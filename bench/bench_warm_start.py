@@ -13,8 +13,8 @@ inductor folder and the ``aot_cache`` the build filled. Each child also
 decodes one batch of 8 requests (64 cached tokens, fixed seed) and reports
 its argmax tokens: the AOT load's must equal the cold capture's.
 
-Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start`` (writes
-``bench/results/warm-start-cpu.md`` and ``.json``).
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start [--out NAME]`` (writes
+``bench/results/NAME.md`` and ``.json``, ``warm-start-cpu`` by default).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def _table(model: str, r: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="embedded,smollm2")
+    p.add_argument("--out", default="warm-start-cpu", help="results name under bench/results/")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -121,11 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphrunner_ref.model.cpu_features import cpu_features
 
     facts = {
-        "command": CMD,
+        "command": " ".join([CMD, *(argv if argv is not None else sys.argv[1:])]),
         "cpu": cpu_features().describe(),
         "kernel path": f"inductor C++ codegen at {torch.backends.cpu.get_cpu_capability()}",
     }
-    return write_models("warm-start-cpu", args.models, measure, _header, _table, facts)
+    return write_models(args.out, args.models, measure, _header, _table, facts)
 
 
 def _header(results: dict[str, Any]) -> list[str]:
@@ -134,7 +135,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         f"Machine: {machine_words(results)}; CPU: {results['cpu']}; kernel path: "
         f"{results['kernel path']} (float32 models, no compact-weight kernel); one torch "
-        f"thread. Command: `{CMD}`.",
+        f"thread. Command: `{results['command']}`.",
         "Each capture in a fresh interpreter (seconds: `runner.capture()`, imports and "
         "model load outside). Cold: an empty inductor cache folder; warm cache: the folder "
         "the cold capture filled; AOT build: empty folders, `aot_cache=DIR` (traces, "
