@@ -679,9 +679,9 @@ using Q8Fn = void (*)(const int8_t*, const float*, const float*, int64_t, const 
 
 // The paths, by number (cpu_features.py's table names them): 0 AVX2, 1 AVX-VNNI
 // (256-bit vpdpbusd, VEX), 2 AVX-512 VNNI (the same instruction on 512-bit
-// registers, two groups at a time, below). A path is compiled only where the compiler can
-// target it (its functions alone, with a target attribute) and run only where
-// the CPU has it (checked again in linear_q8).
+// registers, two groups at a time, below). A path is compiled only where the
+// compiler can target it (its functions alone, with a target attribute) and
+// run only where the CPU has it (checked again in linear_q8).
 #if (defined(__clang__) && __clang_major__ >= 12) || \
     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define GRAPHRUNNER_VNNI 1
@@ -704,7 +704,6 @@ __attribute__((target("avxvnni"), flatten)) void rows_q8_avxvnni(
   rows_q8_body<R, DotAvxVnni>(xq, xd, sx, groups, blocked, scales, mins, y, out, o0, o1);
 }
 
-
 // Path 2, AVX-512 VNNI: two groups an instruction, on 512-bit registers. A
 // register's low 8 lanes take group g and its high 8 lanes group g + 1, so
 // they are the even and odd chains of block_q8, lane for lane: the same
@@ -718,7 +717,8 @@ __attribute__((target("avxvnni"), flatten)) void rows_q8_avxvnni(
 // Groups g and g + 1 of one output row's codes, one a byte, in the order of
 // their 64 activations: [g low nibbles, g high, g + 1 low, g + 1 high].
 GRAPHRUNNER_ZMM inline __m512i codes64(const uint8_t* bytes) {
-  const __m256i g0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i g0 =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
   const __m256i g1 = _mm256_broadcastsi128_si256(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + kCodeStride)));
   const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
