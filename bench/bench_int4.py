@@ -8,9 +8,7 @@ its weight in cache) at 1 and 8 rows, and the same model's LM head
 * ``fp16``: :class:`~graphrunner_ref.model.fp16_linear.Fp16WeightLinear`
   (``--quantize fp16``, the C++ kernel), for comparison;
 * ``int8 groups``: :class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`
-  (int8 in groups of 32, float32 activations: int4-q8's LM head) on the path
-  this CPU picks, and ``int8 groups avx2`` the AVX2 path beside it where that
-  is another;
+  (int8 in groups of 32, float32 activations: int4-q8's LM head);
 * ``int4 torch``: dequantize to float32, then ``F.linear``
   (:func:`~graphrunner_ref.model.int4_linear.int4_reference_linear`);
 * ``int4 aten``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` over the same
@@ -110,11 +108,10 @@ def cpu_facts() -> dict[str, str]:
 def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Name -> ``x [rows, in] -> [rows, out]`` for weight ``w`` ``[out, in]``."""
     packed, scales, mins = quantize_int4(w)
-    grouped = Int8GroupLinear(w)
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "float32": lambda x: F.linear(x, w),
         "fp16": Fp16WeightLinear(w),
-        "int8 groups": grouped,
+        "int8 groups": Int8GroupLinear(w),
         "int4 torch": lambda x: int4_reference_linear(x, packed, scales, mins),
     }
     if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and w.shape[1] % GROUP == 0:
@@ -124,13 +121,6 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         sz = torch.stack([scales.T, (mins + 8 * scales).T], dim=-1).contiguous()
         out["int4 aten"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, aten_packed, GROUP, sz
-        )
-    if grouped.kernel and grouped.path != 0:  # the path it replaces, for the same run
-        out["int8 groups avx2"] = functools.partial(
-            torch.ops.graphrunner_int8.linear_grouped,
-            weight=grouped.weight,
-            scales=grouped.scales,
-            path=0,
         )
     if half_precision_units() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         out["bf16 onednn"] = bf16_onednn(w)
@@ -192,7 +182,7 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
             q8_err = float((y - q8_ref).abs().max()) / scale
             if q8_err > 2e-6:
                 raise AssertionError(f"{name}: max error {q8_err:.2e} x output scale vs reference")
-        elif not name.startswith(("float32", "fp16", "int8 groups", "bf16")) and err > 1e-4:
+        elif name not in ("float32", "fp16", "int8 groups", "bf16 onednn") and err > 1e-4:
             raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
         errors[name] = err
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -229,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         *[f"- {k}: {v}" for k, v in facts.items()],
         f"- C++ kernel: {'built' if why is None else why}",
         f"- CPU features: {cpu_features().describe()}",
-        f"- kernel paths: {kernel_summary(['int4', 'int4-q8', 'int8-groups', 'fp16'])}",
+        f"- kernel paths: {kernel_summary(['int4', 'int4-q8', 'fp16'])}",
         "",
         "| product | rows | candidate | µs | vs float32 | int4-q8 vs int4 | error |",
         "|---|---|---|---|---|---|---|",

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphrunner_ref.model.cpu_features import KERNEL_PATHS, cpu_features, kernel_path
-from graphrunner_ref.model.cpu_kernels import DISABLE_ENV, kernel_status
+from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, pack_fp16, unpack_fp16
 from graphrunner_ref.model.int8_linear import Int8GroupLinear, Int8Linear, quantize_per_group
 
@@ -105,53 +104,14 @@ def test_fp16_kernel_runs_under_torch_compile() -> None:
     torch.testing.assert_close(compiled(x), linear(x), rtol=0, atol=0)
 
 
-#: The int8-group kernel paths, by code (``cpu_features.KERNEL_PATHS``).
-GROUPED_PATHS = [p for p in KERNEL_PATHS if p.product == "int8-groups"]
-
-
-def _grouped_on(weight: torch.Tensor, code: int) -> Int8GroupLinear:
-    """An int8-group linear over ``weight`` forced onto path ``code`` (skipped
-    where this CPU lacks it)."""
-    row = next(p for p in GROUPED_PATHS if p.code == code)
-    if not cpu_features().has(*row.needs):
-        pytest.skip(f"int8-groups path {row.name} does not run on this CPU")
-    linear = Int8GroupLinear(weight)
-    linear.path = code
-    return linear
-
-
-@pytest.mark.parametrize("code", [p.code for p in GROUPED_PATHS])
 @pytest.mark.parametrize(("out", "inp"), [(24, 64), (13, 45), (40, 100), (3, 7)])
-def test_grouped_int8_kernel_equals_the_dequantized_product(code: int, out: int, inp: int) -> None:
+def test_grouped_int8_kernel_equals_the_dequantized_product(out: int, inp: int) -> None:
     torch.manual_seed(out + 7 * inp)
-    linear = _grouped_on(torch.randn(out, inp), code)
+    linear = Int8GroupLinear(torch.randn(out, inp))
     assert linear.kernel and linear.weight.shape == (out, -(-inp // 32) * 32)
     for rows in (1, 3, 8, 11):
         x = torch.randn(rows, inp)
         torch.testing.assert_close(linear(x), x @ linear.dequantized().T, rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_int8_takes_the_best_path_and_the_environment_forces_avx2(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The path is the table's first the CPU has; hiding AVX-512 picks AVX2;
-    the op refuses a path it does not know."""
-    best = next(p for p in GROUPED_PATHS if cpu_features().has(*p.needs))
-    assert Int8GroupLinear(torch.randn(8, 32)).path == best.code
-    monkeypatch.setenv(DISABLE_ENV, "avx512f")
-    cpu_features.cache_clear()
-    kernel_path.cache_clear()
-    try:
-        forced = Int8GroupLinear(torch.randn(8, 32))
-        assert forced.path == 0 and "C++ avx2 kernel" in repr(forced)
-    finally:
-        monkeypatch.undo()
-        cpu_features.cache_clear()
-        kernel_path.cache_clear()
-    with pytest.raises(RuntimeError, match="path 7 is not supported"):
-        torch.ops.graphrunner_int8.linear_grouped(
-            torch.randn(1, 32), forced.weight, forced.scales, 7
-        )
 
 
 def test_grouped_int8_keeps_a_q8_0_weight_bit_for_bit() -> None:
@@ -167,10 +127,9 @@ def test_grouped_int8_keeps_a_q8_0_weight_bit_for_bit() -> None:
     assert torch.equal(Int8GroupLinear(w).dequantized(), w)
 
 
-@pytest.mark.parametrize("code", [p.code for p in GROUPED_PATHS])
-def test_grouped_int8_rows_are_bit_for_bit_independent_of_the_batch(code: int) -> None:
+def test_grouped_int8_rows_are_bit_for_bit_independent_of_the_batch() -> None:
     torch.manual_seed(6)
-    linear = _grouped_on(torch.randn(37, 70), code)
+    linear = Int8GroupLinear(torch.randn(37, 70))
     x = torch.randn(19, 70)
     together = linear(x)
     for j in range(19):
@@ -213,13 +172,7 @@ def test_the_streaming_kernels_keep_their_prefetches() -> None:
         timeout=120,
         check=True,
     ).stdout
-    kernels = (
-        "rows_avx2<1>",
-        "rows_q8_avx2<1>",
-        "rows_q8_avx512vnni<1>",
-        "rows_int8g<1>",
-        "rows_int8g_avx512<1>",
-    )
+    kernels = ("rows_avx2<1>", "rows_q8_avx2<1>", "rows_int8g<1>")
     prefetches = {}
     for body in listing.split("\n\n"):
         found = re.search(r"<[^>]*?(rows_\w+<1>)\(", body.split("\n", 1)[0])

@@ -205,21 +205,13 @@ KERNEL_PATHS = (
         "bytes and low codes widened to float32, FMA, up to 4 outputs a pass",
     ),
     KernelPath("int8", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
-    KernelPath(
-        "int8-groups",
-        "avx512",
-        ("avx512f",),
-        1,
-        "codes widened to float32 16 a register, 512-bit FMA",
-    ),
-    KernelPath("int8-groups", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
     KernelPath("fp16", "avx2", ("avx2", "fma", "f16c"), 0, "F16C widening, FMA"),
 )
 
 
 def _compiled(path: KernelPath) -> bool:
-    if path.product != "int4-q8":  # their other paths need no newer compiler than AVX2's
-        return True
+    if path.product != "int4-q8":
+        return path.code == 0
     return bool(int(torch.ops.graphrunner_int4.q8_paths()) >> path.code & 1)
 
 

@@ -416,71 +416,14 @@ void rows_int8g(const float* xp, int64_t groups, const int8_t* q, const float* s
   }
 }
 
-// Path 1, AVX-512: a group's 32 codes widened 16 to a register, two products
-// a row where AVX2 takes four. The lanes hold other columns than AVX2's, so
-// the sums run in another (fixed) order: the same value to float rounding,
-// not bit for bit; a row's result still never depends on the rows beside it.
-template <int R>
-__attribute__((target("avx512f"))) inline void int8g_group_zmm(
-    const int8_t* q, float d, const float* xp, int64_t kp, int64_t g, __m512 (&acc)[R]) {
-  const __m512 w0 = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  const __m512 w1 = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  const __m512 dv = _mm512_set1_ps(d);
-  for (int r = 0; r < R; ++r) {
-    const float* xg = xp + r * kp + g * kGroup;
-    const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16),
-                                     _mm512_mul_ps(w0, _mm512_loadu_ps(xg)));
-    acc[r] = _mm512_fmadd_ps(t, dv, acc[r]);
-  }
-}
-
-template <int R>
-__attribute__((target("avx512f"), flatten)) void rows_int8g_avx512(
-    const float* xp, int64_t groups, const int8_t* q, const float* scales, float* y, int64_t out,
-    int64_t o0, int64_t o1) {
-  const int64_t kp = groups * kGroup;
-  const int64_t ahead = std::max<int64_t>(1, kInt8AheadBytes / kp);
-  for (int64_t o = o0; o < o1; ++o) {
-    const int8_t* wq = q + o * kp;
-    const float* sc = scales + o * groups;
-    const bool fetch = o + ahead < o1;  // as rows_int8g
-    const char* next_q = fetch ? reinterpret_cast<const char*>(wq + ahead * kp) : nullptr;
-    const char* next_sc = fetch ? reinterpret_cast<const char*>(sc + ahead * groups) : nullptr;
-    __m512 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      if (fetch) {
-        _mm_prefetch(next_q + g * kGroup, _MM_HINT_T0);
-        if (g % 16 == 0) _mm_prefetch(next_sc + g * 4, _MM_HINT_T0);
-      }
-      int8g_group_zmm<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
-      int8g_group_zmm<R>(wq + (g + 1) * kGroup, sc[g + 1], xp, kp, g + 1, odd);
-    }
-    if (g < groups) int8g_group_zmm<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
-    for (int r = 0; r < R; ++r)
-      y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-  }
-}
-
 using Int8gFn = void (*)(const float*, int64_t, const int8_t*, const float*, float*, int64_t,
                          int64_t, int64_t);
-constexpr int kInt8gPaths = 2;
-constexpr Int8gFn kInt8g[kInt8gPaths][kTile + 1] = {
-    {nullptr, rows_int8g<1>, rows_int8g<2>, rows_int8g<3>, rows_int8g<4>, rows_int8g<5>,
-     rows_int8g<6>, rows_int8g<7>, rows_int8g<8>},
-    {nullptr, rows_int8g_avx512<1>, rows_int8g_avx512<2>, rows_int8g_avx512<3>,
-     rows_int8g_avx512<4>, rows_int8g_avx512<5>, rows_int8g_avx512<6>, rows_int8g_avx512<7>,
-     rows_int8g_avx512<8>}};
+constexpr Int8gFn kInt8g[kTile + 1] = {nullptr,       rows_int8g<1>, rows_int8g<2>,
+                                       rows_int8g<3>, rows_int8g<4>, rows_int8g<5>,
+                                       rows_int8g<6>, rows_int8g<7>, rows_int8g<8>};
 
 at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& scales, int64_t path) {
-  __builtin_cpu_init();
-  TORCH_CHECK(path == 0 || (path == 1 && __builtin_cpu_supports("avx512f")),
-              "graphrunner_int8::linear_grouped: path ", path,
-              " is not supported by this CPU (0: AVX2, 1: AVX-512)");
+                               const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "graphrunner_int8::linear_grouped: x must be a 2-D float32 CPU tensor [rows, in]");
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
@@ -504,7 +447,7 @@ at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
     std::fill(xpad.begin(), xpad.end(), 0.0f);
     for (int r = 0; r < nr; ++r)
       std::memcpy(xpad.data() + r * kp, xs + (r0 + r) * in, in * sizeof(float));
-    const Int8gFn fn = kInt8g[path][nr];
+    const Int8gFn fn = kInt8g[nr];
     const float* xpp = xpad.data();
     float* yt = yp + r0 * out;
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
@@ -936,7 +879,7 @@ TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
 
 TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales, int path) -> Tensor");
+  m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) {

@@ -48,7 +48,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source (a layout included): it names the
 #: cached build and keys saved programs (``engine.bundle.aot_key``).
-KERNEL_BUILD = "graphrunner_cpu_kernels_v22"
+KERNEL_BUILD = "graphrunner_cpu_kernels_v21"
 
 
 def _build() -> str | None:
@@ -61,7 +61,7 @@ def _build() -> str | None:
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
-    torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_grouped_linear)
+    torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
     torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
 
@@ -114,13 +114,6 @@ def _fake_int4_q8_linear(
 
 def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The int8 op's output for tracing: ``[rows, out]`` float32, no data."""
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _fake_int8_grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, path: int
-) -> torch.Tensor:
-    """The int8-group op's output for tracing: ``[rows, out]`` float32, no data."""
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.cpu_kernels import kernels_run
 
 __all__ = ["GROUP", "Int8GroupLinear", "Int8Linear", "quantize_per_channel", "quantize_per_group"]
@@ -134,11 +133,7 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
         self.out_features, self.in_features = weight.shape
-        path = kernel_path("int8-groups")
-        self.kernel = path is not None
-        # A plain int read at trace time: the compiled program calls one path.
-        self.path = 0 if path is None else path.code
-        self.path_name = "torch" if path is None else path.name
+        self.kernel = kernels_run()
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` this linear multiplies by."""
@@ -147,15 +142,13 @@ class Int8GroupLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            out = torch.ops.graphrunner_int8.linear_grouped(
-                _flat(x), self.weight, self.scales, self.path
-            )
+            out = torch.ops.graphrunner_int8.linear_grouped(_flat(x), self.weight, self.scales)
         else:
             out = torch.nn.functional.linear(_flat(x), self.dequantized())
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        path = f"C++ {self.path_name} kernel" if self.kernel else "dequantize + F.linear"
+        path = "C++ AVX2 kernel" if self.kernel else "dequantize + F.linear"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int8 groups of {GROUP}, float32 activations ({path})"
