@@ -175,7 +175,9 @@ class KernelPath:
 #: feature -> kernel, for each product best first (:func:`kernel_path` takes
 #: the first the CPU has and the build compiled). int4, int8 and fp16 have
 #: one path: an AVX-512 build of int4's loop was measured on a Zen 4 and not
-#: kept (4% faster at 1 row, 25% slower at 8: ``cpu_kernels.cpp``). The
+#: kept (4% faster at 1 row, 25% slower at 8: ``cpu_kernels.cpp``); one of
+#: the int8-group LM head's, 16 codes widened a register, neither (0.89x at 1
+#: row, 1.03x at 8: ``bench/results/int8-groups-avx512-zen4-cpu.md``). The
 #: VNNI rows are compiled where the compiler targets them and tested where a
 #: CPU has them. On a Zen 4 (``bench/results/int4-q8-zmm-zen4-cpu.md``) the
 #: AVX-512 VNNI path ran 1.13-1.14x the AVX2 one at 1 row, 1.35-1.43x at 8
