@@ -208,7 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if llama_cpp_available():
         extra["llama.cpp"] = llama_cpp_system()
     result = {
-        "command": "PYTHONPATH=. .venv/bin/python -m bench.bench_agreement " + " ".join(argv or []),
+        "command": " ".join(
+            [
+                "PYTHONPATH=. .venv/bin/python -m bench.bench_agreement",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
         "machine": {**machine(), "cpu flags": cpu_flags(), **extra},
         "new_tokens": args.new,
         "rows": rows,
