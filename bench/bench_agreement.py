@@ -55,7 +55,7 @@ from bench.bench_real_cpu import (
     save_results,
     transformers_run,
 )
-from bench.conftest import machine
+from bench.conftest import command, machine
 from bench.llama_cpp_run import (
     llama_cpp_available,
     llama_cpp_logits,
@@ -208,12 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if llama_cpp_available():
         extra["llama.cpp"] = llama_cpp_system()
     result = {
-        "command": " ".join(
-            [
-                "PYTHONPATH=. .venv/bin/python -m bench.bench_agreement",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
+        "command": command("bench_agreement", argv),
         "machine": {**machine(), "cpu flags": cpu_flags(), **extra},
         "new_tokens": args.new,
         "rows": rows,

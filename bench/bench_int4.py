@@ -42,7 +42,6 @@ import datetime
 import functools
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.conftest import command
 from graphrunner_ref.model.cpu_features import (
     KERNEL_PATHS,
     KernelPath,
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# int4 weights on the CPU, one thread",
         "",
-        f"`{' '.join(['PYTHONPATH=. .venv/bin/python -m bench.bench_int4', *(argv or sys.argv[1:])])}`: "
+        f"`{command('bench_int4', argv)}`: "
         "`rows x in` float32 activations "
         "times an `in x out` weight, median µs per call over "
         f"{ROUNDS} rounds, candidates interleaved; ratio = float32 µs / candidate µs "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -49,6 +48,7 @@ from bench.bench_real_cpu import (
     save_results,
     transformers_run,
 )
+from bench.conftest import command
 from graphrunner.testing import torch_threads
 from graphrunner_ref.io import load_model
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
@@ -137,7 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=at_least(0), default=6, help="speed rounds, 0 for none (6)")
     p.add_argument("--out", default="int4-q8-inputs-cpu", help="results name under bench/results/")
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     load = os.getloadavg()[0]
     with torch_threads(1):
@@ -145,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, continuations = transformers_run(checkpoint, prompts, 1, NEW)
         rows = agreement_rows(checkpoint, prompts, continuations)
         speed = speed_row(checkpoint, prompts, args.rounds) if args.rounds else None
-    command = "PYTHONPATH=. .venv/bin/python -m bench.bench_q8_inputs " + " ".join(argv)
-    result = run_record(command, kernel_facts(["int4", "int4-q8"]), NEW, load, prompts, rows)
+    ran = command("bench_q8_inputs", argv)
+    result = run_record(ran, kernel_facts(["int4", "int4-q8"]), NEW, load, prompts, rows)
     result["speed"] = speed
     print(f"results written to {write(result, args.out)}")
     return 0

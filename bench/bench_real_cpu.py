@@ -78,7 +78,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,7 +88,7 @@ from typing import Any, Protocol
 import torch
 
 from bench.bench_context import smollm2_chats
-from bench.conftest import RESULTS_DIR, machine
+from bench.conftest import RESULTS_DIR, command, machine
 from bench.llama_cpp_run import LlamaCppDecoder, llama_cpp_available, llama_cpp_system
 from bench.vllm_cpu_run import (
     VLLM_PYTHON,
@@ -106,7 +105,6 @@ from graphrunner_ref.io.gguf_cache import cache_root
 from graphrunner_ref.model.cpu_features import cpu_features, kernel_summary
 from graphrunner_ref.model.quantize import quantize_model
 
-CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_real_cpu"
 #: ``--variants`` names: (runner kind, dtype, quantize mode) and the row's label.
 VARIANTS = {
     "eager": ("eager", torch.float32, None, "graphrunner eager runner"),
@@ -619,7 +617,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
     )
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     error = variants_error(variants)
@@ -641,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "one process, one thread"
         )
     extra.update(kernel_facts([VARIANTS[v][2] for v in variants if v in VARIANTS]))
-    result = run_record(f"{CMD} {' '.join(argv)}", extra, args.new, load, prompts, rows)
+    result = run_record(command("bench_real_cpu", argv), extra, args.new, load, prompts, rows)
     if args.rounds > 1:
         result["rounds"] = args.rounds
         print(f"results written to {write_rounds(result, args.out)}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +32,7 @@ from bench.bench_real_cpu import (
     run_record,
     save_results,
 )
+from bench.conftest import command
 from graphrunner.testing import torch_threads
 from graphrunner_ref.model import layers
 
@@ -61,7 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=at_least(2), default=8, help="alternating rounds (8)")
     p.add_argument("--out", default="rotation-cpu", help="results name under bench/results/")
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     load = os.getloadavg()[0]
     with torch_threads(1):
@@ -71,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with rotation(formula):
                 decoders[name] = GraphrunnerDecoder(checkpoint, prompts, "int4-q8", 1, NEW)
         speeds, tokens, _ = alternate(decoders, args.rounds)
-    command = "PYTHONPATH=. .venv/bin/python -m bench.bench_rotation " + " ".join(argv)
-    result = run_record(command, kernel_facts(["int4-q8"]), NEW, load, prompts, [])
+    ran = command("bench_rotation", argv)
+    result = run_record(ran, kernel_facts(["int4-q8"]), NEW, load, prompts, [])
     result.update(ab_summary(speeds, tokens, ROLL, CAT))
     result["same_tokens"] = result["same_tokens_every_round"] and tokens[CAT][0] == tokens[ROLL][0]
     print(f"results written to {write(result, args.out)}")

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from bench.bench_capture import fresh_child, machine_words, write_models
+from bench.conftest import command
 
-CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_warm_start"
 SIX = [1, 2, 4, 8, 12, 16]
 GOALS = {"embedded": 2.0, "smollm2": 4.0}  # seconds, warm capture of six sizes (issue 53)
 RUNS = ("cold", "warm cache", "AOT build", "AOT load")
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphrunner_ref.model.cpu_features import cpu_features
 
     facts = {
-        "command": " ".join([CMD, *(argv if argv is not None else sys.argv[1:])]),
+        "command": command("bench_warm_start", argv),
         "cpu": cpu_features().describe(),
         "kernel path": f"inductor C++ codegen at {torch.backends.cpu.get_cpu_capability()}",
     }

@@ -9,7 +9,8 @@ import json
 import os
 import platform
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,14 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+def command(module: str, argv: Sequence[str] | None) -> str:
+    """How bench ``module`` was run, for its results: ``PYTHONPATH=.
+    .venv/bin/python -m bench.MODULE`` and its arguments (``argv``, or the
+    process's own where None)."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["PYTHONPATH=. .venv/bin/python -m", f"bench.{module}", *args])
 
 
 def table(groups: list[str]) -> list[str]:
