@@ -13,8 +13,9 @@ with transformers' float32 ones:
 - KL: the mean ``KL(transformers || who)`` of the next-token distributions.
 
 Who: graphrunner's model (:func:`graphrunner_ref.io.load_model`) with
-``--quantize int4`` (float32 activations, the exact mode) and ``int4-q8``
-(activations quantized to 8 bits per group of 32), every position from one
+``--quantize int4`` (float32 activations, the exact mode), ``int4-q8``
+(activations quantized to 8 bits per group of 32) and ``int4-bf16`` (weights
+and activations rounded to bfloat16), every position from one
 prefill (the kernels' rows are independent of each other bit for bit, so a
 position's logits are the ones a decode step at that position computes from
 the same cache, up to the attention's order of sums); and llama.cpp on the
@@ -69,7 +70,7 @@ from graphrunner_ref.io.gguf_cache import cache_root
 from graphrunner_ref.model.quantize import quantize_model
 
 #: The graphrunner modes compared (``--quantize``).
-MODES = ("int4", "int4-q8")
+MODES = ("int4", "int4-q8", "int4-bf16")
 
 
 def transformers_logits(checkpoint: Any, sequences: list[list[int]]) -> list[torch.Tensor]:

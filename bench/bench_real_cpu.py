@@ -27,11 +27,13 @@ runner with compact weights: ``fp16`` (float16 weights, float32 activations),
 ``int8`` (per-channel int8, the project's AVX2 kernel), ``int4`` (groups
 of 32 columns, the project's AVX2 kernel), ``int4-q8`` (the same weights,
 activations quantized to 8 bits per group, integer dots on the kernel path
-the CPU's features pick) and ``bf16``
+the CPU's features pick), ``int4-bf16`` (the same weights, weights and
+activations rounded to bfloat16, AVX-512 BF16's ``vdpbf16ps`` where the CPU
+has it) and ``bf16``
 (``--dtype bfloat16``: weights, activations and KV cache). On a CPU without
 AVX-512 or AMX the last two run emulated and slower than float32
 (``graphrunner_ref.model.cpu_features``); they are measured all the same.
-``int4-aot`` and ``int4-q8-aot`` are ``int4`` and ``int4-q8`` with
+``int4-aot``, ``int4-q8-aot`` and ``int4-bf16-aot`` are those modes with
 ``--aot-cache`` (a fresh folder: the program is built, saved and run as an
 AOTInductor package, whose C++ wrapper calls the kernels with no Python
 between them; the build is not timed, the decode is).
@@ -113,6 +115,12 @@ VARIANTS = {
     "int8": ("cpu", torch.float32, "int8", "graphrunner cpu runner, --quantize int8"),
     "int4": ("cpu", torch.float32, "int4", "graphrunner cpu runner, --quantize int4"),
     "int4-q8": ("cpu", torch.float32, "int4-q8", "graphrunner cpu runner, --quantize int4-q8"),
+    "int4-bf16": (
+        "cpu",
+        torch.float32,
+        "int4-bf16",
+        "graphrunner cpu runner, --quantize int4-bf16",
+    ),
     "bf16": ("cpu", torch.bfloat16, None, "graphrunner cpu runner, --dtype bfloat16"),
     "int4-aot": (
         "cpu",
@@ -126,10 +134,16 @@ VARIANTS = {
         "int4-q8",
         "graphrunner cpu runner, --quantize int4-q8 --aot-cache",
     ),
+    "int4-bf16-aot": (
+        "cpu",
+        torch.float32,
+        "int4-bf16",
+        "graphrunner cpu runner, --quantize int4-bf16 --aot-cache",
+    ),
 }
 #: Variants whose program is saved and run as an AOTInductor package
 #: (``--aot-cache DIR``: its C++ wrapper calls the kernels, no Python between them).
-AOT_VARIANTS = ("int4-aot", "int4-q8-aot")
+AOT_VARIANTS = ("int4-aot", "int4-q8-aot", "int4-bf16-aot")
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
 LLAMA_CPP = "llama.cpp"
 #: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.

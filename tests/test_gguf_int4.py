@@ -147,7 +147,8 @@ def test_codes_that_do_not_fit_are_refused_by_name(files: dict[str, Any]) -> Non
     codes = read_gguf_int4(path)
     bundle = load_model(path, max_requests=2, max_context_len=32)
     with pytest.raises(
-        ValueError, match=r"codes are 4-bit weights; expected a mode of \('int4', 'int4-q8'\)"
+        ValueError,
+        match=r"codes are 4-bit weights; expected a mode of \('int4', 'int4-q8', 'int4-bf16'\)",
     ):
         quantize_model(bundle.model, "fp16", codes=codes)
     assert bundle.model.quantization is None

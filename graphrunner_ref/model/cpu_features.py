@@ -182,7 +182,8 @@ class KernelPath:
 #: CPU has them. On a Zen 4 (``bench/results/int4-q8-zmm-zen4-cpu.md``) the
 #: AVX-512 VNNI path ran 1.13-1.14x the AVX2 one at 1 row, 1.35-1.43x at 8
 #: (256-bit registers, one group at a time, ran between: replaced). AVX-VNNI
-#: has not run on hardware here.
+#: has not run on hardware here. int4-bf16 has one path, AVX-512 BF16; without
+#: it the mode runs its torch emulation (:mod:`~graphrunner_ref.model.int4_bf16`).
 KERNEL_PATHS = (
     KernelPath(
         "int4-q8",
@@ -200,6 +201,14 @@ KERNEL_PATHS = (
         "vpmaddubsw + vpmaddwd, 32 codes x 32 int8 activations",
     ),
     KernelPath(
+        "int4-bf16",
+        "avx512-bf16",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        0,
+        "each group's 16 bfloat16 weights a table looked up by code (vpermw), vdpbf16ps "
+        "against bfloat16 activations, 32 columns an instruction",
+    ),
+    KernelPath(
         "int4",
         "avx2",
         ("avx2", "fma"),
@@ -212,9 +221,11 @@ KERNEL_PATHS = (
 
 
 def _compiled(path: KernelPath) -> bool:
-    if path.product != "int4-q8":
-        return path.code == 0
-    return bool(int(torch.ops.graphrunner_int4.q8_paths()) >> path.code & 1)
+    if path.product == "int4-q8":
+        return bool(int(torch.ops.graphrunner_int4.q8_paths()) >> path.code & 1)
+    if path.product == "int4-bf16":
+        return bool(int(torch.ops.graphrunner_int4.bf16_paths()) >> path.code & 1)
+    return path.code == 0
 
 
 @functools.cache

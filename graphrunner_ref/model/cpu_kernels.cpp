@@ -422,20 +422,28 @@ constexpr Int8gFn kInt8g[kTile + 1] = {nullptr,       rows_int8g<1>, rows_int8g<
                                        rows_int8g<3>, rows_int8g<4>, rows_int8g<5>,
                                        rows_int8g<6>, rows_int8g<7>, rows_int8g<8>};
 
-at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "graphrunner_int8::linear_grouped: x must be a 2-D float32 CPU tensor [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+// The grouped int8 ops' arguments checked (op names the op): the groups of x's columns.
+int64_t check_int8_grouped(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t in = x.size(1), out = weight.size(0);
   const int64_t groups = (in + kGroup - 1) / kGroup, kp = groups * kGroup;
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
                   weight.size(1) == kp,
-              "graphrunner_int8::linear_grouped: weight must be contiguous int8 [out, ", kp,
-              "] for in=", in, ", got ", weight.sizes());
+              op, ": weight must be contiguous int8 [out, ", kp, "] for in=", in, ", got ",
+              weight.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == out * groups,
-              "graphrunner_int8::linear_grouped: scales must be contiguous float32 [out, ", groups,
-              "]");
+              op, ": scales must be contiguous float32 [out, ", groups, "]");
+  return groups;
+}
+
+at::Tensor linear_int8_grouped(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& scales) {
+  const int64_t groups = check_int8_grouped("graphrunner_int8::linear_grouped", x, weight, scales);
+  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  const int64_t kp = groups * kGroup;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
@@ -864,27 +872,282 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
   return y;
 }
 
+
+// int4 x bfloat16 (graphrunner_int4::linear_bf16, int4_bf16.py): the same
+// 4-bit weights, each weight rounded to bfloat16 (round-to-nearest-even of
+// the float32 code * scale + min, the same two roundings as int4's
+// dequantize), each activation rounded to bfloat16, products summed in
+// float32 by AVX-512 BF16's vdpbf16ps: 16 lanes, lane i taking the pair of
+// columns (2i, 2i + 1) of every group in turn, each step
+//   acc_i = (acc_i + w[2i+1] * x[2i+1]) + w[2i] * x[2i]
+// (a bfloat16 product is exact in float32; each sum rounds to nearest even),
+// then the 16 lanes summed in a fixed order (hsum16). A group's weights come
+// from a 16-entry table of its bfloat16 values, looked up by code with
+// vpermw, so the scale and min cost one table per (output, group), shared by
+// every row; no per-row scale work is left, which is where the int4-q8
+// kernel spends its time at 8 rows. Measured on a Zen 4 EPYC against that
+// kernel (bench/results/int4-bf16-zen4-cpu.md). A row's sums never meet
+// another row's, in the same order whatever the batch: rows independent of
+// the batch bit for bit; int4_bf16.py's torch reference is equal bit for bit.
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define GRAPHRUNNER_BF16 1
+#define GRAPHRUNNER_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// A group's 32 codes (byte j: code j low, code j + 16 high) as 16-bit table
+// indices in column order. The low half keeps its byte whole: vpermw reads
+// an index's low 5 bits, and the table below is written twice over, so the
+// high nibble's low bit picks the same entry.
+GRAPHRUNNER_BF16_TARGET inline __m512i code_indices(const uint8_t* bytes) {
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0004000400040004);
+  return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shifts);
+}
+
+// Lanes 0..7 + 8..15, then hsum: a fixed order of the 16 lanes.
+GRAPHRUNNER_BF16_TARGET inline float hsum16(__m512 v) {
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+// R bfloat16 rows (xb: [R, kp]) against the P output rows os[0..P).
+template <int R, int P>
+GRAPHRUNNER_BF16_TARGET inline void block_bf16(const uint16_t* xb, int64_t groups,
+                                               const uint8_t* blocked, const float* scales,
+                                               const float* mins, float* y, int64_t out,
+                                               const int64_t (&os)[P],
+                                               const BlockPrefetch& ahead) {
+  const int64_t kp = groups * kGroup;
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* wq[P];
+  const float* sc[P];
+  const float* mn[P];
+  __m512 acc[P][R];
+  for (int p = 0; p < P; ++p) {
+    wq[p] = row_codes(blocked, groups, os[p]);
+    sc[p] = scales + os[p] * groups;
+    mn[p] = mins + os[p] * groups;
+    for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    ahead.group(g);
+    for (int p = 0; p < P; ++p) {
+      // code * scale + min, rounded twice as int4's dequantize (no FMA: the
+      // build's -ffp-contract=off keeps the multiply and the add apart).
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(sc[p][g])),
+                                     _mm512_set1_ps(mn[p][g]));
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
+      const __m512bh w = reinterpret_cast<__m512bh>(
+          _mm512_permutexvar_epi16(code_indices(wq[p] + g * kCodeStride), table));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + r * kp + g * kGroup));
+        acc[p][r] = _mm512_dpbf16_ps(acc[p][r], w, xv);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) y[r * out + os[p]] = hsum16(acc[p][r]);
+}
+
+// Outputs per pass for R rows: more rows share a weight's lookup already.
+template <int R>
+constexpr int kBf16OutBlock = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+
+template <int R>
+GRAPHRUNNER_BF16_TARGET __attribute__((flatten)) void rows_bf16(
+    const uint16_t* xb, int64_t groups, const uint8_t* blocked, const float* scales,
+    const float* mins, float* y, int64_t out, int64_t o0, int64_t o1) {
+  constexpr int P = kBf16OutBlock<R>;
+  int64_t os[P];
+  for (int64_t o = o0; o < o1; o += P) {
+    for (int p = 0; p < P; ++p) os[p] = std::min(o + p, o1 - 1);
+    block_bf16<R, P>(xb, groups, blocked, scales, mins, y, out, os,
+                     BlockPrefetch::ahead(blocked, scales, mins, groups, o, P, o1));
+  }
+}
+
+// int8 groups x bfloat16 (graphrunner_int8::linear_grouped_bf16): the LM head
+// of int4-bf16 mode, int8_linear's grouped codes (q, one scale a group), each
+// weight rounded to bfloat16 from its float32 q * scale, the same sums as
+// linear_bf16's; one output row a pass, the row ahead fetched as int8g's.
+template <int R>
+GRAPHRUNNER_BF16_TARGET __attribute__((flatten)) void rows_int8g_bf16(
+    const uint16_t* xb, int64_t groups, const int8_t* q, const float* scales, float* y,
+    int64_t out, int64_t o0, int64_t o1) {
+  const int64_t kp = groups * kGroup;
+  const int64_t ahead = std::max<int64_t>(1, kInt8AheadBytes / kp);
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wq = q + o * kp;
+    const float* sc = scales + o * groups;
+    const bool fetch = o + ahead < o1;
+    const char* next_q = fetch ? reinterpret_cast<const char*>(wq + ahead * kp) : nullptr;
+    const char* next_sc = fetch ? reinterpret_cast<const char*>(sc + ahead * groups) : nullptr;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (fetch && g % 2 == 0) {
+        _mm_prefetch(next_q + g * kGroup, _MM_HINT_T0);
+        if (g % 16 == 0) _mm_prefetch(next_sc + g * 4, _MM_HINT_T0);
+      }
+      const int8_t* qg = wq + g * kGroup;
+      const __m512 d = _mm512_set1_ps(sc[g]);
+      const __m512 lo = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), d);
+      const __m512 hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)))), d);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // word j: column j
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + r * kp + g * kGroup));
+        acc[r] = _mm512_dpbf16_ps(acc[r], w, xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * out + o] = hsum16(acc[r]);
+  }
+}
+
+using Int8gBf16Fn = void (*)(const uint16_t*, int64_t, const int8_t*, const float*, float*,
+                             int64_t, int64_t, int64_t);
+constexpr Int8gBf16Fn int8g_bf16_table[kTile + 1] = {
+    nullptr,            rows_int8g_bf16<1>, rows_int8g_bf16<2>, rows_int8g_bf16<3>,
+    rows_int8g_bf16<4>, rows_int8g_bf16<5>, rows_int8g_bf16<6>, rows_int8g_bf16<7>,
+    rows_int8g_bf16<8>};
+
+using Bf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, const float*,
+                        float*, int64_t, int64_t, int64_t);
+constexpr Bf16Fn bf16_table[kTile + 1] = {nullptr,      rows_bf16<1>, rows_bf16<2>,
+                                          rows_bf16<3>, rows_bf16<4>, rows_bf16<5>,
+                                          rows_bf16<6>, rows_bf16<7>, rows_bf16<8>};
+#undef GRAPHRUNNER_BF16_TARGET
+#endif
+
+// Whether this build has the bfloat16 kernel and this CPU runs it.
+bool bf16_runs() {
+#ifdef GRAPHRUNNER_BF16
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// 1 where the bfloat16 kernel is compiled into this build, else 0.
+int64_t bf16_paths() {
+#ifdef GRAPHRUNNER_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifdef GRAPHRUNNER_BF16
+// x [rows, in] float32 rounded to bfloat16 into xb [rows, kp], each row
+// alone, zero-padded to whole groups: round to nearest even on the bits, as
+// torch's float32 -> bfloat16 (vcvtneps2bf16 would flush denormal inputs to
+// zero, torch does not), NaN to torch's quiet NaN. Plain stores, not an ATen
+// tensor: four ATen calls a product cost ~1.4 ms of a 24 ms SmolLM2 step at 8 rows.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_to_bf16(
+    const float* x, int64_t rows, int64_t in, int64_t kp, uint16_t* xb) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i quiet = _mm512_set1_epi32(0x7FC0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * in;
+    uint16_t* br = xb + r * kp;
+    for (int64_t k = 0; k < kp; k += 16) {
+      const __mmask16 live = k + 16 <= in ? __mmask16(0xFFFF)
+                             : k < in     ? __mmask16((1u << (in - k)) - 1)
+                                          : __mmask16(0);
+      const __m512 v = _mm512_maskz_loadu_ps(live, xr + k);
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
+      h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(br + k), _mm512_cvtepi32_epi16(h));
+    }
+  }
+}
+#endif
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  const int64_t groups = check_int4("graphrunner_int4::linear_bf16", x, blocked, scales, mins);
+  TORCH_CHECK(bf16_runs(), "graphrunner_int4::linear_bf16: needs AVX-512 BF16 (",
+              bf16_paths() ? "this CPU lacks it" : "not compiled into this build", ")");
+  const int64_t rows = x.size(0), out = scales.size(0);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+#ifdef GRAPHRUNNER_BF16
+  const int64_t kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint16_t> xb(rows * kp);
+  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  const uint16_t* xp = xb.data();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const Bf16Fn fn = bf16_table[std::min<int64_t>(kTile, rows - r0)];
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xp + r0 * kp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+         mins.data_ptr<float>(), yp + r0 * out, out, o0, o1);
+    });
+  }
+#endif
+  return y;
+}
+
+at::Tensor linear_int8_grouped_bf16(const at::Tensor& x, const at::Tensor& weight,
+                                    const at::Tensor& scales) {
+  const int64_t groups = check_int8_grouped("graphrunner_int8::linear_grouped_bf16", x, weight, scales);
+  TORCH_CHECK(bf16_runs(), "graphrunner_int8::linear_grouped_bf16: needs AVX-512 BF16 (",
+              bf16_paths() ? "this CPU lacks it" : "not compiled into this build", ")");
+  const int64_t rows = x.size(0), out = weight.size(0);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+#ifdef GRAPHRUNNER_BF16
+  const int64_t kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint16_t> xb(rows * kp);
+  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  const uint16_t* xp = xb.data();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const Int8gBf16Fn fn = int8g_bf16_table[std::min<int64_t>(kTile, rows - r0)];
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      fn(xp + r0 * kp, groups, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+         yp + r0 * out, out, o0, o1);
+    });
+  }
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_int4, m) {
   m.def("linear(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor blocked, Tensor scales, Tensor mins, int path) -> Tensor");
   m.def("q8_paths() -> int", &q8_paths);
+  m.def("linear_bf16(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
+  m.def("bf16_paths() -> int", &bf16_paths);
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_q8", &linear_q8);
+  m.impl("linear_bf16", &linear_bf16);
 }
 
 TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("linear_grouped_bf16(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) {
   m.impl("linear", &linear_int8);
   m.impl("linear_grouped", &linear_int8_grouped);
+  m.impl("linear_grouped_bf16", &linear_int8_grouped_bf16);
 }
 
 TORCH_LIBRARY(graphrunner_fp16, m) {

@@ -1,4 +1,4 @@
-"""Compact weights for a loaded Llama model: ``--quantize`` int8, fp16, int4 or int4-q8.
+"""Compact weights for a loaded Llama model: ``--quantize`` int8, fp16, int4, int4-q8 or int4-bf16.
 
 :func:`quantize_model` replaces every projection of the decoder (each
 layer's stacked query/key/value, output, gate, up and down projections) and
@@ -8,7 +8,9 @@ the LM head with a linear over compact weights: int8 per output channel
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
 (``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`; the attention's
-q/k/v projection keeps int4's float32 activations there: :func:`qkv_linear`).
+q/k/v projection keeps int4's float32 activations there: :func:`qkv_linear`),
+or weights and activations rounded to bfloat16 (``int4-bf16``, opt-in, for
+batches of 8 and more on AVX-512 BF16: :mod:`graphrunner_ref.model.int4_bf16`).
 With int4 the LM head takes int8 weights in groups of 32
 (:class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`, float32
 activations) where they hold its weight exactly (a GGUF file's Q8_0 head:
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
+from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear, Int8GroupBf16Linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
 from graphrunner_ref.model.int4_q8 import Int4Q8Linear
 from graphrunner_ref.model.int8_linear import Int8GroupLinear, Int8Linear
@@ -75,11 +78,15 @@ QUANTIZATIONS = {
     "leave float32's; the attention's q/k/v projection keeps float32 activations, which "
     "halves the logits' divergence; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI, "
     "whichever the CPU has; rows independent of the batch bit for bit)",
+    "int4-bf16": "int4's weights and each row's activations rounded to bfloat16, float32 sums "
+    "(opt-in, not exact, about half int4-q8's error; for batches of 8 and more on a CPU with "
+    "AVX-512 BF16, where its C++ kernel outruns int4-q8's: slower at batch 1; elsewhere a "
+    "torch emulation, far slower; rows independent of the batch bit for bit)",
 }
 
 #: The modes over int4's weights: a float32 model only, a GGUF file's own Q4
 #: codes taken as they are, a compact LM head of their own (:func:`compact_head`).
-INT4_MODES = ("int4", "int4-q8")
+INT4_MODES = ("int4", "int4-q8", "int4-bf16")
 
 
 def check_quantization(mode: str, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -111,6 +118,8 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
         return Int4Linear
     if mode == "int4-q8":
         return Int4Q8Linear
+    if mode == "int4-bf16":
+        return Int4Bf16Linear
     return Fp16WeightLinear
 
 
@@ -140,13 +149,17 @@ def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.M
     hold the weight exactly, else float16 (:func:`exact_or_fp16_head`);
     int8 in groups of 32 for int4-q8 (its 8-bit activations stop at the
     head, whose logits pick the token; half float16's bytes: a batch-1 step
-    reads the head more than any layer); the projections' own linear for int8."""
+    reads the head more than any layer) and for int4-bf16, multiplied there
+    as its projections are (:class:`~graphrunner_ref.model.int4_bf16.Int8GroupBf16Linear`);
+    the projections' own linear for int8."""
     if mode == "fp16":
         return head_linear
     if mode == "int4":
         return exact_or_fp16_head
     if mode == "int4-q8":
         return Int8GroupLinear
+    if mode == "int4-bf16":
+        return Int8GroupBf16Linear
     return compact_linear(mode, dtype)
 
 
