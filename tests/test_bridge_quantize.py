@@ -19,8 +19,10 @@ import graphrunner_ref.cli.main as cli
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import load_transformers
 from graphrunner_ref.bridge.quantize import QKV_NAMES, BiasedLinear, quantize_linears
+from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear
 from graphrunner_ref.model.int4_linear import Int4Linear
 from graphrunner_ref.model.int4_q8 import Int4Q8Linear
+from graphrunner_ref.model.quantize import bf16_units
 from hf_tiny import TINY_DECODER, hf_greedy, save_decoders
 
 transformers = pytest.importorskip("transformers")
@@ -85,11 +87,12 @@ def test_the_weights_change_the_answers(saved: dict[str, tuple[Path, Any]]) -> N
 
 
 @pytest.mark.parametrize(("arch", "qkv"), [("qwen2-biases", 3), ("phi3-packed", 1)])
-def test_int4_q8_keeps_float_inputs_for_q_k_and_v(
+def test_int4_q8_keeps_wide_inputs_for_q_k_and_v(
     arch: str, qkv: int, saved: dict[str, tuple[Path, Any]]
 ) -> None:
     """As the native model: int4-q8's q/k/v projections (each alone, or packed)
-    are int4 with float32 activations, every other projection int4 x q8."""
+    are int4 with wider activations (bfloat16 where the CPU multiplies it,
+    else float32: ``wide_int4_linear``), every other projection int4 x q8."""
     path, _ = saved[arch]
     bundle = load_transformers(path, max_requests=1, max_context_len=8)
     quantize_linears(bundle.model.hf, "int4-q8")
@@ -98,7 +101,8 @@ def test_int4_q8_keeps_float_inputs_for_q_k_and_v(
         inner = module.inner if isinstance(module, BiasedLinear) else module
         if isinstance(inner, Int4Linear) and not name.endswith(".inner"):
             kinds.setdefault(name.rpartition(".")[2], set()).add(type(inner))
-    float_inputs = {n for n, k in kinds.items() if k == {Int4Linear}}
+    wide = {Int4Bf16Linear if bf16_units() else Int4Linear}
+    float_inputs = {n for n, k in kinds.items() if k == wide}
     assert len(float_inputs) == qkv and float_inputs <= QKV_NAMES, kinds
     assert all(k == {Int4Q8Linear} for n, k in kinds.items() if n not in QKV_NAMES), kinds
 

@@ -31,18 +31,31 @@ from graphrunner_ref.model.cpu_features import (
 )
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
-from graphrunner_ref.model.int4_linear import GROUP, Int4Linear
+from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear
+from graphrunner_ref.model.int4_linear import GROUP, Int4Linear, Int4Weight
 from graphrunner_ref.model.int4_q8 import (
+    TILES_PATH,
     Int4Q8Linear,
     int4_q8_reference_linear,
+    int4_q8_tiles_reference_linear,
     quantize_activations_q8,
+    tile_codes,
+    untile_codes,
 )
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
-from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, quantize_model
+from graphrunner_ref.model.quantize import (
+    QUANTIZATIONS,
+    bf16_units,
+    check_quantization,
+    quantize_model,
+)
 
 #: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a tile.
 SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9), (24, 96, 19)]
 Q8_PATHS = [p for p in KERNEL_PATHS if p.product == "int4-q8"]
+#: The paths of graphrunner_int4::linear_q8 over int4's blocked codes (the tiles
+#: path has its own op and layout, tested below).
+BLOCKED_PATHS = [p for p in Q8_PATHS if p.code != TILES_PATH]
 
 
 def _clear() -> None:
@@ -66,6 +79,10 @@ def _runnable(code: int) -> bool:
     if kernel_status() is not None:
         return False
     row = next(p for p in Q8_PATHS if p.code == code)
+    if code == TILES_PATH:
+        return cpu_features().has(*row.needs) and bool(
+            int(torch.ops.graphrunner_int4.q8_paths()) >> code & 1
+        )
     compiled = int(torch.ops.graphrunner_int4.q8_paths()) >> code & 1
     return cpu_features().has(*row.needs) and bool(compiled)
 
@@ -95,7 +112,7 @@ def test_activation_codes_round_to_the_nearest_of_255_steps() -> None:
     assert bool(((sums - padded.sum(dim=2)).abs() <= d * GROUP / 2 * 1.001 + 1e-6).all())
 
 
-@pytest.mark.parametrize("code", [p.code for p in Q8_PATHS])
+@pytest.mark.parametrize("code", [p.code for p in BLOCKED_PATHS])
 @pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
 def test_each_path_equals_the_reference(code: int, out: int, inp: int, rows: int) -> None:
     if not _runnable(code):
@@ -109,6 +126,46 @@ def test_each_path_equals_the_reference(code: int, out: int, inp: int, rows: int
     torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * max(float(ref.abs().max()), 1.0))
     if code != 0:  # every path's integer dot is exact: the same output bit for bit
         assert torch.equal(y, _kernel(x, linear, 0))
+
+
+@pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
+def test_the_tiles_path_equals_its_reference(out: int, inp: int, rows: int) -> None:
+    """The AVX-512 VNNI tiles (16 outputs a register, each group's integer dot
+    whole in a lane): equal bit for bit to the torch emulation of their
+    float order, and within the float sums' rounding of the other paths'
+    reference; the tiles hold the codes exactly (their round trip)."""
+    if not _runnable(TILES_PATH):
+        pytest.skip("the int4-q8 tiles path does not run on this CPU or build")
+    gen = torch.Generator().manual_seed(out * 3 + inp)
+    w, x = torch.randn(out, inp, generator=gen) * 0.05, torch.randn(rows, inp, generator=gen)
+    linear = Int4Q8Linear(w, kernel=True)
+    assert linear.tiled and linear.path_name == "avx512-vnni-tiles"
+    assert linear.blocked.numel() == 0  # one copy of the codes
+    exact = Int4Linear(w)
+    assert torch.equal(linear.packed, exact.packed)
+    tiles, scales, mins = tile_codes(exact.packed, exact.scales, exact.mins)
+    assert torch.equal(untile_codes(tiles, out), exact.packed)
+    assert torch.equal(tiles, linear.tiles) and torch.equal(scales, linear.tile_scales)
+    y = linear(x)
+    assert torch.equal(y, int4_q8_tiles_reference_linear(x, exact.packed, exact.scales, exact.mins))
+    ref = int4_q8_reference_linear(x, exact.packed, exact.scales, exact.mins)
+    torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * max(float(ref.abs().max()), 1.0))
+
+
+def test_the_tiles_take_a_gguf_files_rows() -> None:
+    """set_rows on a tiled linear (a GGUF file's own codes put in place) writes
+    the rows it names and keeps the others, in the tiles the kernel reads."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 70, generator=gen)
+    linear, other = Int4Q8Linear(w), Int4Linear(torch.randn(8, 70, generator=gen))
+    before = linear.packed.clone()
+    linear.set_rows(16, Int4Weight(other.packed, other.scales, other.mins))
+    after = linear.packed
+    assert torch.equal(after[16:24], other.packed) and torch.equal(after[:16], before[:16])
+    assert torch.equal(after[24:], before[24:]) and torch.equal(linear.scales[16:24], other.scales)
+    x = torch.randn(3, 70, generator=gen)
+    want = int4_q8_reference_linear(x, after, linear.scales, linear.mins)
+    torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-6 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
@@ -169,7 +226,7 @@ def test_a_path_this_cpu_lacks_is_refused_by_the_kernel() -> None:
     than running an illegal instruction."""
     if kernel_status() is not None:
         pytest.skip(f"C++ kernels unavailable: {kernel_status()}")
-    missing = [p.code for p in Q8_PATHS if not _runnable(p.code)]
+    missing = [p.code for p in BLOCKED_PATHS if not _runnable(p.code)]
     if not missing:
         pytest.skip("this CPU runs every int4-q8 path")
     linear = Int4Linear(torch.randn(8, 32))
@@ -281,8 +338,8 @@ def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
 
 
 def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelBundle]) -> None:
-    """Every projection an Int4Q8Linear but the q/k/v one (int4's float32
-    activations, the same weights), the LM head int8 in groups; the embedded
+    """Every projection an Int4Q8Linear but the q/k/v one (wider activations,
+    the same weights: wide_int4_linear), the LM head int8 in groups; the embedded
     (random, near-tied logits) model's greedy tokens start as int4's float
     activations' do (its bound here: the first two of every row; SmolLM2's
     agreement is measured in ``bench/bench_real_cpu.py``), and so do the torch
@@ -292,7 +349,7 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
     assert len(linears) == 3 * len(model.model.layers) and model.quantization == "int4-q8"
     int4_layers = models["int4"].model.model.layers
     for layer, same in zip(model.model.layers, int4_layers, strict=True):
-        assert type(layer.self_attn.qkv_proj) is Int4Linear
+        assert type(layer.self_attn.qkv_proj) is (Int4Bf16Linear if bf16_units() else Int4Linear)
         assert torch.equal(layer.self_attn.qkv_proj.blocked, same.self_attn.qkv_proj.blocked)
     assert isinstance(model.head_proj, Int8GroupLinear)
     assert isinstance(models["int4"].model.head_proj, Fp16WeightLinear)  # int4 unchanged

@@ -10,9 +10,10 @@ bias stays in the model's dtype and is added after the compact product
 (:class:`BiasedLinear`). The LM head is the native model's for the mode
 (:func:`~graphrunner_ref.model.quantize.compact_head`: float16 weights for
 fp16; for int4 int8 groups where they hold the weight exactly, else float16;
-int8 groups for int4-q8), and so is the attention's q/k/v projection
-(:func:`~graphrunner_ref.model.quantize.qkv_linear`: int4-q8 keeps its
-float32 activations), found by name (:data:`QKV_NAMES`). The embedding
+int8 groups for int4-q8, bfloat16 activations where the CPU multiplies them), and
+so is the attention's q/k/v projection
+(:func:`~graphrunner_ref.model.quantize.qkv_linear`: int4-q8 keeps wider
+activations than 8 bits), found by name (:data:`QKV_NAMES`). The embedding
 stays as it is (a lookup reads one row).
 """
 

@@ -187,6 +187,14 @@ class KernelPath:
 KERNEL_PATHS = (
     KernelPath(
         "int4-q8",
+        "avx512-vnni-tiles",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        3,
+        "tiles of 16 output rows, one a lane: vpdpbusd of 64 codes x 4 int8 activations "
+        "broadcast, each group's dot whole in its lane, then one FMA a group for 16 outputs",
+    ),
+    KernelPath(
+        "int4-q8",
         "avx512-vnni",
         ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
         2,

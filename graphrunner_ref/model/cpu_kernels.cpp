@@ -802,6 +802,71 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void rows_q8_avx512vnni(
                        BlockPrefetch::ahead(blocked, scales, mins, groups, o, P, o1));
   }
 }
+
+// Path 3, AVX-512 VNNI on tiles (graphrunner_int4::linear_q8_tiled, int4_q8.py's
+// tile_codes): 16 output rows a tile, one a 32-bit lane. A tile's group g holds
+// 8 quads of 32 bytes; quad j's byte t carries the codes of columns 4j + t % 4
+// of output t / 4 (low nibble) and of output 8 + t / 4 (high nibble), so one
+// 64-byte register of codes meets the row's 4 activations of quad j
+// broadcast to every lane, and 8 vpdpbusd leave each output's whole integer
+// dot of the group in its lane: exact, with no horizontal sum and no float
+// work until the group ends. Then per (row, output), groups in order:
+//   acc = fma(float(dot), scale * d, acc);  acc = fma(min, d * sum(qx), acc)
+// (the same quantized rows as the other paths, another order of float sums:
+// its outputs differ from theirs in the last bits). The codes of a tile are
+// unpacked once for every row of the batch, and a row's float work is three
+// instructions a group for 16 outputs, where the paths above spend five a
+// group for each output: measured on a Zen 4 EPYC against path 2
+// (bench/results/int4-q8-tiles-zen4-cpu.md).
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileGroupBytes = 256;
+
+template <int R>
+GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const float* xd,
+                                                     const float* sx, int64_t groups,
+                                                     const uint8_t* tile, const float* ts,
+                                                     const float* tm, float* y, int64_t out,
+                                                     int64_t o0) {
+  const int64_t kp = groups * kGroup;
+  // Each 256-bit half's shift: 0 for the low nibbles (outputs 0..7), 4 for the high.
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0004000400040004);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* codes = tile + g * kTileGroupBytes;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i both = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * j)));
+      const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), low4);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * kp + g * kGroup + 4 * j, sizeof(quad));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(quad));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(ts + g * kTileRows);
+    const __m512 min = _mm512_loadu_ps(tm + g * kTileRows);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTileRows, out - o0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * out + o0, keep, acc[r]);
+}
+
+using TileFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+                        const float*, const float*, float*, int64_t, int64_t);
+constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, tile_q8<3>,
+                                          tile_q8<4>, tile_q8<5>, tile_q8<6>, tile_q8<7>,
+                                          tile_q8<8>};
+#define GRAPHRUNNER_Q8_TILES 1
 #undef GRAPHRUNNER_ZMM
 #define GRAPHRUNNER_Q8_VNNI GRAPHRUNNER_Q8_ROWS(rows_q8_avxvnni)
 #define GRAPHRUNNER_Q8_VNNI512 GRAPHRUNNER_Q8_ROWS(rows_q8_avx512vnni)
@@ -811,6 +876,8 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void rows_q8_avx512vnni(
 #endif
 
 constexpr int kQ8Paths = 3;
+// The tiled path's number (its own op and layout, not a row of q8_table).
+constexpr int kQ8TilesPath = 3;
 constexpr Q8Fn q8_table[kQ8Paths][kTile + 1] = {
     GRAPHRUNNER_Q8_ROWS(rows_q8_avx2), GRAPHRUNNER_Q8_VNNI, GRAPHRUNNER_Q8_VNNI512};
 
@@ -832,6 +899,9 @@ int64_t q8_paths() {
   int64_t bits = 0;
   for (int p = 0; p < kQ8Paths; ++p)
     if (q8_table[p][1] != nullptr) bits |= int64_t{1} << p;
+#ifdef GRAPHRUNNER_Q8_TILES
+  bits |= int64_t{1} << kQ8TilesPath;
+#endif
   return bits;
 }
 
@@ -872,6 +942,55 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
   return y;
 }
 
+
+// Tiles of 16 output rows (path 3 above): tiles uint8 [ceil(out / 16), groups * 256],
+// tile_scales and tile_mins float32 [ceil(out / 16), groups, 16] (zero past out).
+at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
+                           const at::Tensor& tile_scales, const at::Tensor& tile_mins,
+                           int64_t out) {
+  const char* op = "graphrunner_int4::linear_q8_tiled";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t groups = (in + kGroup - 1) / kGroup, count = (out + 15) / 16;
+  TORCH_CHECK(out >= 0 && tiles.dim() == 2 && tiles.scalar_type() == at::kByte &&
+                  tiles.is_contiguous() && tiles.size(0) == count && tiles.size(1) == groups * 256,
+              op, ": tiles must be contiguous uint8 [", count, ", ", groups * 256, "] for out=", out,
+              " and in=", in, " (int4_q8.tile_codes), got ", tiles.sizes());
+  for (const at::Tensor* t : {&tile_scales, &tile_mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == count && t->size(1) == groups && t->size(2) == 16,
+                op, ": tile scales and mins must be contiguous float32 [", count, ", ", groups,
+                ", 16], got ", t->sizes());
+  TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+#ifdef GRAPHRUNNER_Q8_TILES
+  const int64_t kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile = std::min<int64_t>(rows, kTile);
+  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
+  std::vector<int8_t> xq(tile * kp);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
+      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
+      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
+                      sx.data() + r * groups);
+    }
+    const TileFn fn = tile_table[nr];
+    at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        fn(xq.data(), xd.data(), sx.data(), groups, tiles.data_ptr<uint8_t>() + b * groups * 256,
+           tile_scales.data_ptr<float>() + b * groups * 16,
+           tile_mins.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16);
+    });
+  }
+#endif
+  return y;
+}
 
 // int4 x bfloat16 (graphrunner_int4::linear_bf16, int4_bf16.py): the same
 // 4-bit weights, each weight rounded to bfloat16 (round-to-nearest-even of
@@ -1128,6 +1247,9 @@ TORCH_LIBRARY(graphrunner_int4, m) {
   m.def("linear(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor blocked, Tensor scales, Tensor mins, int path) -> Tensor");
   m.def("q8_paths() -> int", &q8_paths);
+  m.def(
+      "linear_q8_tiled(Tensor x, Tensor tiles, Tensor tile_scales, Tensor tile_mins, int out) "
+      "-> Tensor");
   m.def("linear_bf16(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
   m.def("bf16_paths() -> int", &bf16_paths);
 }
@@ -1135,6 +1257,7 @@ TORCH_LIBRARY(graphrunner_int4, m) {
 TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_q8", &linear_q8);
+  m.impl("linear_q8_tiled", &linear_q8_tiled);
   m.impl("linear_bf16", &linear_bf16);
 }
 

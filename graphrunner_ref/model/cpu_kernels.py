@@ -63,6 +63,7 @@ def _build() -> str | None:
         return why
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
+    torch.library.register_fake("graphrunner_int4::linear_q8_tiled", _fake_int4_q8_tiled)
     torch.library.register_fake("graphrunner_int4::linear_bf16", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
     torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
@@ -115,6 +116,13 @@ def _fake_int4_q8_linear(
 ) -> torch.Tensor:
     """The int4 x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
     return x.new_empty(x.shape[0], scales.shape[0])
+
+
+def _fake_int4_q8_tiled(
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: int
+) -> torch.Tensor:
+    """The tiled int4 x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], out)
 
 
 def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

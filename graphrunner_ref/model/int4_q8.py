@@ -40,9 +40,27 @@ from __future__ import annotations
 import torch
 
 from graphrunner_ref.model.cpu_features import kernel_path
-from graphrunner_ref.model.int4_linear import GROUP, Int4Linear
+from graphrunner_ref.model.int4_linear import (
+    GROUP,
+    Int4Linear,
+    Int4Weight,
+    block_codes,
+    unblock_codes,
+)
 
-__all__ = ["Int4Q8Linear", "int4_q8_reference_linear", "quantize_activations_q8"]
+__all__ = [
+    "TILES_PATH",
+    "TILE_ROWS",
+    "Int4Q8Linear",
+    "int4_q8_reference_linear",
+    "int4_q8_tiles_reference_linear",
+    "quantize_activations_q8",
+    "tile_codes",
+    "untile_codes",
+]
+
+#: The path number of the AVX-512 VNNI tiles path (its own op and layout).
+TILES_PATH = 3
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,13 +97,84 @@ def int4_q8_reference_linear(
     return y.float().view(*lead, out)
 
 
+#: Output rows a tile of the AVX-512 VNNI tiles path (one a 32-bit lane).
+TILE_ROWS = 16
+
+
+def tile_codes(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tiles path's layout of ``packed`` uint8 ``[out, groups * 16]``,
+    ``scales`` and ``mins`` float32 ``[out, groups]``: output rows in tiles of
+    16 (zero codes, scales and mins past ``out``); ``tiles`` uint8
+    ``[tiles, groups * 256]``, each group 8 quads of 32 bytes, quad ``j``'s byte
+    ``t`` holding the codes of column ``4j + t % 4`` for output ``t // 4``
+    (low nibble) and output ``8 + t // 4`` (high nibble); ``tile_scales`` and
+    ``tile_mins`` float32 ``[tiles, groups, 16]``."""
+    out, groups = scales.shape
+    count = -(-out // TILE_ROWS)
+    rows = count * TILE_ROWS
+    b = torch.zeros(rows, groups, 16, dtype=torch.uint8)
+    b[:out] = packed.view(out, groups, 16)
+    codes = torch.cat([b & 0x0F, b >> 4], dim=2)  # [rows, groups, 32]: column order
+    # [tile, half, lane, group, quad, column of the quad] -> [tile, group, quad, lane, column, half]
+    c = codes.view(count, 2, 8, groups, 8, 4).permute(0, 3, 4, 2, 5, 1)
+    tiles = (c[..., 0] | (c[..., 1] << 4)).reshape(count, groups * 256).contiguous()
+
+    def spread(v: torch.Tensor) -> torch.Tensor:
+        padded = v.new_zeros(rows, groups)
+        padded[:out] = v
+        return padded.view(count, TILE_ROWS, groups).transpose(1, 2).contiguous()
+
+    return tiles, spread(scales.float()), spread(mins.float())
+
+
+def untile_codes(tiles: torch.Tensor, out: int) -> torch.Tensor:
+    """The ``[out, groups * 16]`` codes of :func:`tile_codes`' ``tiles``."""
+    count, width = tiles.shape
+    groups = width // 256
+    t = tiles.view(count, groups, 8, 8, 4)  # [tile, group, quad, lane, column]
+    halves = torch.stack([t & 0x0F, t >> 4], dim=-1)  # [..., half]
+    codes = halves.permute(0, 5, 3, 1, 2, 4).reshape(count * TILE_ROWS, groups, 32)[:out]
+    return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(out, groups * 16)
+
+
+def int4_q8_tiles_reference_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """``x`` ``[..., in]`` float32 through the tiles path's arithmetic: the same
+    quantized rows and integer dots as :func:`int4_q8_reference_linear`, then
+    per (row, output) the groups in order, ``acc = fma(dot, scale * d, acc)``
+    and ``acc = fma(min, d * sum(qx), acc)`` in float32 (each FMA emulated in
+    float64, then rounded once: exact, as float64 holds each product whole and
+    a sum's float64 rounding would have to fall on a float32 tie to differ)."""
+    lead, inp = x.shape[:-1], x.shape[-1]
+    out, groups = scales.shape
+    qx, d, sums = quantize_activations_q8(x.reshape(-1, inp).float())
+    b = packed.view(out, groups, 16)
+    codes = torch.cat([b & 0x0F, b >> 4], dim=2).to(torch.int32)
+    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes).double()
+    acc = torch.zeros(qx.shape[0], out, dtype=torch.float32)
+    for g in range(groups):
+        s = (scales[None, :, g] * d[:, None, g]).double()  # float32 product, then widened
+        acc = (dots[:, :, g] * s + acc.double()).float()
+        acc = (mins[None, :, g].double() * sums[:, None, g].double() + acc.double()).float()
+    return acc.view(*lead, out)
+
+
 class Int4Q8Linear(Int4Linear):
-    """:class:`~graphrunner_ref.model.int4_linear.Int4Linear`'s weights and
-    buffers, its activations quantized to 8 bits per group of 32:
-    ``[..., in]`` float32 ``-> [..., out]`` float32. ``kernel``: None (the C++
-    kernel on :func:`~graphrunner_ref.model.cpu_features.kernel_path`'s path
-    where the kernels build, else :func:`int4_q8_reference_linear`), True (the
-    kernel; RuntimeError where it cannot run) or False (the torch path)."""
+    """:class:`~graphrunner_ref.model.int4_linear.Int4Linear`'s weights, its
+    activations quantized to 8 bits per group of 32: ``[..., in]`` float32
+    ``-> [..., out]`` float32. ``kernel``: None (the C++ kernel on
+    :func:`~graphrunner_ref.model.cpu_features.kernel_path`'s path where the
+    kernels build, else :func:`int4_q8_reference_linear`), True (the kernel;
+    RuntimeError where it cannot run) or False (the torch path). On the
+    ``avx512-vnni-tiles`` path the codes are held as :func:`tile_codes`'
+    tiles (``tiles``, ``tile_scales``, ``tile_mins``) instead of ``blocked``."""
+
+    tiles: torch.Tensor
+    tile_scales: torch.Tensor
+    tile_mins: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, kernel: bool | None = None) -> None:
         super().__init__(weight, kernel)
@@ -95,14 +184,50 @@ class Int4Q8Linear(Int4Linear):
         # A plain int read at trace time: the compiled program calls one path.
         self.path = -1 if path is None else path.code
         self.path_name = "torch" if path is None else path.name
+        self.tiled = self.path == TILES_PATH
+        if self.tiled:
+            self._tile(unblock_codes(self.blocked, self.out_features))
+
+    def _tile(self, packed: torch.Tensor) -> None:
+        """Hold ``packed`` as tiles (``blocked`` emptied: one copy of the codes)."""
+        tiles, tile_scales, tile_mins = tile_codes(packed, self.scales, self.mins)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
+        self.register_buffer("tile_mins", tile_mins)
+        self.blocked = self.blocked.new_empty(0, self.blocked.shape[1])
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The codes as uint8 ``[out, groups * 16]``, from whichever layout is held."""
+        if getattr(self, "tiled", False):
+            return untile_codes(self.tiles, self.out_features)
+        return super().packed
+
+    def set_rows(self, start: int, weight: Int4Weight) -> None:
+        """As :meth:`Int4Linear.set_rows`, the tiles rebuilt after."""
+        if not self.tiled:
+            super().set_rows(start, weight)
+            return
+        self.blocked = block_codes(self.packed)
+        self.tiled = False
+        try:
+            super().set_rows(start, weight)
+        finally:
+            self.tiled = True
+            self._tile(unblock_codes(self.blocked, self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernel:
             return int4_q8_reference_linear(x, self.packed, self.scales, self.mins)
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.graphrunner_int4.linear_q8(
-            flat, self.blocked, self.scales, self.mins, self.path
-        )
+        if self.tiled:
+            out = torch.ops.graphrunner_int4.linear_q8_tiled(
+                flat, self.tiles, self.tile_scales, self.tile_mins, self.out_features
+            )
+        else:
+            out = torch.ops.graphrunner_int4.linear_q8(
+                flat, self.blocked, self.scales, self.mins, self.path
+            )
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

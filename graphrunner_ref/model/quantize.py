@@ -8,7 +8,8 @@ the LM head with a linear over compact weights: int8 per output channel
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
 (``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`; the attention's
-q/k/v projection keeps int4's float32 activations there: :func:`qkv_linear`),
+q/k/v projection and the LM head keep wider activations there, bfloat16 on
+AVX-512 BF16, else float32: :func:`qkv_linear`),
 or weights and activations rounded to bfloat16 (``int4-bf16``, opt-in, for
 batches of 8 and more on AVX-512 BF16: :mod:`graphrunner_ref.model.int4_bf16`).
 With int4 the LM head takes int8 weights in groups of 32
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear, Int8GroupBf16Linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
@@ -58,6 +60,8 @@ __all__ = [
     "exact_or_fp16_head",
     "qkv_linear",
     "quantize_model",
+    "wide_int4_linear",
+    "wide_int8_head",
 ]
 
 #: ``--quantize`` names and what each runs.
@@ -75,9 +79,10 @@ QUANTIZATIONS = {
     "dequantize-then-matmul, far slower than float32)",
     "int4-q8": "int4's weights, each row's activations quantized to 8 bits per group of 32 "
     "and multiplied in integers, as llama.cpp's Q4 x Q8 (opt-in, not exact: answers may "
-    "leave float32's; the attention's q/k/v projection keeps float32 activations, which "
-    "halves the logits' divergence; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI, "
-    "whichever the CPU has; rows independent of the batch bit for bit)",
+    "leave float32's; the attention's q/k/v projection and the LM head keep wider "
+    "activations, bfloat16 where the CPU has AVX-512 BF16, else float32, which halves the "
+    "logits' divergence; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI (tiles of 16 "
+    "outputs), whichever the CPU has; rows independent of the batch bit for bit)",
     "int4-bf16": "int4's weights and each row's activations rounded to bfloat16, float32 sums "
     "(opt-in, not exact, about half int4-q8's error; for batches of 8 and more on a CPU with "
     "AVX-512 BF16, where its C++ kernel outruns int4-q8's: slower at batch 1; elsewhere a "
@@ -126,8 +131,9 @@ def compact_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn
 def qkv_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
     """What makes the attention's q/k/v projection of ``mode`` (stacked or
     each alone) from its float weight: :func:`compact_linear`'s, except for
-    int4-q8, whose q/k/v projection keeps int4's float32 activations
-    (:class:`~graphrunner_ref.model.int4_linear.Int4Linear`, same weights).
+    int4-q8, whose q/k/v projection keeps wider activations than 8 bits
+    (:func:`wide_int4_linear`: bfloat16 where the CPU multiplies it, else
+    int4's float32, the same weights).
     On SmolLM2 (8 chat prompts, 32 tokens each, teacher-forced against
     float32 transformers, ``bench/bench_agreement.py``) each projection's
     8-bit inputs were a share of the mode's logits' KL (2.75e-3) out of
@@ -137,10 +143,32 @@ def qkv_linear(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Mod
     the free-running rows equal to transformers' went from 3/8 to 5/8
     (leading tokens 16.1 to 27.1; llama.cpp 3/8, 19.9), for 0-5% of the
     batch-1 speed (0.95x and 1.00x of all-8-bit in two interleaved runs,
-    ``bench/results/int4-q8-qkv-float-cpu.md``)."""
+    ``bench/results/int4-q8-qkv-float-cpu.md``); in bfloat16 (and the head's
+    too) 1.37e-3 on a Zen 4, for 1.18x the batch-8 speed of float32 inputs
+    (``bench/results/int4-q8-tiles-zen4-cpu.md``)."""
     if mode == "int4-q8":
-        return Int4Linear
+        return wide_int4_linear
     return compact_linear(mode, dtype)
+
+
+def bf16_units() -> bool:
+    """Whether int4-bf16's kernel runs here (AVX-512 BF16, kernels built)."""
+    return kernel_path("int4-bf16") is not None
+
+
+def wide_int4_linear(weight: torch.Tensor) -> nn.Module:
+    """int4-q8's linear of wider activations (its q/k/v projection): int4's
+    weights times bfloat16 activations where the CPU multiplies them
+    (:class:`~graphrunner_ref.model.int4_bf16.Int4Bf16Linear`: faster than
+    float32's from a few rows up, far closer than 8 bits), else float32's
+    (:class:`~graphrunner_ref.model.int4_linear.Int4Linear`)."""
+    return Int4Bf16Linear(weight) if bf16_units() else Int4Linear(weight)
+
+
+def wide_int8_head(weight: torch.Tensor) -> nn.Module:
+    """int4-q8's LM head: int8 in groups of 32 times bfloat16 activations
+    where the CPU multiplies them, else float32's (:func:`wide_int4_linear`'s rule)."""
+    return Int8GroupBf16Linear(weight) if bf16_units() else Int8GroupLinear(weight)
 
 
 def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
@@ -149,15 +177,16 @@ def compact_head(mode: str, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.M
     hold the weight exactly, else float16 (:func:`exact_or_fp16_head`);
     int8 in groups of 32 for int4-q8 (its 8-bit activations stop at the
     head, whose logits pick the token; half float16's bytes: a batch-1 step
-    reads the head more than any layer) and for int4-bf16, multiplied there
-    as its projections are (:class:`~graphrunner_ref.model.int4_bf16.Int8GroupBf16Linear`);
-    the projections' own linear for int8."""
+    reads the head more than any layer; :func:`wide_int8_head`) and for
+    int4-bf16, multiplied there as its projections are
+    (:class:`~graphrunner_ref.model.int4_bf16.Int8GroupBf16Linear`); the
+    projections' own linear for int8."""
     if mode == "fp16":
         return head_linear
     if mode == "int4":
         return exact_or_fp16_head
     if mode == "int4-q8":
-        return Int8GroupLinear
+        return wide_int8_head
     if mode == "int4-bf16":
         return Int8GroupBf16Linear
     return compact_linear(mode, dtype)
