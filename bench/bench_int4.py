@@ -17,7 +17,11 @@ its weight in cache) at 1 and 8 rows, and the same model's LM head
   (``torch.ops.graphrunner_int4.linear``, built on first use);
 * ``int4-q8 <path>``: the same codes times activations quantized to 8 bits
   per group of 32 (``--quantize int4-q8``, ``torch.ops.graphrunner_int4.linear_q8``),
-  once for each kernel path this CPU runs (``cpu_features.KERNEL_PATHS``);
+  once for each kernel path this CPU runs (``cpu_features.KERNEL_PATHS``; the
+  tiles path over its own layout, ``linear_q8_tiled``);
+* ``int4-bf16`` and ``int8 groups bf16`` (where AVX-512 BF16 runs): the same
+  codes, weights and activations rounded to bfloat16 (``--quantize int4-bf16``
+  and its LM head; int4-q8's q/k/v and head there);
 * ``bf16 onednn`` (where the CPU multiplies bfloat16 natively: AVX-512 BF16
   or AMX): oneDNN's bfloat16 product over the weight prepacked once, the
   activations rounded to bfloat16 and the output widened back, as vLLM's CPU
@@ -55,6 +59,7 @@ from graphrunner_ref.model.cpu_features import (
     KernelPath,
     cpu_features,
     half_precision_units,
+    kernel_path,
     kernel_summary,
 )
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear
@@ -65,7 +70,7 @@ from graphrunner_ref.model.int4_linear import (
     int4_reference_linear,
     quantize_int4,
 )
-from graphrunner_ref.model.int4_q8 import int4_q8_reference_linear
+from graphrunner_ref.model.int4_q8 import TILES_PATH, int4_q8_reference_linear, tile_codes
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,6 +84,9 @@ PRODUCTS = [
     ("576x49152 (LM head)", 49152, 576, 8),
 ]
 ROUNDS = 15
+#: Candidates that multiply other weights or round the activations: their error
+#: column is that rounding, not checked against ``int4 torch``.
+ROUNDED = ("float32", "fp16", "int8 groups", "bf16 onednn", "int4-bf16", "int8 groups bf16")
 #: Calls per round: enough for ~a few ms per round on the small product.
 CALLS = {1536: 50, 576: 50, 49152: 3}
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
@@ -128,14 +136,38 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         blocked = block_codes(packed)
         out["int4 kernel"] = lambda x: torch.ops.graphrunner_int4.linear(x, blocked, scales, mins)
         for path in q8_paths():
-            out[f"int4-q8 {path.name}"] = functools.partial(
-                torch.ops.graphrunner_int4.linear_q8,
-                blocked=blocked,
-                scales=scales,
-                mins=mins,
-                path=path.code,
+            out[f"int4-q8 {path.name}"] = q8_product(path, packed, scales, mins)
+        if kernel_path("int4-bf16") is not None:
+            out["int4-bf16"] = lambda x: torch.ops.graphrunner_int4.linear_bf16(
+                x, blocked, scales, mins
+            )
+            grouped = Int8GroupLinear(w)
+            out["int8 groups bf16"] = lambda x: torch.ops.graphrunner_int8.linear_grouped_bf16(
+                x, grouped.weight, grouped.scales
             )
     return out
+
+
+def q8_product(
+    path: KernelPath, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """int4-q8's product on ``path`` over the codes in that path's layout."""
+    if path.code == TILES_PATH:
+        tiles, tile_scales, tile_mins = tile_codes(packed, scales, mins)
+        return functools.partial(
+            torch.ops.graphrunner_int4.linear_q8_tiled,
+            tiles=tiles,
+            tile_scales=tile_scales,
+            tile_mins=tile_mins,
+            out=scales.shape[0],
+        )
+    return functools.partial(
+        torch.ops.graphrunner_int4.linear_q8,
+        blocked=block_codes(packed),
+        scales=scales,
+        mins=mins,
+        path=path.code,
+    )
 
 
 def bf16_onednn(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -182,7 +214,7 @@ def measure(out: int, inp: int, rows: int) -> dict[str, tuple[float, float]]:
             q8_err = float((y - q8_ref).abs().max()) / scale
             if q8_err > 2e-6:
                 raise AssertionError(f"{name}: max error {q8_err:.2e} x output scale vs reference")
-        elif name not in ("float32", "fp16", "int8 groups", "bf16 onednn") and err > 1e-4:
+        elif name not in ROUNDED and err > 1e-4:
             raise AssertionError(f"{name}: max error {err:.2e} x output scale vs int4 torch")
         errors[name] = err
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -219,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         *[f"- {k}: {v}" for k, v in facts.items()],
         f"- C++ kernel: {'built' if why is None else why}",
         f"- CPU features: {cpu_features().describe()}",
-        f"- kernel paths: {kernel_summary(['int4', 'int4-q8', 'fp16'])}",
+        f"- kernel paths: {kernel_summary(['int4', 'int4-q8', 'int4-bf16', 'fp16'])}",
         "",
         "| product | rows | candidate | µs | vs float32 | int4-q8 vs int4 | error |",
         "|---|---|---|---|---|---|---|",
