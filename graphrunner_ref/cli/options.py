@@ -322,9 +322,12 @@ def _model(g: Groups) -> None:
         "weights in groups of 32 columns with a scale and a min each, float32 activations "
         "(--dtype float32; a fifth of the weight bytes; a .gguf file's Q4 blocks as they are); "
         "int4-q8: int4's weights times activations quantized to 8 bits per group of 32, "
-        "integer dots as llama.cpp's, but for the q/k/v projections' float32 inputs (opt-in, "
+        "integer dots as llama.cpp's, but for the q/k/v projections' and the LM head's wider "
+        "inputs (bfloat16 with AVX-512 BF16, else float32; opt-in, "
         "faster, answers leave float32's sooner; the "
-        "kernel path, AVX2 or VNNI, from the CPU's features, said on stderr)",
+        "kernel path, AVX2 or VNNI, from the CPU's features, said on stderr); int4-bf16: "
+        "int4's weights and activations rounded to bfloat16, float32 sums (opt-in, for "
+        "batches of 8 and more on CPUs with AVX-512 BF16; closer to float32 than int4-q8)",
     )
 
 
