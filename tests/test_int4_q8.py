@@ -36,8 +36,10 @@ from graphrunner_ref.model.int4_linear import GROUP, Int4Linear, Int4Weight
 from graphrunner_ref.model.int4_q8 import (
     TILES_PATH,
     Int4Q8Linear,
+    Int8GroupQ8Linear,
     int4_q8_reference_linear,
     int4_q8_tiles_reference_linear,
+    int8_q8_tiles_reference_linear,
     quantize_activations_q8,
     tile_codes,
     untile_codes,
@@ -47,6 +49,7 @@ from graphrunner_ref.model.quantize import (
     QUANTIZATIONS,
     bf16_units,
     check_quantization,
+    int4_q8_head,
     quantize_model,
 )
 
@@ -166,6 +169,46 @@ def test_the_tiles_take_a_gguf_files_rows() -> None:
     x = torch.randn(3, 70, generator=gen)
     want = int4_q8_reference_linear(x, after, linear.scales, linear.mins)
     torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)
+def test_the_tiled_head_equals_its_reference(out: int, inp: int, rows: int) -> None:
+    """int4-q8's LM head on the tiles path (int8 groups times the row's 8-bit
+    codes, offset by 128 for vpdpbusd): equal bit for bit to its torch
+    emulation, each row alone equal to itself in the batch, and within the
+    activations' rounding of the float product (as the projections' bound)."""
+    if not _runnable(TILES_PATH):
+        pytest.skip("the int4-q8 tiles path does not run on this CPU or build")
+    gen = torch.Generator().manual_seed(out * 5 + inp)
+    w, x = torch.randn(out, inp, generator=gen) * 0.05, torch.randn(rows, inp, generator=gen)
+    head = Int8GroupQ8Linear(w)
+    y = head(x)
+    assert torch.equal(y, int8_q8_tiles_reference_linear(x, head.weight, head.scales))
+    for j in range(rows):
+        assert torch.equal(head(x[j : j + 1])[0], y[j]), j
+    exact = x.double() @ head.dequantized().double().T
+    _, d, _ = quantize_activations_q8(x)
+    groups = d.shape[1]
+    weight = torch.nn.functional.pad(head.dequantized().abs(), (0, groups * GROUP - inp))
+    bound = d.double() @ weight.view(out, groups, GROUP).sum(dim=2).double().T / 2
+    assert bool(((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all())
+
+
+def test_the_head_is_8_bit_only_on_the_tiles_path(fresh: pytest.MonkeyPatch) -> None:
+    """Hiding AVX-512 VNNI leaves int4-q8 on a blocked path: its head keeps
+    wider activations, and the tiled head refuses to be built."""
+    w = torch.randn(40, 70, generator=torch.Generator().manual_seed(12))
+    if _runnable(TILES_PATH):
+        assert isinstance(int4_q8_head(w), Int8GroupQ8Linear)
+    fresh.setenv(DISABLE_ENV, "avx512_vnni")
+    _clear()
+    head = int4_q8_head(w)
+    assert not isinstance(head, Int8GroupQ8Linear) and isinstance(head, Int8GroupLinear)
+    with pytest.raises(RuntimeError, match="tiles path"):
+        Int8GroupQ8Linear(w)
+    slow = Int8GroupQ8Linear(w, kernel=False)
+    x = torch.randn(3, 70)
+    assert torch.equal(slow(x), int8_q8_tiles_reference_linear(x, slow.weight, slow.scales))
 
 
 @pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)

@@ -870,6 +870,62 @@ using TileFn = void (*)(const int8_t*, const float*, const float*, int64_t, cons
 constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, tile_q8<3>,
                                           tile_q8<4>, tile_q8<5>, tile_q8<6>, tile_q8<7>,
                                           tile_q8<8>};
+
+// int8 groups x q8 on tiles (graphrunner_int8::linear_grouped_q8_tiled: int4-q8's
+// LM head where this path runs; int4_q8.py's tile_int8): int8_linear's grouped
+// codes (symmetric, one scale a group) in tiles of 16 outputs, quad j of a
+// group 64 bytes, byte 4 * lane + c the weight of column 4j + c for output
+// lane. vpdpbusd multiplies unsigned by signed bytes, so the row's codes go
+// in offset by 128 (qx ^ 0x80) and each output's group dot loses 128 times
+// its weights' sum (precomputed, tile_sums):
+//   acc = fma(float(dot - 128 * sum(q)), scale * d, acc)
+// per (row, output), groups in order. The row is the same quantized row as
+// the projections' (quantize_row_q8), so the head reads 8-bit activations too.
+constexpr int64_t kInt8TilesAhead = 2;
+
+template <int R>
+GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const uint8_t* xu, const float* xd,
+                                                           int64_t groups, const int8_t* tile,
+                                                           const int32_t* sums, const float* ts,
+                                                           float* y, int64_t out, int64_t o0,
+                                                           bool fetch) {
+  const int64_t kp = groups * kGroup;
+  // The tile kInt8TilesAhead on, a line for each line read (where it exists):
+  // the head's int8 tiles stream twice int4's bytes and the prefetcher alone
+  // fell behind at 1 row (1.80 ms against the float kernel's 1.51, which fetches ahead).
+  const int64_t ahead = kInt8TilesAhead * groups * 2 * kTileGroupBytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* codes = tile + g * 2 * kTileGroupBytes;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * j + ahead), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(codes + 64 * j);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xu + r * kp + g * kGroup + 4 * j, sizeof(quad));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(quad), w);
+      }
+    }
+    const __m512i offset = _mm512_loadu_si512(sums + g * kTileRows);
+    const __m512 scale = _mm512_loadu_ps(ts + g * kTileRows);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), s, acc[r]);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTileRows, out - o0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * out + o0, keep, acc[r]);
+}
+
+using Int8TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*, const int32_t*,
+                            const float*, float*, int64_t, int64_t, bool);
+constexpr Int8TileFn int8_tile_table[kTile + 1] = {
+    nullptr,          tile_int8g_q8<1>, tile_int8g_q8<2>, tile_int8g_q8<3>, tile_int8g_q8<4>,
+    tile_int8g_q8<5>, tile_int8g_q8<6>, tile_int8g_q8<7>, tile_int8g_q8<8>};
 #define GRAPHRUNNER_Q8_TILES 1
 #undef GRAPHRUNNER_ZMM
 #define GRAPHRUNNER_Q8_VNNI GRAPHRUNNER_Q8_ROWS(rows_q8_avxvnni)
@@ -990,6 +1046,61 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
         fn(xq.data(), xd.data(), sx.data(), groups, tiles.data_ptr<uint8_t>() + b * groups * 256,
            tile_scales.data_ptr<float>() + b * groups * 16,
            tile_mins.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16);
+    });
+  }
+#endif
+  return y;
+}
+
+// int4-q8's LM head on tiles (tile_int8g_q8 above): tiles int8 [ceil(out / 16),
+// groups * 512], tile_sums int32 (128 times each output's group sum) and
+// tile_scales float32 [ceil(out / 16), groups, 16].
+at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
+                                   const at::Tensor& tile_sums, const at::Tensor& tile_scales,
+                                   int64_t out) {
+  const char* op = "graphrunner_int8::linear_grouped_q8_tiled";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t groups = (in + kGroup - 1) / kGroup, count = (out + 15) / 16;
+  TORCH_CHECK(out >= 0 && tiles.dim() == 2 && tiles.scalar_type() == at::kChar &&
+                  tiles.is_contiguous() && tiles.size(0) == count && tiles.size(1) == groups * 512,
+              op, ": tiles must be contiguous int8 [", count, ", ", groups * 512, "] for out=", out,
+              " and in=", in, " (int4_q8.tile_int8), got ", tiles.sizes());
+  TORCH_CHECK(tile_sums.scalar_type() == at::kInt && tile_scales.scalar_type() == at::kFloat &&
+                  tile_sums.is_contiguous() && tile_scales.is_contiguous() &&
+                  tile_sums.sizes() == tile_scales.sizes() && tile_sums.dim() == 3 &&
+                  tile_sums.size(0) == count && tile_sums.size(1) == groups &&
+                  tile_sums.size(2) == 16,
+              op, ": tile sums (int32) and scales (float32) must be contiguous [", count, ", ",
+              groups, ", 16], got ", tile_sums.sizes(), " and ", tile_scales.sizes());
+  TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+#ifdef GRAPHRUNNER_Q8_TILES
+  const int64_t kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile = std::min<int64_t>(rows, kTile);
+  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
+  std::vector<int8_t> xq(tile * kp);
+  std::vector<uint8_t> xu(tile * kp);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
+      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
+      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
+                      sx.data() + r * groups);
+    }
+    for (int64_t i = 0; i < nr * kp; ++i) xu[i] = static_cast<uint8_t>(xq[i]) ^ 0x80;
+    const Int8TileFn fn = int8_tile_table[nr];
+    at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        fn(xu.data(), xd.data(), groups, tiles.data_ptr<int8_t>() + b * groups * 512,
+           tile_sums.data_ptr<int32_t>() + b * groups * 16,
+           tile_scales.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16,
+           b + kInt8TilesAhead < b1);
     });
   }
 #endif
@@ -1269,12 +1380,16 @@ TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("linear_grouped_bf16(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def(
+      "linear_grouped_q8_tiled(Tensor x, Tensor tiles, Tensor tile_sums, Tensor tile_scales, "
+      "int out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) {
   m.impl("linear", &linear_int8);
   m.impl("linear_grouped", &linear_int8_grouped);
   m.impl("linear_grouped_bf16", &linear_int8_grouped_bf16);
+  m.impl("linear_grouped_q8_tiled", &linear_grouped_q8_tiled);
 }
 
 TORCH_LIBRARY(graphrunner_fp16, m) {

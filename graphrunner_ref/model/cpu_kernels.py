@@ -68,6 +68,7 @@ def _build() -> str | None:
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
     torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)
     torch.library.register_fake("graphrunner_int8::linear_grouped_bf16", _fake_int8_linear)
+    torch.library.register_fake("graphrunner_int8::linear_grouped_q8_tiled", _fake_int8_q8_tiled)
     torch.library.register_fake("graphrunner_fp16::linear", _fake_fp16_linear)
     return None
 
@@ -122,6 +123,13 @@ def _fake_int4_q8_tiled(
     x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out: int
 ) -> torch.Tensor:
     """The tiled int4 x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
+    return x.new_empty(x.shape[0], out)
+
+
+def _fake_int8_q8_tiled(
+    x: torch.Tensor, tiles: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, out: int
+) -> torch.Tensor:
+    """The tiled int8-group x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
     return x.new_empty(x.shape[0], out)
 
 

@@ -47,11 +47,15 @@ from graphrunner_ref.model.int4_linear import (
     block_codes,
     unblock_codes,
 )
+from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
 __all__ = [
     "TILES_PATH",
     "TILE_ROWS",
     "Int4Q8Linear",
+    "Int8GroupQ8Linear",
+    "int8_q8_tiles_reference_linear",
+    "tile_int8",
     "int4_q8_reference_linear",
     "int4_q8_tiles_reference_linear",
     "quantize_activations_q8",
@@ -160,6 +164,97 @@ def int4_q8_tiles_reference_linear(
         acc = (dots[:, :, g] * s + acc.double()).float()
         acc = (mins[None, :, g].double() * sums[:, None, g].double() + acc.double()).float()
     return acc.view(*lead, out)
+
+
+def tile_int8(
+    weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tiles path's layout of int8 grouped codes ``weight`` ``[out, groups * 32]``
+    and ``scales`` ``[out, groups]`` (``Int8GroupLinear``'s):
+    ``tiles`` int8 ``[tiles, groups * 512]``, group g's quad j 64 bytes, byte
+    ``4 * lane + c`` the code of column ``4j + c`` for output ``lane``;
+    ``tile_sums`` int32 ``[tiles, groups, 16]``, 128 times each output's
+    group sum (the kernel's offset); ``tile_scales`` float32 ``[tiles, groups, 16]``.
+    Zeros past ``out``."""
+    out, groups = scales.shape
+    count = -(-out // TILE_ROWS)
+    rows = count * TILE_ROWS
+    codes = torch.zeros(rows, groups, GROUP, dtype=torch.int8)
+    codes[:out] = weight.view(out, groups, GROUP)
+    # [tile, lane, group, quad, column] -> [tile, group, quad, lane, column]
+    tiles = codes.view(count, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    sums = (codes.sum(dim=2, dtype=torch.int32) * 128).view(count, TILE_ROWS, groups)
+    padded = scales.new_zeros(rows, groups)
+    padded[:out] = scales
+    return (
+        tiles.reshape(count, groups * 512).contiguous(),
+        sums.transpose(1, 2).contiguous(),
+        padded.view(count, TILE_ROWS, groups).transpose(1, 2).contiguous().float(),
+    )
+
+
+def int8_q8_tiles_reference_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """``x`` ``[..., in]`` float32 through the tiled int8-group head's
+    arithmetic: the rows quantized as :func:`quantize_activations_q8`, exact
+    integer dots per group, then per (row, output) ``acc = fma(dot, scale *
+    d, acc)`` over the groups in order, each FMA emulated in float64 and
+    rounded once (``weight`` int8 ``[out, groups * 32]``, ``scales`` ``[out, groups]``)."""
+    lead, inp = x.shape[:-1], x.shape[-1]
+    out, groups = scales.shape
+    qx, d, _ = quantize_activations_q8(x.reshape(-1, inp).float())
+    codes = weight.view(out, groups, GROUP).to(torch.int32)
+    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes).double()
+    acc = torch.zeros(qx.shape[0], out, dtype=torch.float32)
+    for g in range(groups):
+        s = (scales[None, :, g] * d[:, None, g]).double()
+        acc = (dots[:, :, g] * s + acc.double()).float()
+    return acc.view(*lead, out)
+
+
+class Int8GroupQ8Linear(Int8GroupLinear):
+    """int4-q8's LM head where the tiles path runs (AVX-512 VNNI):
+    :class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`'s int8 codes
+    in groups of 32 (a GGUF file's Q8_0 head exactly), held as
+    :func:`tile_int8`'s tiles, times the row quantized to 8 bits as the
+    projections' rows are (``graphrunner_int8::linear_grouped_q8_tiled``):
+    ``[..., in]`` float32 ``-> [..., out]`` float32; rows independent of the
+    batch bit for bit. ``kernel=False`` runs
+    :func:`int8_q8_tiles_reference_linear`, equal bit for bit."""
+
+    tiles: torch.Tensor
+    tile_sums: torch.Tensor
+    tile_scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, kernel: bool = True) -> None:
+        super().__init__(weight)
+        path = kernel_path("int4-q8") if kernel else None
+        if kernel and (path is None or path.code != TILES_PATH):
+            raise RuntimeError(
+                "Int8GroupQ8Linear: the int4-q8 tiles path (AVX-512 VNNI) does not run here"
+            )
+        self.kernel = kernel
+        tiles, sums, tile_scales = tile_int8(self.weight, self.scales)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_sums", sums)
+        self.register_buffer("tile_scales", tile_scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kernel:
+            return int8_q8_tiles_reference_linear(x, self.weight, self.scales)
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.graphrunner_int8.linear_grouped_q8_tiled(
+            flat, self.tiles, self.tile_sums, self.tile_scales, self.out_features
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        path = "C++ avx512-vnni-tiles kernel" if self.kernel else "torch reference"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8 groups of {GROUP} x int8 activations per group ({path})"
+        )
 
 
 class Int4Q8Linear(Int4Linear):
