@@ -5,7 +5,7 @@ chat prompts and float32 transformers' 32 greedy tokens after each, one
 torch thread. Each configuration is int4-q8's model with the inputs of some
 projection kinds (each layer's stacked q/k/v, output, stacked gate/up, down)
 kept in float32 (int4's exact kernel, the same weights) and the rest
-quantized to 8 bits:
+quantized to 8 bits (the LM head as the mode ships it):
 
 - agreement: teacher-forced (each sequence whole: top-1, logit RMS and KL
   against transformers', ``bench/bench_agreement.py``'s measures) and
@@ -66,7 +66,7 @@ KINDS = {
 #: The configurations compared: a name and the kinds whose inputs stay float32.
 CONFIGS = {
     "every projection 8-bit": (),
-    "int4-q8 as shipped (q/k/v float32)": None,
+    "int4-q8 as shipped (q/k/v wider: bfloat16 with AVX-512 BF16, else float32)": None,
     "o float32": ("o",),
     "gate/up float32": ("gate_up",),
     "down float32": ("down",),
