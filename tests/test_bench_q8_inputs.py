@@ -34,8 +34,11 @@ def test_each_kind_takes_the_asked_inputs_over_the_same_weights() -> None:
         for kind, (sub, attr) in KINDS.items():
             linear, before = getattr(getattr(layer, sub), attr), getattr(getattr(same, sub), attr)
             assert type(linear) is (Int4Linear if kind in ("down", "o") else Int4Q8Linear), kind
-            for name in ("packed", "scales", "mins"):
-                assert torch.equal(getattr(linear, name), getattr(before, name)), (kind, name)
+            assert torch.equal(linear.packed, before.packed), kind
+            for name in ("scales", "mins"):  # the tiles path rounds them to float16
+                torch.testing.assert_close(
+                    getattr(linear, name), getattr(before, name), rtol=2**-11, atol=0
+                )
 
 
 def test_q_k_v_float_is_the_shipped_mode_without_bf16_units_and_every_8_bit_is_not() -> None:

@@ -37,6 +37,7 @@ from graphrunner_ref.model.int4_q8 import (
     TILES_PATH,
     Int4Q8Linear,
     Int8GroupQ8Linear,
+    half_scales,
     int4_q8_reference_linear,
     int4_q8_tiles_reference_linear,
     int8_q8_tiles_reference_linear,
@@ -146,12 +147,19 @@ def test_the_tiles_path_equals_its_reference(out: int, inp: int, rows: int) -> N
     assert linear.blocked.numel() == 0  # one copy of the codes
     exact = Int4Linear(w)
     assert torch.equal(linear.packed, exact.packed)
-    tiles, scales, mins = tile_codes(exact.packed, exact.scales, exact.mins)
+    # The scales and mins rounded to float16 (as a Q4_1 file's): within its precision.
+    half, half_mins = half_scales(exact.scales, exact.mins)
+    assert torch.equal(linear.scales, half) and torch.equal(linear.mins, half_mins)
+    torch.testing.assert_close(linear.scales, exact.scales, rtol=2**-11, atol=0)
+    tiles, scales, mins = tile_codes(exact.packed, linear.scales, linear.mins)
     assert torch.equal(untile_codes(tiles, out), exact.packed)
     assert torch.equal(tiles, linear.tiles) and torch.equal(scales, linear.tile_scales)
+    assert scales.dtype == mins.dtype == torch.float16
     y = linear(x)
-    assert torch.equal(y, int4_q8_tiles_reference_linear(x, exact.packed, exact.scales, exact.mins))
-    ref = int4_q8_reference_linear(x, exact.packed, exact.scales, exact.mins)
+    assert torch.equal(
+        y, int4_q8_tiles_reference_linear(x, linear.packed, linear.scales, linear.mins)
+    )
+    ref = int4_q8_reference_linear(x, linear.packed, linear.scales, linear.mins)
     torch.testing.assert_close(y, ref, rtol=0, atol=2e-6 * max(float(ref.abs().max()), 1.0))
 
 
@@ -165,7 +173,11 @@ def test_the_tiles_take_a_gguf_files_rows() -> None:
     linear.set_rows(16, Int4Weight(other.packed, other.scales, other.mins))
     after = linear.packed
     assert torch.equal(after[16:24], other.packed) and torch.equal(after[:16], before[:16])
-    assert torch.equal(after[24:], before[24:]) and torch.equal(linear.scales[16:24], other.scales)
+    assert torch.equal(after[24:], before[24:])
+    if linear.tiled:  # the tiles' scales are float16's
+        assert torch.equal(linear.scales[16:24], half_scales(other.scales, other.mins)[0])
+    else:
+        assert torch.equal(linear.scales[16:24], other.scales)
     x = torch.randn(3, 70, generator=gen)
     want = int4_q8_reference_linear(x, after, linear.scales, linear.mins)
     torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-6 * float(want.abs().max()))

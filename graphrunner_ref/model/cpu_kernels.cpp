@@ -813,7 +813,10 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void rows_q8_avx512vnni(
 // work until the group ends. Then per (row, output), groups in order:
 //   acc = fma(float(dot), scale * d, acc);  acc = fma(min, d * sum(qx), acc)
 // (the same quantized rows as the other paths, another order of float sums:
-// its outputs differ from theirs in the last bits). The codes of a tile are
+// its outputs differ from theirs in the last bits). A tile's scales and mins
+// are float16, as a Q4_1 file's are (int4_q8.py rounds the module's to
+// them): at 1 row the tiles stream from memory, and float32 ones were a
+// third of the bytes. The codes of a tile are
 // unpacked once for every row of the batch, and a row's float work is three
 // instructions a group for 16 outputs, where the paths above spend five a
 // group for each output. Measured on a Zen 4 EPYC against path 2
@@ -828,8 +831,8 @@ constexpr int64_t kTileGroupBytes = 256;
 template <int R>
 GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const float* xd,
                                                      const float* sx, int64_t groups,
-                                                     const uint8_t* tile, const float* ts,
-                                                     const float* tm, float* y, int64_t out,
+                                                     const uint8_t* tile, const uint16_t* ts,
+                                                     const uint16_t* tm, float* y, int64_t out,
                                                      int64_t o0) {
   const int64_t kp = groups * kGroup;
   // Each 256-bit half's shift: 0 for the low nibbles (outputs 0..7), 4 for the high.
@@ -852,8 +855,10 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const fl
         dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(quad));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(ts + g * kTileRows);
-    const __m512 min = _mm512_loadu_ps(tm + g * kTileRows);
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kTileRows)));
+    const __m512 min = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kTileRows)));
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
@@ -866,7 +871,7 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const fl
 }
 
 using TileFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
-                        const float*, const float*, float*, int64_t, int64_t);
+                        const uint16_t*, const uint16_t*, float*, int64_t, int64_t);
 constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, tile_q8<3>,
                                           tile_q8<4>, tile_q8<5>, tile_q8<6>, tile_q8<7>,
                                           tile_q8<8>};
@@ -1004,7 +1009,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
 
 
 // Tiles of 16 output rows (path 3 above): tiles uint8 [ceil(out / 16), groups * 256],
-// tile_scales and tile_mins float32 [ceil(out / 16), groups, 16] (zero past out).
+// tile_scales and tile_mins float16 [ceil(out / 16), groups, 16] (zero past out).
 at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
                            const at::Tensor& tile_scales, const at::Tensor& tile_mins,
                            int64_t out) {
@@ -1018,9 +1023,9 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
               op, ": tiles must be contiguous uint8 [", count, ", ", groups * 256, "] for out=", out,
               " and in=", in, " (int4_q8.tile_codes), got ", tiles.sizes());
   for (const at::Tensor* t : {&tile_scales, &tile_mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == count && t->size(1) == groups && t->size(2) == 16,
-                op, ": tile scales and mins must be contiguous float32 [", count, ", ", groups,
+                op, ": tile scales and mins must be contiguous float16 [", count, ", ", groups,
                 ", 16], got ", t->sizes());
   TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
   at::Tensor y = at::empty({rows, out}, x.options());
@@ -1044,8 +1049,9 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         fn(xq.data(), xd.data(), sx.data(), groups, tiles.data_ptr<uint8_t>() + b * groups * 256,
-           tile_scales.data_ptr<float>() + b * groups * 16,
-           tile_mins.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16);
+           reinterpret_cast<const uint16_t*>(tile_scales.data_ptr()) + b * groups * 16,
+           reinterpret_cast<const uint16_t*>(tile_mins.data_ptr()) + b * groups * 16,
+           yp + r0 * out, out, b * 16);
     });
   }
 #endif

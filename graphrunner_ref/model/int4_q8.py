@@ -58,6 +58,7 @@ __all__ = [
     "tile_int8",
     "int4_q8_reference_linear",
     "int4_q8_tiles_reference_linear",
+    "half_scales",
     "quantize_activations_q8",
     "tile_codes",
     "untile_codes",
@@ -114,7 +115,8 @@ def tile_codes(
     ``[tiles, groups * 256]``, each group 8 quads of 32 bytes, quad ``j``'s byte
     ``t`` holding the codes of column ``4j + t % 4`` for output ``t // 4``
     (low nibble) and output ``8 + t // 4`` (high nibble); ``tile_scales`` and
-    ``tile_mins`` float32 ``[tiles, groups, 16]``."""
+    ``tile_mins`` float16 ``[tiles, groups, 16]`` (the scales and mins
+    rounded to float16, as a Q4_1 file holds them: :func:`half_scales`)."""
     out, groups = scales.shape
     count = -(-out // TILE_ROWS)
     rows = count * TILE_ROWS
@@ -126,11 +128,18 @@ def tile_codes(
     tiles = (c[..., 0] | (c[..., 1] << 4)).reshape(count, groups * 256).contiguous()
 
     def spread(v: torch.Tensor) -> torch.Tensor:
-        padded = v.new_zeros(rows, groups)
+        padded = v.new_zeros(rows, groups, dtype=torch.float16)
         padded[:out] = v
         return padded.view(count, TILE_ROWS, groups).transpose(1, 2).contiguous()
 
-    return tiles, spread(scales.float()), spread(mins.float())
+    return tiles, spread(scales), spread(mins)
+
+
+def half_scales(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scales`` and ``mins`` rounded to float16 and back to float32: the
+    tiles path's weights (a Q4_1 file's are float16 already, and come back
+    unchanged)."""
+    return scales.half().float(), mins.half().float()
 
 
 def untile_codes(tiles: torch.Tensor, out: int) -> torch.Tensor:
@@ -265,7 +274,8 @@ class Int4Q8Linear(Int4Linear):
     kernels build, else :func:`int4_q8_reference_linear`), True (the kernel;
     RuntimeError where it cannot run) or False (the torch path). On the
     ``avx512-vnni-tiles`` path the codes are held as :func:`tile_codes`'
-    tiles (``tiles``, ``tile_scales``, ``tile_mins``) instead of ``blocked``."""
+    tiles (``tiles``, ``tile_scales``, ``tile_mins``) instead of ``blocked``,
+    and the scales and mins are rounded to float16 (:func:`half_scales`)."""
 
     tiles: torch.Tensor
     tile_scales: torch.Tensor
@@ -284,7 +294,11 @@ class Int4Q8Linear(Int4Linear):
             self._tile(unblock_codes(self.blocked, self.out_features))
 
     def _tile(self, packed: torch.Tensor) -> None:
-        """Hold ``packed`` as tiles (``blocked`` emptied: one copy of the codes)."""
+        """Hold ``packed`` as tiles (``blocked`` emptied: one copy of the codes),
+        the scales and mins rounded to float16 (:func:`half_scales`), here too."""
+        scales, mins = half_scales(self.scales, self.mins)
+        self.scales.copy_(scales)
+        self.mins.copy_(mins)
         tiles, tile_scales, tile_mins = tile_codes(packed, self.scales, self.mins)
         self.register_buffer("tiles", tiles)
         self.register_buffer("tile_scales", tile_scales)
