@@ -42,6 +42,7 @@ import torch
 
 from graphrunner.util import warn_at_caller
 from graphrunner_ref.model.cpu_features import cpu_features, kernel_path
+from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import GROUP, Int4Linear, dequantize_int4
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
@@ -105,9 +106,15 @@ def int4_bf16_reference_linear(
 @functools.cache
 def _fallback_note() -> None:
     """Say once that the torch emulation runs in the kernel's place."""
+    why = kernel_status()
+    reason = (
+        f"the C++ kernels do not run here ({why})"
+        if why is not None
+        else f"the C++ kernel needs AVX-512 BF16, which this CPU ({cpu_features().describe()}) "
+        "lacks or hides"
+    )
     warn_at_caller(
-        "--quantize int4-bf16: the C++ kernel needs AVX-512 BF16, which this CPU "
-        f"({cpu_features().describe()}) lacks or hides; the torch emulation runs "
+        f"--quantize int4-bf16: {reason}; the torch emulation runs "
         "(the same numbers, far slower): int4-q8 or int4 are the fast modes here"
     )
 
