@@ -157,7 +157,12 @@ def note_quantization(config: EngineConfig, source: str | None = None) -> None:
         product = "torch's weight-only int8 product (half-precision activations)"
     elif why is None:
         path = kernel_path(mode)
-        kernels = "the C++ kernels" if path is None else f"the C++ {path.name.upper()} kernels"
+        if path is not None:
+            kernels = f"the C++ {path.name.upper()} kernels"
+        elif mode == "int4-bf16":  # no AVX-512 BF16 here
+            kernels = "the torch emulation of the bfloat16 product (no C++ path on this CPU)"
+        else:
+            kernels = "the C++ kernels"
         product = kernels + ("" if mode == "int8" else ", a compact LM head")
     else:
         product = f"torch's and fbgemm's fallbacks ({why})"
