@@ -154,6 +154,29 @@ def captured_toy(request: pytest.FixtureRequest) -> Iterator[CapturedToy]:
     yield CapturedToy(request.param, TEST_CAPTURE_SIZES)
 
 
+def clear_kernel_choice() -> None:
+    """Forget the CPU's features, the C++ kernels' status and each compact
+    product's path: all read again at their next use (after the environment
+    changed ``GRAPHRUNNER_CPU_DISABLE``, or a test pretended another CPU)."""
+    from graphrunner_ref.model.cpu_features import cpu_features, kernel_path
+    from graphrunner_ref.model.cpu_kernels import kernel_status
+
+    kernel_status.cache_clear()
+    cpu_features.cache_clear()
+    kernel_path.cache_clear()
+
+
+@pytest.fixture
+def fresh_features(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Feature detection and path choice read again, and again after the test
+    (its monkeypatch, ``GRAPHRUNNER_CPU_DISABLE`` unset, to set what it needs)."""
+    monkeypatch.delenv("GRAPHRUNNER_CPU_DISABLE", raising=False)
+    clear_kernel_choice()
+    yield monkeypatch
+    monkeypatch.undo()
+    clear_kernel_choice()
+
+
 @pytest.fixture(scope="session")
 def slow() -> bool:
     return SLOW

@@ -11,13 +11,11 @@ AVX-512 BF16 the kernel's tests skip and the emulation's run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import graphrunner_ref
-from conftest import SLOW
+from conftest import SLOW, clear_kernel_choice
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.cpu_features import DISABLE_ENV, cpu_features, kernel_note, kernel_path
@@ -33,22 +31,6 @@ from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, qu
 
 #: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a tile.
 SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9), (24, 96, 19)]
-
-
-def _clear() -> None:
-    kernel_status.cache_clear()
-    cpu_features.cache_clear()
-    kernel_path.cache_clear()
-
-
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """Feature detection and path choice read again, and again after the test."""
-    monkeypatch.delenv(DISABLE_ENV, raising=False)
-    _clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    _clear()
 
 
 def _kernel_runs() -> bool:
@@ -132,7 +114,7 @@ def test_the_kernels_run_under_torch_compile() -> None:
         assert torch.equal(compiled(x), linear(x))
 
 
-def test_hiding_avx512_bf16_runs_the_emulation(fresh: pytest.MonkeyPatch) -> None:
+def test_hiding_avx512_bf16_runs_the_emulation(fresh_features: pytest.MonkeyPatch) -> None:
     """``GRAPHRUNNER_CPU_DISABLE=avx512_bf16``: no kernel path, said once; the
     emulation runs and gives the kernel's output bit for bit; kernel=True is
     refused by name."""
@@ -140,8 +122,8 @@ def test_hiding_avx512_bf16_runs_the_emulation(fresh: pytest.MonkeyPatch) -> Non
     w, x = torch.randn(40, 70, generator=gen), torch.randn(5, 70, generator=gen)
     fast = Int4Bf16Linear(w)(x)
     fast_head = Int8GroupBf16Linear(w)(x)
-    fresh.setenv(DISABLE_ENV, "avx512_bf16")
-    _clear()
+    fresh_features.setenv(DISABLE_ENV, "avx512_bf16")
+    clear_kernel_choice()
     assert kernel_path("int4-bf16") is None
     assert "the torch fallback" in kernel_note("int4-bf16")
     from graphrunner_ref.model import int4_bf16

@@ -11,13 +11,11 @@ exact); paths this CPU lacks are skipped and refused by the C++ guard.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import graphrunner_ref
-from conftest import SLOW
+from conftest import SLOW, clear_kernel_choice
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import cpu_features as features_module
 from graphrunner_ref.model import default_model
@@ -60,22 +58,6 @@ Q8_PATHS = [p for p in KERNEL_PATHS if p.product == "int4-q8"]
 #: The paths of graphrunner_int4::linear_q8 over int4's blocked codes (the tiles
 #: path has its own op and layout, tested below).
 BLOCKED_PATHS = [p for p in Q8_PATHS if p.code != TILES_PATH]
-
-
-def _clear() -> None:
-    kernel_status.cache_clear()
-    cpu_features.cache_clear()
-    kernel_path.cache_clear()
-
-
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """Feature detection and path choice read again, and again after the test."""
-    monkeypatch.delenv(DISABLE_ENV, raising=False)
-    _clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    _clear()
 
 
 def _runnable(code: int) -> bool:
@@ -206,14 +188,14 @@ def test_the_tiled_head_equals_its_reference(out: int, inp: int, rows: int) -> N
     assert bool(((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all())
 
 
-def test_the_head_is_8_bit_only_on_the_tiles_path(fresh: pytest.MonkeyPatch) -> None:
+def test_the_head_is_8_bit_only_on_the_tiles_path(fresh_features: pytest.MonkeyPatch) -> None:
     """Hiding AVX-512 VNNI leaves int4-q8 on a blocked path: its head keeps
     wider activations, and the tiled head refuses to be built."""
     w = torch.randn(40, 70, generator=torch.Generator().manual_seed(12))
     if _runnable(TILES_PATH):
         assert isinstance(int4_q8_head(w), Int8GroupQ8Linear)
-    fresh.setenv(DISABLE_ENV, "avx512_vnni")
-    _clear()
+    fresh_features.setenv(DISABLE_ENV, "avx512_vnni")
+    clear_kernel_choice()
     head = int4_q8_head(w)
     assert not isinstance(head, Int8GroupQ8Linear) and isinstance(head, Int8GroupLinear)
     with pytest.raises(RuntimeError, match="tiles path"):
@@ -291,14 +273,14 @@ def test_a_path_this_cpu_lacks_is_refused_by_the_kernel() -> None:
         _kernel(torch.randn(1, 32), linear, 9)
 
 
-def test_the_table_picks_the_best_path_the_cpu_has(fresh: pytest.MonkeyPatch) -> None:
+def test_the_table_picks_the_best_path_the_cpu_has(fresh_features: pytest.MonkeyPatch) -> None:
     if kernel_status() is not None:
         pytest.skip(f"C++ kernels unavailable: {kernel_status()}")
     compiled = int(torch.ops.graphrunner_int4.q8_paths())
     everything = {f for p in KERNEL_PATHS for f in p.needs}
 
     def pretend(flags: set[str]) -> None:
-        fresh.setattr(features_module, "_cpuinfo", lambda: ("Test CPU", flags))
+        fresh_features.setattr(features_module, "_cpuinfo", lambda: ("Test CPU", flags))
         cpu_features.cache_clear()
         kernel_path.cache_clear()
 
@@ -318,24 +300,26 @@ def test_the_table_picks_the_best_path_the_cpu_has(fresh: pytest.MonkeyPatch) ->
         kernel_path("int2")
 
 
-def test_the_environment_hides_features_to_force_a_fallback(fresh: pytest.MonkeyPatch) -> None:
+def test_the_environment_hides_features_to_force_a_fallback(
+    fresh_features: pytest.MonkeyPatch,
+) -> None:
     """Hiding VNNI forces the AVX2 path; hiding AVX2 skips the C++ kernels
     (warned once): the torch path runs and gives the kernel's output."""
-    fresh.setenv(DISABLE_ENV, "avx512_vnni,avx_vnni")
-    _clear()
+    fresh_features.setenv(DISABLE_ENV, "avx512_vnni,avx_vnni")
+    clear_kernel_choice()
     features = cpu_features()
     assert not features.has("avx512_vnni") and not features.has("avx_vnni")
     if kernel_status() is None:
         assert _name("int4-q8") == "avx2"
     assert f"{DISABLE_ENV} hides" in features.describe()
-    fresh.setenv(DISABLE_ENV, "all")
-    _clear()
+    fresh_features.setenv(DISABLE_ENV, "all")
+    clear_kernel_choice()
     assert cpu_features().flags <= {"avx2", "fma", "f16c"}
     gen = torch.Generator().manual_seed(4)
     w, x = torch.randn(40, 70, generator=gen), torch.randn(5, 70, generator=gen)
     fast = Int4Q8Linear(w)(x)
-    fresh.setenv(DISABLE_ENV, "avx2")
-    _clear()
+    fresh_features.setenv(DISABLE_ENV, "avx2")
+    clear_kernel_choice()
     with pytest.warns(RuntimeWarning, match=f"{DISABLE_ENV} hides avx2"):
         assert kernel_status() == f"{DISABLE_ENV} hides avx2"
     assert kernel_path("int4-q8") is None
@@ -347,17 +331,17 @@ def test_the_environment_hides_features_to_force_a_fallback(fresh: pytest.Monkey
         Int4Q8Linear(w, kernel=True)
 
 
-def test_amx_counts_only_where_the_os_grants_its_tiles(fresh: pytest.MonkeyPatch) -> None:
+def test_amx_counts_only_where_the_os_grants_its_tiles(fresh_features: pytest.MonkeyPatch) -> None:
     amx = {"avx2", "fma", "f16c", "amx_tile", "amx_int8", "amx_bf16"}
-    fresh.setattr(features_module, "_cpuinfo", lambda: ("Test Xeon", amx))
+    fresh_features.setattr(features_module, "_cpuinfo", lambda: ("Test Xeon", amx))
     for granted in (False, True):
-        fresh.setattr(features_module, "amx_permitted", lambda granted=granted: granted)
+        fresh_features.setattr(features_module, "amx_permitted", lambda granted=granted: granted)
         cpu_features.cache_clear()
         features = cpu_features()
         assert features.amx_permitted is granted
         assert features.has("amx_tile", "amx_int8") is granted
         assert ("the OS refused its tiles" in features.describe()) is not granted
-    fresh.setattr(features_module, "_cpuinfo", lambda: ("Test EPYC", {"avx2"}))
+    fresh_features.setattr(features_module, "_cpuinfo", lambda: ("Test EPYC", {"avx2"}))
     cpu_features.cache_clear()
     assert cpu_features().amx_permitted is None  # never asked without AMX
 

@@ -585,6 +585,25 @@ void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float*
   }
 }
 
+// Up to kTile rows of x [rows, in] quantized as above, each alone, zero-padded
+// to whole groups: the scratch every int4-q8 product (blocked, tiles, head) reads.
+struct Q8Rows {
+  int64_t in, groups, kp;
+  std::vector<float> xpad, xd, sx;
+  std::vector<int8_t> xq;
+  Q8Rows(int64_t in, int64_t groups, int64_t rows)
+      : in(in), groups(groups), kp(groups * kGroup), xpad(kp, 0.0f), xd(rows * groups),
+        sx(rows * groups), xq(rows * kp) {}
+  // Rows r0 .. r0 + nr of x.
+  void quantize(const float* x, int64_t r0, int nr) {
+    for (int r = 0; r < nr; ++r) {
+      std::memcpy(xpad.data(), x + (r0 + r) * in, in * sizeof(float));
+      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
+                      sx.data() + r * groups);
+    }
+  }
+};
+
 // The 32 codes of a group (byte j: code j low, code j + 16 high) in order, one a byte.
 inline __m256i codes32(const uint8_t* bytes) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
@@ -981,23 +1000,16 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
-  const int64_t kp = groups * kGroup;
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tile = std::min<int64_t>(rows, kTile);  // scratch for one tile, as linear's
-  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
-  std::vector<int8_t> xq(tile * kp);
+  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));  // scratch for one tile, as linear's
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
-      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
-      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
-                      sx.data() + r * groups);
-    }
+    q.quantize(xs, r0, nr);
     const Q8Fn fn = q8_table[path][nr];
-    const int8_t* xqp = xq.data();
-    const float* xdp = xd.data();
-    const float* sxp = sx.data();
+    const int8_t* xqp = q.xq.data();
+    const float* xdp = q.xd.data();
+    const float* sxp = q.sx.data();
     float* yt = yp + r0 * out;
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
       fn(xqp, xdp, sxp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
@@ -1008,20 +1020,30 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
 }
 
 
+// The tiled ops' x and tiles checked (op names the op, made the function that
+// lays the tiles out): x 2-D float32 [rows, in], tiles of dtype [ceil(out / 16),
+// groups * bytes] for in's groups; the groups.
+int64_t check_tiles(const char* op, const at::Tensor& x, const at::Tensor& tiles,
+                    at::ScalarType dtype, int64_t bytes, int64_t out, const char* made) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a 2-D float32 CPU tensor [rows, in]");
+  const int64_t in = x.size(1), groups = (in + kGroup - 1) / kGroup, count = (out + 15) / 16;
+  TORCH_CHECK(out >= 0 && tiles.dim() == 2 && tiles.scalar_type() == dtype &&
+                  tiles.is_contiguous() && tiles.size(0) == count &&
+                  tiles.size(1) == groups * bytes,
+              op, ": tiles must be contiguous ", dtype, " [", count, ", ", groups * bytes,
+              "] for out=", out, " and in=", in, " (", made, "), got ", tiles.sizes());
+  return groups;
+}
+
 // Tiles of 16 output rows (path 3 above): tiles uint8 [ceil(out / 16), groups * 256],
 // tile_scales and tile_mins float16 [ceil(out / 16), groups, 16] (zero past out).
 at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
                            const at::Tensor& tile_scales, const at::Tensor& tile_mins,
                            int64_t out) {
   const char* op = "graphrunner_int4::linear_q8_tiled";
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
-              ": x must be a 2-D float32 CPU tensor [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1);
-  const int64_t groups = (in + kGroup - 1) / kGroup, count = (out + 15) / 16;
-  TORCH_CHECK(out >= 0 && tiles.dim() == 2 && tiles.scalar_type() == at::kByte &&
-                  tiles.is_contiguous() && tiles.size(0) == count && tiles.size(1) == groups * 256,
-              op, ": tiles must be contiguous uint8 [", count, ", ", groups * 256, "] for out=", out,
-              " and in=", in, " (int4_q8.tile_codes), got ", tiles.sizes());
+  const int64_t groups = check_tiles(op, x, tiles, at::kByte, 256, out, "int4_q8.tile_codes");
+  const int64_t rows = x.size(0), in = x.size(1), count = tiles.size(0);
   for (const at::Tensor* t : {&tile_scales, &tile_mins})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == count && t->size(1) == groups && t->size(2) == 16,
@@ -1031,24 +1053,17 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
-  const int64_t kp = groups * kGroup;
   const at::Tensor xc = x.contiguous();
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tile = std::min<int64_t>(rows, kTile);
-  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
-  std::vector<int8_t> xq(tile * kp);
+  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
-      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
-      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
-                      sx.data() + r * groups);
-    }
+    q.quantize(xs, r0, nr);
     const TileFn fn = tile_table[nr];
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        fn(xq.data(), xd.data(), sx.data(), groups, tiles.data_ptr<uint8_t>() + b * groups * 256,
+        fn(q.xq.data(), q.xd.data(), q.sx.data(), groups, tiles.data_ptr<uint8_t>() + b * groups * 256,
            reinterpret_cast<const uint16_t*>(tile_scales.data_ptr()) + b * groups * 16,
            reinterpret_cast<const uint16_t*>(tile_mins.data_ptr()) + b * groups * 16,
            yp + r0 * out, out, b * 16);
@@ -1065,14 +1080,8 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
                                    const at::Tensor& tile_sums, const at::Tensor& tile_scales,
                                    int64_t out) {
   const char* op = "graphrunner_int8::linear_grouped_q8_tiled";
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
-              ": x must be a 2-D float32 CPU tensor [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1);
-  const int64_t groups = (in + kGroup - 1) / kGroup, count = (out + 15) / 16;
-  TORCH_CHECK(out >= 0 && tiles.dim() == 2 && tiles.scalar_type() == at::kChar &&
-                  tiles.is_contiguous() && tiles.size(0) == count && tiles.size(1) == groups * 512,
-              op, ": tiles must be contiguous int8 [", count, ", ", groups * 512, "] for out=", out,
-              " and in=", in, " (int4_q8.tile_int8), got ", tiles.sizes());
+  const int64_t groups = check_tiles(op, x, tiles, at::kChar, 512, out, "int4_q8.tile_int8");
+  const int64_t rows = x.size(0), in = x.size(1), count = tiles.size(0);
   TORCH_CHECK(tile_sums.scalar_type() == at::kInt && tile_scales.scalar_type() == at::kFloat &&
                   tile_sums.is_contiguous() && tile_scales.is_contiguous() &&
                   tile_sums.sizes() == tile_scales.sizes() && tile_sums.dim() == 3 &&
@@ -1088,22 +1097,16 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   const at::Tensor xc = x.contiguous();
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tile = std::min<int64_t>(rows, kTile);
-  std::vector<float> xpad(kp, 0.0f), xd(tile * groups), sx(tile * groups);
-  std::vector<int8_t> xq(tile * kp);
-  std::vector<uint8_t> xu(tile * kp);
+  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));
+  std::vector<uint8_t> xu(q.xq.size());
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    for (int r = 0; r < nr; ++r) {  // each row alone, zero-padded to whole groups
-      std::memcpy(xpad.data(), xs + (r0 + r) * in, in * sizeof(float));
-      quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
-                      sx.data() + r * groups);
-    }
-    for (int64_t i = 0; i < nr * kp; ++i) xu[i] = static_cast<uint8_t>(xq[i]) ^ 0x80;
+    q.quantize(xs, r0, nr);
+    for (int64_t i = 0; i < nr * kp; ++i) xu[i] = static_cast<uint8_t>(q.xq[i]) ^ 0x80;
     const Int8TileFn fn = int8_tile_table[nr];
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        fn(xu.data(), xd.data(), groups, tiles.data_ptr<int8_t>() + b * groups * 512,
+        fn(xu.data(), q.xd.data(), groups, tiles.data_ptr<int8_t>() + b * groups * 512,
            tile_sums.data_ptr<int32_t>() + b * groups * 16,
            tile_scales.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16,
            b + kInt8TilesAhead < b1);
@@ -1308,6 +1311,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_to_bf16(
     }
   }
 }
+
+// x's rows rounded to bfloat16 once, then body(their bfloat16 rows, the count
+// nr, the tile's output rows, o0, o1) for each tile of up to kTile rows, its
+// outputs [o0, o1) split over threads.
+template <class Body>
+void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
+                     const Body& body) {
+  const int64_t rows = x.size(0), kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint16_t> xb(rows * kp);
+  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+      body(xb.data() + r0 * kp, nr, y + r0 * out, o0, o1);
+    });
+  }
+}
 #endif
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
@@ -1319,19 +1340,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at:
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_BF16
-  const int64_t kp = groups * kGroup;
-  const at::Tensor xc = x.contiguous();
-  std::vector<uint16_t> xb(rows * kp);
-  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
-  const uint16_t* xp = xb.data();
-  float* yp = y.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const Bf16Fn fn = bf16_table[std::min<int64_t>(kTile, rows - r0)];
-    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xp + r0 * kp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-         mins.data_ptr<float>(), yp + r0 * out, out, o0, o1);
-    });
-  }
+  over_bf16_tiles(x, groups, out, y.data_ptr<float>(),
+                  [&](const uint16_t* xb, int nr, float* yt, int64_t o0, int64_t o1) {
+                    bf16_table[nr](xb, groups, blocked.data_ptr<uint8_t>(),
+                                   scales.data_ptr<float>(), mins.data_ptr<float>(), yt, out, o0,
+                                   o1);
+                  });
 #endif
   return y;
 }
@@ -1345,19 +1359,11 @@ at::Tensor linear_int8_grouped_bf16(const at::Tensor& x, const at::Tensor& weigh
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_BF16
-  const int64_t kp = groups * kGroup;
-  const at::Tensor xc = x.contiguous();
-  std::vector<uint16_t> xb(rows * kp);
-  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
-  const uint16_t* xp = xb.data();
-  float* yp = y.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const Int8gBf16Fn fn = int8g_bf16_table[std::min<int64_t>(kTile, rows - r0)];
-    at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xp + r0 * kp, groups, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-         yp + r0 * out, out, o0, o1);
-    });
-  }
+  over_bf16_tiles(x, groups, out, y.data_ptr<float>(),
+                  [&](const uint16_t* xb, int nr, float* yt, int64_t o0, int64_t o1) {
+                    int8g_bf16_table[nr](xb, groups, weight.data_ptr<int8_t>(),
+                                         scales.data_ptr<float>(), yt, out, o0, o1);
+                  });
 #endif
   return y;
 }
