@@ -177,6 +177,19 @@ def fresh_features(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
     clear_kernel_choice()
 
 
+def eager_greedy(bundle: Any) -> dict[int, list[int]]:
+    """``bundle``'s greedy tokens for three short prompts (6 new each) through
+    its engine over an eager runner captured at size 4: request id -> tokens."""
+    from graphrunner_ref import Engine, create_decode_runner
+    from graphrunner_ref.engine.workload import requests_from_prompts
+
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[4])
+    runner.capture()
+    trace = requests_from_prompts([[1, 2, 3], [4, 5], [6]], max_new_tokens=6)
+    result = Engine(bundle, runner).run(trace)
+    return {rid: list(tokens) for rid, tokens in result.outputs.items()}
+
+
 @pytest.fixture(scope="session")
 def slow() -> bool:
     return SLOW

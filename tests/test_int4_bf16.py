@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import graphrunner_ref
-from conftest import SLOW, clear_kernel_choice
-from graphrunner_ref.engine.workload import requests_from_prompts
+from conftest import SLOW, clear_kernel_choice, eager_greedy
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.cpu_features import DISABLE_ENV, cpu_features, kernel_note, kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
@@ -160,14 +158,6 @@ def test_int4_bf16_is_a_quantize_mode_refused_off_float32() -> None:
         check_quantization("int4-bf16", torch.bfloat16, "cpu")
 
 
-def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
-    runner = graphrunner_ref.create_decode_runner(bundle, "eager", capture_sizes=[4])
-    runner.capture()
-    trace = requests_from_prompts([[1, 2, 3], [4, 5], [6]], max_new_tokens=6)
-    result = graphrunner_ref.Engine(bundle, runner).run(trace)
-    return {rid: list(tokens) for rid, tokens in result.outputs.items()}
-
-
 def test_the_model_decodes_as_int4_does() -> None:
     """Every projection an Int4Bf16Linear (q/k/v too), the LM head an
     Int8GroupBf16Linear; the embedded model's greedy tokens (random weights,
@@ -181,15 +171,15 @@ def test_the_model_decodes_as_int4_does() -> None:
     linears = [m for m in model.modules() if isinstance(m, Int4Bf16Linear)]
     assert len(linears) == 4 * len(model.model.layers) and model.quantization == "int4-bf16"
     assert isinstance(model.head_proj, Int8GroupBf16Linear)
-    outputs = _decode(bundles["int4-bf16"])
-    exact = _decode(bundles["int4"])
+    outputs = eager_greedy(bundles["int4-bf16"])
+    exact = eager_greedy(bundles["int4"])
     assert sorted(outputs) == sorted(exact)
     for rid, tokens in outputs.items():
         assert tokens[:2] == exact[rid][:2], rid
     if _kernel_runs():
         for m in [*linears, model.head_proj]:
             m.kernel = False
-        assert _decode(bundles["int4-bf16"]) == outputs
+        assert eager_greedy(bundles["int4-bf16"]) == outputs
 
 
 @pytest.mark.slow

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import graphrunner_ref
-from conftest import SLOW, clear_kernel_choice
-from graphrunner_ref.engine.workload import requests_from_prompts
+from conftest import SLOW, clear_kernel_choice, eager_greedy
 from graphrunner_ref.model import cpu_features as features_module
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.cpu_features import (
@@ -368,14 +367,6 @@ def models() -> dict[str, graphrunner_ref.ModelBundle]:
     return bundles
 
 
-def _decode(bundle: graphrunner_ref.ModelBundle) -> dict[int, list[int]]:
-    runner = graphrunner_ref.create_decode_runner(bundle, "eager", capture_sizes=[4])
-    runner.capture()
-    trace = requests_from_prompts([[1, 2, 3], [4, 5], [6]], max_new_tokens=6)
-    result = graphrunner_ref.Engine(bundle, runner).run(trace)
-    return {rid: list(tokens) for rid, tokens in result.outputs.items()}
-
-
 def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelBundle]) -> None:
     """Every projection an Int4Q8Linear but the q/k/v one (wider activations,
     the same weights: wide_int4_linear), the LM head int8 in groups; the embedded
@@ -392,8 +383,8 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
         assert torch.equal(layer.self_attn.qkv_proj.blocked, same.self_attn.qkv_proj.blocked)
     assert isinstance(model.head_proj, Int8GroupLinear)
     assert isinstance(models["int4"].model.head_proj, Fp16WeightLinear)  # int4 unchanged
-    outputs = _decode(models["int4-q8"])
-    exact = _decode(models["int4"])
+    outputs = eager_greedy(models["int4-q8"])
+    exact = eager_greedy(models["int4"])
     assert sorted(outputs) == sorted(exact)
     for rid, tokens in outputs.items():
         assert tokens[:2] == exact[rid][:2], rid
@@ -401,7 +392,7 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
         for m in linears:
             m.kernel = False
         try:  # a float64 sum, not the kernel's float32 one: near ties may part later
-            slow = _decode(models["int4-q8"])
+            slow = eager_greedy(models["int4-q8"])
             assert all(slow[rid][:2] == tokens[:2] for rid, tokens in outputs.items())
         finally:
             for m in linears:
