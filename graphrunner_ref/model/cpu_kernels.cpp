@@ -899,18 +899,20 @@ constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, ti
 // LM head where this path runs; int4_q8.py's tile_int8): int8_linear's grouped
 // codes (symmetric, one scale a group) in tiles of 16 outputs, quad j of a
 // group 64 bytes, byte 4 * lane + c the weight of column 4j + c for output
-// lane. vpdpbusd multiplies unsigned by signed bytes, so the row's codes go
-// in offset by 128 (qx ^ 0x80) and each output's group dot loses 128 times
-// its weights' sum (precomputed, tile_sums):
-//   acc = fma(float(dot - 128 * sum(q)), scale * d, acc)
+// lane, stored plus 128: vpdpbusd multiplies unsigned by signed bytes, so the
+// weights go in as unsigned and each group's dot gains 128 times the row's
+// code sum, taken off again (xsum, 128 * sum(qx) per row and group):
+//   acc = fma(float(dot - 128 * sum(qx)), scale * d, acc)
 // per (row, output), groups in order. The row is the same quantized row as
-// the projections' (quantize_row_q8), so the head reads 8-bit activations too.
+// the projections' (quantize_row_q8), so the head reads 8-bit activations too;
+// the offset rides on the row, not on a per-output table the head would
+// stream (an int32 a group and output: an eighth of the codes' bytes).
 constexpr int64_t kInt8TilesAhead = 2;
 
 template <int R>
-GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const uint8_t* xu, const float* xd,
-                                                           int64_t groups, const int8_t* tile,
-                                                           const int32_t* sums, const float* ts,
+GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const int8_t* xq, const int32_t* xsum,
+                                                           const float* xd, int64_t groups,
+                                                           const uint8_t* tile, const float* ts,
                                                            float* y, int64_t out, int64_t o0,
                                                            bool fetch) {
   const int64_t kp = groups * kGroup;
@@ -921,7 +923,7 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const uint8_t* xu, c
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* codes = tile + g * 2 * kTileGroupBytes;
+    const uint8_t* codes = tile + g * 2 * kTileGroupBytes;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -929,15 +931,15 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const uint8_t* xu, c
       const __m512i w = _mm512_loadu_si512(codes + 64 * j);
       for (int r = 0; r < R; ++r) {
         int32_t quad;
-        std::memcpy(&quad, xu + r * kp + g * kGroup + 4 * j, sizeof(quad));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(quad), w);
+        std::memcpy(&quad, xq + r * kp + g * kGroup + 4 * j, sizeof(quad));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(quad));
       }
     }
-    const __m512i offset = _mm512_loadu_si512(sums + g * kTileRows);
     const __m512 scale = _mm512_loadu_ps(ts + g * kTileRows);
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), s, acc[r]);
+      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xsum[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, acc[r]);
     }
   }
   const int64_t live = std::min<int64_t>(kTileRows, out - o0);
@@ -945,7 +947,7 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const uint8_t* xu, c
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * out + o0, keep, acc[r]);
 }
 
-using Int8TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*, const int32_t*,
+using Int8TileFn = void (*)(const int8_t*, const int32_t*, const float*, int64_t, const uint8_t*,
                             const float*, float*, int64_t, int64_t, bool);
 constexpr Int8TileFn int8_tile_table[kTile + 1] = {
     nullptr,          tile_int8g_q8<1>, tile_int8g_q8<2>, tile_int8g_q8<3>, tile_int8g_q8<4>,
@@ -1073,41 +1075,40 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   return y;
 }
 
-// int4-q8's LM head on tiles (tile_int8g_q8 above): tiles int8 [ceil(out / 16),
-// groups * 512], tile_sums int32 (128 times each output's group sum) and
-// tile_scales float32 [ceil(out / 16), groups, 16].
+// int4-q8's LM head on tiles (tile_int8g_q8 above): tiles uint8 (the codes plus
+// 128) [ceil(out / 16), groups * 512], tile_scales float32 [ceil(out / 16), groups, 16].
 at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
-                                   const at::Tensor& tile_sums, const at::Tensor& tile_scales,
-                                   int64_t out) {
+                                   const at::Tensor& tile_scales, int64_t out) {
   const char* op = "graphrunner_int8::linear_grouped_q8_tiled";
-  const int64_t groups = check_tiles(op, x, tiles, at::kChar, 512, out, "int4_q8.tile_int8");
+  const int64_t groups = check_tiles(op, x, tiles, at::kByte, 512, out, "int4_q8.tile_int8");
   const int64_t rows = x.size(0), in = x.size(1), count = tiles.size(0);
-  TORCH_CHECK(tile_sums.scalar_type() == at::kInt && tile_scales.scalar_type() == at::kFloat &&
-                  tile_sums.is_contiguous() && tile_scales.is_contiguous() &&
-                  tile_sums.sizes() == tile_scales.sizes() && tile_sums.dim() == 3 &&
-                  tile_sums.size(0) == count && tile_sums.size(1) == groups &&
-                  tile_sums.size(2) == 16,
-              op, ": tile sums (int32) and scales (float32) must be contiguous [", count, ", ",
-              groups, ", 16], got ", tile_sums.sizes(), " and ", tile_scales.sizes());
+  TORCH_CHECK(tile_scales.scalar_type() == at::kFloat && tile_scales.is_contiguous() &&
+                  tile_scales.dim() == 3 && tile_scales.size(0) == count &&
+                  tile_scales.size(1) == groups && tile_scales.size(2) == 16,
+              op, ": tile scales must be contiguous float32 [", count, ", ", groups,
+              ", 16], got ", tile_scales.sizes());
   TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
-  const int64_t kp = groups * kGroup;
   const at::Tensor xc = x.contiguous();
   const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));
-  std::vector<uint8_t> xu(q.xq.size());
+  std::vector<int32_t> xsum(q.xd.size());
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
     q.quantize(xs, r0, nr);
-    for (int64_t i = 0; i < nr * kp; ++i) xu[i] = static_cast<uint8_t>(q.xq[i]) ^ 0x80;
+    for (int64_t i = 0; i < nr * groups; ++i) {  // 128 times each group's code sum
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kGroup; ++k) sum += q.xq[i * kGroup + k];
+      xsum[i] = 128 * sum;
+    }
     const Int8TileFn fn = int8_tile_table[nr];
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        fn(xu.data(), q.xd.data(), groups, tiles.data_ptr<int8_t>() + b * groups * 512,
-           tile_sums.data_ptr<int32_t>() + b * groups * 16,
+        fn(q.xq.data(), xsum.data(), q.xd.data(), groups,
+           tiles.data_ptr<uint8_t>() + b * groups * 512,
            tile_scales.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16,
            b + kInt8TilesAhead < b1);
     });
@@ -1393,8 +1394,7 @@ TORCH_LIBRARY(graphrunner_int8, m) {
   m.def("linear_grouped(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("linear_grouped_bf16(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def(
-      "linear_grouped_q8_tiled(Tensor x, Tensor tiles, Tensor tile_sums, Tensor tile_scales, "
-      "int out) -> Tensor");
+      "linear_grouped_q8_tiled(Tensor x, Tensor tiles, Tensor tile_scales, int out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_int8, CPU, m) {

@@ -127,7 +127,7 @@ def _fake_int4_q8_tiled(
 
 
 def _fake_int8_q8_tiled(
-    x: torch.Tensor, tiles: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, out: int
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, out: int
 ) -> torch.Tensor:
     """The tiled int8-group x q8 op's output for tracing: ``[rows, out]`` float32, no data."""
     return x.new_empty(x.shape[0], out)

@@ -175,29 +175,26 @@ def int4_q8_tiles_reference_linear(
     return acc.view(*lead, out)
 
 
-def tile_int8(
-    weight: torch.Tensor, scales: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiles path's layout of int8 grouped codes ``weight`` ``[out, groups * 32]``
-    and ``scales`` ``[out, groups]`` (``Int8GroupLinear``'s):
-    ``tiles`` int8 ``[tiles, groups * 512]``, group g's quad j 64 bytes, byte
-    ``4 * lane + c`` the code of column ``4j + c`` for output ``lane``;
-    ``tile_sums`` int32 ``[tiles, groups, 16]``, 128 times each output's
-    group sum (the kernel's offset); ``tile_scales`` float32 ``[tiles, groups, 16]``.
-    Zeros past ``out``."""
+    and ``scales`` ``[out, groups]`` (``Int8GroupLinear``'s): ``tiles`` uint8
+    ``[tiles, groups * 512]``, group g's quad j 64 bytes, byte ``4 * lane + c``
+    the code of column ``4j + c`` for output ``lane`` plus 128 (the kernel's
+    unsigned operand); ``tile_scales`` float32 ``[tiles, groups, 16]``. Zeros
+    (128) past ``out``."""
     out, groups = scales.shape
     count = -(-out // TILE_ROWS)
     rows = count * TILE_ROWS
-    codes = torch.zeros(rows, groups, GROUP, dtype=torch.int8)
+    codes = torch.zeros(rows, groups, GROUP, dtype=torch.int16)
     codes[:out] = weight.view(out, groups, GROUP)
     # [tile, lane, group, quad, column] -> [tile, group, quad, lane, column]
-    tiles = codes.view(count, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    sums = (codes.sum(dim=2, dtype=torch.int32) * 128).view(count, TILE_ROWS, groups)
+    tiles = (
+        (codes + 128).to(torch.uint8).view(count, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    )
     padded = scales.new_zeros(rows, groups)
     padded[:out] = scales
     return (
         tiles.reshape(count, groups * 512).contiguous(),
-        sums.transpose(1, 2).contiguous(),
         padded.view(count, TILE_ROWS, groups).transpose(1, 2).contiguous().float(),
     )
 
@@ -233,7 +230,6 @@ class Int8GroupQ8Linear(Int8GroupLinear):
     :func:`int8_q8_tiles_reference_linear`, equal bit for bit."""
 
     tiles: torch.Tensor
-    tile_sums: torch.Tensor
     tile_scales: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, kernel: bool = True) -> None:
@@ -244,9 +240,8 @@ class Int8GroupQ8Linear(Int8GroupLinear):
                 "Int8GroupQ8Linear: the int4-q8 tiles path (AVX-512 VNNI) does not run here"
             )
         self.kernel = kernel
-        tiles, sums, tile_scales = tile_int8(self.weight, self.scales)
+        tiles, tile_scales = tile_int8(self.weight, self.scales)
         self.register_buffer("tiles", tiles)
-        self.register_buffer("tile_sums", sums)
         self.register_buffer("tile_scales", tile_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +249,7 @@ class Int8GroupQ8Linear(Int8GroupLinear):
             return int8_q8_tiles_reference_linear(x, self.weight, self.scales)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.graphrunner_int8.linear_grouped_q8_tiled(
-            flat, self.tiles, self.tile_sums, self.tile_scales, self.out_features
+            flat, self.tiles, self.tile_scales, self.out_features
         )
         return out.view(*x.shape[:-1], self.out_features)
 
