@@ -10,7 +10,7 @@ bias stays in the model's dtype and is added after the compact product
 (:class:`BiasedLinear`). The LM head is the native model's for the mode
 (:func:`~graphrunner_ref.model.quantize.compact_head`: float16 weights for
 fp16; for int4 int8 groups where they hold the weight exactly, else float16;
-int8 groups for int4-q8, bfloat16 activations where the CPU multiplies them), and
+int8 groups for int4-q8: :func:`~graphrunner_ref.model.quantize.int4_q8_head`), and
 so is the attention's q/k/v projection
 (:func:`~graphrunner_ref.model.quantize.qkv_linear`: int4-q8 keeps wider
 activations than 8 bits), found by name (:data:`QKV_NAMES`). The embedding

@@ -1128,9 +1128,10 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
 // then the 16 lanes summed in a fixed order (hsum16). A group's weights come
 // from a 16-entry table of its bfloat16 values, looked up by code with
 // vpermw, so the scale and min cost one table per (output, group), shared by
-// every row; no per-row scale work is left, which is where the int4-q8
-// kernel spends its time at 8 rows. Measured on a Zen 4 EPYC against that
-// kernel (bench/results/int4-bf16-zen4-cpu.md). A row's sums never meet
+// every row; no per-row scale work is left, which is where int4-q8's blocked
+// kernels spend their time at 8 rows. Measured on a Zen 4 EPYC against them
+// (bench/results/int4-q8-tiles-zen4-cpu.md: 1.11-1.19x path 2 at 8 rows,
+// 0.66-0.71x at 1). A row's sums never meet
 // another row's, in the same order whatever the batch: rows independent of
 // the batch bit for bit; int4_bf16.py's torch reference is equal bit for bit.
 #if (defined(__clang__) && __clang_major__ >= 12) || \

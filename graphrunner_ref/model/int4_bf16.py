@@ -15,15 +15,15 @@ each group in turn,
 nearest even), then the 16 lanes summed in a fixed order: ``(acc[0:8] +
 acc[8:16])``, halves again, then ``(s0 + s2) + (s1 + s3)``.
 
-Why it exists: at 8 rows the int4-q8 kernel spends its time on each row's
-per-group scale (convert, multiply, FMA a group of 32), not on the integer
-dots. Here a group's scale and min make one 16-entry table of bfloat16
-weights per (output, group), looked up by code (``vpermw``) and shared by
-every row, so a row costs one ``vdpbf16ps`` per group and nothing else.
-Measured on a Zen 4 EPYC (``bench/results/int4-bf16-zen4-cpu.md``): about
-1.2-1.35x the int4-q8 kernel at 8 rows on SmolLM2's layer shapes, and
-slower at 1 row (0.65-0.87x), where the table costs as much as the dots;
-its error against the float weight's product is about half int4-q8's.
+A group's scale and min make one 16-entry table of bfloat16 weights per
+(output, group), looked up by code (``vpermw``) and shared by every row, so
+a row costs one ``vdpbf16ps`` per group and no per-row scale work. Measured
+on a Zen 4 EPYC (``bench/results/int4-q8-tiles-zen4-cpu.md``): at 8 rows
+1.11-1.19x int4-q8's blocked AVX-512 VNNI kernel on SmolLM2's layer shapes
+(its tiles path, since, runs about 2x this one), slower at 1 row (0.66-0.71x),
+where the table costs as much as the dots; its error against the float
+weight's product is about half int4-q8's, and its SmolLM2 answers kept every
+row float32 transformers' at batch 1 and 8.
 
 The C++ kernel (``graphrunner_int4::linear_bf16``) runs only where the CPU
 has AVX-512 BF16 (:data:`~graphrunner_ref.model.cpu_features.KERNEL_PATHS`);

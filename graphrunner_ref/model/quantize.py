@@ -8,8 +8,9 @@ the LM head with a linear over compact weights: int8 per output channel
 columns with float32 activations (:mod:`graphrunner_ref.model.int4_linear`),
 or the same weights times activations quantized to 8 bits per group
 (``int4-q8``, opt-in: :mod:`graphrunner_ref.model.int4_q8`; the attention's
-q/k/v projection and the LM head keep wider activations there, bfloat16 on
-AVX-512 BF16, else float32: :func:`qkv_linear`),
+q/k/v projection keeps wider activations there, bfloat16 on AVX-512 BF16,
+else float32: :func:`qkv_linear`; the LM head too, but on the tiles path:
+:func:`int4_q8_head`),
 or weights and activations rounded to bfloat16 (``int4-bf16``, opt-in, for
 batches of 8 and more on AVX-512 BF16: :mod:`graphrunner_ref.model.int4_bf16`).
 With int4 the LM head takes int8 weights in groups of 32
@@ -80,10 +81,11 @@ QUANTIZATIONS = {
     "dequantize-then-matmul, far slower than float32)",
     "int4-q8": "int4's weights, each row's activations quantized to 8 bits per group of 32 "
     "and multiplied in integers, as llama.cpp's Q4 x Q8 (opt-in, not exact: answers may "
-    "leave float32's; the attention's q/k/v projection and the LM head keep wider "
-    "activations, bfloat16 where the CPU has AVX-512 BF16, else float32, which halves the "
-    "logits' divergence; a C++ kernel on AVX2, AVX-VNNI or AVX-512 VNNI (tiles of 16 "
-    "outputs), whichever the CPU has; rows independent of the batch bit for bit)",
+    "leave float32's; the attention's q/k/v projection keeps wider activations, bfloat16 "
+    "where the CPU has AVX-512 BF16, else float32, which halves the logits' divergence, and "
+    "so does the LM head but on AVX-512 VNNI's tiles; a C++ kernel on AVX2, AVX-VNNI or "
+    "AVX-512 VNNI (tiles of 16 outputs), whichever the CPU has; rows independent of the "
+    "batch bit for bit)",
     "int4-bf16": "int4's weights and each row's activations rounded to bfloat16, float32 sums "
     "(opt-in, not exact, about half int4-q8's error; for batches of 8 and more on a CPU with "
     "AVX-512 BF16, where its C++ kernel outruns int4-q8's: slower at batch 1; elsewhere a "
@@ -169,9 +171,10 @@ def wide_int4_linear(weight: torch.Tensor) -> nn.Module:
 def int4_q8_head(weight: torch.Tensor) -> nn.Module:
     """int4-q8's LM head, int8 in groups of 32: on the tiles path (AVX-512
     VNNI) its input quantized to 8 bits as the projections' are
-    (:class:`~graphrunner_ref.model.int4_q8.Int8GroupQ8Linear`: at batch 8
-    on a Zen 4 1.5x the bfloat16 head's speed, even at batch 1; teacher-forced
-    KL 1.73e-3 against 1.37e-3, llama.cpp's 3.38e-3), else wider
+    (:class:`~graphrunner_ref.model.int4_q8.Int8GroupQ8Linear`: on a Zen 4
+    alone 1.29-1.31 ms at 1 row against the float32 head's 1.50, and at 8 rows
+    2.3-2.9 ms against the bfloat16 head's 4.3-4.7; teacher-forced KL 1.73e-3
+    against 1.37e-3 with the bfloat16 head, llama.cpp's 3.38e-3), else wider
     (:func:`wide_int8_head`)."""
     path = kernel_path("int4-q8")
     if path is not None and path.code == TILES_PATH:
