@@ -175,8 +175,10 @@ def test_the_tiled_head_equals_its_reference(out: int, inp: int, rows: int) -> N
     gen = torch.Generator().manual_seed(out * 5 + inp)
     w, x = torch.randn(out, inp, generator=gen) * 0.05, torch.randn(rows, inp, generator=gen)
     head = Int8GroupQ8Linear(w)
+    assert head.weight.numel() == 0  # one copy of the codes: the tiles
+    assert torch.equal(head.codes(), Int8GroupLinear(w).weight)
     y = head(x)
-    assert torch.equal(y, int8_q8_tiles_reference_linear(x, head.weight, head.scales))
+    assert torch.equal(y, int8_q8_tiles_reference_linear(x, head.codes(), head.scales))
     for j in range(rows):
         assert torch.equal(head(x[j : j + 1])[0], y[j]), j
     exact = x.double() @ head.dequantized().double().T
@@ -201,7 +203,7 @@ def test_the_head_is_8_bit_only_on_the_tiles_path(fresh_features: pytest.MonkeyP
         Int8GroupQ8Linear(w)
     slow = Int8GroupQ8Linear(w, kernel=False)
     x = torch.randn(3, 70)
-    assert torch.equal(slow(x), int8_q8_tiles_reference_linear(x, slow.weight, slow.scales))
+    assert torch.equal(slow(x), int8_q8_tiles_reference_linear(x, slow.codes(), slow.scales))
 
 
 @pytest.mark.parametrize(("out", "inp", "rows"), SHAPES)

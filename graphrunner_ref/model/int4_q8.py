@@ -56,6 +56,7 @@ __all__ = [
     "Int8GroupQ8Linear",
     "int8_q8_tiles_reference_linear",
     "tile_int8",
+    "untile_int8",
     "int4_q8_reference_linear",
     "int4_q8_tiles_reference_linear",
     "half_scales",
@@ -199,6 +200,15 @@ def tile_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     )
 
 
+def untile_int8(tiles: torch.Tensor, out: int) -> torch.Tensor:
+    """The int8 codes ``[out, groups * 32]`` of :func:`tile_int8`'s ``tiles``."""
+    count, width = tiles.shape
+    groups = width // 512
+    t = tiles.view(count, groups, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
+    codes = t.reshape(count * TILE_ROWS, groups * GROUP)[:out]
+    return (codes.to(torch.int16) - 128).to(torch.int8)
+
+
 def int8_q8_tiles_reference_linear(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor:
@@ -223,7 +233,8 @@ class Int8GroupQ8Linear(Int8GroupLinear):
     """int4-q8's LM head where the tiles path runs (AVX-512 VNNI):
     :class:`~graphrunner_ref.model.int8_linear.Int8GroupLinear`'s int8 codes
     in groups of 32 (a GGUF file's Q8_0 head exactly), held as
-    :func:`tile_int8`'s tiles, times the row quantized to 8 bits as the
+    :func:`tile_int8`'s tiles (``weight`` emptied: one copy of the codes,
+    :meth:`codes` gives them back), times the row quantized to 8 bits as the
     projections' rows are (``graphrunner_int8::linear_grouped_q8_tiled``):
     ``[..., in]`` float32 ``-> [..., out]`` float32; rows independent of the
     batch bit for bit. ``kernel=False`` runs
@@ -243,10 +254,15 @@ class Int8GroupQ8Linear(Int8GroupLinear):
         tiles, tile_scales = tile_int8(self.weight, self.scales)
         self.register_buffer("tiles", tiles)
         self.register_buffer("tile_scales", tile_scales)
+        self.weight = self.weight.new_empty(0, self.weight.shape[1])
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes ``[out, groups * 32]``, from the tiles."""
+        return untile_int8(self.tiles, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernel:
-            return int8_q8_tiles_reference_linear(x, self.weight, self.scales)
+            return int8_q8_tiles_reference_linear(x, self.codes(), self.scales)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.graphrunner_int8.linear_grouped_q8_tiled(
             flat, self.tiles, self.tile_scales, self.out_features

@@ -135,9 +135,14 @@ class Int8GroupLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel = kernels_run()
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes ``[out, groups * 32]`` (a subclass may hold them in
+        another layout and give them back here)."""
+        return self.weight
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` this linear multiplies by."""
-        g = self.weight.view(self.out_features, -1, GROUP).float() * self.scales[..., None]
+        g = self.codes().view(self.out_features, -1, GROUP).float() * self.scales[..., None]
         return g.view(self.out_features, -1)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
