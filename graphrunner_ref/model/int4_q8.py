@@ -167,13 +167,29 @@ def int4_q8_tiles_reference_linear(
     qx, d, sums = quantize_activations_q8(x.reshape(-1, inp).float())
     b = packed.view(out, groups, 16)
     codes = torch.cat([b & 0x0F, b >> 4], dim=2).to(torch.int32)
-    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes).double()
-    acc = torch.zeros(qx.shape[0], out, dtype=torch.float32)
-    for g in range(groups):
+    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes)
+    return _tiles_sum(dots, scales, d, (mins, sums)).view(*lead, out)
+
+
+def _tiles_sum(
+    dots: torch.Tensor,
+    scales: torch.Tensor,
+    d: torch.Tensor,
+    min_share: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The tiles kernels' float sums of integer ``dots`` ``[rows, out, groups]``:
+    per (row, output), the groups in order, ``acc = fma(dot, scale * d, acc)``
+    (``scales`` ``[out, groups]``, ``d`` ``[rows, groups]``) and, with
+    ``min_share = (mins, sums)``, ``acc = fma(min, sum, acc)``; each FMA
+    emulated in float64 and rounded once. ``[rows, out]`` float32."""
+    acc = torch.zeros(dots.shape[0], dots.shape[1], dtype=torch.float32)
+    for g in range(dots.shape[2]):
         s = (scales[None, :, g] * d[:, None, g]).double()  # float32 product, then widened
-        acc = (dots[:, :, g] * s + acc.double()).float()
-        acc = (mins[None, :, g].double() * sums[:, None, g].double() + acc.double()).float()
-    return acc.view(*lead, out)
+        acc = (dots[:, :, g].double() * s + acc.double()).float()
+        if min_share is not None:
+            mins, sums = min_share
+            acc = (mins[None, :, g].double() * sums[:, None, g].double() + acc.double()).float()
+    return acc
 
 
 def tile_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,12 +237,8 @@ def int8_q8_tiles_reference_linear(
     out, groups = scales.shape
     qx, d, _ = quantize_activations_q8(x.reshape(-1, inp).float())
     codes = weight.view(out, groups, GROUP).to(torch.int32)
-    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes).double()
-    acc = torch.zeros(qx.shape[0], out, dtype=torch.float32)
-    for g in range(groups):
-        s = (scales[None, :, g] * d[:, None, g]).double()
-        acc = (dots[:, :, g] * s + acc.double()).float()
-    return acc.view(*lead, out)
+    dots = torch.einsum("rgk,ogk->rog", qx.to(torch.int32), codes)
+    return _tiles_sum(dots, scales, d).view(*lead, out)
 
 
 class Int8GroupQ8Linear(Int8GroupLinear):
