@@ -387,27 +387,42 @@ inline void int8g_group(const int8_t* q, float d, const float* xp, int64_t kp, i
 // best; 4 to 12 rows of 576 ahead within noise).
 constexpr int64_t kInt8AheadBytes = 3072;
 
+// That row's lines for a pass over row o of [.., end): none where it would
+// lie at or past end (past the weight's end a pointer may not even be formed).
+struct RowPrefetch {
+  const char* codes = nullptr;
+  const char* scales = nullptr;
+
+  static RowPrefetch ahead(const int8_t* q, const float* scales, int64_t groups, int64_t o,
+                           int64_t end) {
+    const int64_t kp = groups * kGroup, rows = std::max<int64_t>(1, kInt8AheadBytes / kp);
+    if (o + rows >= end) return {};
+    return {reinterpret_cast<const char*>(q + (o + rows) * kp),
+            reinterpret_cast<const char*>(scales + (o + rows) * groups)};
+  }
+
+  // Group g's share: a line of codes every 2 groups, of scales every 16.
+  // Always inlined, as BlockPrefetch::group (GCC drops such a call otherwise).
+  __attribute__((always_inline)) inline void group(int64_t g) const {
+    if (codes == nullptr || g % 2 != 0) return;
+    _mm_prefetch(codes + g * kGroup, _MM_HINT_T0);
+    if (g % 16 == 0) _mm_prefetch(scales + g * 4, _MM_HINT_T0);
+  }
+};
+
 template <int R>
 void rows_int8g(const float* xp, int64_t groups, const int8_t* q, const float* scales, float* y,
                 int64_t out, int64_t o0, int64_t o1) {
   const int64_t kp = groups * kGroup;
-  const int64_t ahead = std::max<int64_t>(1, kInt8AheadBytes / kp);
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* wq = q + o * kp;
     const float* sc = scales + o * groups;
-    // The row ahead's addresses, formed only where that row exists (past the
-    // weight's end a pointer may not even be formed).
-    const bool fetch = o + ahead < o1;
-    const char* next_q = fetch ? reinterpret_cast<const char*>(wq + ahead * kp) : nullptr;
-    const char* next_sc = fetch ? reinterpret_cast<const char*>(sc + ahead * groups) : nullptr;
+    const RowPrefetch next = RowPrefetch::ahead(q, scales, groups, o, o1);
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-      if (fetch) {
-        _mm_prefetch(next_q + g * kGroup, _MM_HINT_T0);
-        if (g % 16 == 0) _mm_prefetch(next_sc + g * 4, _MM_HINT_T0);
-      }
+      next.group(g);
       int8g_group<R>(wq + g * kGroup, sc[g], xp, kp, g, even);
       int8g_group<R>(wq + (g + 1) * kGroup, sc[g + 1], xp, kp, g + 1, odd);
     }
@@ -551,9 +566,10 @@ at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 // equal bit for bit; each row's float accumulation order is fixed (two
 // chains, even and odd groups), whatever the batch.
 //
-// A row's groups, quantized: codes (groups * 32 int8), scales d and the
-// codes' sums times d (the dequantized group's sum, one rounding).
-void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float* s) {
+// A row's groups, quantized: codes (groups * 32 int8), scales d, the codes'
+// sums times d (the dequantized group's sum, one rounding) and the sums
+// themselves (n, exact: the tiled head's offset).
+void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float* s, int32_t* n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < groups; ++g) {
@@ -581,7 +597,8 @@ void quantize_row_q8(const float* x, int64_t groups, int8_t* q, float* d, float*
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    s[g] = d[g] * static_cast<float>(_mm_cvtsi128_si32(t));
+    n[g] = _mm_cvtsi128_si32(t);
+    s[g] = d[g] * static_cast<float>(n[g]);
   }
 }
 
@@ -591,18 +608,32 @@ struct Q8Rows {
   int64_t in, groups, kp;
   std::vector<float> xpad, xd, sx;
   std::vector<int8_t> xq;
+  std::vector<int32_t> xn;
   Q8Rows(int64_t in, int64_t groups, int64_t rows)
       : in(in), groups(groups), kp(groups * kGroup), xpad(kp, 0.0f), xd(rows * groups),
-        sx(rows * groups), xq(rows * kp) {}
+        sx(rows * groups), xq(rows * kp), xn(rows * groups) {}
   // Rows r0 .. r0 + nr of x.
   void quantize(const float* x, int64_t r0, int nr) {
     for (int r = 0; r < nr; ++r) {
       std::memcpy(xpad.data(), x + (r0 + r) * in, in * sizeof(float));
       quantize_row_q8(xpad.data(), groups, xq.data() + r * kp, xd.data() + r * groups,
-                      sx.data() + r * groups);
+                      sx.data() + r * groups, xn.data() + r * groups);
     }
   }
 };
+
+// x [rows, in]'s rows quantized kTile at a time, body(q, r0, nr) after each tile.
+template <class Body>
+void over_q8_rows(const at::Tensor& x, int64_t groups, const Body& body) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0);
+  Q8Rows q(x.size(1), groups, std::min<int64_t>(rows, kTile));
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
+    q.quantize(xc.data_ptr<float>(), r0, nr);
+    body(static_cast<const Q8Rows&>(q), r0, nr);
+  }
+}
 
 // The 32 codes of a group (byte j: code j low, code j + 16 high) in order, one a byte.
 inline __m256i codes32(const uint8_t* bytes) {
@@ -901,7 +932,7 @@ constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, ti
 // group 64 bytes, byte 4 * lane + c the weight of column 4j + c for output
 // lane, stored plus 128: vpdpbusd multiplies unsigned by signed bytes, so the
 // weights go in as unsigned and each group's dot gains 128 times the row's
-// code sum, taken off again (xsum, 128 * sum(qx) per row and group):
+// code sum, taken off again (xn, each row's group sums of its codes):
 //   acc = fma(float(dot - 128 * sum(qx)), scale * d, acc)
 // per (row, output), groups in order. The row is the same quantized row as
 // the projections' (quantize_row_q8), so the head reads 8-bit activations too;
@@ -910,7 +941,7 @@ constexpr TileFn tile_table[kTile + 1] = {nullptr,    tile_q8<1>, tile_q8<2>, ti
 constexpr int64_t kInt8TilesAhead = 2;
 
 template <int R>
-GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const int8_t* xq, const int32_t* xsum,
+GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const int8_t* xq, const int32_t* xn,
                                                            const float* xd, int64_t groups,
                                                            const uint8_t* tile, const float* ts,
                                                            float* y, int64_t out, int64_t o0,
@@ -938,7 +969,7 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_int8g_q8(const int8_t* xq, co
     const __m512 scale = _mm512_loadu_ps(ts + g * kTileRows);
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g]));
-      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xsum[r * groups + g]));
+      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * xn[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, acc[r]);
     }
   }
@@ -994,30 +1025,21 @@ int64_t q8_paths() {
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                      const at::Tensor& mins, int64_t path) {
   const int64_t groups = check_int4("graphrunner_int4::linear_q8", x, blocked, scales, mins);
-  const int64_t rows = x.size(0), in = x.size(1), out = scales.size(0);
+  const int64_t rows = x.size(0), out = scales.size(0);
   TORCH_CHECK(path >= 0 && path < kQ8Paths && q8_table[path][1] != nullptr && q8_cpu_has(path),
               "graphrunner_int4::linear_q8: path ", path,
               " is not compiled into this build or not supported by this CPU (compiled: bits ",
               q8_paths(), ")");
-  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
-  const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));  // scratch for one tile, as linear's
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    q.quantize(xs, r0, nr);
+  over_q8_rows(x, groups, [&](const Q8Rows& q, int64_t r0, int nr) {
     const Q8Fn fn = q8_table[path][nr];
-    const int8_t* xqp = q.xq.data();
-    const float* xdp = q.xd.data();
-    const float* sxp = q.sx.data();
-    float* yt = yp + r0 * out;
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-      fn(xqp, xdp, sxp, groups, blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-         mins.data_ptr<float>(), yt, out, o0, o1);
+      fn(q.xq.data(), q.xd.data(), q.sx.data(), groups, blocked.data_ptr<uint8_t>(),
+         scales.data_ptr<float>(), mins.data_ptr<float>(), yp + r0 * out, out, o0, o1);
     });
-  }
+  });
   return y;
 }
 
@@ -1045,7 +1067,7 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
                            int64_t out) {
   const char* op = "graphrunner_int4::linear_q8_tiled";
   const int64_t groups = check_tiles(op, x, tiles, at::kByte, 256, out, "int4_q8.tile_codes");
-  const int64_t rows = x.size(0), in = x.size(1), count = tiles.size(0);
+  const int64_t rows = x.size(0), count = tiles.size(0);
   for (const at::Tensor* t : {&tile_scales, &tile_mins})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == count && t->size(1) == groups && t->size(2) == 16,
@@ -1055,13 +1077,8 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
-  const at::Tensor xc = x.contiguous();
-  const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    q.quantize(xs, r0, nr);
+  over_q8_rows(x, groups, [&](const Q8Rows& q, int64_t r0, int nr) {
     const TileFn fn = tile_table[nr];
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
@@ -1070,7 +1087,7 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
            reinterpret_cast<const uint16_t*>(tile_mins.data_ptr()) + b * groups * 16,
            yp + r0 * out, out, b * 16);
     });
-  }
+  });
 #endif
   return y;
 }
@@ -1081,7 +1098,7 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
                                    const at::Tensor& tile_scales, int64_t out) {
   const char* op = "graphrunner_int8::linear_grouped_q8_tiled";
   const int64_t groups = check_tiles(op, x, tiles, at::kByte, 512, out, "int4_q8.tile_int8");
-  const int64_t rows = x.size(0), in = x.size(1), count = tiles.size(0);
+  const int64_t rows = x.size(0), count = tiles.size(0);
   TORCH_CHECK(tile_scales.scalar_type() == at::kFloat && tile_scales.is_contiguous() &&
                   tile_scales.dim() == 3 && tile_scales.size(0) == count &&
                   tile_scales.size(1) == groups && tile_scales.size(2) == 16,
@@ -1091,28 +1108,17 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
-  const at::Tensor xc = x.contiguous();
-  const float* xs = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  Q8Rows q(in, groups, std::min<int64_t>(rows, kTile));
-  std::vector<int32_t> xsum(q.xd.size());
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
-    q.quantize(xs, r0, nr);
-    for (int64_t i = 0; i < nr * groups; ++i) {  // 128 times each group's code sum
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) sum += q.xq[i * kGroup + k];
-      xsum[i] = 128 * sum;
-    }
+  over_q8_rows(x, groups, [&](const Q8Rows& q, int64_t r0, int nr) {
     const Int8TileFn fn = int8_tile_table[nr];
     at::parallel_for(0, count, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        fn(q.xq.data(), xsum.data(), q.xd.data(), groups,
+        fn(q.xq.data(), q.xn.data(), q.xd.data(), groups,
            tiles.data_ptr<uint8_t>() + b * groups * 512,
            tile_scales.data_ptr<float>() + b * groups * 16, yp + r0 * out, out, b * 16,
            b + kInt8TilesAhead < b1);
     });
-  }
+  });
 #endif
   return y;
 }
@@ -1222,20 +1228,14 @@ GRAPHRUNNER_BF16_TARGET __attribute__((flatten)) void rows_int8g_bf16(
     const uint16_t* xb, int64_t groups, const int8_t* q, const float* scales, float* y,
     int64_t out, int64_t o0, int64_t o1) {
   const int64_t kp = groups * kGroup;
-  const int64_t ahead = std::max<int64_t>(1, kInt8AheadBytes / kp);
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* wq = q + o * kp;
     const float* sc = scales + o * groups;
-    const bool fetch = o + ahead < o1;
-    const char* next_q = fetch ? reinterpret_cast<const char*>(wq + ahead * kp) : nullptr;
-    const char* next_sc = fetch ? reinterpret_cast<const char*>(sc + ahead * groups) : nullptr;
+    const RowPrefetch next = RowPrefetch::ahead(q, scales, groups, o, o1);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      if (fetch && g % 2 == 0) {
-        _mm_prefetch(next_q + g * kGroup, _MM_HINT_T0);
-        if (g % 16 == 0) _mm_prefetch(next_sc + g * 4, _MM_HINT_T0);
-      }
+      next.group(g);
       const int8_t* qg = wq + g * kGroup;
       const __m512 d = _mm512_set1_ps(sc[g]);
       const __m512 lo = _mm512_mul_ps(
@@ -1287,6 +1287,12 @@ int64_t bf16_paths() {
 #endif
 }
 
+// The bfloat16 ops' guard: op refuses to run where its instruction cannot.
+void require_bf16(const char* op) {
+  TORCH_CHECK(bf16_runs(), op, ": needs AVX-512 BF16 (",
+              bf16_paths() ? "this CPU lacks it" : "not compiled into this build", ")");
+}
+
 #ifdef GRAPHRUNNER_BF16
 // x [rows, in] float32 rounded to bfloat16 into xb [rows, kp], each row
 // alone, zero-padded to whole groups: round to nearest even on the bits, as
@@ -1336,8 +1342,7 @@ void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                        const at::Tensor& mins) {
   const int64_t groups = check_int4("graphrunner_int4::linear_bf16", x, blocked, scales, mins);
-  TORCH_CHECK(bf16_runs(), "graphrunner_int4::linear_bf16: needs AVX-512 BF16 (",
-              bf16_paths() ? "this CPU lacks it" : "not compiled into this build", ")");
+  require_bf16("graphrunner_int4::linear_bf16");
   const int64_t rows = x.size(0), out = scales.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
@@ -1355,8 +1360,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at:
 at::Tensor linear_int8_grouped_bf16(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& scales) {
   const int64_t groups = check_int8_grouped("graphrunner_int8::linear_grouped_bf16", x, weight, scales);
-  TORCH_CHECK(bf16_runs(), "graphrunner_int8::linear_grouped_bf16: needs AVX-512 BF16 (",
-              bf16_paths() ? "this CPU lacks it" : "not compiled into this build", ")");
+  require_bf16("graphrunner_int8::linear_grouped_bf16");
   const int64_t rows = x.size(0), out = weight.size(0);
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
