@@ -1046,7 +1046,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& blocked, const at::T
 
 // The tiled ops' x and tiles checked (op names the op, made the function that
 // lays the tiles out): x 2-D float32 [rows, in], tiles of dtype [ceil(out / 16),
-// groups * bytes] for in's groups; the groups.
+// groups * bytes] for in's groups, and a CPU with AVX-512 VNNI; the groups.
 int64_t check_tiles(const char* op, const at::Tensor& x, const at::Tensor& tiles,
                     at::ScalarType dtype, int64_t bytes, int64_t out, const char* made) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
@@ -1057,7 +1057,18 @@ int64_t check_tiles(const char* op, const at::Tensor& x, const at::Tensor& tiles
                   tiles.size(1) == groups * bytes,
               op, ": tiles must be contiguous ", dtype, " [", count, ", ", groups * bytes,
               "] for out=", out, " and in=", in, " (", made, "), got ", tiles.sizes());
+  TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
   return groups;
+}
+
+// A tiled op's per-(tile, group, output) values `name` checked: contiguous
+// dtype [count, groups, 16].
+void check_tile_scales(const char* op, const char* name, const at::Tensor& t,
+                       at::ScalarType dtype, int64_t count, int64_t groups) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.dim() == 3 &&
+                  t.size(0) == count && t.size(1) == groups && t.size(2) == 16,
+              op, ": ", name, " must be contiguous ", dtype, " [", count, ", ", groups,
+              ", 16], got ", t.scalar_type(), " ", t.sizes());
 }
 
 // Tiles of 16 output rows (path 3 above): tiles uint8 [ceil(out / 16), groups * 256],
@@ -1068,12 +1079,8 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   const char* op = "graphrunner_int4::linear_q8_tiled";
   const int64_t groups = check_tiles(op, x, tiles, at::kByte, 256, out, "int4_q8.tile_codes");
   const int64_t rows = x.size(0), count = tiles.size(0);
-  for (const at::Tensor* t : {&tile_scales, &tile_mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == count && t->size(1) == groups && t->size(2) == 16,
-                op, ": tile scales and mins must be contiguous float16 [", count, ", ", groups,
-                ", 16], got ", t->sizes());
-  TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
+  check_tile_scales(op, "tile_scales", tile_scales, at::kHalf, count, groups);
+  check_tile_scales(op, "tile_mins", tile_mins, at::kHalf, count, groups);
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
@@ -1099,12 +1106,7 @@ at::Tensor linear_grouped_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
   const char* op = "graphrunner_int8::linear_grouped_q8_tiled";
   const int64_t groups = check_tiles(op, x, tiles, at::kByte, 512, out, "int4_q8.tile_int8");
   const int64_t rows = x.size(0), count = tiles.size(0);
-  TORCH_CHECK(tile_scales.scalar_type() == at::kFloat && tile_scales.is_contiguous() &&
-                  tile_scales.dim() == 3 && tile_scales.size(0) == count &&
-                  tile_scales.size(1) == groups && tile_scales.size(2) == 16,
-              op, ": tile scales must be contiguous float32 [", count, ", ", groups,
-              ", 16], got ", tile_scales.sizes());
-  TORCH_CHECK(q8_cpu_has(2), op, ": needs AVX-512 VNNI, which this CPU lacks");
+  check_tile_scales(op, "tile_scales", tile_scales, at::kFloat, count, groups);
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_Q8_TILES
