@@ -51,19 +51,20 @@ Rounds (``--rounds``): with 1 (the default) each variant is prepared, run
 once and closed, one after the other, so two variants' figures may be
 minutes apart; this machine's speed drifts by about 20% over minutes, so
 their ratio is partly the machine's. With N > 1, per batch, transformers and
-every variant but vLLM are prepared first (graphrunner: model loaded,
-quantized, runner captured; llama.cpp: its context opened; transformers: its
-model loaded; none of it timed), then N rounds run, each decoding the 8
+every variant are prepared first (graphrunner: model loaded, quantized,
+runner captured; llama.cpp: its context opened; transformers: its model
+loaded; vLLM: its engine loaded and warmed in a child process that waits
+for each round, :class:`~bench.vllm_cpu_run.VllmDecoder`; none of it
+timed), then N rounds run, each decoding the 8
 prompts once per variant (the same decode-only timing), the order rotated by
 one each round (:func:`round_order`) so that no variant always goes first.
 A row gives the median tok/s over the rounds and its min-max; its ratios to
-transformers and llama.cpp are the medians of the per-round ratios, each
+transformers, llama.cpp and vLLM's faster dtype (the one with the higher
+median) are the medians of the per-round ratios, each
 against the same round's baseline (:func:`median_ratio`), so a drift from
 one round to the next cancels out (one within a round does not). Agreement
 is from the first round's tokens, and each row says whether every round gave
-the same tokens (greedy: they should). vLLM (another process and
-environment) runs once per batch after the rounds, and its rows say they
-were not interleaved. The .json keeps every round's figures. Each variant is
+the same tokens (greedy: they should). The .json keeps every round's figures. Each variant is
 a :class:`Contender` (prepared once, then :meth:`~Contender.decode` a round
 at a time, then closed): both protocols, and :func:`graphrunner_run`,
 :func:`transformers_run` and :func:`bench.llama_cpp_run.llama_cpp_run`, run
@@ -94,8 +95,9 @@ from bench.conftest import RESULTS_DIR, command, machine
 from bench.llama_cpp_run import LlamaCppDecoder, llama_cpp_available, llama_cpp_system
 from bench.vllm_cpu_run import (
     VLLM_PYTHON,
+    VLLM_WHO,
+    VllmDecoder,
     vllm_available,
-    vllm_cpu_run,
     vllm_python,
     vllm_system,
 )
@@ -148,8 +150,6 @@ AOT_VARIANTS = ("int4-aot", "int4-q8-aot", "int4-bf16-aot")
 LLAMA_CPP = "llama.cpp"
 #: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.
 VLLM = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
-#: The label that starts vLLM's rows.
-VLLM_WHO = "vLLM CPU engine"
 #: transformers' own ``generate``, the baseline every batch has (not a ``--variants`` name).
 TRANSFORMERS = "transformers"
 
@@ -334,7 +334,9 @@ def one_round(contender: Contender) -> tuple[float, list[list[int]]]:
 
 def prepare(name: str, checkpoint: Path, prompts: list[list[int]], bs: int, new: int) -> Contender:
     """The contender of ``--variants`` ``name`` (or :data:`TRANSFORMERS`) at
-    batch ``bs``, prepared; not for vLLM (its own process, run whole)."""
+    batch ``bs``, prepared."""
+    if name in VLLM:
+        return VllmDecoder(checkpoint, prompts, bs, new, VLLM[name])
     if name == TRANSFORMERS:
         return TransformersDecoder(checkpoint, prompts, bs, new)
     if name == LLAMA_CPP:
@@ -449,9 +451,6 @@ def sequential(
     ]
     print(f"bs {bs} transformers: {hf_tps:.1f} tok/s", flush=True)
     for variant in variants:
-        if variant in VLLM:
-            rows.append(vllm_row(checkpoint, prompts, variant, bs, new, hf_tokens))
-            continue
         contender = prepare(variant, checkpoint, prompts, bs, new)
         tps, tokens = one_round(contender)
         rows.append(once_row(bs, contender.who, tps, tokens, hf_tokens))
@@ -476,22 +475,6 @@ def once_row(
     return row
 
 
-def vllm_row(
-    checkpoint: Path,
-    prompts: list[list[int]],
-    variant: str,
-    bs: int,
-    new: int,
-    hf_tokens: list[list[int]],
-    **facts: Any,
-) -> dict[str, Any]:
-    """vLLM ``variant`` run once in its own process: its row (``facts`` added
-    after tokens/s), printed."""
-    tps, tokens = vllm_cpu_run(checkpoint, prompts, bs, new, VLLM[variant])
-    who = f"{VLLM_WHO}, --dtype {VLLM[variant]}"
-    return once_row(bs, who, tps, tokens, hf_tokens, **facts)
-
-
 def interleaved(
     checkpoint: Path,
     prompts: list[list[int]],
@@ -500,13 +483,13 @@ def interleaved(
     new: int,
     rounds: int,
 ) -> list[dict[str, Any]]:
-    """Batch ``bs`` with ``--rounds`` > 1: transformers and every variant but
-    vLLM prepared, then ``rounds`` rounds, each decoding the prompts once per
-    variant in :func:`round_order`; then vLLM once, not interleaved. A row
-    each: the median tok/s, min, max and every round's figure, the medians of
-    the per-round ratios, agreement from the first round's tokens, and
-    whether every round gave the same tokens."""
-    names = [TRANSFORMERS, *(v for v in variants if v not in VLLM)]
+    """Batch ``bs`` with ``--rounds`` > 1: transformers and every variant
+    prepared, then ``rounds`` rounds, each decoding the prompts once per
+    variant in :func:`round_order`. A row each: the median tok/s, min, max
+    and every round's figure, the medians of the per-round ratios, agreement
+    from the first round's tokens, and whether every round gave the same
+    tokens."""
+    names = [TRANSFORMERS, *variants]
     with ExitStack() as stack:
         contenders: dict[str, Contender] = {}
         for name in names:
@@ -521,8 +504,6 @@ def interleaved(
         row = rounds_row(name, figures, tokens[name], orders, hf_tokens)
         rows.append({"bs": bs, "who": whos[name], **row})
         print(f"bs {bs} {whos[name]}: {rounds_line(row)}", flush=True)
-    for variant in (v for v in variants if v in VLLM):
-        rows.append(vllm_row(checkpoint, prompts, variant, bs, new, hf_tokens, interleaved=False))
     return rows
 
 
@@ -589,9 +570,20 @@ def rounds_row(
     if LLAMA_CPP in figures:
         row["vs_llama_cpp"] = median_ratio(mine, figures[LLAMA_CPP])
         row["vs_llama_cpp_per_round"] = per_round_ratios(mine, figures[LLAMA_CPP])
+    vllm = fastest_vllm(figures)
+    if vllm is not None:
+        row["vs_vllm"] = median_ratio(mine, figures[vllm])
+        row["vs_vllm_per_round"] = per_round_ratios(mine, figures[vllm])
+        row["vllm_baseline"] = vllm
     row["same_tokens_every_round"] = not differ
     row["rounds_with_other_tokens"] = differ
     return {**row, **agreement(tokens[0], hf_tokens)}
+
+
+def fastest_vllm(figures: Mapping[str, list[float]]) -> str | None:
+    """The vLLM variant of the higher median tok/s among ``figures``, if any."""
+    ran = [v for v in VLLM if v in figures]
+    return max(ran, key=lambda v: statistics.median(figures[v])) if ran else None
 
 
 def rounds_line(row: dict[str, Any]) -> str:
@@ -599,6 +591,8 @@ def rounds_line(row: dict[str, Any]) -> str:
     ratios = f"{row['vs_transformers']:.2f}x transformers"
     if "vs_llama_cpp" in row:
         ratios += f", {row['vs_llama_cpp']:.2f}x llama.cpp"
+    if "vs_vllm" in row:
+        ratios += f", {row['vs_vllm']:.2f}x {row['vllm_baseline']}"
     same = "" if row["same_tokens_every_round"] else ", TOKENS DIFFER BETWEEN ROUNDS"
     return (
         f"median {row['tokens_per_s']:.1f} tok/s ({row['min']:.1f}-{row['max']:.1f}), "
@@ -625,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=rounds_count,
         default=1,
         help="1: each variant run once, one after the other (the default); N > 1: every "
-        "variant but vLLM prepared once, then N rounds of each decoding the prompts, the "
+        "variant prepared once, then N rounds of each decoding the prompts, the "
         "order rotated each round; medians and medians of per-round ratios",
     )
     p.add_argument(
@@ -764,25 +758,18 @@ def write(result: dict[str, Any], name: str) -> str:
 
 def write_rounds(result: dict[str, Any], name: str) -> str:
     """An interleaved run's results (``result["rounds"]`` > 1): medians,
-    ranges and medians of per-round ratios; vLLM's rows, not interleaved,
-    against the baselines' medians."""
+    ranges and medians of per-round ratios."""
     rounds = result["rounds"]
     header = results_header(result, "SmolLM2-135M-Instruct on the CPU: decode tokens/s")
     header[-1:-1] = [
-        f"- interleaved, {rounds} rounds per batch: transformers and every variant but vLLM "
-        "prepared first (model loaded, quantized, runner captured; llama.cpp's context "
-        "opened; none of it timed), then each round decodes the 8 prompts once per variant, "
-        "the order rotated by one each round (no variant always first); tok/s is the median "
-        "over the rounds, min-max beside it; a ratio is the median of the per-round ratios, "
-        "each against the same round's baseline",
+        f"- interleaved, {rounds} rounds per batch: transformers and every variant prepared "
+        "first (model loaded, quantized, runner captured; llama.cpp's context opened; vLLM's "
+        "engine loaded and warmed in its child process; none of it timed), then each round "
+        "decodes the 8 prompts once per variant, the order rotated by one each round (no "
+        "variant always first); tok/s is the median over the rounds, min-max beside it; a "
+        "ratio is the median of the per-round ratios, each against the same round's baseline "
+        "(vLLM's: its dtype of the higher median)",
     ]
-    rows = result["rows"]
-    if any(not r.get("interleaved", True) for r in rows):
-        header[-1:-1] = [
-            "- vLLM: run once per batch after the rounds, in its own process: NOT interleaved; "
-            "its ratios, and the other rows' ratios against it, are of medians, measured "
-            "minutes apart"
-        ]
     lines = [
         *header,
         f"| batch | who | decode tok/s (median of {rounds}) | min-max | vs transformers | "
@@ -790,22 +777,15 @@ def write_rounds(result: dict[str, Any], name: str) -> str:
         "leading tokens as transformers | same tokens every round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base, llama, vllm = baselines(rows)
-    for r in rows:
-        tps, bs = r["tokens_per_s"], r["bs"]
-        if r.get("interleaved", True):
-            spread = f"{r['min']:.1f}-{r['max']:.1f}"
-            vs_hf = f"{r['vs_transformers']:.2f}x"
-            vs_llama = f"{r['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in r else "-"
-            same = "yes" if r["same_tokens_every_round"] else "NO"
-        else:
-            spread, same = "one run, not interleaved", "-"
-            vs_hf = f"{tps / base[bs]:.2f}x (of medians)"
-            vs_llama = f"{tps / llama[bs]:.2f}x (of medians)" if bs in llama else "-"
-        vs_vllm = f"{tps / vllm[bs]:.2f}x" if bs in vllm else "-"
+    for r in result["rows"]:
+        ratios = [
+            f"{r[key]:.2f}x" if key in r else "-"
+            for key in ("vs_transformers", "vs_llama_cpp", "vs_vllm")
+        ]
         lines.append(
-            f"| {bs} | {r['who']} | {tps:.1f} | {spread} | {vs_hf} | {vs_llama} | {vs_vllm} | "
-            f"{r['agree']}/8 | {r['prefix']:.1f} of {result['new_tokens']} | {same} |"
+            f"| {r['bs']} | {r['who']} | {r['tokens_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} "
+            f"| {' | '.join(ratios)} | {r['agree']}/8 | {r['prefix']:.1f} of "
+            f"{result['new_tokens']} | {'yes' if r['same_tokens_every_round'] else 'NO'} |"
         )
     return save_results(name, lines, result)
 

@@ -1,104 +1,126 @@
-"""What the rotary embedding and the KV write cost a CPU decode step, to
-decide whether a fused CPU kernel for them would pay (issue 53, item 5).
+"""The rotary embedding and the KV write under the compiled CPU runner: the
+model's torch ops (compiled by inductor into a gather, the rotation and two
+scatters a layer) against the one C++ call that replaces them
+(:func:`~graphrunner_ref.model.attention_cpu.cpp_rope_store`).
 
-SmolLM2-135M's shapes (30 layers, 9 query and 3 KV heads of 64, rope theta
-100000): two functions compiled by inductor, one thread, each doing 30
-layers' worth of work on a stand-in projection output, one with the rotation
-of q and k and the write of k and v into per-layer caches
-(:class:`~graphrunner_ref.model.layers.RotaryEmbedding`, ``cache[loc] = k``),
-one without; the difference is their cost. Medians of 21 rounds of 100
-calls, the two interleaved.
+SmolLM2-135M-Instruct (the checkpoint ``make demo-real`` fetches) under
+``--quantize int4-q8`` (or ``--variant``), captured on the CPU runner twice
+per batch size, once each way (the choice is read when the step is traced:
+:attr:`~graphrunner_ref.model.layers.RotaryEmbedding.table_rotation` off
+keeps the torch ops), then the 8 chat prompts decoded in alternating rounds,
+32 tokens each, one torch thread: decode tokens/s (the engine's decode steps
+whole), medians and the median of the per-round ratios; both must give the
+same tokens.
 
-Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_rope_cpu`` (writes
-``bench/results/rope-kv-cpu.md``).
+Measured in the step it runs in: compiled alone, with a pointwise stand-in
+for the projection around them, inductor fused the torch ops into their
+neighbours, which the step's extern projection and attention calls forbid.
+
+Run: ``PYTHONPATH=. .venv/bin/python -m bench.bench_rope_cpu [--batches 1,8]
+[--rounds 6] [--out NAME]`` (writes ``bench/results/NAME.md`` and ``.json``).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+import argparse
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
-import torch
-
-from bench.conftest import RESULTS_DIR
-from graphrunner_ref.model.cpu_features import cpu_features
+from bench.bench_context import smollm2_chats
+from bench.bench_real_cpu import (
+    VARIANTS,
+    GraphrunnerDecoder,
+    ab_summary,
+    alternate,
+    at_least,
+    batch_sizes,
+    kernel_facts,
+    run_record,
+    save_results,
+)
+from bench.conftest import command
+from graphrunner.testing import torch_threads
+from graphrunner_ref.model.attention_cpu import cpp_attention_status
 from graphrunner_ref.model.layers import RotaryEmbedding
 
-HEADS, KV_HEADS, DIM, LAYERS, SLOTS = 9, 3, 64, 30, 4096
-CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_rope_cpu"
+NEW = 32
+TORCH_OPS, CPP_OP = "torch ops (before)", "C++ op (shipped)"
 
 
-def programs() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
-    rotary = RotaryEmbedding(DIM, 8192, 100000.0)
-    k_caches = [torch.zeros(SLOTS, KV_HEADS, DIM) for _ in range(LAYERS)]
-    v_caches = [torch.zeros(SLOTS, KV_HEADS, DIM) for _ in range(LAYERS)]
-    width = HEADS * DIM
-
-    def with_rope(x: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-        n, out = x.shape[0], x[:, :width]
-        for i in range(LAYERS):
-            q, k, v = (x * (1.0 + i)).split([width, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
-            q, k = rotary(pos, q.view(n, HEADS, DIM), k.view(n, KV_HEADS, DIM))
-            k_caches[i][loc] = k
-            v_caches[i][loc] = v.view(n, KV_HEADS, DIM)
-            out = out + q.reshape(n, width)
-        return out
-
-    def without(x: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-        out = x[:, :width]
-        for i in range(LAYERS):
-            out = out + (x * (1.0 + i))[:, :width]
-        return out
-
-    return {
-        name: torch.compile(fn, fullgraph=True, dynamic=False)
-        for name, fn in (("rotary + KV write", with_rope), ("neither", without))
-    }
+@contextmanager
+def fused(on: bool) -> Iterator[None]:
+    """Steps traced inside take the C++ op (``on``) or the torch ops."""
+    shipped = RotaryEmbedding.table_rotation
+    RotaryEmbedding.table_rotation = on
+    try:
+        yield
+    finally:
+        RotaryEmbedding.table_rotation = shipped
 
 
-def measure(rows: int) -> dict[str, float]:
-    """Median µs per call of each program at ``rows`` rows."""
-    x = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM)
-    pos, loc = torch.arange(rows) + 37, torch.arange(rows) + 5
-    fns = programs()
-    for fn in fns.values():
-        for _ in range(10):
-            fn(x, pos, loc)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(21):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(100):
-                fn(x, pos, loc)
-            times[name].append((time.perf_counter() - start) / 100 * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=batch_sizes, default="1,8", help="batch sizes (1,8)")
+    p.add_argument("--rounds", type=at_least(2), default=6, help="alternating rounds (6)")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="int4-q8", help="(int4-q8)")
+    p.add_argument("--out", default="rope-store-cpu", help="results name under bench/results/")
+    args = p.parse_args(argv)
+    why = cpp_attention_status()
+    if why is not None:
+        p.error(f"the C++ op cannot run here: {why}")
+    load = os.getloadavg()[0]
+    rows = []
+    with torch_threads(1):
+        checkpoint, prompts = smollm2_chats()
+        for bs in args.batches:
+            decoders = {}
+            for name, on in ((TORCH_OPS, False), (CPP_OP, True)):
+                with fused(on):
+                    decoders[name] = GraphrunnerDecoder(checkpoint, prompts, args.variant, bs, NEW)
+            speeds, tokens, _ = alternate(decoders, args.rounds, f"batch {bs}: ")
+            row = {"batch": bs, **ab_summary(speeds, tokens, CPP_OP, TORCH_OPS)}
+            row["same_tokens"] = row["same_tokens_every_round"] and (
+                tokens[TORCH_OPS][0] == tokens[CPP_OP][0]
+            )
+            rows.append(row)
+    ran = command("bench_rope_cpu", argv)
+    result = run_record(ran, kernel_facts([VARIANTS[args.variant][2]]), NEW, load, prompts, rows)
+    result["variant"] = args.variant
+    print(f"results written to {write(result, args.out)}")
+    return 0
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def write(result: dict[str, Any], name: str) -> str:
+    """The results file: the run's facts, then per batch size each way's median,
+    its rounds, the ratio and whether the tokens agree."""
     lines = [
-        "# Rotary embedding + KV write of a SmolLM2 decode step on the CPU",
+        f"# SmolLM2-135M-Instruct, {result['variant']}, CPU runner: the rotary + KV write",
         "",
-        f"`{CMD}`: 30 layers' rotation of q/k and write of k/v, compiled by inductor, "
-        "against the same program without them; median µs per call of 21 interleaved "
-        "rounds, one thread.",
+        f"- command: `{result['command']}`",
+        *(f"- {k}: {v}" for k, v in result["machine"].items()),
+        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f}",
+        f"- alternating rounds, 8 chat prompts, {result['new_tokens']} tokens each; decode "
+        "tokens/s timing the engine's decode steps whole",
         "",
-        f"- CPU: {cpu_features().describe()}",
-        f"- torch: {torch.__version__}",
-        "",
-        "| rows | rotary + KV write (µs) | neither (µs) | their cost a step (µs) |",
+        "| batch | way | decode tok/s (median) | per round |",
         "|---|---|---|---|",
     ]
-    for rows in (1, 8):
-        t = measure(rows)
-        cost = t["rotary + KV write"] - t["neither"]
-        lines.append(f"| {rows} | {t['rotary + KV write']:.0f} | {t['neither']:.0f} | {cost:.0f} |")
-        print(lines[-1])
-    out = RESULTS_DIR / "rope-kv-cpu.md"
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    for row in result["rows"]:
+        lines += [
+            f"| {row['batch']} | {n} | {row['median'][n]:.1f} | {', '.join(f'{v:.1f}' for v in vs)} |"
+            for n, vs in row["tokens_per_s"].items()
+        ]
+    lines.append("")
+    lines += [
+        f"- batch {row['batch']}: C++ op / torch ops, median of per-round ratios "
+        f"**{row['ratio']:.3f}x** over {row['rounds']} rounds; the same tokens: "
+        f"{'yes' if row['same_tokens'] else 'NO'}"
+        for row in result["rows"]
+    ]
+    return save_results(name, lines, result)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

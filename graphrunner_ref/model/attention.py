@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrunner_ref.model.attention_cpu import cpp_rope_store, cpp_rope_store_runs
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend
 from graphrunner_ref.model.attention_tokens import token_batch_attention
 from graphrunner_ref.model.config import ModelConfig
@@ -118,7 +119,16 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         """:meth:`forward` from the stacked projection ``qkv [n, (H + 2 H_kv) D]``
-        to the heads' outputs ``[n, H D]``, before ``o_proj``."""
+        to the heads' outputs ``[n, H D]``, before ``o_proj``. On the CPU in
+        float32 the rotary and the KV write are one C++ call
+        (:func:`~graphrunner_ref.model.attention_cpu.cpp_rope_store`, the same
+        values bit for bit)."""
+        k_buf, v_buf = kv.get_kv(self.layer_id)
+        if rotary.table_rotation and cpp_rope_store_runs(qkv, k_buf):
+            q = cpp_rope_store(
+                qkv, positions, out_loc, rotary.cos, rotary.sin, k_buf, v_buf, self.num_heads
+            )
+            return self.attend_rotated(q, kv, meta)
         n, kv_width = qkv.shape[0], self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)

@@ -1,6 +1,11 @@
-// Decode attention over each row's live KV slots, float32, AVX2/FMA
-// (graphrunner_attention::decode; attention_cpu.py builds this file and
-// attention_live.py holds the torch reference it must equal):
+// The CPU attention step's two ops, float32, AVX2/FMA (attention_cpu.py
+// builds this file):
+//
+// * graphrunner_attention::rope_store, the rotary embedding and the KV write
+//   between the stacked q/k/v product and the attention (the torch reference
+//   it must equal bit for bit: kernels/rope_store.py's `reference`);
+// * graphrunner_attention::decode, decode attention over each row's live KV
+//   slots (the torch reference it must equal: attention_live.py):
 //
 //   out[b, h, r] = sum_t softmax_t(scale * q[b, h, r] . k[s_t, h]) * v[s_t, h],
 //   s_t = req_to_token[req_pool_indices[b], t],  t < seq_lens[b]
@@ -27,6 +32,121 @@
 #include <vector>
 
 namespace {
+
+// ---- rotary embedding + KV write -------------------------------------------
+//
+// Row m of qkv [M, (H + 2 H_kv) D] at position p = positions[m] and KV slot
+// l = out_loc[m]: each query head rotated into q [M, H D], each key head
+// rotated into k_cache[l], each value head copied into v_cache[l]. The
+// rotation is RotaryEmbedding's, element i paired with i + D / 2:
+//
+//   out[i]         = x[i] cos[p, i]         - x[i + D/2] sin[p, i]
+//   out[i + D/2]   = x[i + D/2] cos[p, i + D/2] + x[i] sin[p, i + D/2]
+//
+// each product rounded, then the sum (this file is built with
+// -ffp-contract=off, so no FMA fuses them): torch's roundings bit for bit. In
+// torch the step is a gather of the tables' rows, an elementwise rotation and
+// two scatters, several kernels a layer in the compiled CPU program; here it
+// is one call. Everything is checked before anything is written.
+
+// dst[0 .. 2 half) = x rotated by the table rows c, s (see above).
+inline void rotate_head(const float* x, const float* c, const float* s, int64_t half,
+                        float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+    const __m256 first = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
+                                       _mm256_mul_ps(b, _mm256_loadu_ps(s + i)));
+    const __m256 second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                        _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i)));
+    _mm256_storeu_ps(dst + i, first);
+    _mm256_storeu_ps(dst + half + i, second);
+  }
+  for (; i < half; ++i) {
+    const float a = x[i], b = x[half + i];
+    dst[i] = a * c[i] - b * s[i];
+    dst[half + i] = b * c[half + i] + a * s[half + i];
+  }
+}
+
+void check_rope_store(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads) {
+  const char* op = "graphrunner_attention::rope_store";
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_cpu() &&
+                  k_cache.is_contiguous() && k_cache.size(2) % 2 == 0,
+              op, ": k_cache must be a contiguous float32 CPU tensor [slots, H_kv, D] with D "
+              "even, got ", k_cache.sizes(), " ", k_cache.scalar_type());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
+                  v_cache.is_cpu() && v_cache.is_contiguous(),
+              op, ": v_cache must be contiguous float32 ", k_cache.sizes(), " as k_cache, got ",
+              v_cache.sizes(), " ", v_cache.scalar_type());
+  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  TORCH_CHECK(heads >= 1, op, ": heads = ", heads, ", expected at least 1");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_cpu() &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              op, ": qkv must be float32 CPU [M, ", (heads + 2 * kv_heads) * dim,
+              "] ((H + 2 H_kv) D for H = ", heads, ", H_kv = ", kv_heads, ", D = ", dim,
+              "), got ", qkv.sizes(), " ", qkv.scalar_type());
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->dim() == 2 && table->scalar_type() == at::kFloat && table->is_cpu() &&
+                    table->size(1) == dim && table->sizes() == cos.sizes(),
+                op, ": cos and sin must be float32 CPU [positions, ", dim, "] alike, got ",
+                cos.sizes(), " and ", sin.sizes());
+  const int64_t rows = qkv.size(0);
+  for (const at::Tensor* index : {&positions, &out_loc})
+    TORCH_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->is_cpu() &&
+                    index->size(0) == rows,
+                op, ": positions and out_loc must be int64 CPU [", rows, "], got ",
+                positions.sizes(), " and ", out_loc.sizes());
+}
+
+// Each row's position and slot within their tables, checked before any write.
+void check_rows(const int64_t* pos, const int64_t* loc, int64_t rows, int64_t positions,
+                int64_t slots) {
+  const char* op = "graphrunner_attention::rope_store";
+  for (int64_t m = 0; m < rows; ++m) {
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < positions, op, ": positions[", m, "] = ", pos[m],
+                " out of range [0, ", positions, ")");
+    TORCH_CHECK(loc[m] >= 0 && loc[m] < slots, op, ": out_loc[", m, "] = ", loc[m],
+                " out of range [0, ", slots, ")");
+  }
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads) {
+  check_rope_store(qkv, positions, out_loc, cos, sin, k_cache, v_cache, heads);
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  const at::Tensor x = qkv.contiguous(), pos_t = positions.contiguous(),
+                   loc_t = out_loc.contiguous(), c_t = cos.contiguous(), s_t = sin.contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const int64_t* loc = loc_t.data_ptr<int64_t>();
+  check_rows(pos, loc, rows, cos.size(0), k_cache.size(0));
+  at::Tensor q = at::empty({rows, heads * dim}, qkv.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c_t.data_ptr<float>();
+  const float* sp = s_t.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  const int64_t width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim, half = dim / 2;
+  // Rows in order, one thread: padded rows all write slot 0 (the sink), and
+  // rows written in parallel would race there.
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = xp + m * width;
+    const float* c = cp + pos[m] * dim;
+    const float* s = sp + pos[m] * dim;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_head(row + h * dim, c, s, half, qp + (m * heads + h) * dim);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      rotate_head(row + (heads + h) * dim, c, s, half, kp + loc[m] * kv_width + h * dim);
+    std::copy(row + (heads + kv_heads) * dim, row + width, vp + loc[m] * kv_width);
+  }
+  return q;
+}
+
+// ---- decode attention ------------------------------------------------------
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -230,6 +350,12 @@ TORCH_LIBRARY(graphrunner_attention, m) {
   m.def(
       "decode(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "rope_store(Tensor qkv, Tensor positions, Tensor out_loc, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(graphrunner_attention, CPU, m) { m.impl("decode", &decode); }
+TORCH_LIBRARY_IMPL(graphrunner_attention, CPU, m) {
+  m.impl("decode", &decode);
+  m.impl("rope_store", &rope_store);
+}

@@ -1,5 +1,7 @@
-"""The CPU decode attention in C++ (``attention_cpu.cpp`` beside this file):
-``graphrunner_attention::decode``, float32, AVX2/FMA.
+"""The CPU attention step in C++ (``attention_cpu.cpp`` beside this file),
+float32, AVX2/FMA: ``graphrunner_attention::decode``, the decode attention,
+and ``graphrunner_attention::rope_store``, the rotary embedding and KV write
+before it.
 
 It computes what :func:`~graphrunner_ref.model.attention_live.live_decode_attention`
 does (the torch reference: a masked gather, softmax and matmul over the
@@ -10,6 +12,12 @@ CPU program. Built once per machine on first use, alone
 extension cache; where it cannot be built (no compiler, no AVX2,
 ``GRAPHRUNNER_INT4_KERNEL=torch``) or the model is not float32, the torch
 reference runs.
+
+The rotary + KV write (:func:`cpp_rope_store`) is the Triton kernel's
+(:mod:`~graphrunner_ref.model.kernels.rope_store`) on the CPU, equal to the
+model's torch ops bit for bit: one call a layer where inductor compiled a
+gather, the rotation and two scatters into several kernels, each a call from
+the program's wrapper.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ __all__ = [
     "cpp_attention_runs",
     "cpp_attention_status",
     "cpp_decode_attention",
+    "cpp_rope_store",
+    "cpp_rope_store_runs",
     "decode_attention_fake",
 ]
 
@@ -34,7 +44,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v3"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v4"
 
 
 @functools.cache
@@ -44,6 +54,7 @@ def cpp_attention_status() -> str | None:
     why = build_extension(ATTENTION_BUILD, ATTENTION_SOURCE)
     if why is None:
         torch.library.register_fake("graphrunner_attention::decode", decode_attention_fake)
+        torch.library.register_fake("graphrunner_attention::rope_store", _rope_store_fake)
     return why
 
 
@@ -60,6 +71,20 @@ def decode_attention_fake(
     ``[B, H_kv, R, D]``, contiguous, no data (this op's and the torch
     reference's alike)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _rope_store_fake(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """The rotated queries of a rotary + KV write, for tracing: ``[M, H D]``."""
+    return qkv.new_empty((qkv.shape[0], heads * k_cache.shape[2]))
 
 
 @torch.compiler.assume_constant_result
@@ -92,4 +117,38 @@ def cpp_decode_attention(
     :func:`cpp_attention_runs`)."""
     return torch.ops.graphrunner_attention.decode(
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale
+    )
+
+
+def cpp_rope_store_runs(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`cpp_rope_store` runs for ``qkv`` into ``k_cache``: float32
+    CPU tensors on a machine where the kernels build."""
+    return cpp_attention_runs(qkv, k_cache)
+
+
+def cpp_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotate and write one step's keys and values; returns the rotated ``q [M, H D]``.
+
+    qkv: float32 ``[M, (H + 2 H_kv) D]``, the stacked projection.
+    positions, out_loc: int64 ``[M]``: each row's position and KV slot (a
+        padded row: 0 and 0, the sink).
+    cos, sin: float32 ``[max_positions, D]`` (a ``RotaryEmbedding``'s tables).
+    k_cache, v_cache: float32 ``[slots, H_kv, D]``, written at ``out_loc`` in place.
+    heads: ``H``, the query heads.
+
+    Equal bit for bit to :func:`~graphrunner_ref.model.kernels.rope_store.reference`
+    (only where :func:`cpp_rope_store_runs`); an out-of-range position or slot
+    is refused by name before anything is written.
+    """
+    return torch.ops.graphrunner_attention.rope_store(
+        qkv, positions, out_loc, cos, sin, k_cache, v_cache, heads
     )

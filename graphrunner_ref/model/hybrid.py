@@ -31,6 +31,8 @@ __all__ = ["HybridConfig", "HybridLM"]
 class _NoRotary(RotaryEmbedding):
     """Jamba's attention has no positional embedding: q and k pass unchanged."""
 
+    table_rotation = False
+
     def __init__(self) -> None:
         nn.Module.__init__(self)
 
@@ -43,6 +45,8 @@ class _NoRotary(RotaryEmbedding):
 class _PartialRotary(RotaryEmbedding):
     """Rotary embedding on the first ``rotary_dim`` dims of each head (Bamba);
     the rest pass unchanged."""
+
+    table_rotation = False
 
     def __init__(self, rotary_dim: int, max_positions: int, theta: float) -> None:
         super().__init__(rotary_dim, max_positions, theta)

@@ -45,6 +45,10 @@ class RotaryEmbedding(nn.Module):
 
     cos: torch.Tensor
     sin: torch.Tensor
+    #: Whether :meth:`forward` rotates every dim of every head by the tables
+    #: (:func:`rotate`), so a fused rotary + KV write may run in its place;
+    #: False in a subclass that rotates otherwise.
+    table_rotation: bool = True
 
     def __init__(
         self,
