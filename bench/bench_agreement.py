@@ -70,7 +70,20 @@ from graphrunner_ref.io.gguf_cache import cache_root
 from graphrunner_ref.model.quantize import quantize_model
 
 #: The graphrunner modes compared (``--quantize``).
-MODES = ("int4", "int4-q8", "int4-bf16")
+MODES = ("int4", "int4-q8", "int4-q8-kv16", "int4-bf16")
+#: A mode's suffix for a float16 KV cache (``--kv-dtype float16``).
+KV16 = "-kv16"
+
+
+def quantize_mode(mode: str) -> str:
+    """The ``--quantize`` mode of a :data:`MODES` name (its :data:`KV16` dropped)."""
+    return mode.removesuffix(KV16)
+
+
+def who(mode: str) -> str:
+    """A :data:`MODES` name as its row's label: the command line's options."""
+    kv = " --kv-dtype float16" if mode.endswith(KV16) else ""
+    return f"graphrunner --quantize {quantize_mode(mode)}{kv}"
 
 
 def transformers_logits(checkpoint: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -83,10 +96,12 @@ def transformers_logits(checkpoint: Any, sequences: list[list[int]]) -> list[tor
 
 
 def quantized_model(checkpoint: Any, mode: str, context: int) -> Any:
-    """graphrunner's model of ``checkpoint`` under ``--quantize mode``, one
-    request slot of ``context`` tokens."""
-    bundle = load_model(checkpoint, max_requests=1, max_context_len=context)
-    quantize_model(bundle.model, mode)
+    """graphrunner's model of ``checkpoint`` under ``--quantize mode`` (a
+    :data:`MODES` name: with :data:`KV16`, a float16 KV cache), one request
+    slot of ``context`` tokens."""
+    kv_dtype = torch.float16 if mode.endswith(KV16) else None
+    bundle = load_model(checkpoint, max_requests=1, max_context_len=context, kv_dtype=kv_dtype)
+    quantize_model(bundle.model, quantize_mode(mode))
     return bundle.model
 
 
@@ -197,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: list[dict[str, Any]] = []
         for mode in MODES:
             got = graphrunner_logits(checkpoint, mode, sequences)
-            rows.append({"who": f"graphrunner --quantize {mode}", **compare(got, want, at)})
+            rows.append({"who": who(mode), **compare(got, want, at)})
             print(rows[-1], flush=True)
         if llama_cpp_available():
             gguf = fetch_gguf(cache_root())
@@ -205,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append({"who": f"llama.cpp on {gguf.name}", **compare(got, want, at)})
             print(rows[-1], flush=True)
         free = free_running(checkpoint, prompts, continuations, want, at, args.new)
-    extra = kernel_facts(list(MODES))
+    extra = kernel_facts(sorted({quantize_mode(m) for m in MODES}))
     if llama_cpp_available():
         extra["llama.cpp"] = llama_cpp_system()
     result = {
@@ -233,9 +248,7 @@ def free_running(
     rows = []
     for mode in MODES:
         tokens = graphrunner_greedy(checkpoint, mode, prompts, new)
-        rows.append(
-            {"who": f"graphrunner --quantize {mode}", **divergences(tokens, reference, logits, at)}
-        )
+        rows.append({"who": who(mode), **divergences(tokens, reference, logits, at)})
         print(rows[-1], flush=True)
     if llama_cpp_available():
         gguf = fetch_gguf(cache_root())

@@ -142,10 +142,24 @@ VARIANTS = {
         "int4-bf16",
         "graphrunner cpu runner, --quantize int4-bf16 --aot-cache",
     ),
+    "int4-q8-kv16": (
+        "cpu",
+        torch.float32,
+        "int4-q8",
+        "graphrunner cpu runner, --quantize int4-q8 --kv-dtype float16",
+    ),
+    "int4-q8-kv16-aot": (
+        "cpu",
+        torch.float32,
+        "int4-q8",
+        "graphrunner cpu runner, --quantize int4-q8 --kv-dtype float16 --aot-cache",
+    ),
 }
 #: Variants whose program is saved and run as an AOTInductor package
 #: (``--aot-cache DIR``: its C++ wrapper calls the kernels, no Python between them).
-AOT_VARIANTS = ("int4-aot", "int4-q8-aot", "int4-bf16-aot")
+AOT_VARIANTS = ("int4-aot", "int4-q8-aot", "int4-bf16-aot", "int4-q8-kv16-aot")
+#: Variants whose KV cache is float16 (``--kv-dtype float16``); the others' is their dtype.
+KV_FLOAT16 = ("int4-q8-kv16", "int4-q8-kv16-aot")
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
 LLAMA_CPP = "llama.cpp"
 #: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.
@@ -262,7 +276,10 @@ class GraphrunnerDecoder(EngineDecoder):
     ) -> None:
         kind, dtype, quantize, who = VARIANTS[variant]
         context = max(len(p) for p in prompts) + new
-        bundle = load_model(checkpoint, max_requests=bs, max_context_len=context, dtype=dtype)
+        kv_dtype = torch.float16 if variant in KV_FLOAT16 else None
+        bundle = load_model(
+            checkpoint, max_requests=bs, max_context_len=context, dtype=dtype, kv_dtype=kv_dtype
+        )
         if quantize is not None:
             quantize_model(bundle.model, quantize)
         # Built here, then run: steady state alike.

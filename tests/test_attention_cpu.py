@@ -1,6 +1,7 @@
 """The CPU decode attention in C++ (:mod:`graphrunner_ref.model.attention_cpu`):
 it equals the torch reference (:func:`live_decode_attention`) for random
-lengths, groups, head sizes, pages and padded rows, reads no slot outside a
+lengths, groups, head sizes, pages and padded rows, over a float32 or a
+float16 cache (read as its exact float32 widening), reads no slot outside a
 row's live tokens (every other slot holds NaN), gives a row the same output
 bit for bit alone or in a batch, refuses out-of-range rows by name, and is
 what the live attention runs in a float32 CPU model."""
@@ -59,6 +60,38 @@ def test_it_equals_the_torch_reference_and_reads_only_live_slots(
     ref = live_decode_attention(*args, scale)
     assert out.shape == ref.shape and bool(torch.isfinite(out).all())  # NaN slots never read
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "ctx", "page", "splits"), CASES)
+def test_a_float16_cache_reads_as_its_float32_widening(
+    lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    ctx: int,
+    page: int,
+    splits: int,
+) -> None:
+    world = make_world(
+        lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=ctx, page_size=page, pad=2
+    )
+    q, k, v, table, req, lens_t = _grouped(world)
+    k16, v16 = k.half(), v.half()
+    scale = 1 / math.sqrt(head_dim)
+    out = cpp_decode_attention(q, k16, v16, table, req, lens_t, scale)
+    widened = cpp_decode_attention(q, k16.float(), v16.float(), table, req, lens_t, scale)
+    assert torch.equal(out, widened)  # float16 widens exactly: the same sums
+    ref = live_decode_attention(q, k16, v16, table, req, lens_t, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_of_another_dtype_is_refused_by_name() -> None:
+    world = make_world([3, 4], kv_heads=1, group=2, head_dim=8, ctx=64)
+    q, k, v, table, req, lens = _grouped(world)
+    with pytest.raises(RuntimeError, match=r"float32 or float16 alike .* BFloat16"):
+        cpp_decode_attention(q, k.bfloat16(), v.bfloat16(), table, req, lens, 1.0)
+    with pytest.raises(RuntimeError, match=r"float32 or float16 alike .* Half and .* Float"):
+        cpp_decode_attention(q, k.half(), v, table, req, lens, 1.0)
 
 
 def test_a_rows_output_is_the_same_alone_and_in_a_batch() -> None:

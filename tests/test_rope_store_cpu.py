@@ -1,7 +1,7 @@
 """The C++ rotary + KV write (``graphrunner_attention::rope_store``,
 :func:`~graphrunner_ref.model.attention_cpu.cpp_rope_store`): equal bit for
 bit to the model's torch ops (``kernels/rope_store.py``'s ``reference``),
-writing only the rows' own KV slots, a padded row only slot 0; refusing a bad
+into a float32 or a float16 cache, writing only the rows' own KV slots, a padded row only slot 0; refusing a bad
 row or operand by name before writing anything; taken by a float32 CPU
 model's attention (a rotary that rotates otherwise keeps the torch ops), and
 called in place from a compiled program."""
@@ -36,7 +36,9 @@ def kernel() -> None:
         pytest.skip(f"the C++ kernels cannot run here: {why}")
 
 
-def _world(heads: int, kv_heads: int, dim: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def _world(
+    heads: int, kv_heads: int, dim: int, seed: int = 0, kv_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     rotary = RotaryEmbedding(dim, POSITIONS, 10000.0)
     width = (heads + 2 * kv_heads) * dim
@@ -47,8 +49,8 @@ def _world(heads: int, kv_heads: int, dim: int, seed: int = 0) -> dict[str, torc
         "out_loc": torch.tensor(LOC),
         "cos": rotary.cos,
         "sin": rotary.sin,
-        "k_cache": torch.full((SLOTS, kv_heads, dim), SENTINEL),
-        "v_cache": torch.full((SLOTS, kv_heads, dim), SENTINEL),
+        "k_cache": torch.full((SLOTS, kv_heads, dim), SENTINEL, dtype=kv_dtype),
+        "v_cache": torch.full((SLOTS, kv_heads, dim), SENTINEL, dtype=kv_dtype),
     }
 
 
@@ -58,9 +60,13 @@ def _run(fn: object, w: dict[str, torch.Tensor], heads: int) -> dict[str, torch.
     return {"q": q, "k": w["k_cache"], "v": w["v_cache"]}
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
-def test_it_equals_the_models_torch_ops_bit_for_bit(heads: int, kv_heads: int, dim: int) -> None:
-    world = _world(heads, kv_heads, dim)
+def test_it_equals_the_models_torch_ops_bit_for_bit(
+    heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
+) -> None:
+    """A float16 cache: each key and value rounded as ``.to(torch.float16)`` rounds."""
+    world = _world(heads, kv_heads, dim, kv_dtype=kv_dtype)
     got, want = _run(cpp_rope_store, world, heads), _run(reference, world, heads)
     assert torch.equal(got["q"], want["q"])
     live = torch.tensor(LOC[:4])
@@ -119,9 +125,10 @@ def test_an_out_of_range_row_is_refused_by_name_before_any_write(
     ("change", "message"),
     [
         ({"heads": 3}, r"qkv must be float32 CPU \[M, 40\] \(\(H \+ 2 H_kv\) D for H = 3"),
-        ({"k_cache": torch.zeros(SLOTS, 1, 8, dtype=torch.float64)}, r"k_cache must be .*Double"),
+        ({"k_cache": torch.zeros(SLOTS, 1, 8, dtype=torch.float64)}, r"float32 or float16.*Double"),
         ({"k_cache": torch.zeros(SLOTS, 1, 7)}, r"k_cache must be .*D even"),
-        ({"v_cache": torch.zeros(SLOTS, 2, 8)}, r"v_cache must be contiguous float32"),
+        ({"v_cache": torch.zeros(SLOTS, 2, 8)}, r"v_cache must be contiguous Float \[16, 1, 8\]"),
+        ({"v_cache": torch.zeros(SLOTS, 1, 8).half()}, r"v_cache must be contiguous Float .* Half"),
         ({"sin": torch.zeros(POSITIONS, 6)}, r"cos and sin must be float32 CPU \[positions, 8\]"),
         ({"out_loc": torch.tensor([1, 2])}, r"positions and out_loc must be int64 CPU \[6\]"),
         ({"positions": torch.tensor(POS, dtype=torch.int32)}, r"must be int64"),
@@ -133,12 +140,13 @@ def test_a_bad_operand_is_refused_by_name(change: dict[str, object], message: st
         cpp_rope_store(**world)  # type: ignore[arg-type]
 
 
-def test_it_runs_for_float32_cpu_tensors_only() -> None:
+def test_it_runs_for_float32_rows_into_a_float32_or_float16_cache_only() -> None:
     world = _world(2, 1, 8)
     qkv, cache = world["qkv"], world["k_cache"]
-    assert cpp_rope_store_runs(qkv, cache)
+    assert cpp_rope_store_runs(qkv, cache) and cpp_rope_store_runs(qkv, cache.half())
     assert not cpp_rope_store_runs(qkv.bfloat16(), cache.bfloat16())
     assert not cpp_rope_store_runs(qkv, cache.bfloat16())
+    assert not cpp_rope_store_runs(qkv.half(), cache.half())
 
 
 def test_compiled_it_is_called_in_place_on_the_caches() -> None:

@@ -96,9 +96,9 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
     own fields (:mod:`graphrunner.mechanisms.aot`): the model (its class and
     config, hashed), the classes of its modules in order (hashed: which
     product each projection runs, e.g. int4-q8's q/k/v on float32 inputs),
-    its dtype, its quantize mode, this CPU's features and compact-weight
-    kernel paths, and the C++ kernels' builds (a program saved against
-    another build's ops or weight layout is never loaded)."""
+    its dtype and its KV cache's, its quantize mode, this CPU's features and
+    compact-weight kernel paths, and the C++ kernels' builds (a program saved
+    against another build's ops or weight layout is never loaded)."""
     import hashlib
 
     from graphrunner_ref.model.attention_cpu import ATTENTION_BUILD
@@ -109,6 +109,8 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
     config = f"{type(model).__qualname__}:{getattr(model, 'config', None)!r}"
     modules = ",".join(type(m).__qualname__ for m in model.modules())
     dtype = next((str(p.dtype) for p in model.parameters()), "none")
+    kv_cache = getattr(bundle, "kv_cache", None)
+    kv_dtype = "none" if kv_cache is None else str(kv_cache.dtype)
     quantize = getattr(model, "quantization", None)
     known = {p.product for p in KERNEL_PATHS}
     products = [p for p in (quantize, f"{quantize}-q8") if p in known]
@@ -116,6 +118,7 @@ def aot_key(bundle: ServingBundle) -> dict[str, str]:
         "model": hashlib.sha256(config.encode()).hexdigest()[:16],
         "modules": hashlib.sha256(modules.encode()).hexdigest()[:16],
         "dtype": dtype.removeprefix("torch."),
+        "kv dtype": kv_dtype.removeprefix("torch."),
         "quantize": str(quantize),
         "cpu features": f"{cpu_features().describe()}; kernels {kernel_summary(products)}",
         "kernel builds": f"{KERNEL_BUILD}, {ATTENTION_BUILD}",

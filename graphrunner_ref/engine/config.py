@@ -62,7 +62,8 @@ class EngineConfig:
     ``checkpoint`` directory; ``source`` is how the user named that
     checkpoint, for messages; ``gguf_file`` the GGUF file it was converted
     from, if any); ``model_impl`` picks the implementation (``auto``,
-    ``native``, ``transformers``); ``dtype``, ``quantize`` (a
+    ``native``, ``transformers``); ``dtype``, ``kv_dtype`` (the KV cache's;
+    None: ``dtype``), ``quantize`` (a
     :data:`~graphrunner_ref.model.quantize.QUANTIZATIONS` mode) and
     ``attention`` (a decode attention name or ``auto``) shape the loaded model;
     ``max_context_len`` caps the context (None: the model's); ``seed`` seeds
@@ -96,6 +97,7 @@ class EngineConfig:
     gguf_file: Path | None = None
     model_impl: str = "auto"
     dtype: str = "float32"
+    kv_dtype: str | None = None
     quantize: str | None = None
     attention: str = "auto"
     max_context_len: int | None = None
@@ -128,12 +130,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Ranges are the command line's to check, by flag, before any work.
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; expected one of {list(DTYPES)}")
+        for name, value in (("dtype", self.dtype), ("kv_dtype", self.kv_dtype)):
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{name}={value!r}; expected one of {list(DTYPES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype | None:
+        """The KV cache's dtype (None: the model's)."""
+        return None if self.kv_dtype is None else DTYPES[self.kv_dtype]
 
     @property
     def atol(self) -> float:

@@ -51,8 +51,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
     tp: TensorParallel = SINGLE,
+    kv_dtype: torch.dtype | None = None,
 ) -> ModelBundle:
-    """Read checkpoint ``path`` and build a model over fresh pools (see :func:`build_model`).
+    """Read checkpoint ``path`` and build a model over fresh pools (see
+    :func:`build_model`, ``kv_dtype`` the KV cache's).
 
     With ``tp.world > 1``: rank ``tp.rank``'s shard, which reads only its
     slices of the safetensors files (the shapes checked first, from the headers).
@@ -75,6 +77,7 @@ def load_model(
         dtype=dtype,
         page_size=page_size,
         tp=tp,
+        kv_dtype=kv_dtype,
     )
     bundle.model.load_weights(read_rank_weights(path, config, tp) if weights is None else weights)
     return bundle
@@ -129,13 +132,16 @@ def load_any(
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
     tp: TensorParallel = SINGLE,
+    kv_dtype: torch.dtype | None = None,
 ) -> ModelBundle | StateSpaceBundle:
     """The one checkpoint dispatcher: a ``.gguf`` file through
     :func:`resolve_checkpoint`, then by ``config.json`` a Mamba / Jamba / Bamba
     model as a :class:`StateSpaceBundle` over a hybrid request pool, else a
     Llama as :func:`load_model` builds it. The CLI and the library both load
     through here. ``tp``: a Llama's tensor-parallel shard (see :func:`load_model`);
-    a state-space model is not sharded (``ValueError`` with ``tp.world > 1``)."""
+    a state-space model is not sharded (``ValueError`` with ``tp.world > 1``).
+    ``kv_dtype``: a Llama's KV cache dtype (:func:`build_model`); a state-space
+    model's is its own dtype (``ValueError`` for another)."""
     root = resolve_checkpoint(path)
     hf = read_json(root / CONFIG_FILE)
     if state_space_type(hf) is not None:
@@ -143,6 +149,11 @@ def load_any(
             raise ValueError(
                 f"tp.world={tp.world}: {root} holds a {state_space_type(hf)} model, which "
                 "is not sharded; expected tp.world=1"
+            )
+        if kv_dtype not in (None, dtype):
+            raise ValueError(
+                f"kv_dtype={str(kv_dtype).removeprefix('torch.')}: {root} holds a "
+                f"{state_space_type(hf)} model, whose KV cache is in the model's dtype"
             )
         return load_state_space_model(
             hf,
@@ -162,6 +173,7 @@ def load_any(
         dtype=dtype,
         page_size=page_size,
         tp=tp,
+        kv_dtype=kv_dtype,
     )
 
 

@@ -164,8 +164,8 @@ class PagedAttention(nn.Module):
         lets the fused kernel skip the masked half; a chunk after a prefix
         reads its mask. Returns ``[n, H D]``."""
         n, group = q.shape[0], self.num_heads // self.num_kv_heads
-        k = k_buf[meta.slots].transpose(1, 2)  # [1, H_kv, T, D]
-        v = v_buf[meta.slots].transpose(1, 2)
+        k = k_buf[meta.slots].to(q.dtype).transpose(1, 2)  # [1, H_kv, T, D]
+        v = v_buf[meta.slots].to(q.dtype).transpose(1, 2)
         whole = k.shape[2] == n
         mask = None if whole else meta.mask.view(1, 1, n, group, -1)[:, :, :, 0]
         out = F.scaled_dot_product_attention(

@@ -9,7 +9,7 @@ import torch
 from graphrunner import BufferView
 from graphrunner.core import host_range
 from graphrunner.declare import Size
-from graphrunner_ref.model.attention_cpu import cpp_attention_status
+from graphrunner_ref.model.attention_cpu import KV_DTYPES, cpp_attention_status
 from graphrunner_ref.model.attention_live import LiveRows
 from graphrunner_ref.model.attention_meta import AttnMetadata
 from graphrunner_ref.model.attention_op import PagedRows
@@ -49,7 +49,8 @@ def device_attention(
 ) -> str:
     """The decode attention a model on ``device`` with rows of ``capacity``
     columns and a ``kv_dtype`` KV cache runs unless told otherwise: the Triton
-    kernel on CUDA. On the CPU the live-width attention: over a float32 cache
+    kernel on CUDA. On the CPU the live-width attention: over a float32 or
+    float16 cache (:data:`~graphrunner_ref.model.attention_cpu.KV_DTYPES`)
     (the C++ kernel, each row reading its own live slots) at any capacity:
     faster than the fused full-width gather at every capacity measured, 96 to
     1,024 columns (``bench/results/context-embedded-cpp-attention-cpu.md``;
@@ -58,7 +59,7 @@ def device_attention(
     the full-width torch gather below."""
     if device.type == "cuda":
         return "triton"
-    if kv_dtype == torch.float32 or capacity >= LIVE_FROM_CAPACITY:
+    if kv_dtype in KV_DTYPES or capacity >= LIVE_FROM_CAPACITY:
         return "live"
     return "torch"
 

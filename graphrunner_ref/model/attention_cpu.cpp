@@ -24,14 +24,29 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// The KV cache holds float32 or float16 (at::Half): 8 of either widened to
+// float32 (exactly: every float16 is a float32), or float32 rounded to nearest
+// even on the way in, as torch's .to(torch.float16) rounds.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 // ---- rotary embedding + KV write -------------------------------------------
 //
@@ -49,9 +64,9 @@ namespace {
 // two scatters, several kernels a layer in the compiled CPU program; here it
 // is one call. Everything is checked before anything is written.
 
-// dst[0 .. 2 half) = x rotated by the table rows c, s (see above).
-inline void rotate_head(const float* x, const float* c, const float* s, int64_t half,
-                        float* dst) {
+// dst[0 .. 2 half) = x rotated by the table rows c, s (see above), in dst's type.
+template <typename T>
+inline void rotate_head(const float* x, const float* c, const float* s, int64_t half, T* dst) {
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
     const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
@@ -59,28 +74,37 @@ inline void rotate_head(const float* x, const float* c, const float* s, int64_t 
                                        _mm256_mul_ps(b, _mm256_loadu_ps(s + i)));
     const __m256 second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
                                         _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i)));
-    _mm256_storeu_ps(dst + i, first);
-    _mm256_storeu_ps(dst + half + i, second);
+    store8(dst + i, first);
+    store8(dst + half + i, second);
   }
   for (; i < half; ++i) {
     const float a = x[i], b = x[half + i];
-    dst[i] = a * c[i] - b * s[i];
-    dst[half + i] = b * c[half + i] + a * s[half + i];
+    dst[i] = static_cast<T>(a * c[i] - b * s[i]);
+    dst[half + i] = static_cast<T>(b * c[half + i] + a * s[half + i]);
   }
+}
+
+// dst[0 .. n) = x, in dst's type.
+template <typename T>
+inline void copy_row(const float* x, int64_t n, T* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(x + i));
+  for (; i < n; ++i) dst[i] = static_cast<T>(x[i]);
 }
 
 void check_rope_store(const at::Tensor& qkv, const at::Tensor& positions,
                       const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads) {
   const char* op = "graphrunner_attention::rope_store";
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_cpu() &&
-                  k_cache.is_contiguous() && k_cache.size(2) % 2 == 0,
-              op, ": k_cache must be a contiguous float32 CPU tensor [slots, H_kv, D] with D "
-              "even, got ", k_cache.sizes(), " ", k_cache.scalar_type());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && (kv_type == at::kFloat || kv_type == at::kHalf) &&
+                  k_cache.is_cpu() && k_cache.is_contiguous() && k_cache.size(2) % 2 == 0,
+              op, ": k_cache must be a contiguous float32 or float16 CPU tensor [slots, H_kv, D] "
+              "with D even, got ", k_cache.sizes(), " ", kv_type);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv_type &&
                   v_cache.is_cpu() && v_cache.is_contiguous(),
-              op, ": v_cache must be contiguous float32 ", k_cache.sizes(), " as k_cache, got ",
-              v_cache.sizes(), " ", v_cache.scalar_type());
+              op, ": v_cache must be contiguous ", kv_type, " ", k_cache.sizes(),
+              " as k_cache, got ", v_cache.sizes(), " ", v_cache.scalar_type());
   const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2);
   TORCH_CHECK(heads >= 1, op, ": heads = ", heads, ", expected at least 1");
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_cpu() &&
@@ -113,6 +137,26 @@ void check_rows(const int64_t* pos, const int64_t* loc, int64_t rows, int64_t po
   }
 }
 
+// The rows' q into qp, their k and v into the caches at their slots (of type T).
+template <typename T>
+void rope_store_rows(const float* xp, const int64_t* pos, const int64_t* loc, const float* cp,
+                     const float* sp, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                     float* qp, T* kp, T* vp) {
+  const int64_t width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim, half = dim / 2;
+  // Rows in order, one thread: padded rows all write slot 0 (the sink), and
+  // rows written in parallel would race there.
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = xp + m * width;
+    const float* c = cp + pos[m] * dim;
+    const float* s = sp + pos[m] * dim;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_head(row + h * dim, c, s, half, qp + (m * heads + h) * dim);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      rotate_head(row + (heads + h) * dim, c, s, half, kp + loc[m] * kv_width + h * dim);
+    copy_row(row + (heads + kv_heads) * dim, kv_width, vp + loc[m] * kv_width);
+  }
+}
+
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
                       const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads) {
@@ -127,22 +171,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
   const float* xp = x.data_ptr<float>();
   const float* cp = c_t.data_ptr<float>();
   const float* sp = s_t.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  const int64_t width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim, half = dim / 2;
-  // Rows in order, one thread: padded rows all write slot 0 (the sink), and
-  // rows written in parallel would race there.
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* row = xp + m * width;
-    const float* c = cp + pos[m] * dim;
-    const float* s = sp + pos[m] * dim;
-    for (int64_t h = 0; h < heads; ++h)
-      rotate_head(row + h * dim, c, s, half, qp + (m * heads + h) * dim);
-    for (int64_t h = 0; h < kv_heads; ++h)
-      rotate_head(row + (heads + h) * dim, c, s, half, kp + loc[m] * kv_width + h * dim);
-    std::copy(row + (heads + kv_heads) * dim, row + width, vp + loc[m] * kv_width);
-  }
+  if (k_cache.scalar_type() == at::kHalf)
+    rope_store_rows(xp, pos, loc, cp, sp, rows, heads, kv_heads, dim, q.data_ptr<float>(),
+                    k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else
+    rope_store_rows(xp, pos, loc, cp, sp, rows, heads, kv_heads, dim, q.data_ptr<float>(),
+                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return q;
 }
 
@@ -166,20 +200,22 @@ inline __m256 sum8x8(const __m256 (&a)[8]) {
 // the last one; their sums are dropped). One accumulator a key, the query's
 // 8-float chunks in order, the 8 sums reduced together: a dot's horizontal sum
 // amortized over 8 keys, each chunk of the query loaded once for all of them.
-inline void scores8(const float* q, const float* const (&keys)[8], int n, int64_t dim,
-                    float scale, float* scores) {
+template <typename T>
+inline void scores8(const float* q, const T* const (&keys)[8], int n, int64_t dim, float scale,
+                    float* scores) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= dim; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i] + d), acc[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(keys[i] + d), acc[i]);
   }
   alignas(32) float sums[8];
   _mm256_store_ps(sums, sum8x8(acc));
   for (int i = 0; i < n; ++i) {
     float s = sums[i];
-    for (int64_t e = d; e < dim; ++e) s = std::fma(q[e], keys[i][e], s);  // a head size not of 8s
+    for (int64_t e = d; e < dim; ++e)  // a head size not of 8s
+      s = std::fma(q[e], static_cast<float>(keys[i][e]), s);
     scores[i] = s * scale;
   }
 }
@@ -229,33 +265,37 @@ inline void softmax(float* p, int64_t n) {
 // out[c .. c + 8 NV) = sum_t p[t] * values[t][c ..], NV vectors of 8 held in
 // registers over all n values (t in order, one FMA each: the same sums as
 // adding each p[t] * values[t] to out in turn).
-template <int NV>
-inline void weigh_values(const float* const* values, const float* p, int64_t n, int64_t c,
+template <int NV, typename T>
+inline void weigh_values(const T* const* values, const float* p, int64_t n, int64_t c,
                          float* out) {
   __m256 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     const __m256 pv = _mm256_set1_ps(p[t]);
     for (int j = 0; j < NV; ++j)
-      acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(values[t] + c + 8 * j), acc[j]);
+      acc[j] = _mm256_fmadd_ps(pv, load8(values[t] + c + 8 * j), acc[j]);
   }
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
 }
 
-using WeighFn = void (*)(const float* const*, const float*, int64_t, int64_t, float*);
-constexpr WeighFn kWeigh[9] = {nullptr,          weigh_values<1>, weigh_values<2>,
-                               weigh_values<3>,  weigh_values<4>, weigh_values<5>,
-                               weigh_values<6>,  weigh_values<7>, weigh_values<8>};
+template <typename T>
+using WeighFn = void (*)(const T* const*, const float*, int64_t, int64_t, float*);
+template <typename T>
+constexpr WeighFn<T> kWeigh[9] = {nullptr,
+                                  weigh_values<1, T>, weigh_values<2, T>, weigh_values<3, T>,
+                                  weigh_values<4, T>, weigh_values<5, T>, weigh_values<6, T>,
+                                  weigh_values<7, T>, weigh_values<8, T>};
 
 // out[0 .. dim) = sum_t p[t] * values[t]: 64 floats at a time in registers,
 // a head size not of 8s finished one float at a time.
-inline void weigh(const float* const* values, const float* p, int64_t n, int64_t dim, float* out) {
+template <typename T>
+inline void weigh(const T* const* values, const float* p, int64_t n, int64_t dim, float* out) {
   const int64_t whole = dim / 8 * 8;
   for (int64_t c = 0; c < whole; c += 64)
-    kWeigh[std::min<int64_t>(8, (whole - c) / 8)](values, p, n, c, out);
+    kWeigh<T>[std::min<int64_t>(8, (whole - c) / 8)](values, p, n, c, out);
   for (int64_t e = whole; e < dim; ++e) {
     float acc = 0.0f;
-    for (int64_t t = 0; t < n; ++t) acc = std::fma(p[t], values[t][e], acc);
+    for (int64_t t = 0; t < n; ++t) acc = std::fma(p[t], static_cast<float>(values[t][e]), acc);
     out[e] = acc;
   }
 }
@@ -265,15 +305,16 @@ struct Shapes {
 };
 
 // Scratch of one thread: a row's key and value rows of one KV head, and scores.
+template <typename T>
 struct Scratch {
-  std::vector<const float*> keys, values;
+  std::vector<const T*> keys, values;
   std::vector<float> scores;
 };
 
 // One (row, KV head): its R query heads against the row's `len` live slots.
-void attend_head(const float* q, const float* k, const float* v, const int32_t* slot_row,
-                 int64_t len, int64_t h, const Shapes& s, float scale, float* out,
-                 Scratch& scratch) {
+template <typename T>
+void attend_head(const float* q, const T* k, const T* v, const int32_t* slot_row, int64_t len,
+                 int64_t h, const Shapes& s, float scale, float* out, Scratch<T>& scratch) {
   scratch.keys.resize(static_cast<size_t>(len));
   scratch.values.resize(static_cast<size_t>(len));
   scratch.scores.resize(static_cast<size_t>(s.group * len));
@@ -288,7 +329,7 @@ void attend_head(const float* q, const float* k, const float* v, const int32_t* 
     float* scores = scratch.scores.data() + r * len;
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
       const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
-      const float* keys[8];
+      const T* keys[8];
       for (int i = 0; i < 8; ++i) keys[i] = scratch.keys[t0 + std::min(i, n - 1)];
       scores8(q + r * s.dim, keys, n, s.dim, scale, scores + t0);
     }
@@ -304,11 +345,14 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), op,
               ": q must be a float32 CPU tensor [B, H_kv, R, D], got ", q.sizes());
   const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  const auto kv_type = k_buf.scalar_type();
   for (const at::Tensor* buf : {&k_buf, &v_buf})
-    TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == at::kFloat && buf->is_contiguous() &&
+    TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type &&
+                    (kv_type == at::kFloat || kv_type == at::kHalf) && buf->is_contiguous() &&
                     buf->size(1) == heads && buf->size(2) == dim,
-                op, ": k_buf and v_buf must be contiguous float32 [slots, ", heads, ", ", dim,
-                "], got ", buf->sizes());
+                op, ": k_buf and v_buf must be contiguous float32 or float16 alike [slots, ",
+                heads, ", ", dim, "], got ", k_buf.sizes(), " ", kv_type, " and ",
+                v_buf.sizes(), " ", v_buf.scalar_type());
   TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kInt &&
                   req_to_token.is_contiguous(),
               op, ": req_to_token must be contiguous int32 [requests, capacity]");
@@ -320,8 +364,6 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
                    lens = seq_lens.contiguous();
   at::Tensor out = at::empty({rows, heads, group, dim}, q.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t* pool = pools.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
@@ -333,14 +375,21 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
     TORCH_CHECK(len[b] >= 1 && len[b] <= s.capacity, op, ": seq_lens[", b, "] = ", len[b],
                 ", expected 1..", s.capacity);
   }
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / heads, h = i % heads, at = i * group * dim;
-      attend_head(qp + at, kp, vp, table + pool[b] * s.capacity, len[b], h, s,
-                  static_cast<float>(scale), op_out + at, scratch);
-    }
-  });
+  const auto attend_all = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+      Scratch<T> scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / heads, h = i % heads, at = i * group * dim;
+        attend_head(qp + at, kp, vp, table + pool[b] * s.capacity, len[b], h, s,
+                    static_cast<float>(scale), op_out + at, scratch);
+      }
+    });
+  };
+  if (kv_type == at::kHalf)
+    attend_all(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
+  else
+    attend_all(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
   return out;
 }
 

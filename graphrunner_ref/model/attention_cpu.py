@@ -1,7 +1,7 @@
 """The CPU attention step in C++ (``attention_cpu.cpp`` beside this file),
 float32, AVX2/FMA: ``graphrunner_attention::decode``, the decode attention,
 and ``graphrunner_attention::rope_store``, the rotary embedding and KV write
-before it.
+before it; the KV cache float32 or float16 (:data:`KV_DTYPES`).
 
 It computes what :func:`~graphrunner_ref.model.attention_live.live_decode_attention`
 does (the torch reference: a masked gather, softmax and matmul over the
@@ -31,6 +31,7 @@ from graphrunner_ref.model.cpu_kernels import build_extension
 
 __all__ = [
     "ATTENTION_BUILD",
+    "KV_DTYPES",
     "ATTENTION_SOURCE",
     "cpp_attention_runs",
     "cpp_attention_status",
@@ -44,7 +45,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v4"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v5"
 
 
 @functools.cache
@@ -94,12 +95,16 @@ def _built() -> bool:
     return cpp_attention_status() is None
 
 
+#: The KV cache dtypes the C++ ops read and write (float16 widened to float32 exactly).
+KV_DTYPES = (torch.float32, torch.float16)
+
+
 def cpp_attention_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """Whether the C++ kernel runs for queries ``q`` over ``k_buf``: float32
-    CPU tensors on a machine where it builds."""
+    """Whether the C++ kernel runs for queries ``q`` over ``k_buf``: CPU
+    tensors, float32 queries over a float32 or float16 cache, on a machine
+    where it builds."""
     cpu = q.device.type == "cpu" and k_buf.device.type == "cpu"
-    f32 = q.dtype == torch.float32 and k_buf.dtype == torch.float32
-    return cpu and f32 and _built()
+    return cpu and q.dtype == torch.float32 and k_buf.dtype in KV_DTYPES and _built()
 
 
 def cpp_decode_attention(
@@ -121,8 +126,9 @@ def cpp_decode_attention(
 
 
 def cpp_rope_store_runs(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`cpp_rope_store` runs for ``qkv`` into ``k_cache``: float32
-    CPU tensors on a machine where the kernels build."""
+    """Whether :func:`cpp_rope_store` runs for ``qkv`` into ``k_cache``: CPU
+    tensors, float32 ``qkv`` into a float32 or float16 cache, on a machine
+    where the kernels build."""
     return cpp_attention_runs(qkv, k_cache)
 
 
@@ -142,7 +148,8 @@ def cpp_rope_store(
     positions, out_loc: int64 ``[M]``: each row's position and KV slot (a
         padded row: 0 and 0, the sink).
     cos, sin: float32 ``[max_positions, D]`` (a ``RotaryEmbedding``'s tables).
-    k_cache, v_cache: float32 ``[slots, H_kv, D]``, written at ``out_loc`` in place.
+    k_cache, v_cache: float32 or float16 ``[slots, H_kv, D]``, written at
+        ``out_loc`` in place (float16: rounded to nearest even, as ``.to()`` rounds).
     heads: ``H``, the query heads.
 
     Equal bit for bit to :func:`~graphrunner_ref.model.kernels.rope_store.reference`

@@ -65,8 +65,8 @@ def _attention(
             continue
         row = rows[i] if rows is not None else req_pool_indices[i]
         slots = req_to_token[row, :length].long()
-        k = k_buf[slots].transpose(0, 1)[None]  # [1, H_kv, L, D]
-        v = v_buf[slots].transpose(0, 1)[None]
+        k = k_buf[slots].to(q.dtype).transpose(0, 1)[None]  # [1, H_kv, L, D]
+        v = v_buf[slots].to(q.dtype).transpose(0, 1)[None]
         whole = length == n  # no cached prefix: plainly causal
         mask = None if whole else columns[None, :length] <= (length - n + columns[:n, None])
         chunk = F.scaled_dot_product_attention(

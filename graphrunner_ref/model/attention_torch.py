@@ -41,13 +41,15 @@ def gathered_attention(
     scale: float,
 ) -> torch.Tensor:
     """Grouped-query attention of ``q [B, H_kv, R, D]`` over the KV slots
-    ``slots`` int64 ``[B, T]`` of ``k_buf`` / ``v_buf`` (``[slots, H_kv, D]``),
+    ``slots`` int64 ``[B, T]`` of ``k_buf`` / ``v_buf`` (``[slots, H_kv, D]``,
+    read in q's dtype),
     query row ``r`` of ``B`` reading column ``t`` where ``mask [B, 1, R, T]``
     holds. ``keys [B, T, 1, 1]`` (decode): the live columns, the others' values
     zeroed. Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32
     as in transformers."""
-    k = k_buf[slots].transpose(1, 2)  # [B, H_kv, T, D]
-    v = v_buf[slots]
+    # A cache of another dtype (float16 under float32 queries) widened as read.
+    k = k_buf[slots].to(q.dtype).transpose(1, 2)  # [B, H_kv, T, D]
+    v = v_buf[slots].to(q.dtype)
     if keys is not None:
         # Masked columns read slot 0, the padding sink: a zero probability times
         # a non-finite value there would be NaN, so their values are zeroed.

@@ -12,6 +12,8 @@ from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.llama import LlamaDecoder
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config
 
+__all__ = ["OTHER_KV_DTYPES", "ModelBundle", "PooledBundle", "build_model", "check_kv_dtype"]
+
 
 class PooledBundle:
     """What every bundle derives from its pools: the context, the KV page and
@@ -55,6 +57,36 @@ class ModelBundle(PooledBundle):
         return self.model.config
 
 
+#: The KV cache dtypes a model of each dtype may take besides its own: a
+#: float32 model's float16 cache, read by the CPU's C++ attention widened
+#: exactly, written rounded to nearest even (the CPU only).
+OTHER_KV_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {torch.float32: (torch.float16,)}
+
+
+def check_kv_dtype(
+    kv_dtype: torch.dtype | None, dtype: torch.dtype, device: torch.device | str
+) -> torch.dtype:
+    """The KV cache dtype of a ``dtype`` model on ``device``: ``kv_dtype``,
+    or ``dtype`` when None; a ``ValueError`` naming it for one the model's
+    attention does not read (:data:`OTHER_KV_DTYPES`, CPU only)."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return dtype
+    allowed = OTHER_KV_DTYPES.get(dtype, ())
+    if kv_dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in (dtype, *allowed))
+        raise ValueError(
+            f"kv_dtype={str(kv_dtype).removeprefix('torch.')}: a "
+            f"{str(dtype).removeprefix('torch.')} model's KV cache may be {names}"
+        )
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"kv_dtype={str(kv_dtype).removeprefix('torch.')}: under a "
+            f"{str(dtype).removeprefix('torch.')} model, a cache of another dtype runs on the "
+            f"CPU; the device here is {device}"
+        )
+    return kv_dtype
+
+
 def build_model(
     config: ModelConfig,
     *,
@@ -65,6 +97,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     page_size: int = 1,
     tp: TensorParallel = SINGLE,
+    kv_dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """Allocate pools and an (uninitialised) model over them.
 
@@ -74,8 +107,11 @@ def build_model(
     exhaust the KV pool. ``page_size`` (>= 1) is the KV page in token slots;
     an explicit ``kv_slots`` must be a multiple of it. With ``tp.world > 1``
     the model is rank ``tp.rank``'s shard and the KV cache holds its KV heads
-    only (see :mod:`graphrunner_ref.model.parallel`).
+    only (see :mod:`graphrunner_ref.model.parallel`). ``kv_dtype`` (default:
+    ``dtype``) is the KV cache's: float16 under a float32 model on the CPU
+    halves the bytes the attention reads (:func:`check_kv_dtype`).
     """
+    kv_dtype = check_kv_dtype(kv_dtype, dtype, device)
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
     ctx = config.max_position_embeddings if max_context_len is None else max_context_len
@@ -97,7 +133,7 @@ def build_model(
         config.num_layers,
         local_config(config, tp).num_kv_heads,
         config.head_dim,
-        dtype,
+        kv_dtype,
         device,
         page_size=page_size,
     )

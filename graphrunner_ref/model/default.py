@@ -96,6 +96,7 @@ def default_model(
     page_size: int = 1,
     config: ModelConfig | None = None,
     tp: TensorParallel = SINGLE,
+    kv_dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """The default config (or ``config``) over fresh pools, weights from ``seed``.
 
@@ -107,7 +108,8 @@ def default_model(
 
     With ``tp.world > 1`` the bundle is rank ``tp.rank``'s shard of the same
     weights: the whole model is drawn (over one-slot pools), then sliced
-    (:func:`~graphrunner_ref.model.parallel.shard_weights`).
+    (:func:`~graphrunner_ref.model.parallel.shard_weights`). ``kv_dtype``:
+    the KV cache's, as in :func:`build_model`.
     """
     cfg = default_config() if config is None else config
     bundle = build_model(
@@ -118,6 +120,7 @@ def default_model(
         dtype=dtype,
         page_size=page_size,
         tp=tp,
+        kv_dtype=kv_dtype,
     )
     if tp.world == 1:
         init_random_weights(bundle, seed, on_device=config is not None)

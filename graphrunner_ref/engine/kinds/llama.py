@@ -22,6 +22,7 @@ from graphrunner_ref.model import (
     UnsupportedModelError,
     default_model,
 )
+from graphrunner_ref.model.build import check_kv_dtype
 from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import Int4Weight
@@ -72,6 +73,10 @@ def _check(config: EngineConfig) -> None:
             "--model-impl transformers: needs a checkpoint (--model DIR); the embedded "
             "models run natively"
         )
+    try:
+        check_kv_dtype(config.torch_kv_dtype, config.torch_dtype, config.device)
+    except ValueError as e:
+        raise UsageError(f"--kv-dtype {config.kv_dtype}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _shape(config: EngineConfig) -> ModelConfig:
@@ -91,6 +96,7 @@ def _model(config: EngineConfig, max_requests: int, context: int) -> ModelBundle
         "dtype": config.torch_dtype,
         "page_size": config.page_size,
         "tp": config.placement,
+        "kv_dtype": config.torch_kv_dtype,
     }
     if config.checkpoint is None:
         embedded = None if config.model == "embedded" else embedded_config(config.model)

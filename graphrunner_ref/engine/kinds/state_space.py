@@ -58,6 +58,11 @@ def _check(config: EngineConfig) -> None:
     for flag in _REFUSED:
         if getattr(config, flag):
             raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
+    if config.kv_dtype not in (None, config.dtype):
+        raise UsageError(
+            f"--kv-dtype {config.kv_dtype}: a Mamba or Jamba model's KV cache is in its "
+            f"--dtype ({config.dtype}); leave it out"
+        )
 
 
 def _shape(config: EngineConfig) -> ModelConfig:

@@ -28,8 +28,9 @@ def _check(config: EngineConfig) -> None:
     for flag, value, default in (
         ("--attention", config.attention, "auto"),
         ("--tp", config.tp, None),
+        ("--kv-dtype", config.kv_dtype, None),
     ):
-        if value != default and not (flag == "--tp" and value == 1):
+        if value not in (default, {"--tp": 1, "--kv-dtype": config.dtype}.get(flag)):
             raise UsageError(
                 f"{flag} {value}: the native model's option; --model-impl transformers runs "
                 "the checkpoint's own modules (leave it out)"

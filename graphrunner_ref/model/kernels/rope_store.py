@@ -194,6 +194,6 @@ def reference(
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.reshape(m, heads, head_dim), k.reshape(m, kv_heads, head_dim)
     c, s = rotary_rows(cos, sin, positions, qkv.dtype)
-    k_cache.index_copy_(0, out_loc, rotate(k, c, s))
-    v_cache.index_copy_(0, out_loc, v.reshape(m, kv_heads, head_dim))
+    k_cache.index_copy_(0, out_loc, rotate(k, c, s).to(k_cache.dtype))
+    v_cache.index_copy_(0, out_loc, v.reshape(m, kv_heads, head_dim).to(v_cache.dtype))
     return rotate(q, c, s).reshape(m, heads * head_dim)
