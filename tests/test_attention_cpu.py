@@ -41,6 +41,7 @@ def _grouped(world: World) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "ctx", "page", "splits"), CASES)
 @pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_it_equals_the_torch_reference_and_reads_only_live_slots(
     lens: list[int],
     kv_heads: int,
@@ -50,39 +51,20 @@ def test_it_equals_the_torch_reference_and_reads_only_live_slots(
     page: int,
     splits: int,
     pad: int,
+    kv_dtype: torch.dtype,
 ) -> None:
     world = make_world(
         lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=ctx, page_size=page, pad=pad
     )
-    args = _grouped(world)
-    scale = 1 / math.sqrt(head_dim)
-    out = cpp_decode_attention(*args, scale)
-    ref = live_decode_attention(*args, scale)
+    q, k, v, table, req, lens_t = _grouped(world)
+    rows = (table, req, lens_t, 1 / math.sqrt(head_dim))
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = cpp_decode_attention(q, k, v, *rows)
+    ref = live_decode_attention(q, k, v, *rows)
     assert out.shape == ref.shape and bool(torch.isfinite(out).all())  # NaN slots never read
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "ctx", "page", "splits"), CASES)
-def test_a_float16_cache_reads_as_its_float32_widening(
-    lens: list[int],
-    kv_heads: int,
-    group: int,
-    head_dim: int,
-    ctx: int,
-    page: int,
-    splits: int,
-) -> None:
-    world = make_world(
-        lens, kv_heads=kv_heads, group=group, head_dim=head_dim, ctx=ctx, page_size=page, pad=2
-    )
-    q, k, v, table, req, lens_t = _grouped(world)
-    k16, v16 = k.half(), v.half()
-    scale = 1 / math.sqrt(head_dim)
-    out = cpp_decode_attention(q, k16, v16, table, req, lens_t, scale)
-    widened = cpp_decode_attention(q, k16.float(), v16.float(), table, req, lens_t, scale)
-    assert torch.equal(out, widened)  # float16 widens exactly: the same sums
-    ref = live_decode_attention(q, k16, v16, table, req, lens_t, scale)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # A float16 cache is read as its exact float32 widening: the same sums.
+    assert torch.equal(out, cpp_decode_attention(q, k.float(), v.float(), *rows))
 
 
 def test_a_cache_of_another_dtype_is_refused_by_name() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from graphrunner_ref.model.cpu_kernels import build_extension
+from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
 __all__ = [
     "ATTENTION_BUILD",
@@ -55,7 +56,7 @@ def cpp_attention_status() -> str | None:
     why = build_extension(ATTENTION_BUILD, ATTENTION_SOURCE)
     if why is None:
         torch.library.register_fake("graphrunner_attention::decode", decode_attention_fake)
-        torch.library.register_fake("graphrunner_attention::rope_store", _rope_store_fake)
+        torch.library.register_fake("graphrunner_attention::rope_store", rope_store_fake)
     return why
 
 
@@ -72,20 +73,6 @@ def decode_attention_fake(
     ``[B, H_kv, R, D]``, contiguous, no data (this op's and the torch
     reference's alike)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-def _rope_store_fake(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    out_loc: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    heads: int,
-) -> torch.Tensor:
-    """The rotated queries of a rotary + KV write, for tracing: ``[M, H D]``."""
-    return qkv.new_empty((qkv.shape[0], heads * k_cache.shape[2]))
 
 
 @torch.compiler.assume_constant_result

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from graphrunner_ref.model.kernels.gemv import MAX_ROWS, gemv
-from graphrunner_ref.model.kernels.rope_store import rope_store
+from graphrunner_ref.model.kernels.rope_store import rope_store, rope_store_fake
 
 __all__ = ["MAX_ROWS", "fits", "rope_store_op", "small_batch_linear"]
 
@@ -87,19 +87,7 @@ def rope_store_op(
     )
 
 
-@rope_store_op.register_fake
-def _rope_store_fake(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    out_loc: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    heads: int,
-    pdl: bool = False,
-) -> torch.Tensor:
-    return qkv.new_empty((qkv.shape[0], heads * k_cache.shape[2]))
+rope_store_op.register_fake(rope_store_fake)
 
 
 def fits(rows: int, max_rows: int) -> bool:

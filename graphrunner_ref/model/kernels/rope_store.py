@@ -37,7 +37,7 @@ with contextlib.suppress(ModuleNotFoundError):
 with contextlib.suppress(ImportError):  # Triton >= 3.4; read only by a kernel launched with PDL
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["reference", "rope_store"]
+__all__ = ["reference", "rope_store", "rope_store_fake"]
 
 
 # Arguments are annotated with triton.language names only (see decode_attention).
@@ -175,6 +175,23 @@ def rope_store(
         **triton_launch(pdl),
     )  # fmt: skip
     return out
+
+
+def rope_store_fake(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """A rotary + KV write op's output for tracing, the Triton op's
+    (``graphrunner::rope_store``) and the CPU's C++ one's
+    (``graphrunner_attention::rope_store``) alike: the rotated ``q [M, H D]``."""
+    return qkv.new_empty((qkv.shape[0], heads * k_cache.shape[2]))
 
 
 def reference(
