@@ -18,7 +18,12 @@ __all__ = ["AttnMetadata", "KVStore", "attend"]
 
 
 class KVStore(Protocol):
-    """What attention needs of :class:`graphrunner.pools.KVCache`."""
+    """What attention needs of :class:`graphrunner.pools.KVCache`.
+
+    ``set_kv`` must be the plain write of ``k``/``v`` at ``loc`` into the
+    buffers ``get_kv`` returns (cast to their dtype): the fused writers (the
+    CPU's C++ rotary + KV write, the CUDA small-batch path) write those
+    buffers directly instead of calling it."""
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
