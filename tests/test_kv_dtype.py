@@ -133,3 +133,22 @@ def test_the_cli_refuses_a_cache_it_cannot_read_before_any_work(
         code = int(stop.code or 0)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_demo_checks_a_float16_cache_within_float16s_tolerance(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A graph's key one float32 rounding off eager's may round to the
+    neighbouring float16: the check's tolerance is the cache's, not float32's
+    (which counted such steps as mismatches)."""
+    assert cli.main(["demo", "--runner", "cpu", "--kv-dtype", "float16", "--steps", "120"]) == 0
+    assert "mismatches: 0" in capsys.readouterr().out
+
+
+def test_the_checks_tolerance_is_the_coarser_of_the_model_and_the_cache() -> None:
+    from graphrunner_ref.engine.config import EngineConfig
+
+    assert EngineConfig().atol == 1e-4
+    assert EngineConfig(kv_dtype="float32").atol == 1e-4
+    assert EngineConfig(kv_dtype="float16").atol == EngineConfig(dtype="float16").atol == 0.05
+    assert EngineConfig(dtype="bfloat16", kv_dtype="bfloat16").atol == 0.25

@@ -145,8 +145,12 @@ class EngineConfig:
 
     @property
     def atol(self) -> float:
-        """The tolerance of ``check`` for this dtype."""
-        return _CHECK_ATOL[self.torch_dtype]
+        """The tolerance of ``check`` for this dtype, or for the KV cache's
+        where it is coarser: a graph's key one float32 rounding off eager's
+        can round to the neighbouring float16, a whole float16 step apart in
+        the cache and beyond float32's tolerance in the logits."""
+        dtypes = (self.torch_dtype, self.torch_kv_dtype or self.torch_dtype)
+        return max(_CHECK_ATOL[d] for d in dtypes)
 
     @property
     def mechanism_options(self) -> dict[str, Any]:
