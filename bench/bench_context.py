@@ -67,6 +67,11 @@ def smollm2_chats() -> tuple[Path, list[list[int]]]:
     return checkpoint, [codec.chat(q) for q in (PROMPTS + EXTRA_QUESTIONS)[:BATCH]]
 
 
+def long_prompts(prompts: list[list[int]], context: int) -> list[list[int]]:
+    """Each prompt repeated (whole, then cut) to ``context`` tokens."""
+    return [(p * (context // len(p) + 1))[:context] for p in prompts]
+
+
 def _smollm2(capacity: int, largest: int) -> tuple[ModelBundle, list[tuple[int, ...]]]:
     from graphrunner_ref.io import load_model
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from bench.bench_context import smollm2_chats
+from bench.bench_context import long_prompts, smollm2_chats
 from bench.bench_real_cpu import (
     KV_FLOAT16,
     VARIANTS,
@@ -39,11 +39,6 @@ from bench.conftest import command
 from graphrunner.testing import torch_threads
 
 NEW = 32
-
-
-def long_prompts(prompts: list[list[int]], context: int) -> list[list[int]]:
-    """Each prompt repeated (whole, then cut) to ``context`` tokens."""
-    return [(p * (context // len(p) + 1))[:context] for p in prompts]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -90,7 +90,7 @@ from typing import Any, Protocol
 
 import torch
 
-from bench.bench_context import smollm2_chats
+from bench.bench_context import long_prompts, smollm2_chats
 from bench.conftest import RESULTS_DIR, command, machine
 from bench.llama_cpp_run import LlamaCppDecoder, llama_cpp_available, llama_cpp_system
 from bench.vllm_cpu_run import (
@@ -640,6 +640,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "order rotated each round; medians and medians of per-round ratios",
     )
     p.add_argument(
+        "--context",
+        type=at_least(0),
+        default=0,
+        help="0: the 8 chat prompts as they are (the default); N: each repeated to N tokens "
+        "(long contexts, where the attention's reads of the KV cache grow)",
+    )
+    p.add_argument(
         "--out", default="real-smollm2-cpu", help="results file name under bench/results/"
     )
     args = p.parse_args(argv)
@@ -648,6 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if error is not None:
         p.error(error)
     checkpoint, prompts = smollm2_chats()
+    if args.context:
+        prompts = long_prompts(prompts, args.context)
     rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
     with torch_threads(1):
