@@ -27,11 +27,13 @@ from bench.bench_real_cpu import (
     KV_FLOAT16,
     VARIANTS,
     GraphrunnerDecoder,
+    ab_rounds_table,
     ab_summary,
     alternate,
     at_least,
     batch_sizes,
     kernel_facts,
+    run_lines,
     run_record,
     save_results,
 )
@@ -82,23 +84,14 @@ def write(result: dict[str, Any], name: str) -> str:
     lines = [
         f"# SmolLM2-135M-Instruct, CPU runner, prompts of {context} tokens: the KV cache's dtype",
         "",
-        f"- command: `{result['command']}`",
-        *(f"- {k}: {v}" for k, v in result["machine"].items()),
-        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f}",
+        *run_lines(result),
         f"- alternating rounds, the 8 chat prompts each repeated to {context} tokens, "
         f"{result['new_tokens']} new tokens each; decode tokens/s timing the engine's decode "
         "steps whole",
         "",
-        "| batch | who | decode tok/s (median) | per round |",
-        "|---|---|---|---|",
+        *ab_rounds_table(result["rows"], result["who"].__getitem__),
+        "",
     ]
-    for row in result["rows"]:
-        lines += [
-            f"| {row['batch']} | {result['who'][n]} | {row['median'][n]:.1f} | "
-            f"{', '.join(f'{v:.1f}' for v in vs)} |"
-            for n, vs in row["tokens_per_s"].items()
-        ]
-    lines.append("")
     lines += [
         f"- batch {row['batch']}: float16 cache / float32 cache, median of per-round ratios "
         f"**{row['ratio']:.3f}x** over {row['rounds']} rounds; rows with the same tokens both "

@@ -575,7 +575,6 @@ def rounds_row(
     mine = figures[name]
     differ = [r for r, got in enumerate(tokens) if got != tokens[0]]
     row: dict[str, Any] = {
-        "interleaved": True,
         "tokens_per_s": statistics.median(mine),
         "min": min(mine),
         "max": max(mine),
@@ -717,6 +716,31 @@ def run_record(
         "prompt_lengths": [len(q) for q in prompts],
         "rows": rows,
     }
+
+
+def run_lines(result: dict[str, Any]) -> list[str]:
+    """A :func:`run_record`'s facts as a results file's lines: its command,
+    the machine, the load before and after."""
+    return [
+        f"- command: `{result['command']}`",
+        *(f"- {k}: {v}" for k, v in result["machine"].items()),
+        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f}",
+    ]
+
+
+def ab_rounds_table(rows: list[dict[str, Any]], label: Callable[[str], str] = str) -> list[str]:
+    """Per-batch A/B rows (``"batch"`` and :func:`ab_summary`'s figures) as a
+    table: each contender's median and its rounds, named by ``label``."""
+    return [
+        "| batch | who | decode tok/s (median) | per round |",
+        "|---|---|---|---|",
+        *(
+            f"| {row['batch']} | {label(n)} | {row['median'][n]:.1f} | "
+            f"{', '.join(f'{v:.1f}' for v in vs)} |"
+            for row in rows
+            for n, vs in row["tokens_per_s"].items()
+        ),
+    ]
 
 
 def save_results(name: str, lines: list[str], result: dict[str, Any]) -> str:

@@ -32,11 +32,13 @@ from bench.bench_context import smollm2_chats
 from bench.bench_real_cpu import (
     VARIANTS,
     GraphrunnerDecoder,
+    ab_rounds_table,
     ab_summary,
     alternate,
     at_least,
     batch_sizes,
     kernel_facts,
+    run_lines,
     run_record,
     save_results,
 )
@@ -98,21 +100,13 @@ def write(result: dict[str, Any], name: str) -> str:
     lines = [
         f"# SmolLM2-135M-Instruct, {result['variant']}, CPU runner: the rotary + KV write",
         "",
-        f"- command: `{result['command']}`",
-        *(f"- {k}: {v}" for k, v in result["machine"].items()),
-        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f}",
+        *run_lines(result),
         f"- alternating rounds, 8 chat prompts, {result['new_tokens']} tokens each; decode "
         "tokens/s timing the engine's decode steps whole",
         "",
-        "| batch | way | decode tok/s (median) | per round |",
-        "|---|---|---|---|",
+        *ab_rounds_table(result["rows"]),
+        "",
     ]
-    for row in result["rows"]:
-        lines += [
-            f"| {row['batch']} | {n} | {row['median'][n]:.1f} | {', '.join(f'{v:.1f}' for v in vs)} |"
-            for n, vs in row["tokens_per_s"].items()
-        ]
-    lines.append("")
     lines += [
         f"- batch {row['batch']}: C++ op / torch ops, median of per-round ratios "
         f"**{row['ratio']:.3f}x** over {row['rounds']} rounds; the same tokens: "

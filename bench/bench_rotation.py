@@ -29,6 +29,7 @@ from bench.bench_real_cpu import (
     alternate,
     at_least,
     kernel_facts,
+    run_lines,
     run_record,
     save_results,
 )
@@ -84,9 +85,7 @@ def write(result: dict[str, Any], name: str) -> str:
     lines = [
         "# SmolLM2-135M-Instruct, --quantize int4-q8, CPU runner, batch 1: the rotary's formula",
         "",
-        f"- command: `{result['command']}`",
-        *(f"- {k}: {v}" for k, v in result["machine"].items()),
-        f"- load average before / after: {result['load'][0]:.1f} / {result['load'][1]:.1f}",
+        *run_lines(result),
         f"- {result['rounds']} alternating rounds, 8 chat prompts, {result['new_tokens']} tokens "
         "each; decode tokens/s timing the engine's decode steps whole",
         "",
