@@ -64,25 +64,27 @@ OTHER_KV_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {torch.float32: (t
 
 
 def check_kv_dtype(
-    kv_dtype: torch.dtype | None, dtype: torch.dtype, device: torch.device | str
+    kv_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    name: str | None = None,
 ) -> torch.dtype:
     """The KV cache dtype of a ``dtype`` model on ``device``: ``kv_dtype``,
-    or ``dtype`` when None; a ``ValueError`` naming it for one the model's
-    attention does not read (:data:`OTHER_KV_DTYPES`, CPU only)."""
+    or ``dtype`` when None; a ``ValueError`` for one the model's attention
+    does not read (:data:`OTHER_KV_DTYPES`, CPU only), starting with ``name``
+    (default ``kv_dtype=float16``, the argument as given)."""
     if kv_dtype is None or kv_dtype == dtype:
         return dtype
+    name = name or f"kv_dtype={str(kv_dtype).removeprefix('torch.')}"
+    model = str(dtype).removeprefix("torch.")
     allowed = OTHER_KV_DTYPES.get(dtype, ())
     if kv_dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in (dtype, *allowed))
-        raise ValueError(
-            f"kv_dtype={str(kv_dtype).removeprefix('torch.')}: a "
-            f"{str(dtype).removeprefix('torch.')} model's KV cache may be {names}"
-        )
+        raise ValueError(f"{name}: a {model} model's KV cache may be {names}")
     if torch.device(device).type != "cpu":
         raise ValueError(
-            f"kv_dtype={str(kv_dtype).removeprefix('torch.')}: under a "
-            f"{str(dtype).removeprefix('torch.')} model, a cache of another dtype runs on the "
-            f"CPU; the device here is {device}"
+            f"{name}: under a {model} model, a cache of another dtype runs on the CPU; "
+            f"the device here is {device}"
         )
     return kv_dtype
 

@@ -74,9 +74,10 @@ def _check(config: EngineConfig) -> None:
             "models run natively"
         )
     try:
-        check_kv_dtype(config.torch_kv_dtype, config.torch_dtype, config.device)
+        flag = f"--kv-dtype {config.kv_dtype}"
+        check_kv_dtype(config.torch_kv_dtype, config.torch_dtype, config.device, flag)
     except ValueError as e:
-        raise UsageError(f"--kv-dtype {config.kv_dtype}: {str(e).split(': ', 1)[1]}") from None
+        raise UsageError(str(e)) from None
 
 
 def _shape(config: EngineConfig) -> ModelConfig:

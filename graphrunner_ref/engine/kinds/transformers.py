@@ -25,12 +25,13 @@ def _recognises(config: EngineConfig) -> bool:
 
 def _check(config: EngineConfig) -> None:
     """The native model's options are refused by name."""
-    for flag, value, default in (
-        ("--attention", config.attention, "auto"),
-        ("--tp", config.tp, None),
-        ("--kv-dtype", config.kv_dtype, None),
+    # Each flag's default, and the value that means the same here.
+    for flag, value, default, same in (
+        ("--attention", config.attention, "auto", "auto"),
+        ("--tp", config.tp, None, 1),
+        ("--kv-dtype", config.kv_dtype, None, config.dtype),
     ):
-        if value not in (default, {"--tp": 1, "--kv-dtype": config.dtype}.get(flag)):
+        if value not in (default, same):
             raise UsageError(
                 f"{flag} {value}: the native model's option; --model-impl transformers runs "
                 "the checkpoint's own modules (leave it out)"
