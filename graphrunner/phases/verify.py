@@ -66,11 +66,14 @@ def rejection_forward(forward: ForwardFn, width: int) -> ForwardFn:
                 f"a sampled verify needs the forward's dict of outputs; got {type(out).__name__}"
             )
         logits = out["logits"]
-        bs = logits.shape[0] // width
+        # The vocabulary by name, never a -1: under a symbolic batch the
+        # compiler cannot prove a -1 equals it, and the sampler's broadcasts
+        # on that axis then fail to trace.
+        bs, vocab = logits.shape[0] // width, logits.shape[-1]
         ids, positions = b.input_ids.view(bs, width), b.positions.view(bs, width)
         rows = {name: getattr(b, name) for name in SAMPLING_FIELD_NAMES}
         targets, accepted = rejection_sample(
-            logits.view(bs, width, -1), ids[:, 1:], getattr(b, DRAFT_PROBS), rows, positions[:, 1]
+            logits.view(bs, width, vocab), ids[:, 1:], getattr(b, DRAFT_PROBS), rows, positions[:, 1]
         )
         return {**out, "targets": targets, "accepted": accepted}
 
