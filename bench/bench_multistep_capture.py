@@ -122,7 +122,7 @@ def main() -> None:
             with step_once():
                 once = capture(n, args.size)
             time_launches([base, once], args.rounds)
-            torch._dynamo.reset()
+            torch.compiler.reset()
             for program, r in (("inlined", base), ("once", once)):
                 rows.append(
                     {

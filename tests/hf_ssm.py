@@ -120,20 +120,17 @@ def save_tiny_bamba(path: Path, *, seed: int = 0) -> Any:
     )
 
 
-def groups_the_gated_norm(kind: str) -> bool:
-    """Whether the installed transformers normalises a Mamba-2 layer's gated
-    RMSNorm per group of channels (``n_groups`` groups), as the Mamba-2 paper's
-    kernels do and graphrunner's mixer does. Older releases (5.17, for one)
-    normalise over all channels at once, so their tokens differ from any
-    grouped implementation once ``n_groups > 1``."""
+def groups_the_gated_norm(model: Any) -> bool:
+    """Whether ``model`` (a transformers Mamba-2 or Bamba) normalises a Mamba-2
+    layer's gated RMSNorm per group of channels (``n_groups`` groups), as the
+    Mamba-2 paper's kernels do and graphrunner's mixer does. Older releases
+    (5.17, for one) normalise over all channels at once, so their tokens differ
+    from any grouped implementation once ``n_groups > 1``. The norm's class is
+    found through the model, never by its module-private name."""
     import inspect
 
-    if kind == "mamba2":
-        from transformers.models.mamba2 import modeling_mamba2 as module
-
-        norm = module.MambaRMSNormGated
-    else:
-        from transformers.models.bamba import modeling_bamba as module
-
-        norm = module.BambaRMSNormGated
-    return "group_size" in inspect.signature(norm.__init__).parameters
+    layers = model.backbone.layers if hasattr(model, "backbone") else model.model.layers
+    mixer = next(
+        getattr(layer, n) for layer in layers for n in ("mixer", "mamba") if hasattr(layer, n)
+    )
+    return "group_size" in inspect.signature(type(mixer.norm).__init__).parameters

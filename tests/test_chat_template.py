@@ -31,6 +31,30 @@ def test_the_checkpoints_template_renders_as_transformers_renders_it(tokenizer: 
     assert ours == theirs and "hi" in ours
 
 
+#: Every helper transformers gives a chat template, in one template.
+HELPERS_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+    "{% if loop.index > 1 %}{% break %}{% endif %}"
+    "{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
+    "{{ dict(a=1, b='é') | tojson(indent=1) }}{{ dict.fromkeys(['k']) | tojson }}"
+    "{% endfor %}{{ ns.n }} {{ strftime_now('%Y') }}{{ bos_token }}"
+    "{% if add_generation_prompt %}<go>{% endif %}"
+)
+
+
+def test_each_template_helper_renders_as_transformers_renders_it(tokenizer: Any) -> None:
+    """raise_exception aside (below), each of transformers' helpers:
+    namespace, loopcontrols, the generation tag, tojson keeping non-ASCII and
+    HTML characters, dict, strftime_now."""
+    chat = [{"role": "user", "content": "héllo <b>&"}, {"role": "assistant", "content": "x"}]
+    theirs = tokenizer.apply_chat_template(
+        chat, chat_template=HELPERS_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    ours = render_chat(HELPERS_TEMPLATE, chat, tokenizer.special_tokens_map)
+    assert ours == theirs and '"héllo <b>&"' in ours and ours.endswith("<go>")
+
+
 #: Templates that must end in one ChatTemplateError: (template, what it names).
 HOSTILE_TEMPLATES = [
     # 10**8, not the 10**10 of the report: were the bound gone, 100 MB is
@@ -48,6 +72,8 @@ HOSTILE_TEMPLATES = [
     ("{{ messages.append(1) }}", "SecurityError"),
     ("{% for %}", "TemplateSyntaxError"),
     ("{{ raise_exception('no system role') }}", "no system role"),
+    ("{% set ns = namespace(_x=1) %}", "may not start with '_'"),
+    ("{% set ns = namespace() %}{% set ns._x = 1 %}", "may not start with '_'"),
 ]
 
 

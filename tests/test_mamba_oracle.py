@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
+from conftest import MECHANISMS, RUNNER_PARAMS, runner_device
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.sanitizer.padding import PaddingViolation
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
@@ -80,13 +80,13 @@ def oracle(
 ) -> tuple[str, Path, dict[int, list[int]]]:
     """The model kind, its checkpoint directory and transformers' greedy tokens."""
     kind = request.param
-    if kind in ("mamba2", "bamba") and not groups_the_gated_norm(kind):
+    path = tmp_path_factory.mktemp(kind)
+    hf = SAVERS[kind](path)
+    if kind in ("mamba2", "bamba") and not groups_the_gated_norm(hf):
         pytest.skip(
             f"transformers {transformers.__version__} normalises the gated RMSNorm over all "
             "channels, not per group; the oracle needs a release that groups it"
         )
-    path = tmp_path_factory.mktemp(kind)
-    hf = SAVERS[kind](path)
     hf.generation_config.eos_token_id = None  # run every request to its budget
     hf.generation_config.pad_token_id = 0
     return kind, path, {r.rid: _generate(hf, r.prompt, r.max_new_tokens) for r in TRACE}
@@ -105,11 +105,9 @@ def test_greedy_tokens_equal_transformers_generate(
     kind, path, expected = oracle
     sizes = CAPTURE_SIZES
     mechanism, options = MECHANISMS[label]
-    if (mechanism == "cpu" or options.get("compile")) and not SLOW:
+    if mechanism == "cpu" or options.get("compile"):
         # Inductor compiles each size for seconds (tens on a busy 2-core box):
-        # by default one size (every batch padded up to it), the Mamba model only.
-        if kind != "mamba":
-            pytest.skip(f"the compiled {label} runner over {kind} runs with GRAPHRUNNER_SLOW=1")
+        # one size, every batch padded up to it.
         sizes = [8]
     bundle = _bundle(path, runner_device(label))
     runner = create_decode_runner(
@@ -276,8 +274,6 @@ def test_padded_replay_at_every_size_touches_only_the_live_slots(
     eager forward of the unpadded batch; every other slot, the sink slot 0
     included (all poisoned with random values), is bit-identical after the replay."""
     kind, path, _ = oracle
-    if label == "cpu" and kind != "mamba" and not SLOW:
-        pytest.skip(f"the compiled CPU runner over {kind} runs with GRAPHRUNNER_SLOW=1")
     bundle = _bundle(path)
     req, pool = bundle.req_pool, bundle.mamba_pool
     runner = create_decode_runner(bundle, label, capture_sizes=[8])

@@ -253,13 +253,13 @@ class GraphRunner:
         exclusive.owner = get_ident()
         grad = torch.is_grad_enabled()
         if grad:
-            torch._C._set_grad_enabled(False)
+            torch.set_grad_enabled(False)
         return grad
 
     def _leave(self, hooks: StepObserver, grad: bool) -> None:
         hooks.end()
         if grad:
-            torch._C._set_grad_enabled(True)
+            torch.set_grad_enabled(True)
         self._exclusive.leave()
 
     def _count(self, raw_bs: Size, bs: Size, ops: int) -> None:

@@ -4,7 +4,10 @@ The template is the checkpoint's own code: transformers renders it in jinja's
 immutable sandbox, which refuses unsafe attributes but bounds neither time nor
 size, so ``{{ 'a' * 10**10 }}`` exhausts memory and nested ``range`` loops
 never end. Here the same template runs in the same kind of sandbox, with the
-same filters, globals and extensions as transformers gives it, plus bounds:
+helpers transformers documents for chat templates (``raise_exception``,
+``strftime_now``, a ``tojson`` that keeps non-ASCII text, ``dict``, a
+``namespace`` that refuses underscore names, ``loopcontrols`` and the
+``{% generation %}`` tag), plus bounds:
 
 * a string, list or tuple made by ``*`` or ``+`` holds at most
   :data:`MAX_CHARS` items, and ``**`` takes exponents up to 64;
@@ -19,14 +22,20 @@ Anything the template does wrong (a sandbox violation, a template error,
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 __all__ = ["MAX_CHARS", "MAX_LOOP_STEPS", "MAX_SECONDS", "ChatTemplateError", "render_chat"]
 
@@ -114,22 +123,87 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _environment(budget: _Budget) -> _BoundedSandbox:
-    # The filters, globals and extensions transformers gives a chat template,
-    # read off the environment it compiles an empty template in, so the two
-    # render alike. Never compile the checkpoint's template there: jinja folds
-    # constants at compile time, and only our sandbox keeps `*` from folding.
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: marks the assistant's text
+    for training masks; rendering a prompt keeps the body as it is."""
 
-    theirs = _compile_jinja_template("").environment
-    env = _BoundedSandbox(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[type(e) for e in theirs.extensions.values()],
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+class _Namespace(Namespace):
+    """jinja's ``namespace`` without underscore names: no path to an object's
+    internals through an attribute the template sets."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature: self may be a key
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _Dict:
+    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without handing
+    them the ``dict`` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Not jinja's own tojson, which escapes HTML characters a prompt must keep.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
-    env.filters.update(theirs.filters)
-    env.globals.update({k: v for k, v in theirs.globals.items() if k != "range"})
-    env.globals["range"] = _bounded_range(budget, env)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _environment(budget: _Budget) -> _BoundedSandbox:
+    # Never compile a template in another environment: jinja folds constants
+    # at compile time, and only our sandbox keeps `*` from folding.
+    env = _BoundedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_Dict(),
+        namespace=_Namespace,
+        range=_bounded_range(budget, env),
+    )
     return env
 
 
