@@ -100,7 +100,27 @@ def test_an_interrupted_stream_ends_its_line() -> None:
     printer.token(0, 1)
     printer.token(0, 2)
     printer.end_line()
-    assert out.getvalue() == "[0] bc\n"
+    assert out.getvalue() == "[0] bc\n\n"  # the record whole: its blank line too
+    printer.end_line()
+    assert out.getvalue() == "[0] bc\n\n"  # ended once
+
+
+class _Blank(_Codec):
+    def decode(self, ids: list[int]) -> str:
+        return " " * len(ids)  # text that strips to nothing
+
+
+def test_a_header_waits_for_its_text_so_an_interrupt_never_leaves_one_alone() -> None:
+    import io
+
+    out = io.StringIO()
+    printer = StreamPrinter(_Blank(), [0], out=out)  # type: ignore[arg-type]
+    printer.token(0, 1)
+    assert out.getvalue() == ""  # no text yet: no header either
+    printer.end_line()
+    assert out.getvalue() == ""
+    printer(0, [1])
+    assert out.getvalue() == "[0] \n\n"  # an empty answer is still one whole record
 
 
 def test_generate_interrupted_mid_stream_ends_the_record_with_its_newline(
@@ -125,4 +145,4 @@ def test_generate_interrupted_mid_stream_ends_the_record_with_its_newline(
     argv = ["generate", "--model", str(ckpt), "--prompt", "hello world", "--ignore-eos"]
     assert cli.main([*argv, "--runner", "eager", "--max-new-tokens", "20"]) == 130
     out = capsys.readouterr().out
-    assert out.startswith("[0] ") and out.endswith("\n"), repr(out)
+    assert out.startswith("[0] ") and out.endswith("\n\n"), repr(out)

@@ -198,12 +198,15 @@ class StreamPrinter:
             self._show(self.order[self._head], final=False)  # the new head catches up
 
     def end_line(self) -> None:
-        """End a block cut short (a run interrupted while it streamed) with its
-        newline, so what is printed after starts a line of its own."""
-        if self._head < len(self.order) and self.order[self._head] in self.shown:
+        """End a block cut short (a run interrupted while it streamed) as every
+        block ends, with its blank line, so each record printed is whole and
+        what is printed after starts a line of its own."""
+        head = self.order[self._head] if self._head < len(self.order) else None
+        if head in self.shown and head not in self.printed:
             out = self.out if self.out is not None else sys.stdout
-            out.write("\n")
+            out.write("\n\n")
             out.flush()
+            self.printed.add(head)
 
     def close(self, outputs: dict[int, list[int]]) -> None:
         """Print every answer not printed yet, ``outputs`` by request id."""
@@ -217,6 +220,8 @@ class StreamPrinter:
             text = text[: -self._hold]  # it may be where a stop string starts
         text = text.rstrip() if final else text.rstrip().rstrip("\ufffd")
         shown = self.shown.get(rid)
+        if shown is None and not text and not final:
+            return  # the header waits for text: it and its first text print as one write
         new = ("" if shown is not None else f"[{rid}] ") + text[len(shown or "") :]
         self.shown[rid] = text if text.startswith(shown or "") else shown or ""
         if final:
