@@ -26,7 +26,10 @@ from graphrunner import GraphRunner, create_runner, decode_buffer_specs  # noqa:
 from graphrunner.testing import ToyWorld, torch_threads  # noqa: E402
 
 TEST_CAPTURE_SIZES = [1, 2, 4, 8]
-SLOW = os.environ.get("GRAPHRUNNER_SLOW", "0") != "0"
+#: ``GRAPHRUNNER_EXPLORE=1`` (``make test-explore``) draws fresh Hypothesis examples,
+#: thousands of them in the padded suite; it changes how much is drawn, never
+#: which tests run: ``make test`` runs every test.
+EXPLORE = os.environ.get("GRAPHRUNNER_EXPLORE", "0") != "0"
 # Engine runs capture no token-batch runner unless a test asks for one
 # (tests/test_token_batch_engine.py): each would compile a second program.
 os.environ.setdefault("GRAPHRUNNER_TOKEN_BATCHES", "0")
@@ -36,10 +39,10 @@ os.environ.setdefault("GRAPHRUNNER_TOKEN_BATCHES", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The default run draws the same examples every time, so a CI run cannot flake
-# on a lucky draw; the slow run (``make test-slow``) explores fresh ones.
+# on a lucky draw; the exploring run draws fresh ones.
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)
-settings.load_profile("explore" if SLOW else "fixed")
+settings.load_profile("explore" if EXPLORE else "fixed")
 HAS_CUDA = torch.cuda.is_available()
 #: Every capture mechanism, by the label its runner reports: the runner kind
 #: and the options that select the mechanism.
@@ -56,60 +59,11 @@ RUNNER_PARAMS = [
 ]
 
 
-#: The longest tests whose ground another test of the default run covers:
-#: run with ``GRAPHRUNNER_SLOW=1`` (``make test-slow``), so ``make test`` stays
-#: inside CI's time on two cores.
-SLOW_TESTS = (
-    "tests/test_small_batch.py::test_served_tokens_equal_transformers",
-    "tests/test_bridge_moe.py::test_the_compiled_cpu_runner_equals_transformers",
-    "tests/test_tensor_parallel.py::test_sharded_cpu_runner_equals_one_process",
-    "tests/test_spec_sampling.py::test_a_sampling_request_depends_on_its_seed_alone[mtp-self]",
-    "tests/test_bridge_live.py::test_a_wide_pool_answers_as_transformers_reading_only_live_"
-    "columns[cpu-gemma2]",
-    "tests/test_tensor_parallel_checkpoint.py::test_two_ranks_give_transformers_greedy_tokens",
-    "tests/test_cpu_bfloat16.py::test_bfloat16_cpu_runner_within_tolerance_of_eager_and_near_"
-    "float32_tokens",
-    "tests/test_decode_attention.py::test_kernels_compile_for_hopper",
-    "tests/test_gguf_cache.py::test_processes_converting_one_file_at_once_all_get_it",
-    "tests/test_serve_load.py::",
-    "tests/test_spec_logprobs.py::test_speculative_logprobs_are_the_eager_log_softmax_of_each_"
-    "token[eagle-random]",
-    "tests/test_exit_with_parent.py::test_a_child_ends_soon_after_its_launcher_is_killed[unwatched]",
-    "tests/test_padded_suite.py::test_random_lifecycles_match_eager_with_sanitizer_on[eager]",
-    "tests/test_tensor_parallel.py::test_sharded_eager_decode_equals_one_process",
-    "tests/test_overlap.py::test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot[cpu-4]",
-    "tests/test_tensor_parallel_alone.py::test_compiled_cpu_programs_hold_the_collectives_and_"
-    "equal_no_group",
-    "tests/test_chunked_prefill.py::test_chunked_prefill_through_the_compiled_runner[cpu]",
-    "tests/test_bridge.py::test_the_compiled_cpu_runner_equals_transformers",
-    # CI time: each covered by a cheaper case of the same test or a neighbour.
-    "tests/test_cuda_runner.py::test_compiled_forward_matches_eager_on_the_reference_model[cpu]",
-    "tests/test_cli_quantize.py::test_generate_quantized_prints_transformers_tokens[fp16-cpu]",
-    "tests/test_oracle.py::test_greedy_tokens_equal_transformers_generate[cpu-4]",
-    "tests/test_cli_tp.py::test_a_failing_rank_ends_the_run_naming_it",
-    "tests/test_cli_tp.py::test_tp_one_runs_the_collectives_in_a_group_of_its_own",
-    "tests/test_small_batch.py::test_kernel_compiles_for_hopper_with_vector_loads",
-    "tests/test_engine_multistep_logprobs.py::test_each_token_has_the_entry_of_one_step_per_"
-    "launch[greedy-2]",
-    "tests/test_tensor_parallel.py::test_ranks_with_different_capture_sizes_are_refused_naming_both",
-    "tests/test_spec_sampling.py::test_temperature_0_is_greedy_alone_and_beside_sampling_"
-    "requests[mtp-random]",
-    "tests/test_serve_modes.py::test_each_schedule_serves_generates_tokens_and_frees_what_it_cut["
-    "multistep]",
-    "tests/test_cli_exits.py::test_a_signal_mid_run_ends_with_one_line[15-143-terminated]",
-    "tests/test_engine_multistep.py::test_an_end_token_stops_rows_inside_a_launch_as_one_step_"
-    "does[1-4]",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
-    skip_slow = pytest.mark.skip(reason="long: GRAPHRUNNER_SLOW=1")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
-        if not SLOW and item.nodeid.startswith(SLOW_TESTS):
-            item.add_marker(skip_slow)
 
 
 def runner_device(label: str) -> str:
@@ -188,11 +142,6 @@ def eager_greedy(bundle: Any) -> dict[int, list[int]]:
     trace = requests_from_prompts([[1, 2, 3], [4, 5], [6]], max_new_tokens=6)
     result = Engine(bundle, runner).run(trace)
     return {rid: list(tokens) for rid, tokens in result.outputs.items()}
-
-
-@pytest.fixture(scope="session")
-def slow() -> bool:
-    return SLOW
 
 
 #: Distinct (runner, captured size, raw size) cases replayed by the padded suite.

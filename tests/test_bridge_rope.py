@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import SLOW
 from graphrunner_ref import Engine, Request, create_decode_runner
 from graphrunner_ref.bridge import build_transformers_bundle, load_transformers
 from graphrunner_ref.bridge.rope import RopeTable
@@ -132,16 +131,8 @@ def test_padded_replay_equals_transformers_generate_alone(
     assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
 
 
-#: Gemma3's compile takes ~40 s on two cores: with GRAPHRUNNER_SLOW=1.
-COMPILED_ARCHS = [
-    pytest.param(
-        arch,
-        marks=[pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="GRAPHRUNNER_SLOW=1")],
-    )
-    if arch.startswith("gemma3")
-    else arch
-    for arch in ARCHS
-]
+#: Gemma3's compile takes ~40 s on two cores.
+COMPILED_ARCHS = [arch for arch in ARCHS]
 
 
 @pytest.mark.parametrize("arch", COMPILED_ARCHS)

@@ -18,7 +18,6 @@ from test_engine_logprobs import eager_last_logits
 
 import graphrunner_ref.cli.demo as cli_demo
 import graphrunner_ref.cli.main as cli
-from conftest import SLOW
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine import serving
@@ -396,7 +395,7 @@ def test_a_text_prompt_object_samples_as_its_token_id_twin(
 
 @pytest.mark.parametrize(
     "method",
-    [pytest.param("mtp", marks=pytest.mark.skipif(not SLOW, reason="GRAPHRUNNER_SLOW=1")), "eagle"],
+    ["mtp", "eagle"],
 )
 def test_generate_speculative_samples_reproducibly_by_the_seed(
     prompts_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
@@ -442,3 +441,26 @@ def test_greedy_without_a_seed_draws_none(
         cli.main(["generate", "--max-new-tokens", "2", *EAGER, "--prompts", str(prompts_file)]) == 0
     )
     assert "seed" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_sampled_speculative_decoding_runs_compiled_on_the_cpu_runner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
+) -> None:
+    """``--speculative METHOD --temperature 0.8 --runner cpu``: the verify's
+    rejection sampling traces with a symbolic batch (it once failed to, on the
+    vocabulary axis), and the compiled run draws the eager runner's tokens
+    for the same seed: a token depends on its seed and position alone."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
+    argv = ["generate", "--max-new-tokens", str(NEW), "--prompts", str(path), "--json"]
+    spec = [*HOT, "--speculative", method, "--draft", "self", "--seed", "3"]
+
+    def tokens(*extra: str) -> list[list[int]]:
+        capsys.readouterr()
+        assert cli.main([*argv, *spec, *extra]) == 0
+        return _tokens([json.loads(x) for x in capsys.readouterr().out.splitlines()])
+
+    compiled = tokens("--runner", "cpu", "--capture-sizes", "1,2")
+    assert compiled == tokens(*EAGER)
+    assert all(len(t) == NEW for t in compiled)

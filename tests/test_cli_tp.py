@@ -16,7 +16,6 @@ import torch
 from test_tensor_parallel_alone import count_collectives
 
 import graphrunner_ref.cli.main as cli
-from conftest import SLOW
 from graphrunner_ref.cli.tp import FAIL_RANK_ENV
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.ranks import rank0_admits
@@ -209,7 +208,6 @@ def test_an_admission_hook_decides_each_steps_admissions() -> None:
     assert 1 in one_by_one.stats.batch_sizes
 
 
-@pytest.mark.skipif(not SLOW, reason="a cold compile per rank: GRAPHRUNNER_SLOW=1")
 def test_two_ranks_on_the_cpu_runner_answer_as_transformers(
     checkpoint: tuple[Path, list[list[int]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

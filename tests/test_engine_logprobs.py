@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
@@ -49,12 +48,7 @@ def eager_last_logits(bundle: ModelBundle, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "kind",
-    [
-        "eager",
-        pytest.param(
-            "cpu", marks=pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
-        ),
-    ],
+    ["eager", "cpu"],
 )
 def test_logprobs_are_the_eager_log_softmax_of_each_token(kind: str) -> None:
     result = _run(kind)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
@@ -129,9 +128,6 @@ def test_an_end_token_stops_rows_inside_a_launch_as_one_step_does(n: int, page_s
     assert sampled.outputs == _reference(True, end, page_size)
 
 
-@pytest.mark.skipif(
-    not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1 (the phase's CPU program runs in CI)"
-)
 def test_a_compiled_runner_emits_the_eager_tokens():
     result = _run(_trace(True), 4, kind="cpu", sampled=True, page_size=4)
     assert result.outputs == _reference(True, None, 4)

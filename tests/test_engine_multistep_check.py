@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from test_engine_multistep_logprobs import CTX, _trace
 
-from conftest import SLOW
 from graphrunner_ref import Engine, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
 
@@ -82,7 +81,6 @@ def test_rows_stopping_at_the_end_token_are_checked_too(n: int) -> None:
     assert result.stats.mismatches == 0
 
 
-@pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
 def test_a_compiled_launch_has_no_mismatch() -> None:
     result = _run(2, True, kind="cpu")
     assert result.outputs == _reference(True, None)

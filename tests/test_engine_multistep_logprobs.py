@@ -9,7 +9,6 @@ import functools
 
 import pytest
 
-from conftest import SLOW
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 from graphrunner_ref.engine.results import EngineResult
@@ -83,7 +82,6 @@ def test_rows_stopping_at_the_end_token_keep_their_entries(n: int, sampled: bool
     assert all(len(multi.logprobs[rid]) == len(out) for rid, out in multi.outputs.items())
 
 
-@pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1")
 def test_a_compiled_launch_has_the_entries_of_one_compiled_step() -> None:
     single, multi = _run(1, True, None, kind="cpu"), _run(2, True, None, kind="cpu")
     assert multi.outputs == single.outputs

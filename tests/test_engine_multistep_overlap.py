@@ -18,7 +18,6 @@ from test_engine_multistep_logprobs import _end_token as _logprobs_end
 from test_engine_multistep_logprobs import _run as _logprobs_run
 from test_engine_multistep_logprobs import _trace as _logprobs_trace
 
-from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner_ref import Engine, create_decode_runner, default_model
 
@@ -79,7 +78,6 @@ def test_a_run_cut_by_max_steps_holds_a_prefix_and_frees_everything():
         assert result.finished < frozenset(range(10))
 
 
-@pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1 (the eager runner runs in CI)")
 def test_a_compiled_runner_with_overlap_emits_the_eager_tokens():
     end = _end_token()
     result = _run(_trace(True), 4, kind="cpu", sampled=True, end_token=end, page_size=4)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from conftest import SLOW
 from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams, request_seed
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
@@ -76,7 +75,6 @@ def test_same_seed_same_tokens_whatever_the_runner_sizes_arrivals_and_overlap():
 
 # The compiled sampled step equals eager per padded size in CI
 # (tests/test_padded_sampling.py, tests/test_sampling_distribution.py).
-@pytest.mark.skipif(not SLOW, reason="compiled engine: GRAPHRUNNER_SLOW=1")
 def test_a_compiled_runner_samples_the_eager_runner_s_tokens():
     assert _run(_trace(HOT[:2]), kind="cpu") == _run(_trace(HOT[:2]))
 

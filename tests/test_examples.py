@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SLOW
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 OWN_BATCH = EXAMPLES / "own_batch.py"
@@ -66,7 +64,6 @@ def test_own_batch_runs_as_written() -> None:
     assert worst < 1e-5
 
 
-@pytest.mark.skipif(not SLOW, reason="compiles three sizes: GRAPHRUNNER_SLOW=1")
 def test_own_batch_on_the_cpu_runner() -> None:
     done = _run(OWN_BATCH, "cpu")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -108,7 +105,6 @@ def test_own_batch_fails_on_a_padded_row_writing_outside_the_sink(
     assert (worst >= 1e-5) == (caught_by == "logits"), line
 
 
-@pytest.mark.skipif(not SLOW, reason="as written it compiles three sizes: GRAPHRUNNER_SLOW=1")
 def test_own_model_runs_as_written() -> None:
     done = _run(OWN_MODEL)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SLOW, clear_kernel_choice, eager_greedy
+from conftest import clear_kernel_choice, eager_greedy
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.cpu_features import DISABLE_ENV, cpu_features, kernel_note, kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
@@ -182,8 +182,6 @@ def test_the_model_decodes_as_int4_does() -> None:
         assert eager_greedy(bundles["int4-bf16"]) == outputs
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1")
 def test_smollm2_teacher_forced_logits_stay_near_float32s() -> None:
     """SmolLM2's 8 chat prompts, each followed by float32 transformers' 32
     greedy tokens, run whole (``bench/bench_agreement.py``): int4-bf16 picks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphrunner_ref
-from conftest import SLOW, clear_kernel_choice, eager_greedy
+from conftest import clear_kernel_choice, eager_greedy
 from graphrunner_ref.model import cpu_features as features_module
 from graphrunner_ref.model import default_model
 from graphrunner_ref.model.cpu_features import (
@@ -401,8 +401,6 @@ def test_the_model_decodes_as_int4_does(models: dict[str, graphrunner_ref.ModelB
                 m.kernel = True
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1")
 def test_smollm2_keeps_its_agreement_bound() -> None:
     """SmolLM2-135M-Instruct's 8 chat prompts, 32 greedy tokens at batch 8
     (eager runner): int4 keeps every token of every row, int4-q8 at least 14
@@ -436,8 +434,6 @@ def test_smollm2_keeps_its_agreement_bound() -> None:
     assert got["int4-q8"]["prefix"] >= 14, got
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1")
 def test_smollm2_teacher_forced_logits_stay_near_float32s() -> None:
     """SmolLM2's 8 chat prompts, each followed by float32 transformers' 32
     greedy tokens, run whole (``bench/bench_agreement.py``): at the 256

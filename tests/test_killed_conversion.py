@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import SLOW
 from graphrunner.util.atomic import write_atomically
 from graphrunner.util.temp import remove_stale_temps, temp_path
 from graphrunner_ref.io import load_model
@@ -60,21 +59,14 @@ def _same_checkpoint(got: Path, want: Path) -> None:
     assert load_model(got, max_requests=1, max_context_len=8).model.config.num_layers == LAYERS
 
 
-# Each case starts two interpreters: CI takes a SIGKILL of convert and a
-# SIGTERM of the cache conversion, GRAPHRUNNER_SLOW=1 the other two.
+# Each case starts two interpreters: each command under each signal.
 _STOPS = [("convert", signal.SIGKILL), ("generate", signal.SIGTERM)]
 _MORE = [("convert", signal.SIGTERM), ("generate", signal.SIGKILL)]
 
 
 @pytest.mark.parametrize(
     ("command", "sig"),
-    [
-        *_STOPS,
-        *(
-            pytest.param(*c, marks=pytest.mark.skipif(not SLOW, reason="GRAPHRUNNER_SLOW=1"))
-            for c in _MORE
-        ),
-    ],
+    [*_STOPS, *_MORE],
     ids=lambda v: v.name if isinstance(v, signal.Signals) else v,
 )
 def test_a_conversion_stopped_mid_write_leaves_no_temporary_after_the_next_run(

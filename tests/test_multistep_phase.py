@@ -13,7 +13,7 @@ import pytest
 import torch
 from sampled_rows import sampling_rows
 
-from conftest import MECHANISMS, SLOW, runner_device
+from conftest import MECHANISMS, runner_device
 from graphrunner import GraphRunner, create_runner
 from graphrunner.declare.hooks import NullBackend
 from graphrunner.phases import SpecBatch
@@ -132,8 +132,7 @@ class MultiStep:
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "sampling_seed")
 _LABELS = ["eager", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-#: (label, N, sampling); inductor compiles each unrolled step: the CPU runner
-#: takes N = 2 by default and every N with GRAPHRUNNER_SLOW=1.
+#: (label, N, sampling); inductor compiles each unrolled step.
 _CASES = [
     pytest.param(
         (label, n, sampling),
@@ -143,7 +142,6 @@ _CASES = [
     for label in _LABELS
     for n in (2, 4, 8)
     for sampling in (False, True)
-    if label != "cpu" or ((n == 2 or SLOW) and (not sampling or SLOW))
 ]
 
 
@@ -275,7 +273,7 @@ def test_compile_step_once_traces_one_region_called_at_every_step(n: int):
     batch = SimpleNamespace(**inputs)
     unrolled = multistep_phase(forward, n).forward(batch)
     step = multistep_phase(forward, n, compile_step_once=True).forward
-    torch._dynamo.reset()
+    torch.compiler.reset()
     once = torch.compile(step, backend=keep, fullgraph=True)(batch)
     assert torch.equal(once["tokens"], unrolled["tokens"])
     nodes = graphs[0].graph.nodes

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
+from conftest import MECHANISMS, RUNNER_PARAMS, runner_device
 from graphrunner_ref.engine.loop import Engine, EngineResult, create_decode_runner
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io import load_model
@@ -78,8 +78,6 @@ def _serve(path: Path, label: str, page_size: int) -> EngineResult:
 def test_greedy_tokens_equal_transformers_generate(
     oracle: tuple[Path, dict[int, list[int]]], kind: str, page_size: int
 ) -> None:
-    if kind == "cpu" and page_size == 1 and not SLOW:
-        pytest.skip("compiled at page size 1: GRAPHRUNNER_SLOW=1 (page size 4 runs in CI)")
     path, expected = oracle
     result = _serve(path, kind, page_size)
     assert result.finished == {r.rid for r in TRACE}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import MECHANISMS, RUNNER_PARAMS, SLOW, runner_device
+from conftest import MECHANISMS, RUNNER_PARAMS, runner_device
 from graphrunner import create_runner, decode_buffer_specs
 from graphrunner.core.future_map import FutureMap, future_refs
 from graphrunner.declare import StaticBuffers
@@ -147,8 +147,6 @@ def _trace() -> list:
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("kind", ["eager", "cpu"])
 def test_overlap_gives_the_plain_engines_tokens_and_frees_every_slot(kind: str, page_size: int):
-    if kind == "cpu" and page_size == 1 and not SLOW:
-        pytest.skip("compiled at page size 1: GRAPHRUNNER_SLOW=1 (page size 4 runs in CI)")
     trace = _trace()
     plain_bundle = default_model(max_requests=4, max_context_len=60, page_size=page_size)
     plain_runner = create_decode_runner(plain_bundle, kind, capture_sizes=[2, 4])

@@ -20,7 +20,7 @@ import pytest
 import torch
 from sampled_rows import sampling_rows
 
-from conftest import SLOW, runner_device
+from conftest import runner_device
 from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.phases.sampled import sampled_forward, with_sampling
@@ -63,10 +63,6 @@ def _params() -> list[object]:
     out: list[object] = []
     for kind in ("eager", "cpu", "cuda"):
         marks = [pytest.mark.cuda] if kind == "cuda" else []  # conftest skips it without a GPU
-        if kind == "cpu":  # an inductor compile of model and sampler: tens of seconds cold
-            marks = [
-                pytest.mark.skipif(not SLOW, reason="the cpu runner runs with GRAPHRUNNER_SLOW=1")
-            ]
         for size in SIZES[kind]:
             out.append(pytest.param(kind, size, marks=marks, id=f"{kind}-{size}"))
     return out

@@ -5,9 +5,9 @@ random lengths, finishes that free slots for reuse, decode steps) and replays
 every step through each runner with the sanitizer on and stale values in every
 buffer tail; live outputs must equal the eager forward of the unpadded batch.
 
-``GRAPHRUNNER_SLOW=1`` (``make test-slow``) runs thousands of examples with
-runs of several decode steps per step event, at least 10,000 padded replays
-per runner. Runners are captured once per capture list and shared by the
+``GRAPHRUNNER_EXPLORE=1`` (``make test-explore``) draws fresh examples, thousands
+of them, with runs of several decode steps per step event, at least 10,000
+padded replays per runner. Runners are captured once per capture list and shared by the
 examples that draw it (the world is reset in place, so the graphs' addresses
 hold); the counts go to ``conftest.PADDED_TALLY`` and print at the end.
 """
@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import (
+    EXPLORE,
     PADDED_CASES,
     PADDED_TALLY,
     RUNNER_PARAMS,
-    SLOW,
     PaddedTally,
     make_runner,
     runner_device,
@@ -42,19 +42,19 @@ from poison import assert_state_matches, poison_tails, stale_values, state_is_bi
 pytestmark = pytest.mark.padded
 
 # Compiled runners pay seconds per captured size, so they get fewer examples
-# (each capture list is captured once and shared, so the slow run's cost is
+# (each capture list is captured once and shared, so the exploring run's cost is
 # mostly its decode steps).
 EXAMPLES = {
-    "eager": 2000 if SLOW else 60,
-    "cpu": 1000 if SLOW else 4,
-    "cuda": 2000 if SLOW else 30,
-    "cuda+compile": 1000 if SLOW else 4,
+    "eager": 2000 if EXPLORE else 60,
+    "cpu": 1000 if EXPLORE else 4,
+    "cuda": 2000 if EXPLORE else 30,
+    "cuda+compile": 1000 if EXPLORE else 4,
 }
-#: The most decode steps one slow-run step event runs in a row.
+#: The most decode steps one exploring step event runs in a row.
 STEP_RUN = 64
-#: Padded replays the slow run must reach per runner, on its own budget (with
+#: Padded replays the exploring run must reach per runner, on its own budget (with
 #: STEP_RUN 64 a thousand examples gave 15,000-17,500 on the CPU).
-SLOW_PADDED_REPLAYS = 10_000
+EXPLORE_PADDED_REPLAYS = 10_000
 BUDGET_OVERRIDDEN = "GRAPHRUNNER_PADDED_EXAMPLES" in os.environ
 if BUDGET_OVERRIDDEN:  # one budget for every runner
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["GRAPHRUNNER_PADDED_EXAMPLES"]))
@@ -75,10 +75,10 @@ class Step:
     count: int = 1  # decode steps in a row
 
 
-# The slow run draws runs of decode steps, so an example replays many padded
+# The exploring run draws runs of decode steps, so an example replays many padded
 # steps for one capture; the default run draws exactly what it always drew.
 def step_events() -> st.SearchStrategy[Step]:
-    return st.builds(Step, st.integers(1, STEP_RUN)) if SLOW else st.just(Step())
+    return st.builds(Step, st.integers(1, STEP_RUN)) if EXPLORE else st.just(Step())
 
 
 events = st.one_of(
@@ -269,9 +269,9 @@ def test_random_lifecycles_match_eager_with_sanitizer_on(kind: str):
 
     padded_before = PADDED_TALLY.get(kind, PaddedTally()).padded
     check()
-    if SLOW and not BUDGET_OVERRIDDEN:
+    if EXPLORE and not BUDGET_OVERRIDDEN:
         padded = PADDED_TALLY[kind].padded - padded_before
-        assert padded >= SLOW_PADDED_REPLAYS, (
-            f"{kind}: the slow budget ran {padded} padded replays; expected >= "
-            f"{SLOW_PADDED_REPLAYS} (raise EXAMPLES or STEP_RUN)"
+        assert padded >= EXPLORE_PADDED_REPLAYS, (
+            f"{kind}: the exploring budget ran {padded} padded replays; expected >= "
+            f"{EXPLORE_PADDED_REPLAYS} (raise EXAMPLES or STEP_RUN)"
         )

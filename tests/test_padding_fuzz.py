@@ -4,9 +4,8 @@ tail poisoned (NaN, inf, -1, out of range, live and bystander indices), with
 the sanitizer on and on the lean path without it; live outputs equal to
 eager, no state row corrupted.
 
-By default the compiled CPU runner fuzzes the decode phase alone (its sizes
-1, 2 and 4 share one compilation, of seconds); ``GRAPHRUNNER_SLOW=1`` and
-``bench/bench_padding_fuzz.py`` fuzz every phase on it."""
+Every phase on every mechanism, the compiled CPU runner included (its sizes
+1, 2 and 4 share one compilation); ``bench/bench_padding_fuzz.py`` times it."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import HAS_CUDA, SLOW
+from conftest import HAS_CUDA
 from fuzz_cases import MECHANISMS, PHASES, FuzzCase, make_case
 from graphrunner import Phase
 from padding_fuzz import PATHS, PATTERNS, fuzz
@@ -33,8 +32,6 @@ def _params() -> list[object]:
         if cuda and not HAS_CUDA:
             continue
         for phase in PHASES:
-            if label == "cpu" and phase != "decode" and not SLOW:
-                continue
             marks = [pytest.mark.cuda] if cuda else []
             params.append(pytest.param(phase, label, marks=marks, id=f"{phase}-{label}"))
     return params

@@ -17,7 +17,6 @@ import torch
 from test_oracle import TRACE
 from torch import nn
 
-from conftest import SLOW
 from graphrunner_ref import default_model
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.io import load_model
@@ -145,8 +144,6 @@ def test_quantized_prefill_logits_equal_transformers_with_the_same_weights(
 def test_quantized_tokens_equal_transformers_with_the_same_weights(
     tiny: tuple[Path, nn.Module], mode: str, kind: str
 ) -> None:
-    if kind == "cpu" and not SLOW:
-        pytest.skip("compiled: GRAPHRUNNER_SLOW=1 (CI compiles fp16 in test_cli_quantize)")
     path, hf = tiny
     bundle = load_model(path, max_requests=8, max_context_len=64, page_size=4)
     quantize_model(bundle.model, mode)

@@ -19,7 +19,6 @@ import torch
 
 import graphrunner
 import graphrunner_ref
-from conftest import SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -176,7 +175,6 @@ def test_the_own_model_example_replays_padded_equal_to_eager(
     assert "replays=4" in out and "live_rows=12" in out and "padded_rows=4" in out
 
 
-@pytest.mark.skipif(not SLOW, reason="compiles three sizes: GRAPHRUNNER_SLOW=1")
 def test_the_own_model_example_on_the_cpu_runner() -> None:
     assert _example().main("cpu") < 1e-5
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from test_sampling_sample import hf_probs, random_mix
 
-from conftest import SLOW
 from graphrunner.sampling import filtered_probs, sample, uniform
 
 I64 = torch.int64
@@ -116,8 +115,6 @@ def test_the_cases_are_distinguishable():
     assert (hf_probs(LOGITS, t, k, 1.0, m) - combined).abs().max() > 0.05
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="a larger compiled sampler runs with GRAPHRUNNER_SLOW=1")
 def test_compiled_sampler_matches_eager_on_a_larger_bf16_mix():
     logits, t, k, p, m = random_mix(64, 1000, 9)
     logits = logits.to(torch.bfloat16)

@@ -18,7 +18,6 @@ import pytest
 import torch
 from test_oracle import TRACE
 
-from conftest import SLOW
 from graphrunner_ref import default_model
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
@@ -195,7 +194,6 @@ def test_served_tokens_equal_transformers(tmp_path: Path) -> None:
     assert result.stats.batch_sizes.keys() == {1, 2, 3} and result.stats.padded_rows >= 2
 
 
-@pytest.mark.skipif(not SLOW and DEVICE == "cpu", reason="interpreted kernels inside a compile")
 def test_compiled_program_writes_the_caches_in_place_and_equals_eager(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

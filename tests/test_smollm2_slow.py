@@ -1,4 +1,4 @@
-"""Slow suite (``GRAPHRUNNER_SLOW=1``): the real SmolLM2-135M-Instruct, its Q4_1
+"""The real SmolLM2-135M-Instruct, its Q4_1
 GGUF fetched as ``make demo-real`` fetches it and converted by ``graphrunner
 convert``, gives transformers' greedy tokens for a few chat prompts through
 the CPU runner (and the CUDA runner, marked)."""
@@ -14,14 +14,10 @@ import pytest
 import torch
 
 import graphrunner_ref.cli.main as cli
-from conftest import SLOW
 from graphrunner_ref.cli.demo_real import PROMPTS, fetch_gguf
 from graphrunner_ref.io.gguf_cache import cache_root
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the SmolLM2 oracle runs with GRAPHRUNNER_SLOW=1"),
-]
+pytestmark = pytest.mark.slow
 QUESTIONS = PROMPTS[:3]
 NEW_TOKENS = 16
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from sampled_rows import sampled_verify_inputs
 
-from conftest import RUNNER_PARAMS, SLOW, make_runner, runner_device
+from conftest import RUNNER_PARAMS, make_runner, runner_device
 from graphrunner import GraphRunner, create_runner
 from graphrunner.phases import (
     EagleDraftExtendRunner,
@@ -83,12 +83,8 @@ def _label(param: Any) -> str:
 
 
 def _marks(phase: str, param: Any) -> list[Any]:
-    """The runner's marks; the sampled verify's CPU program (a cold inductor
-    compile of the verify and its sampler) runs with ``GRAPHRUNNER_SLOW=1``."""
-    marks = list(getattr(param, "marks", ()))
-    if phase == "sampled_verify" and _label(param) == "cpu":
-        marks.append(pytest.mark.skipif(not SLOW, reason="compiled: GRAPHRUNNER_SLOW=1"))
-    return marks
+    """The runner's marks."""
+    return list(getattr(param, "marks", ()))
 
 
 @pytest.fixture(

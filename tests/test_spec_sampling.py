@@ -14,7 +14,6 @@ import pytest
 import torch
 from test_sampling_distribution import chi_square_critical
 
-from conftest import SLOW
 from graphrunner.core.runner import GraphRunner
 from graphrunner.phases import FrozenKvMtpRunner, frozen_kv_sanitizer
 from graphrunner.phases.sampled import with_sampling
@@ -81,12 +80,7 @@ def test_temperature_0_is_greedy_alone_and_beside_sampling_requests(method: str,
     assert any(mixed[rid] != greedy[rid] for rid in (1, 3, 5, 7))
 
 
-# Each case runs the engine six times: CI takes the self-drafting MTP loop
-# (the draws inside a captured graph); ``GRAPHRUNNER_SLOW=1`` all three.
-SEED_DRAFTS = DRAFTS if SLOW else [("mtp", "self")]
-
-
-@pytest.mark.parametrize(("method", "draft"), SEED_DRAFTS)
+@pytest.mark.parametrize(("method", "draft"), DRAFTS)
 def test_a_sampling_request_depends_on_its_seed_alone(method: str, draft: str):
     trace = _trace(HOT)
     together = _spec(trace, method, draft)
@@ -144,9 +138,6 @@ class _Biased:
         return self.runner.replay(inputs) + self.bias
 
 
-@pytest.mark.skipif(
-    not SLOW, reason="3,000 engine runs (tests/test_spec_rejection.py: the rule itself, in CI)"
-)
 def test_the_round_token_follows_the_target_distribution():
     """The second token (the first a round emits: a draft that holds or the
     residual's draw), grouped by the first, against the target's filtered
@@ -183,7 +174,6 @@ def test_the_round_token_follows_the_target_distribution():
         assert chi2 < chi_square_critical(int(support.sum()) - 1), (first, chi2, counts[support])
 
 
-@pytest.mark.skipif(not SLOW, reason="compiled speculative runners run with GRAPHRUNNER_SLOW=1")
 def test_compiled_runners_draw_the_same_tokens():
     """The compiled CPU programs (the verify's rejection sampling inside its
     program, EAGLE's draft draws on its logits) give the eager runners' tokens."""

@@ -10,7 +10,6 @@ import functools
 import pytest
 import torch
 
-from conftest import SLOW
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.workload import Request
@@ -69,10 +68,7 @@ def test_speculative_output_equals_plain_greedy(method: str, draft: str, k: int)
     assert max(stats.batch_sizes) > 1  # rounds of several requests, most of them padded
 
 
-# Each compiles a verify and a drafter graph per size (a minute cold): the
-# compiled speculative phases equal their eager forwards, padded, in CI
-# (tests/test_spec_runners.py); the engines end to end with GRAPHRUNNER_SLOW=1.
-@pytest.mark.skipif(not SLOW, reason="compiled engines: GRAPHRUNNER_SLOW=1")
+# Each compiles a verify and a drafter graph per size (a minute cold).
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
 def test_compiled_speculative_runners_are_lossless_too(method: str):
     bundle = _bundle()

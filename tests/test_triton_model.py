@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import graphrunner_ref.model.attention_op as attention_op
-from conftest import SLOW
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
 from graphrunner_ref.engine.workload import Request
@@ -93,13 +92,7 @@ def test_eager_triton_equals_torch_with_padded_rows(attention: str) -> None:
     ("attention", "layout"),
     [
         ("triton", "per_head"),
-        # interpreted and compiled, a second layout doubles the cost: GRAPHRUNNER_SLOW=1 on
-        # the CPU (the eager test and tests/test_decode_attention.py cover it)
-        pytest.param(
-            "triton-all-heads",
-            "all_heads",
-            marks=pytest.mark.skipif(not SLOW and DEVICE == "cpu", reason="GRAPHRUNNER_SLOW=1"),
-        ),
+        ("triton-all-heads", "all_heads"),
     ],
 )
 def test_compiled_runner_calls_the_kernel_and_equals_eager_torch(
