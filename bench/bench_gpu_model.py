@@ -46,6 +46,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.conftest import RESULTS_DIR
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.model import ModelBundle, default_model, shape_1b_config
@@ -54,7 +55,6 @@ from graphrunner_ref.model.kernels.pdl import INDUCTOR_OPTIONS
 from graphrunner_ref.model.llama import use_small_batch_linears
 from graphrunner_ref.model.programmatic_launch import use_programmatic_launch
 
-RESULTS_DIR = Path(__file__).parent / "results"
 #: The step table's columns; the last is the logits' largest difference from
 #: the size's first variant that ran (named in the JSON), over their standard deviation.
 COLUMNS = ("bs", "variant", "step (ms)", "floor (ms)", "% of floor", "max abs diff / std")

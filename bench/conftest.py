@@ -20,7 +20,9 @@ import torch
 from graphrunner.sizing.report import CaptureReport
 from graphrunner.testing import torch_threads
 
-RESULTS_DIR = Path(__file__).parent / "results"
+#: Where results files go: bench/results, or GRAPHRUNNER_RESULTS_DIR (the
+#: suite's run of the docs' commands sets it, so it never writes the checkout).
+RESULTS_DIR = Path(os.environ.get("GRAPHRUNNER_RESULTS_DIR") or Path(__file__).parent / "results")
 
 #: (group, batch size) -> {variant: median seconds}; baselines are named "eager".
 MEDIANS: dict[tuple[str, int], dict[str, float]] = {}

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.conftest import RESULTS_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -229,7 +231,7 @@ def main() -> None:
         else float("nan")
     )
     name = args.name or Path(args.model).name
-    out = ROOT / "bench" / "results" / f"serve-load-{name}-{args.runner}"
+    out = RESULTS_DIR / f"serve-load-{name}-{args.runner}"
     command = "PYTHONPATH=. .venv/bin/python -m bench.serve_load " + " ".join(sys.argv[1:])
     lines = [
         f"# graphrunner serve under load: {args.model}, {args.runner} runner, {os.cpu_count()} cores",
@@ -260,6 +262,7 @@ def main() -> None:
         f"against the offline step; {'met' if overhead <= 0.05 else 'unmet'})",
         "",
     ]
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines))
     out.with_suffix(".json").write_text(
         json.dumps(

@@ -129,6 +129,7 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
         # This checkout's package, whichever checkout the environment was installed from.
         "PYTHONPATH": str(ROOT),
         "GRAPHRUNNER_CACHE": str(tmp_path / "cache"),
+        "GRAPHRUNNER_RESULTS_DIR": str(tmp_path / "results"),  # a bench's file, not the checkout's
     }
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block.script],
