@@ -73,7 +73,11 @@ def rejection_forward(forward: ForwardFn, width: int) -> ForwardFn:
         ids, positions = b.input_ids.view(bs, width), b.positions.view(bs, width)
         rows = {name: getattr(b, name) for name in SAMPLING_FIELD_NAMES}
         targets, accepted = rejection_sample(
-            logits.view(bs, width, vocab), ids[:, 1:], getattr(b, DRAFT_PROBS), rows, positions[:, 1]
+            logits.view(bs, width, vocab),
+            ids[:, 1:],
+            getattr(b, DRAFT_PROBS),
+            rows,
+            positions[:, 1],
         )
         return {**out, "targets": targets, "accepted": accepted}
 
