@@ -173,3 +173,16 @@ def test_the_options_it_does_not_support_are_refused_by_name():
             create_decode_runner(bundle, "eager", steps_per_launch=value)
     with pytest.raises(ValueError, match="logprobs=2 needs sampling=True"):
         create_decode_runner(bundle, "eager", steps_per_launch=4, logprobs=2)
+
+
+def test_the_runner_s_phase_carries_its_steps_and_end_token():
+    """What the engine checks its options against is the runner's phase, a
+    value: no registry beside it."""
+    bundle = default_model(max_requests=2, max_context_len=CTX)
+    runner = create_decode_runner(
+        bundle, "eager", capture_sizes=[2], steps_per_launch=4, end_token=5
+    )
+    assert (runner.phase.steps, runner.phase.end_token) == (4, 5)
+    Engine(bundle, runner, steps_per_launch=4, end_token=5)  # agrees: accepted
+    plain = create_decode_runner(bundle, "eager", capture_sizes=[2])
+    assert (plain.phase.steps, plain.phase.end_token) == (1, None)

@@ -30,6 +30,10 @@ class Phase:
         max_requests: a token batch's most requests in one step (the size of
             its request axis; its sizes count tokens), None for a phase whose
             buffers all count requests.
+        steps: decode steps one launch runs (a multi-step phase's N), 1 for
+            every other phase.
+        end_token: the token that stops a row inside a multi-step launch
+            (None: rows run every step), the engine's to match.
     """
 
     name: str
@@ -39,6 +43,8 @@ class Phase:
     backend: BaseGraphBackend | None = None
     width: int | None = None
     max_requests: int | None = None
+    steps: int = 1
+    end_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.width is not None:

@@ -303,4 +303,6 @@ def multistep_phase(
         outputs=MULTISTEP_LOGPROB_OUTPUTS if logprobs else MULTISTEP_OUTPUTS,
         backend=backend,
         width=steps if steps > 1 else None,
+        steps=steps,
+        end_token=end_token,
     )

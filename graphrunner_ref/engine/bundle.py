@@ -23,11 +23,7 @@ from graphrunner import (
 )
 from graphrunner.phases import check_steps_per_launch, token_batch_phase
 from graphrunner_ref.engine import kinds
-from graphrunner_ref.engine.multistep_runner import (
-    multistep_of,
-    multistep_phase_of,
-    remember_multistep,
-)
+from graphrunner_ref.engine.multistep_runner import multistep_of, multistep_phase_of
 from graphrunner_ref.engine.ranks import agree_on_sizes
 from graphrunner_ref.engine.registry import DecodeStep, ServingBundle, kind_of
 
@@ -224,6 +220,4 @@ def create_decode_runner(
         state_ops=step.state_ops,
         **mechanism_options,
     )
-    if steps > 1:
-        remember_multistep(runner, steps, end_token)
     return agree_on_sizes(bundle, runner)

@@ -1,33 +1,27 @@
 """The decode phase of several steps per launch over a bundle's decode step
-(:func:`graphrunner.phases.multistep_phase`), and the registry of what each
-such runner was built with."""
+(:func:`graphrunner.phases.multistep_phase`), and what a runner was built
+with (read off its phase)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 
 from graphrunner import FutureMap, GraphBackend, GraphRunner, Phase
 from graphrunner.phases import multistep_phase
 
-__all__ = ["multistep_of", "multistep_phase_of", "remember_multistep"]
-
-#: Runners built with ``steps_per_launch`` N > 1: (N, their end token).
-_MULTISTEP: WeakKeyDictionary[GraphRunner, tuple[int, int | None]] = WeakKeyDictionary()
+__all__ = ["multistep_of", "multistep_phase_of"]
 
 
 def multistep_of(runner: GraphRunner) -> tuple[int, int | None]:
-    """``(steps per launch, end token)`` of a runner from :func:`create_decode_runner`:
-    ``(1, None)`` for a one-step runner."""
-    return _MULTISTEP.get(runner, (1, None))
-
-
-def remember_multistep(runner: GraphRunner, steps: int, end_token: int | None) -> None:
-    """Record that ``runner`` launches ``steps`` steps, rows stopping at ``end_token``."""
-    _MULTISTEP[runner] = (steps, end_token)
+    """``(steps per launch, end token)`` of ``runner``'s phase: ``(1, None)``
+    for a one-step runner (or one without a phase)."""
+    phase = getattr(runner, "phase", None)
+    if phase is None or phase.steps == 1:
+        return 1, None
+    return phase.steps, phase.end_token
 
 
 def multistep_phase_of(
