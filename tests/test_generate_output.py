@@ -295,7 +295,7 @@ def test_stream_printer_prints_in_prompt_order_holding_back_trailing_spaces() ->
     seen.append(out.getvalue())
     printer.token(0, 2)
     printer(0, [0, 1, 0, 2])
-    assert seen == ["[0] ", "[0] a", "[0] a", "[0] a", "[0] a", "[0] a"]
+    assert seen == ["", "[0] a", "[0] a", "[0] a", "[0] a", "[0] a"]
     assert out.getvalue() == "[0] a b\n\n[1] cd\n\n"
     printer.close({0: [0, 1, 0, 2], 1: [3, 4]})  # nothing left to print
     assert out.getvalue() == "[0] a b\n\n[1] cd\n\n"
