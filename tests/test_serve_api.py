@@ -219,6 +219,18 @@ def test_a_missing_or_wrong_api_key_is_401_on_every_v1_route(
     assert server.request("GET", "/health")[0] == 200  # no key needed
 
 
+def test_tokenize_without_a_tokenizer_is_a_400_naming_the_field(server: Server) -> None:
+    status, _, answer = server.post("/tokenize", {"prompt": "hi"}, headers=AUTH)
+    assert (
+        status == 400 and "prompt: the served model has no tokenizer" in answer["error"]["message"]
+    )
+    status, _, answer = server.post("/detokenize", {"tokens": [1, 2]}, headers=AUTH)
+    assert (
+        status == 400 and "tokens: the served model has no tokenizer" in answer["error"]["message"]
+    )
+    assert server.post("/tokenize", {"prompt": "hi"})[0] == 401  # the key, as on /v1
+
+
 def test_an_unknown_route_is_404_in_the_error_shape(server: Server) -> None:
     status, _, answer = server.request("GET", "/v1/nothing", headers=AUTH)
     assert status == 404 and "/v1/completions" in answer["error"]["message"]

@@ -164,3 +164,61 @@ def test_log_probabilities_the_server_does_not_collect_are_refused(server: Serve
     ):
         status, _, answer = server.post(path, body)
         assert status == 400 and "--logprobs N" in answer["error"]["message"], answer
+
+
+def test_tokenize_gives_the_tokenizer_s_ids_and_detokenize_inverts_them(
+    server: Server, tokenizer: Any
+) -> None:
+    """vLLM's utility routes, as its load generator calls them: the ids the
+    tokenizer gives, the count and the context; back to the same text."""
+    text = "hello world, hello"
+    status, _, body = server.post("/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200, body
+    ids = tokenizer(text)["input_ids"]
+    assert body["tokens"] == ids and body["count"] == len(ids)
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    status, _, models = server.request("GET", "/v1/models")
+    assert body["max_model_len"] == models["data"][0]["max_model_len"]
+    plain = server.post("/tokenize", {"prompt": text, "add_special_tokens": False})[2]
+    assert plain["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] is None
+    status, _, back = server.post("/detokenize", {"model": "tiny", "tokens": ids})
+    assert status == 200 and back == {"prompt": tokenizer.decode(ids)}
+
+
+def test_tokenize_renders_messages_as_a_chat_completion_counts_them(server: Server) -> None:
+    counted = server.post("/tokenize", {"messages": MESSAGES})[2]
+    usage = _chat(server, max_tokens=1)["usage"]
+    assert counted["count"] == usage["prompt_tokens"] == len(counted["tokens"])
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("/tokenize", {}, ["neither given"]),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, ["both given"]),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "add_generation_prompt": False},
+            ["add_generation_prompt=False", "expected true"],
+        ),
+        ("/tokenize", {"prompt": "a", "truncate": 3}, ["truncate"]),
+        ("/detokenize", {"tokens": [1, 10**6]}, ["token id 1000000", "expected ids in 0.."]),
+        ("/detokenize", {"tokens": "12"}, ["tokens"]),
+    ],
+)
+def test_a_bad_utility_body_is_a_400_naming_the_field(
+    server: Server, path: str, body: dict[str, Any], words: list[str]
+) -> None:
+    status, _, answer = server.post(path, body)
+    assert status == 400, answer
+    for word in words:
+        assert word in answer["error"]["message"], answer["error"]["message"]
+
+
+def test_utility_routes_refuse_another_model_and_name_the_version(server: Server) -> None:
+    from graphrunner import __version__
+
+    status, _, answer = server.post("/tokenize", {"model": "other", "prompt": "a"})
+    assert status == 404 and "not served here" in answer["error"]["message"]
+    assert server.request("GET", "/version")[2] == {"version": __version__}

@@ -114,9 +114,15 @@ class TextCodec:
         eos = self.tokenizer.eos_token_id
         return None if eos is None else int(eos)
 
-    def encode(self, text: str) -> list[int]:
-        """``text``'s token ids, with the special tokens the tokenizer adds (a BOS)."""
-        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, with the special tokens the tokenizer adds (a
+        BOS) unless ``special_tokens`` is False."""
+        encoded = self.tokenizer(text, add_special_tokens=special_tokens)
+        return [int(i) for i in encoded["input_ids"]]
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (``Ġthe``, ``<s>``)."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def chat(self, text: str) -> list[int]:
         """The ids of a one-turn conversation (``text`` as the user's message)
@@ -140,9 +146,10 @@ class TextCodec:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens (the end token) left out."""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``, special tokens (the end token) left out unless
+        ``skip_special_tokens`` is False."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 class StreamPrinter:

@@ -2,8 +2,10 @@
 :class:`~graphrunner_ref.serve.online.OnlineEngine`.
 
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST
-/v1/chat/completions`` (bearer check with ``--api-key``), ``GET /health``
-(200 once captured and serving) and ``GET /metrics``. A handler parses and
+/v1/chat/completions`` (bearer check with ``--api-key``), vLLM's ``POST
+/tokenize``, ``POST /detokenize`` (:mod:`~graphrunner_ref.serve.tokenize`) and
+``GET /version``, ``GET /health`` (200 once captured and serving) and ``GET
+/metrics``. A handler parses and
 checks the body (:mod:`~graphrunner_ref.serve.protocol`), submits it, and
 answers whole or as server-sent events (``stream``: the chat role first,
 text deltas, ``finish_reason`` on the last choice chunk, a usage chunk with
@@ -26,6 +28,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from graphrunner import __version__
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.io.stop import cut_at_stop
 from graphrunner_ref.io.text import TextCodec
@@ -33,6 +36,7 @@ from graphrunner_ref.serve.errors import APIError, error_body, install_handlers,
 from graphrunner_ref.serve.metrics import CONTENT_TYPE, Metrics
 from graphrunner_ref.serve.online import DEADLINE, SHUTDOWN, Delta, OnlineEngine, Ticket
 from graphrunner_ref.serve.protocol import (
+    Body,
     ChatRequest,
     CompletionRequest,
     Job,
@@ -40,6 +44,7 @@ from graphrunner_ref.serve.protocol import (
     job_of,
     usage,
 )
+from graphrunner_ref.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 __all__ = ["ServeState", "TextStream", "create_app"]
 
@@ -140,6 +145,24 @@ def create_app(state: ServeState) -> FastAPI:
         body = _parse(ChatRequest, await _json(request))
         return await _answer(state, request, body, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        _authorize(state, request)
+        body = _parse(TokenizeRequest, await _json(request))
+        _check_model(state, body.model)
+        return JSONResponse(tokenize(body, state.limits))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        _authorize(state, request)
+        body = _parse(DetokenizeRequest, await _json(request))
+        _check_model(state, body.model)
+        return JSONResponse(detokenize(body, state.limits))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
     return app
 
 
@@ -182,7 +205,7 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"request body: not valid JSON ({type(e).__name__})") from None
 
 
-def _parse(model: type[CompletionRequest] | type[ChatRequest], data: Any) -> Any:
+def _parse(model: type[Body], data: Any) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, f"request body: a JSON {type(data).__name__}; expected a JSON object")
     try:
@@ -191,16 +214,20 @@ def _parse(model: type[CompletionRequest] | type[ChatRequest], data: Any) -> Any
         raise validation_error(e.errors()) from None
 
 
-async def _answer(
-    state: ServeState, request: Request, body: CompletionRequest | ChatRequest, *, chat: bool
-) -> Response:
-    if body.model is not None and body.model != state.model_name:
+def _check_model(state: ServeState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
         raise APIError(
             404,
-            f"model={body.model!r}: not served here; expected {state.model_name!r}",
+            f"model={model!r}: not served here; expected {state.model_name!r}",
             param="model",
             code="model_not_found",
         )
+
+
+async def _answer(
+    state: ServeState, request: Request, body: CompletionRequest | ChatRequest, *, chat: bool
+) -> Response:
+    _check_model(state, body.model)
     job = job_of(body, state.limits)
     ticket = state.engine.submit(job)
     answer = _Answer(state, ticket, chat)

@@ -124,8 +124,8 @@ def install_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += "; expected /v1/models, /v1/completions, /v1/chat/completions, /health "
-            message += "or /metrics"
+            message += "; expected /v1/models, /v1/completions, /v1/chat/completions, "
+            message += "/tokenize, /detokenize, /version, /health or /metrics"
         return APIError(exc.status_code, message).response()
 
     @app.exception_handler(Exception)

@@ -24,6 +24,7 @@ from graphrunner_ref.serve.errors import APIError
 
 __all__ = [
     "MAX_STOPS",
+    "Body",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
@@ -40,17 +41,20 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A strict request body: a string is not a number, an unknown field is
+    refused by name."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
 
     include_usage: bool = False
 
 
-class _Common(_Body):
+class _Common(Body):
     """The fields both endpoints take."""
 
     model: str | None = None
@@ -83,14 +87,14 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     """One part of a message's content: only text."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant"]
