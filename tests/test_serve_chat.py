@@ -122,6 +122,28 @@ def test_a_stop_string_ends_the_answer_before_it(server: Server) -> None:
     assert text == answer["message"]["content"]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(server: Server) -> None:
+    """vLLM's field: the answer ends after its stop string, whole and streamed."""
+    free = _chat(server, max_tokens=40)["choices"][0]["message"]["content"]
+    stop = free.strip()[3:6]
+    if len(stop) < 2:
+        pytest.skip(f"the random model's answer {free!r} is too short to stop in")
+    fields = {"stop": [stop], "include_stop_str_in_output": True}
+    answer = _chat(server, max_tokens=40, **fields)["choices"][0]
+    assert answer["message"]["content"] == free[: free.index(stop)] + stop
+    assert answer["finish_reason"] == "stop" and answer["stop_reason"] == stop
+    body = {"messages": MESSAGES, "max_tokens": 40, "stream": True, **fields}
+    events = list(server.stream("/v1/chat/completions", body))
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == answer["message"]["content"]
+
+
+def test_spaces_between_special_tokens_false_is_refused_by_name(server: Server) -> None:
+    body = {"messages": MESSAGES, "spaces_between_special_tokens": False}
+    status, _, answer = server.post("/v1/chat/completions", body)
+    assert status == 400 and "spaces_between_special_tokens=False" in answer["error"]["message"]
+
+
 def test_greedy_chat_equals_generate_chat(
     server: Server, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

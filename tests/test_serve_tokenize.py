@@ -1,6 +1,8 @@
-"""The utility routes' answers (:mod:`graphrunner_ref.serve.tokenize`) over
-a stand-in tokenizer whose special tokens show: ``add_special_tokens``
-reaches the tokenizer, ``/detokenize`` keeps what ``/tokenize`` added."""
+"""vLLM's special-token fields over a stand-in tokenizer whose special
+tokens show: the utility routes (:mod:`graphrunner_ref.serve.tokenize`):
+``add_special_tokens`` reaches the tokenizer, ``/detokenize`` keeps what
+``/tokenize`` added; and an answer's text (``TextStream``) with
+``skip_special_tokens`` and ``include_stop_str_in_output``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from graphrunner.sampling import SamplingParams
 from graphrunner_ref.io.text import TextCodec
+from graphrunner_ref.serve.app import TextStream
 from graphrunner_ref.serve.errors import APIError
 from graphrunner_ref.serve.protocol import Limits
 from graphrunner_ref.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -66,3 +69,16 @@ def test_messages_without_a_chat_template_are_a_400_naming_messages() -> None:
     body = TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(APIError, match="messages: .*no chat template"):
         tokenize(body, LIMITS)
+
+
+def test_an_answer_keeps_its_special_tokens_when_asked() -> None:
+    for skip, expected in ((True, "ab"), (False, "<s>ab")):
+        stream = TextStream(_Codec(), [], skip_special=skip)
+        assert stream.add([BOS, 2, 3], last=True) == expected and stream.text() == expected
+
+
+def test_an_answer_ends_before_or_after_its_stop_string() -> None:
+    for include, expected in ((False, "ab"), (True, "abc")):
+        stream = TextStream(_Codec(), ["c"], include_stop=include)
+        streamed = stream.add([2, 3]) + stream.add([4, 5], last=True)
+        assert streamed == expected == stream.text()

@@ -73,27 +73,43 @@ class TextStream:
     Args:
         codec: the tokenizer (None: no text, every delta empty).
         stops: the request's stop strings (the text ends before the first).
+        include_stop: the text ends after the first stop string instead
+            (vLLM's ``include_stop_str_in_output``).
+        skip_special: special tokens are left out of the text (vLLM's
+            ``skip_special_tokens``).
     """
 
-    def __init__(self, codec: TextCodec | None, stops: Sequence[str]) -> None:
+    def __init__(
+        self,
+        codec: TextCodec | None,
+        stops: Sequence[str],
+        *,
+        include_stop: bool = False,
+        skip_special: bool = True,
+    ) -> None:
         self.codec, self.stops = codec, list(stops)
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.tokens: list[int] = []
         self.sent = ""
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
+    def _cut(self, codec: TextCodec) -> tuple[str, str | None]:
+        decoded = codec.decode(self.tokens, skip_special_tokens=self.skip_special)
+        text, stop = cut_at_stop(decoded, self.stops)
+        return (text + stop if stop is not None and self.include_stop else text), stop
+
     def text(self) -> str:
-        """The answer so far, cut before its first stop string."""
+        """The answer so far, cut at its first stop string."""
         if self.codec is None:
             return ""
-        return cut_at_stop(self.codec.decode(self.tokens), self.stops)[0]
+        return self._cut(self.codec)[0]
 
     def add(self, tokens: Sequence[int], *, last: bool = False) -> str:
         """The new text ``tokens`` make (``last``: the answer's end: all of it)."""
         self.tokens += tokens
         if self.codec is None:
             return ""
-        full, stop = cut_at_stop(self.codec.decode(self.tokens), self.stops)
-        text = full
+        text, stop = self._cut(self.codec)
         if not last:
             if stop is None and self._hold:
                 text = text[: -self._hold]
@@ -280,7 +296,13 @@ class _Answer:
         prefix = "chatcmpl" if chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.stream = TextStream(state.limits.codec, self.job.stops)
+        job = self.job
+        self.stream = TextStream(
+            state.limits.codec,
+            job.stops,
+            include_stop=job.include_stop,
+            skip_special=job.skip_special,
+        )
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         if self.chat:

@@ -68,6 +68,10 @@ class _Common(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's text fields, with vLLM's defaults.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # OpenAI's, refused unless neutral (see _UNSUPPORTED).
     n: int | None = None
     presence_penalty: float | None = None
@@ -134,6 +138,11 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("frequency_penalty", lambda v: not v, "no penalties; expected 0"),
     ("repetition_penalty", lambda v: v in (None, 1), "no penalties; expected 1"),
     ("logit_bias", lambda v: not v, "no logit bias; expected none"),
+    (
+        "spaces_between_special_tokens",
+        lambda v: v,
+        "special tokens are joined as the tokenizer decodes them; expected true",
+    ),
     ("tools", lambda v: not v, "no tool calls; expected none"),
     ("tool_choice", lambda v: v in (None, "none", "auto"), "no tool calls; expected none"),
     ("functions", lambda v: not v, "no function calls; expected none"),
@@ -164,7 +173,9 @@ class Limits:
 class Job:
     """A validated request, as the engine takes it: prompt token ids, the
     most new tokens, sampling, stop strings, the top log-probabilities
-    (None: none asked) and whether it streams (with a usage chunk)."""
+    (None: none asked) and whether it streams (with a usage chunk); and how
+    its text reads: the stop string that ended it kept (``include_stop``),
+    special tokens left out (``skip_special``)."""
 
     prompt: list[int]
     max_tokens: int
@@ -173,6 +184,8 @@ class Job:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    include_stop: bool = False
+    skip_special: bool = True
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
@@ -232,6 +245,8 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
         logprobs=logprobs,
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
+        include_stop=body.include_stop_str_in_output,
+        skip_special=body.skip_special_tokens,
     )
 
 
