@@ -20,7 +20,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,23 +163,30 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        _authorize(state, request)
-        body = _parse(TokenizeRequest, await _json(request))
-        _check_model(state, body.model)
-        return JSONResponse(tokenize(body, state.limits))
+        return await _utility(state, request, TokenizeRequest, tokenize)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        _authorize(state, request)
-        body = _parse(DetokenizeRequest, await _json(request))
-        _check_model(state, body.model)
-        return JSONResponse(detokenize(body, state.limits))
+        return await _utility(state, request, DetokenizeRequest, detokenize)
 
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": __version__})
 
     return app
+
+
+async def _utility(
+    state: ServeState,
+    request: Request,
+    body_type: type[Body],
+    answer: Callable[[Any, Limits], dict[str, Any]],
+) -> Response:
+    """A utility route: the key, the body, the model's name, then ``answer``."""
+    _authorize(state, request)
+    body = _parse(body_type, await _json(request))
+    _check_model(state, body.model)
+    return JSONResponse(answer(body, state.limits))
 
 
 def _authorize(state: ServeState, request: Request) -> None:
