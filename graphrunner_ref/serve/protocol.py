@@ -31,6 +31,7 @@ __all__ = [
     "Job",
     "Limits",
     "StreamOptions",
+    "chat_prompt",
     "job_of",
     "usage",
 ]
@@ -201,7 +202,7 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
                 code="unsupported",
             )
     if isinstance(body, ChatRequest):
-        prompt = _chat_prompt(body, limits)
+        prompt = chat_prompt(body.messages, limits)
         logprobs = _chat_logprobs(body, limits)
         max_tokens = body.max_completion_tokens or body.max_tokens
         default_new = limits.context - len(prompt) + 1
@@ -296,8 +297,10 @@ def _encode(limits: Limits, text: str, field: str) -> list[int]:
     return ids
 
 
-def _chat_prompt(body: ChatRequest, limits: Limits) -> list[int]:
-    if not body.messages:
+def chat_prompt(messages: list[ChatMessage], limits: Limits) -> list[int]:
+    """The ids of ``messages`` through the checkpoint's chat template, with
+    the generation prompt; :class:`APIError` (400) naming ``messages``."""
+    if not messages:
         raise APIError(400, "messages=[]: empty; expected at least one message", param="messages")
     if limits.codec is None:
         raise APIError(
@@ -306,9 +309,9 @@ def _chat_prompt(body: ChatRequest, limits: Limits) -> list[int]:
             "/v1/completions with token ids",
             param="messages",
         )
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        ids = limits.codec.chat_messages(messages, what="messages")
+        ids = limits.codec.chat_messages(turns, what="messages")
     except NoTokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
     if not ids:

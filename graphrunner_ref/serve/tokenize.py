@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphrunner_ref.io.text import NoTokenizerError, TextCodec
+from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
-from graphrunner_ref.serve.protocol import Body, ChatMessage, Limits
+from graphrunner_ref.serve.protocol import Body, ChatMessage, Limits, chat_prompt
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenize", "tokenize"]
 
@@ -62,11 +62,7 @@ def tokenize(body: TokenizeRequest, limits: Limits) -> dict[str, Any]:
                 code="unsupported",
             )
         codec = _codec(limits, "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = codec.chat_messages(messages, what="messages")
-        except NoTokenizerError as e:
-            raise APIError(400, str(e), param="messages") from None
+        ids = chat_prompt(body.messages, limits)
     else:
         codec = _codec(limits, "prompt")
         ids = codec.encode(str(body.prompt), special_tokens=body.add_special_tokens)
