@@ -105,10 +105,6 @@ def test_greedy_tokens_equal_transformers_generate(
     kind, path, expected = oracle
     sizes = CAPTURE_SIZES
     mechanism, options = MECHANISMS[label]
-    if mechanism == "cpu" or options.get("compile"):
-        # Inductor compiles each size for seconds (tens on a busy 2-core box):
-        # one size, every batch padded up to it.
-        sizes = [8]
     bundle = _bundle(path, runner_device(label))
     runner = create_decode_runner(
         bundle, mechanism, capture_sizes=sizes, check_padding=True, **options
