@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from graphrunner.sanitizer.checks import (
     check_writers,
 )
 from graphrunner.sanitizer.values import DEFAULT_VALUE_SPECS, ValueContext, check_declared_values
+
+if TYPE_CHECKING:
+    from graphrunner.sanitizer.shared import SharedPages
 
 __all__ = [
     "GuardedTensor",
@@ -80,6 +83,11 @@ class PaddingSanitizer:
         slot_pools: other pools that must never have handed out slot 0.
         vocab_size: if given, live token ids (a buffer declaring
             ``indexes=Index.TOKEN``, e.g. ``input_ids``) must be in ``0..vocab_size - 1``.
+        shared_pages: a KV pool whose pages requests share by prefix
+            (default: ``kv_allocator`` if it is a :class:`CachedKVAllocator`):
+            its bookkeeping must be consistent, every page a live request
+            maps held, and no live KV write may land in a page held by two
+            requests or indexed (:mod:`graphrunner.sanitizer.shared`).
 
     Which live values are checked, and how, comes from what each buffer
     declares it indexes (:class:`~graphrunner.declare.buffers.Index`): the
@@ -96,6 +104,7 @@ class PaddingSanitizer:
         slot_pools: Sequence[Any] = (),
         vocab_size: int | None = None,
         check_reads: bool = True,
+        shared_pages: SharedPages | None = None,
     ) -> None:
         if vocab_size is not None and (
             isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
@@ -113,6 +122,7 @@ class PaddingSanitizer:
             kv_pools = (p for p in slot_pools if isinstance(p, TokenToKVPoolAllocator))
             kv_allocator = next(kv_pools, None)
         self.kv_allocator = kv_allocator
+        self.shared_pages = shared_pages if shared_pages is not None else _shared(kv_allocator)
         owners = [p for p in (req_pool, kv_allocator) if p is not None]
         self.slot_pools = [*owners, *(p for p in slot_pools if p is not kv_allocator)]
         self.stats = SanitizerStats()
@@ -129,6 +139,7 @@ class PaddingSanitizer:
         req_to_token_writer: str | None = None,
         vocab_size: int | None = None,
         guard: Sequence[GuardedTensor] = (),
+        shared_pages: SharedPages | None = None,
     ) -> PaddingSanitizer:
         """Guard ``req_to_token``, every KV layer and (optionally) Mamba state.
 
@@ -136,7 +147,9 @@ class PaddingSanitizer:
         no row of it may change; a forward that assigns its live rows' slots
         itself passes ``req_to_token_writer="req_pool_indices"``. ``vocab_size``
         bounds live token ids (see the class). ``guard``: state of one's own
-        guarded too (a :class:`GuardedTensor` each).
+        guarded too (a :class:`GuardedTensor` each). ``shared_pages``: see
+        the class (a :class:`CachedKVAllocator` given as ``kv_allocator`` is
+        checked by default).
         """
         guarded = [
             GuardedTensor(
@@ -175,6 +188,7 @@ class PaddingSanitizer:
             kv_allocator=kv_allocator,
             slot_pools=pools,
             vocab_size=vocab_size,
+            shared_pages=shared_pages,
         )
 
     def check_pools(self) -> None:
@@ -188,6 +202,10 @@ class PaddingSanitizer:
         for pool in self.slot_pools:
             if pool.is_allocated(0):
                 raise PaddingViolation(f"{type(pool).__name__} handed out the reserved slot 0")
+        if self.shared_pages is not None:
+            from graphrunner.sanitizer.shared import check_cache_consistency  # on first use
+
+            check_cache_consistency(self.shared_pages)
 
     def check_live_values(self, inputs: object, raw_bs: Size) -> None:
         """Every live index value is one the step may use; reads the device.
@@ -196,7 +214,7 @@ class PaddingSanitizer:
         each runs only when ``inputs`` has the fields it needs, in their
         buffers' layout (``raw_bs * r`` rows), and the pool it checks against.
         """
-        ctx = ValueContext(self.req_pool, self.kv_allocator, self.vocab_size)
+        ctx = ValueContext(self.req_pool, self.kv_allocator, self.vocab_size, self.shared_pages)
         check_declared_values(self._value_specs, inputs, raw_bs, ctx)
 
     def before_launch(
@@ -236,6 +254,15 @@ class PaddingSanitizer:
         check = ReplayCheck(self, inputs, [g.tensor.clone() for g in self.guarded])
         self.stats.seconds += time.perf_counter() - start
         return check
+
+
+def _shared(kv_allocator: SlotOwner | None) -> SharedPages | None:
+    """``kv_allocator`` if it shares pages by prefix, else None."""
+    if kv_allocator is None:
+        return None
+    from graphrunner.pools import CachedKVAllocator  # on first use: a sanitizer is a debug mode
+
+    return kv_allocator if isinstance(kv_allocator, CachedKVAllocator) else None
 
 
 def _batch_size(inputs: object) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from graphrunner.declare.buffers import Axis, BufferSpec, Index, Size, units
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, decode_buffer_specs
@@ -24,6 +25,9 @@ from graphrunner.sanitizer.checks import (
     live_ints,
     row_violation,
 )
+
+if TYPE_CHECKING:
+    from graphrunner.sanitizer.shared import SharedPages
 
 __all__ = ["DEFAULT_VALUE_SPECS", "LiveValue", "ValueContext", "check_declared_values"]
 
@@ -41,12 +45,14 @@ class LiveValue:
 
 @dataclass(frozen=True, slots=True)
 class ValueContext:
-    """What the checks compare against: the request pool, the KV allocator and
-    the vocabulary size, each None when the sanitizer was not given it."""
+    """What the checks compare against: the request pool, the KV allocator,
+    the vocabulary size and the pool's shared pages (prefix caching), each
+    None when the sanitizer was not given it."""
 
     req_pool: ReqToTokenPool | None
     kv_allocator: SlotOwner | None
     vocab_size: int | None
+    shared: SharedPages | None = None
 
 
 def live_values(
@@ -76,6 +82,7 @@ def check_declared_values(
     owners = _token_owners(live, raw_bs)
     _check_lengths(live, ctx.req_pool, owners)
     _check_kv(live, ctx, owners)
+    _check_shared(live, ctx, owners)
     _check_token_rows(live.get(Index.TOKEN_ROW), owners)
     _check_reserved(live.get(Index.RESERVED_KV_SLOT), ctx)
     _check_tokens(live.get(Index.TOKEN), ctx.vocab_size)
@@ -172,6 +179,46 @@ def _check_kv(
         return
     per_token = [row for row in rows.values for _ in range(r)]
     check_kv_owner(ctx.req_pool.req_to_token, per_token, positions.values, locs.values)
+
+
+def _check_shared(
+    live: dict[Index, LiveValue],
+    ctx: ValueContext,
+    owners: list[tuple[int, int, int]] | None = None,
+) -> None:
+    """With shared pages: every page a live request maps is still held, and
+    no live KV write (``out_cache_loc``, a multi-step launch's reserved
+    slots) lands in a shared or indexed page."""
+    if ctx.shared is None:
+        return
+    from graphrunner.sanitizer.shared import check_shared_writes, mapped_pages  # on first use
+
+    rows, lengths = live.get(Index.REQUEST_ROW), live.get(Index.LENGTH)
+    mappers = None
+    if rows is not None and rows.spec.rows_per_request != 1:
+        rows = None  # several rows per request: which request a value is, is not said
+    if lengths is not None and lengths.spec.rows_per_request != 1:
+        lengths = None
+    if ctx.req_pool is not None and rows is not None and lengths is not None:
+        req_to_token = ctx.req_pool.req_to_token
+        mappers = mapped_pages(ctx.shared, req_to_token, rows.values, lengths.values)
+    for index in (Index.KV_SLOT, Index.RESERVED_KV_SLOT):
+        locs = live.get(index)
+        if locs is not None:
+            who = _write_rows(locs, rows, owners)
+            check_shared_writes(ctx.shared, locs.values, who, mappers, field=locs.spec.name)
+
+
+def _write_rows(
+    locs: LiveValue, rows: LiveValue | None, owners: list[tuple[int, int, int]] | None
+) -> list[int | None] | None:
+    """The request row of each live write, where the layout says it."""
+    if rows is None:
+        return None
+    if locs.spec.axis is Axis.TOKEN:
+        return None if owners is None else [rows.values[i] for i, _, _ in owners]
+    r = locs.spec.rows_per_request
+    return [rows.values[k // r] for k in range(len(locs.values))]
 
 
 def _check_token_rows(rows: LiveValue | None, owners: list[tuple[int, int, int]] | None) -> None:
