@@ -67,8 +67,8 @@ class PrefixCacheStats:
         lookups: :meth:`~CachedKVAllocator.match` calls; ``hits`` of them
             found at least one page.
         query_tokens: prompt tokens looked up; ``cached_tokens`` of them found.
-        inserted_pages: pages indexed; ``evictions``: indexed pages evicted
-            to make room.
+        inserted_pages: pages indexed; ``evictions``: indexed pages dropped
+            to make room (with the pages indexed below them).
         cached_pages: pages indexed now; ``unheld_pages`` of them held by no
             request (evictable).
     """
@@ -167,8 +167,7 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
             raise bad_arg("alloc: n", n, f"a multiple of page_size {self.page_size}", PoolError)
         if n > self.available_size():
             raise PoolExhausted(n, self.available_size(), "KV token slots")
-        free_pages = super().available_size() // self.page_size
-        self._evict(max(0, n // self.page_size - free_pages))
+        self._make_room(n // self.page_size)
         slots = super().alloc(n)
         for first in slots[:: self.page_size]:
             self._refs[first // self.page_size] = 1
@@ -178,7 +177,10 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
         """Drop one reference on each whole page of ``slots`` (a request's
         pages, each listed once); all-or-nothing. See :meth:`release`."""
         name = "free: slots"
-        self._drop(self._held_pages(self._whole_pages(as_index_list(slots, name), name), name))
+        tokens = as_index_list(slots, name)
+        pages = self._whole_pages(tokens, name)
+        self._check_held(tokens, name)
+        self._drop(pages)
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference on each of ``pages`` (held, each listed once).
@@ -303,13 +305,16 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
     def _scope(self, adapter: Hashable) -> Hashable:
         return self.scope if adapter is None else (self.scope, adapter)
 
-    def _evict(self, n: int) -> None:
-        """Free the ``n`` least recently released unheld pages (none held)."""
-        for _ in range(n):
-            page, _ = self._unheld.popitem(last=False)
-            self._index.remove(page)
-            super().free(self.slots_of([page]))
-        self._counts.update(evictions=n)
+    def _make_room(self, pages: int) -> None:
+        """Evict unheld pages, least recently released first, until ``pages``
+        are free. Evicting a page drops the pages indexed below it too: an
+        unheld one is freed, a held one stays with its holders, unindexed."""
+        while super().available_size() < pages * self.page_size:
+            for page in self._index.remove(next(iter(self._unheld))):
+                self._counts["evictions"] += 1
+                if page in self._unheld:
+                    del self._unheld[page]
+                    super().free(self.slots_of([page]))
 
     def _page_list(self, pages: Sequence[int], name: str) -> list[int]:
         """``pages`` as host ints, each a page in ``1..num_pages``, listed once."""
@@ -347,5 +352,12 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
             if page < 1 or slots[i * ps : (i + 1) * ps] != self.slots_of([page]):
                 expected = f"slots {i * ps}..{(i + 1) * ps - 1} one whole KV page >= 1, in order"
                 raise bad_arg(f"insert: slots[{i * ps}]", slots[i * ps], expected, InvalidSlot)
-        self._held_pages(pages, "insert: pages of slots")
+        self._check_held(slots[: full * ps], "insert: slots")
         return pages
+
+    def _check_held(self, slots: list[int], name: str) -> None:
+        """Each of ``slots`` in a page some request holds (else ``DoubleFree``)."""
+        for i, slot in enumerate(slots):
+            if slot // self.page_size not in self._refs:
+                expected = "a slot of a page some request holds (it is free or only cached)"
+                raise bad_arg(f"{name}[{i}]", slot, expected, DoubleFree)

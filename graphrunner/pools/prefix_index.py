@@ -77,6 +77,7 @@ class PrefixIndex:
         self.page_size = check_count("PrefixIndex: page_size", page_size, minimum=1)
         self._by_key: dict[int, _Entry] = {}
         self._by_page: dict[int, _Entry] = {}
+        self._children: dict[int, set[int]] = {}  # serial -> pages indexed right below it
         self._serials = 0
 
     def __len__(self) -> int:
@@ -92,6 +93,7 @@ class PrefixIndex:
     def clear(self) -> None:
         self._by_key.clear()
         self._by_page.clear()
+        self._children.clear()
 
     def full_pages(self, token_ids: Sequence[int]) -> Iterator[tuple[int, ...]]:
         """The token ids of each full page of ``token_ids``, in order."""
@@ -129,6 +131,7 @@ class PrefixIndex:
         for entry in planned:
             self._by_key[entry.key] = entry
             self._by_page[entry.page] = entry
+            self._children.setdefault(entry.parent, set()).add(entry.page)
         return [e.page for e in planned]
 
     def _plan(
@@ -139,41 +142,58 @@ class PrefixIndex:
         if len(pages) < len(chunks):
             expected = f"a page for each of the {len(chunks)} full pages of token_ids"
             raise bad_arg("insert: pages", list(pages), expected, PoolError)
-        planned: list[_Entry] = []
+        planned: dict[int, _Entry] = {}  # by key: a key may repeat within one prompt
         parent, key = _ROOT, hash(scope)
         for i, tokens in enumerate(chunks):
             key = hash((key, tokens))
             page = self._check_page(f"insert: pages[{i}]", pages[i])
-            entry = self._by_key.get(key)
+            entry = planned.get(key) or self._by_key.get(key)
             if entry is not None and not entry.holds(parent, tokens, scope):
                 break  # a collision: this prefix cannot be indexed past here
             if entry is None:
-                if page in self._by_page or any(e.page == page for e in planned):
+                if page in self._by_page or any(e.page == page for e in planned.values()):
                     expected = "a page not indexed as another prefix (it holds other tokens)"
                     raise bad_arg(f"insert: pages[{i}]", page, expected, PoolError)
                 self._serials += 1
                 entry = _Entry(page, key, self._serials, parent, tokens, scope)
-                planned.append(entry)
+                planned[key] = entry
             parent = entry.serial
-        return planned
+        return list(planned.values())
 
     def _check_page(self, name: str, page: object) -> int:
         what = "a KV page >= 1 (page 0 is the reserved padding page)"
         return check_count(name, page, minimum=1, error=InvalidSlot, what=what)
 
-    def remove(self, page: int) -> None:
-        """Drop ``page`` from the index (its children become unreachable until
-        their prefix is indexed again; they are evicted in their turn)."""
-        entry = self._by_page.pop(page)
-        del self._by_key[entry.key]
+    def remove(self, page: int) -> list[int]:
+        """Drop ``page`` and every page indexed below it, which no lookup could
+        reach without it; returns them, ``page`` first. So no entry outlives
+        its parent, and a prefix indexed again is indexed whole."""
+        removed: list[int] = []
+        stack = [self._by_page[page]]
+        while stack:
+            entry = stack.pop()
+            del self._by_page[entry.page], self._by_key[entry.key]
+            siblings = self._children.get(entry.parent)  # gone if the parent went first
+            if siblings is not None:
+                siblings.discard(entry.page)
+                if not siblings:
+                    del self._children[entry.parent]
+            stack += [self._by_page[p] for p in self._children.pop(entry.serial, ())]
+            removed.append(entry.page)
+        return removed
 
     def inconsistencies(self) -> list[str]:
         """What breaks the index's own invariants, in words (``[]``: none):
-        both maps inverse of each other, page 0 never indexed."""
+        both maps inverse of each other, page 0 never indexed, no entry
+        without its parent."""
         found = ["page 0 (the padding page) is indexed"] if 0 in self._by_page else []
         for page, entry in self._by_page.items():
             if entry.page != page or self._by_key.get(entry.key) is not entry:
                 found.append(f"page {page} is indexed under a key that maps elsewhere")
         if len(self._by_key) != len(self._by_page):
             found.append(f"{len(self._by_key)} keys index {len(self._by_page)} pages")
+        live = {e.serial for e in self._by_page.values()} | {_ROOT}
+        for page, entry in self._by_page.items():
+            if entry.parent not in live:
+                found.append(f"page {page} is indexed below a page no longer indexed")
         return found
