@@ -1,5 +1,13 @@
-"""A small engine loop: continuous batching over a request trace, every decode step
-through a runner, optionally checked against the eager forward.
+"""The engine: requests in, one step at a time, outputs out.
+
+:class:`Engine` serves requests by continuous batching, every decode step
+through a captured runner, optionally checked against the eager forward. Its
+API is vLLM's ``LLMEngine`` and nano-vllm's: :meth:`Engine.add_request`,
+:meth:`Engine.abort`, :meth:`Engine.step` (a list of
+:class:`~graphrunner_ref.engine.results.RequestOutput`),
+:meth:`Engine.has_unfinished` and :meth:`Engine.stats`. ``generate``, ``demo``
+and the benches drive it through :meth:`Engine.run` (a whole trace, stepped);
+``graphrunner serve``'s engine thread calls it directly.
 
 Per engine step (the plain schedule): admit the requests that have arrived
 (while rows, request slots and KV room last), prefill each eagerly; run one
@@ -22,6 +30,7 @@ and frees them whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -35,22 +44,24 @@ from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import StepInputs
 from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
-from graphrunner.sampling import check_seed
+from graphrunner.sampling import SamplingParams, check_seed
 from graphrunner.util import ChunkSafeCall, Exclusive
 from graphrunner_ref.engine.admission import Admission, check_token_budget
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.interrupts import deferred_interrupts
 from graphrunner_ref.engine.multistep import check_multistep
-from graphrunner_ref.engine.online import RequestSource
 from graphrunner_ref.engine.policy import schedule_for
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
 from graphrunner_ref.engine.results import (
     AdmissionError,
     EngineResult,
     EngineStats,
+    FinishReason,
     LiveRequest,
+    RequestOutput,
     Run,
+    TokenLogprobs,
 )
 from graphrunner_ref.engine.run_counts import RunnerCounts
 from graphrunner_ref.engine.sampling import (
@@ -73,6 +84,7 @@ __all__ = [
     "Engine",
     "EngineResult",
     "EngineStats",
+    "RequestOutput",
     "Schedule",
     "SyncSchedule",
     "create_decode_runner",
@@ -173,6 +185,14 @@ class Engine:
         self.on_finish, self.on_token, self.stop = on_finish, on_token, stop
         # A step's callbacks, called after its bookkeeping (_fire_callbacks).
         self._callbacks: list[Callable[[], object]] = []
+        # The open run (None: no request in flight) and the request API's books.
+        self._run: Run | None = None
+        self._counts = RunnerCounts.of(runner)  # the runner's counters when it opened
+        self._out: dict[int, RequestOutput] = {}  # owed by step(), in the order of their events
+        self._owner: dict[int, LiveRequest] = {}  # the request each owed output is of
+        self._rids: set[int] = set()  # every request added and not yet finished
+        self._aborted: set[int] = set()  # running requests to cut after their next token
+        self._next_rid = 0
         self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
@@ -182,6 +202,7 @@ class Engine:
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.
         budget = check_token_budget(bundle, max_num_batched_tokens)
+        self.token_runner = token_runner
         self.admitter = Admission(self, rank0_admits(bundle), budget, token_runner)
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
@@ -193,19 +214,102 @@ class Engine:
             torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         )
 
+    # -- the request API: add, abort, step ---------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        *,
+        rid: int | None = None,
+    ) -> int:
+        """Queue a request for the next :meth:`step`; its id (``rid``, or the
+        next free one). Checked here as a run checks its trace: ``ValueError``
+        or ``TypeError`` naming the field, nothing queued."""
+        with self._exclusive.held():
+            run = self._open()
+            rid = self._next_rid if rid is None else rid
+            if rid in self._rids:
+                raise ValueError(
+                    f"add_request: rid={rid} is still in the engine; expected a new id"
+                )
+            request = Request(rid, tuple(prompt), max_new_tokens, run.clock, sampling)
+            self.admitter.validate([request])
+            run.pending.append(request)
+            self._rids.add(rid)
+            self._next_rid = max(self._next_rid, rid + 1)
+            return rid
+
+    def abort(self, rid: int) -> None:
+        """End request ``rid``: a waiting one at once, a running one after
+        its next token (where every schedule frees a finished request's row
+        and pages); its last output says ``"abort"``. An unknown or already
+        finished id is ignored (it may have finished meanwhile)."""
+        with self._exclusive.held():
+            run = self._run
+            if run is None or rid not in self._rids or rid in self._aborted:
+                return
+            waiting = [r for r in run.pending if r.rid == rid]
+            if not waiting:
+                self._aborted.add(rid)
+                return
+            run.pending.remove(waiting[0])
+            run.outputs.pop(rid, None)
+            self._out[rid] = RequestOutput(rid, finish_reason="abort")
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (admission, prompt chunks, a decode step or launch,
+        retirements) over what :meth:`add_request` queued; what it gave each
+        request, in the order they got it. A finished request leaves the
+        engine with its last output. Nothing to run: only the outputs still
+        owed (an abort of a waiting request). A Ctrl-C waits for the step's
+        end; its outputs then come with the next call."""
+        with self._exclusive.held(), deferred_interrupts() as interrupted:
+            run = self._open()
+            if _busy(run):
+                self._advance(run)
+            interrupted()
+            return self._drain(run)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is waiting, prefilling or running, or an output
+        is still owed by :meth:`step`."""
+        run = self._run
+        return run is not None and (_busy(run) or bool(self._out))
+
+    def running(self) -> int:
+        """Requests admitted and not finished: prefilling or decoding."""
+        run = self._run
+        return 0 if run is None else len(run.live) + len(run.prefilling)
+
+    def stats(self) -> EngineStats:
+        """What the engine did since the first request was added (or the
+        last :meth:`close`)."""
+        run = self._run
+        if run is None:
+            return EngineStats()
+        stats = dataclasses.replace(run.stats, batch_sizes=dict(run.stats.batch_sizes))
+        RunnerCounts.of(self.runner).record_since(self._counts, stats, self.steps_per_launch)
+        return stats
+
+    def close(self) -> None:
+        """Drop every request, free every row and page they hold and what the
+        schedule prepared; the engine is empty again. Safe after a failed
+        :meth:`step` (whose requests it frees)."""
+        with self._exclusive.held():
+            self._close()
+
     def run(
         self,
         trace: Sequence[Request],
         *,
         max_steps: int | None = None,
         progress: bool = False,
-        source: RequestSource | None = None,
     ) -> EngineResult:
-        """Serve ``trace`` until every request finishes or ``max_steps`` decode steps ran.
-
-        ``source``: requests arriving while the run goes on
-        (:class:`~graphrunner_ref.engine.online.RequestSource`, asked at every
-        step boundary); the run then lasts until the source closes.
+        """Serve ``trace`` until every request finishes or ``max_steps`` decode
+        steps ran: the request API driven over a whole trace (each request
+        added at its ``arrival_step``), its outputs gathered.
 
         Raises :class:`AdmissionError` when nothing is running and the next
         arrived request does not fit in the free request rows and KV pages
@@ -215,45 +319,98 @@ class Engine:
         (:mod:`~graphrunner_ref.engine.interrupts`).
         """
         with self._exclusive.held(), deferred_interrupts() as interrupted:
-            return self._run(trace, max_steps, progress, interrupted, source)
+            if self._rids or self._out:
+                raise RuntimeError(
+                    f"Engine.run: {len(self._rids)} requests added by add_request are open; "
+                    "expected them finished, or close() first"
+                )
+            self.admitter.validate(trace)
+            self._close()  # a fresh run: its own stats
+            return self._run_trace(trace, max_steps, progress, interrupted)
 
-    def _run(
+    def _run_trace(
         self,
         trace: Sequence[Request],
         max_steps: int | None,
         progress: bool,
         interrupted: Callable[[], None],
-        source: RequestSource | None = None,
     ) -> EngineResult:
-        self.admitter.validate(trace)
-        run = Run(
-            deque(sorted(trace, key=lambda r: (r.arrival_step, r.rid))),
-            DecodeBatch.empty(self.device, self.bundle.max_context_len),
-            {r.rid: [] for r in trace},
-        )
-        start = RunnerCounts.of(self.runner)
-        self.schedule.begin(self, max_steps)
+        run = self._open(max_steps)
+        run.pending.extend(sorted(trace, key=lambda r: (r.arrival_step, r.rid)))
+        self._rids.update(r.rid for r in trace)
+        outputs: dict[int, list[int]] = {r.rid: [] for r in trace}
+        logprobs: dict[int, list[TokenLogprobs]] = {}
+        finished: set[int] = set()
         try:
             with tqdm(total=max_steps, desc="decode", unit="step", disable=not progress) as bar:
-                while _more(run, source) and (max_steps is None or run.stats.steps < max_steps):
-                    if not run.live and not run.prefilling:  # idle: jump to the next arrival
-                        run.clock = max(run.clock, run.pending[0].arrival_step)
-                    begin = time.perf_counter()
-                    bar.update(self._step(run))
-                    run.stats.step_seconds += time.perf_counter() - begin
-                    self._fire_callbacks()
-                    run.clock += 1
+                while _busy(run) and (max_steps is None or run.stats.steps < max_steps):
+                    bar.update(self._advance(run))
+                    for out in self._drain(run):
+                        outputs[out.rid].extend(out.tokens)
+                        if self.logprobs:
+                            logprobs.setdefault(out.rid, []).extend(out.logprobs)
+                        if out.finished:
+                            finished.add(out.rid)
                     interrupted()  # a Ctrl-C held since the step began raises here
             for req in run.live:  # cut by max_steps
-                run.outputs[req.request.rid] = req.tokens
+                outputs[req.request.rid] = req.tokens
+                if self.logprobs:
+                    logprobs[req.request.rid] = req.logprobs
             interrupted()
+            stats = self.stats()
         finally:  # on an error too: a failed run leaks no pool row or KV page
-            self._callbacks = []
+            self._close()
+        return EngineResult(outputs, frozenset(finished), stats, logprobs)
+
+    def _open(self, max_steps: int | None = None) -> Run:
+        """The open run (requests in flight), begun when none is."""
+        if self._run is None:
+            self._run = Run(
+                deque(), DecodeBatch.empty(self.device, self.bundle.max_context_len), {}
+            )
+            self._counts = RunnerCounts.of(self.runner)
+            self.schedule.begin(self, max_steps)
+        return self._run
+
+    def _close(self) -> None:
+        run, self._run = self._run, None
+        self._callbacks, self._out, self._owner = [], {}, {}
+        self._rids, self._aborted = set(), set()
+        if run is None:
+            return
+        try:
             for req in list(run.held.values()):
                 self.free(run, req)
+        finally:
             self.schedule.end(self)
-        RunnerCounts.of(self.runner).record_since(start, run.stats, self.steps_per_launch)
-        return EngineResult(run.outputs, frozenset(run.finished), run.stats, run.logprobs)
+
+    def _advance(self, run: Run) -> int:
+        """One engine step of ``run`` and its callbacks; the decode steps it ran."""
+        if not run.live and not run.prefilling:  # idle: jump to the next arrival
+            run.clock = max(run.clock, run.pending[0].arrival_step)
+        begin = time.perf_counter()
+        steps = self._step(run)
+        run.stats.step_seconds += time.perf_counter() - begin
+        self._fire_callbacks()
+        run.clock += 1
+        return steps
+
+    def _drain(self, run: Run) -> list[RequestOutput]:
+        """The outputs the last steps owe, in order; finished requests leave."""
+        outs, self._out = list(self._out.values()), {}
+        owners, self._owner = self._owner, {}
+        for out in outs:
+            req = owners.get(out.rid)
+            if self.logprobs and req is not None:  # the new tokens' own, at the list's end
+                total = len(req.tokens)
+                out.logprobs = req.logprobs[total - len(out.tokens) : total]
+            if out.finished:
+                self._rids.discard(out.rid)
+                self._aborted.discard(out.rid)
+                run.outputs.pop(out.rid, None)
+                run.finished.discard(out.rid)
+                run.logprobs.pop(out.rid, None)
+        return outs
 
     @property
     def admission(self) -> Callable[[int], int] | None:
@@ -359,22 +516,41 @@ class Engine:
         return done
 
     def record_token(self, run: Run, req: LiveRequest, token: int) -> bool:
-        """Append ``token``; when the budget or the end token is reached, record
-        the request's output as finished. Returns whether it is done."""
+        """Append ``token``; when the budget, the end token, the ``stop`` hook
+        or an abort ends the request, record it as finished. Returns whether
+        it is done."""
+        rid = req.request.rid
         req.tokens.append(token)
+        out = self._out.get(rid)
+        if out is None:
+            out = self._out[rid] = RequestOutput(rid)
+            self._owner[rid] = req
+        out.tokens.append(token)
         if self.on_token is not None:
-            self._callbacks.append(functools.partial(self.on_token, req.request.rid, token))
-        if (
-            len(req.tokens) < req.request.max_new_tokens
-            and token != self.end_token
-            and not (self.stop is not None and self.stop(req.request.rid, req.tokens))
-        ):
+            self._callbacks.append(functools.partial(self.on_token, rid, token))
+        reason = self._finish_reason(req, token)
+        if reason is None:
             return False
-        run.outputs[req.request.rid] = req.tokens
-        run.finished.add(req.request.rid)
+        out.finish_reason = reason
+        run.outputs[rid] = req.tokens
+        run.finished.add(rid)
         if self.on_finish is not None:
-            self._callbacks.append(functools.partial(self.on_finish, req.request.rid, req.tokens))
+            self._callbacks.append(functools.partial(self.on_finish, rid, req.tokens))
         return True
+
+    def _finish_reason(self, req: LiveRequest, token: int) -> FinishReason | None:
+        """Why ``req`` finishes at its last token ``token``, or None (the
+        ``stop`` hook is asked only when nothing else ends it)."""
+        rid = req.request.rid
+        if rid in self._aborted:
+            return "abort"
+        if token == self.end_token:
+            return "stop"
+        if len(req.tokens) >= req.request.max_new_tokens:
+            return "length"
+        if self.stop is not None and self.stop(rid, req.tokens):
+            return "stop"
+        return None
 
     def _fire_callbacks(self) -> None:
         """The step's ``on_token`` / ``on_finish`` calls, in order, once its
@@ -401,9 +577,6 @@ class Engine:
         run.live.extend(joining)
 
 
-def _more(run: Run, source: RequestSource | None) -> bool:
-    """Whether ``run`` goes on: a request pending, prefilling or live (an
-    online source adds its arrivals first, at this step boundary)."""
-    if source is not None:
-        source.feed(run)
+def _busy(run: Run) -> bool:
+    """Whether ``run`` has a request waiting, prefilling or running."""
     return bool(run.pending or run.live or run.prefilling)

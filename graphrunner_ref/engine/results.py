@@ -6,17 +6,52 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 from graphrunner import DecodeBatch
 from graphrunner.sizing import BatchSizeHistogram, PaddingWaste
 from graphrunner_ref.engine.workload import Request
 
-__all__ = ["AdmissionError", "EngineResult", "EngineStats", "LiveRequest", "Run", "TokenLogprobs"]
+__all__ = [
+    "AdmissionError",
+    "EngineResult",
+    "EngineStats",
+    "FinishReason",
+    "LiveRequest",
+    "RequestOutput",
+    "Run",
+    "TokenLogprobs",
+]
 
 #: One generated token's log-probabilities (unfiltered softmax): its own, and
 #: the top N as ``(token id, log-probability)``, most probable first.
 TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
+
+
+#: Why a request finished, as vLLM and OpenAI name it: ``"stop"`` (the end
+#: token or the ``stop`` hook), ``"length"`` (its token budget) or ``"abort"``
+#: (:meth:`Engine.abort <graphrunner_ref.engine.loop.Engine.abort>`).
+FinishReason: TypeAlias = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one :meth:`Engine.step <graphrunner_ref.engine.loop.Engine.step>`
+    gave one request: its new ``tokens`` (with their ``logprobs`` when the
+    engine collects them), and on its last output why it finished.
+
+    ``tokens`` may be empty: a request aborted while it waited, or one whose
+    last step produced nothing new.
+    """
+
+    rid: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class AdmissionError(RuntimeError):

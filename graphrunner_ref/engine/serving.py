@@ -6,8 +6,9 @@ asks the model registry for the config's kind (its refusals first) and
 loads it; :func:`serve` captures a decode runner (the sampled step when a
 request samples or log-probabilities are asked, N steps a launch, a future
 map for overlap) and runs :class:`~graphrunner_ref.engine.loop.Engine` over
-it, or the speculative engine with ``config.speculative`` (``serve`` hands
-it an online :class:`~graphrunner_ref.engine.online.RequestSource`);
+it, or the speculative engine with ``config.speculative``;
+:func:`open_engine` builds the same engine for requests added one at a time
+(``graphrunner serve``);
 :func:`baseline` is plain decoding of the same trace, what the other modes
 are compared with.
 """
@@ -31,7 +32,6 @@ from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
 )
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
-from graphrunner_ref.engine.online import RequestSource
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
@@ -45,6 +45,7 @@ __all__ = [
     "baseline",
     "build",
     "model_kind",
+    "open_engine",
     "samples",
     "serve",
     "token_budget",
@@ -109,20 +110,42 @@ def serve(
     progress: bool = False,
     run_progress: bool | None = None,
     on_capture: OnCapture | None = None,
-    source: RequestSource | None = None,
 ) -> Outcome:
     """Serve ``trace`` on ``bundle`` as ``config`` says (``config.check``:
     each step, or launch, also run eagerly; not with overlap, whose check
     is a comparison with :func:`baseline`). ``progress``: the capture's bars
-    (and the run's, unless ``run_progress`` says otherwise). ``source``:
-    requests that arrive while the run goes on (the runner then samples, as
-    any of them may); the run lasts until it closes."""
+    (and the run's, unless ``run_progress`` says otherwise)."""
     hooks = hooks or Hooks()
     if config.speculative:
-        if source is not None:
-            raise UsageError(f"--speculative {config.speculative}: expected a trace, not online")
         return Outcome(_speculative(config, bundle, trace, hooks, progress))
-    options = _runner_options(config, bundle, trace, hooks, progress, online=source is not None)
+    engine = open_engine(
+        config, bundle, hooks=hooks, progress=progress, on_capture=on_capture, trace=trace
+    )
+    shown = progress if run_progress is None else run_progress
+    result = engine.run(trace, max_steps=config.max_steps, progress=shown)
+    return Outcome(result, engine.runner, engine.runner.capture_report, engine.token_runner)
+
+
+def open_engine(
+    config: EngineConfig,
+    bundle: ServingBundle,
+    *,
+    hooks: Hooks | None = None,
+    progress: bool = False,
+    on_capture: OnCapture | None = None,
+    trace: Sequence[Request] | None = None,
+) -> Engine:
+    """The :class:`Engine` ``config`` names over ``bundle``, its runners
+    captured (``on_capture`` called for each): requests then go in through
+    :meth:`Engine.add_request` and out of :meth:`Engine.step`, or a whole
+    trace through :meth:`Engine.run`. ``trace``: the requests it will serve,
+    when known (the plain argmax step when none samples); None: any request
+    may come, so the runner samples. Not for ``config.speculative`` (its
+    engine takes whole traces only)."""
+    hooks = hooks or Hooks()
+    if config.speculative:
+        raise UsageError(f"--speculative {config.speculative}: expected a trace, not online")
+    options = _runner_options(config, bundle, trace, hooks, progress)
     runner = create_decode_runner(bundle, config.runner, **options)
     capture = runner.capture()
     if on_capture is not None:
@@ -131,7 +154,7 @@ def serve(
     tokens = _token_runner(config, bundle, budget, progress)
     if tokens is not None and on_capture is not None:
         on_capture(tokens, tokens.capture_report)  # type: ignore[arg-type]
-    engine = Engine(
+    return Engine(
         bundle,
         runner,
         check=config.check and not config.overlap,
@@ -147,9 +170,6 @@ def serve(
         max_num_batched_tokens=budget,
         token_runner=tokens,
     )
-    shown = progress if run_progress is None else run_progress
-    result = engine.run(trace, max_steps=config.max_steps, progress=shown, source=source)
-    return Outcome(result, runner, capture, tokens)
 
 
 def baseline(
@@ -225,14 +245,12 @@ def _aot_options(config: EngineConfig) -> dict[str, Any]:
 def _runner_options(
     config: EngineConfig,
     bundle: ServingBundle,
-    trace: Sequence[Request],
+    trace: Sequence[Request] | None,
     hooks: Hooks,
     progress: bool,
-    *,
-    online: bool = False,
 ) -> dict[str, Any]:
     """``create_decode_runner``'s options for this run: the sampled step when
-    a request samples, may sample (``online``) or log-probabilities are asked
+    a request samples, may sample (no ``trace``: any may come) or log-probabilities are asked
     (the plain argmax step otherwise), a future map for overlap, N steps a launch (with the end
     token the rows stop at)."""
     options: dict[str, Any] = {
@@ -242,7 +260,7 @@ def _runner_options(
         **config.mechanism_options,
         **_aot_options(config),
     }
-    if config.logprobs or online or samples(trace):
+    if config.logprobs or trace is None or samples(trace):
         options["sampling"] = True
     if config.logprobs:
         options["logprobs"] = config.logprobs

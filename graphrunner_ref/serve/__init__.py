@@ -1,9 +1,9 @@
 """``graphrunner serve``: an OpenAI-compatible HTTP server over the one engine path.
 
-One thread owns the model, its pools and the runner and steps the engine
-(:mod:`~graphrunner_ref.serve.online`, an online
-:class:`~graphrunner_ref.engine.online.RequestSource` of
-:func:`graphrunner_ref.engine.serving.serve`); the HTTP side
+One thread owns the model, its pools and the engine and steps it
+(:mod:`~graphrunner_ref.serve.online`: requests into
+:meth:`~graphrunner_ref.engine.loop.Engine.add_request`, outputs out of
+:meth:`~graphrunner_ref.engine.loop.Engine.step`); the HTTP side
 (:mod:`~graphrunner_ref.serve.app`) only validates
 (:mod:`~graphrunner_ref.serve.protocol`, :mod:`~graphrunner_ref.serve.errors`),
 queues and streams. :mod:`~graphrunner_ref.serve.metrics` is ``/metrics``;

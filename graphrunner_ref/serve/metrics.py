@@ -19,7 +19,6 @@ from prometheus_client.registry import Collector
 
 from graphrunner import GraphRunner
 from graphrunner_ref.engine.registry import ServingBundle
-from graphrunner_ref.engine.results import Run
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -94,10 +93,11 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
     # The engine thread.
-    def engine_state(self, bundle: ServingBundle, runner: GraphRunner | None, run: Run) -> None:
-        """The pools' and the runner's state, at a step boundary."""
+    def engine_state(self, bundle: ServingBundle, runner: GraphRunner | None, running: int) -> None:
+        """The pools' and the runner's state, and the ``running`` requests
+        (admitted: prefilling or decoding), at a step boundary."""
         kv, rows = bundle.kv_alloc, bundle.req_pool
-        self.running.set(len(run.live) + len(run.prefilling))
+        self.running.set(running)
         self.kv_total.set(kv.size)
         self.kv_used.set(kv.size - kv.available_size())
         self.rows_total.set(rows.size)

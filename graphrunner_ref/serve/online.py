@@ -1,20 +1,21 @@
-"""The online engine: one thread owns the model, its pools and the runner and
-steps :func:`graphrunner_ref.engine.serving.serve`, the engine path of
-``generate`` and ``demo``; the HTTP side only submits, aborts and reads.
+"""The online engine: one thread owns the model, its pools and the
+:class:`~graphrunner_ref.engine.loop.Engine` (built by
+:func:`graphrunner_ref.engine.serving.open_engine`, as ``generate`` and
+``demo`` build theirs); the HTTP side only submits, aborts and reads.
 
-:class:`OnlineEngine` is that run's
-:class:`~graphrunner_ref.engine.online.RequestSource`. At every step boundary
-(:meth:`OnlineEngine.feed`) it hands the HTTP side what the step produced
-(each request's new tokens, its end) in one call onto the event loop, moves
-submitted requests into the run, and ends the ones to abort: a waiting one
-leaves the queue, a running one is cut by the engine's ``stop`` hook after
-its next token, and the schedule frees its request row and KV pages as it
-frees any finished request. Nothing the HTTP side does touches a pool.
+The engine thread is a short loop: take what the HTTP side queued
+(:meth:`Engine.add_request <graphrunner_ref.engine.loop.Engine.add_request>`
+for each submitted request, :meth:`Engine.abort
+<graphrunner_ref.engine.loop.Engine.abort>` for each one to end), call
+:meth:`Engine.step <graphrunner_ref.engine.loop.Engine.step>`, and hand its
+outputs (each request's new tokens, its end) to the event loop in one call.
+Idle, it waits for a submission. Nothing the HTTP side does touches a pool.
 
 A request is aborted when its client goes (:meth:`OnlineEngine.abort`), its
 deadline passes (``--request-timeout``) or the server shuts down past
-``--shutdown-timeout`` (:meth:`OnlineEngine.close`). A failing engine run
-answers every request in flight with an error and starts again.
+``--shutdown-timeout`` (:meth:`OnlineEngine.close`). A failing engine step
+answers every request in flight with an error, frees them all, and serving
+goes on (the server stops after ``MAX_FAILURES``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,9 +32,9 @@ from graphrunner import GraphRunner
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.config import EngineConfig
+from graphrunner_ref.engine.loop import Engine
 from graphrunner_ref.engine.registry import ServingBundle
-from graphrunner_ref.engine.results import Run, TokenLogprobs
-from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.engine.results import FinishReason, RequestOutput, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings
 from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
@@ -149,9 +149,7 @@ class OnlineEngine:
         self._close_at: float | None = None  # guarded by _cond
         # Engine thread only.
         self._tickets: dict[int, Ticket] = {}
-        self._cut: dict[int, str] = {}
-        self._fresh: dict[int, list[int]] = {}
-        self._finished: list[int] = []
+        self._cut: dict[int, str] = {}  # aborted in the engine: why
         self._thread = threading.Thread(target=self._main, name="graphrunner-engine", daemon=True)
 
     # -- the HTTP side (event loop) ------------------------------------------------
@@ -241,34 +239,44 @@ class OnlineEngine:
     # -- the engine thread -----------------------------------------------------------
 
     def _main(self) -> None:
+        engine: Engine | None = None
         try:
-            while True:
-                try:
-                    hooks = serving.Hooks(
-                        end_token=self.end_token,
-                        on_token=self._on_token,
-                        on_finish=self._on_finish,
-                        stop=self._stop,
-                    )
-                    serving.serve(
-                        self.config,
-                        self.bundle,
-                        [],
-                        hooks=hooks,
-                        on_capture=self._captured,
-                        source=self,
-                    )
-                    return  # closed, and every request answered
-                except Exception as e:  # one failing run: its requests answered, the next starts
-                    log.exception("graphrunner serve: the engine run failed")
-                    self.failures += 1
-                    self._fail_all(f"the engine failed ({type(e).__name__}: {e})")
-                    if not self.ready.is_set() or self.closing or self.failures >= MAX_FAILURES:
-                        self.failure = e
-                        return
+            hooks = serving.Hooks(end_token=self.end_token, stop=self._stop)
+            try:
+                engine = serving.open_engine(
+                    self.config, self.bundle, hooks=hooks, on_capture=self._captured
+                )
+            except Exception as e:
+                log.exception("graphrunner serve: the engine failed to start")
+                self.failure = e
+                return
+            while self._take(engine):
+                if not self._step(engine):
+                    return
         finally:
+            if engine is not None:
+                engine.close()
             self.stopped.set()
             self.ready.set()  # nobody waits for a capture that will not come
+
+    def _step(self, engine: Engine) -> bool:
+        """One engine step, its outputs onto the event loop; whether to go on
+        (a failing step answers every request in flight with an error, frees
+        them all, and the next one starts afresh, up to ``MAX_FAILURES``)."""
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            log.exception("graphrunner serve: an engine step failed")
+            engine.close()
+            self.failures += 1
+            self._fail_all(f"the engine failed ({type(e).__name__}: {e})")
+            if self.closing or self.failures >= MAX_FAILURES:
+                self.failure = e
+                return False
+            return True
+        self._publish(outputs)
+        self.metrics.engine_state(self.bundle, self.runner, engine.running())
+        return True
 
     def _captured(self, runner: GraphRunner, report: CaptureReport) -> None:
         self.runner = runner
@@ -276,50 +284,45 @@ class OnlineEngine:
             self.on_capture(runner, report)
         self.ready.set()
 
-    def _on_token(self, rid: int, token: int) -> None:
-        self._fresh.setdefault(rid, []).append(token)
-
-    def _on_finish(self, rid: int, tokens: list[int]) -> None:
-        self._finished.append(rid)
-
     def _stop(self, rid: int, tokens: list[int]) -> bool:
-        if rid in self._cut:
-            return True
         ticket = self._tickets.get(rid)
         return ticket is not None and ticket.stops is not None and ticket.stops(rid, tokens)
 
-    def feed(self, run: Run) -> None:
-        """The :class:`~graphrunner_ref.engine.online.RequestSource` hook, at
-        a step boundary: hand over what the step produced, take arrivals,
-        drop or cut aborted requests; wait while idle and open."""
-        self._publish(run)
+    def _take(self, engine: Engine) -> bool:
+        """At a step boundary: submitted requests into the engine, aborts and
+        deadlines out; while idle and open, wait for one. False once closed
+        and every request answered."""
         with self._cond:
             while True:
-                self._take(run)
-                if run.pending or run.live or run.prefilling or self._close_at is not None:
-                    break
-                self.metrics.engine_state(self.bundle, self.runner, run)
+                self._admit(engine)
+                self._cut_gone(engine)
+                if engine.has_unfinished():
+                    return True
+                if self._close_at is not None:
+                    return False
+                self.metrics.engine_state(self.bundle, self.runner, 0)
                 self._cond.wait(IDLE_WAIT)
-        self.metrics.engine_state(self.bundle, self.runner, run)
 
-    def _take(self, run: Run) -> None:
-        """Under the lock: arrivals into ``run.pending``, aborts and deadlines."""
-        now = time.monotonic()
+    def _admit(self, engine: Engine) -> None:
+        """Under the lock: the inbox into the engine (a request it refuses
+        answered with the reason)."""
         refused: list[tuple[Ticket, Delta]] = []
         for ticket in self._inbox:
             job = ticket.job
             try:  # checked on the HTTP side already: a failure here is one request's alone
-                request = Request(
-                    ticket.rid, tuple(job.prompt), job.max_tokens, run.clock, job.sampling
-                )
+                engine.add_request(job.prompt, job.max_tokens, job.sampling, rid=ticket.rid)
             except (TypeError, ValueError) as e:
                 refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))
                 continue
             self._tickets[ticket.rid] = ticket
-            run.pending.append(request)
         self._inbox.clear()
         if refused:
             self._post(refused)
+
+    def _cut_gone(self, engine: Engine) -> None:
+        """Under the lock: abort the requests whose client went, whose
+        deadline passed, or all once the shutdown's grace is over."""
+        now = time.monotonic()
         gone, self._aborts = self._aborts, {}
         late = self._close_at is not None and now >= self._close_at
         for rid, ticket in self._tickets.items():
@@ -327,50 +330,34 @@ class OnlineEngine:
                 gone.setdefault(rid, SHUTDOWN)
             elif ticket.deadline is not None and now >= ticket.deadline:
                 gone.setdefault(rid, DEADLINE)
-        gone = {rid: why for rid, why in gone.items() if rid in self._tickets}
-        if not gone:
-            return
-        waiting = {r.rid for r in run.pending} & gone.keys()
-        if waiting:
-            run.pending = deque(r for r in run.pending if r.rid not in waiting)
-            self._post([(self._tickets.pop(rid), Delta([], error=gone[rid])) for rid in waiting])
         for rid, why in gone.items():
-            if rid not in waiting:
-                self._cut.setdefault(rid, why)
+            if rid in self._tickets and rid not in self._cut:
+                self._cut[rid] = why
+                engine.abort(rid)
 
-    def _publish(self, run: Run) -> None:
-        """The last step's tokens and ends, onto the event loop in one call;
-        a finished request's output leaves the run (it would grow forever)."""
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs onto the event loop, in one call: each request's
+        new tokens, then how it ended."""
         out: list[tuple[Ticket, Delta]] = []
-        for rid, tokens in self._fresh.items():
-            ticket = self._tickets.get(rid)
+        for o in outputs:
+            ticket = self._tickets.get(o.rid)
             if ticket is None:
                 continue
-            logprobs = []
-            if ticket.job.logprobs is not None:
-                logprobs = run.logprobs.get(rid, [])[ticket.sent : ticket.sent + len(tokens)]
-            ticket.sent += len(tokens)
-            out.append((ticket, Delta(tokens, logprobs)))
-        self._fresh = {}
-        for rid in self._finished:
-            out.append(self._ending(run, rid))
-        self._finished = []
+            if o.tokens:
+                logprobs = o.logprobs if ticket.job.logprobs is not None else []
+                out.append((ticket, Delta(o.tokens, logprobs)))
+            if o.finish_reason is not None:
+                out.append(self._ending(o.rid, o.finish_reason))
         if out:
             self._post(out)
 
-    def _ending(self, run: Run, rid: int) -> tuple[Ticket, Delta]:
+    def _ending(self, rid: int, reason: FinishReason) -> tuple[Ticket, Delta]:
         ticket = self._tickets.pop(rid)
         why = self._cut.pop(rid, None)
-        tokens = run.outputs.pop(rid, [])
-        run.finished.discard(rid)
-        run.logprobs.pop(rid, None)
-        if why is not None:
-            return ticket, Delta([], error=why)
+        if reason == "abort":
+            return ticket, Delta([], error=why or GONE)
         stop = ticket.stops.hits.pop(rid, None) if ticket.stops is not None else None
-        ended = self.end_token is not None and bool(tokens) and tokens[-1] == self.end_token
-        return ticket, Delta(
-            [], finish="stop" if stop is not None or ended else "length", stop=stop
-        )
+        return ticket, Delta([], finish=reason, stop=stop)
 
     def _post(self, out: list[tuple[Ticket, Delta]]) -> None:
         loop = self._loop
@@ -380,10 +367,10 @@ class OnlineEngine:
             loop.call_soon_threadsafe(self._deliver, out)
 
     def _fail_all(self, why: str) -> None:
-        """After a failed run (which freed its rows and pages): every request
-        in flight answered with ``why``."""
+        """After a failed step (the engine freed its rows and pages): every
+        request in flight answered with ``why``."""
         with self._cond:
             inbox, self._inbox = self._inbox, []
         tickets = [*self._tickets.values(), *inbox]
-        self._tickets, self._cut, self._fresh, self._finished = {}, {}, {}, []
+        self._tickets, self._cut = {}, {}
         self._post([(t, Delta([], error=why)) for t in tickets])
