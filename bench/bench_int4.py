@@ -70,7 +70,12 @@ from graphrunner_ref.model.int4_linear import (
     int4_reference_linear,
     quantize_int4,
 )
-from graphrunner_ref.model.int4_q8 import TILES_PATH, int4_q8_reference_linear, tile_codes
+from graphrunner_ref.model.int4_q8 import (
+    AMX_PATH,
+    TILES_PATHS,
+    int4_q8_reference_linear,
+    tile_codes,
+)
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
 RESULTS = Path(__file__).parent / "results"
@@ -152,10 +157,11 @@ def q8_product(
     path: KernelPath, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """int4-q8's product on ``path`` over the codes in that path's layout."""
-    if path.code == TILES_PATH:
+    if path.code in TILES_PATHS:
         tiles, tile_scales, tile_mins = tile_codes(packed, scales, mins)
+        ops = torch.ops.graphrunner_int4
         return functools.partial(
-            torch.ops.graphrunner_int4.linear_q8_tiled,
+            ops.linear_q8_amx if path.code == AMX_PATH else ops.linear_q8_tiled,
             tiles=tiles,
             tile_scales=tile_scales,
             tile_mins=tile_mins,

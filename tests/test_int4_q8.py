@@ -32,6 +32,7 @@ from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear
 from graphrunner_ref.model.int4_linear import GROUP, Int4Linear, Int4Weight
 from graphrunner_ref.model.int4_q8 import (
     TILES_PATH,
+    TILES_PATHS,
     Int4Q8Linear,
     Int8GroupQ8Linear,
     half_scales,
@@ -55,8 +56,8 @@ from graphrunner_ref.model.quantize import (
 SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9), (24, 96, 19)]
 Q8_PATHS = [p for p in KERNEL_PATHS if p.product == "int4-q8"]
 #: The paths of graphrunner_int4::linear_q8 over int4's blocked codes (the tiles
-#: path has its own op and layout, tested below).
-BLOCKED_PATHS = [p for p in Q8_PATHS if p.code != TILES_PATH]
+#: paths have their own ops and layout, tested below and in test_int4_q8_amx.py).
+BLOCKED_PATHS = [p for p in Q8_PATHS if p.code not in TILES_PATHS]
 
 
 def _runnable(code: int) -> bool:
@@ -64,7 +65,7 @@ def _runnable(code: int) -> bool:
     if kernel_status() is not None:
         return False
     row = next(p for p in Q8_PATHS if p.code == code)
-    if code == TILES_PATH:
+    if code in TILES_PATHS:
         return cpu_features().has(*row.needs) and bool(
             int(torch.ops.graphrunner_int4.q8_paths()) >> code & 1
         )
@@ -124,7 +125,7 @@ def test_the_tiles_path_equals_its_reference(out: int, inp: int, rows: int) -> N
     gen = torch.Generator().manual_seed(out * 3 + inp)
     w, x = torch.randn(out, inp, generator=gen) * 0.05, torch.randn(rows, inp, generator=gen)
     linear = Int4Q8Linear(w, kernel=True)
-    assert linear.tiled and linear.path_name == "avx512-vnni-tiles"
+    assert linear.tiled and linear.path_name in ("avx512-vnni-tiles", "amx-int8-tiles")
     assert linear.blocked.numel() == 0  # one copy of the codes
     exact = Int4Linear(w)
     assert torch.equal(linear.packed, exact.packed)

@@ -182,9 +182,22 @@ class KernelPath:
 #: CPU has them. On a Zen 4 (``bench/results/int4-q8-zmm-zen4-cpu.md``) the
 #: AVX-512 VNNI path ran 1.13-1.14x the AVX2 one at 1 row, 1.35-1.43x at 8
 #: (256-bit registers, one group at a time, ran between: replaced). AVX-VNNI
-#: has not run on hardware here. int4-bf16 has one path, AVX-512 BF16; without
+#: has not run on hardware here. The AMX row runs the tiles path's layout and
+#: float order (equal bit for bit), with AMX for prompt chunks of 16 rows or
+#: more; hiding ``amx_int8`` (:data:`DISABLE_ENV`) runs the tiles path alone
+#: (``bench/results/int4-q8-amx-*.md`` measures one against the other).
+#: int4-bf16 has one path, AVX-512 BF16; without
 #: it the mode runs its torch emulation (:mod:`~graphrunner_ref.model.int4_bf16`).
 KERNEL_PATHS = (
+    KernelPath(
+        "int4-q8",
+        "amx-int8-tiles",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
+        4,
+        "avx512-vnni-tiles below 16 rows; a prompt chunk's rows 16 at a time on AMX: each "
+        "tile's codes unpacked once, tdpbsud of 16 rows x 32 int8 activations by 32 x 16 "
+        "codes a group, then avx512-vnni-tiles' FMAs",
+    ),
     KernelPath(
         "int4-q8",
         "avx512-vnni-tiles",

@@ -35,12 +35,17 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -983,6 +988,163 @@ using Int8TileFn = void (*)(const int8_t*, const int32_t*, const float*, int64_t
 constexpr Int8TileFn int8_tile_table[kTile + 1] = {
     nullptr,          tile_int8g_q8<1>, tile_int8g_q8<2>, tile_int8g_q8<3>, tile_int8g_q8<4>,
     tile_int8g_q8<5>, tile_int8g_q8<6>, tile_int8g_q8<7>, tile_int8g_q8<8>};
+
+// Path 4, AMX-INT8 on path 3's tiles (graphrunner_int4::linear_q8_amx): a
+// prompt chunk's rows as one GEMM. Below kAmxMinRows rows (decode) the op runs
+// path 3 unchanged. From there, per tile of 16 outputs, each group's codes are
+// unpacked once (the 8 registers tile_q8 makes, stored: quad j is row j of an
+// AMX B operand, lane n's 4 bytes output n's codes of columns 4j..4j+3) and
+// reused by every block of 16 token rows of the chunk: tdpbsud multiplies the
+// block's signed int8 activations of the group (A: 16 rows of 32 bytes, read
+// in place from the quantized rows) by the unsigned codes (B), one group a
+// tile multiply (K = 32, never 64: two groups summed in int32 would lose
+// their scales), into 16 x 16 exact int32 dots. Each token row's 16 dots then
+// take tile_q8's float steps in its order, instruction for instruction:
+//   acc = fma(float(dot), scale * d, acc);  acc = fma(min, d * sum(qx), acc)
+// so a row's output is path 3's bit for bit, alone or in any chunk (a block's
+// rows past the chunk's end are computed from stale or zero codes and dropped).
+// Tiles: 0 and 1 the dots of groups g and g + 1, 2 and 3 their activations,
+// 4 and 5 their codes; two groups in flight so the tile unit works while the
+// vector units sum the group before.
+constexpr int64_t kAmxRows = 16;        // token rows a tile multiply
+constexpr int64_t kAmxMinRows = 16;     // fewer rows: path 3 (decode stays as it was)
+constexpr int64_t kAmxChunk = 512;      // token rows quantized and multiplied at a time
+constexpr int64_t kAmxGroupBytes = 512; // a group's unpacked codes: 8 quads x 64 bytes
+
+#define GRAPHRUNNER_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+// GCC's tile loads are asm without a memory clobber: this tells the compiler
+// the codes and rows stored by ordinary code before are read.
+#define GRAPHRUNNER_AMX_READS() __asm__ volatile("" ::: "memory")
+
+// The 64-byte tile configuration (palette 1): bytes per row and rows per tile.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+GRAPHRUNNER_AMX void amx_configure() {
+  AmxConfig c;
+  for (int t = 0; t < 2; ++t) {
+    c.rows[t] = kAmxRows, c.colsb[t] = 64;                   // int32 dots [rows, 16 outputs]
+    c.rows[2 + t] = kAmxRows, c.colsb[2 + t] = kGroup;       // int8 rows [rows, 32]
+    c.rows[4 + t] = kGroup / 4, c.colsb[4 + t] = 64;         // codes [8 quads, 16 x 4]
+  }
+  _tile_loadconfig(&c);
+}
+
+// One tile's codes (tile_codes' layout, groups * 256 bytes) unpacked to one
+// byte a code, groups * kAmxGroupBytes bytes at w: group g's quad j at
+// w + g * 512 + 64 * j, exactly tile_q8's register w.
+GRAPHRUNNER_AMX void amx_unpack(const uint8_t* tile, int64_t groups, uint8_t* w) {
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0004000400040004);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t q = 0; q < groups * 8; ++q) {
+    const __m512i both = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * q)));
+    _mm512_storeu_si512(w + 64 * q, _mm512_and_si512(_mm512_srlv_epi16(both, shifts), low4));
+  }
+}
+
+// A block's 16 rows of one group's dots (dots [16 rows, 16 outputs] int32)
+// into their accumulators, tile_q8's float steps (d, n: the 16 rows' scales
+// and code sums times the scales for the group, side by side).
+GRAPHRUNNER_AMX __attribute__((always_inline)) inline void amx_sum_group(
+    const int32_t* dots, const float* d, const float* n, __m512 scale, __m512 min,
+    __m512 (&acc)[kAmxRows]) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(d[r]));
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
+    acc[r] = _mm512_fmadd_ps(dot, s, acc[r]);
+    acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(n[r]), acc[r]);
+  }
+}
+
+GRAPHRUNNER_AMX __attribute__((always_inline)) inline __m512 amx_half(const uint16_t* v) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+}
+
+// 16 quantized rows (xq their codes, kp bytes apart; xd, sx their scales and
+// scaled sums [groups, 16 rows]) against one tile's unpacked codes w and
+// float16 scales ts and mins tm: the first `live` rows' 16 outputs from o0
+// written to y (rows out apart). dots: 2 x 256 int32 of scratch, 64-byte
+// aligned. Not inlined: its 16 accumulators stay in registers.
+GRAPHRUNNER_AMX __attribute__((noinline)) void amx_block(
+    const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* w,
+    const uint16_t* ts, const uint16_t* tm, int32_t* dots, float* y, int64_t out, int64_t o0,
+    int64_t live) {
+  const int64_t kp = groups * kGroup;
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  GRAPHRUNNER_AMX_READS();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    _tile_loadd(2, xq + g * kGroup, kp);
+    _tile_loadd(4, w + g * kAmxGroupBytes, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_loadd(3, xq + (g + 1) * kGroup, kp);
+    _tile_loadd(5, w + (g + 1) * kAmxGroupBytes, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, dots, 64);
+    _tile_stored(1, dots + 256, 64);
+    amx_sum_group(dots, xd + g * kAmxRows, sx + g * kAmxRows, amx_half(ts + g * kTileRows),
+                  amx_half(tm + g * kTileRows), acc);
+    amx_sum_group(dots + 256, xd + (g + 1) * kAmxRows, sx + (g + 1) * kAmxRows,
+                  amx_half(ts + (g + 1) * kTileRows), amx_half(tm + (g + 1) * kTileRows), acc);
+  }
+  if (g < groups) {
+    _tile_loadd(2, xq + g * kGroup, kp);
+    _tile_loadd(4, w + g * kAmxGroupBytes, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, dots, 64);
+    amx_sum_group(dots, xd + g * kAmxRows, sx + g * kAmxRows, amx_half(ts + g * kTileRows),
+                  amx_half(tm + g * kTileRows), acc);
+  }
+  const int64_t width = std::min<int64_t>(kTileRows, out - o0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1);
+  for (int64_t r = 0; r < live; ++r) _mm512_mask_storeu_ps(y + r * out + o0, keep, acc[r]);
+}
+
+// Output tiles [b0, b1) against the nr quantized rows of q (its buffers hold
+// whole blocks of 16; xd and sx its scales and scaled sums as [block, group,
+// 16 rows]: amx_blocked_rows), into y (row 0 of the chunk): each tile's codes
+// unpacked once, then every block of rows. One thread's share: it configures
+// its own tiles and releases them.
+GRAPHRUNNER_AMX void amx_tiles(const Q8Rows& q, const float* xd, const float* sx, int64_t nr,
+                               const uint8_t* tiles, const uint16_t* ts, const uint16_t* tm,
+                               float* y, int64_t out, int64_t b0, int64_t b1) {
+  const int64_t groups = q.groups, kp = q.kp;
+  std::vector<uint8_t> w(groups * kAmxGroupBytes);
+  alignas(64) int32_t dots[2 * kAmxRows * kTileRows];
+  amx_configure();
+  for (int64_t b = b0; b < b1; ++b) {
+    amx_unpack(tiles + b * groups * kTileGroupBytes, groups, w.data());
+    for (int64_t r0 = 0; r0 < nr; r0 += kAmxRows)
+      amx_block(q.xq.data() + r0 * kp, xd + r0 * groups, sx + r0 * groups, groups, w.data(), ts + b * groups * kTileRows, tm + b * groups * kTileRows, dots,
+                y + r0 * out, out, b * kTileRows, std::min(kAmxRows, nr - r0));
+  }
+  _tile_release();
+}
+// A row-major [rows, groups] table v (rows a whole number of blocks) as
+// [block, group, 16 rows], so a block's 16 values of a group sit side by side.
+void amx_blocked_rows(const std::vector<float>& v, int64_t rows, int64_t groups,
+                      std::vector<float>& blocked) {
+  blocked.resize(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      blocked[(r / kAmxRows * groups + g) * kAmxRows + r % kAmxRows] = v[r * groups + g];
+}
+#define GRAPHRUNNER_Q8_AMX 1
+#undef GRAPHRUNNER_AMX
+#undef GRAPHRUNNER_AMX_READS
+
 #define GRAPHRUNNER_Q8_TILES 1
 #undef GRAPHRUNNER_ZMM
 #define GRAPHRUNNER_Q8_VNNI GRAPHRUNNER_Q8_ROWS(rows_q8_avxvnni)
@@ -1011,6 +1173,28 @@ bool q8_cpu_has(int64_t p) {
   return p == 0;
 }
 
+// The AMX path's number (path 3's op and layout, AMX for prompt chunks).
+constexpr int kQ8AmxPath = 4;
+
+// Whether this CPU has AMX-INT8 (CPUID leaf 7: EDX bits 24 tile, 25 int8) and
+// the OS grants this process the tile data (Linux: arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18; asked once, as
+// cpu_features.amx_permitted asks). The guard against a fault, never the choice.
+bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1))
+      return false;
+#ifdef __linux__
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
 // Bit p set: path p is compiled into this build.
 int64_t q8_paths() {
   int64_t bits = 0;
@@ -1018,6 +1202,9 @@ int64_t q8_paths() {
     if (q8_table[p][1] != nullptr) bits |= int64_t{1} << p;
 #ifdef GRAPHRUNNER_Q8_TILES
   bits |= int64_t{1} << kQ8TilesPath;
+#endif
+#ifdef GRAPHRUNNER_Q8_AMX
+  bits |= int64_t{1} << kQ8AmxPath;
 #endif
   return bits;
 }
@@ -1095,6 +1282,48 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
            yp + r0 * out, out, b * 16);
     });
   });
+#endif
+  return y;
+}
+
+// Path 4 (amx_tiles above): linear_q8_tiled's arguments and output, bit for
+// bit; from kAmxMinRows rows the chunk runs on AMX, kAmxChunk rows at a time.
+at::Tensor linear_q8_amx(const at::Tensor& x, const at::Tensor& tiles,
+                         const at::Tensor& tile_scales, const at::Tensor& tile_mins,
+                         int64_t out) {
+  const char* op = "graphrunner_int4::linear_q8_amx";
+  TORCH_CHECK((q8_paths() >> kQ8AmxPath & 1) && amx_granted(), op,
+              ": needs a build with AMX-INT8 and a CPU whose OS grants its tile data; "
+              "this build, CPU or OS does not (q8_paths bits ", q8_paths(),
+              "; run graphrunner_int4::linear_q8_tiled instead)");
+  if (x.dim() != 2 || x.size(0) < kAmxMinRows)
+    return linear_q8_tiled(x, tiles, tile_scales, tile_mins, out);
+  const int64_t groups = check_tiles(op, x, tiles, at::kByte, 256, out, "int4_q8.tile_codes");
+  const int64_t rows = x.size(0), count = tiles.size(0);
+  check_tile_scales(op, "tile_scales", tile_scales, at::kHalf, count, groups);
+  check_tile_scales(op, "tile_mins", tile_mins, at::kHalf, count, groups);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (out == 0) return y;
+#ifdef GRAPHRUNNER_Q8_AMX
+  const at::Tensor xc = x.contiguous();
+  float* yp = y.data_ptr<float>();
+  const auto* ts = reinterpret_cast<const uint16_t*>(tile_scales.data_ptr());
+  const auto* tm = reinterpret_cast<const uint16_t*>(tile_mins.data_ptr());
+  const int64_t chunk = std::min(rows, kAmxChunk);
+  // Whole blocks of 16 rows: the rows past a chunk's end are multiplied and dropped.
+  const int64_t held = (chunk + kAmxRows - 1) / kAmxRows * kAmxRows;
+  Q8Rows q(x.size(1), groups, held);
+  std::vector<float> xd, sx;
+  for (int64_t r0 = 0; r0 < rows; r0 += kAmxChunk) {
+    const int64_t nr = std::min(kAmxChunk, rows - r0);
+    q.quantize(xc.data_ptr<float>(), r0, static_cast<int>(nr));
+    amx_blocked_rows(q.xd, held, groups, xd);
+    amx_blocked_rows(q.sx, held, groups, sx);
+    at::parallel_for(0, count, 1, [&](int64_t b0, int64_t b1) {
+      amx_tiles(q, xd.data(), sx.data(), nr, tiles.data_ptr<uint8_t>(), ts, tm, yp + r0 * out,
+                out, b0, b1);
+    });
+  }
 #endif
   return y;
 }
@@ -1385,6 +1614,9 @@ TORCH_LIBRARY(graphrunner_int4, m) {
   m.def(
       "linear_q8_tiled(Tensor x, Tensor tiles, Tensor tile_scales, Tensor tile_mins, int out) "
       "-> Tensor");
+  m.def(
+      "linear_q8_amx(Tensor x, Tensor tiles, Tensor tile_scales, Tensor tile_mins, int out) "
+      "-> Tensor");
   m.def("linear_bf16(Tensor x, Tensor blocked, Tensor scales, Tensor mins) -> Tensor");
   m.def("bf16_paths() -> int", &bf16_paths);
 }
@@ -1393,6 +1625,7 @@ TORCH_LIBRARY_IMPL(graphrunner_int4, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_q8", &linear_q8);
   m.impl("linear_q8_tiled", &linear_q8_tiled);
+  m.impl("linear_q8_amx", &linear_q8_amx);
   m.impl("linear_bf16", &linear_bf16);
 }
 

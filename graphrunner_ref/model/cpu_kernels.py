@@ -6,7 +6,8 @@ beside this file): ``graphrunner_int4::linear`` (4-bit groups,
 all with float32 activations, AVX2/FMA/F16C, and ``graphrunner_int4::linear_q8``
 (4-bit weights times activations quantized to 8 bits per group,
 :mod:`~graphrunner_ref.model.int4_q8`), whose path (AVX2, AVX-VNNI, AVX-512
-VNNI) :func:`~graphrunner_ref.model.cpu_features.kernel_path` picks, and
+VNNI, AVX-512 VNNI tiles, AMX-INT8 tiles for prompt chunks)
+:func:`~graphrunner_ref.model.cpu_features.kernel_path` picks, and
 ``graphrunner_int4::linear_bf16`` (the same weights and activations rounded
 to bfloat16, AVX-512 BF16 only: :mod:`~graphrunner_ref.model.int4_bf16`;
 ``graphrunner_int8::linear_grouped_bf16`` the same for the int8-group head). The CPU
@@ -51,7 +52,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source (a layout included): it names the
 #: cached build and keys saved programs (``engine.bundle.aot_key``).
-KERNEL_BUILD = "graphrunner_cpu_kernels_v22"
+KERNEL_BUILD = "graphrunner_cpu_kernels_v23"
 
 
 def _build() -> str | None:
@@ -64,6 +65,7 @@ def _build() -> str | None:
     torch.library.register_fake("graphrunner_int4::linear", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int4::linear_q8", _fake_int4_q8_linear)
     torch.library.register_fake("graphrunner_int4::linear_q8_tiled", _fake_int4_q8_tiled)
+    torch.library.register_fake("graphrunner_int4::linear_q8_amx", _fake_int4_q8_tiled)
     torch.library.register_fake("graphrunner_int4::linear_bf16", _fake_int4_linear)
     torch.library.register_fake("graphrunner_int8::linear", _fake_int8_linear)
     torch.library.register_fake("graphrunner_int8::linear_grouped", _fake_int8_linear)

@@ -21,8 +21,10 @@ took the logits' RMS error against float32 transformers' from 0.58 to 0.27
 93% to 98% (llama.cpp 97%). The C++ kernel
 (``graphrunner_int4::linear_q8``) runs the integer dot with the instruction
 its path names (AVX2 ``vpmaddubsw`` + ``vpmaddwd``, AVX-VNNI or AVX-512 VNNI
-``vpdpbusd``: :data:`~graphrunner_ref.model.cpu_features.KERNEL_PATHS`); every
-path gives the same int32, so the same output bit for bit. A row's groups
+``vpdpbusd``, AMX-INT8 ``tdpbsud`` for prompt chunks:
+:data:`~graphrunner_ref.model.cpu_features.KERNEL_PATHS`); every path gives
+the same int32, so the same output bit for bit (the two tiles paths sum
+floats in their own order: :func:`int4_q8_tiles_reference_linear`). A row's groups
 are quantized from that row alone and summed in a fixed order, so a row's
 output never depends on the rows beside it or their number.
 
@@ -50,8 +52,11 @@ from graphrunner_ref.model.int4_linear import (
 from graphrunner_ref.model.int8_linear import Int8GroupLinear
 
 __all__ = [
+    "AMX_PATH",
     "TILES_PATH",
+    "TILES_PATHS",
     "TILE_ROWS",
+    "AMX_MIN_ROWS",
     "Int4Q8Linear",
     "Int8GroupQ8Linear",
     "int8_q8_tiles_reference_linear",
@@ -67,6 +72,15 @@ __all__ = [
 
 #: The path number of the AVX-512 VNNI tiles path (its own op and layout).
 TILES_PATH = 3
+#: The path number of the AMX-INT8 path: the tiles path's layout and output
+#: bit for bit, prompt chunks of :data:`AMX_MIN_ROWS` rows or more on AMX tiles
+#: (``graphrunner_int4::linear_q8_amx``).
+AMX_PATH = 4
+#: The paths over :func:`tile_codes`' layout.
+TILES_PATHS = frozenset({TILES_PATH, AMX_PATH})
+#: Rows from which the AMX path runs a call on AMX (fewer: the tiles path's
+#: loop, as decode always ran; ``kAmxMinRows`` in ``cpu_kernels.cpp``).
+AMX_MIN_ROWS = 16
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,7 +272,7 @@ class Int8GroupQ8Linear(Int8GroupLinear):
     def __init__(self, weight: torch.Tensor, kernel: bool = True) -> None:
         super().__init__(weight)
         path = kernel_path("int4-q8") if kernel else None
-        if kernel and (path is None or path.code != TILES_PATH):
+        if kernel and (path is None or path.code not in TILES_PATHS):
             raise RuntimeError(
                 "Int8GroupQ8Linear: the int4-q8 tiles path (AVX-512 VNNI) does not run here"
             )
@@ -296,9 +310,11 @@ class Int4Q8Linear(Int4Linear):
     :func:`~graphrunner_ref.model.cpu_features.kernel_path`'s path where the
     kernels build, else :func:`int4_q8_reference_linear`), True (the kernel;
     RuntimeError where it cannot run) or False (the torch path). On the
-    ``avx512-vnni-tiles`` path the codes are held as :func:`tile_codes`'
-    tiles (``tiles``, ``tile_scales``, ``tile_mins``) instead of ``blocked``,
-    and the scales and mins are rounded to float16 (:func:`half_scales`)."""
+    ``avx512-vnni-tiles`` and ``amx-int8-tiles`` paths the codes are held as
+    :func:`tile_codes`' tiles (``tiles``, ``tile_scales``, ``tile_mins``)
+    instead of ``blocked``, and the scales and mins are rounded to float16
+    (:func:`half_scales`); the AMX path runs calls of :data:`AMX_MIN_ROWS` rows
+    or more (a prompt chunk) as one AMX GEMM, bit for bit the tiles path's."""
 
     tiles: torch.Tensor
     tile_scales: torch.Tensor
@@ -312,7 +328,7 @@ class Int4Q8Linear(Int4Linear):
         # A plain int read at trace time: the compiled program calls one path.
         self.path = -1 if path is None else path.code
         self.path_name = "torch" if path is None else path.name
-        self.tiled = self.path == TILES_PATH
+        self.tiled = self.path in TILES_PATHS
         if self.tiled:
             self._tile(unblock_codes(self.blocked, self.out_features))
 
@@ -353,9 +369,12 @@ class Int4Q8Linear(Int4Linear):
             return int4_q8_reference_linear(x, self.packed, self.scales, self.mins)
         flat = x.reshape(-1, self.in_features)
         if self.tiled:
-            out = torch.ops.graphrunner_int4.linear_q8_tiled(
-                flat, self.tiles, self.tile_scales, self.tile_mins, self.out_features
+            op = (
+                torch.ops.graphrunner_int4.linear_q8_amx
+                if self.path == AMX_PATH
+                else torch.ops.graphrunner_int4.linear_q8_tiled
             )
+            out = op(flat, self.tiles, self.tile_scales, self.tile_mins, self.out_features)
         else:
             out = torch.ops.graphrunner_int4.linear_q8(
                 flat, self.blocked, self.scales, self.mins, self.path

@@ -44,7 +44,7 @@ from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.fp16_linear import Fp16WeightLinear, head_linear
 from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear, Int8GroupBf16Linear
 from graphrunner_ref.model.int4_linear import Int4Linear, Int4Weight
-from graphrunner_ref.model.int4_q8 import TILES_PATH, Int4Q8Linear, Int8GroupQ8Linear
+from graphrunner_ref.model.int4_q8 import TILES_PATHS, Int4Q8Linear, Int8GroupQ8Linear
 from graphrunner_ref.model.int8_linear import Int8GroupLinear, Int8Linear
 from graphrunner_ref.model.layers import SwiGLUMLP
 from graphrunner_ref.model.shapes import projection_shapes
@@ -177,7 +177,7 @@ def int4_q8_head(weight: torch.Tensor) -> nn.Module:
     against 1.37e-3 with the bfloat16 head, llama.cpp's 3.38e-3), else wider
     (:func:`wide_int8_head`)."""
     path = kernel_path("int4-q8")
-    if path is not None and path.code == TILES_PATH:
+    if path is not None and path.code in TILES_PATHS:
         return Int8GroupQ8Linear(weight)
     return wide_int8_head(weight)
 
