@@ -208,6 +208,11 @@ def _serve(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not stop at the tokenizer's end-of-sequence token",
     )
+    g.prompts.add_argument(
+        "--end-token",
+        type=int,
+        help="a token id that ends an answer (default: the tokenizer's end-of-sequence token)",
+    )
     g.output.add_argument(
         "--quiet", action="store_true", help="only errors on stderr (no startup lines, no log)"
     )

@@ -81,14 +81,16 @@ def run(args: argparse.Namespace) -> int:
             args, shape, sizes, context, max_prompt_len=context, kind=kind, check=False
         )
     codec = _codec(args, shape.vocab_size)
-    end = None if codec is None or args.ignore_eos else codec.eos_token_id
+    end = _end_token(args, codec, shape.vocab_size)
     name = args.served_model_name or _model_name(args)
 
     from graphrunner_ref.serve.protocol import Limits
     from graphrunner_ref.serve.server import ServerOptions, bind
     from graphrunner_ref.serve.server import run as serve_http
 
-    limits = Limits(context, shape.vocab_size, args.logprobs, defaults, codec)
+    # Several steps a launch end every row at the end token inside the launch.
+    ignorable = end is None or config.steps_per_launch == 1
+    limits = Limits(context, shape.vocab_size, args.logprobs, defaults, codec, ignorable)
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -161,3 +163,13 @@ def _capture_line(sizes: list[int], args: argparse.Namespace) -> serving.OnCaptu
         print(f"graphrunner serve: {line}", file=sys.stderr, flush=True)
 
     return show
+
+
+def _end_token(args: argparse.Namespace, codec: TextCodec | None, vocab: int) -> int | None:
+    """The token that ends an answer: ``--end-token``, else the tokenizer's
+    end-of-sequence token unless ``--ignore-eos``; None: none."""
+    if args.end_token is not None:
+        if not 0 <= args.end_token < vocab:
+            raise UsageError(f"--end-token {args.end_token}: expected a token id in 0..{vocab - 1}")
+        return int(args.end_token)
+    return None if codec is None or args.ignore_eos else codec.eos_token_id

@@ -219,9 +219,28 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
     if not engine.sampling:
         check_greedy(trace)
     for r in trace:
+        _check_stops(engine, r)
         if r.max_len > min(ctx, kv_room):
             raise ValueError(
                 f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
                 f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
                 f"max_context_len {ctx} and <= KV slots {kv_room}"
             )
+
+
+def _check_stops(engine: EngineSteps, r: Request) -> None:
+    """``r``'s own stop tokens within the vocabulary, and its ``ignore_eos``
+    where the runner stops rows itself: several steps a launch end a row
+    inside the launch at the engine's end token, for every request alike."""
+    vocab = engine.bundle.config.vocab_size
+    for token in r.stop_token_ids:
+        if not 0 <= token < vocab:
+            raise ValueError(
+                f"request {r.rid}: stop_token_ids has {token}; expected 0..{vocab - 1}"
+            )
+    if r.ignore_eos and engine.end_token is not None and engine.runner.phase.steps > 1:
+        raise ValueError(
+            f"request {r.rid}: ignore_eos=True with {engine.runner.phase.steps} steps per "
+            f"launch: the runner ends every row at token {engine.end_token} inside a launch; "
+            "expected ignore_eos=False, or one step a launch"
+        )

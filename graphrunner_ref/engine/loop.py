@@ -223,10 +223,14 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         rid: int | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
     ) -> int:
         """Queue a request for the next :meth:`step`; its id (``rid``, or the
-        next free one). Checked here as a run checks its trace: ``ValueError``
-        or ``TypeError`` naming the field, nothing queued."""
+        next free one). ``ignore_eos``: the end token does not finish it;
+        ``stop_token_ids``: tokens that do, besides (both vLLM's). Checked
+        here as a run checks its trace: ``ValueError`` or ``TypeError``
+        naming the field, nothing queued."""
         with self._exclusive.held():
             run = self._open()
             rid = self._next_rid if rid is None else rid
@@ -234,7 +238,15 @@ class Engine:
                 raise ValueError(
                     f"add_request: rid={rid} is still in the engine; expected a new id"
                 )
-            request = Request(rid, tuple(prompt), max_new_tokens, run.clock, sampling)
+            request = Request(
+                rid,
+                tuple(prompt),
+                max_new_tokens,
+                run.clock,
+                sampling,
+                ignore_eos=ignore_eos,
+                stop_token_ids=tuple(stop_token_ids),
+            )
             self.admitter.validate([request])
             run.pending.append(request)
             self._rids.add(rid)
@@ -541,10 +553,13 @@ class Engine:
     def _finish_reason(self, req: LiveRequest, token: int) -> FinishReason | None:
         """Why ``req`` finishes at its last token ``token``, or None (the
         ``stop`` hook is asked only when nothing else ends it)."""
-        rid = req.request.rid
+        request = req.request
+        rid = request.rid
         if rid in self._aborted:
             return "abort"
-        if token == self.end_token:
+        if token == self.end_token and not request.ignore_eos:
+            return "stop"
+        if token in request.stop_token_ids:
             return "stop"
         if len(req.tokens) >= req.request.max_new_tokens:
             return "length"

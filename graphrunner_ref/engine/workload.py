@@ -19,6 +19,9 @@ class Request:
     arrival_step: the engine step at which it may first be admitted.
     sampling: how it picks its tokens (:class:`~graphrunner.sampling.SamplingParams`);
     None is greedy. Anything but greedy needs a runner built with ``sampling=True``.
+    ignore_eos: the engine's end token does not finish it (vLLM's ``ignore_eos``).
+    stop_token_ids: tokens that finish it too, kept in its output (vLLM's
+    ``stop_token_ids``).
     """
 
     rid: int
@@ -26,6 +29,8 @@ class Request:
     max_new_tokens: int
     arrival_step: int = 0
     sampling: SamplingParams | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("rid", "max_new_tokens", "arrival_step"):
@@ -45,6 +50,15 @@ class Request:
             )
         if self.arrival_step < 0:
             raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; expected >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"request {self.rid}: ignore_eos={self.ignore_eos!r}; expected a bool")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise TypeError(
+                f"request {self.rid}: stop_token_ids is a {type(self.stop_token_ids).__name__}; "
+                "expected a tuple of int token ids"
+            )
+        for i, token in enumerate(self.stop_token_ids):
+            _check_int(f"request {self.rid}: stop_token_ids[{i}]", token)
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "

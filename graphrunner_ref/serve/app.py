@@ -77,6 +77,8 @@ class TextStream:
             (vLLM's ``include_stop_str_in_output``).
         skip_special: special tokens are left out of the text (vLLM's
             ``skip_special_tokens``).
+        stop_tokens: the request's stop token ids: one that ends the answer
+            is left out of the text unless ``include_stop`` (as vLLM does).
     """
 
     def __init__(
@@ -86,15 +88,21 @@ class TextStream:
         *,
         include_stop: bool = False,
         skip_special: bool = True,
+        stop_tokens: Sequence[int] = (),
     ) -> None:
         self.codec, self.stops = codec, list(stops)
         self.include_stop, self.skip_special = include_stop, skip_special
+        # A stop token is only ever an answer's last: while it trails, it ended it.
+        self.stop_tokens = frozenset(() if include_stop else stop_tokens)
         self.tokens: list[int] = []
         self.sent = ""
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
     def _cut(self, codec: TextCodec) -> tuple[str, str | None]:
-        decoded = codec.decode(self.tokens, skip_special_tokens=self.skip_special)
+        ids = self.tokens
+        if ids and ids[-1] in self.stop_tokens:
+            ids = ids[:-1]
+        decoded = codec.decode(ids, skip_special_tokens=self.skip_special)
         text, stop = cut_at_stop(decoded, self.stops)
         return (text + stop if stop is not None and self.include_stop else text), stop
 
@@ -309,6 +317,7 @@ class _Answer:
             job.stops,
             include_stop=job.include_stop,
             skip_special=job.skip_special,
+            stop_tokens=job.stop_token_ids,
         )
 
     def _head(self, chunk: bool) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.loop import Engine
 from graphrunner_ref.engine.registry import ServingBundle
-from graphrunner_ref.engine.results import FinishReason, RequestOutput, TokenLogprobs
+from graphrunner_ref.engine.results import RequestOutput, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings
 from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
@@ -63,13 +63,13 @@ GONE = "the client went away"
 class Delta:
     """What one engine step gave a request: its new ``tokens`` (with their
     ``logprobs`` when asked) and, on its last, how it ended: ``finish``
-    (``"stop"`` or ``"length"``), the ``stop`` string that ended it, or the
-    ``error`` that aborted it."""
+    (``"stop"`` or ``"length"``), the ``stop`` string or stop token id that
+    ended it, or the ``error`` that aborted it."""
 
     tokens: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish: str | None = None
-    stop: str | None = None
+    stop: str | int | None = None
     error: str | None = None
 
     @property
@@ -310,7 +310,14 @@ class OnlineEngine:
         for ticket in self._inbox:
             job = ticket.job
             try:  # checked on the HTTP side already: a failure here is one request's alone
-                engine.add_request(job.prompt, job.max_tokens, job.sampling, rid=ticket.rid)
+                engine.add_request(
+                    job.prompt,
+                    job.max_tokens,
+                    job.sampling,
+                    rid=ticket.rid,
+                    ignore_eos=job.ignore_eos,
+                    stop_token_ids=job.stop_token_ids,
+                )
             except (TypeError, ValueError) as e:
                 refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))
                 continue
@@ -347,16 +354,23 @@ class OnlineEngine:
                 logprobs = o.logprobs if ticket.job.logprobs is not None else []
                 out.append((ticket, Delta(o.tokens, logprobs)))
             if o.finish_reason is not None:
-                out.append(self._ending(o.rid, o.finish_reason))
+                out.append(self._ending(o))
         if out:
             self._post(out)
 
-    def _ending(self, rid: int, reason: FinishReason) -> tuple[Ticket, Delta]:
+    def _ending(self, last: RequestOutput) -> tuple[Ticket, Delta]:
+        """How ``last``'s request ended: its finish reason and what stopped it
+        (the stop string, or the stop token id, as vLLM's ``stop_reason``)."""
+        rid, reason = last.rid, last.finish_reason
         ticket = self._tickets.pop(rid)
         why = self._cut.pop(rid, None)
         if reason == "abort":
             return ticket, Delta([], error=why or GONE)
-        stop = ticket.stops.hits.pop(rid, None) if ticket.stops is not None else None
+        stop: str | int | None = None
+        if ticket.stops is not None:
+            stop = ticket.stops.hits.pop(rid, None)
+        if stop is None and last.tokens and last.tokens[-1] in ticket.job.stop_token_ids:
+            stop = last.tokens[-1]
         return ticket, Delta([], finish=reason, stop=stop)
 
     def _post(self, out: list[tuple[Ticket, Delta]]) -> None:

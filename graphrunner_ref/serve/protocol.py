@@ -69,6 +69,10 @@ class _Common(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's sampling extensions, with vLLM's defaults.
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
     # vLLM's text fields, with vLLM's defaults.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -139,6 +143,7 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("frequency_penalty", lambda v: not v, "no penalties; expected 0"),
     ("repetition_penalty", lambda v: v in (None, 1), "no penalties; expected 1"),
     ("logit_bias", lambda v: not v, "no logit bias; expected none"),
+    ("min_tokens", lambda v: not v, "the end token is never held back; expected 0"),
     (
         "spaces_between_special_tokens",
         lambda v: v,
@@ -160,14 +165,16 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 class Limits:
     """What the served model allows: its context (prompt plus new tokens),
     its vocabulary, the top log-probabilities the runner collects (0: none),
-    the default sampling of a request that sets none (the flags'), and its
-    tokenizer (None: token ids only)."""
+    the default sampling of a request that sets none (the flags'), its
+    tokenizer (None: token ids only), and whether a request may ignore the
+    end token (not where the runner ends rows inside a launch)."""
 
     context: int
     vocab_size: int
     max_logprobs: int
     sampling: SamplingParams
     codec: TextCodec | None
+    ignore_eos: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +183,8 @@ class Job:
     most new tokens, sampling, stop strings, the top log-probabilities
     (None: none asked) and whether it streams (with a usage chunk); and how
     its text reads: the stop string that ended it kept (``include_stop``),
-    special tokens left out (``skip_special``)."""
+    special tokens left out (``skip_special``); and vLLM's ``ignore_eos``
+    and ``stop_token_ids``."""
 
     prompt: list[int]
     max_tokens: int
@@ -187,6 +195,8 @@ class Job:
     include_usage: bool
     include_stop: bool = False
     skip_special: bool = True
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
@@ -233,6 +243,14 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
             param=name,
             code="context_length_exceeded",
         )
+    if body.ignore_eos and not limits.ignore_eos:
+        raise APIError(
+            400,
+            "ignore_eos=True: not supported: this server's launches of several steps end "
+            "every answer at the end token (--steps-per-launch); expected false",
+            param="ignore_eos",
+            code="unsupported",
+        )
     options = body.stream_options
     if options is not None and not body.stream:
         raise APIError(
@@ -248,7 +266,21 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
         include_usage=bool(options and options.include_usage),
         include_stop=body.include_stop_str_in_output,
         skip_special=body.skip_special_tokens,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=_stop_token_ids(body.stop_token_ids, limits),
     )
+
+
+def _stop_token_ids(ids: list[int] | None, limits: Limits) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``, each a token of the served vocabulary."""
+    for i, token in enumerate(ids or ()):
+        if not 0 <= token < limits.vocab_size:
+            raise APIError(
+                400,
+                f"stop_token_ids[{i}]={token}: expected a token id in 0..{limits.vocab_size - 1}",
+                param="stop_token_ids",
+            )
+    return tuple(ids or ())
 
 
 def _completion_prompt(prompt: Any, limits: Limits) -> list[int]:
