@@ -10,12 +10,12 @@ from graphrunner.pools.errors import DoubleFree, InvalidSlot, PoolError, PoolExh
 from graphrunner.pools.hybrid import DecodeHybridReqToTokenPool, HybridReqToTokenPool
 from graphrunner.pools.kv import KVCache, TokenToKVPoolAllocator, starts_page, whole_pages
 from graphrunner.pools.mamba import MambaStatePool, PendingStateOp
+from graphrunner.pools.req_to_token import DecodeReqToTokenPool, ReqToTokenPool
+from graphrunner.pools.slots import SlotAllocator
 
 if TYPE_CHECKING:
     from graphrunner.pools.prefix_cache import CachedKVAllocator, PrefixCacheStats, PrefixMatch
     from graphrunner.pools.prefix_index import CacheScope, PrefixIndex
-from graphrunner.pools.req_to_token import DecodeReqToTokenPool, ReqToTokenPool
-from graphrunner.pools.slots import SlotAllocator
 
 #: The prefix cache's names load on first use: a pool that never shares pages
 #: never imports them.

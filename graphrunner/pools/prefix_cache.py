@@ -21,7 +21,7 @@ shared or indexed.
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from graphrunner.pools.checks import (
@@ -233,12 +233,13 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
     def insert(
         self, token_ids: Sequence[int], slots: SlotIndices, *, adapter: Hashable = None
     ) -> int:
-        """Index the full pages of ``token_ids`` whose KV is written: token
-        ``j``'s KV at ``slots[j]`` (a request's ``req_to_token`` row, at least
-        one slot per token of the full pages), each full page one whole KV
-        page in order, held by the caller. From now on those pages are
-        read-only. Pages of a prefix already indexed are left as they are.
-        Returns the number of pages newly indexed; all-or-nothing."""
+        """Index the full pages of ``token_ids``, tokens whose KV is written
+        (a prompt after its last prefill chunk, or the part written so far):
+        token ``j``'s KV at ``slots[j]`` (the request's ``req_to_token`` row,
+        at least one slot per token of the full pages), each full page one
+        whole KV page in order, held by the caller. From now on those pages
+        are read-only. Pages of a prefix already indexed are left as they
+        are. Returns the number of pages newly indexed; all-or-nothing."""
         tokens = self._token_ids(token_ids, "insert: token_ids", minimum=0)
         pages = self._pages_in_order(tokens, as_index_list(slots, "insert: slots"))
         added = self._index.insert(tokens, pages, self._scope(adapter))
@@ -273,7 +274,7 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
     def indexed_pages(self) -> frozenset[int]:
         return self._index.pages()
 
-    def slots_of(self, pages: Sequence[int] | dict[int, int]) -> list[int]:
+    def slots_of(self, pages: Iterable[int]) -> list[int]:
         """The token slots of ``pages``, in order."""
         ps = self.page_size
         return [p * ps + o for p in pages for o in range(ps)]

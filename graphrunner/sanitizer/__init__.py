@@ -1,5 +1,6 @@
 """The padding sanitizer: checks around each replay that a step writes nothing
-it does not own (and guarded state of one's own: :class:`GuardedTensor`)."""
+it does not own (and guarded state of one's own: :class:`GuardedTensor`),
+nor a KV page requests share by prefix (:mod:`graphrunner.sanitizer.shared`)."""
 
 from __future__ import annotations
 
