@@ -160,7 +160,7 @@ OPS = st.lists(
         st.sampled_from([None, "lora"]),  # adapter
         st.integers(0, 7),  # which request
     ),
-    max_size=40,
+    max_size=60,
 )
 
 
@@ -401,3 +401,18 @@ def test_lookups_and_inserts_cost_pages_not_the_pool() -> None:
     index._by_key = Counting(index._by_key)  # noqa: SLF001
     assert cache.match(tokens).cached_tokens == 396
     assert len(probes) == 99
+
+
+def test_the_index_alone_matches_inserts_and_removes_subtrees() -> None:
+    index = PrefixIndex(2)
+    assert index.insert([1, 2, 3, 4, 5], [7, 8], "s") == [7, 8]  # token 5: no full page
+    assert index.insert([1, 2, 3, 4, 9, 9], [5, 6, 4], "s") == [4]  # 7, 8 kept for the prefix
+    assert index.match([1, 2, 3, 4, 9, 9], "s", max_pages=9) == [7, 8, 4]
+    assert index.match([1, 2, 3, 4, 9, 9], "s", max_pages=2) == [7, 8]
+    assert index.match([1, 2, 3, 4], "t", max_pages=9) == []
+    with pytest.raises(PoolError, match=r"insert: pages\[0\]=8 .*not indexed as another prefix"):
+        index.insert([5, 5], [8], "s")
+    assert index.remove(8) == [8, 4] and len(index) == 1 and 7 in index
+    assert index.inconsistencies() == []
+    assert index.insert([1, 2, 3, 4, 9, 9], [7, 2, 3], "s") == [2, 3]  # indexed whole again
+    assert index.match([1, 2, 3, 4, 9, 9, 0], "s", max_pages=9) == [7, 2, 3]
