@@ -195,9 +195,9 @@ def _check_shared(
 
     rows, lengths = live.get(Index.REQUEST_ROW), live.get(Index.LENGTH)
     mappers = None
-    if rows is not None and rows.spec.rows_per_request != 1:
-        rows = None  # several rows per request: which request a value is, is not said
-    if lengths is not None and lengths.spec.rows_per_request != 1:
+    if rows is not None and not _one_per_request(rows):
+        rows = None  # which request a value is, is not said
+    if lengths is not None and not _one_per_request(lengths):
         lengths = None
     if ctx.req_pool is not None and rows is not None and lengths is not None:
         req_to_token = ctx.req_pool.req_to_token
@@ -207,6 +207,10 @@ def _check_shared(
         if locs is not None:
             who = _write_rows(locs, rows, owners)
             check_shared_writes(ctx.shared, locs.values, who, mappers, field=locs.spec.name)
+
+
+def _one_per_request(value: LiveValue) -> bool:
+    return value.spec.axis is Axis.REQUEST and value.spec.rows_per_request == 1
 
 
 def _write_rows(
