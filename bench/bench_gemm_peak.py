@@ -5,23 +5,31 @@ shapes (a 512-token chunk against each projection: hidden 576, MLP 1,536,
 K/V 192, the 49,152-token head) and at a square 1,024, in float32 and
 bfloat16 (``torch.mm``: oneDNN, on AMX tiles or AVX-512 BF16 where the CPU
 has them) and 8-bit integers (int8 x int8 -> int32; VNNI or AMX-INT8).
-Then SmolLM2's eager prefill (``forward_extend``, one 512-token prompt) in
-float32, bfloat16 and int4-q8, as GFLOP/s of its linear layers and as a
-share of the best product of the dtype its GEMMs run in.
+Then int4-q8's own product at the projections' shapes on the kernel path
+this CPU takes (``amx-int8-tiles`` where it has AMX-INT8) against the
+``avx512-vnni-tiles`` op over the same tiles, in the same run. Then SmolLM2's
+eager prefill (``forward_extend``, one 512-token prompt) in float32,
+bfloat16 and int4-q8, as GFLOP/s of its linear layers and as a share of the
+best product of the dtype its GEMMs run in; where int4-q8 takes the AMX path,
+again with AMX hidden (``GRAPHRUNNER_CPU_DISABLE=amx_int8``: the tiles path),
+the modes timed in turn, round after round.
 
     PYTHONPATH=. .venv/bin/python -m bench.bench_gemm_peak
 
-Writes ``bench/results/gemm-peak-<cpu>.md`` (and ``.json``), naming the CPU
-and its features.
+Writes ``bench/results/gemm-peak-<cpu>.md`` (and ``.json``), naming the CPU,
+its features and int4-q8's kernel path.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +50,11 @@ SHAPES = [
 PREFILL_TOKENS = 512
 #: The prefill mode, the dtype of its GEMMs (whose peak it is held to).
 PREFILL_MODES = {"float32": "float32", "bfloat16": "bfloat16", "int4-q8": "int8"}
+#: int4-q8's mode label with AMX hidden, and the features hidden for it.
+TILES_ONLY = "int4-q8, AMX hidden"
+HIDE_AMX = "amx_int8"
+#: The shapes int4-q8's own product is timed at (its projections').
+Q8_SHAPES = [s for s in SHAPES if s[0] in ("q/o proj", "k/v proj", "gate/up", "down")]
 
 
 def best_seconds(fn: Callable[[], Any], min_seconds: float, min_runs: int = 3) -> float:
@@ -99,18 +112,99 @@ def prefill_flops(model: torch.nn.Module, tokens: int) -> int:
     return 2 * (tokens * layers * per_layer + h * config.vocab_size)
 
 
-def prefill_rows(repeats: int) -> list[dict[str, Any]]:
-    from bench.bench_context import smollm2_chats
+@contextmanager
+def features_hidden(names: str) -> Iterator[None]:
+    """Within: ``GRAPHRUNNER_CPU_DISABLE`` set to ``names``, the CPU's features
+    and each product's kernel path read again (on entry and on exit)."""
+    from graphrunner_ref.model.cpu_features import DISABLE_ENV, cpu_features, kernel_path
+
+    before = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = names
+    cpu_features.cache_clear()
+    kernel_path.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[DISABLE_ENV]
+        else:
+            os.environ[DISABLE_ENV] = before
+        cpu_features.cache_clear()
+        kernel_path.cache_clear()
+
+
+def q8_path_name() -> str:
+    """The kernel path int4-q8 takes here (``torch`` where none runs)."""
+    from graphrunner_ref.model.cpu_features import kernel_path
+
+    path = kernel_path("int4-q8")
+    return "torch" if path is None else path.name
+
+
+def int4_q8_rows(min_seconds: float) -> list[dict[str, Any]]:
+    """int4-q8's product at :data:`Q8_SHAPES` on this CPU's path (the module's
+    forward) and on the tiles op over the same tiles, timed in turn; empty
+    where the module does not hold tiles (no AVX-512 VNNI: nothing to compare)."""
+    from graphrunner_ref.model.int4_q8 import Int4Q8Linear
+
+    rows = []
+    for label, m, k, n in Q8_SHAPES:
+        gen = torch.Generator().manual_seed(m + k + n)
+        linear = Int4Q8Linear(torch.randn(n, k, generator=gen) * 0.05)
+        if not linear.tiled:
+            return []
+        x = torch.randn(m, k, generator=gen)
+        fns: dict[str, Callable[[], torch.Tensor]] = {
+            "tiles": functools.partial(
+                torch.ops.graphrunner_int4.linear_q8_tiled,
+                x,
+                linear.tiles,
+                linear.tile_scales,
+                linear.tile_mins,
+                n,
+            ),
+            "path": functools.partial(linear, x),
+        }
+        if not torch.equal(fns["tiles"](), fns["path"]()):
+            raise AssertionError(f"int4-q8 {linear.path_name} and the tiles op differ at {label}")
+        best = {name: float("inf") for name in fns}
+        for _ in range(3):  # in turn: the machine's noise falls on both
+            for name, fn in fns.items():
+                best[name] = min(best[name], best_seconds(fn, min_seconds / 3))
+        gops = {name: 2 * m * k * n / sec / 1e9 for name, sec in best.items()}
+        rows.append({"shape": label, "m": m, "k": k, "n": n, "path": linear.path_name,
+                     "tiles_gops": gops["tiles"], "path_gops": gops["path"]})  # fmt: skip
+        print(f"int4-q8 {label}: tiles {gops['tiles']:.1f}, {linear.path_name} "
+              f"{gops['path']:.1f} GOP/s", flush=True)  # fmt: skip
+    return rows
+
+
+def _prefill_bundle(checkpoint: Any, mode: str) -> Any:
     from graphrunner_ref.io import load_model
     from graphrunner_ref.model.quantize import quantize_model
 
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    bundle = load_model(checkpoint, max_requests=1, max_context_len=PREFILL_TOKENS, dtype=dtype)
+    if mode.startswith("int4-q8"):
+        quantize_model(bundle.model, "int4-q8")
+    return bundle
+
+
+def prefill_rows(repeats: int) -> list[dict[str, Any]]:
+    """Each mode's best of ``repeats`` prefills, the modes in turn each round;
+    int4-q8 again with AMX hidden where it takes the AMX path."""
+    from bench.bench_context import smollm2_chats
+
     checkpoint, _ = smollm2_chats()
-    rows = []
-    for mode, gemm_dtype in PREFILL_MODES.items():
-        dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
-        bundle = load_model(checkpoint, max_requests=1, max_context_len=PREFILL_TOKENS, dtype=dtype)
-        if mode == "int4-q8":
-            quantize_model(bundle.model, mode)
+    modes = dict(PREFILL_MODES)
+    paths = {"float32": "", "bfloat16": "", "int4-q8": q8_path_name()}
+    bundles = {mode: _prefill_bundle(checkpoint, mode) for mode in modes}
+    if paths["int4-q8"] == "amx-int8-tiles":
+        with features_hidden(HIDE_AMX):
+            bundles[TILES_ONLY] = _prefill_bundle(checkpoint, TILES_ONLY)
+            modes[TILES_ONLY], paths[TILES_ONLY] = "int8", q8_path_name()
+    runs = {}
+    for mode, bundle in bundles.items():
         ids = torch.randint(3, bundle.config.vocab_size, (PREFILL_TOKENS,))
         row = bundle.req_pool.alloc(1)[0]
         slots = torch.tensor(bundle.kv_alloc.alloc(PREFILL_TOKENS))
@@ -121,10 +215,20 @@ def prefill_rows(repeats: int) -> list[dict[str, Any]]:
             with torch.no_grad():
                 bundle.model.forward_extend(row, ids, slots)
 
-        seconds = best_seconds(prefill, 0.0, min_runs=repeats)
-        flops = prefill_flops(bundle.model, PREFILL_TOKENS)
-        rows.append({"mode": mode, "gemm_dtype": gemm_dtype, "tokens": PREFILL_TOKENS,
-                     "seconds": seconds, "tokens_per_s": PREFILL_TOKENS / seconds,
+        prefill()  # warm
+        runs[mode] = prefill
+    best = {mode: float("inf") for mode in runs}
+    for _ in range(repeats):
+        for mode, prefill in runs.items():
+            t0 = time.perf_counter()
+            prefill()
+            best[mode] = min(best[mode], time.perf_counter() - t0)
+    rows = []
+    for mode, seconds in best.items():
+        flops = prefill_flops(bundles[mode].model, PREFILL_TOKENS)
+        rows.append({"mode": mode, "gemm_dtype": modes[mode], "kernel_path": paths[mode],
+                     "tokens": PREFILL_TOKENS, "seconds": seconds,
+                     "tokens_per_s": PREFILL_TOKENS / seconds,
                      "gflops": flops / seconds / 1e9})  # fmt: skip
         print(f"prefill {mode}: {PREFILL_TOKENS / seconds:.0f} tokens/s", flush=True)
     return rows
@@ -135,7 +239,10 @@ def _slug(name: str) -> str:
 
 
 def report(
-    gemms: list[dict[str, Any]], prefills: list[dict[str, Any]], info: dict[str, str]
+    gemms: list[dict[str, Any]],
+    q8: list[dict[str, Any]],
+    prefills: list[dict[str, Any]],
+    info: dict[str, str],
 ) -> str:
     peak = {
         d: max(r["gflops"] for r in gemms if r["dtype"] == d) for d in {r["dtype"] for r in gemms}
@@ -151,39 +258,62 @@ def report(
             f"{by['int8']:.1f} | {by['bfloat16'] / by['float32']:.2f}x | "
             f"{by['int8'] / by['float32']:.2f}x |"
         )
+    if q8:
+        path = q8[0]["path"]
+        lines += ["", f"int4-q8's product (4-bit weights x 8-bit rows, one 512-row chunk), its "
+                  f"`{path}` path against the `avx512-vnni-tiles` op over the same tiles, "
+                  "in turn (equal outputs checked):", "",
+                  f"| shape | M x K x N | avx512-vnni-tiles GOP/s | {path} GOP/s | ratio | "
+                  "share of int8 peak |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in q8:
+            lines.append(
+                f"| {r['shape']} | {r['m']} x {r['k']} x {r['n']} | {r['tiles_gops']:.1f} | "
+                f"{r['path_gops']:.1f} | {r['path_gops'] / r['tiles_gops']:.2f}x | "
+                f"{r['path_gops'] / peak['int8']:.0%} |"
+            )
     lines += ["", f"SmolLM2-135M eager prefill, one {PREFILL_TOKENS}-token prompt (GFLOP/s of its "
-              "linear layers; the share is of the best product above in the dtype its GEMMs run in):", "",
-              "| mode | tokens/s | GFLOP/s | GEMM dtype | its peak GFLOP/s | share of peak | vs float32 |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "linear layers; the share is of the best product above in the dtype its GEMMs run "
+              "in; the modes timed in turn, best of the rounds):", "",
+              "| mode | kernel path | tokens/s | GFLOP/s | GEMM dtype | its peak GFLOP/s | "
+              "share of peak | vs float32 |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     base = next(r["tokens_per_s"] for r in prefills if r["mode"] == "float32")
     for r in prefills:
         p = peak[r["gemm_dtype"]]
         lines.append(
-            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['gflops']:.1f} | {r['gemm_dtype']} | "
-            f"{p:.1f} | {r['gflops'] / p:.0%} | {r['tokens_per_s'] / base:.2f}x |"
+            f"| {r['mode']} | {r['kernel_path'] or '-'} | {r['tokens_per_s']:.0f} | "
+            f"{r['gflops']:.1f} | {r['gemm_dtype']} | {p:.1f} | {r['gflops'] / p:.0%} | "
+            f"{r['tokens_per_s'] / base:.2f}x |"
         )
+    by_mode = {r["mode"]: r["tokens_per_s"] for r in prefills}
+    if TILES_ONLY in by_mode:
+        lines += ["", f"int4-q8 prefill, AMX against AMX hidden: "
+                  f"{by_mode['int4-q8'] / by_mode[TILES_ONLY]:.2f}x"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-seconds", type=float, default=0.5, help="timed per product")
-    parser.add_argument("--repeats", type=int, default=3, help="prefills per mode (the best)")
+    parser.add_argument("--repeats", type=int, default=5, help="prefills per mode (the best)")
     args = parser.parse_args(argv)
-    from graphrunner_ref.model.cpu_features import cpu_features
+    from graphrunner_ref.model.cpu_features import cpu_features, kernel_note
 
     with torch_threads(1):
         gemms = gemm_rows(args.min_seconds)
+        q8 = int4_q8_rows(args.min_seconds)
         prefills = prefill_rows(args.repeats)
     features = cpu_features()
     info = {**machine(), "features": features.describe(), "threads": "1",
+            "int4-q8": kernel_note("int4-q8"),
             "command": command("bench_gemm_peak", argv)}  # fmt: skip
-    text = report(gemms, prefills, info)
+    text = report(gemms, q8, prefills, info)
     out = RESULTS_DIR / f"gemm-peak-{_slug(features.model)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out.with_suffix(".md"), text)
     write_atomically(
-        out.with_suffix(".json"), json.dumps({**info, "gemm": gemms, "prefill": prefills}, indent=1)
+        out.with_suffix(".json"),
+        json.dumps({**info, "gemm": gemms, "int4_q8": q8, "prefill": prefills}, indent=1),
     )
     print(text)
     return 0

@@ -92,6 +92,18 @@ def test_a_chunk_row_never_depends_on_the_rows_beside_it() -> None:
     assert torch.equal(linear(poisoned)[:40], together[:40])
 
 
+def test_the_amx_path_runs_under_torch_compile() -> None:
+    """Inductor calls the AMX op as one extern kernel (its fake gives the
+    shape): the compiled chunk's output is the eager one's."""
+    if not _amx_runs():
+        pytest.skip("the int4-q8 AMX path does not run on this CPU, OS or build")
+    w, gen = _weights(48, 64, 3)
+    linear = Int4Q8Linear(w, kernel=True)
+    x = torch.randn(32, 64, generator=gen)
+    compiled = torch.compile(linear, backend="inductor", fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), linear(x))
+
+
 def test_hiding_amx_runs_the_tiles_path(fresh_features: pytest.MonkeyPatch) -> None:
     """``GRAPHRUNNER_CPU_DISABLE=amx_int8`` hides AMX: int4-q8 takes the tiles
     path where the CPU has AVX-512 VNNI, and gives the AMX path's output."""

@@ -1068,26 +1068,61 @@ GRAPHRUNNER_AMX __attribute__((always_inline)) inline __m512 amx_half(const uint
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
 }
 
-// 16 quantized rows (xq their codes, kp bytes apart; xd, sx their scales and
-// scaled sums [groups, 16 rows]) against one tile's unpacked codes w and
-// float16 scales ts and mins tm: the first `live` rows' 16 outputs from o0
-// written to y (rows out apart). dots: 2 x 256 int32 of scratch, 64-byte
-// aligned. Not inlined: its 16 accumulators stay in registers.
+// A chunk's quantized rows in blocks of 16, as the tiles read them: codes
+// [block, group, 16 rows, 32] (a group's A operand 512 bytes in a row: 8 whole
+// lines, where the rows' own layout spread it over 16 lines, half of each
+// read), scales d and scaled sums [block, group, 16 rows] (a group's 16
+// values of a block side by side, one register's broadcasts at fixed offsets).
+struct AmxRows {
+  std::vector<int8_t> xq;
+  std::vector<float> xd, sx;
+  // Rows [r0, r0 + nr) of x [rows, in] (in's groups of 32), quantized a block
+  // at a time, each row alone (quantize_row_q8); a last block's rows past nr
+  // keep what they held. The buffers only grow: a caller keeps one per
+  // thread, so a prompt's calls reuse their pages (a fresh chunk-sized
+  // buffer a call was fresh pages from the OS each time, faulted in).
+  void quantize(const float* x, int64_t in, int64_t groups, int64_t r0, int64_t nr) {
+    const int64_t blocks = (nr + kAmxRows - 1) / kAmxRows, per_block = groups * kAmxRows;
+    if (static_cast<int64_t>(xd.size()) < blocks * per_block) {
+      xq.resize(blocks * per_block * kGroup);
+      xd.resize(blocks * per_block);
+      sx.resize(blocks * per_block);
+    }
+    Q8Rows q(in, groups, kAmxRows);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t live = std::min(kAmxRows, nr - b * kAmxRows);
+      q.quantize(x, r0 + b * kAmxRows, static_cast<int>(live));
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t r = 0; r < live; ++r) {
+          const int64_t at = (b * groups + g) * kAmxRows + r;
+          std::memcpy(xq.data() + at * kGroup, q.xq.data() + r * q.kp + g * kGroup, kGroup);
+          xd[at] = q.xd[r * groups + g];
+          sx[at] = q.sx[r * groups + g];
+        }
+    }
+  }
+};
+
+// One block of 16 rows (AmxRows' xq, xd, sx from the block's start) against
+// one tile's unpacked codes w and float16 scales ts and mins tm: the first
+// `live` rows' 16 outputs from o0 written to y (rows out apart). dots: 2 x 256
+// int32 of scratch, 64-byte aligned. Not inlined: its 16 accumulators stay
+// in registers.
 GRAPHRUNNER_AMX __attribute__((noinline)) void amx_block(
     const int8_t* xq, const float* xd, const float* sx, int64_t groups, const uint8_t* w,
     const uint16_t* ts, const uint16_t* tm, int32_t* dots, float* y, int64_t out, int64_t o0,
     int64_t live) {
-  const int64_t kp = groups * kGroup;
+  constexpr int64_t kRowsBytes = kAmxRows * kGroup;
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   GRAPHRUNNER_AMX_READS();
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
-    _tile_loadd(2, xq + g * kGroup, kp);
+    _tile_loadd(2, xq + g * kRowsBytes, kGroup);
     _tile_loadd(4, w + g * kAmxGroupBytes, 64);
     _tile_zero(0);
     _tile_dpbsud(0, 2, 4);
-    _tile_loadd(3, xq + (g + 1) * kGroup, kp);
+    _tile_loadd(3, xq + (g + 1) * kRowsBytes, kGroup);
     _tile_loadd(5, w + (g + 1) * kAmxGroupBytes, 64);
     _tile_zero(1);
     _tile_dpbsud(1, 3, 5);
@@ -1099,7 +1134,7 @@ GRAPHRUNNER_AMX __attribute__((noinline)) void amx_block(
                   amx_half(ts + (g + 1) * kTileRows), amx_half(tm + (g + 1) * kTileRows), acc);
   }
   if (g < groups) {
-    _tile_loadd(2, xq + g * kGroup, kp);
+    _tile_loadd(2, xq + g * kRowsBytes, kGroup);
     _tile_loadd(4, w + g * kAmxGroupBytes, 64);
     _tile_zero(0);
     _tile_dpbsud(0, 2, 4);
@@ -1112,34 +1147,32 @@ GRAPHRUNNER_AMX __attribute__((noinline)) void amx_block(
   for (int64_t r = 0; r < live; ++r) _mm512_mask_storeu_ps(y + r * out + o0, keep, acc[r]);
 }
 
-// Output tiles [b0, b1) against the nr quantized rows of q (its buffers hold
-// whole blocks of 16; xd and sx its scales and scaled sums as [block, group,
-// 16 rows]: amx_blocked_rows), into y (row 0 of the chunk): each tile's codes
-// unpacked once, then every block of rows. One thread's share: it configures
-// its own tiles and releases them.
-GRAPHRUNNER_AMX void amx_tiles(const Q8Rows& q, const float* xd, const float* sx, int64_t nr,
+// Output tiles [b0, b1) against the nr rows of a (whole blocks of 16 held),
+// into y (row 0 of the chunk). Tiles go kAmxTilesTogether at a time, their
+// codes unpacked once for every block of rows, each block read once for them
+// all (a block's codes, 16 x 32 bytes a group, stay in L1 between tiles). One
+// thread's share: it configures its own tiles and releases them.
+constexpr int64_t kAmxTilesTogether = 2;
+
+GRAPHRUNNER_AMX void amx_tiles(const AmxRows& a, int64_t groups, int64_t nr,
                                const uint8_t* tiles, const uint16_t* ts, const uint16_t* tm,
                                float* y, int64_t out, int64_t b0, int64_t b1) {
-  const int64_t groups = q.groups, kp = q.kp;
-  std::vector<uint8_t> w(groups * kAmxGroupBytes);
+  const int64_t per_tile = groups * kAmxGroupBytes, kp = groups * kGroup;
+  std::vector<uint8_t> w(kAmxTilesTogether * per_tile);
   alignas(64) int32_t dots[2 * kAmxRows * kTileRows];
   amx_configure();
-  for (int64_t b = b0; b < b1; ++b) {
-    amx_unpack(tiles + b * groups * kTileGroupBytes, groups, w.data());
+  for (int64_t b = b0; b < b1; b += kAmxTilesTogether) {
+    const int64_t together = std::min(kAmxTilesTogether, b1 - b);
+    for (int64_t t = 0; t < together; ++t)
+      amx_unpack(tiles + (b + t) * groups * kTileGroupBytes, groups, w.data() + t * per_tile);
     for (int64_t r0 = 0; r0 < nr; r0 += kAmxRows)
-      amx_block(q.xq.data() + r0 * kp, xd + r0 * groups, sx + r0 * groups, groups, w.data(), ts + b * groups * kTileRows, tm + b * groups * kTileRows, dots,
-                y + r0 * out, out, b * kTileRows, std::min(kAmxRows, nr - r0));
+      for (int64_t t = 0; t < together; ++t)
+        amx_block(a.xq.data() + r0 * kp, a.xd.data() + r0 * groups, a.sx.data() + r0 * groups,
+                  groups, w.data() + t * per_tile, ts + (b + t) * groups * kTileRows,
+                  tm + (b + t) * groups * kTileRows, dots, y + r0 * out, out,
+                  (b + t) * kTileRows, std::min(kAmxRows, nr - r0));
   }
   _tile_release();
-}
-// A row-major [rows, groups] table v (rows a whole number of blocks) as
-// [block, group, 16 rows], so a block's 16 values of a group sit side by side.
-void amx_blocked_rows(const std::vector<float>& v, int64_t rows, int64_t groups,
-                      std::vector<float>& blocked) {
-  blocked.resize(rows * groups);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g)
-      blocked[(r / kAmxRows * groups + g) * kAmxRows + r % kAmxRows] = v[r * groups + g];
 }
 #define GRAPHRUNNER_Q8_AMX 1
 #undef GRAPHRUNNER_AMX
@@ -1309,19 +1342,13 @@ at::Tensor linear_q8_amx(const at::Tensor& x, const at::Tensor& tiles,
   float* yp = y.data_ptr<float>();
   const auto* ts = reinterpret_cast<const uint16_t*>(tile_scales.data_ptr());
   const auto* tm = reinterpret_cast<const uint16_t*>(tile_mins.data_ptr());
-  const int64_t chunk = std::min(rows, kAmxChunk);
   // Whole blocks of 16 rows: the rows past a chunk's end are multiplied and dropped.
-  const int64_t held = (chunk + kAmxRows - 1) / kAmxRows * kAmxRows;
-  Q8Rows q(x.size(1), groups, held);
-  std::vector<float> xd, sx;
+  static thread_local AmxRows a;
   for (int64_t r0 = 0; r0 < rows; r0 += kAmxChunk) {
     const int64_t nr = std::min(kAmxChunk, rows - r0);
-    q.quantize(xc.data_ptr<float>(), r0, static_cast<int>(nr));
-    amx_blocked_rows(q.xd, held, groups, xd);
-    amx_blocked_rows(q.sx, held, groups, sx);
-    at::parallel_for(0, count, 1, [&](int64_t b0, int64_t b1) {
-      amx_tiles(q, xd.data(), sx.data(), nr, tiles.data_ptr<uint8_t>(), ts, tm, yp + r0 * out,
-                out, b0, b1);
+    a.quantize(xc.data_ptr<float>(), x.size(1), groups, r0, nr);
+    at::parallel_for(0, count, kAmxTilesTogether, [&](int64_t b0, int64_t b1) {
+      amx_tiles(a, groups, nr, tiles.data_ptr<uint8_t>(), ts, tm, yp + r0 * out, out, b0, b1);
     });
   }
 #endif
