@@ -53,8 +53,13 @@ PREFILL_MODES = {"float32": "float32", "bfloat16": "bfloat16", "int4-q8": "int8"
 #: int4-q8's mode label with AMX hidden, and the features hidden for it.
 TILES_ONLY = "int4-q8, AMX hidden"
 HIDE_AMX = "amx_int8"
-#: The shapes int4-q8's own product is timed at (its projections').
-Q8_SHAPES = [s for s in SHAPES if s[0] in ("q/o proj", "k/v proj", "gate/up", "down")]
+#: The shapes int4-q8's own product is timed at: its projections' at a
+#: 512-row chunk, and gate/up at decode's 1 and 8 rows (the tiles path's
+#: loop on either path: the ratio says the decode path is unchanged).
+Q8_SHAPES = [s for s in SHAPES if s[0] in ("q/o proj", "k/v proj", "gate/up", "down")] + [
+    ("gate/up, decode", 1, 576, 1536),
+    ("gate/up, decode", 8, 576, 1536),
+]
 
 
 def best_seconds(fn: Callable[[], Any], min_seconds: float, min_runs: int = 3) -> float:
@@ -142,11 +147,12 @@ def q8_path_name() -> str:
 
 
 def int4_q8_rows(min_seconds: float) -> list[dict[str, Any]]:
-    """int4-q8's product at :data:`Q8_SHAPES` on this CPU's path (the module's
-    forward) and on the tiles op over the same tiles, timed in turn; empty
+    """int4-q8's product at :data:`Q8_SHAPES` on this CPU's path (the op the
+    module calls) and on the tiles op over the same tiles, timed in turn; empty
     where the module does not hold tiles (no AVX-512 VNNI: nothing to compare)."""
-    from graphrunner_ref.model.int4_q8 import Int4Q8Linear
+    from graphrunner_ref.model.int4_q8 import AMX_PATH, Int4Q8Linear
 
+    ops = torch.ops.graphrunner_int4
     rows = []
     for label, m, k, n in Q8_SHAPES:
         gen = torch.Generator().manual_seed(m + k + n)
@@ -154,23 +160,18 @@ def int4_q8_rows(min_seconds: float) -> list[dict[str, Any]]:
         if not linear.tiled:
             return []
         x = torch.randn(m, k, generator=gen)
+        args = (x, linear.tiles, linear.tile_scales, linear.tile_mins, n)
+        path_op = ops.linear_q8_amx if linear.path == AMX_PATH else ops.linear_q8_tiled
         fns: dict[str, Callable[[], torch.Tensor]] = {
-            "tiles": functools.partial(
-                torch.ops.graphrunner_int4.linear_q8_tiled,
-                x,
-                linear.tiles,
-                linear.tile_scales,
-                linear.tile_mins,
-                n,
-            ),
-            "path": functools.partial(linear, x),
+            "tiles": functools.partial(ops.linear_q8_tiled, *args),
+            "path": functools.partial(path_op, *args),
         }
         if not torch.equal(fns["tiles"](), fns["path"]()):
             raise AssertionError(f"int4-q8 {linear.path_name} and the tiles op differ at {label}")
         best = {name: float("inf") for name in fns}
-        for _ in range(3):  # in turn: the machine's noise falls on both
+        for _ in range(5):  # in turn: the machine's noise falls on both
             for name, fn in fns.items():
-                best[name] = min(best[name], best_seconds(fn, min_seconds / 3))
+                best[name] = min(best[name], best_seconds(fn, min_seconds / 5))
         gops = {name: 2 * m * k * n / sec / 1e9 for name, sec in best.items()}
         rows.append({"shape": label, "m": m, "k": k, "n": n, "path": linear.path_name,
                      "tiles_gops": gops["tiles"], "path_gops": gops["path"]})  # fmt: skip
@@ -260,7 +261,7 @@ def report(
         )
     if q8:
         path = q8[0]["path"]
-        lines += ["", f"int4-q8's product (4-bit weights x 8-bit rows, one 512-row chunk), its "
+        lines += ["", f"int4-q8's product (4-bit weights x 8-bit rows), its "
                   f"`{path}` path against the `avx512-vnni-tiles` op over the same tiles, "
                   "in turn (equal outputs checked):", "",
                   f"| shape | M x K x N | avx512-vnni-tiles GOP/s | {path} GOP/s | ratio | "
@@ -295,7 +296,7 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-seconds", type=float, default=0.5, help="timed per product")
-    parser.add_argument("--repeats", type=int, default=5, help="prefills per mode (the best)")
+    parser.add_argument("--repeats", type=int, default=7, help="prefills per mode (the best)")
     args = parser.parse_args(argv)
     from graphrunner_ref.model.cpu_features import cpu_features, kernel_note
 

@@ -1324,13 +1324,14 @@ at::Tensor linear_q8_tiled(const at::Tensor& x, const at::Tensor& tiles,
 at::Tensor linear_q8_amx(const at::Tensor& x, const at::Tensor& tiles,
                          const at::Tensor& tile_scales, const at::Tensor& tile_mins,
                          int64_t out) {
+  // Decode's few rows: path 3's loop, before any other check (its own run).
+  if (x.dim() != 2 || x.size(0) < kAmxMinRows)
+    return linear_q8_tiled(x, tiles, tile_scales, tile_mins, out);
   const char* op = "graphrunner_int4::linear_q8_amx";
   TORCH_CHECK((q8_paths() >> kQ8AmxPath & 1) && amx_granted(), op,
               ": needs a build with AMX-INT8 and a CPU whose OS grants its tile data; "
               "this build, CPU or OS does not (q8_paths bits ", q8_paths(),
               "; run graphrunner_int4::linear_q8_tiled instead)");
-  if (x.dim() != 2 || x.size(0) < kAmxMinRows)
-    return linear_q8_tiled(x, tiles, tile_scales, tile_mins, out);
   const int64_t groups = check_tiles(op, x, tiles, at::kByte, 256, out, "int4_q8.tile_codes");
   const int64_t rows = x.size(0), count = tiles.size(0);
   check_tile_scales(op, "tile_scales", tile_scales, at::kHalf, count, groups);
