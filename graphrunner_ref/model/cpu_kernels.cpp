@@ -995,17 +995,23 @@ constexpr Int8TileFn int8_tile_table[kTile + 1] = {
 // unpacked once (the 8 registers tile_q8 makes, stored: quad j is row j of an
 // AMX B operand, lane n's 4 bytes output n's codes of columns 4j..4j+3) and
 // reused by every block of 16 token rows of the chunk: tdpbsud multiplies the
-// block's signed int8 activations of the group (A: 16 rows of 32 bytes, read
-// in place from the quantized rows) by the unsigned codes (B), one group a
-// tile multiply (K = 32, never 64: two groups summed in int32 would lose
-// their scales), into 16 x 16 exact int32 dots. Each token row's 16 dots then
-// take tile_q8's float steps in its order, instruction for instruction:
+// block's signed int8 activations of the group (A: 16 rows of 32 bytes,
+// AmxRows below) by the unsigned codes (B), one group a tile multiply (K = 32,
+// never 64: two groups summed in int32 would lose their scales), into 16 x 16
+// exact int32 dots. Each token row's 16 dots then take tile_q8's float steps
+// in its order, instruction for instruction:
 //   acc = fma(float(dot), scale * d, acc);  acc = fma(min, d * sum(qx), acc)
 // so a row's output is path 3's bit for bit, alone or in any chunk (a block's
 // rows past the chunk's end are computed from stale or zero codes and dropped).
 // Tiles: 0 and 1 the dots of groups g and g + 1, 2 and 3 their activations,
-// 4 and 5 their codes; two groups in flight so the tile unit works while the
-// vector units sum the group before.
+// 4 and 5 their codes. Those float steps, four vector instructions per 16
+// outputs, row and group, are half the time: on the 2-core Xeon measured
+// (bench/results/gemm-peak-intel-r-xeon-r-processor.md) the tile
+// instructions and the vector ones did not overlap, whatever the order
+// (stores of the next groups' dots before or after this group's sums, two
+// blocks by two tiles of dots a group, tile multiplies beside sums of
+// unrelated data: each about the sum of the two alone), so the path ran
+// 1.2-1.5x path 3 on SmolLM2's projections at 512 rows, not the int8 peak.
 constexpr int64_t kAmxRows = 16;        // token rows a tile multiply
 constexpr int64_t kAmxMinRows = 16;     // fewer rows: path 3 (decode stays as it was)
 constexpr int64_t kAmxChunk = 512;      // token rows quantized and multiplied at a time
@@ -1029,9 +1035,12 @@ struct alignas(64) AmxConfig {
 GRAPHRUNNER_AMX void amx_configure() {
   AmxConfig c;
   for (int t = 0; t < 2; ++t) {
-    c.rows[t] = kAmxRows, c.colsb[t] = 64;                   // int32 dots [rows, 16 outputs]
-    c.rows[2 + t] = kAmxRows, c.colsb[2 + t] = kGroup;       // int8 rows [rows, 32]
-    c.rows[4 + t] = kGroup / 4, c.colsb[4 + t] = 64;         // codes [8 quads, 16 x 4]
+    c.rows[t] = kAmxRows;  // int32 dots [rows, 16 outputs]
+    c.colsb[t] = 64;
+    c.rows[2 + t] = kAmxRows;  // int8 activations [rows, 32]
+    c.colsb[2 + t] = kGroup;
+    c.rows[4 + t] = kGroup / 4;  // codes [8 quads, 16 outputs x 4]
+    c.colsb[4 + t] = 64;
   }
   _tile_loadconfig(&c);
 }
