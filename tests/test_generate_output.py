@@ -116,7 +116,8 @@ def test_summary_line_counts_the_run_and_quiet_drops_it(
     match = re.fullmatch(
         r"generate: 3 requests, 12 prompt tokens, 12 generated tokens, "
         r"decode ([0-9,]+\.\d) tokens/s \(([0-9,]+\.\d) timing whole steps\), "
-        r"padded rows 25\.0%, capture \d+\.\d s \((cold|warm) start\), "
+        r"padded rows 25\.0%, prefix cache hit rate 0\.0% \(0/12\), "
+        r"capture \d+\.\d s \((cold|warm) start\), "
         r"0\.333 launches and 0\.333 syncs per token\n",
         err,
     )

@@ -89,7 +89,9 @@ def test_streamed_tokens_equal_the_whole_answer_and_usage_is_exact(server: Serve
         "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "logprobs": 2}, headers=AUTH
     )
     assert status == 200
-    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": NEW, "total_tokens": 17}
+    counts = {"prompt_tokens": 5, "completion_tokens": NEW, "total_tokens": 17}
+    assert {k: whole["usage"][k] for k in counts} == counts
+    assert 0 <= whole["usage"]["prompt_tokens_details"]["cached_tokens"] <= 4
     assert whole["choices"][0]["finish_reason"] == "length"
     logprobs = whole["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == NEW and all(
@@ -105,7 +107,9 @@ def test_streamed_tokens_equal_the_whole_answer_and_usage_is_exact(server: Serve
     assert streamed == whole["choices"][0]["token_ids"]
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-    assert events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+    # The same prompt again: every page of it but its last token's was cached.
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"] == {**counts, "prompt_tokens_details": {"cached_tokens": 4}}
 
 
 def test_clients_that_go_away_free_every_slot_and_row(server: Server) -> None:

@@ -64,11 +64,12 @@ def test_chat_answers_whole_with_the_tokenizers_counts(server: Server, tokenizer
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
         prompt = prompt["input_ids"]
-    assert answer["usage"] == {
+    counts = {
         "prompt_tokens": len(prompt),
         "completion_tokens": len(ids),
         "total_tokens": len(prompt) + len(ids),
     }
+    assert {k: answer["usage"][k] for k in counts} == counts
     ended = ids[-1] == tokenizer.eos_token_id
     assert choice["finish_reason"] == ("stop" if ended else "length")
 
@@ -90,7 +91,10 @@ def test_streamed_chat_deltas_join_to_the_whole_answer(server: Server) -> None:
     )
     finishes = [c["choices"][0]["finish_reason"] for c in chunks]
     assert finishes[-1] == whole["choices"][0]["finish_reason"] and not any(finishes[:-1])
-    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    # The same conversation again: all of it but the last token was cached.
+    cached = {"cached_tokens": whole["usage"]["prompt_tokens"] - 1}
+    assert usage["choices"] == []
+    assert usage["usage"] == {**whole["usage"], "prompt_tokens_details": cached}
 
 
 def test_text_completions_streamed_and_not(server: Server, tokenizer: Any) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from graphrunner import BufferView, KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from graphrunner.declare import NullBackend
-from graphrunner.pools import whole_pages
+from graphrunner.pools import CachedKVAllocator, whole_pages
 from graphrunner.util import needs_extra
 from graphrunner_ref.bridge.attention import ATTENTION, StepKV, StepSlot, bind, register
 from graphrunner_ref.bridge.experts import install_experts
@@ -216,7 +216,8 @@ def build_transformers_bundle(
         page_size=page_size,
     )
     req_pool = ReqToTokenPool(max_requests, context, device=param.device)
-    kv_alloc = TokenToKVPoolAllocator(slots, device=param.device, page_size=page_size)
+    # Shares full prompt pages once the engine indexes them (prefix caching).
+    kv_alloc = CachedKVAllocator(slots, device=param.device, page_size=page_size)
     model = TransformersDecoder(hf.eval().requires_grad_(False), kv_cache, req_pool, layers)
     return TransformersBundle(model, req_pool, kv_alloc, kv_cache)
 

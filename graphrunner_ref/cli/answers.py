@@ -25,6 +25,7 @@ from typing import Any
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.common import write_atomically
+from graphrunner_ref.cli.report import prefix_cache_part
 from graphrunner_ref.cli.text import Inputs
 from graphrunner_ref.engine.results import EngineStats, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings, cut_at_stop
@@ -107,6 +108,7 @@ def summary(
     """The run's summary line: requests, prompt and generated tokens, decode
     tokens/s (the replays alone; with ``stats``, also each decode step
     whole, as another engine's loop is timed), the padded-row fraction, the
+    prefix cache's hit rate, the
     capture time (with its start: cold where something compiled afresh, warm
     where the compile caches answered) and the graph launches and
     device-to-host reads per decode token (the last three when known)."""
@@ -120,6 +122,8 @@ def summary(
         parts[-1] += f" ({stats.wall_tokens_per_second:,.1f} timing whole steps)"
     if padded_fraction is not None:
         parts.append(f"padded rows {padded_fraction:.1%}")
+    if stats is not None:
+        parts.append(prefix_cache_part(stats))
     if capture is not None:
         start = "" if capture.start == "none" else f" ({capture.start} start)"
         parts.append(f"capture {capture.total_seconds:.1f} s{start}")

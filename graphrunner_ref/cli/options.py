@@ -462,6 +462,14 @@ def _scheduling(p: _Options) -> None:
         help="prefill each admitted prompt whole in one step (not with --max-num-batched-tokens)",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt from its first token (default: a prompt's full pages "
+        "already in the KV cache, from an earlier prompt or answer, are shared and not "
+        "computed again; off by itself for a Mamba/Jamba checkpoint or --speculative)",
+    )
+    p.add_argument(
         "--token-capture-sizes",
         metavar="N,N,...",
         help="token counts at which a step's prompt chunks are captured as one padded token "
@@ -674,6 +682,7 @@ def config_of(
         overlap=get("overlap", False),
         steps_per_launch=get("steps_per_launch", 1),
         chunked_prefill=get("chunked_prefill", True),
+        prefix_caching=get("prefix_caching", True),
         max_num_batched_tokens=get("max_num_batched_tokens"),
         token_capture_sizes=tuple(get("token_sizes") or ()),
         logprobs=get("logprobs", 0),

@@ -70,7 +70,7 @@ def report(result: EngineResult) -> None:
     print(
         f"decode: {s.steps} steps, {s.decode_tokens} tokens; prefill: {s.prefills} "
         f"requests, {s.prefill_tokens} tokens in {s.prefill_chunks} chunks; finished "
-        f"{len(result.finished)} requests"
+        f"{len(result.finished)} requests; {prefix_cache_part(s)}"
     )
     print(f"batch sizes (live bs: steps): {dict(sorted(s.batch_sizes.items()))}")
     print(
@@ -83,6 +83,12 @@ def report(result: EngineResult) -> None:
         f"max |kv diff| {s.max_kv_diff:.2e}, near-tie token flips {s.token_flips}"
     )
     print(f"mismatches: {s.mismatches}")
+
+
+def prefix_cache_part(stats: EngineStats) -> str:
+    """The prefix cache's share of the admitted prompt tokens."""
+    prompt = stats.cached_tokens + stats.prefill_tokens
+    return f"prefix cache hit rate {stats.prefix_hit_rate:.1%} ({stats.cached_tokens}/{prompt})"
 
 
 def padded_rows(stats: EngineStats) -> str:

@@ -13,13 +13,14 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.phases import token_batch_inputs
+from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.policy import admit_count
 from graphrunner_ref.engine.results import LiveRequest, Run
 from graphrunner_ref.engine.sampling import check_greedy, seed_of
 from graphrunner_ref.engine.steps import EngineSteps
 from graphrunner_ref.engine.workload import Request, check_trace
 
-__all__ = ["Admission", "check_token_budget", "extends_prefix"]
+__all__ = ["Admission", "check_token_budget", "extends_prefix", "prefix_cache_of"]
 
 
 class Admission:
@@ -84,15 +85,40 @@ class Admission:
 
 def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
     """``req`` admitted: its request row and the KV pages of its prompt (decode
-    continues in the last page), held by the run until freed."""
+    continues in the last page), held by the run until freed. With a prefix
+    cache, the prompt's cached full pages come first, mapped into its row,
+    and its prefill starts at the first uncached token."""
     b = engine.bundle
     live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
     run.held[req.rid] = live
     if engine.logprobs:
         run.logprobs[req.rid] = live.logprobs
-    live.pages = b.kv_alloc.alloc(engine.kv_need(len(req.prompt)))
+    need = engine.kv_need(len(req.prompt))
+    cache = engine.prefix_cache
+    if cache is None:
+        live.pages = b.kv_alloc.alloc(need)
+    else:
+        live.pages = _cached_pages(cache, live, need)
+        run.stats.cached_tokens += live.cached
+        if live.cached:
+            b.req_pool.write(live.req_index, 0, live.pages[: live.cached])
     live.slots = live.pages[: len(req.prompt)]
     return live
+
+
+def _cached_pages(cache: CachedKVAllocator, live: LiveRequest, need: int) -> list[int]:
+    """``need`` KV slots for ``live``'s prompt: its cached prefix's pages held
+    (``live.cached`` and ``live.prefilled`` set to their tokens), then fresh
+    ones; on a failure nothing stays held."""
+    hit = cache.match(live.request.prompt)
+    shared = cache.acquire(hit.pages)
+    try:
+        own = cache.alloc(need - hit.cached_tokens)
+    except BaseException:
+        cache.release(hit.pages)
+        raise
+    live.cached = live.prefilled = hit.cached_tokens
+    return shared + own
 
 
 #: One prompt chunk of a step: the request, and its prompt tokens ``start:end``.
@@ -135,6 +161,8 @@ def _prefill(
         if end < len(live.request.prompt):
             continue  # the budget is spent inside this prompt
         run.prefilling.remove(live)
+        if engine.prefix_cache is not None:  # its full pages now serve later prompts
+            engine.prefix_cache.insert(live.request.prompt, live.slots)
         joining.append((live, engine.first_token(live, row)))
         run.stats.prefills += 1
     return joining
@@ -244,3 +272,25 @@ def _check_stops(engine: EngineSteps, r: Request) -> None:
             f"launch: the runner ends every row at token {engine.end_token} inside a launch; "
             "expected ignore_eos=False, or one step a launch"
         )
+
+
+def prefix_cache_of(bundle: object, prefix_caching: bool) -> CachedKVAllocator | None:
+    """``bundle``'s KV allocator as the engine's prefix cache, with
+    ``prefix_caching`` on (None off); refused by name where the model keeps
+    state rather than pages (Mamba / hybrid) or its pool shares none."""
+    if not prefix_caching:
+        return None
+    model = getattr(bundle, "model", None)
+    if not extends_prefix(bundle):
+        raise ValueError(
+            f"prefix_caching=True: {type(model).__name__} carries state, not KV pages, "
+            "across a prompt (Mamba / hybrid layers): expected prefix_caching=False "
+            "(--no-prefix-caching)"
+        )
+    cache = getattr(bundle, "kv_alloc", None)
+    if not isinstance(cache, CachedKVAllocator):
+        raise ValueError(
+            f"prefix_caching=True: the bundle's kv_alloc is a {type(cache).__name__}; "
+            "expected a graphrunner.pools.CachedKVAllocator"
+        )
+    return cache

@@ -86,6 +86,9 @@ class EngineConfig:
     (``token_batches``, default on unless :data:`TOKEN_BATCHES_ENV` is 0; at
     ``token_capture_sizes`` token counts, empty: the library's sizes up to
     the budget), else each chunk eagerly;
+    ``prefix_caching`` (a prompt's full pages already cached are shared, not
+    computed; on where the model keeps KV pages, off for Mamba / hybrid
+    models and the speculative engine);
     ``logprobs`` (the top N of each token); ``max_steps`` bounds a run's
     decode steps.
     ``quiet`` keeps notes off stderr.
@@ -118,6 +121,7 @@ class EngineConfig:
     overlap: bool = False
     steps_per_launch: int = 1
     chunked_prefill: bool = True
+    prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     token_batches: bool = field(default_factory=_token_batches)
     token_capture_sizes: tuple[int, ...] = ()

@@ -46,7 +46,7 @@ from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
 from graphrunner.sampling import SamplingParams, check_seed
 from graphrunner.util import ChunkSafeCall, Exclusive
-from graphrunner_ref.engine.admission import Admission, check_token_budget
+from graphrunner_ref.engine.admission import Admission, check_token_budget, prefix_cache_of
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.interrupts import deferred_interrupts
@@ -135,6 +135,13 @@ class Engine:
             the KV its earlier chunks wrote); None: each prompt whole in the
             step it is admitted. Native Llama and transformers bundles; a
             Mamba / hybrid one is refused by name.
+        prefix_caching: share the KV of prompts' full pages between requests
+            (the bundle's ``kv_alloc`` a
+            :class:`~graphrunner.pools.CachedKVAllocator`): a request is
+            admitted at its first uncached token, and its full pages serve
+            later prompts once its prefill is whole (and its output's, once it
+            finishes). Native Llama and transformers bundles; a Mamba /
+            hybrid one is refused by name.
         token_runner: a captured runner of the token-batch phase over the
             model (:func:`~graphrunner_ref.engine.bundle.create_token_runner`):
             each step's prompt chunks run through it as one padded step;
@@ -162,6 +169,7 @@ class Engine:
         steps_per_launch: int = 1,
         max_num_batched_tokens: int | None = None,
         token_runner: GraphRunner | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.seed = check_seed("seed", seed)
         steps = check_multistep(runner, steps_per_launch, end_token, overlap, check, logprobs)
@@ -203,6 +211,7 @@ class Engine:
         #: The engine's parts: admission, check mode (check=True) and schedule.
         budget = check_token_budget(bundle, max_num_batched_tokens)
         self.token_runner = token_runner
+        self.prefix_cache = prefix_cache_of(bundle, prefix_caching)
         self.admitter = Admission(self, rank0_admits(bundle), budget, token_runner)
         self.check_mode = CheckMode(self) if check else None
         self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
@@ -413,6 +422,8 @@ class Engine:
         owners, self._owner = self._owner, {}
         for out in outs:
             req = owners.get(out.rid)
+            if req is not None:
+                out.cached_tokens = req.cached
             if self.logprobs and req is not None:  # the new tokens' own, at the list's end
                 total = len(req.tokens)
                 out.logprobs = req.logprobs[total - len(out.tokens) : total]
@@ -576,8 +587,14 @@ class Engine:
             call()
 
     def free(self, run: Run, req: LiveRequest) -> None:
+        """Free ``req``'s request row and KV pages; a finished one's full
+        pages (its prompt's and its output's) stay cached for later prompts."""
         del run.held[req.request.rid]
         self.bundle.req_pool.free([req.req_index])
+        cache = self.prefix_cache
+        if cache is not None and req.request.rid in run.finished:
+            written = (*req.request.prompt, *req.tokens)[: len(req.slots)]
+            cache.insert(written, req.slots)
         self.bundle.kv_alloc.free(req.pages)
 
     def join(self, run: Run, joining: list[LiveRequest], first_ids: torch.Tensor) -> None:

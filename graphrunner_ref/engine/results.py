@@ -48,6 +48,8 @@ class RequestOutput:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    #: Its prompt tokens whose KV the prefix cache held (0 until admitted).
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -68,7 +70,8 @@ class EngineStats:
 
     steps: int = 0  # decode steps
     prefills: int = 0  # prompts whose prefill finished
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held instead
     prefill_chunks: int = 0  # forward_extend calls: one per prompt unless chunked
     decode_tokens: int = 0  # live rows over all decode steps
     decode_seconds: float = 0.0  # in runner.replay
@@ -96,6 +99,12 @@ class EngineStats:
         replays alone. On a GPU a prefill's device work may land here (it is
         waited for at the step's read back)."""
         return self.step_seconds - self.prefill_seconds
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The admitted prompt tokens' share that the prefix cache held."""
+        prompt = self.cached_tokens + self.prefill_tokens
+        return self.cached_tokens / prompt if prompt else 0.0
 
     @property
     def launches_per_token(self) -> float:
@@ -158,6 +167,7 @@ class LiveRequest:
     seed: int = 0  # its sampling seed: its own, or derived from the run seed and its id
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token, when asked
     prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(slots=True)

@@ -169,6 +169,7 @@ def open_engine(
         steps_per_launch=config.steps_per_launch,
         max_num_batched_tokens=budget,
         token_runner=tokens,
+        prefix_caching=config.prefix_caching and extends_prefix(bundle),
     )
 
 
@@ -187,7 +188,13 @@ def baseline(
     parameters from the same run seed, so an overlapped or multi-step run of
     the same trace draws the same tokens."""
     plain = dataclasses.replace(
-        config, speculative=None, overlap=False, steps_per_launch=1, check=False, logprobs=0
+        config,
+        speculative=None,
+        overlap=False,
+        steps_per_launch=1,
+        check=False,
+        logprobs=0,
+        prefix_caching=False,
     )
     hooks = Hooks(end_token=end_token)
     return serve(

@@ -18,6 +18,7 @@ import torch
 
 from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import StepInputs
+from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.registry import DecodeStep, ServingBundle
 from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run
 from graphrunner_ref.engine.sampling import SampledRows, StepOut
@@ -51,6 +52,8 @@ class EngineSteps(Protocol):
     def seed(self) -> int: ...
     @property
     def atol(self) -> float: ...
+    @property
+    def prefix_cache(self) -> CachedKVAllocator | None: ...
 
     # The step operations.
     def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:

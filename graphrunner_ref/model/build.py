@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from graphrunner.pools import whole_pages
+from graphrunner.pools import CachedKVAllocator, whole_pages
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.llama import LlamaDecoder
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config
@@ -129,7 +129,9 @@ def build_model(
     else:
         slots = kv_slots
     req_pool = ReqToTokenPool(max_requests, ctx, device)
-    kv_alloc = TokenToKVPoolAllocator(slots, device, page_size=page_size)
+    # Shares full prompt pages between requests once the engine indexes them
+    # (prefix caching); the plain allocator until then.
+    kv_alloc = CachedKVAllocator(slots, device, page_size=page_size)
     kv_cache = KVCache(
         slots,
         config.num_layers,

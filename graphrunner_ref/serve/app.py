@@ -332,8 +332,8 @@ class _Answer:
             "model": self.state.model_name,
         }
 
-    def _usage(self) -> dict[str, int]:
-        return dict(usage(len(self.job.prompt), len(self.stream.tokens)))
+    def _usage(self, end: Delta) -> dict[str, Any]:
+        return dict(usage(len(self.job.prompt), len(self.stream.tokens), end.cached_tokens))
 
     def whole(self, deltas: list[Delta]) -> dict[str, Any]:
         """The non-streamed answer (:class:`APIError` for an aborted one)."""
@@ -351,7 +351,7 @@ class _Answer:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(tokens, entries)
         choice |= {"finish_reason": end.finish, "stop_reason": end.stop, "token_ids": tokens}
-        return {**self._head(False), "choices": [choice], "usage": self._usage()}
+        return {**self._head(False), "choices": [choice], "usage": self._usage(end)}
 
     async def events(self) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer; the request is aborted
@@ -373,7 +373,7 @@ class _Answer:
                     logprobs = self._logprobs(delta.tokens, delta.logprobs)
                     yield self._chunk(content if self.chat else text, delta.finish, delta, logprobs)
             if done and self.job.include_usage and delta.error is None:
-                body = {**self._head(True), "choices": [], "usage": self._usage()}
+                body = {**self._head(True), "choices": [], "usage": self._usage(delta)}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -2,8 +2,9 @@
 
 Requests running and waiting, KV slots and request rows used and total,
 prompt and generated token totals, time to first token and inter-token
-latency histograms, requests finished and aborted, and the runner's graph
-replays, eager fallbacks, live and padded rows. The engine thread writes
+latency histograms, requests finished and aborted, the runner's graph
+replays, eager fallbacks, live and padded rows, and the prefix cache's
+lookups, hits (tokens), hit rate, indexed pages and evictions. The engine thread writes
 its state at every step boundary (:meth:`Metrics.engine_state`); the event
 loop records the latencies as tokens reach it. Each server has a registry of
 its own (two in one process never mix).
@@ -18,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from graphrunner import GraphRunner
+from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.registry import ServingBundle
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -46,6 +48,23 @@ class _RunnerCounts(Collector):
         }
         for name, value in dict(self.values).items():
             yield CounterMetricFamily(f"{_PREFIX}_{name}", helps[name], value=value)
+
+
+class _PrefixCacheCounts(Collector):
+    """The prefix cache's counters (in tokens and pages, as vLLM's), as last
+    read on the engine thread."""
+
+    def __init__(self) -> None:
+        self.values = {"queries": 0, "hits": 0, "evictions": 0}
+
+    def collect(self) -> Iterator[Metric]:
+        helps = {
+            "queries": "prompt tokens looked up in the prefix cache",
+            "hits": "prompt tokens whose KV the prefix cache held",
+            "evictions": "cached KV pages evicted for new ones",
+        }
+        for name, value in dict(self.values).items():
+            yield CounterMetricFamily(f"{_PREFIX}_prefix_cache_{name}", helps[name], value=value)
 
 
 class Metrics:
@@ -87,6 +106,12 @@ class Metrics:
         )
         self.runner_counts = _RunnerCounts()
         r.register(self.runner_counts)
+        self.cache_counts = _PrefixCacheCounts()
+        r.register(self.cache_counts)
+        self.cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "share of looked-up prompt tokens the prefix cache held"
+        )
+        self.cache_pages = gauge("prefix_cache_pages", "KV pages indexed by the prefix cache")
 
     def text(self) -> bytes:
         """The exposition (:data:`CONTENT_TYPE`)."""
@@ -102,6 +127,15 @@ class Metrics:
         self.kv_used.set(kv.size - kv.available_size())
         self.rows_total.set(rows.size)
         self.rows_used.set(rows.size - rows.available_size())
+        if isinstance(kv, CachedKVAllocator):
+            cache = kv.stats
+            self.cache_counts.values = {
+                "queries": cache.query_tokens,
+                "hits": cache.cached_tokens,
+                "evictions": cache.evictions,
+            }
+            self.cache_hit_rate.set(cache.hit_rate)
+            self.cache_pages.set(cache.cached_pages)
         if runner is not None:
             s = runner.stats
             self.runner_counts.values = {

@@ -71,6 +71,7 @@ class Delta:
     finish: str | None = None
     stop: str | int | None = None
     error: str | None = None
+    cached_tokens: int = 0  # on the last: its prompt tokens the prefix cache held
 
     @property
     def last(self) -> bool:
@@ -371,7 +372,7 @@ class OnlineEngine:
             stop = ticket.stops.hits.pop(rid, None)
         if stop is None and last.tokens and last.tokens[-1] in ticket.job.stop_token_ids:
             stop = last.tokens[-1]
-        return ticket, Delta([], finish=reason, stop=stop)
+        return ticket, Delta([], finish=reason, stop=stop, cached_tokens=last.cached_tokens)
 
     def _post(self, out: list[tuple[Ticket, Delta]]) -> None:
         loop = self._loop

@@ -436,10 +436,12 @@ def _stops(stop: Any, limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def usage(prompt: int, completion: int) -> Mapping[str, int]:
-    """OpenAI's ``usage`` object."""
+def usage(prompt: int, completion: int, cached: int = 0) -> Mapping[str, Any]:
+    """OpenAI's ``usage`` object: ``cached`` of the ``prompt`` tokens came
+    from the prefix cache (``prompt_tokens_details.cached_tokens``)."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
