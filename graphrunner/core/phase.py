@@ -5,11 +5,15 @@ and a mechanism make a runner (:func:`graphrunner.create_runner`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from graphrunner.declare.buffers import Axis, BufferSpec, check_width
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.declare.outputs import OutputsDecl
 from graphrunner.mechanisms.base import ForwardFn
+
+if TYPE_CHECKING:
+    from graphrunner.sampling.penalties import TokenCounts
 
 __all__ = ["Phase"]
 
@@ -34,6 +38,9 @@ class Phase:
             every other phase.
         end_token: the token that stops a row inside a multi-step launch
             (None: rows run every step), the engine's to match.
+        token_counts: the per-request token counts a sampled step with
+            penalties reads and records into (the engine resets a row at
+            admission and counts the first token), None for a step without.
     """
 
     name: str
@@ -45,6 +52,7 @@ class Phase:
     max_requests: int | None = None
     steps: int = 1
     end_token: int | None = None
+    token_counts: TokenCounts | None = None
 
     def __post_init__(self) -> None:
         if self.width is not None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from graphrunner.declare.decode import decode_buffer_specs
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputsDecl
@@ -10,6 +12,9 @@ from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
 from graphrunner.phases.sampled import LOGPROB_OUTPUTS, SAMPLED_OUTPUTS, sampled_forward
 from graphrunner.sampling import SAMPLING_FIELDS
+
+if TYPE_CHECKING:
+    from graphrunner.sampling.penalties import TokenCounts
 
 __all__ = ["decode_phase"]
 
@@ -24,6 +29,7 @@ def decode_phase(
     mamba: bool = False,
     sampling: bool = False,
     logprobs: int = 0,
+    penalties: TokenCounts | None = None,
 ) -> Phase:
     """``forward`` over the decode buffers (int64 ``[bs]`` each, see
     :func:`~graphrunner.declare.decode.decode_buffer_specs` for the flags),
@@ -33,9 +39,13 @@ def decode_phase(
     buffers added, outputs ``{"logits", "tokens"}``; ``outputs`` must be None);
     ``logprobs=n`` (with ``sampling``) adds each row's chosen-token
     log-probability ``"logprob"`` ``[bs]`` and the top ``n`` ``"top_logprobs"``
-    / ``"top_ids"`` ``[bs, n]``."""
+    / ``"top_ids"`` ``[bs, n]``; ``penalties`` (a
+    :class:`~graphrunner.sampling.TokenCounts`, with ``sampling``) adds the
+    penalty buffers and applies them in the step (the phase's ``token_counts``)."""
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
+    if penalties is not None and not sampling:
+        raise ValueError("penalties: token counts need sampling=True (the sampled step)")
     fill = (backend if backend is not None else NullBackend()).seq_len_fill_value
     specs = decode_buffer_specs(
         seq_len_fill_value=fill, host_seq_lens=host_seq_lens, future=future, mamba=mamba
@@ -43,7 +53,9 @@ def decode_phase(
     if sampling:
         if outputs is not None:
             raise ValueError("outputs: a sampled decode phase declares its own; expected None")
-        specs = [*specs, *SAMPLING_FIELDS]
-        forward = sampled_forward(forward, logprobs_n=logprobs)
+        specs = [*specs, *SAMPLING_FIELDS, *(penalties.FIELDS if penalties else ())]
+        forward = sampled_forward(forward, logprobs_n=logprobs, counts=penalties)
         outputs = LOGPROB_OUTPUTS if logprobs else SAMPLED_OUTPUTS
-    return Phase("decode", forward, tuple(specs), outputs=outputs, backend=backend)
+    return Phase(
+        "decode", forward, tuple(specs), outputs=outputs, backend=backend, token_counts=penalties
+    )

@@ -36,6 +36,10 @@ references and the launch stores each row's last valid token
 (``tokens[row, count - 1]``) in the map at its request-pool row, on the
 device: the next launch, prepared before this one's read back, reads it.
 
+With ``penalties`` (a :class:`~graphrunner.sampling.TokenCounts`) each
+step's pick is penalized and counts its token before the next step reads the
+counts (a stopped row, at row 0, counts nothing): ``N`` single steps' tokens.
+
 The backend must compute its decode metadata from the step's device tensors
 (``metadata_on_device``): a backend that plans on the host per step would see
 only the first step's plan, so it is refused.
@@ -46,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,7 +60,11 @@ from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
-from graphrunner.sampling import SAMPLING_FIELDS, logprobs, sample
+from graphrunner.phases.sampled import pick
+from graphrunner.sampling import SAMPLING_FIELDS, logprobs
+
+if TYPE_CHECKING:
+    from graphrunner.sampling.penalties import TokenCounts
 
 __all__ = [
     "MAX_STEPS_PER_LAUNCH",
@@ -117,12 +125,17 @@ def check_device_metadata(backend: object) -> None:
 
 
 def multistep_buffer_specs(
-    steps: int, *, seq_len_fill_value: int = 1, sampling: bool = False, future: bool = False
+    steps: int,
+    *,
+    seq_len_fill_value: int = 1,
+    sampling: bool = False,
+    future: bool = False,
+    penalties: bool = False,
 ) -> list[BufferSpec]:
     """The decode fields with ``out_cache_loc`` at ``steps`` rows per request
     (reserved slots, pad 0), ``steps_left`` (int64 ``[bs]``, pad 0) and, with
-    ``sampling``, the sampling fields; ``future=True`` lets ``input_ids``
-    hold future references (overlap scheduling)."""
+    ``sampling``, the sampling fields (``penalties``: and the penalty fields);
+    ``future=True`` lets ``input_ids`` hold future references (overlap scheduling)."""
     check_steps_per_launch("steps", steps)
     specs = [
         dataclasses.replace(s, rows_per_request=steps, indexes=Index.RESERVED_KV_SLOT)
@@ -131,6 +144,10 @@ def multistep_buffer_specs(
         for s in decode_buffer_specs(seq_len_fill_value=seq_len_fill_value, future=future)
     ]
     specs.append(BufferSpec(STEPS_LEFT, torch.int64, PadRule.ZERO))
+    if sampling and penalties:
+        from graphrunner.sampling.penalties import PENALTY_FIELDS
+
+        return [*specs, *SAMPLING_FIELDS, *PENALTY_FIELDS]
     return [*specs, *SAMPLING_FIELDS] if sampling else specs
 
 
@@ -155,6 +172,7 @@ def multistep_forward(
     logprobs_n: int = 0,
     future_tokens: torch.Tensor | None = None,
     compile_step_once: bool = False,
+    penalties: TokenCounts | None = None,
 ) -> ForwardFn:
     """``steps`` decode steps of ``forward`` (one step's logits ``[bs, vocab]``)
     in one forward over :func:`multistep_buffer_specs`; ``logprobs_n`` >= 1
@@ -162,7 +180,8 @@ def multistep_forward(
     int64 ``[rows]``) receives each row's last valid token at its request-pool
     row, on the device (padded rows write 0 to row 0); ``compile_step_once``:
     a compiler builds the model's step once and calls it ``steps`` times
-    (:func:`compiled_once`) instead of compiling each unrolled copy; see the module."""
+    (:func:`compiled_once`) instead of compiling each unrolled copy;
+    ``penalties``: see the module."""
     check_steps_per_launch("steps", steps)
     if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
         raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
@@ -198,7 +217,11 @@ def multistep_forward(
                     f"a multi-step decode needs the forward's logits tensor [bs, vocab]; got "
                     f"{type(out).__name__}"
                 )
-            token = _pick(out, inputs.positions, b) if sampling else out.argmax(-1)
+            token = (
+                pick(out, b, inputs.req_pool_indices, inputs.positions + 1, penalties)
+                if sampling
+                else out.argmax(-1)
+            )
             tokens.append(torch.where(alive, token, invalid))
             if logprobs_n:
                 lp = logprobs(out, token, logprobs_n)
@@ -253,11 +276,6 @@ def compiled_once(forward: ForwardFn) -> ForwardFn:
     return step
 
 
-def _pick(logits: torch.Tensor, positions: torch.Tensor, b: Any) -> torch.Tensor:
-    """The sampled step's token (:func:`~graphrunner.phases.sampled.sampled_forward`'s rule)."""
-    return sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, positions + 1)
-
-
 def multistep_phase(
     forward: ForwardFn,
     steps: int,
@@ -268,6 +286,7 @@ def multistep_phase(
     logprobs: int = 0,
     future_tokens: torch.Tensor | None = None,
     compile_step_once: bool = False,
+    penalties: TokenCounts | None = None,
 ) -> Phase:
     """``steps`` decode steps of ``forward`` per launch (see the module);
     ``end_token`` stops a row inside the launch (None: only its budget does);
@@ -275,17 +294,25 @@ def multistep_phase(
     ``future_tokens`` (a :class:`~graphrunner.FutureMap`'s ``tokens``, overlap
     scheduling): ``input_ids`` may hold future references and each launch
     stores each row's last token there; ``compile_step_once``: see
-    :func:`multistep_forward`.
+    :func:`multistep_forward`; ``penalties`` (with ``sampling``): see the module.
 
     Raises:
         ValueError: ``steps`` not in ``1..8``, or a backend that plans on the host.
     """
     check_steps_per_launch("steps", steps)
+    if penalties is not None and not sampling:
+        raise ValueError("penalties: token counts need sampling=True (the sampled step)")
     hooks = NullBackend() if backend is None else backend
     check_device_metadata(hooks)
     fill = hooks.seq_len_fill_value
     future = future_tokens is not None
-    specs = multistep_buffer_specs(steps, seq_len_fill_value=fill, sampling=sampling, future=future)
+    specs = multistep_buffer_specs(
+        steps,
+        seq_len_fill_value=fill,
+        sampling=sampling,
+        future=future,
+        penalties=penalties is not None,
+    )
     step = multistep_forward(
         forward,
         steps,
@@ -295,6 +322,7 @@ def multistep_phase(
         logprobs_n=logprobs,
         future_tokens=future_tokens,
         compile_step_once=compile_step_once,
+        penalties=penalties,
     )
     return Phase(
         f"multistep{steps}",
@@ -305,4 +333,5 @@ def multistep_phase(
         width=steps if steps > 1 else None,
         steps=steps,
         end_token=end_token,
+        token_counts=penalties,
     )

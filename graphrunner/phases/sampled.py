@@ -12,6 +12,10 @@ the step also returns the chosen tokens' log-probabilities ``"logprob"``
 their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
 (:func:`~graphrunner.sampling.logprobs`).
 
+With ``counts`` (a :class:`~graphrunner.sampling.TokenCounts`) the sampler
+draws from :func:`~graphrunner.sampling.penalize`'s logits (``logits`` and
+log-probabilities stay the model's) and counts each token in the step.
+
 :func:`with_sampling` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
 the replay path checks it in O(1).
@@ -20,7 +24,7 @@ the replay path checks it in O(1).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -30,7 +34,10 @@ from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
 
-__all__ = ["LOGPROB_OUTPUTS", "SAMPLED_OUTPUTS", "sampled_forward", "with_sampling"]
+if TYPE_CHECKING:
+    from graphrunner.sampling.penalties import TokenCounts
+
+__all__ = ["LOGPROB_OUTPUTS", "SAMPLED_OUTPUTS", "pick", "sampled_forward", "with_sampling"]
 
 #: The outputs of a sampled step: one row per request each.
 SAMPLED_OUTPUTS: Mapping[str, OutputSpec] = {"logits": OutputSpec(), "tokens": OutputSpec()}
@@ -43,9 +50,12 @@ LOGPROB_OUTPUTS: Mapping[str, OutputSpec] = {
 }
 
 
-def sampled_forward(forward: ForwardFn, *, logprobs_n: int = 0) -> ForwardFn:
+def sampled_forward(
+    forward: ForwardFn, *, logprobs_n: int = 0, counts: TokenCounts | None = None
+) -> ForwardFn:
     """``forward`` (logits ``[bs, vocab]``) followed by the in-graph sampler;
-    ``logprobs_n`` >= 1 adds the log-probability outputs (:data:`LOGPROB_OUTPUTS`)."""
+    ``logprobs_n`` >= 1 adds the log-probability outputs (:data:`LOGPROB_OUTPUTS`);
+    ``counts``: the penalties and logit bias apply, and the tokens are counted."""
     if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
         raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
 
@@ -56,9 +66,7 @@ def sampled_forward(forward: ForwardFn, *, logprobs_n: int = 0) -> ForwardFn:
                 f"a sampled step needs the forward's logits tensor [bs, vocab]; got "
                 f"{type(logits).__name__}"
             )
-        tokens = sample(
-            logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, b.positions + 1
-        )
+        tokens = pick(logits, b, b.req_pool_indices, b.positions + 1, counts)
         if not logprobs_n:
             return {"logits": logits, "tokens": tokens}
         lp = logprobs(logits, tokens, logprobs_n)
@@ -73,6 +81,25 @@ def sampled_forward(forward: ForwardFn, *, logprobs_n: int = 0) -> ForwardFn:
     return step
 
 
+def pick(
+    logits: torch.Tensor,
+    b: Any,
+    req_pool_indices: torch.Tensor,
+    position: torch.Tensor,
+    counts: TokenCounts | None,
+) -> torch.Tensor:
+    """Each row's token (int64 ``[n]``) from ``logits [n, V]`` by ``b``'s
+    sampling buffers at ``position``; with ``counts``, penalized and counted."""
+    if counts is None:
+        return sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
+    from graphrunner.sampling.penalties import penalize
+
+    x = penalize(logits, counts, req_pool_indices, b)
+    token = sample(x, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
+    counts.record(req_pool_indices, token)
+    return token
+
+
 def with_sampling(base: object, rows: Mapping[str, torch.Tensor]) -> StepInputs:
     """``base`` (any step inputs, e.g. a :class:`~graphrunner.DecodeBatch`)
     with the sampling rows of its requests, as one step's inputs.
@@ -82,7 +109,9 @@ def with_sampling(base: object, rows: Mapping[str, torch.Tensor]) -> StepInputs:
             is read from it (``batch_size``, the decode fields, host mirrors).
         rows: :func:`~graphrunner.sampling.sampling_tensors` of the batch's
             requests in row order: ``temperature``, ``top_p``, ``min_p``
-            float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``.
+            float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``;
+            and, for a step with penalties, all of
+            :func:`~graphrunner.sampling.penalty_tensors`'s rows.
     """
     return cast(StepInputs, _WithSampling(base, rows))
 
@@ -94,8 +123,12 @@ class _WithSampling:
         missing = [n for n in SAMPLING_FIELD_NAMES if n not in rows]
         if missing:
             raise ValueError(f"rows: missing sampling fields {missing}")
+        from graphrunner.sampling.penalties import PENALTY_FIELD_NAMES as penalty
+
+        if (given := [n for n in penalty if n in rows]) and len(given) != len(penalty):
+            raise ValueError(f"rows: penalty fields {given}; expected all of {penalty} or none")
         self._base = base
-        self._rows = {n: rows[n] for n in SAMPLING_FIELD_NAMES}
+        self._rows = {n: rows[n] for n in (*SAMPLING_FIELD_NAMES, *given)}
 
     def __getattr__(self, name: str) -> Any:
         rows = self.__dict__.get("_rows")

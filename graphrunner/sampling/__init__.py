@@ -1,9 +1,13 @@
 """sampling: per-request sampling parameters as declared buffers, a
-counter-based random stream, and a branch-free in-graph sampler."""
+counter-based random stream, a branch-free in-graph sampler, and the
+penalties and logit bias it applies first (per-request token counts)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from graphrunner.sampling.params import (
+    MAX_LOGIT_BIAS,
     SAMPLING_FIELD_NAMES,
     SAMPLING_FIELDS,
     SamplingParams,
@@ -22,16 +26,31 @@ from graphrunner.sampling.sample import (
 )
 from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
+if TYPE_CHECKING:
+    from graphrunner.sampling.penalties import (
+        PENALTY_FIELD_NAMES,
+        PENALTY_FIELDS,
+        TokenCounts,
+        penalize,
+        penalty_tensors,
+    )
+
 __all__ = [
+    "MAX_LOGIT_BIAS",
+    "PENALTY_FIELDS",
+    "PENALTY_FIELD_NAMES",
     "SAMPLING_FIELDS",
     "SAMPLING_FIELD_NAMES",
     "Logprobs",
     "SamplingParams",
+    "TokenCounts",
     "check_seed",
     "deterministic_probs",
     "draft_sample",
     "filtered_probs",
     "logprobs",
+    "penalize",
+    "penalty_tensors",
     "rejection_sample",
     "request_seed",
     "rows_probs",
@@ -40,3 +59,14 @@ __all__ = [
     "sampling_tensors",
     "uniform",
 ]
+
+#: Loaded on first use: a step without penalties never imports them.
+_PENALTIES = ("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts", "penalize", "penalty_tensors")
+
+
+def __getattr__(name: str) -> object:
+    if name in _PENALTIES:
+        from graphrunner.sampling import penalties
+
+        return getattr(penalties, name)
+    raise AttributeError(f"module 'graphrunner.sampling' has no attribute {name!r}")

@@ -11,7 +11,7 @@ seed 0: a plain one-token draw whose token the runner discards).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +19,24 @@ import torch
 from graphrunner.declare.buffers import BufferSpec, PadRule
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "MAX_SEED",
     "SAMPLING_FIELDS",
     "SAMPLING_FIELD_NAMES",
     "SamplingParams",
+    "check_logit_bias",
     "check_seed",
     "request_seed",
     "sampling_tensors",
 ]
+
+#: The most (token, bias) pairs one request's ``logit_bias`` holds (OpenAI
+#: allows 300; the step carries this many columns per row).
+MAX_LOGIT_BIAS = 64
+#: The range of each ``logit_bias`` value (OpenAI's and vLLM's).
+MAX_BIAS = 100.0
+#: The range of ``presence_penalty`` and ``frequency_penalty`` (vLLM's).
+MAX_PENALTY = 2.0
 
 #: Seeds are ints in ``[0, MAX_SEED)``: they fit an int64 buffer unsigned-alike.
 MAX_SEED = 2**63
@@ -63,6 +73,18 @@ class SamplingParams:
             one's probability. In [0, 1].
         seed: the request's seed, an int in [0, 2**63); None lets the engine
             derive one (from the run seed and the request id).
+        repetition_penalty: vLLM's: over the tokens of the prompt and the
+            output so far, a positive logit is divided by it and a negative
+            one multiplied. Finite, > 0; 1 is none.
+        presence_penalty: OpenAI's: subtracted from the logit of each token
+            the output holds. In [-2, 2]; 0 is none.
+        frequency_penalty: OpenAI's: times a token's count in the output,
+            subtracted from its logit. In [-2, 2]; 0 is none.
+        logit_bias: OpenAI's: ``{token id: bias}`` added to the logits
+            (before the penalties), at most :data:`MAX_LOGIT_BIAS` pairs,
+            each bias in [-100, 100]; kept as ``((token, bias), ...)`` sorted
+            by token. Token ids are checked against a vocabulary by
+            :meth:`check_vocab` (the engine's).
     """
 
     temperature: float = 0.0
@@ -70,6 +92,10 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -85,11 +111,54 @@ class SamplingParams:
             raise ValueError(f"min_p={m!r}; expected a number in [0, 1]")
         if self.seed is not None:
             check_seed("seed", self.seed)
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty={r!r}; expected a finite number > 0 (1: none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(v := getattr(self, name)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name}={v!r}; expected a number in [-2, 2] (0: none)")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax token (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty or a logit bias changes the logits."""
+        neutral = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) == (
+            1,
+            0,
+            0,
+        )
+        return not neutral or bool(self.logit_bias)
+
+    def check_vocab(self, vocab: int) -> None:
+        """A ValueError naming ``logit_bias`` when a token id is not in ``[0, vocab)``."""
+        bad = [t for t, _ in dict(self.logit_bias).items() if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token ids {bad} are not in the vocabulary; expected ids in "
+                f"[0, {vocab})"
+            )
+
+
+def check_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping or (token, bias) pairs) checked: pairs
+    sorted by token, or a ValueError naming ``logit_bias``."""
+    try:
+        pairs = dict(bias)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias={bias!r}; expected a mapping of token id to bias") from None
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: {len(pairs)} entries; expected at most {MAX_LOGIT_BIAS}")
+    for t, v in pairs.items():
+        if not _is_int(t) or t < 0 or not _is_real(v) or not -MAX_BIAS <= v <= MAX_BIAS:
+            raise ValueError(
+                f"logit_bias: {t!r}: {v!r}; expected token ids >= 0 and biases in [-100, 100]"
+            )
+    return tuple(sorted((t, float(v)) for t, v in pairs.items()))
 
 
 #: The per-request sampling buffers (each ``[bs]``), with the pad rules of the

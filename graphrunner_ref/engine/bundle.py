@@ -22,6 +22,7 @@ from graphrunner import (
     decode_phase,
 )
 from graphrunner.phases import check_steps_per_launch, token_batch_phase
+from graphrunner.sampling import TokenCounts
 from graphrunner_ref.engine import kinds
 from graphrunner_ref.engine.multistep_runner import multistep_of, multistep_phase_of
 from graphrunner_ref.engine.ranks import agree_on_sizes
@@ -150,6 +151,7 @@ def create_decode_runner(
     logprobs: int = 0,
     steps_per_launch: int = 1,
     end_token: int | None = None,
+    penalties: bool = False,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -171,6 +173,10 @@ def create_decode_runner(
     ``{"tokens", "count", "logits"}``, with ``logprobs`` each step's ``[bs, N]``
     / ``[bs, N, n]``), rows stopping at ``end_token`` (the engine's); Llama
     bundles only (with ``future_map`` each launch stores each row's last token there).
+    ``penalties=True`` (with ``sampling``) applies each request's repetition,
+    presence and frequency penalties and logit bias inside the step, over
+    per-request token counts indexed by request-pool row (the phase's
+    ``token_counts``, :class:`~graphrunner.sampling.TokenCounts`).
     With ``aot_cache=DIR`` (``cpu``) the program is saved in ``DIR`` and later
     captures load it without tracing, keyed by :func:`aot_key` too.
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
@@ -184,6 +190,13 @@ def create_decode_runner(
     steps = check_steps_per_launch("steps_per_launch", steps_per_launch)
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
+    if penalties and not sampling:
+        raise ValueError("penalties=True needs sampling=True (the sampled step)")
+    counts = (
+        TokenCounts(bundle.req_pool.req_to_token.shape[0], bundle.config.vocab_size, bundle.device)
+        if penalties
+        else None
+    )
     if future_map is not None and step.mamba:
         raise ValueError(
             "future_map: overlap scheduling is not supported for a model with Mamba "
@@ -191,7 +204,15 @@ def create_decode_runner(
         )
     if steps > 1:
         phase = multistep_phase_of(
-            step.forward, step.backend, step.mamba, steps, end_token, future_map, logprobs, sampling
+            step.forward,
+            step.backend,
+            step.mamba,
+            steps,
+            end_token,
+            future_map,
+            logprobs,
+            sampling,
+            counts,
         )
     else:
         phase = decode_phase(
@@ -201,9 +222,14 @@ def create_decode_runner(
             mamba=step.mamba,
             sampling=sampling,
             logprobs=logprobs,
+            penalties=counts,
         )
     _key_saved_program(
-        kind, bundle, mechanism_options, steps=str(steps), sampling=f"{sampling}/{logprobs}"
+        kind,
+        bundle,
+        mechanism_options,
+        steps=str(steps),
+        sampling=f"{sampling}/{logprobs}" + ("/penalties" if penalties else ""),
     )
     compiles = kind == "cpu" or mechanism_options.get("compile", False)
     if step.fullgraph and compiles:

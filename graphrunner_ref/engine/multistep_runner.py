@@ -11,6 +11,7 @@ import torch
 
 from graphrunner import FutureMap, GraphBackend, GraphRunner, Phase
 from graphrunner.phases import multistep_phase
+from graphrunner.sampling import TokenCounts
 
 __all__ = ["multistep_of", "multistep_phase_of"]
 
@@ -33,11 +34,13 @@ def multistep_phase_of(
     future_map: FutureMap | None,
     logprobs: int,
     sampling: bool,
+    penalties: TokenCounts | None = None,
 ) -> Phase:
     """A bundle's decode step (``forward``, its ``backend``; ``mamba``: the
     step has Mamba layers), ``steps`` (> 1) per launch; with ``future_map``
     (overlap scheduling) its first step's ``input_ids`` may be future
-    references and each launch stores each row's last token there."""
+    references and each launch stores each row's last token there;
+    ``penalties``: the sampled picks apply them, counting between steps."""
     if mamba:
         raise ValueError(
             f"steps_per_launch={steps} with a model with Mamba layers: not supported; "
@@ -51,4 +54,5 @@ def multistep_phase_of(
         sampling=sampling,
         logprobs=logprobs,
         future_tokens=None if future_map is None else future_map.tokens,
+        penalties=penalties,
     )
