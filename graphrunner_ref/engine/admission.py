@@ -16,7 +16,7 @@ from graphrunner.phases import token_batch_inputs
 from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.policy import admit_count
 from graphrunner_ref.engine.results import LiveRequest, Run
-from graphrunner_ref.engine.sampling import check_greedy, seed_of
+from graphrunner_ref.engine.sampling import check_greedy, check_penalties, seed_of
 from graphrunner_ref.engine.steps import EngineSteps
 from graphrunner_ref.engine.workload import Request, check_trace
 
@@ -246,6 +246,7 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
     check_trace(trace, engine.bundle.config.vocab_size)
     if not engine.sampling:
         check_greedy(trace)
+    check_penalties(trace, engine.sampling_rows.counts, engine.bundle.config.vocab_size)
     for r in trace:
         _check_stops(engine, r)
         if r.max_len > min(ctx, kv_room):

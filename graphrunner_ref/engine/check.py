@@ -30,6 +30,11 @@ class CheckMode:
     """
 
     def __init__(self, engine: EngineSteps) -> None:
+        if engine.sampling_rows.counts is not None:  # an eager rerun would count twice
+            raise ValueError(
+                "check=True with a runner that applies penalties (penalties=True): the eager "
+                "rerun would count each token again; expected check=False"
+            )
         self.engine = engine
 
     def replay(

@@ -205,7 +205,7 @@ class Engine:
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.sampling = SampledRows.declared_by(runner)
-        self.sampling_rows = SampledRows(self.device)
+        self.sampling_rows = SampledRows(self.device, runner.phase.token_counts)
         self.logprobs = check_logprobs(logprobs, self.sampling)
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.

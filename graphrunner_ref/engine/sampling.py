@@ -13,7 +13,10 @@ from graphrunner import GraphRunner
 from graphrunner.sampling import (
     SAMPLING_FIELD_NAMES,
     SamplingParams,
+    TokenCounts,
     logprobs,
+    penalize,
+    penalty_tensors,
     request_seed,
     sample_rows,
     sampling_tensors,
@@ -26,6 +29,7 @@ __all__ = [
     "StepOut",
     "check_greedy",
     "check_logprobs",
+    "check_penalties",
     "check_step_out",
     "first_logprobs",
     "host_logprobs",
@@ -53,6 +57,25 @@ def check_greedy(trace: Sequence[Request]) -> None:
                 f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
                 "samples; build it with create_decode_runner(..., sampling=True)"
             )
+
+
+def check_penalties(trace: Sequence[Request], counts: TokenCounts | None, vocab: int) -> None:
+    """Every penalized request's logit bias within ``vocab`` and a runner that
+    applies penalties (``counts``, its token counts), or a ValueError naming
+    the first request that fails."""
+    for r in trace:
+        if r.sampling is None or not r.sampling.penalized:
+            continue
+        if counts is None:
+            raise ValueError(
+                f"request {r.rid}: repetition_penalty, presence_penalty, frequency_penalty or "
+                "logit_bias needs a runner that applies them; build it with "
+                "create_decode_runner(..., sampling=True, penalties=True)"
+            )
+        try:
+            r.sampling.check_vocab(vocab)
+        except ValueError as e:
+            raise ValueError(f"request {r.rid}: {e}") from None
 
 
 def seed_of(request: Request, run_seed: int) -> int:
@@ -88,10 +111,14 @@ class SampledRows:
 
     Args:
         device: where the rows go (built on the host, copied without a sync).
+        counts: the runner's token counts when its step applies penalties
+            (the phase's ``token_counts``): the rows then carry the penalty
+            fields, and :meth:`first_token` resets the request's counts row.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, counts: TokenCounts | None = None) -> None:
         self.device = device
+        self.counts = counts
         self._live: list[LiveRequest] = []  # held: their ids key the cache
         self._key: tuple[int, ...] | None = None
         self._rows: dict[str, torch.Tensor] = {}
@@ -111,15 +138,25 @@ class SampledRows:
 
     def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
-        drawn as a decode step draws, at the position it takes (the prompt's length)."""
-        position = torch.tensor([len(live.request.prompt)])
-        rows = self.build([live])
-        return sample_rows(logits.view(1, -1), rows, position.to(self.device, non_blocking=True))[0]
+        drawn as a decode step draws, at the position it takes (the prompt's
+        length). With penalties, the request's counts row starts afresh (its
+        prompt marked), the token is penalized as the step does and counted."""
+        position = torch.tensor([len(live.request.prompt)]).to(self.device, non_blocking=True)
+        rows, x = self.build([live]), logits.view(1, -1)
+        if self.counts is None:
+            return sample_rows(x, rows, position)[0]
+        row = torch.tensor([live.req_index]).to(self.device, non_blocking=True)
+        self.counts.reset(live.req_index, live.request.prompt)
+        token = sample_rows(penalize(x, self.counts, row, rows), rows, position)
+        self.counts.record(row, token)
+        return token[0]
 
     def build(self, live: Sequence[LiveRequest]) -> dict[str, torch.Tensor]:
         """The rows of ``live``, made now (not kept)."""
         params = [r.request.sampling or _GREEDY for r in live]
         host = sampling_tensors(params, [r.seed for r in live], "cpu")
+        if self.counts is not None:
+            host |= penalty_tensors(params, "cpu")
         return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
 
 

@@ -33,6 +33,7 @@ from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
+from graphrunner_ref.engine.sampling import check_penalties
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
 from graphrunner_ref.engine.workload import Request
@@ -101,6 +102,11 @@ def samples(trace: Sequence[Request]) -> bool:
     return any(r.samples for r in trace)
 
 
+def penalized(trace: Sequence[Request]) -> bool:
+    """Whether any request of ``trace`` has a penalty or a logit bias."""
+    return any(r.sampling is not None and r.sampling.penalized for r in trace)
+
+
 def serve(
     config: EngineConfig,
     bundle: ServingBundle,
@@ -117,6 +123,7 @@ def serve(
     (and the run's, unless ``run_progress`` says otherwise)."""
     hooks = hooks or Hooks()
     if config.speculative:
+        check_penalties(trace, None, bundle.config.vocab_size)  # refused by name
         return Outcome(_speculative(config, bundle, trace, hooks, progress))
     engine = open_engine(
         config, bundle, hooks=hooks, progress=progress, on_capture=on_capture, trace=trace
@@ -267,8 +274,12 @@ def _runner_options(
         **config.mechanism_options,
         **_aot_options(config),
     }
-    if config.logprobs or trace is None or samples(trace):
+    if config.logprobs or trace is None or samples(trace) or penalized(trace):
         options["sampling"] = True
+    # Online, any request may bring penalties; a checked run refuses them by name.
+    checked = config.check and not config.overlap
+    if not checked and (trace is None or penalized(trace)):
+        options["penalties"] = True
     if config.logprobs:
         options["logprobs"] = config.logprobs
     if config.overlap:
