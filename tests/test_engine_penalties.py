@@ -54,7 +54,7 @@ def _run(trace: list[Request], *, penalties: bool = True, **engine: Any) -> dict
     return Engine(bundle, runner, **engine).run(trace).outputs
 
 
-def _alone(request: Request) -> list[int]:
+def alone_tokens(request: Request) -> list[int]:
     """The request run alone through the model's own forward, each token the
     reference's pick from the model's logits."""
     bundle = default_model(max_requests=1, max_context_len=CTX)
@@ -75,7 +75,7 @@ def _alone(request: Request) -> list[int]:
 
 @pytest.fixture(scope="module")
 def alone() -> dict[int, list[int]]:
-    return {r.rid: _alone(r) for r in _trace(PARAMS)}
+    return {r.rid: alone_tokens(r) for r in _trace(PARAMS)}
 
 
 def test_each_request_gets_the_references_tokens_in_a_padded_batch(alone) -> None:

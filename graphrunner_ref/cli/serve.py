@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Several steps a launch end every row at the end token inside the launch.
     ignorable = end is None or config.steps_per_launch == 1
-    limits = Limits(context, shape.vocab_size, args.logprobs, defaults, codec, ignorable)
+    # A checked step reruns eagerly and would count each token twice: no penalties then.
+    penalties = not (config.check and not config.overlap)
+    limits = Limits(context, shape.vocab_size, args.logprobs, defaults, codec, ignorable, penalties)
     options = ServerOptions(
         host=args.host,
         port=args.port,

@@ -12,6 +12,7 @@ anything but their neutral value.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -77,12 +78,13 @@ class _Common(Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # OpenAI's, refused unless neutral (see _UNSUPPORTED).
-    n: int | None = None
+    # Penalties and logit bias (OpenAI's, and vLLM's repetition_penalty).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's, refused unless neutral (see _UNSUPPORTED).
+    n: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -139,10 +141,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("best_of", lambda v: v in (None, 1), "one choice per request; expected 1"),
     ("echo", lambda v: not v, "the prompt is not echoed; expected false"),
     ("suffix", lambda v: v is None, "no insertion; expected none"),
-    ("presence_penalty", lambda v: not v, "no penalties; expected 0"),
-    ("frequency_penalty", lambda v: not v, "no penalties; expected 0"),
-    ("repetition_penalty", lambda v: v in (None, 1), "no penalties; expected 1"),
-    ("logit_bias", lambda v: not v, "no logit bias; expected none"),
     ("min_tokens", lambda v: not v, "the end token is never held back; expected 0"),
     (
         "spaces_between_special_tokens",
@@ -167,7 +165,8 @@ class Limits:
     its vocabulary, the top log-probabilities the runner collects (0: none),
     the default sampling of a request that sets none (the flags'), its
     tokenizer (None: token ids only), and whether a request may ignore the
-    end token (not where the runner ends rows inside a launch)."""
+    end token (not where the runner ends rows inside a launch), and whether
+    its step applies penalties and logit bias."""
 
     context: int
     vocab_size: int
@@ -175,6 +174,7 @@ class Limits:
     sampling: SamplingParams
     codec: TextCodec | None
     ignore_eos: bool = True
+    penalties: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +259,7 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
     return Job(
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=_sampling(body, limits.sampling),
+        sampling=_sampling(body, limits),
         stops=_stops(body.stop, limits),
         logprobs=logprobs,
         stream=body.stream,
@@ -388,19 +388,51 @@ def _chat_logprobs(body: ChatRequest, limits: Limits) -> int | None:
     return _logprobs("top_logprobs", body.top_logprobs or 0, limits)
 
 
-def _sampling(body: CompletionRequest | ChatRequest, default: SamplingParams) -> SamplingParams:
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _sampling(body: CompletionRequest | ChatRequest, limits: Limits) -> SamplingParams:
     given: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in (*_SAMPLING, *_PENALTIES):
         value = getattr(body, name)
         if value is not None:
             given[name] = value
     if given.get("top_k") == -1:
         given["top_k"] = 0  # vLLM's spelling of "no limit"
+    if body.logit_bias:
+        given["logit_bias"] = _logit_bias(body.logit_bias, limits.vocab_size)
     try:
-        return dataclasses.replace(default, **given)
+        params = dataclasses.replace(limits.sampling, **given)
     except ValueError as e:
-        name = str(e).split("=", 1)[0]
+        name = re.split(r"[=:\[ ]", str(e), maxsplit=1)[0]
         raise APIError(400, str(e), param=name) from None
+    if params.penalized and not limits.penalties:
+        name = next(n for n in (*_PENALTIES, "logit_bias") if n in given)
+        raise APIError(
+            400,
+            f"{name}={given[name]!r}: not supported: this server's step applies no penalties "
+            "(--check); expected the neutral value",
+            param=name,
+            code="unsupported",
+        )
+    return params
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as ``{token id: bias}``,
+    each id in the served vocabulary."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise APIError(
+                400,
+                f"logit_bias: key {key!r}; expected a token id in 0..{vocab - 1}",
+                param="logit_bias",
+            )
+        out[token] = value
+    return out
 
 
 def _stops(stop: Any, limits: Limits) -> tuple[str, ...]:
