@@ -35,13 +35,7 @@ class Request:
     def __post_init__(self) -> None:
         for name in ("rid", "max_new_tokens", "arrival_step"):
             _check_int(f"request {self.rid!r}: {name}", getattr(self, name))
-        if not isinstance(self.prompt, tuple):
-            raise TypeError(
-                f"request {self.rid}: prompt is a {type(self.prompt).__name__}; "
-                "expected a tuple of int token ids"
-            )
-        for i, token in enumerate(self.prompt):
-            _check_int(f"request {self.rid}: prompt[{i}]", token)
+        _check_token_ids(f"request {self.rid}: prompt", self.prompt)
         if not self.prompt:
             raise ValueError(f"request {self.rid}: empty prompt; expected at least one token")
         if self.max_new_tokens < 1:
@@ -52,13 +46,7 @@ class Request:
             raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; expected >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"request {self.rid}: ignore_eos={self.ignore_eos!r}; expected a bool")
-        if not isinstance(self.stop_token_ids, tuple):
-            raise TypeError(
-                f"request {self.rid}: stop_token_ids is a {type(self.stop_token_ids).__name__}; "
-                "expected a tuple of int token ids"
-            )
-        for i, token in enumerate(self.stop_token_ids):
-            _check_int(f"request {self.rid}: stop_token_ids[{i}]", token)
+        _check_token_ids(f"request {self.rid}: stop_token_ids", self.stop_token_ids)
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "
@@ -74,6 +62,14 @@ class Request:
     def max_len(self) -> int:
         """Tokens it can hold in the KV cache: the last generated token is never fed back."""
         return len(self.prompt) + self.max_new_tokens - 1
+
+
+def _check_token_ids(what: str, ids: object) -> None:
+    """``ids`` a tuple of ints (TypeError naming ``what`` and the first bad one)."""
+    if not isinstance(ids, tuple):
+        raise TypeError(f"{what} is a {type(ids).__name__}; expected a tuple of int token ids")
+    for i, token in enumerate(ids):
+        _check_int(f"{what}[{i}]", token)
 
 
 def _check_int(what: str, value: object) -> None:
