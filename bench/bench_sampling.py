@@ -9,6 +9,12 @@ For each model shape and batch size, in the same run and on the same batch
   sampling=True)``), every row temperature 0 (its tokens are checked equal to
   the argmax of the plain runner's logits);
 - ``sampled top-p``: the same runner, every row temperature 0.8, top-p 0.9.
+- ``penalties neutral``: the runner with penalties (``create_decode_runner(...,
+  sampling=True, penalties=True)``), every row greedy with neutral penalties
+  (its tokens are checked equal to that argmax too): what a server that may
+  get penalties pays on a step where none asks for them;
+- ``penalties on``: the same runner, every row with every penalty and a
+  logit bias.
 
 The sampling rows are built once per batch (the engine rebuilds them only when
 the batch's requests change), so a replay pays the populate of the five
@@ -46,15 +52,28 @@ from graphrunner import GraphRunner
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.phases.sampled import with_sampling
-from graphrunner.sampling import SamplingParams, sampling_tensors
+from graphrunner.sampling import SamplingParams, penalty_tensors, sampling_tensors
 from graphrunner.testing import torch_threads
 from graphrunner_ref import create_decode_runner, default_model
 from graphrunner_ref.model import ModelBundle, shape_1b_config
 from graphrunner_ref.model.config import ModelConfig
 
 CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_sampling"
-VARIANTS = ("plain+argmax", "sampled greedy", "sampled top-p")
+VARIANTS = (
+    "plain+argmax",
+    "sampled greedy",
+    "sampled top-p",
+    "penalties neutral",
+    "penalties on",
+)
 TOP_P = SamplingParams(temperature=0.8, top_p=0.9)
+#: The ``penalties on`` rows: every penalty and a few biased tokens, greedy.
+PENALIZED = SamplingParams(
+    repetition_penalty=1.2,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    logit_bias={1: 5.0, 2: -5.0, 3: 1.0},
+)
 
 
 def mid_config() -> ModelConfig:
@@ -101,6 +120,13 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return cuda if device.type == "cuda" else cpu
 
 
+def penalty_rows(
+    params: Sequence[SamplingParams], seeds: Sequence[int], device: str
+) -> dict[str, torch.Tensor]:
+    """The sampling and penalty rows of ``params``, for a runner with penalties."""
+    return sampling_tensors(params, seeds, device) | penalty_tensors(params, device)
+
+
 def plain_tokens(runner: GraphRunner, batch: DecodeBatch) -> torch.Tensor:
     """One step of the plain runner, argmax outside the graph: tokens ``[bs]``."""
     logits = runner.replay(batch)
@@ -144,6 +170,10 @@ def measure_shape(
     plain.capture()
     sampled = create_decode_runner(bundle, kind, capture_sizes=list(sizes), sampling=True)
     sampled.capture()
+    penalized = create_decode_runner(
+        bundle, kind, capture_sizes=list(sizes), sampling=True, penalties=True
+    )
+    penalized.capture()
     print(f"{shape}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
     timer, rows = _timer(bundle.device), []
     for bs in sizes:
@@ -151,14 +181,19 @@ def measure_shape(
         seeds = list(range(bs))
         greedy = with_sampling(batch, sampling_tensors([SamplingParams()] * bs, seeds, device))
         top_p = with_sampling(batch, sampling_tensors([TOP_P] * bs, seeds, device))
+        neutral = with_sampling(batch, penalty_rows([SamplingParams()] * bs, seeds, device))
+        on = with_sampling(batch, penalty_rows([PENALIZED] * bs, seeds, device))
         calls: dict[str, Callable[[], object]] = {
             "plain+argmax": partial(plain_tokens, plain, batch),
             "sampled greedy": partial(sampled_tokens, sampled, greedy),
             "sampled top-p": partial(sampled_tokens, sampled, top_p),
+            "penalties neutral": partial(sampled_tokens, penalized, neutral),
+            "penalties on": partial(sampled_tokens, penalized, on),
         }
         with torch.no_grad():
             argmax = plain_tokens(plain, batch).clone()
             tokens = sampled_tokens(sampled, greedy).clone()
+            unpenalized = sampled_tokens(penalized, neutral).clone()
             # Warm-up; "auto" calls per round: a round of the slowest variant
             # lasts ~20 ms (one call where a step takes longer).
             slowest = max(timer(fn, 1) for fn in calls.values())
@@ -182,6 +217,8 @@ def measure_shape(
             }
             if variant == "sampled greedy":
                 row["tokens_equal_argmax"] = bool(torch.equal(tokens, argmax))
+            if variant == "penalties neutral":
+                row["tokens_equal_argmax"] = bool(torch.equal(unpenalized, argmax))
             rows.append(row)
             print(_line(row), flush=True)
     return rows
@@ -214,7 +251,10 @@ def write(result: dict[str, Any], slug: str) -> str:
         "- plain+argmax: the plain runner's logits, argmax outside the graph; sampled greedy: "
         "the sampled runner, temperature 0 (tokens equal to that argmax: "
         f"{all(r['tokens_equal_argmax'] for r in greedy)}); sampled top-p: temperature 0.8, "
-        "top-p 0.9",
+        "top-p 0.9; penalties neutral: the runner with penalties "
+        "(`create_decode_runner(..., penalties=True)`), every row greedy and neutral (tokens "
+        "equal to the argmax too); penalties on: every row greedy with repetition 1.2, "
+        "presence 0.5, frequency 0.5 and 3 biased tokens",
         "- shapes: default = the embedded model (2 layers, hidden 64, vocab 256); mid = 4 "
         "layers, hidden 256, intermediate 688, 8/4 heads of 32, vocab 32000; 1.1b = "
         "`shape_1b_config()` (22 layers, hidden 2048, vocab 32000)",
