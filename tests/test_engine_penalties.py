@@ -2,7 +2,8 @@
 run of the model alone on that request with the torch reference of vLLM's
 formulas (tests/test_penalties.py) applied to its logits, whatever the
 other requests, padding, overlap or steps per launch; a runner without
-penalties refuses such a request by name."""
+penalties refuses such a request by name; under the padding sanitizer the
+step writes only its live rows' counts (a planted write at row 0 is seen)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 from test_penalties import expected_token
 
-from graphrunner import FutureMap
-from graphrunner.sampling import SamplingParams
+from graphrunner import FutureMap, PaddingViolation
+from graphrunner.sampling import SamplingParams, TokenCounts
 from graphrunner_ref import Engine, Request, create_decode_runner, default_model
 
 CTX = 48
@@ -104,3 +105,25 @@ def test_a_runner_without_penalties_refuses_them_by_name() -> None:
 def test_a_logit_bias_outside_the_vocabulary_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         _run(_trace([SamplingParams(logit_bias={10_000: 1.0})]))
+
+
+def _sanitized(trace: list[Request]) -> dict[int, list[int]]:
+    bundle = default_model(max_requests=4, max_context_len=CTX)
+    runner = create_decode_runner(
+        bundle, "eager", capture_sizes=[4], sampling=True, penalties=True, check_padding=True
+    )
+    runner.capture()
+    return Engine(bundle, runner).run(trace).outputs
+
+
+def test_the_sanitizer_passes_the_penalties_step(alone) -> None:
+    assert _sanitized(_trace(PARAMS, arrive_every=0)) == alone
+
+
+def test_the_sanitizer_sees_a_padded_row_count_at_row_zero(monkeypatch) -> None:
+    def unmasked(self: TokenCounts, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.int32), True)
+
+    monkeypatch.setattr(TokenCounts, "record", unmasked)
+    with pytest.raises(PaddingViolation, match="token_counts"):
+        _sanitized(_trace(PARAMS[:2]))

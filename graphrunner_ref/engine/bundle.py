@@ -18,6 +18,8 @@ from typing import Any
 from graphrunner import (
     FutureMap,
     GraphRunner,
+    GuardedTensor,
+    PaddingSanitizer,
     create_runner,
     decode_phase,
 )
@@ -132,6 +134,17 @@ def _key_saved_program(
         mechanism_options.setdefault("aot_key", {**fields, **aot_key(bundle)})
 
 
+def _guard_counts(sanitizer: PaddingSanitizer, counts: TokenCounts | None) -> PaddingSanitizer:
+    """``sanitizer`` guarding the token counts too: a step writes only its live
+    rows' counts (row 0 never) and never the prompt marks (the host's)."""
+    if counts is not None:
+        sanitizer.guarded += [
+            GuardedTensor("token_counts", counts.counts, "req_pool_indices", sink_rows=0),
+            GuardedTensor("prompt_tokens", counts.prompt, None, sink_rows=0, unit="request row"),
+        ]
+    return sanitizer
+
+
 def decode_step(bundle: ServingBundle) -> DecodeStep:
     """The :class:`DecodeStep` of ``bundle``, made by its registered kind
     (``TypeError`` for a bundle of no registered kind)."""
@@ -241,7 +254,7 @@ def create_decode_runner(
         capture_sizes=capture_sizes,
         max_bs=max_bs,
         show_progress=show_progress,
-        sanitizer=step.sanitizer() if check_padding else None,
+        sanitizer=_guard_counts(step.sanitizer(), counts) if check_padding else None,
         future_map=future_map,
         state_ops=step.state_ops,
         **mechanism_options,
