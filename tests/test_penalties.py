@@ -13,6 +13,7 @@ tokens, and row 0 (padding) and a bystander's row must never change.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import pytest
@@ -227,3 +228,36 @@ def test_step_picks_the_reference_token_and_counts_only_its_own_rows(
     assert torch.equal(counts.counts[0], poisoned), "row 0 (padding) was written"
     assert torch.equal(counts.counts[bystander], poisoned), "a row outside the batch was written"
     assert any(p.penalized for p in params)
+
+
+def test_a_saved_program_with_penalties_loads_and_counts(tmp_path) -> None:
+    """The penalties add no shape guard (a saved program of the step loads
+    rather than recompiling) and the loaded program counts into the table."""
+    outs, hits = [], []
+    for _ in range(2):
+        bundle = default_model(max_requests=4, max_context_len=CTX)
+        runner = create_decode_runner(
+            bundle, "cpu", capture_sizes=[2], sampling=True, penalties=True, aot_cache=tmp_path
+        )
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            runner.capture()
+        hits.append(runner.capture_report.cache_hits)
+        refused = [str(w.message) for w in said if "aot_cache" in str(w.message)]
+        assert not refused, refused
+        counts = runner.phase.token_counts
+        row = bundle.req_pool.alloc(1)[0]
+        counts.reset(row, [5, 5])
+        slots = torch.tensor(bundle.kv_alloc.alloc(2))
+        first = int(bundle.model.forward_extend(row, torch.tensor([5, 5]), slots).argmax())
+        batch = DecodeBatch.from_requests(
+            [row], [2], torch.tensor([first]), device="cpu", max_context_len=CTX
+        )
+        batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
+        params = [SamplingParams(repetition_penalty=1.5, logit_bias={3: 9.0})]
+        rows = sampling_tensors(params, [0], "cpu") | penalty_tensors(params, "cpu")
+        out = runner.replay(with_sampling(batch, rows))
+        outs.append(int(out["tokens"][0]))
+        assert int(counts.counts[row].sum()) == 1 and counts.counts[row, outs[-1]] == 1
+    assert hits == [0, 1]
+    assert outs[0] == outs[1]

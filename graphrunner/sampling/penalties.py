@@ -131,7 +131,11 @@ def penalize(
     ``b`` holds :data:`PENALTY_FIELDS` by name (a mapping, or a step's view):
     penalties float32 ``[n]``, bias ids int64 and values float32 ``[n, B]``."""
     get = b.__getitem__ if isinstance(b, Mapping) else functools.partial(getattr, b)
-    x = logits.to(torch.float32).scatter_add(-1, get("logit_bias_ids"), get("logit_bias_values"))
+    ids = get("logit_bias_ids")
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(-1).expand_as(ids)
+    # index_put, not scatter_add: scatter_add's size checks (index rows <= the
+    # logits' rows) would be shape guards that keep a saved program from loading.
+    x = logits.to(torch.float32).index_put((rows, ids), get("logit_bias_values"), accumulate=True)
     count = counts.counts.index_select(0, req_pool_indices)
     out = count > 0
     seen = out | counts.prompt.index_select(0, req_pool_indices)
