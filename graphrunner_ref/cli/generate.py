@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         inputs.fields,
     )
     cli_sampling.check_modes(args, trace, "generate")
+    cli_sampling.check_bias(trace, shape.vocab_size)
     cli_sampling.settle_seed(args, trace, "generate")
     config = config_of(args, kind, sizes)
     context = cli_text.run_context(args, trace, config.extra_context, model_context)

@@ -32,6 +32,7 @@ __all__ = [
     "FLAGS",
     "LINE_FIELDS",
     "apply",
+    "check_bias",
     "check_line",
     "check_modes",
     "flag_params",
@@ -44,8 +45,10 @@ __all__ = [
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 #: The largest top-k: the sampling buffers hold int64.
 MAX_TOP_K = 2**63 - 1
+#: Penalties and logit bias a JSON-lines prompt may set (vLLM's and OpenAI's).
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 #: What a JSON-lines prompt may set besides its ``"prompt"``.
-LINE_FIELDS = ("max_new_tokens", *FLAGS, "seed")
+LINE_FIELDS = ("max_new_tokens", *FLAGS, "seed", *PENALTIES)
 
 
 def _reason(e: ValueError) -> str:
@@ -81,16 +84,27 @@ def check_line(fields: Mapping[str, Any], where: str, limit: int) -> None:
         n = fields["max_new_tokens"]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
             raise UsageError(f"{where}: max_new_tokens={n!r}; expected an int in 1..{limit}")
-    for name in (*FLAGS, "seed"):
-        if name in fields:
-            try:
-                SamplingParams(**{name: fields[name]})
-            except ValueError as e:
-                raise UsageError(f"{where}: {e}") from None
+    try:
+        SamplingParams(**_params_of(fields))
+    except ValueError as e:
+        raise UsageError(f"{where}: {e}") from None
     if fields.get("top_k", 0) > MAX_TOP_K:
         raise UsageError(
             f"{where}: top_k={fields['top_k']}; expected an int in 0..{MAX_TOP_K} (0: no limit)"
         )
+
+
+def _params_of(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A line's SamplingParams fields; ``logit_bias`` keys (JSON strings) as
+    token ids (a ValueError naming it when one is not)."""
+    out = {n: fields[n] for n in (*FLAGS, "seed", *PENALTIES) if n in fields}
+    bias = out.get("logit_bias")
+    if isinstance(bias, dict):
+        try:
+            out["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias={bias!r}; expected token ids as keys") from None
+    return out
 
 
 def apply(
@@ -101,13 +115,22 @@ def apply(
     out = []
     for r in trace:
         fields = lines[r.rid] if r.rid < len(lines) else {}
-        params = dataclasses.replace(
-            base, **{n: fields[n] for n in (*FLAGS, "seed") if n in fields}
-        )
+        params = dataclasses.replace(base, **_params_of(fields))
         budget = fields.get("max_new_tokens", r.max_new_tokens)
-        sampling = None if params.greedy else params
+        sampling = None if params.greedy and not params.penalized else params
         out.append(dataclasses.replace(r, max_new_tokens=budget, sampling=sampling))
     return out
+
+
+def check_bias(trace: Sequence[Request], vocab: int) -> None:
+    """Every request's ``logit_bias`` token ids in ``[0, vocab)``, or a
+    :class:`UsageError` naming the request."""
+    for r in trace:
+        if r.sampling is not None:
+            try:
+                r.sampling.check_vocab(vocab)
+            except ValueError as e:
+                raise UsageError(f"prompt {r.rid}: {e}") from None
 
 
 def settle_seed(args: argparse.Namespace, trace: Sequence[Request], command: str) -> None:
@@ -128,7 +151,16 @@ def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str
     both compare with plain decoding token for token, and sampled speculative
     decoding draws other random numbers (it equals plain sampling in
     distribution only). ``--overlap`` draws plain sampling's tokens exactly,
-    so it is compared with it."""
+    so it is compared with it. Penalties and logit bias are refused with
+    ``--speculative`` or ``--check`` (their steps apply none)."""
+    if any(r.sampling is not None and r.sampling.penalized for r in trace):
+        check = getattr(args, "check", False)
+        mode = "--speculative" if args.speculative else "--check" if check else None
+        if mode is not None:
+            raise UsageError(
+                f"{command} {mode} with repetition_penalty, presence_penalty, "
+                "frequency_penalty or logit_bias: its steps apply none; expected neutral values"
+            )
     if not (args.speculative and samples(trace)):
         return
     if command == "demo" or getattr(args, "check", False):
