@@ -11,6 +11,9 @@ measured in the same run:
 - ``prefix_repetition``: ``--prefix-len``-token prefixes shared by the
   prompts, a ``--suffix-len`` suffix each (what a prefix cache is for).
 
+Each server is warmed first by a short random run on prompts of another
+seed (untimed).
+
 Every wait is bounded: a server that does not listen within
 :data:`START_S`, or a load run past :data:`RUN_S`, is killed and reported.
 
@@ -55,7 +58,7 @@ class Contender:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -75,7 +78,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None
 
 
 @contextmanager
-def _serving(contender: Contender, port: int, logs: Path) -> Iterator[None]:
+def serving(contender: Contender, port: int, logs: Path) -> Iterator[None]:
     """``contender`` listening on ``port`` for the block, stopped after."""
     log = logs / f"{contender.label.replace(' ', '_')}.log"
     command = [c.format(port=port) for c in contender.command]
@@ -133,6 +136,15 @@ def _workloads(args: argparse.Namespace) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+def _warmup(args: argparse.Namespace) -> list[str]:
+    """A short random run on prompts of another seed, untimed."""
+    return [
+        "--num-prompts", str(args.concurrency), "--max-concurrency", str(args.concurrency),
+        "--dataset-name", "random", "--ignore-eos", "--seed", "1",
+        "--random-input-len", str(args.random_input_len), "--random-output-len", "8",
+    ]  # fmt: skip
+
+
 def _contenders(args: argparse.Namespace, python: str) -> list[Contender]:
     gr = [sys.executable, "-m", "graphrunner", "serve", "--model", args.model, "--port", "{port}"]
     gr += ["--threads", "1", "--max-bs", str(args.concurrency), "--quiet"]
@@ -183,19 +195,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for contender in _contenders(args, python):
             if args.only and args.only not in contender.label:
                 continue
-            port = _free_port()
+            port = free_port()
             print(f"{contender.label}: starting", file=sys.stderr, flush=True)
-            with _serving(contender, port, Path(tmp)):
+            with serving(contender, port, Path(tmp)):
+                # Warmed on other prompts first (seed 1): what was compiled or
+                # cached lazily is not timed, and no timed prompt was seen.
+                warm = Path(tmp) / f"{contender.label.replace(' ', '_')}-warm.json"
+                _load(python, port, "m", args.model, _warmup(args), warm)
                 for i, (name, workload) in enumerate(workloads.items()):
                     out = Path(tmp) / f"{contender.label.replace(' ', '_')}-{i}.json"
                     result = _load(python, port, "m", args.model, workload, out)
                     rows.setdefault(name, {})[contender.label] = _row(result)
                     print(f"  {name}: {_row(result)}", file=sys.stderr, flush=True)
-    _write(args, rows)
+    write_results(args, rows)
     return 0
 
 
-def _write(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, float]]]) -> None:
+def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, float]]]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"vllm-bench-serve-{args.name}"
     cpu = platform.processor() or platform.machine()
@@ -219,9 +235,9 @@ def _write(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, float]]
     for workload, by in rows.items():
         base = next((r for label, r in by.items() if label.startswith("vLLM")), None)
         for label, r in by.items():
-            ratio = r["output_throughput"] / base["output_throughput"] if base else float("nan")
+            ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base else "—"
             lines.append(
-                f"| {workload} | {label} | {r['output_throughput']:.1f} | {ratio:.2f}x | "
+                f"| {workload} | {label} | {r['output_throughput']:.1f} | {ratio} | "
                 f"{r['completed']:.0f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                 f"{r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} |"
             )
