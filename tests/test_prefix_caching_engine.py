@@ -188,3 +188,59 @@ def test_generate_prints_the_hit_rate_and_no_prefix_caching_turns_it_off(
         cached = 0 if flags else SYSTEM * 3
         assert f"prefix cache hit rate {cached / prompt:.1%} ({cached}/{prompt})" in err
     assert outputs[True] == outputs[False]
+
+
+def _pages_trace(shared_pages: int, *, together: bool, seed: int) -> list[Request]:
+    """Six prompts of 4-token pages sharing their first ``shared_pages``
+    pages, arriving at once or one after another."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 256) for _ in range(4 * shared_pages)]
+    return [
+        Request(
+            i,
+            tuple(prefix + [rng.randrange(1, 256) for _ in range(rng.randint(1, 9))]),
+            5,
+            arrival_step=0 if together else i * 12,
+        )
+        for i in range(6)
+    ]
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "one-after-another"])
+@pytest.mark.parametrize("shared_pages", [0, 1, 3])
+def test_requests_sharing_0_1_or_several_pages_get_the_uncached_tokens(
+    shared_pages: int, together: bool
+) -> None:
+    bundle = _bundle(4)
+    trace = _pages_trace(shared_pages, together=together, seed=shared_pages)
+    plain = _run(bundle, trace, caching=False)
+    cached = _run(bundle, trace, caching=True)
+    assert cached.outputs == plain.outputs
+    if not together:  # each finds its predecessors' shared pages whole
+        assert cached.stats.cached_tokens == 4 * shared_pages * (len(trace) - 1)
+
+
+@pytest.mark.parametrize("budget", [3, 4, 5, 7, 8, 9])
+def test_chunks_cut_at_every_offset_around_a_page_boundary_keep_the_tokens(budget: int) -> None:
+    # Two cached pages (8 tokens): the uncached part starts on a page
+    # boundary, and budgets of 3..9 cut it just before, on and after the next.
+    bundle = _bundle(4)
+    trace = _pages_trace(2, together=False, seed=budget)
+    plain = _run(bundle, trace, caching=False, max_num_batched_tokens=budget)
+    cached = _run(bundle, trace, caching=True, max_num_batched_tokens=budget)
+    assert cached.outputs == plain.outputs
+    assert cached.stats.cached_tokens == 8 * (len(trace) - 1)
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_cached_or_not() -> None:
+    from graphrunner.sampling import SamplingParams
+
+    bundle = _bundle(4)
+    trace = [
+        dataclasses.replace(r, sampling=SamplingParams(temperature=0.9, top_k=40, seed=7 + r.rid))
+        for r in _shared_prefix_trace(5, seed=4, gap=3)
+    ]
+    plain = _run(bundle, trace, caching=False)
+    cached = _run(bundle, trace, caching=True)
+    assert cached.outputs == plain.outputs
+    assert cached.stats.cached_tokens > 0
