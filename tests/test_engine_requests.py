@@ -215,3 +215,20 @@ def test_bad_requests_are_refused_by_name_and_queue_nothing(bundle: ModelBundle)
     outputs = _drain(engine)
     assert [o.rid for o in outputs if o.finished] == [rid]
     assert sorted(engine.run(trace).outputs) == [99]  # closed once drained
+
+
+def test_stop_tokens_and_ignore_eos_the_engine_cannot_honour_are_refused(
+    bundle: ModelBundle,
+) -> None:
+    engine = open_engine(CONFIG, bundle)
+    vocab = bundle.config.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids has {vocab} outside the vocabulary"):
+        engine.add_request((1, 2), 4, stop_token_ids=(3, vocab))
+    multistep = dataclasses.replace(CONFIG, steps_per_launch=3)
+    launches = open_engine(multistep, bundle, hooks=Hooks(end_token=5))
+    with pytest.raises(ValueError, match="ignore_eos=True with 3 steps per launch"):
+        launches.add_request((1, 2), 4, ignore_eos=True)
+    assert not engine.has_unfinished() and not launches.has_unfinished()
+    plain = open_engine(CONFIG, bundle, hooks=Hooks(end_token=5))
+    plain.add_request((1, 2), 4, ignore_eos=True)  # one step a launch: honoured
+    plain.close()

@@ -87,8 +87,8 @@ def report(result: EngineResult) -> None:
 
 def prefix_cache_part(stats: EngineStats) -> str:
     """The prefix cache's share of the admitted prompt tokens."""
-    prompt = stats.cached_tokens + stats.prefill_tokens
-    return f"prefix cache hit rate {stats.prefix_hit_rate:.1%} ({stats.cached_tokens}/{prompt})"
+    hit, prompt = stats.cached_tokens, stats.admitted_prompt_tokens
+    return f"prefix cache hit rate {stats.prefix_hit_rate:.1%} ({hit}/{prompt})"
 
 
 def padded_rows(stats: EngineStats) -> str:

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             args, shape, sizes, context, max_prompt_len=context, kind=kind, check=False
         )
     codec = _codec(args, shape.vocab_size)
-    end = _end_token(args, codec, shape.vocab_size)
+    cli_text.check_end_token(args, shape.vocab_size)
+    end = cli_text.end_token_of(args, codec)
     name = args.served_model_name or _model_name(args)
 
     from graphrunner_ref.serve.protocol import Limits
@@ -165,13 +166,3 @@ def _capture_line(sizes: list[int], args: argparse.Namespace) -> serving.OnCaptu
         print(f"graphrunner serve: {line}", file=sys.stderr, flush=True)
 
     return show
-
-
-def _end_token(args: argparse.Namespace, codec: TextCodec | None, vocab: int) -> int | None:
-    """The token that ends an answer: ``--end-token``, else the tokenizer's
-    end-of-sequence token unless ``--ignore-eos``; None: none."""
-    if args.end_token is not None:
-        if not 0 <= args.end_token < vocab:
-            raise UsageError(f"--end-token {args.end_token}: expected a token id in 0..{vocab - 1}")
-        return int(args.end_token)
-    return None if codec is None or args.ignore_eos else codec.eos_token_id

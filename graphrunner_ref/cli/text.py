@@ -122,14 +122,27 @@ def check_generate(args: argparse.Namespace, config: ModelConfig) -> tuple[int, 
     limit = context_limit(args, config)
     check_range("--max-new-tokens", args.max_new_tokens, 1, limit, limit_why(args))
     check_range("--arrive-every", args.arrive_every, 0, MAX_STEPS)
-    if args.end_token is not None and not 0 <= args.end_token < config.vocab_size:
-        raise UsageError(
-            f"--end-token {args.end_token}: expected a token id in 0..{config.vocab_size - 1}"
-        )
+    check_end_token(args, config.vocab_size)
     if args.output is not None:
         check_output(args.output)
     cli_sizes.check_run_outputs(args)
     return limit, read_inputs(args, config, limit, to_stdout=args.output is None)
+
+
+def check_end_token(args: argparse.Namespace, vocab_size: int) -> None:
+    """``--end-token`` a token id of the vocabulary, when given."""
+    if args.end_token is not None and not 0 <= args.end_token < vocab_size:
+        raise UsageError(
+            f"--end-token {args.end_token}: expected a token id in 0..{vocab_size - 1}"
+        )
+
+
+def end_token_of(args: argparse.Namespace, codec: TextCodec | None) -> int | None:
+    """The token that ends an answer: ``--end-token``, else the tokenizer's
+    end-of-sequence token unless ``--ignore-eos``; None: none."""
+    if args.end_token is not None:
+        return int(args.end_token)
+    return None if codec is None or args.ignore_eos else codec.eos_token_id
 
 
 def read_inputs(
@@ -181,9 +194,7 @@ def read_inputs(
             fields.append(dict(line.fields))
             labels.append(line.where)
     _check_lengths(args, prompts, labels, limit, fields)
-    end = args.end_token
-    if end is None and codec is not None and not args.ignore_eos:
-        end = codec.eos_token_id
+    end = end_token_of(args, codec)
     as_text = codec is not None and not args.json and not getattr(args, "logprobs", 0)
     stops = _stop_strings(args, codec)
     printer = None

@@ -91,8 +91,6 @@ def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
     b = engine.bundle
     live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
     run.held[req.rid] = live
-    if engine.logprobs:
-        run.logprobs[req.rid] = live.logprobs
     need = engine.kv_need(len(req.prompt))
     cache = engine.prefix_cache
     if cache is None:
@@ -248,7 +246,7 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
         check_greedy(trace)
     check_penalties(trace, engine.sampling_rows.counts, engine.bundle.config.vocab_size)
     for r in trace:
-        _check_stops(engine, r)
+        _check_ignore_eos(engine, r)
         if r.max_len > min(ctx, kv_room):
             raise ValueError(
                 f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
@@ -257,16 +255,10 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
             )
 
 
-def _check_stops(engine: EngineSteps, r: Request) -> None:
-    """``r``'s own stop tokens within the vocabulary, and its ``ignore_eos``
-    where the runner stops rows itself: several steps a launch end a row
-    inside the launch at the engine's end token, for every request alike."""
-    vocab = engine.bundle.config.vocab_size
-    for token in r.stop_token_ids:
-        if not 0 <= token < vocab:
-            raise ValueError(
-                f"request {r.rid}: stop_token_ids has {token}; expected 0..{vocab - 1}"
-            )
+def _check_ignore_eos(engine: EngineSteps, r: Request) -> None:
+    """``r``'s ``ignore_eos`` refused where the runner stops rows itself:
+    several steps a launch end a row inside the launch at the engine's end
+    token, for every request alike."""
     if r.ignore_eos and engine.end_token is not None and engine.runner.phase.steps > 1:
         raise ValueError(
             f"request {r.rid}: ignore_eos=True with {engine.runner.phase.steps} steps per "

@@ -276,7 +276,6 @@ class Engine:
                 self._aborted.add(rid)
                 return
             run.pending.remove(waiting[0])
-            run.outputs.pop(rid, None)
             self._out[rid] = RequestOutput(rid, finish_reason="abort")
 
     def step(self) -> list[RequestOutput]:
@@ -386,9 +385,7 @@ class Engine:
     def _open(self, max_steps: int | None = None) -> Run:
         """The open run (requests in flight), begun when none is."""
         if self._run is None:
-            self._run = Run(
-                deque(), DecodeBatch.empty(self.device, self.bundle.max_context_len), {}
-            )
+            self._run = Run(deque(), DecodeBatch.empty(self.device, self.bundle.max_context_len))
             self._counts = RunnerCounts.of(self.runner)
             self.schedule.begin(self, max_steps)
         return self._run
@@ -430,9 +427,7 @@ class Engine:
             if out.finished:
                 self._rids.discard(out.rid)
                 self._aborted.discard(out.rid)
-                run.outputs.pop(out.rid, None)
                 run.finished.discard(out.rid)
-                run.logprobs.pop(out.rid, None)
         return outs
 
     @property
@@ -555,7 +550,6 @@ class Engine:
         if reason is None:
             return False
         out.finish_reason = reason
-        run.outputs[rid] = req.tokens
         run.finished.add(rid)
         if self.on_finish is not None:
             self._callbacks.append(functools.partial(self.on_finish, rid, req.tokens))

@@ -101,9 +101,14 @@ class EngineStats:
         return self.step_seconds - self.prefill_seconds
 
     @property
+    def admitted_prompt_tokens(self) -> int:
+        """Prompt tokens of the admitted requests: computed or cached."""
+        return self.cached_tokens + self.prefill_tokens
+
+    @property
     def prefix_hit_rate(self) -> float:
         """The admitted prompt tokens' share that the prefix cache held."""
-        prompt = self.cached_tokens + self.prefill_tokens
+        prompt = self.admitted_prompt_tokens
         return self.cached_tokens / prompt if prompt else 0.0
 
     @property
@@ -176,11 +181,9 @@ class Run:
 
     pending: deque[Request]
     batch: DecodeBatch
-    outputs: dict[int, list[int]]
     live: list[LiveRequest] = field(default_factory=list)
     # Admitted, their prompt partly in the KV cache: a chunk more each step, in order.
     prefilling: list[LiveRequest] = field(default_factory=list)
-    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked
     held: dict[int, LiveRequest] = field(
         default_factory=dict
     )  # by rid: pool rows / KV pages to free

@@ -80,16 +80,17 @@ def _check_int(what: str, value: object) -> None:
 
 
 def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
-    """Request ids unique and every prompt token in ``0..vocab_size - 1``
-    (ValueError naming the request and the token)."""
+    """Request ids unique and every prompt and stop token in ``0..vocab_size
+    - 1`` (ValueError naming the request and the token)."""
     if len({r.rid for r in trace}) != len(trace):
         raise ValueError("request ids must be unique")
     for r in trace:
-        bad = [t for t in r.prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {r.rid}: token id {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
-            )
+        for what, ids in (("token id", r.prompt), ("stop_token_ids has", r.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {r.rid}: {what} {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
+                )
 
 
 def requests_from_prompts(

@@ -98,7 +98,6 @@ class Ticket:
         self.submitted = time.perf_counter()
         self.first: float | None = None  # when the first token reached the event loop
         self.last: float | None = None
-        self.sent = 0  # engine thread: tokens handed over
         self.started = False  # event loop: no longer waiting (a token, or the end, came)
 
 
