@@ -8,6 +8,8 @@ answers equal to ``generate --chat``'s."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,34 @@ def test_streamed_chat_deltas_join_to_the_whole_answer(server: Server) -> None:
     cached = {"cached_tokens": whole["usage"]["prompt_tokens"] - 1}
     assert usage["choices"] == []
     assert usage["usage"] == {**whole["usage"], "prompt_tokens_details": cached}
+
+
+def test_the_role_chunk_leaves_with_the_first_token(server: Server) -> None:
+    """A request waiting for a free row sends nothing, its role chunk
+    included, until its first token: the four rows run long answers, and a
+    fifth stream's first chunk arrives only after one of them has ended."""
+    done: list[float] = []
+    started = threading.Barrier(5)
+
+    def run_long() -> None:
+        body = {"messages": MESSAGES, "max_tokens": 48, "ignore_eos": True, "stream": True}
+        for n, event in enumerate(server.stream("/v1/chat/completions", body)):
+            if n == 0:
+                started.wait(60)
+            if event == "[DONE]":
+                done.append(time.perf_counter())
+
+    runners = [threading.Thread(target=run_long) for _ in range(4)]
+    for t in runners:
+        t.start()
+    started.wait(60)  # every row holds a request that has its first token
+    body = {"messages": MESSAGES, "max_tokens": 2, "stream": True}
+    first = next(iter(server.stream("/v1/chat/completions", body)))
+    arrived = time.perf_counter()
+    for t in runners:
+        t.join(120)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(done) == 4 and arrived >= min(done) - 0.01, (arrived, sorted(done))
 
 
 def test_text_completions_streamed_and_not(server: Server, tokenizer: Any) -> None:

@@ -357,9 +357,10 @@ class _Answer:
         """The server-sent events of a streamed answer; the request is aborted
         if the client goes away before its end."""
         done = False
+        # The chat role goes out with the first token, as vLLM's does, so a
+        # client's time to first chunk is its time to first token.
+        role_pending = self.chat
         try:
-            if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""}, None, None, [])
             while not done:
                 delta = await self.ticket.events.get()
                 done = delta.last
@@ -367,6 +368,9 @@ class _Answer:
                     body = error_body(delta.error, _status_of(delta.error), code="aborted")
                     yield f"data: {json.dumps(body)}\n\n"
                     break
+                if role_pending:
+                    role_pending = False
+                    yield self._chunk({"role": "assistant", "content": ""}, None, None, [])
                 text = self.stream.add(delta.tokens, last=done)
                 if text or delta.tokens or done:
                     content = {"content": text} if self.chat and (text or not done) else {}
