@@ -40,6 +40,8 @@ NEUTRAL = {
     "frequency_penalty": 0.0,
     "logit_bias_ids": 0,
     "logit_bias_values": 0.0,
+    "hold_until": 0,  # min_tokens: nothing held
+    "hold_ids": 0,
 }
 CTX = 64
 STEPS = 6

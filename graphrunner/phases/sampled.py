@@ -13,8 +13,10 @@ their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
 (:func:`~graphrunner.sampling.logprobs`).
 
 With ``counts`` (a :class:`~graphrunner.sampling.TokenCounts`) the sampler
-draws from :func:`~graphrunner.sampling.penalize`'s logits (``logits`` and
-log-probabilities stay the model's) and counts each token in the step.
+draws from :func:`~graphrunner.sampling.penalize`'s logits, each row's end
+tokens held back while it is short of its ``min_tokens``
+(:func:`~graphrunner.sampling.min_tokens.hold_end_tokens`; ``logits`` and
+log-probabilities stay the model's), and counts each token in the step.
 
 :func:`with_sampling` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
@@ -89,12 +91,14 @@ def pick(
     counts: TokenCounts | None,
 ) -> torch.Tensor:
     """Each row's token (int64 ``[n]``) from ``logits [n, V]`` by ``b``'s
-    sampling buffers at ``position``; with ``counts``, penalized and counted."""
+    sampling buffers at ``position``; with ``counts``, penalized (end tokens
+    held back by ``min_tokens``) and counted."""
     if counts is None:
         return sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
+    from graphrunner.sampling.min_tokens import hold_end_tokens
     from graphrunner.sampling.penalties import penalize
 
-    x = penalize(logits, counts, req_pool_indices, b)
+    x = hold_end_tokens(penalize(logits, counts, req_pool_indices, b), position, b)
     token = sample(x, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
     counts.record(req_pool_indices, token)
     return token

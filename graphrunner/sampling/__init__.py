@@ -1,6 +1,7 @@
 """sampling: per-request sampling parameters as declared buffers, a
 counter-based random stream, a branch-free in-graph sampler, and the
-penalties and logit bias it applies first (per-request token counts)."""
+penalties, logit bias and ``min_tokens`` hold it applies first (per-request
+token counts)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ from graphrunner.sampling.sample import (
 from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 if TYPE_CHECKING:
+    from graphrunner.sampling.min_tokens import (
+        HOLD_FIELDS,
+        MAX_HOLD_TOKENS,
+        hold_end_tokens,
+        hold_tensors,
+    )
     from graphrunner.sampling.penalties import (
         PENALTY_FIELD_NAMES,
         PENALTY_FIELDS,
@@ -36,6 +43,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "HOLD_FIELDS",
+    "MAX_HOLD_TOKENS",
     "MAX_LOGIT_BIAS",
     "PENALTY_FIELDS",
     "PENALTY_FIELD_NAMES",
@@ -48,6 +57,8 @@ __all__ = [
     "deterministic_probs",
     "draft_sample",
     "filtered_probs",
+    "hold_end_tokens",
+    "hold_tensors",
     "logprobs",
     "penalize",
     "penalty_tensors",
@@ -62,6 +73,7 @@ __all__ = [
 
 #: Loaded on first use: a step without penalties never imports them.
 _PENALTIES = ("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts", "penalize", "penalty_tensors")
+_MIN_TOKENS = ("HOLD_FIELDS", "MAX_HOLD_TOKENS", "hold_end_tokens", "hold_tensors")
 
 
 def __getattr__(name: str) -> object:
@@ -69,4 +81,8 @@ def __getattr__(name: str) -> object:
         from graphrunner.sampling import penalties
 
         return getattr(penalties, name)
+    if name in _MIN_TOKENS:
+        from graphrunner.sampling import min_tokens
+
+        return getattr(min_tokens, name)
     raise AttributeError(f"module 'graphrunner.sampling' has no attribute {name!r}")

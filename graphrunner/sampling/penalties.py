@@ -9,6 +9,10 @@ before the sampler (:func:`penalize`):
 3. frequency penalty ``f``: ``logits -= f * count`` (output occurrences);
 4. presence penalty ``p``: ``logits -= p * (count > 0)``.
 
+The same rows carry vLLM's ``min_tokens`` (:mod:`graphrunner.sampling.min_tokens`:
+the end tokens held back at ``-inf`` until the request holds that many new
+tokens), applied by the step after these.
+
 The counts are per-request state indexed by request-pool row
 (:class:`TokenCounts`): reset by the host at admission, counted on the
 device after each sampled token (so a multi-step launch counts between its
@@ -26,6 +30,7 @@ import torch
 
 from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.pools.checks import DeviceLike
+from graphrunner.sampling.min_tokens import HOLD_FIELDS, hold_tensors
 from graphrunner.sampling.params import MAX_LOGIT_BIAS, SamplingParams, check_logit_bias
 
 __all__ = [
@@ -36,27 +41,37 @@ __all__ = [
     "penalty_tensors",
 ]
 
-#: The per-request penalty buffers: three ``[bs]`` float32 penalties and the
-#: logit bias as ``[bs, MAX_LOGIT_BIAS]`` token ids and values. Padded rows
-#: (and a live row's unused bias columns) are neutral: penalties 1 / 0 / 0,
-#: bias 0 on token 0.
+#: The per-request penalty buffers: three ``[bs]`` float32 penalties, the
+#: logit bias as ``[bs, MAX_LOGIT_BIAS]`` token ids and values, and the
+#: ``min_tokens`` hold (:data:`~graphrunner.sampling.min_tokens.HOLD_FIELDS`).
+#: Padded rows (and a live row's unused bias columns) are neutral: penalties
+#: 1 / 0 / 0, bias 0 on token 0, nothing held.
 PENALTY_FIELDS: tuple[BufferSpec, ...] = (
     BufferSpec("repetition_penalty", torch.float32, PadRule.FILL, fill_value=1.0),
     BufferSpec("presence_penalty", torch.float32, PadRule.ZERO),
     BufferSpec("frequency_penalty", torch.float32, PadRule.ZERO),
     BufferSpec("logit_bias_ids", torch.int64, PadRule.ZERO, extra_shape=(MAX_LOGIT_BIAS,)),
     BufferSpec("logit_bias_values", torch.float32, PadRule.ZERO, extra_shape=(MAX_LOGIT_BIAS,)),
+    *HOLD_FIELDS,
 )
 PENALTY_FIELD_NAMES: tuple[str, ...] = tuple(s.name for s in PENALTY_FIELDS)
 
 
 def penalty_tensors(
-    params: Sequence[SamplingParams], device: torch.device | str
+    params: Sequence[SamplingParams],
+    device: torch.device | str,
+    holds: Sequence[tuple[int, Sequence[int]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The live rows of :data:`~graphrunner.sampling.PENALTY_FIELDS` for
     ``n`` requests: the three penalties float32 ``[n]``; ``logit_bias_ids``
     int64 and ``logit_bias_values`` float32 ``[n, MAX_LOGIT_BIAS]`` (unused
-    columns: token 0, bias 0)."""
+    columns: token 0, bias 0); the ``min_tokens`` hold of each request from
+    ``holds`` (``(hold_until, end token ids)`` each, see
+    :func:`~graphrunner.sampling.min_tokens.hold_tensors`; None: nothing held)."""
+    if holds is not None and len(holds) != len(params):
+        raise ValueError(
+            f"penalty_tensors: {len(params)} params but {len(holds)} holds; expected one each"
+        )
     ids = torch.zeros(len(params), MAX_LOGIT_BIAS, dtype=torch.int64)
     values = torch.zeros(len(params), MAX_LOGIT_BIAS)
     for i, p in enumerate(params):
@@ -69,6 +84,7 @@ def penalty_tensors(
         "frequency_penalty": torch.tensor([p.frequency_penalty for p in params]),
         "logit_bias_ids": ids,
         "logit_bias_values": values,
+        **hold_tensors(holds if holds is not None else [(0, ())] * len(params), "cpu"),
     }
     return {s.name: columns[s.name].to(device=device, dtype=s.dtype) for s in PENALTY_FIELDS}
 

@@ -205,7 +205,7 @@ class Engine:
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.sampling = SampledRows.declared_by(runner)
-        self.sampling_rows = SampledRows(self.device, runner.phase.token_counts)
+        self.sampling_rows = SampledRows(self.device, runner.phase.token_counts, end_token)
         self.logprobs = check_logprobs(logprobs, self.sampling)
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.
@@ -234,10 +234,13 @@ class Engine:
         rid: int | None = None,
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> int:
         """Queue a request for the next :meth:`step`; its id (``rid``, or the
         next free one). ``ignore_eos``: the end token does not finish it;
-        ``stop_token_ids``: tokens that do, besides (both vLLM's). Checked
+        ``stop_token_ids``: tokens that do, besides; ``min_tokens``: those end
+        tokens are held back (never drawn) until it holds that many new
+        tokens, inside the step (all three vLLM's). Checked
         here as a run checks its trace: ``ValueError`` or ``TypeError``
         naming the field, nothing queued."""
         with self._exclusive.held():
@@ -255,6 +258,7 @@ class Engine:
                 sampling,
                 ignore_eos=ignore_eos,
                 stop_token_ids=tuple(stop_token_ids),
+                min_tokens=min_tokens,
             )
             self.admitter.validate([request])
             run.pending.append(request)

@@ -11,9 +11,11 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.sampling import (
+    MAX_HOLD_TOKENS,
     SAMPLING_FIELD_NAMES,
     SamplingParams,
     TokenCounts,
+    hold_end_tokens,
     logprobs,
     penalize,
     penalty_tensors,
@@ -61,9 +63,23 @@ def check_greedy(trace: Sequence[Request]) -> None:
 
 def check_penalties(trace: Sequence[Request], counts: TokenCounts | None, vocab: int) -> None:
     """Every penalized request's logit bias within ``vocab`` and a runner that
-    applies penalties (``counts``, its token counts), or a ValueError naming
-    the first request that fails."""
+    applies penalties (``counts``, its token counts), and every request with
+    ``min_tokens`` on such a runner with at most ``MAX_HOLD_TOKENS`` end tokens
+    (the end token and ``stop_token_ids``), or a ValueError naming the first
+    request that fails."""
     for r in trace:
+        if r.min_tokens and counts is None:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} needs a runner that holds end "
+                "tokens back in its step; build it with create_decode_runner(..., "
+                "sampling=True, penalties=True), or expected min_tokens=0"
+            )
+        if r.min_tokens and len(set(r.stop_token_ids)) >= MAX_HOLD_TOKENS:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} with {len(set(r.stop_token_ids))} "
+                f"stop_token_ids; expected at most {MAX_HOLD_TOKENS - 1} (the end token "
+                "besides)"
+            )
         if r.sampling is None or not r.sampling.penalized:
             continue
         if counts is None:
@@ -113,12 +129,21 @@ class SampledRows:
         device: where the rows go (built on the host, copied without a sync).
         counts: the runner's token counts when its step applies penalties
             (the phase's ``token_counts``): the rows then carry the penalty
-            fields, and :meth:`first_token` resets the request's counts row.
+            fields (with each request's ``min_tokens`` hold), and
+            :meth:`first_token` resets the request's counts row.
+        end_token: the engine's end token (held back by ``min_tokens``
+            unless the request ignores it), or None.
     """
 
-    def __init__(self, device: torch.device, counts: TokenCounts | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        counts: TokenCounts | None = None,
+        end_token: int | None = None,
+    ) -> None:
         self.device = device
         self.counts = counts
+        self.end_token = end_token
         self._live: list[LiveRequest] = []  # held: their ids key the cache
         self._key: tuple[int, ...] | None = None
         self._rows: dict[str, torch.Tensor] = {}
@@ -140,14 +165,16 @@ class SampledRows:
         """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
         drawn as a decode step draws, at the position it takes (the prompt's
         length). With penalties, the request's counts row starts afresh (its
-        prompt marked), the token is penalized as the step does and counted."""
+        prompt marked), the token is penalized (its end tokens held back by
+        ``min_tokens``) as the step does and counted."""
         position = torch.tensor([len(live.request.prompt)]).to(self.device, non_blocking=True)
         rows, x = self.build([live]), logits.view(1, -1)
         if self.counts is None:
             return sample_rows(x, rows, position)[0]
         row = torch.tensor([live.req_index]).to(self.device, non_blocking=True)
         self.counts.reset(live.req_index, live.request.prompt)
-        token = sample_rows(penalize(x, self.counts, row, rows), rows, position)
+        x = hold_end_tokens(penalize(x, self.counts, row, rows), position, rows)
+        token = sample_rows(x, rows, position)
         self.counts.record(row, token)
         return token[0]
 
@@ -156,8 +183,17 @@ class SampledRows:
         params = [r.request.sampling or _GREEDY for r in live]
         host = sampling_tensors(params, [r.seed for r in live], "cpu")
         if self.counts is not None:
-            host |= penalty_tensors(params, "cpu")
+            host |= penalty_tensors(params, "cpu", [self.hold(r.request) for r in live])
         return {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+
+    def hold(self, request: Request) -> tuple[int, tuple[int, ...]]:
+        """``request``'s ``min_tokens`` hold: the position from which its end
+        tokens may be drawn, and those tokens (none when nothing is held)."""
+        if not request.min_tokens:
+            return 0, ()
+        end = () if self.end_token is None or request.ignore_eos else (self.end_token,)
+        ids = tuple(dict.fromkeys((*end, *request.stop_token_ids)))
+        return len(request.prompt) + request.min_tokens, ids
 
 
 #: The largest top-N of ``Engine(logprobs=N)`` (the CLI's ``--logprobs`` bound).

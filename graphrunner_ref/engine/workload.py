@@ -22,6 +22,10 @@ class Request:
     ignore_eos: the engine's end token does not finish it (vLLM's ``ignore_eos``).
     stop_token_ids: tokens that finish it too, kept in its output (vLLM's
     ``stop_token_ids``).
+    min_tokens: its end tokens (the engine's, unless ``ignore_eos``, and
+    ``stop_token_ids``) are held back until it holds this many new tokens
+    (vLLM's ``min_tokens``); at most ``max_new_tokens``. Needs a runner that
+    applies penalties.
     """
 
     rid: int
@@ -31,9 +35,10 @@ class Request:
     sampling: SamplingParams | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rid", "max_new_tokens", "arrival_step"):
+        for name in ("rid", "max_new_tokens", "arrival_step", "min_tokens"):
             _check_int(f"request {self.rid!r}: {name}", getattr(self, name))
         _check_token_ids(f"request {self.rid}: prompt", self.prompt)
         if not self.prompt:
@@ -44,6 +49,11 @@ class Request:
             )
         if self.arrival_step < 0:
             raise ValueError(f"request {self.rid}: arrival_step={self.arrival_step}; expected >= 0")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"request {self.rid}: min_tokens={self.min_tokens}; expected 0..max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"request {self.rid}: ignore_eos={self.ignore_eos!r}; expected a bool")
         _check_token_ids(f"request {self.rid}: stop_token_ids", self.stop_token_ids)

@@ -117,6 +117,7 @@ class OnlineEngine:
         request_timeout: seconds a request may take (None: no deadline).
         metrics: where the engine's state and the latencies go.
         on_capture: called on the engine thread once the runner is captured.
+        progress: show the capture's progress bars on stderr.
     """
 
     def __init__(
@@ -130,8 +131,10 @@ class OnlineEngine:
         request_timeout: float | None,
         metrics: Metrics,
         on_capture: OnCapture | None = None,
+        progress: bool = False,
     ) -> None:
         self.config, self.bundle, self.codec, self.end_token = config, bundle, codec, end_token
+        self.progress = progress
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.metrics, self.on_capture = metrics, on_capture
         self.runner: GraphRunner | None = None
@@ -244,7 +247,11 @@ class OnlineEngine:
             hooks = serving.Hooks(end_token=self.end_token, stop=self._stop)
             try:
                 engine = serving.open_engine(
-                    self.config, self.bundle, hooks=hooks, on_capture=self._captured
+                    self.config,
+                    self.bundle,
+                    hooks=hooks,
+                    progress=self.progress,
+                    on_capture=self._captured,
                 )
             except Exception as e:
                 log.exception("graphrunner serve: the engine failed to start")
@@ -317,6 +324,7 @@ class OnlineEngine:
                     rid=ticket.rid,
                     ignore_eos=job.ignore_eos,
                     stop_token_ids=job.stop_token_ids,
+                    min_tokens=job.min_tokens,
                 )
             except (TypeError, ValueError) as e:
                 refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))

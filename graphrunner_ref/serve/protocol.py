@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from graphrunner.sampling import SamplingParams
+from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
 
@@ -73,7 +73,7 @@ class _Common(Body):
     # vLLM's sampling extensions, with vLLM's defaults.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     # vLLM's text fields, with vLLM's defaults.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -141,7 +141,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("best_of", lambda v: v in (None, 1), "one choice per request; expected 1"),
     ("echo", lambda v: not v, "the prompt is not echoed; expected false"),
     ("suffix", lambda v: v is None, "no insertion; expected none"),
-    ("min_tokens", lambda v: not v, "the end token is never held back; expected 0"),
     (
         "spaces_between_special_tokens",
         lambda v: v,
@@ -166,7 +165,7 @@ class Limits:
     the default sampling of a request that sets none (the flags'), its
     tokenizer (None: token ids only), and whether a request may ignore the
     end token (not where the runner ends rows inside a launch), and whether
-    its step applies penalties and logit bias."""
+    its step applies penalties, logit bias and ``min_tokens``."""
 
     context: int
     vocab_size: int
@@ -183,8 +182,8 @@ class Job:
     most new tokens, sampling, stop strings, the top log-probabilities
     (None: none asked) and whether it streams (with a usage chunk); and how
     its text reads: the stop string that ended it kept (``include_stop``),
-    special tokens left out (``skip_special``); and vLLM's ``ignore_eos``
-    and ``stop_token_ids``."""
+    special tokens left out (``skip_special``); and vLLM's ``ignore_eos``,
+    ``stop_token_ids`` and ``min_tokens``."""
 
     prompt: list[int]
     max_tokens: int
@@ -197,6 +196,7 @@ class Job:
     skip_special: bool = True
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
@@ -251,6 +251,7 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
             param="ignore_eos",
             code="unsupported",
         )
+    _check_min_tokens(body, max_tokens, limits)
     options = body.stream_options
     if options is not None and not body.stream:
         raise APIError(
@@ -268,7 +269,38 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
         skip_special=body.skip_special_tokens,
         ignore_eos=body.ignore_eos,
         stop_token_ids=_stop_token_ids(body.stop_token_ids, limits),
+        min_tokens=body.min_tokens,
     )
+
+
+def _check_min_tokens(
+    body: CompletionRequest | ChatRequest, max_tokens: int, limits: Limits
+) -> None:
+    """vLLM's ``min_tokens``: at most the answer's token budget, and only
+    where the step holds end tokens back (it does so with the penalties)."""
+    n = body.min_tokens
+    if n > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens={n}: more than the answer's {max_tokens} new tokens; expected "
+            f"0..{max_tokens}",
+            param="min_tokens",
+        )
+    if n and not limits.penalties:
+        raise APIError(
+            400,
+            f"min_tokens={n}: not supported: this server's step holds no end token back "
+            "(--check); expected 0",
+            param="min_tokens",
+            code="unsupported",
+        )
+    if n and len(set(body.stop_token_ids or ())) >= MAX_HOLD_TOKENS:
+        raise APIError(
+            400,
+            f"min_tokens={n} with {len(set(body.stop_token_ids or ()))} stop_token_ids: "
+            f"expected at most {MAX_HOLD_TOKENS - 1} stop_token_ids with min_tokens",
+            param="stop_token_ids",
+        )
 
 
 def _stop_token_ids(ids: list[int] | None, limits: Limits) -> tuple[int, ...]:
