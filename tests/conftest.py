@@ -37,6 +37,11 @@ os.environ.setdefault("GRAPHRUNNER_TOKEN_BATCHES", "0")
 # torch thread, as the tests themselves do: two workers' threads spinning on
 # two cores would make each several times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# generate and serve save the CPU step's program in a per-user folder by
+# default; building one costs about 3x a plain compile, and every test's model
+# and sizes differ, so the commands the tests start compile without it.
+# tests/test_aot_default.py holds the default itself, in a folder of its own.
+os.environ.setdefault("GRAPHRUNNER_AOT_CACHE", "none")
 
 # The default run draws the same examples every time, so a CI run cannot flake
 # on a lucky draw; the exploring run draws fresh ones.

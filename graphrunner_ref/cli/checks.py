@@ -27,6 +27,7 @@ from graphrunner_ref.engine.kinds.llama import native_refusal
 from graphrunner_ref.engine.memory import MAX_KV_SLOTS, available_memory, memory_estimate
 from graphrunner_ref.engine.registry import ModelKind
 from graphrunner_ref.io import resolve_checkpoint
+from graphrunner_ref.io.aot_folder import aot_folder
 from graphrunner_ref.model import ModelConfig
 
 __all__ = [
@@ -64,6 +65,10 @@ def check_common(args: argparse.Namespace) -> str:
     else:
         args.seed = 0  # generate may draw one for sampling: cli_sampling.settle_seed
     _check_modes(args)
+    try:
+        args.aot_cache = aot_folder(args.aot_cache)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     kind = runner_kind(args)
     args.compile = cli_model.resolve_compile(args, kind)
     cli_model.check_attention(args)

@@ -108,6 +108,9 @@ def _serve(
         mismatches = cli_report.differing(result.outputs, plain.result.outputs)
     if outcome.runner is not None and not config.overlap:
         cli_sizes.write_outputs(args, outcome.runner, sys.stderr, outcome.token_runner)
+    saved = "" if outcome.runner is None else cli_report.saved_program_note(outcome.runner)
+    if saved and not args.quiet:
+        print(f"generate: {saved.removeprefix('; ')}", file=sys.stderr)
     engine_stats = stats if isinstance(stats, EngineStats) else None  # speculative: its own
     return cli_answers.Served(
         result.outputs,

@@ -31,6 +31,7 @@ from graphrunner_ref.engine.config import (
 )
 from graphrunner_ref.engine.sampling import MAX_LOGPROBS
 from graphrunner_ref.engine.spec_factory import DRAFTS, METHODS
+from graphrunner_ref.io.aot_folder import AUTO, aot_folder
 from graphrunner_ref.model.attention_backend import ATTENTIONS, LIVE_FROM_CAPACITY
 from graphrunner_ref.model.parallel import SINGLE
 from graphrunner_ref.model.quantize import QUANTIZATIONS
@@ -119,6 +120,7 @@ def _demo(demo: argparse.ArgumentParser) -> None:
 def _generate(gen: argparse.ArgumentParser) -> None:
     g = Groups.of(gen)
     _serving(g)
+    gen.set_defaults(aot_cache=AUTO)
     _logprobs(
         g.output,
         f"write each token's log-probability and the top N (JSON lines), 0..{MAX_LOGPROBS} "
@@ -154,6 +156,7 @@ def _logprobs(p: _Options, text: str) -> None:
 
 def _serve(serve: argparse.ArgumentParser) -> None:
     g = Groups.of(serve, ("server", "where it listens, who may ask, what waits"))
+    serve.set_defaults(aot_cache=AUTO)
     g.model.add_argument(
         "model_arg",
         nargs="?",
@@ -265,10 +268,12 @@ def _runner(p: _Options) -> None:
     )
     p.add_argument(
         "--aot-cache",
-        metavar="DIR",
+        metavar="DIR|none",
         help="CPU runner only: save the compiled step in DIR (an AOTInductor library) and "
         "load it at the next run without tracing the forward; a program saved for another "
-        "model, size, dtype, torch or CPU is refused and rebuilt",
+        "model, size, dtype, torch or CPU is refused and rebuilt. generate and serve save "
+        "by default in $GRAPHRUNNER_AOT_CACHE or <cache>/aot (~/.cache/graphrunner/aot), so "
+        "only the first start compiles; none: compile at every start",
     )
 
 
@@ -668,7 +673,7 @@ def config_of(
         runner=runner,
         device=str(get("device") or "cpu"),
         compile=bool(get("compile")),
-        aot_cache=get("aot_cache"),
+        aot_cache=aot_folder(get("aot_cache")),
         capture_sizes=tuple(sizes),
         page_size=get("page_size", 1),
         tp=get("tp"),

@@ -60,8 +60,22 @@ def capture_line(
         per_launch, what = ", token batch", f"token sizes {runner.capture_sizes}"
     return (
         f"capture ({runner.mechanism.label}{per_launch}): {what}, "
-        f"{capture.total_seconds:.1f} s{start}"
+        f"{capture.total_seconds:.1f} s{start}{saved_program_note(runner)}"
     )
+
+
+def saved_program_note(runner: GraphRunner) -> str:
+    """What became of the CPU step's saved program (``--aot-cache``): loaded,
+    built and saved for the next start, or not saved and why; "" without one."""
+    aot = getattr(runner.mechanism, "aot", None)
+    status = getattr(runner.mechanism, "aot_status", None)
+    if aot is None or status is None:
+        return ""
+    if status == "loaded":
+        return f"; its saved program loaded from {aot.root}"
+    if status.startswith("built"):
+        return f"; program saved in {aot.root}: later starts load it (--aot-cache none: never)"
+    return f"; not saved ({status})"
 
 
 def report(result: EngineResult) -> None:

@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         end_token=end,
         on_capture=_capture_line(sizes, args),
         sock=sock,
+        progress=not args.quiet,
     )
 
 

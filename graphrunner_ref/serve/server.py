@@ -122,10 +122,12 @@ def run(
     end_token: int | None,
     on_capture: OnCapture | None = None,
     sock: socket.socket | None = None,
+    progress: bool = False,
 ) -> int:
     """Serve ``bundle`` over HTTP until a signal stops it; the exit status
     (0 after a clean shutdown, 1 when the engine failed). ``sock``: bound
-    already (:func:`bind`; None: bound here to ``options``' host and port)."""
+    already (:func:`bind`; None: bound here to ``options``' host and port).
+    ``progress``: the capture's progress bars on stderr."""
     sock = sock or bind(options.host, options.port)
     metrics = Metrics()
     engine = OnlineEngine(
@@ -137,6 +139,7 @@ def run(
         request_timeout=options.request_timeout,
         metrics=metrics,
         on_capture=on_capture,
+        progress=progress,
     )
     state = ServeState(
         engine, options.model_name, limits, options.api_key, metrics, int(time.time())
