@@ -1,5 +1,6 @@
 """The package installs and imports with its core dependencies alone: the
-optional ones (``[text]``, ``[gguf]``, ``[cuda]``, ``[plots]``, ``[serve]``) are imported
+optional ones (``[text]``, ``[gguf]``, ``[cuda]``, ``[plots]``, ``[serve]``,
+``[structured]``) are imported
 only where a feature uses them, and a missing one names the extra to
 install. Plus the version, one string in one place."""
 
@@ -74,7 +75,11 @@ CALLS = {
     "fused interpreted": "from graphrunner.writers.fused_kernel import kernel; kernel(True)",
     "fused": "from graphrunner.writers.fused_kernel import kernel; kernel(False)",
     "attention": "from graphrunner_ref.model.kernels.decode_attention import _kernels; _kernels(False)",
+    "structured": "from graphrunner_ref.serve.structured import Grammars; "
+    "Grammars.__new__(Grammars)._build()",
 }
+#: The extra each of :data:`CALLS` names.
+CALL_EXTRAS = {"gguf": "gguf", "structured": "structured"}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +121,7 @@ def test_text_without_the_text_extra_names_it(blocked: dict[str, Any]) -> None:
     assert err.endswith("pip install 'graphrunner[text]'\n") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize(("name", "extra"), [(n, "gguf" if n == "gguf" else "cuda") for n in CALLS])
+@pytest.mark.parametrize(("name", "extra"), [(n, CALL_EXTRAS.get(n, "cuda")) for n in CALLS])
 def test_each_optional_feature_names_its_extra(
     blocked: dict[str, Any], name: str, extra: str
 ) -> None:
@@ -143,7 +148,7 @@ def test_pyproject_core_and_extras_match_the_code() -> None:
         names = [r.split(">")[0].split(";")[0].strip() for r in extras[extra]]
         assert names == list(modules), extra
     assert extras["cuda"] == ["triton; sys_platform == 'linux'"]
-    assert extras["all"] == ["graphrunner[text,gguf,cuda,plots,serve]"]
+    assert extras["all"] == ["graphrunner[text,gguf,cuda,plots,serve,structured]"]
     assert project["project"]["license"] == "Apache-2.0"
     assert project["project"]["dynamic"] == ["version"]
     dynamic = project["tool"]["setuptools"]["dynamic"]["version"]

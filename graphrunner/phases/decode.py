@@ -30,6 +30,7 @@ def decode_phase(
     sampling: bool = False,
     logprobs: int = 0,
     penalties: TokenCounts | None = None,
+    token_bitmask: int | None = None,
 ) -> Phase:
     """``forward`` over the decode buffers (int64 ``[bs]`` each, see
     :func:`~graphrunner.declare.decode.decode_buffer_specs` for the flags),
@@ -41,11 +42,14 @@ def decode_phase(
     log-probability ``"logprob"`` ``[bs]`` and the top ``n`` ``"top_logprobs"``
     / ``"top_ids"`` ``[bs, n]``; ``penalties`` (a
     :class:`~graphrunner.sampling.TokenCounts`, with ``sampling``) adds the
-    penalty buffers and applies them in the step (the phase's ``token_counts``)."""
+    penalty buffers and applies them in the step (the phase's ``token_counts``);
+    ``token_bitmask=V``: a grammar's mask (:mod:`graphrunner.sampling.bitmask`)."""
     if logprobs and not sampling:
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if penalties is not None and not sampling:
         raise ValueError("penalties: token counts need sampling=True (the sampled step)")
+    if token_bitmask is not None and not sampling:
+        raise ValueError(f"token_bitmask={token_bitmask!r} needs sampling=True (it masks)")
     fill = (backend if backend is not None else NullBackend()).seq_len_fill_value
     specs = decode_buffer_specs(
         seq_len_fill_value=fill, host_seq_lens=host_seq_lens, future=future, mamba=mamba
@@ -54,6 +58,10 @@ def decode_phase(
         if outputs is not None:
             raise ValueError("outputs: a sampled decode phase declares its own; expected None")
         specs = [*specs, *SAMPLING_FIELDS, *(penalties.FIELDS if penalties else ())]
+        if token_bitmask is not None:  # the sampler reads it by name
+            from graphrunner.sampling.bitmask import bitmask_spec
+
+            specs.append(bitmask_spec(token_bitmask))
         forward = sampled_forward(forward, logprobs_n=logprobs, counts=penalties)
         outputs = LOGPROB_OUTPUTS if logprobs else SAMPLED_OUTPUTS
     return Phase(

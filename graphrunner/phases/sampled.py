@@ -13,10 +13,9 @@ their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
 (:func:`~graphrunner.sampling.logprobs`).
 
 With ``counts`` (a :class:`~graphrunner.sampling.TokenCounts`) the sampler
-draws from :func:`~graphrunner.sampling.penalize`'s logits, each row's end
-tokens held back while it is short of its ``min_tokens``
-(:func:`~graphrunner.sampling.min_tokens.hold_end_tokens`; ``logits`` and
-log-probabilities stay the model's), and counts each token in the step.
+draws from :mod:`~graphrunner.sampling.processors`' logits (penalties,
+``min_tokens``, and a ``token_bitmask`` where the step declares one;
+``logits`` and log-probabilities stay the model's), counting each token.
 
 :func:`with_sampling` hands a step its sampling rows beside any decode
 inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
@@ -91,16 +90,16 @@ def pick(
     counts: TokenCounts | None,
 ) -> torch.Tensor:
     """Each row's token (int64 ``[n]``) from ``logits [n, V]`` by ``b``'s
-    sampling buffers at ``position``; with ``counts``, penalized (end tokens
-    held back by ``min_tokens``) and counted."""
-    if counts is None:
-        return sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
-    from graphrunner.sampling.min_tokens import hold_end_tokens
-    from graphrunner.sampling.penalties import penalize
+    sampling buffers at ``position``, processed first with ``counts`` (then
+    counted) or ``b.token_bitmask`` (:mod:`graphrunner.sampling.processors`)."""
+    mask = getattr(b, "token_bitmask", None)  # declared by a step that masks
+    if counts is not None or mask is not None:
+        from graphrunner.sampling.processors import process_logits
 
-    x = hold_end_tokens(penalize(logits, counts, req_pool_indices, b), position, b)
-    token = sample(x, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
-    counts.record(req_pool_indices, token)
+        logits = process_logits(logits, b, req_pool_indices, position, counts, mask)
+    token = sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
+    if counts is not None:
+        counts.record(req_pool_indices, token)
     return token
 
 
@@ -115,7 +114,8 @@ def with_sampling(base: object, rows: Mapping[str, torch.Tensor]) -> StepInputs:
             requests in row order: ``temperature``, ``top_p``, ``min_p``
             float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``;
             and, for a step with penalties, all of
-            :func:`~graphrunner.sampling.penalty_tensors`'s rows.
+            :func:`~graphrunner.sampling.penalty_tensors`'s rows; and
+            ``token_bitmask`` for a step that masks.
     """
     return cast(StepInputs, _WithSampling(base, rows))
 
@@ -132,7 +132,8 @@ class _WithSampling:
         if (given := [n for n in penalty if n in rows]) and len(given) != len(penalty):
             raise ValueError(f"rows: penalty fields {given}; expected all of {penalty} or none")
         self._base = base
-        self._rows = {n: rows[n] for n in (*SAMPLING_FIELD_NAMES, *given)}
+        mask = ("token_bitmask",) if "token_bitmask" in rows else ()
+        self._rows = {n: rows[n] for n in (*SAMPLING_FIELD_NAMES, *given, *mask)}
 
     def __getattr__(self, name: str) -> Any:
         rows = self.__dict__.get("_rows")

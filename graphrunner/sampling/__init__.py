@@ -1,7 +1,7 @@
 """sampling: per-request sampling parameters as declared buffers, a
 counter-based random stream, a branch-free in-graph sampler, and the
 penalties, logit bias and ``min_tokens`` hold it applies first (per-request
-token counts)."""
+token counts), and a grammar's token bitmask."""
 
 from __future__ import annotations
 
@@ -28,12 +28,8 @@ from graphrunner.sampling.sample import (
 from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 if TYPE_CHECKING:
-    from graphrunner.sampling.min_tokens import (
-        HOLD_FIELDS,
-        MAX_HOLD_TOKENS,
-        hold_end_tokens,
-        hold_tensors,
-    )
+    from graphrunner.sampling.bitmask import TOKEN_BITMASK, apply_token_bitmask
+    from graphrunner.sampling.min_tokens import MAX_HOLD_TOKENS, hold_end_tokens
     from graphrunner.sampling.penalties import (
         PENALTY_FIELD_NAMES,
         PENALTY_FIELDS,
@@ -43,7 +39,6 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "HOLD_FIELDS",
     "MAX_HOLD_TOKENS",
     "MAX_LOGIT_BIAS",
     "PENALTY_FIELDS",
@@ -52,13 +47,14 @@ __all__ = [
     "SAMPLING_FIELD_NAMES",
     "Logprobs",
     "SamplingParams",
+    "TOKEN_BITMASK",
     "TokenCounts",
+    "apply_token_bitmask",
     "check_seed",
     "deterministic_probs",
     "draft_sample",
     "filtered_probs",
     "hold_end_tokens",
-    "hold_tensors",
     "logprobs",
     "penalize",
     "penalty_tensors",
@@ -71,18 +67,14 @@ __all__ = [
     "uniform",
 ]
 
-#: Loaded on first use: a step without penalties never imports them.
-_PENALTIES = ("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts", "penalize", "penalty_tensors")
-_MIN_TOKENS = ("HOLD_FIELDS", "MAX_HOLD_TOKENS", "hold_end_tokens", "hold_tensors")
+#: Loaded on first use (a step without them never imports them): name -> module.
+_LAZY = dict.fromkeys(("MAX_HOLD_TOKENS", "hold_end_tokens"), "min_tokens")
+_LAZY |= dict.fromkeys(("TOKEN_BITMASK", "apply_token_bitmask"), "bitmask")
+_LAZY |= dict.fromkeys(("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts"), "penalties")
+_LAZY |= dict.fromkeys(("penalize", "penalty_tensors"), "penalties")
 
 
 def __getattr__(name: str) -> object:
-    if name in _PENALTIES:
-        from graphrunner.sampling import penalties
-
-        return getattr(penalties, name)
-    if name in _MIN_TOKENS:
-        from graphrunner.sampling import min_tokens
-
-        return getattr(min_tokens, name)
+    if name in _LAZY:
+        return getattr(__import__(f"graphrunner.sampling.{_LAZY[name]}", fromlist=[name]), name)
     raise AttributeError(f"module 'graphrunner.sampling' has no attribute {name!r}")

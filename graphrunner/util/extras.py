@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gguf": ("gguf", "tokenizers"),
     "cuda": ("triton",),
     "plots": ("matplotlib",),
+    "structured": ("xgrammar",),
 }
 
 

@@ -90,6 +90,7 @@ def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
     and its prefill starts at the first uncached token."""
     b = engine.bundle
     live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
+    live.matcher = req.grammar() if req.grammar is not None else None
     run.held[req.rid] = live
     need = engine.kv_need(len(req.prompt))
     cache = engine.prefix_cache
@@ -247,6 +248,12 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
     check_penalties(trace, engine.sampling_rows.counts, engine.bundle.config.vocab_size)
     for r in trace:
         _check_ignore_eos(engine, r)
+        if r.grammar is not None and not engine.sampling_rows.words:
+            raise ValueError(
+                f"request {r.rid}: a grammar (structured output) needs a runner whose step "
+                "masks the grammar's tokens; build it with create_decode_runner(..., "
+                "sampling=True, structured=True)"
+            )
         if r.max_len > min(ctx, kv_room):
             raise ValueError(
                 f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "

@@ -165,6 +165,7 @@ def create_decode_runner(
     steps_per_launch: int = 1,
     end_token: int | None = None,
     penalties: bool = False,
+    structured: bool = False,
     **mechanism_options: Any,
 ) -> GraphRunner:
     """A ``kind`` runner (``cuda``, ``cpu``, ``eager``) over the bundle's decode
@@ -190,6 +191,12 @@ def create_decode_runner(
     presence and frequency penalties and logit bias inside the step, over
     per-request token counts indexed by request-pool row (the phase's
     ``token_counts``, :class:`~graphrunner.sampling.TokenCounts`).
+    ``structured=True`` (with ``sampling``, one step a launch, no
+    ``future_map``) declares a grammar's ``token_bitmask`` int32
+    ``[bs, ceil(vocab / 32)]`` and masks the sampler's logits with it inside
+    the step (:mod:`graphrunner.sampling.bitmask`); the engine fills it
+    from each request's grammar before every step, so the step needs this
+    step's token first: not with overlap or several steps a launch.
     With ``aot_cache=DIR`` (``cpu``) the program is saved in ``DIR`` and later
     captures load it without tracing, keyed by :func:`aot_key` too.
     ``mechanism_options`` go to the runner's mechanism, e.g. ``compile=True``
@@ -205,6 +212,7 @@ def create_decode_runner(
         raise ValueError(f"logprobs={logprobs!r} needs sampling=True (the sampled step)")
     if penalties and not sampling:
         raise ValueError("penalties=True needs sampling=True (the sampled step)")
+    _check_structured(structured, sampling, steps, future_map)
     counts = (
         TokenCounts(bundle.req_pool.req_to_token.shape[0], bundle.config.vocab_size, bundle.device)
         if penalties
@@ -236,13 +244,16 @@ def create_decode_runner(
             sampling=sampling,
             logprobs=logprobs,
             penalties=counts,
+            token_bitmask=bundle.config.vocab_size if structured else None,
         )
     _key_saved_program(
         kind,
         bundle,
         mechanism_options,
         steps=str(steps),
-        sampling=f"{sampling}/{logprobs}" + ("/penalties" if penalties else ""),
+        sampling=f"{sampling}/{logprobs}"
+        + ("/penalties" if penalties else "")
+        + ("/bitmask" if structured else ""),
     )
     compiles = kind == "cpu" or mechanism_options.get("compile", False)
     if step.fullgraph and compiles:
@@ -260,3 +271,25 @@ def create_decode_runner(
         **mechanism_options,
     )
     return agree_on_sizes(bundle, runner)
+
+
+def _check_structured(
+    structured: bool, sampling: bool, steps: int, future_map: FutureMap | None
+) -> None:
+    """``structured=True`` refused by name where the host cannot fill each
+    step's bitmask after the last step's token: without the sampled step,
+    with several steps a launch, or with overlap (a future map)."""
+    if not structured:
+        return
+    if not sampling:
+        raise ValueError("structured=True needs sampling=True (the sampled step masks)")
+    if steps > 1:
+        raise ValueError(
+            f"structured=True with steps_per_launch={steps}: a grammar's bitmask follows "
+            "each token, which a launch of several steps draws on the device; expected 1"
+        )
+    if future_map is not None:
+        raise ValueError(
+            "structured=True with a future_map (overlap scheduling): the next step's "
+            "bitmask needs this step's token on the host; expected future_map=None"
+        )

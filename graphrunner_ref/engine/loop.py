@@ -44,11 +44,12 @@ from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import StepInputs
 from graphrunner.phases import with_sampling
 from graphrunner.pools import starts_page, whole_pages
-from graphrunner.sampling import SamplingParams, check_seed
+from graphrunner.sampling import TOKEN_BITMASK, SamplingParams, check_seed
 from graphrunner.util import ChunkSafeCall, Exclusive
 from graphrunner_ref.engine.admission import Admission, check_token_budget, prefix_cache_of
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
+from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.engine.interrupts import deferred_interrupts
 from graphrunner_ref.engine.multistep import check_multistep
 from graphrunner_ref.engine.policy import schedule_for
@@ -205,7 +206,12 @@ class Engine:
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.sampling = SampledRows.declared_by(runner)
-        self.sampling_rows = SampledRows(self.device, runner.phase.token_counts, end_token)
+        self.sampling_rows = SampledRows(
+            self.device,
+            runner.phase.token_counts,
+            end_token,
+            words=_bitmask_words(runner),
+        )
         self.logprobs = check_logprobs(logprobs, self.sampling)
         self._rank_check = replay_size_check(bundle, runner)
         #: The engine's parts: admission, check mode (check=True) and schedule.
@@ -235,12 +241,16 @@ class Engine:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         min_tokens: int = 0,
+        grammar: GrammarFactory | None = None,
     ) -> int:
         """Queue a request for the next :meth:`step`; its id (``rid``, or the
         next free one). ``ignore_eos``: the end token does not finish it;
         ``stop_token_ids``: tokens that do, besides; ``min_tokens``: those end
         tokens are held back (never drawn) until it holds that many new
-        tokens, inside the step (all three vLLM's). Checked
+        tokens, inside the step (all three vLLM's); ``grammar``: a factory of
+        its grammar's matchers (structured output: only the tokens the
+        grammar allows, masked inside the step; the grammar's end finishes
+        it; a runner built ``structured=True``). Checked
         here as a run checks its trace: ``ValueError`` or ``TypeError``
         naming the field, nothing queued."""
         with self._exclusive.held():
@@ -259,6 +269,7 @@ class Engine:
                 ignore_eos=ignore_eos,
                 stop_token_ids=tuple(stop_token_ids),
                 min_tokens=min_tokens,
+                grammar=grammar,
             )
             self.admitter.validate([request])
             run.pending.append(request)
@@ -548,6 +559,11 @@ class Engine:
             out = self._out[rid] = RequestOutput(rid)
             self._owner[rid] = req
         out.tokens.append(token)
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            raise RuntimeError(
+                f"request {rid}: token {token} drawn outside its grammar; the step's "
+                "token_bitmask should have masked it"
+            )
         if self.on_token is not None:
             self._callbacks.append(functools.partial(self.on_token, rid, token))
         reason = self._finish_reason(req, token)
@@ -566,6 +582,8 @@ class Engine:
         rid = request.rid
         if rid in self._aborted:
             return "abort"
+        if req.matcher is not None and req.matcher.is_terminated():
+            return "stop"
         if token == self.end_token and not request.ignore_eos:
             return "stop"
         if token in request.stop_token_ids:
@@ -605,6 +623,12 @@ class Engine:
         )
         run.batch.merge(new)
         run.live.extend(joining)
+
+
+def _bitmask_words(runner: GraphRunner) -> int:
+    """The words of a row of the grammar's bitmask ``runner``'s step reads (0: none)."""
+    mask = runner.buffers.tensors.get(TOKEN_BITMASK)
+    return 0 if mask is None else int(mask.shape[-1])
 
 
 def _busy(run: Run) -> bool:

@@ -10,6 +10,7 @@ from typing import Literal, TypeAlias
 
 from graphrunner import DecodeBatch
 from graphrunner.sizing import BatchSizeHistogram, PaddingWaste
+from graphrunner_ref.engine.grammar import GrammarMatcher
 from graphrunner_ref.engine.workload import Request
 
 __all__ = [
@@ -173,6 +174,7 @@ class LiveRequest:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per token, when asked
     prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    matcher: GrammarMatcher | None = None  # its grammar's state (structured output)
 
 
 @dataclass(slots=True)

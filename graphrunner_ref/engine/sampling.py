@@ -13,8 +13,10 @@ from graphrunner import GraphRunner
 from graphrunner.sampling import (
     MAX_HOLD_TOKENS,
     SAMPLING_FIELD_NAMES,
+    TOKEN_BITMASK,
     SamplingParams,
     TokenCounts,
+    apply_token_bitmask,
     hold_end_tokens,
     logprobs,
     penalize,
@@ -133,6 +135,12 @@ class SampledRows:
             :meth:`first_token` resets the request's counts row.
         end_token: the engine's end token (held back by ``min_tokens``
             unless the request ignores it), or None.
+        words: the int32 words of a row of the grammar's ``token_bitmask``
+            the runner's step reads (``[bs, ceil(vocab / 32)]``,
+            :mod:`graphrunner.sampling.bitmask`), 0 for a step without one:
+            :meth:`of` fills it afresh each step from the requests' matchers
+            (every token allowed for a request without a grammar), and
+            :meth:`first_token` masks prefill's token the same way.
     """
 
     def __init__(
@@ -140,10 +148,14 @@ class SampledRows:
         device: torch.device,
         counts: TokenCounts | None = None,
         end_token: int | None = None,
+        *,
+        words: int = 0,
     ) -> None:
         self.device = device
         self.counts = counts
         self.end_token = end_token
+        self.words = words  # 0: the step masks nothing
+        self._allow_all: torch.Tensor | None = None  # the composition's mask of no grammar
         self._live: list[LiveRequest] = []  # held: their ids key the cache
         self._key: tuple[int, ...] | None = None
         self._rows: dict[str, torch.Tensor] = {}
@@ -159,23 +171,42 @@ class SampledRows:
         if key != self._key:
             self._rows = self.build(live)
             self._live, self._key = list(live), key
-        return self._rows
+            self._allow_all = None
+        if not self.words:
+            return self._rows
+        if all(r.matcher is None for r in live):
+            if self._allow_all is None:
+                self._allow_all = self.bitmask(live)
+            return {**self._rows, TOKEN_BITMASK: self._allow_all}
+        return {**self._rows, TOKEN_BITMASK: self.bitmask(live)}
+
+    def bitmask(self, live: Sequence[LiveRequest]) -> torch.Tensor:
+        """The ``token_bitmask`` rows of ``live`` now (int32 ``[n, words]`` on
+        the device): each matcher's next tokens, all ones without one."""
+        mask = torch.full((len(live), self.words), -1, dtype=torch.int32)  # all ones: any token
+        for i, r in enumerate(live):
+            if r.matcher is not None:
+                r.matcher.fill_next_token_bitmask(mask, i)
+        return mask.to(self.device, non_blocking=True)
 
     def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
         """Prefill's token (0-d, on the device) from its last logits ``[vocab]``:
         drawn as a decode step draws, at the position it takes (the prompt's
         length). With penalties, the request's counts row starts afresh (its
         prompt marked), the token is penalized (its end tokens held back by
-        ``min_tokens``) as the step does and counted."""
+        ``min_tokens``) as the step does and counted; with a grammar, only
+        the tokens its matcher allows at the start."""
         position = torch.tensor([len(live.request.prompt)]).to(self.device, non_blocking=True)
         rows, x = self.build([live]), logits.view(1, -1)
-        if self.counts is None:
-            return sample_rows(x, rows, position)[0]
         row = torch.tensor([live.req_index]).to(self.device, non_blocking=True)
-        self.counts.reset(live.req_index, live.request.prompt)
-        x = hold_end_tokens(penalize(x, self.counts, row, rows), position, rows)
+        if self.counts is not None:
+            self.counts.reset(live.req_index, live.request.prompt)
+            x = hold_end_tokens(penalize(x, self.counts, row, rows), position, rows)
+        if self.words and live.matcher is not None:
+            x = apply_token_bitmask(x, self.bitmask([live]))
         token = sample_rows(x, rows, position)
-        self.counts.record(row, token)
+        if self.counts is not None:
+            self.counts.record(row, token)
         return token[0]
 
     def build(self, live: Sequence[LiveRequest]) -> dict[str, torch.Tensor]:

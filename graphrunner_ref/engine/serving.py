@@ -48,6 +48,7 @@ __all__ = [
     "model_kind",
     "open_engine",
     "samples",
+    "structured_runner",
     "serve",
     "token_budget",
 ]
@@ -280,6 +281,8 @@ def _runner_options(
     checked = config.check and not config.overlap
     if not checked and (trace is None or penalized(trace)):
         options["penalties"] = True
+    if structured_runner(config) and (trace is None or any(r.grammar for r in trace)):
+        options["structured"] = options["sampling"] = True
     if config.logprobs:
         options["logprobs"] = config.logprobs
     if config.overlap:
@@ -287,6 +290,14 @@ def _runner_options(
     if config.steps_per_launch > 1:
         options |= {"steps_per_launch": config.steps_per_launch, "end_token": hooks.end_token}
     return options
+
+
+def structured_runner(config: EngineConfig) -> bool:
+    """Whether ``config``'s decode runner can mask a grammar's tokens in its
+    step (structured output): one step a launch, no overlap, no check mode
+    and no speculative decoding, since each step's bitmask follows the last
+    step's token on the host."""
+    return not (config.check or config.overlap or config.steps_per_launch > 1 or config.speculative)
 
 
 def _speculative(

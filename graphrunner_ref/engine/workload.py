@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphrunner.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from graphrunner_ref.engine.grammar import GrammarFactory
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +30,10 @@ class Request:
     ``stop_token_ids``) are held back until it holds this many new tokens
     (vLLM's ``min_tokens``); at most ``max_new_tokens``. Needs a runner that
     applies penalties.
+    grammar: structured output: a factory of its grammar's matchers
+    (:mod:`~graphrunner_ref.engine.grammar`); only the tokens the grammar
+    allows are drawn, and its completion finishes the request. Needs a
+    runner built with ``structured=True``.
     """
 
     rid: int
@@ -36,6 +44,7 @@ class Request:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    grammar: GrammarFactory | None = None
 
     def __post_init__(self) -> None:
         for name in ("rid", "max_new_tokens", "arrival_step", "min_tokens"):
@@ -57,6 +66,11 @@ class Request:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"request {self.rid}: ignore_eos={self.ignore_eos!r}; expected a bool")
         _check_token_ids(f"request {self.rid}: stop_token_ids", self.stop_token_ids)
+        if self.grammar is not None and not callable(self.grammar):
+            raise TypeError(
+                f"request {self.rid}: grammar is a {type(self.grammar).__name__}; expected a "
+                "factory of grammar matchers (callable) or None"
+            )
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "

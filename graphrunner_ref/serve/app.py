@@ -44,6 +44,7 @@ from graphrunner_ref.serve.protocol import (
     job_of,
     usage,
 )
+from graphrunner_ref.serve.structured import with_grammar
 from graphrunner_ref.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 __all__ = ["ServeState", "TextStream", "create_app"]
@@ -259,7 +260,7 @@ async def _answer(
     state: ServeState, request: Request, body: CompletionRequest | ChatRequest, *, chat: bool
 ) -> Response:
     _check_model(state, body.model)
-    job = job_of(body, state.limits)
+    job = await with_grammar(state.engine.grammars, body, job_of(body, state.limits))
     ticket = state.engine.submit(job)
     answer = _Answer(state, ticket, chat)
     if job.stream:

@@ -40,6 +40,7 @@ from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
 from graphrunner_ref.serve.metrics import Metrics
 from graphrunner_ref.serve.protocol import Job
+from graphrunner_ref.serve.structured import Grammars
 
 __all__ = ["Delta", "OnlineEngine", "Ticket"]
 
@@ -135,6 +136,8 @@ class OnlineEngine:
     ) -> None:
         self.config, self.bundle, self.codec, self.end_token = config, bundle, codec, end_token
         self.progress = progress
+        # Compiles the requests' grammars on the HTTP side (structured output).
+        self.grammars = Grammars(config, codec, bundle.config.vocab_size, end_token)
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.metrics, self.on_capture = metrics, on_capture
         self.runner: GraphRunner | None = None
@@ -325,6 +328,7 @@ class OnlineEngine:
                     ignore_eos=job.ignore_eos,
                     stop_token_ids=job.stop_token_ids,
                     min_tokens=job.min_tokens,
+                    grammar=job.grammar,
                 )
             except (TypeError, ValueError) as e:
                 refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))

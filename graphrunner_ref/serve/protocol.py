@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
+from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
 
@@ -83,6 +84,9 @@ class _Common(Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output (serve/structured.py): OpenAI's and vLLM's.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI's, refused unless neutral (see _UNSUPPORTED).
     n: int | None = None
 
@@ -131,7 +135,6 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -150,11 +153,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("tool_choice", lambda v: v in (None, "none", "auto"), "no tool calls; expected none"),
     ("functions", lambda v: not v, "no function calls; expected none"),
     ("function_call", lambda v: v in (None, "none", "auto"), "no function calls; expected none"),
-    (
-        "response_format",
-        lambda v: v is None or v == {"type": "text"},
-        'free text only; expected {"type": "text"}',
-    ),
 )
 
 
@@ -183,7 +181,10 @@ class Job:
     (None: none asked) and whether it streams (with a usage chunk); and how
     its text reads: the stop string that ended it kept (``include_stop``),
     special tokens left out (``skip_special``); and vLLM's ``ignore_eos``,
-    ``stop_token_ids`` and ``min_tokens``."""
+    ``stop_token_ids`` and ``min_tokens``; and its grammar (structured
+    output: a factory of matchers, compiled by
+    :class:`~graphrunner_ref.serve.structured.Grammars` after
+    :func:`job_of`), or None."""
 
     prompt: list[int]
     max_tokens: int
@@ -197,6 +198,7 @@ class Job:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    grammar: GrammarFactory | None = None
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
