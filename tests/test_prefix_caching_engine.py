@@ -244,3 +244,37 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_cached_or_not() -> None:
     cached = _run(bundle, trace, caching=True)
     assert cached.outputs == plain.outputs
     assert cached.stats.cached_tokens > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("budget", [None, 8])
+def test_requests_arriving_together_compute_a_shared_prefix_once(
+    page_size: int, budget: int | None
+) -> None:
+    """Four requests over one system prompt, all at step 0 (as a load
+    generator's first burst): the first prefills the system prompt, the others
+    wait for it and find its pages, whole prompts or chunks of 8 (indexed as
+    they are written), and their tokens equal a run without the cache."""
+    bundle = _bundle(page_size)
+    trace = _shared_prefix_trace(4, seed=3)  # gap 0: every request arrives at once
+    options: dict[str, Any] = (
+        {"chunked_prefill": False} if budget is None else {"max_num_batched_tokens": budget}
+    )
+    plain = _run(bundle, trace, caching=False, **options)
+    cached = _run(bundle, trace, caching=True, **options)
+    assert cached.outputs == plain.outputs
+    assert cached.stats.cached_tokens == SYSTEM * (len(trace) - 1)
+    prompt_tokens = sum(len(r.prompt) for r in trace)
+    assert cached.stats.prefill_tokens == prompt_tokens - SYSTEM * (len(trace) - 1)
+
+
+def test_a_request_waiting_for_a_shared_prefill_holds_no_other_back_forever() -> None:
+    """The wait ends: requests behind a waiting one, sharing nothing, finish too."""
+    bundle = _bundle(1)
+    shared = _shared_prefix_trace(3, seed=4)
+    other = Request(3, tuple(range(200, 240)), 6)
+    trace = [*shared, other]
+    cached = _run(bundle, trace, caching=True, max_num_batched_tokens=8)
+    plain = _run(bundle, trace, caching=False, max_num_batched_tokens=8)
+    assert cached.finished == {r.rid for r in trace}
+    assert cached.outputs == plain.outputs

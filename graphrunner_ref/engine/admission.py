@@ -157,11 +157,11 @@ def _prefill(
         live.prefilled = end
         run.stats.prefill_tokens += end - start
         run.stats.prefill_chunks += 1
+        if engine.prefix_cache is not None:  # its full pages written so far serve later prompts
+            engine.prefix_cache.insert(live.request.prompt[:end], live.slots[:end])
         if end < len(live.request.prompt):
             continue  # the budget is spent inside this prompt
         run.prefilling.remove(live)
-        if engine.prefix_cache is not None:  # its full pages now serve later prompts
-            engine.prefix_cache.insert(live.request.prompt, live.slots)
         joining.append((live, engine.first_token(live, row)))
         run.stats.prefills += 1
     return joining

@@ -6,7 +6,11 @@ Admission is first come, first served: :func:`admit_count` takes the arrived
 requests in arrival order while each finds a free request row, KV pages for
 its whole budget beside what the running requests were promised, and a row
 of the runner's largest batch; the first that does not fit stops admission,
-and the later ones wait behind it (no request overtakes another).
+and the later ones wait behind it (no request overtakes another). With a
+prefix cache, a request also waits while another request's prefill is still
+to write pages of the prompt they share (:func:`waits_for_shared_prefill`):
+admitted then, it would compute them a second time; admitted a step or two
+later, it finds them cached.
 
 The schedule follows two facts of the run, several decode steps per launch
 and overlap, one row each in :data:`SCHEDULES`:
@@ -18,7 +22,7 @@ and overlap, one row each in :data:`SCHEDULES`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from graphrunner import GraphRunner
 from graphrunner_ref.engine.check import CheckMode
@@ -29,7 +33,7 @@ from graphrunner_ref.engine.results import AdmissionError, Run
 from graphrunner_ref.engine.schedule import Schedule, SyncSchedule
 from graphrunner_ref.engine.steps import EngineSteps
 
-__all__ = ["SCHEDULES", "admit_count", "schedule_for"]
+__all__ = ["SCHEDULES", "admit_count", "schedule_for", "waits_for_shared_prefill"]
 
 #: Builds a schedule from the runner, the decode steps per launch and the check mode.
 MakeSchedule = Callable[[GraphRunner, int, CheckMode | None], Schedule]
@@ -65,9 +69,13 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
     room = b.kv_alloc.available_size() - reserved
     rows = b.req_pool.available_size()
     count = 0
+    page = b.page_size if engine.prefix_cache is not None else 0
+    prefills = [(r.request.prompt, r.prefilled) for r in run.prefilling]
     for req in run.pending:
         if req.arrival_step > run.clock:
             break
+        if page and waits_for_shared_prefill(req.prompt, prefills, page):
+            break  # first come, first served: later arrivals wait behind it
         need = engine.kv_need(req.max_len)
         if len(admitted) + count >= engine.runner.max_bs or need > room or not rows:
             if not admitted and not count:
@@ -78,7 +86,37 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
                 )
             break  # first come, first served: later arrivals wait behind it
         room, rows, count = room - need, rows - 1, count + 1
+        prefills.append((req.prompt, 0))  # admitted now, prefilled from this step
     return count
+
+
+def waits_for_shared_prefill(
+    prompt: Sequence[int], prefills: Sequence[tuple[Sequence[int], int]], page: int
+) -> bool:
+    """Whether a request of ``prompt`` should wait for ``prefills``, the
+    prompts being prefilled, each with its tokens written so far: one of them
+    shares full pages of ``prompt`` (``page`` tokens each, its last token
+    never, as the cache matches) that are not written yet. A prefill always
+    moves on, so the wait ends."""
+    shareable = (len(prompt) - 1) // page * page
+    for other, written in prefills:
+        done = written // page * page
+        if done < shareable and _common_prefix(prompt, other, shareable) // page * page > done:
+            return True
+    return False
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """The length of ``a`` and ``b``'s common prefix, at most ``limit``: a
+    binary search over slice comparisons (C speed for long prompts)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _kv_amount(engine: EngineSteps, slots: int) -> str:
