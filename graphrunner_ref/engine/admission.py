@@ -13,7 +13,7 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.phases import token_batch_inputs
-from graphrunner.pools import CachedKVAllocator
+from graphrunner.pools import CachedKVAllocator, whole_pages
 from graphrunner_ref.engine.policy import admit_count
 from graphrunner_ref.engine.results import LiveRequest, Run
 from graphrunner_ref.engine.sampling import check_greedy, check_penalties, seed_of
@@ -92,7 +92,7 @@ def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
     live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
     live.matcher = req.grammar() if req.grammar is not None else None
     run.held[req.rid] = live
-    need = engine.kv_need(len(req.prompt))
+    need = whole_pages(len(req.prompt), b.page_size)
     cache = engine.prefix_cache
     if cache is None:
         live.pages = b.kv_alloc.alloc(need)

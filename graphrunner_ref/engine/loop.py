@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import StepInputs
 from graphrunner.phases import with_sampling
-from graphrunner.pools import starts_page, whole_pages
+from graphrunner.pools import starts_page
 from graphrunner.sampling import TOKEN_BITMASK, SamplingParams, check_seed
 from graphrunner.util import ChunkSafeCall, Exclusive
 from graphrunner_ref.engine.admission import Admission, check_token_budget, prefix_cache_of
@@ -454,10 +454,6 @@ class Engine:
     @admission.setter
     def admission(self, agree: Callable[[int], int] | None) -> None:
         self.admitter.agree = agree
-
-    def kv_need(self, tokens: int) -> int:
-        """KV slots that ``tokens`` tokens take: whole pages."""
-        return whole_pages(tokens, self.bundle.page_size)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)

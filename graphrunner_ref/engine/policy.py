@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from graphrunner import GraphRunner
+from graphrunner.pools import whole_pages
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.multistep import MultiStepSchedule
 from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
@@ -65,7 +66,7 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
     b = engine.bundle
     # KV slots (whole pages) promised to running requests but not yet allocated.
     admitted = [*run.live, *run.prefilling]
-    reserved = sum(engine.kv_need(r.request.max_len) - len(r.pages) for r in admitted)
+    reserved = sum(whole_pages(r.request.max_len, b.page_size) - len(r.pages) for r in admitted)
     room = b.kv_alloc.available_size() - reserved
     rows = b.req_pool.available_size()
     count = 0
@@ -76,7 +77,7 @@ def admit_count(engine: EngineSteps, run: Run) -> int:
             break
         if page and waits_for_shared_prefill(req.prompt, prefills, page):
             break  # first come, first served: later arrivals wait behind it
-        need = engine.kv_need(req.max_len)
+        need = whole_pages(req.max_len, b.page_size)
         if len(admitted) + count >= engine.runner.max_bs or need > room or not rows:
             if not admitted and not count:
                 raise AdmissionError(

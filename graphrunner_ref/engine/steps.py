@@ -94,10 +94,6 @@ class EngineSteps(Protocol):
         """Free a request's pool row and KV pages."""
         ...
 
-    def kv_need(self, tokens: int) -> int:
-        """KV slots that ``tokens`` tokens take (whole pages)."""
-        ...
-
     def empty(self) -> torch.Tensor:
         """An empty int64 device tensor."""
         ...
