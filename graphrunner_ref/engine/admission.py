@@ -58,8 +58,8 @@ class Admission:
     def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
         """Prefill ``run``'s arrived requests in order while they fit, within
         the step's token budget; returns those whose prompt is now whole in
-        the KV cache, each with its first token (a 0-d device tensor: drawn
-        by its sampling parameters when the engine samples, else the argmax).
+        the KV cache, each with its last prompt token's logits (float
+        ``[vocab]``, on device), from which the engine draws its first token.
         The step's chunks (those of every prompt it advances) run as one
         token batch through the engine's token runner where it has one.
         Raises :class:`AdmissionError` when nothing runs and the next one can
@@ -144,7 +144,7 @@ def _prefill(
 ) -> list[tuple[LiveRequest, torch.Tensor]]:
     """Run the step's ``chunks`` (each attends to the KV its earlier chunks
     wrote): one token batch through ``runner``, or each eagerly. Returns the
-    requests whose prompt is now whole, with their first token."""
+    requests whose prompt is now whole, with their last logits ``[vocab]``."""
     if not chunks:
         return []
     if runner is not None:
@@ -162,7 +162,7 @@ def _prefill(
         if end < len(live.request.prompt):
             continue  # the budget is spent inside this prompt
         run.prefilling.remove(live)
-        joining.append((live, engine.first_token(live, row)))
+        joining.append((live, row))
         run.stats.prefills += 1
     return joining
 

@@ -467,7 +467,8 @@ class Engine:
         # in the step's read back instead.
         begin = time.perf_counter()
         try:
-            return self.admitter.admit(run)
+            prefilled = self.admitter.admit(run)
+            return [(live, self.first_token(live, logits)) for live, logits in prefilled]
         finally:
             run.stats.prefill_seconds += time.perf_counter() - begin
 

@@ -60,10 +60,6 @@ class EngineSteps(Protocol):
         """Prefill the arrived requests that fit; each with its first token (0-d)."""
         ...
 
-    def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
-        """Prefill's token from its last logits ``[vocab]``."""
-        ...
-
     def decode(
         self, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
