@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +27,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphrunner import __version__
-from graphrunner_ref.engine.results import TokenLogprobs
-from graphrunner_ref.io.stop import cut_at_stop
-from graphrunner_ref.io.text import TextCodec
-from graphrunner_ref.serve.errors import APIError, error_body, install_handlers, validation_error
+from graphrunner_ref.serve.answer import Answer, TextStream, merged_deltas
+from graphrunner_ref.serve.errors import APIError, install_handlers, validation_error
 from graphrunner_ref.serve.metrics import CONTENT_TYPE, Metrics
-from graphrunner_ref.serve.online import DEADLINE, SHUTDOWN, Delta, OnlineEngine, Ticket
+from graphrunner_ref.serve.online import Delta, OnlineEngine, Ticket
 from graphrunner_ref.serve.protocol import (
     Body,
     ChatRequest,
     CompletionRequest,
     Job,
     Limits,
+    choice_jobs,
     job_of,
-    usage,
 )
 from graphrunner_ref.serve.structured import with_grammar
 from graphrunner_ref.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -64,69 +60,6 @@ class ServeState:
     api_key: str | None
     metrics: Metrics
     created: int
-
-
-class TextStream:
-    """The text of a growing answer, handed out as deltas whose join is the
-    whole answer's text: an incomplete character, and what may be the start
-    of a stop string, are held back until more follows.
-
-    Args:
-        codec: the tokenizer (None: no text, every delta empty).
-        stops: the request's stop strings (the text ends before the first).
-        include_stop: the text ends after the first stop string instead
-            (vLLM's ``include_stop_str_in_output``).
-        skip_special: special tokens are left out of the text (vLLM's
-            ``skip_special_tokens``).
-        stop_tokens: the request's stop token ids: one that ends the answer
-            is left out of the text unless ``include_stop`` (as vLLM does).
-    """
-
-    def __init__(
-        self,
-        codec: TextCodec | None,
-        stops: Sequence[str],
-        *,
-        include_stop: bool = False,
-        skip_special: bool = True,
-        stop_tokens: Sequence[int] = (),
-    ) -> None:
-        self.codec, self.stops = codec, list(stops)
-        self.include_stop, self.skip_special = include_stop, skip_special
-        # A stop token is only ever an answer's last: while it trails, it ended it.
-        self.stop_tokens = frozenset(() if include_stop else stop_tokens)
-        self.tokens: list[int] = []
-        self.sent = ""
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-
-    def _cut(self, codec: TextCodec) -> tuple[str, str | None]:
-        ids = self.tokens
-        if ids and ids[-1] in self.stop_tokens:
-            ids = ids[:-1]
-        decoded = codec.decode(ids, skip_special_tokens=self.skip_special)
-        text, stop = cut_at_stop(decoded, self.stops)
-        return (text + stop if stop is not None and self.include_stop else text), stop
-
-    def text(self) -> str:
-        """The answer so far, cut at its first stop string."""
-        if self.codec is None:
-            return ""
-        return self._cut(self.codec)[0]
-
-    def add(self, tokens: Sequence[int], *, last: bool = False) -> str:
-        """The new text ``tokens`` make (``last``: the answer's end: all of it)."""
-        self.tokens += tokens
-        if self.codec is None:
-            return ""
-        text, stop = self._cut(self.codec)
-        if not last:
-            if stop is None and self._hold:
-                text = text[: -self._hold]
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):  # a later token re-read an earlier one
-            return ""
-        new, self.sent = text[len(self.sent) :], text
-        return new
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -261,173 +194,64 @@ async def _answer(
 ) -> Response:
     _check_model(state, body.model)
     job = await with_grammar(state.engine.grammars, body, job_of(body, state.limits))
-    ticket = state.engine.submit(job)
-    answer = _Answer(state, ticket, chat)
+    answer = Answer(
+        state.engine, state.model_name, state.limits.codec, _submit(state.engine, job), chat
+    )
     if job.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
-    deltas = await _collect(state.engine, request, ticket)
+    deltas = await _collect(request, answer)
     if deltas is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(answer.whole(deltas))
 
 
-async def _collect(engine: OnlineEngine, request: Request, ticket: Ticket) -> list[Delta] | None:
-    """Every delta of ``ticket`` up to its last; None when the client went
-    away first (the request is aborted)."""
+def _submit(engine: OnlineEngine, job: Job) -> list[Ticket]:
+    """One engine request per choice (``job.n``; with a seed, choice ``i``
+    draws with ``seed + i``, as vLLM seeds them); all or none queued. The
+    choices share the prompt: the first prefills it, the others wait for its
+    pages and find them in the prefix cache."""
+    tickets: list[Ticket] = []
+    try:
+        for job_i in choice_jobs(job):
+            tickets.append(engine.submit(job_i))
+    except BaseException:
+        for ticket in tickets:
+            engine.abort(ticket)
+        raise
+    return tickets
+
+
+async def _collect(request: Request, answer: Answer) -> list[list[Delta]] | None:
+    """Every delta of each choice up to its last; None when the client went
+    away first (every choice still running is aborted)."""
     gone = asyncio.ensure_future(_disconnect(request))
-    deltas: list[Delta] = []
+    deltas: list[list[Delta]] = [[] for _ in answer.choices]
+    merged = merged_deltas(answer.tickets)
     try:
         while True:
-            get = asyncio.ensure_future(ticket.events.get())
+            get = asyncio.ensure_future(anext(merged, None))
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                engine.abort(ticket)
+                answer.abort_unfinished()
                 return None
-            deltas.append(get.result())
-            if deltas[-1].last:
+            item = get.result()
+            if item is None:
                 return deltas
+            i, delta = item
+            deltas[i].append(delta)
+            if delta.last:
+                answer.choices[i].end = delta
+            if delta.error is not None:
+                return [ds or [delta] for ds in deltas]
     except BaseException:
-        engine.abort(ticket)
+        answer.abort_unfinished()
         raise
     finally:
         gone.cancel()
+        await merged.aclose()
 
 
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _status_of(error: str) -> int:
-    return {DEADLINE: 408, SHUTDOWN: 503}.get(error, 500)
-
-
-class _Answer:
-    """One request's answer, whole or as server-sent events."""
-
-    def __init__(self, state: ServeState, ticket: Ticket, chat: bool) -> None:
-        self.state, self.ticket, self.chat = state, ticket, chat
-        self.job: Job = ticket.job
-        prefix = "chatcmpl" if chat else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        job = self.job
-        self.stream = TextStream(
-            state.limits.codec,
-            job.stops,
-            include_stop=job.include_stop,
-            skip_special=job.skip_special,
-            stop_tokens=job.stop_token_ids,
-        )
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.state.model_name,
-        }
-
-    def _usage(self, end: Delta) -> dict[str, Any]:
-        return dict(usage(len(self.job.prompt), len(self.stream.tokens), end.cached_tokens))
-
-    def whole(self, deltas: list[Delta]) -> dict[str, Any]:
-        """The non-streamed answer (:class:`APIError` for an aborted one)."""
-        end = deltas[-1]
-        if end.error is not None:
-            raise APIError(_status_of(end.error), end.error, code="aborted")
-        tokens = [t for d in deltas for t in d.tokens]
-        entries = [e for d in deltas for e in d.logprobs]
-        self.stream.add(tokens, last=True)
-        text = self.stream.text()
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(tokens, entries)
-        choice |= {"finish_reason": end.finish, "stop_reason": end.stop, "token_ids": tokens}
-        return {**self._head(False), "choices": [choice], "usage": self._usage(end)}
-
-    async def events(self) -> AsyncIterator[str]:
-        """The server-sent events of a streamed answer; the request is aborted
-        if the client goes away before its end."""
-        done = False
-        # The chat role goes out with the first token, as vLLM's does, so a
-        # client's time to first chunk is its time to first token.
-        role_pending = self.chat
-        try:
-            while not done:
-                delta = await self.ticket.events.get()
-                done = delta.last
-                if delta.error is not None:
-                    body = error_body(delta.error, _status_of(delta.error), code="aborted")
-                    yield f"data: {json.dumps(body)}\n\n"
-                    break
-                if role_pending:
-                    role_pending = False
-                    yield self._chunk({"role": "assistant", "content": ""}, None, None, [])
-                text = self.stream.add(delta.tokens, last=done)
-                if text or delta.tokens or done:
-                    content = {"content": text} if self.chat and (text or not done) else {}
-                    logprobs = self._logprobs(delta.tokens, delta.logprobs)
-                    yield self._chunk(content if self.chat else text, delta.finish, delta, logprobs)
-            if done and self.job.include_usage and delta.error is None:
-                body = {**self._head(True), "choices": [], "usage": self._usage(delta)}
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:
-                self.state.engine.abort(self.ticket)
-
-    def _chunk(self, content: Any, finish: str | None, delta: Delta | None, logprobs: Any) -> str:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["delta"] = content
-        else:
-            choice["text"] = content
-        choice["logprobs"] = logprobs or None
-        choice["finish_reason"] = finish
-        if finish is not None and delta is not None:
-            choice["stop_reason"] = delta.stop
-        if delta is not None and delta.tokens:
-            choice["token_ids"] = delta.tokens
-        body = {**self._head(True), "choices": [choice]}
-        if self.job.include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body)}\n\n"
-
-    def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> Any:
-        """OpenAI's log-probabilities of ``tokens`` (None when not asked)."""
-        n = self.job.logprobs
-        if n is None or not entries:
-            return None
-        name = self._token_text
-        if self.chat:
-            content = [
-                {
-                    "token": name(t),
-                    "logprob": lp,
-                    "bytes": list(name(t).encode()),
-                    "top_logprobs": [
-                        {"token": name(i), "logprob": v, "bytes": list(name(i).encode())}
-                        for i, v in top[:n]
-                    ],
-                }
-                for t, (lp, top) in zip(tokens, entries, strict=False)
-            ]
-            return {"content": content}
-        return {
-            "tokens": [name(t) for t in tokens],
-            "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{name(i): v for i, v in top[:n]} for _, top in entries],
-        }
-
-    def _token_text(self, token: int) -> str:
-        codec = self.state.limits.codec
-        return f"token_id:{token}" if codec is None else codec.decode([token])

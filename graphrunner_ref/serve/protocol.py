@@ -5,8 +5,8 @@ refused by name) and what the engine makes of them: :class:`Job`.
 Types and ranges are pydantic's to check; what depends on the served model
 (the context, the vocabulary, a tokenizer, the log-probabilities the runner
 collects) is :func:`job_of`'s. Fields OpenAI has and graphrunner does not
-serve (``n`` > 1, tools, penalties, ...) are refused by name when set to
-anything but their neutral value.
+serve (``best_of``, tools, ...) are refused by name when set to anything
+but their neutral value.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
+from graphrunner.sampling.params import MAX_SEED
 from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_STOPS",
     "Body",
     "ChatMessage",
@@ -34,12 +36,15 @@ __all__ = [
     "Limits",
     "StreamOptions",
     "chat_prompt",
+    "choice_jobs",
     "job_of",
     "usage",
 ]
 
 #: Stop strings a request may give (OpenAI's bound).
 MAX_STOPS = 4
+#: Choices one request may ask for (``n``, parallel sampling).
+MAX_CHOICES = 16
 #: Characters a stop string may hold.
 MAX_STOP_CHARS = 256
 
@@ -87,7 +92,7 @@ class _Common(Body):
     # Structured output (serve/structured.py): OpenAI's and vLLM's.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # OpenAI's, refused unless neutral (see _UNSUPPORTED).
+    # Parallel sampling: n choices of one prompt (checked by job_of).
     n: int | None = None
 
 
@@ -140,8 +145,7 @@ class ChatRequest(_Common):
 
 #: Fields refused unless neutral: the name, whether a value is neutral, why.
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    ("n", lambda v: v in (None, 1), "one choice per request; expected 1"),
-    ("best_of", lambda v: v in (None, 1), "one choice per request; expected 1"),
+    ("best_of", lambda v: v in (None, 1), "no choices drawn beyond n; expected 1"),
     ("echo", lambda v: not v, "the prompt is not echoed; expected false"),
     ("suffix", lambda v: v is None, "no insertion; expected none"),
     (
@@ -199,6 +203,7 @@ class Job:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     grammar: GrammarFactory | None = None
+    n: int = 1
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
@@ -272,7 +277,32 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
         ignore_eos=body.ignore_eos,
         stop_token_ids=_stop_token_ids(body.stop_token_ids, limits),
         min_tokens=body.min_tokens,
+        n=_choices(body.n),
     )
+
+
+def _choices(n: int | None) -> int:
+    """``n`` (parallel sampling) checked: 1..:data:`MAX_CHOICES`."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n={n!r}: expected an int in 1..{MAX_CHOICES}", param="n")
+    return n
+
+
+def choice_jobs(job: Job) -> list[Job]:
+    """The engine request of each of ``job``'s ``n`` choices: choice ``i``
+    draws with ``seed + i`` where a seed is given (vLLM's way: reproducible,
+    and the choices differ), else with the seed the engine derives for it."""
+    seed = job.sampling.seed
+    if job.n == 1:
+        return [job]
+    return [
+        job
+        if seed is None
+        else replace(job, sampling=replace(job.sampling, seed=(seed + i) % MAX_SEED))
+        for i in range(job.n)
+    ]
 
 
 def _check_min_tokens(
