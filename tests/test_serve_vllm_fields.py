@@ -130,7 +130,7 @@ class _Chat(TextCodec):
     def __init__(self) -> None:
         pass
 
-    def chat_messages(self, messages: list[dict[str, str]], *, what: str) -> list[int]:
+    def chat_messages(self, messages: list[dict[str, str]], *, what: str, **_: Any) -> list[int]:
         return [2, 3, 4]
 
 
