@@ -293,7 +293,8 @@ def _model(g: Groups) -> None:
         metavar="DIR|FILE.gguf",
         help="another name for --model PATH",
     )
-    p.set_defaults(checkpoint_flag="--checkpoint")
+    # gguf_file: the .gguf a checkpoint was converted from (set by the checks).
+    p.set_defaults(checkpoint_flag="--checkpoint", gguf_file=None)
     p.add_argument(
         "--attention",
         choices=["auto", *ATTENTIONS],

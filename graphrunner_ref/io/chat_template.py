@@ -207,10 +207,16 @@ def _environment(budget: _Budget) -> _BoundedSandbox:
     return env
 
 
-def render_chat(template: str, messages: list[dict[str, str]], tokens: Mapping[str, Any]) -> str:
+def render_chat(
+    template: str,
+    messages: list[dict[str, Any]],
+    tokens: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """``template`` rendered for ``messages`` with the generation prompt, as
     transformers' ``apply_chat_template(tokenize=False)`` renders it;
-    ``tokens`` are the tokenizer's special tokens (``bos_token``, ...).
+    ``tokens`` are the tokenizer's special tokens (``bos_token``, ...);
+    ``tools`` the request's function tools (None: none).
 
     Raises:
         ChatTemplateError: the template is invalid, raised, broke the sandbox,
@@ -222,7 +228,7 @@ def render_chat(template: str, messages: list[dict[str, str]], tokens: Mapping[s
             env = _environment(budget)
             parts, total = [], 0
             compiled = env.from_string(template)
-            kwargs = {**tokens, "tools": None, "documents": None}
+            kwargs = {**tokens, "tools": tools, "documents": None}
             for part in compiled.generate(messages=messages, add_generation_prompt=True, **kwargs):
                 total += len(part)
                 if total > MAX_CHARS:

@@ -129,18 +129,25 @@ class TextCodec:
         with the generation prompt appended, as ``apply_chat_template`` gives them."""
         return self.chat_messages([{"role": "user", "content": text}], what="--chat")
 
-    def chat_messages(self, messages: list[dict[str, str]], *, what: str) -> list[int]:
+    def chat_messages(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        what: str,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The ids of the conversation ``messages`` (``{"role", "content"}``
         each) with the generation prompt appended, as ``apply_chat_template``
-        gives them; :class:`NoTokenizerError` naming ``what`` when the
-        checkpoint has no chat template or its template fails."""
+        gives them, ``tools`` (function tools) handed to the template;
+        :class:`NoTokenizerError` naming ``what`` when the checkpoint has no
+        chat template or its template fails."""
         if self.tokenizer.chat_template is None:
             raise NoTokenizerError(f"{what}: the checkpoint's tokenizer has no chat template")
         with needs_extra("text", what):
             from graphrunner_ref.io.chat_template import ChatTemplateError, render_chat
         tokens = self.tokenizer.special_tokens_map
         try:
-            text = render_chat(self.tokenizer.chat_template, messages, tokens)
+            text = render_chat(self.tokenizer.chat_template, messages, tokens, tools)
         except ChatTemplateError as e:
             raise NoTokenizerError(f"{what}: the checkpoint's chat template: {e}") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

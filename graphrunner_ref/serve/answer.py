@@ -25,6 +25,7 @@ from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError, error_body
 from graphrunner_ref.serve.online import DEADLINE, SHUTDOWN, Delta, OnlineEngine, Ticket
 from graphrunner_ref.serve.protocol import Job, usage
+from graphrunner_ref.serve.tools import parse_tool_calls
 
 __all__ = ["Answer", "Choice", "TextStream", "merged_deltas", "status_of"]
 
@@ -162,13 +163,25 @@ class Choice:
         self.stream.add(tokens, last=True)
         text = self.stream.text()
         choice: dict[str, Any] = {"index": self.index}
+        finish = end.finish
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            content, calls = self._calls(text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                finish = "tool_calls"
         else:
             choice["text"] = text
         choice["logprobs"] = self.logprobs(tokens, entries)
-        choice |= {"finish_reason": end.finish, "stop_reason": end.stop, "token_ids": tokens}
+        choice |= {"finish_reason": finish, "stop_reason": end.stop, "token_ids": tokens}
         return choice
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The content and tool calls of a chat answer's ``text``."""
+        tools = self.job.tools
+        if tools is None or not tools.parsed:
+            return text, []
+        return parse_tool_calls(text)
 
     def chunks(self, delta: Delta) -> list[dict[str, Any]]:
         """The streamed choice entries of one ``delta`` (none, the role's,
@@ -181,12 +194,29 @@ class Choice:
             # is its time to first token.
             self._role_pending = False
             out.append(self._entry({"role": "assistant", "content": ""}, None, None, []))
+        if self.job.tools is not None and self.job.tools.parsed:
+            return out + self._held_back(delta)
         text = self.stream.add(delta.tokens, last=delta.last)
         if text or delta.tokens or delta.last:
             content = {"content": text} if self.chat and (text or not delta.last) else {}
             logprobs = self.logprobs(delta.tokens, delta.logprobs)
             out.append(self._entry(content if self.chat else text, delta.finish, delta, logprobs))
         return out
+
+    def _held_back(self, delta: Delta) -> list[dict[str, Any]]:
+        """A choice that may call tools sends its answer at its end, in one
+        chunk: its content, or its calls as ``tool_calls`` deltas (each with
+        its ``index``), so a client never sees a call's text as content."""
+        self.stream.add(delta.tokens, last=delta.last)
+        if not delta.last:
+            return []
+        content, calls = parse_tool_calls(self.stream.text())
+        body: dict[str, Any] = {} if content is None else {"content": content}
+        if calls:
+            body["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        finish = "tool_calls" if calls else delta.finish
+        whole = Delta(self.stream.tokens, finish=finish, stop=delta.stop)
+        return [self._entry(body, finish, whole, None)]
 
     def _entry(
         self, content: Any, finish: str | None, delta: Delta | None, logprobs: Any

@@ -5,8 +5,8 @@ refused by name) and what the engine makes of them: :class:`Job`.
 Types and ranges are pydantic's to check; what depends on the served model
 (the context, the vocabulary, a tokenizer, the log-probabilities the runner
 collects) is :func:`job_of`'s. Fields OpenAI has and graphrunner does not
-serve (``best_of``, tools, ...) are refused by name when set to anything
-but their neutral value.
+serve (``best_of``, ``functions``, ...) are refused by name when set to
+anything but their neutral value.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from graphrunner.sampling.params import MAX_SEED
 from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
+from graphrunner_ref.serve.tools import Tools, template_messages, tools_of
 
 __all__ = [
     "MAX_CHOICES",
@@ -115,17 +116,34 @@ class ContentPart(Body):
 
 
 class ChatMessage(Body):
-    """One message of a conversation."""
+    """One message of a conversation: an assistant's may hold its earlier
+    ``tool_calls`` (and no content), a ``tool`` message a call's result for
+    ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        """The content as one text (parts joined)."""
+        """The content as one text (parts joined; none: empty)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def turn(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class ChatRequest(_Common):
@@ -153,8 +171,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
         lambda v: v,
         "special tokens are joined as the tokenizer decodes them; expected true",
     ),
-    ("tools", lambda v: not v, "no tool calls; expected none"),
-    ("tool_choice", lambda v: v in (None, "none", "auto"), "no tool calls; expected none"),
     ("functions", lambda v: not v, "no function calls; expected none"),
     ("function_call", lambda v: v in (None, "none", "auto"), "no function calls; expected none"),
 )
@@ -204,6 +220,7 @@ class Job:
     min_tokens: int = 0
     grammar: GrammarFactory | None = None
     n: int = 1
+    tools: Tools | None = None
 
 
 def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
@@ -218,8 +235,10 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
                 param=name,
                 code="unsupported",
             )
+    tools = None
     if isinstance(body, ChatRequest):
-        prompt = chat_prompt(body.messages, limits)
+        tools = tools_of(body.tools, body.tool_choice, limits.codec)
+        prompt = chat_prompt(body.messages, limits, tools)
         logprobs = _chat_logprobs(body, limits)
         max_tokens = body.max_completion_tokens or body.max_tokens
         default_new = limits.context - len(prompt) + 1
@@ -278,6 +297,7 @@ def job_of(body: CompletionRequest | ChatRequest, limits: Limits) -> Job:
         stop_token_ids=_stop_token_ids(body.stop_token_ids, limits),
         min_tokens=body.min_tokens,
         n=_choices(body.n),
+        tools=tools,
     )
 
 
@@ -393,9 +413,12 @@ def _encode(limits: Limits, text: str, field: str) -> list[int]:
     return ids
 
 
-def chat_prompt(messages: list[ChatMessage], limits: Limits) -> list[int]:
+def chat_prompt(
+    messages: list[ChatMessage], limits: Limits, tools: Tools | None = None
+) -> list[int]:
     """The ids of ``messages`` through the checkpoint's chat template, with
-    the generation prompt; :class:`APIError` (400) naming ``messages``."""
+    the generation prompt (and ``tools``, the request's function tools);
+    :class:`APIError` (400) naming ``messages``."""
     if not messages:
         raise APIError(400, "messages=[]: empty; expected at least one message", param="messages")
     if limits.codec is None:
@@ -405,9 +428,10 @@ def chat_prompt(messages: list[ChatMessage], limits: Limits) -> list[int]:
             "/v1/completions with token ids",
             param="messages",
         )
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    turns = template_messages([m.turn() for m in messages])
+    functions = None if tools is None else list(tools.functions)
     try:
-        ids = limits.codec.chat_messages(turns, what="messages")
+        ids = limits.codec.chat_messages(turns, what="messages", tools=functions)
     except NoTokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
     if not ids:

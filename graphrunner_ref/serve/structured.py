@@ -34,11 +34,12 @@ from graphrunner_ref.engine.serving import structured_runner
 from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
 from graphrunner_ref.serve.protocol import ChatRequest, CompletionRequest, Job
+from graphrunner_ref.serve.tools import call_grammar
 
 __all__ = ["GrammarSpec", "Grammars", "grammar_spec", "with_grammar"]
 
 #: What a grammar is written in.
-Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_call"]
 #: vLLM's ``structured_outputs`` keys, each a kind of grammar.
 _VLLM_KEYS: dict[str, Kind] = {
     "json": "json_schema",
@@ -109,9 +110,22 @@ def grammar_spec(fields: dict[str, Any]) -> GrammarSpec | None:
 
 
 async def with_grammar(grammars: Grammars, body: CompletionRequest | ChatRequest, job: Job) -> Job:
-    """``job`` with the grammar ``body`` asks for, compiled (off the event
-    loop and the engine thread); ``job`` itself for free text."""
-    factory = await grammars.factory(grammar_spec(body.model_dump(exclude_unset=True)))
+    """``job`` with the grammar ``body`` asks for (an output format, or a
+    forced tool call), compiled (off the event loop and the engine thread);
+    ``job`` itself for free text."""
+    spec = grammar_spec(body.model_dump(exclude_unset=True))
+    tools = job.tools
+    calls = None if tools is None else call_grammar(tools)
+    if tools is not None and calls is not None:
+        if spec is not None:
+            raise APIError(
+                400,
+                f"tool_choice={tools.named or tools.choice!r} with {spec.param}: "
+                "a forced tool call has its own format; expected one of them",
+                param="tool_choice",
+            )
+        spec = GrammarSpec("tool_call", json.dumps(calls.calls), "tool_choice")
+    factory = await grammars.factory(spec)
     return job if factory is None else dataclasses.replace(job, grammar=factory)
 
 
@@ -255,7 +269,31 @@ class Grammars:
         if spec.kind == "choice":
             choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.text))
             return compiler.compile_grammar(f"root ::= {choices}")
+        if spec.kind == "tool_call":
+            return compiler.compile_grammar(_tool_call_grammar(json.loads(spec.text)))
         return compiler.compile_grammar(spec.text)
+
+
+def _tool_call_grammar(calls: list[list[str]]) -> Any:
+    """One ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` of any
+    of ``calls`` (``[name, parameters schema as JSON]`` each), its arguments
+    following the function's schema."""
+    import xgrammar
+
+    def one(name: str, parameters: str) -> Any:
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": json.loads(parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        body = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        start = xgrammar.Grammar.from_ebnf('root ::= "<tool_call>\\n"')
+        end = xgrammar.Grammar.from_ebnf('root ::= "\\n</tool_call>"')
+        return xgrammar.Grammar.concat(start, body, end)
+
+    grammars = [one(name, parameters) for name, parameters in calls]
+    return grammars[0] if len(grammars) == 1 else xgrammar.Grammar.union(*grammars)
 
 
 def _why_not(config: EngineConfig, codec: TextCodec | None) -> str | None:
