@@ -148,6 +148,8 @@ def test_a_runner_without_penalties_refuses_min_tokens_by_name(end_token: int) -
         _run([Request(0, PROMPTS[0], NEW, min_tokens=3)], end_token, penalties=False)
 
 
-def test_min_tokens_above_max_new_tokens_is_refused_by_name() -> None:
+def test_min_tokens_above_max_new_tokens_or_with_a_grammar_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="min_tokens=5"):
         Request(0, PROMPTS[0], 4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens=2 with a grammar"):
+        Request(0, PROMPTS[0], 4, min_tokens=2, grammar=lambda: None)  # type: ignore[arg-type, return-value]

@@ -224,6 +224,7 @@ def test_vllm_structured_outputs_follow_their_grammars(server: Server) -> None:
          "2 grammars"),
         ({"structured_outputs": {"json_schema": {}}}, "structured_outputs", "json_schema"),
         ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+        ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "min_tokens", "grammar"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
          "structured_outputs", "both"),
     ],

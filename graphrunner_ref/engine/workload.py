@@ -71,6 +71,13 @@ class Request:
                 f"request {self.rid}: grammar is a {type(self.grammar).__name__}; expected a "
                 "factory of grammar matchers (callable) or None"
             )
+        if self.grammar is not None and self.min_tokens:
+            # A completed grammar allows only its end token, which min_tokens holds back:
+            # no token would be left to draw.
+            raise ValueError(
+                f"request {self.rid}: min_tokens={self.min_tokens} with a grammar: the grammar "
+                "decides where the answer ends; expected min_tokens=0"
+            )
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "

@@ -175,7 +175,15 @@ class OnlineEngine:
     def submit(self, job: Job) -> Ticket:
         """Queue ``job``; its :class:`Ticket`. :class:`APIError` 503 (with
         ``Retry-After``) when the server shuts down, has stopped, or
-        ``max_waiting`` requests already wait."""
+        ``max_waiting`` requests already wait; 400 for ``min_tokens`` with
+        a grammar (the engine refuses it, see :class:`~graphrunner_ref.engine.workload.Request`)."""
+        if job.grammar is not None and job.min_tokens:
+            raise APIError(
+                400,
+                f"min_tokens={job.min_tokens} with a grammar (structured output): the grammar "
+                "decides where the answer ends; expected min_tokens=0",
+                param="min_tokens",
+            )
         retry = {"Retry-After": RETRY_AFTER}
         if self.closing or not self.healthy:
             why = "is shutting down" if self.closing else "is not serving"
