@@ -25,7 +25,6 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 from bench.bench_vllm_serve import Contender, free_port, serving
 from bench.bench_vllm_serve import _contenders as serve_contenders
-from bench.conftest import RESULTS_DIR
+from bench.conftest import RESULTS_DIR, cpu_name
 from bench.vllm_cpu_run import VLLM_PYTHON, vllm_python
 
 #: Words questions and the system prompt are drawn from.
@@ -154,9 +153,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, logs: Path) ->
 def write_results(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"multiturn-{args.name}"
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor() or platform.machine()
+    cpu = cpu_name()
     turns = " | ".join(f"turn {t + 1}" for t in range(args.turns))
     lines = [
         f"# Multi-turn chats: time to first token by turn ({args.name})",

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.conftest import RESULTS_DIR
+from bench.conftest import RESULTS_DIR, cpu_name
 from bench.serve_load import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,17 +52,6 @@ SCHEMA: dict[str, Any] = {
     "required": ["color", "count", "ok", "sizes"],
     "additionalProperties": False,
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_label(name: str) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.conftest import RESULTS_DIR
+from bench.conftest import RESULTS_DIR, cpu_name
 from bench.vllm_cpu_run import VLLM_PYTHON, vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,10 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, float]]]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"vllm-bench-serve-{args.name}"
-    cpu = platform.processor() or platform.machine()
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = names[0] if names else cpu
+    cpu = cpu_name()
     lines = [
         f"# graphrunner serve against vllm serve under `vllm bench serve`: {args.name}",
         "",

@@ -54,7 +54,8 @@ def record(benchmark: object, group: str, bs: int, variant: str) -> None:
         STATS.setdefault((group, bs), {})[variant] = summary
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -65,7 +66,7 @@ def _cpu_name() -> str:
 
 
 def machine() -> dict[str, str]:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
     return {
         "device": device,
         "cpus": str(os.cpu_count()),
