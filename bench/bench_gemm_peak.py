@@ -50,6 +50,8 @@ SHAPES = [
 PREFILL_TOKENS = 512
 #: The prefill mode, the dtype of its GEMMs (whose peak it is held to).
 PREFILL_MODES = {"float32": "float32", "bfloat16": "bfloat16", "int4-q8": "int8"}
+#: int4-q8 with its prompt chunks widened to bfloat16 (``--prefill-bf16``).
+PREFILL_BF16 = "int4-q8, --prefill-bf16"
 #: int4-q8's mode label with AMX hidden, and the features hidden for it.
 TILES_ONLY = "int4-q8, AMX hidden"
 HIDE_AMX = "amx_int8"
@@ -188,6 +190,10 @@ def _prefill_bundle(checkpoint: Any, mode: str) -> Any:
     bundle = load_model(checkpoint, max_requests=1, max_context_len=PREFILL_TOKENS, dtype=dtype)
     if mode.startswith("int4-q8"):
         quantize_model(bundle.model, "int4-q8")
+    if mode == PREFILL_BF16:
+        from graphrunner_ref.model.prompt_bf16 import widen_prompts
+
+        widen_prompts(bundle.model)
     return bundle
 
 
@@ -199,6 +205,10 @@ def prefill_rows(repeats: int) -> list[dict[str, Any]]:
     checkpoint, _ = smollm2_chats()
     modes = dict(PREFILL_MODES)
     paths = {"float32": "", "bfloat16": "", "int4-q8": q8_path_name()}
+    from graphrunner_ref.model.prompt_bf16 import bf16_matmul_units
+
+    if bf16_matmul_units():
+        modes[PREFILL_BF16], paths[PREFILL_BF16] = "bfloat16", "oneDNN bfloat16"
     bundles = {mode: _prefill_bundle(checkpoint, mode) for mode in modes}
     if paths["int4-q8"] == "amx-int8-tiles":
         with features_hidden(HIDE_AMX):
@@ -290,6 +300,9 @@ def report(
     if TILES_ONLY in by_mode:
         lines += ["", f"int4-q8 prefill, AMX against AMX hidden: "
                   f"{by_mode['int4-q8'] / by_mode[TILES_ONLY]:.2f}x"]  # fmt: skip
+    if PREFILL_BF16 in by_mode:
+        lines += ["", f"int4-q8 prefill, --prefill-bf16 against without: "
+                  f"{by_mode[PREFILL_BF16] / by_mode['int4-q8']:.2f}x"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

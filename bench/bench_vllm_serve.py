@@ -163,6 +163,7 @@ def _contenders(args: argparse.Namespace, python: str) -> list[Contender]:
         Contender("vLLM CPU, bfloat16", tuple(vllm), one_thread),
         Contender("graphrunner int4-q8 kv16", (*gr, *fast)),
         Contender("graphrunner int4-q8 kv16, no prefix cache", (*gr, *fast, "--no-prefix-caching")),
+        Contender("graphrunner int4-q8 kv16, --prefill-bf16", (*gr, *fast, "--prefill-bf16")),
         Contender("graphrunner bfloat16", (*gr, "--dtype", "bfloat16")),
     ]
 

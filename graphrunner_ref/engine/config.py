@@ -64,7 +64,9 @@ class EngineConfig:
     from, if any); ``model_impl`` picks the implementation (``auto``,
     ``native``, ``transformers``); ``dtype``, ``kv_dtype`` (the KV cache's;
     None: ``dtype``), ``quantize`` (a
-    :data:`~graphrunner_ref.model.quantize.QUANTIZATIONS` mode) and
+    :data:`~graphrunner_ref.model.quantize.QUANTIZATIONS` mode; with an
+    int4 mode, ``prefill_bf16`` multiplies prompt chunks in bfloat16:
+    :mod:`~graphrunner_ref.model.prompt_bf16`) and
     ``attention`` (a decode attention name or ``auto``) shape the loaded model;
     ``max_context_len`` caps the context (None: the model's); ``seed`` seeds
     the embedded weights, random draft heads and the run's sampling.
@@ -102,6 +104,7 @@ class EngineConfig:
     dtype: str = "float32"
     kv_dtype: str | None = None
     quantize: str | None = None
+    prefill_bf16: bool = False
     attention: str = "auto"
     max_context_len: int | None = None
     seed: int = 0

@@ -26,6 +26,7 @@ from graphrunner_ref.model.build import check_kv_dtype
 from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import Int4Weight
+from graphrunner_ref.model.prompt_bf16 import bf16_matmul_units, widen_prompts
 from graphrunner_ref.model.quantize import INT4_MODES, quantize_model
 from graphrunner_ref.model.shapes import projection_shapes
 
@@ -125,8 +126,11 @@ def with_attention(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
 
 def with_quantization(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
     """``bundle`` with its model quantized as ``config.quantize`` says
-    (unchanged without it); int4 from a GGUF file takes the file's own Q4 codes."""
+    (unchanged without it); int4 from a GGUF file takes the file's own Q4 codes;
+    ``config.prefill_bf16`` widens the 4-bit prompt chunks to bfloat16
+    (:mod:`~graphrunner_ref.model.prompt_bf16`)."""
     mode = config.quantize
+    _check_prefill_bf16(config)
     if mode is None:
         return bundle
     codes = _gguf_codes(config) if mode in INT4_MODES else None
@@ -145,7 +149,26 @@ def with_quantization(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
             else f"{total} projections quantized from floats"
         )
     note_quantization(config, source)
+    if config.prefill_bf16:
+        widen_prompts(bundle.model)
     return bundle
+
+
+def _check_prefill_bf16(config: EngineConfig) -> None:
+    """``--prefill-bf16`` refused by name where it cannot help: without a
+    4-bit mode, or on a CPU that multiplies bfloat16 in software."""
+    if not config.prefill_bf16:
+        return
+    if config.quantize not in INT4_MODES:
+        raise UsageError(
+            f"--prefill-bf16 with --quantize {config.quantize}: it widens a 4-bit mode's "
+            f"prompt chunks; expected --quantize one of {', '.join(INT4_MODES)}"
+        )
+    if not bf16_matmul_units():
+        raise UsageError(
+            "--prefill-bf16: this CPU has neither AMX-BF16 nor AVX-512 BF16, so bfloat16 "
+            "products are slower than the 4-bit kernels; expected a CPU with either"
+        )
 
 
 def _gguf_codes(config: EngineConfig) -> dict[str, Int4Weight] | None:

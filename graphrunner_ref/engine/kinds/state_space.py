@@ -21,7 +21,7 @@ from graphrunner_ref.model.mamba import MambaConfig
 __all__ = ["KIND", "is_state_space_checkpoint"]
 
 #: What a run of this kind does not do, by option.
-_REFUSED = ("check", "speculative", "overlap", "quantize")
+_REFUSED = ("check", "speculative", "overlap", "quantize", "prefill_bf16")
 
 
 def is_state_space_checkpoint(path: Path | str | None) -> bool:
@@ -57,7 +57,8 @@ def _check(config: EngineConfig) -> None:
         )
     for flag in _REFUSED:
         if getattr(config, flag):
-            raise UsageError(f"--{flag} is not supported for a Mamba or Jamba checkpoint")
+            name = flag.replace("_", "-")
+            raise UsageError(f"--{name} is not supported for a Mamba or Jamba checkpoint")
     if config.kv_dtype not in (None, config.dtype):
         raise UsageError(
             f"--kv-dtype {config.kv_dtype}: a Mamba or Jamba model's KV cache is in its "

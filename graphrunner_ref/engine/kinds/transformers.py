@@ -60,6 +60,11 @@ def _shape(config: EngineConfig) -> ModelConfig:
 def _load(config: EngineConfig, max_requests: int, context: int) -> TransformersBundle:
     """The checkpoint's own modules over graphrunner's pools (their linears
     compact ones with ``quantize``)."""
+    if config.prefill_bf16:
+        raise UsageError(
+            "--prefill-bf16: widens the native Llama's 4-bit projections; expected it "
+            "without --model-impl transformers"
+        )
     try:
         bundle = load_transformers(
             config.checkpoint or Path(),

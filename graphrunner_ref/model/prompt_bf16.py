@@ -1,0 +1,105 @@
+"""Prompt chunks of the 4-bit modes on the CPU's bfloat16 units (``--prefill-bf16``).
+
+A decode step multiplies few rows and is bound by the bytes of its weights,
+where 4 bits a weight win; a prompt chunk multiplies hundreds of rows and is
+bound by arithmetic, where the 4-bit kernels reach a fraction of what the
+CPU's AMX-BF16 (or AVX-512 BF16) units do through oneDNN (one Xeon core,
+SmolLM2's shapes at 512 rows: 750-1,140 GFLOP/s in bfloat16 against 180-300
+GOP/s for int4-q8 on AMX-INT8, ``bench/results/gemm-peak-*.md``).
+
+:func:`widen_prompts` wraps each 4-bit projection of a quantized Llama in a
+:class:`PromptBf16Linear` holding the same weights widened once to bfloat16
+(the 4-bit codes dequantized: decode and prefill multiply the same weights;
+2 bytes a weight more in memory). Calls of :data:`PROMPT_ROWS` rows or more
+(prompt chunks) multiply in bfloat16 with float32 results; fewer (decode
+steps) go to the 4-bit linear as before, so a decode step is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrunner_ref.model.cpu_features import cpu_features
+
+__all__ = ["PROMPT_ROWS", "PromptBf16Linear", "bf16_matmul_units", "widen_prompts"]
+
+#: Rows from which a call multiplies in bfloat16: above any decode batch the
+#: engine captures by default (16), a short prompt chunk's size.
+PROMPT_ROWS = 32
+
+
+class PromptBf16Linear(nn.Module):
+    """A 4-bit linear (``quantized``: ``[..., in] -> [..., out]`` float32,
+    with ``dequantized()`` and ``set_rows``) whose calls of :data:`PROMPT_ROWS`
+    rows or more multiply its weights widened to bfloat16 (``prompt_weight``
+    ``[out, in]``), float32 in and out."""
+
+    prompt_weight: torch.Tensor
+
+    def __init__(self, quantized: nn.Module, rows: int = PROMPT_ROWS) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.rows = rows
+        self.in_features: int = int(cast(Any, quantized).in_features)
+        self.out_features: int = int(cast(Any, quantized).out_features)
+        self.register_buffer("prompt_weight", self._widened())
+
+    def _widened(self) -> torch.Tensor:
+        return cast(Any, self.quantized).dequantized().to(torch.bfloat16).contiguous()
+
+    def set_rows(self, start: int, weight: Any) -> None:
+        """The 4-bit linear's ``set_rows``, the widened weight made again."""
+        cast(Any, self.quantized).set_rows(start, weight)
+        self.prompt_weight = self._widened()
+
+    def dequantized(self) -> torch.Tensor:
+        return cast(torch.Tensor, cast(Any, self.quantized).dequantized())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Rows are a static size where the step is captured: one path traced.
+        if x.numel() // self.in_features < self.rows:
+            return cast(torch.Tensor, self.quantized(x))
+        return F.linear(x.to(torch.bfloat16), self.prompt_weight).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.rows}+ rows in bfloat16, fewer through the 4-bit linear"
+
+
+def bf16_matmul_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX-512 BF16)."""
+    features = cpu_features()
+    return features.has("amx_bf16") or features.has("avx512_bf16")
+
+
+#: A layer's 4-bit projections: (module, linear).
+_PROJECTIONS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+def widen_prompts(model: nn.Module, rows: int = PROMPT_ROWS) -> nn.Module:
+    """Wrap each 4-bit projection of ``model`` (a Llama quantized to an int4
+    mode) in a :class:`PromptBf16Linear`; returns ``model``. ValueError for
+    a model not quantized to 4 bits, or one wrapped already."""
+    mode = getattr(model, "quantization", None)
+    if mode is None or not str(mode).startswith("int4"):
+        raise ValueError(
+            f"prefill_bf16: the model's quantization is {mode!r}; expected an int4 mode "
+            "(int4, int4-q8, int4-bf16), whose 4-bit prompt chunks it widens"
+        )
+    layers = cast(Any, model).model.layers
+    for layer in layers:
+        for module_name, linear_name in _PROJECTIONS:
+            module = getattr(layer, module_name)
+            linear = getattr(module, linear_name)
+            if isinstance(linear, PromptBf16Linear):
+                raise ValueError("prefill_bf16: the model's prompt chunks are widened already")
+            setattr(module, linear_name, PromptBf16Linear(linear, rows))
+    return model
