@@ -39,6 +39,7 @@ from bench.bench_vllm_serve import Contender, free_port, serving
 from bench.bench_vllm_serve import _contenders as serve_contenders
 from bench.conftest import RESULTS_DIR, cpu_name
 from bench.vllm_cpu_run import VLLM_PYTHON, vllm_python
+from graphrunner_ref.model.cpu_features import kernel_summary
 
 #: Words questions and the system prompt are drawn from.
 WORDS = [
@@ -159,6 +160,7 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> 
         f"# Multi-turn chats: time to first token by turn ({args.name})",
         "",
         f"- cpu: {cpu}, {os.cpu_count()} cores; each server on one compute thread",
+        f"- graphrunner's kernel paths here: {kernel_summary(['int4-q8', 'int4-bf16'])}",
         f"- command: `PYTHONPATH=. .venv/bin/python -m bench.bench_multiturn --model {args.model}`",
         f"- {args.conversations} conversations at once, {args.turns} turns each; a system "
         f"prompt of {args.system_len} words, questions of {args.question_len} words, answers "

@@ -40,6 +40,7 @@ from typing import Any
 
 from bench.conftest import RESULTS_DIR, cpu_name
 from bench.vllm_cpu_run import VLLM_PYTHON, vllm_python
+from graphrunner_ref.model.cpu_features import kernel_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Seconds a server may take to load and listen.
@@ -227,8 +228,12 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, 
         f"# graphrunner serve against vllm serve under `vllm bench serve`: {args.name}",
         "",
         f"- cpu: {cpu}, {os.cpu_count()} cores; each server on one compute thread",
+        f"- graphrunner's kernel paths here: {kernel_summary(['int4-q8', 'int4-bf16'])}",
         f"- command: `PYTHONPATH=. {VLLM_PYTHON}=... .venv/bin/python -m bench.bench_vllm_serve "
-        f"--model {args.model}`",
+        f"--model {args.model} --num-prompts {args.num_prompts} --concurrency "
+        f"{args.concurrency} --name {args.name}"
+        + (f" --only '{args.only}'" if getattr(args, "only", "") else "")
+        + "`",
         f"- {args.num_prompts} prompts a workload, concurrency {args.concurrency}; vLLM "
         "bfloat16, its prefix cache on (its default); the ratio is against vLLM's row of the "
         "same workload, this run",
