@@ -83,7 +83,9 @@ def _turn(port: int, messages: list[dict[str, str]], answer_len: int) -> tuple[f
     first: float | None = None
     text = []
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "json"})
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"turn answered {response.status}: {response.read()[:500]!r}")
