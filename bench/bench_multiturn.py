@@ -163,7 +163,10 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> 
         "",
         f"- cpu: {cpu}, {os.cpu_count()} cores; each server on one compute thread",
         f"- graphrunner's kernel paths here: {kernel_summary(['int4-q8', 'int4-bf16'])}",
-        f"- command: `PYTHONPATH=. .venv/bin/python -m bench.bench_multiturn --model {args.model}`",
+        f"- command: `PYTHONPATH=. .venv/bin/python -m bench.bench_multiturn --model {args.model} "
+        f"--name {args.name}"
+        + (f" --only '{args.only}'" if getattr(args, "only", "") else "")
+        + "`",
         f"- {args.conversations} conversations at once, {args.turns} turns each; a system "
         f"prompt of {args.system_len} words, questions of {args.question_len} words, answers "
         f"up to {args.answer_len} tokens, greedy; every turn resends the history",
