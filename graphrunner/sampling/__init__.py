@@ -1,7 +1,5 @@
-"""sampling: per-request sampling parameters as declared buffers, a
-counter-based random stream, a branch-free in-graph sampler, and the
-penalties, logit bias and ``min_tokens`` hold it applies first (per-request
-token counts), and a grammar's token bitmask."""
+"""sampling: per-request parameters as declared buffers, a counter-based random stream, an
+in-graph sampler and what it applies first: penalties, logit bias, min_tokens, a bitmask."""
 
 from __future__ import annotations
 
@@ -9,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from graphrunner.sampling.params import (
     MAX_LOGIT_BIAS,
+    MAX_SEED,
     SAMPLING_FIELD_NAMES,
     SAMPLING_FIELDS,
     SamplingParams,
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_HOLD_TOKENS",
     "MAX_LOGIT_BIAS",
+    "MAX_SEED",
     "PENALTY_FIELDS",
     "PENALTY_FIELD_NAMES",
     "SAMPLING_FIELDS",

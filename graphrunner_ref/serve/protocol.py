@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
-from graphrunner.sampling.params import MAX_SEED
+from graphrunner.sampling import MAX_HOLD_TOKENS, MAX_SEED, SamplingParams
 from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
