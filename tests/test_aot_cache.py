@@ -244,6 +244,38 @@ def test_a_failed_build_leaves_nothing_half_written(
     torch.testing.assert_close(runner.replay(batch), expected)
 
 
+def test_a_folder_moved_aside_by_another_process_compiles_as_without(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes saving the same key at once: the other one moves this
+    one's fresh folder aside right after it was written. The capture does not
+    fail: it says why and compiles as without the cache."""
+    pristine = _artifact(built[0]) / aot.PACKAGE
+
+    def compiled(self: Any, flat: Any, args: Any, dynamic: Any) -> Path:
+        stage = tmp_path / "stage"
+        stage.mkdir()
+        shutil.copy(pristine, stage / aot.PACKAGE)
+        return stage / aot.PACKAGE
+
+    real_write = aot._write
+
+    def write_then_lose(folder: Path, manifest: Any, package: Path) -> None:
+        real_write(folder, manifest, package)
+        shutil.rmtree(folder)  # the other process's rename, at the worst moment
+
+    monkeypatch.setattr(aot.AotPrograms, "_compile", compiled)
+    monkeypatch.setattr(aot, "_write", write_then_lose)
+    world = ToyWorld("cpu")
+    runner = _runner(world, tmp_path / "cache")
+    with pytest.warns(RuntimeWarning, match="cannot save in"):
+        runner.capture()
+    assert runner.mechanism.aot_status.startswith("refused (cannot save in")
+    batch = world.make_batch(3, seed=3)
+    expected, _ = world.eager_reference(batch)
+    torch.testing.assert_close(runner.replay(batch), expected)
+
+
 def test_the_aot_cache_flag_and_the_references_key(tmp_path: Path) -> None:
     """``--aot-cache DIR`` is the engine config's; the reference keys the CPU
     runners' programs by its model, dtype, quantize mode and CPU."""

@@ -465,10 +465,14 @@ class AotPrograms:
         package = self._compile(flat, real, tuple(dynamic))
         try:
             _write(folder, self._manifest, package)
-        except OSError as e:
+            # Another process saving the same key (servers started at once)
+            # may move this folder aside for its own at any moment: what is
+            # read back here may be gone, and the step then compiles as
+            # without the cache rather than failing the capture.
+            self._manifest = json.loads((folder / MANIFEST).read_text())
+            self._open(folder / PACKAGE)
+        except (OSError, RuntimeError) as e:
             raise AotRefused(f"cannot save in {folder.parent} ({e})") from None
-        self._manifest = json.loads((folder / MANIFEST).read_text())
-        self._open(folder / PACKAGE)
 
     def _compile(self, flat: _Flat, args: tuple[torch.Tensor, ...], dynamic: Any) -> Path:
         from torch._inductor import aoti_compile_and_package
