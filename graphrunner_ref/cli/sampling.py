@@ -25,7 +25,7 @@ from graphrunner.sampling import SamplingParams
 from graphrunner_ref.cli.common import UsageError, check_range, json_line
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import MAX_LOGPROBS
-from graphrunner_ref.engine.serving import samples
+from graphrunner_ref.engine.serving import penalized, samples
 from graphrunner_ref.engine.workload import Request
 
 __all__ = [
@@ -153,7 +153,7 @@ def check_modes(args: argparse.Namespace, trace: Sequence[Request], command: str
     distribution only). ``--overlap`` draws plain sampling's tokens exactly,
     so it is compared with it. Penalties and logit bias are refused with
     ``--speculative`` or ``--check`` (their steps apply none)."""
-    if any(r.sampling is not None and r.sampling.penalized for r in trace):
+    if penalized(trace):
         check = getattr(args, "check", False)
         mode = "--speculative" if args.speculative else "--check" if check else None
         if mode is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "build",
     "model_kind",
     "open_engine",
+    "penalized",
     "samples",
     "structured_runner",
     "serve",

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-__all__ = ["APIError", "error_body", "install_handlers", "validation_error"]
+__all__ = ["APIError", "error_body", "install_handlers", "shown", "validation_error"]
 
 log = logging.getLogger("graphrunner.serve")
 
@@ -70,8 +70,18 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def shown(value: Any) -> str:
+    """A field's value (from a JSON body) for a message, cut to 60 characters:
+    a text as Python quotes it, anything else as JSON."""
+    return _cut(repr(value) if isinstance(value, str) else json.dumps(value))
+
+
 def _shown(value: Any) -> str:
-    text = json.dumps(value) if _jsonable(value) else repr(value)
+    """pydantic's input for a message: JSON where it is JSON, else its repr."""
+    return _cut(json.dumps(value) if _jsonable(value) else repr(value))
+
+
+def _cut(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -32,7 +32,7 @@ from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.engine.serving import structured_runner
 from graphrunner_ref.io.text import TextCodec
-from graphrunner_ref.serve.errors import APIError
+from graphrunner_ref.serve.errors import APIError, shown
 from graphrunner_ref.serve.protocol import ChatRequest, CompletionRequest, Job
 from graphrunner_ref.serve.tools import call_grammar
 
@@ -95,7 +95,7 @@ def grammar_spec(fields: dict[str, Any]) -> GrammarSpec | None:
         }:
             raise APIError(
                 400,
-                f"response_format.json_schema={_shown(body)}: expected an object with "
+                f"response_format.json_schema={shown(body)}: expected an object with "
                 "name, schema, strict and description",
                 param="response_format.json_schema",
             )
@@ -103,7 +103,7 @@ def grammar_spec(fields: dict[str, Any]) -> GrammarSpec | None:
         return _json_spec(schema, "response_format.json_schema.schema")
     raise APIError(
         400,
-        f'response_format={_shown(fmt)}: expected {{"type": "text"}}, '
+        f'response_format={shown(fmt)}: expected {{"type": "text"}}, '
         '{"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',
         param="response_format",
     )
@@ -138,7 +138,7 @@ def _vllm_spec(vllm: Any) -> GrammarSpec:
         why = f"{unknown[0]!r} is not taken" if unknown else f"{len(asked)} grammars given"
         raise APIError(
             400,
-            f"structured_outputs={_shown(vllm)}: {why}; expected one of {', '.join(_VLLM_KEYS)}",
+            f"structured_outputs={shown(vllm)}: {why}; expected one of {', '.join(_VLLM_KEYS)}",
             param="structured_outputs",
         )
     ((key, value),) = asked.items()
@@ -153,17 +153,17 @@ def _vllm_spec(vllm: Any) -> GrammarSpec:
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
             raise APIError(
-                400, f"{param}={_shown(value)}: expected a list of non-empty texts", param=param
+                400, f"{param}={shown(value)}: expected a list of non-empty texts", param=param
             )
         return GrammarSpec(kind, _checked_text(json.dumps(value), param), param)
     if not isinstance(value, str) or not value:
-        raise APIError(400, f"{param}={_shown(value)}: expected a non-empty text", param=param)
+        raise APIError(400, f"{param}={shown(value)}: expected a non-empty text", param=param)
     return GrammarSpec(kind, _checked_text(value, param), param)
 
 
 def _json_spec(schema: Any, param: str) -> GrammarSpec:
     if not isinstance(schema, (dict, bool)):
-        raise APIError(400, f"{param}={_shown(schema)}: expected a JSON schema object", param=param)
+        raise APIError(400, f"{param}={shown(schema)}: expected a JSON schema object", param=param)
     return GrammarSpec("json_schema", _checked_text(json.dumps(schema), param), param)
 
 
@@ -183,11 +183,6 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Grammars:

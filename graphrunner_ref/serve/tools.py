@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphrunner_ref.io.text import TextCodec
-from graphrunner_ref.serve.errors import APIError
+from graphrunner_ref.serve.errors import APIError, shown
 
 __all__ = [
     "MAX_TOOLS",
@@ -83,7 +83,7 @@ def tools_of(tools: Any, tool_choice: Any, codec: TextCodec | None) -> Tools | N
         if tool_choice not in (None, "none", "auto"):
             raise APIError(
                 400,
-                f"tool_choice={_shown(tool_choice)}: given without tools; expected tools too",
+                f"tool_choice={shown(tool_choice)}: given without tools; expected tools too",
                 param="tool_choice",
             )
         return None
@@ -111,14 +111,14 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise APIError(
             400,
-            f"{param}={_shown(tool)}: expected {{'type': 'function', 'function': {{...}}}}",
+            f"{param}={shown(tool)}: expected {{'type': 'function', 'function': {{...}}}}",
             param=param,
         )
     fn = tool.get("function")
     if not isinstance(fn, dict) or not _NAME.match(str(fn.get("name", ""))):
         raise APIError(
             400,
-            f"{param}.function={_shown(fn)}: expected an object with a name of 1..64 "
+            f"{param}.function={shown(fn)}: expected an object with a name of 1..64 "
             "letters, digits, '_', '.' or '-'",
             param=f"{param}.function",
         )
@@ -126,7 +126,7 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise APIError(
             400,
-            f"{param}.function.parameters={_shown(parameters)}: expected a JSON schema object",
+            f"{param}.function.parameters={shown(parameters)}: expected a JSON schema object",
             param=f"{param}.function.parameters",
         )
     kept = {"name": fn["name"], "parameters": parameters}
@@ -140,7 +140,7 @@ def _named(choice: Any) -> str:
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)):
         raise APIError(
             400,
-            f"tool_choice={_shown(choice)}: expected none, auto, required or "
+            f"tool_choice={shown(choice)}: expected none, auto, required or "
             "{'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
@@ -225,8 +225,3 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return text, []
     content = _CALL.sub("", text).strip()
     return content or None, calls
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
