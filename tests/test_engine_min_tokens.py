@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_engine_penalties import run_penalized
 
-from graphrunner import FutureMap
 from graphrunner.sampling import SamplingParams, sample
-from graphrunner_ref import Engine, Request, create_decode_runner, default_model
+from graphrunner_ref import Request, default_model
 
 CTX = 48
 NEW = 12
@@ -67,32 +67,10 @@ def end_token() -> int:
     return next(free[i] for i in range(2, NEW) if free[i] not in free[:i])
 
 
-def _run(
-    trace: list[Request], end: int, *, penalties: bool = True, sanitize: bool = False, **engine: Any
-) -> dict[int, list[int]]:
-    bundle = default_model(max_requests=4, max_context_len=CTX)
-    overlap = engine.get("overlap", False)
-    future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
-    steps = engine.get("steps_per_launch", 1)
-    runner = create_decode_runner(
-        bundle,
-        "eager",
-        capture_sizes=[4],
-        sampling=True,
-        penalties=penalties,
-        future_map=future,
-        steps_per_launch=steps,
-        end_token=end if steps > 1 else None,
-        check_padding=sanitize,
-    )
-    runner.capture()
-    return Engine(bundle, runner, end_token=end, **engine).run(trace).outputs
-
-
 def test_min_tokens_holds_the_end_token_back(end_token: int) -> None:
-    free = _run([Request(0, PROMPTS[0], NEW)], end_token)[0]
+    free = run_penalized([Request(0, PROMPTS[0], NEW)], end_token)[0]
     assert free[-1] == end_token and len(free) < 6  # the greedy answer ends early
-    got = _run([Request(0, PROMPTS[0], NEW, min_tokens=6)], end_token)[0]
+    got = run_penalized([Request(0, PROMPTS[0], NEW, min_tokens=6)], end_token)[0]
     assert len(got) >= 6
     assert end_token not in got[:6]
     assert got == alone(PROMPTS[0], NEW, {end_token}, 6)
@@ -102,7 +80,9 @@ def test_the_end_token_comes_right_after_the_hold(end_token: int) -> None:
     # biased to the top, the end token is drawn at once when held no longer
     eager = SamplingParams(logit_bias={end_token: 100.0})
     for m in (0, 1, 5):
-        got = _run([Request(0, PROMPTS[1], NEW, sampling=eager, min_tokens=m)], end_token)[0]
+        got = run_penalized([Request(0, PROMPTS[1], NEW, sampling=eager, min_tokens=m)], end_token)[
+            0
+        ]
         assert len(got) == m + 1 and got[-1] == end_token, (m, got)
 
 
@@ -139,13 +119,13 @@ def test_each_request_gets_the_references_tokens_in_a_padded_batch(
     if engine.get("steps_per_launch"):  # several steps a launch refuse ignore_eos
         trace = [r for r in trace if not r.ignore_eos]
     want = _alone_of(trace, end_token)
-    assert _run(trace, end_token, **engine) == want
+    assert run_penalized(trace, end_token, **engine) == want
     assert all(len(want[r.rid]) >= r.min_tokens for r in trace)
 
 
 def test_a_runner_without_penalties_refuses_min_tokens_by_name(end_token: int) -> None:
     with pytest.raises(ValueError, match="min_tokens"):
-        _run([Request(0, PROMPTS[0], NEW, min_tokens=3)], end_token, penalties=False)
+        run_penalized([Request(0, PROMPTS[0], NEW, min_tokens=3)], end_token, penalties=False)
 
 
 def test_min_tokens_above_max_new_tokens_or_with_a_grammar_is_refused_by_name() -> None:

@@ -37,11 +37,22 @@ def _trace(params: Sequence[SamplingParams], arrive_every: int = 1) -> list[Requ
     ]
 
 
-def _run(trace: list[Request], *, penalties: bool = True, **engine: Any) -> dict[int, list[int]]:
-    steps = engine.get("steps_per_launch", 1)
+def run_penalized(
+    trace: list[Request],
+    end: int | None = None,
+    *,
+    penalties: bool = True,
+    sanitize: bool = False,
+    **engine: Any,
+) -> dict[int, list[int]]:
+    """``trace``'s outputs through an engine over the embedded model whose
+    eager runner samples with (or without) ``penalties``, ending rows at
+    ``end``, with the padding sanitizer when ``sanitize``; ``engine``: the
+    engine's options (``overlap``, ``steps_per_launch``, ...)."""
     bundle = default_model(max_requests=4, max_context_len=CTX)
     overlap = engine.get("overlap", False)
     future = FutureMap(bundle.req_pool.req_to_token.shape[0], bundle.device) if overlap else None
+    steps = engine.get("steps_per_launch", 1)
     runner = create_decode_runner(
         bundle,
         "eager",
@@ -50,9 +61,11 @@ def _run(trace: list[Request], *, penalties: bool = True, **engine: Any) -> dict
         penalties=penalties,
         future_map=future,
         steps_per_launch=steps,
+        end_token=end if steps > 1 else None,
+        check_padding=sanitize,
     )
     runner.capture()
-    return Engine(bundle, runner, **engine).run(trace).outputs
+    return Engine(bundle, runner, end_token=end, **engine).run(trace).outputs
 
 
 def alone_tokens(request: Request) -> list[int]:
@@ -80,31 +93,33 @@ def alone() -> dict[int, list[int]]:
 
 
 def test_each_request_gets_the_references_tokens_in_a_padded_batch(alone) -> None:
-    got = _run(_trace(PARAMS))
+    got = run_penalized(_trace(PARAMS))
     assert got == alone
     # the penalties bite: a neutral run of the same prompts picks other tokens
-    plain = _run(_trace([SamplingParams(temperature=p.temperature, seed=p.seed) for p in PARAMS]))
+    plain = run_penalized(
+        _trace([SamplingParams(temperature=p.temperature, seed=p.seed) for p in PARAMS])
+    )
     assert sum(plain[i] != alone[i] for i in alone) >= 3
 
 
 @pytest.mark.parametrize("engine", [{"overlap": True}, {"steps_per_launch": 3}])
 def test_overlap_and_several_steps_a_launch_count_as_one_step_does(alone, engine) -> None:
-    assert _run(_trace(PARAMS, arrive_every=0), **engine) == alone
+    assert run_penalized(_trace(PARAMS, arrive_every=0), **engine) == alone
 
 
 def test_neutral_rows_match_the_runner_without_penalties() -> None:
     neutral = [SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
-    assert _run(_trace(neutral)) == _run(_trace(neutral), penalties=False)
+    assert run_penalized(_trace(neutral)) == run_penalized(_trace(neutral), penalties=False)
 
 
 def test_a_runner_without_penalties_refuses_them_by_name() -> None:
     with pytest.raises(ValueError, match="repetition_penalty"):
-        _run(_trace(PARAMS[:1]), penalties=False)
+        run_penalized(_trace(PARAMS[:1]), penalties=False)
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
-        _run(_trace([SamplingParams(logit_bias={10_000: 1.0})]))
+        run_penalized(_trace([SamplingParams(logit_bias={10_000: 1.0})]))
 
 
 def _sanitized(trace: list[Request]) -> dict[int, list[int]]:
