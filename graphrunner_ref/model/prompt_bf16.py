@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner_ref.model.cpu_features import cpu_features
+from graphrunner_ref.model.quantize import INT4_MODES, STACKS
 
 __all__ = ["PROMPT_ROWS", "PromptBf16Linear", "bf16_matmul_units", "widen_prompts"]
 
@@ -75,28 +76,19 @@ def bf16_matmul_units() -> bool:
     return features.has("amx_bf16") or features.has("avx512_bf16")
 
 
-#: A layer's 4-bit projections: (module, linear).
-_PROJECTIONS = (
-    ("self_attn", "qkv_proj"),
-    ("self_attn", "o_proj"),
-    ("mlp", "gate_up_proj"),
-    ("mlp", "down_proj"),
-)
-
-
 def widen_prompts(model: nn.Module, rows: int = PROMPT_ROWS) -> nn.Module:
     """Wrap each 4-bit projection of ``model`` (a Llama quantized to an int4
     mode) in a :class:`PromptBf16Linear`; returns ``model``. ValueError for
     a model not quantized to 4 bits, or one wrapped already."""
     mode = getattr(model, "quantization", None)
-    if mode is None or not str(mode).startswith("int4"):
+    if mode not in INT4_MODES:
         raise ValueError(
             f"prefill_bf16: the model's quantization is {mode!r}; expected an int4 mode "
             "(int4, int4-q8, int4-bf16), whose 4-bit prompt chunks it widens"
         )
     layers = cast(Any, model).model.layers
     for layer in layers:
-        for module_name, linear_name in _PROJECTIONS:
+        for module_name, linear_name, _ in STACKS:
             module = getattr(layer, module_name)
             linear = getattr(module, linear_name)
             if isinstance(linear, PromptBf16Linear):

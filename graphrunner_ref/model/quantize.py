@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INT4_MODES",
     "QUANTIZATIONS",
+    "STACKS",
     "check_quantization",
     "compact_head",
     "compact_linear",
@@ -270,7 +271,7 @@ def quantize_model(
 
 
 #: Each layer's compact linears: (module, linear, the projections stacked in it, in order).
-_STACKS = (
+STACKS = (
     ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
     ("self_attn", "o_proj", ("o_proj",)),
     ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
@@ -283,7 +284,7 @@ def _take_codes(model: LlamaDecoder, codes: Mapping[str, Int4Weight]) -> None:
     unused = set(codes)
     shapes = projection_shapes(model.config)
     for i, layer in enumerate(model.model.layers):
-        for module, linear_name, parts in _STACKS:
+        for module, linear_name, parts in STACKS:
             linear = cast(Int4Linear, getattr(getattr(layer, module), linear_name))
             start = 0
             for part in parts:
