@@ -3,7 +3,8 @@ tiny Llama whose chat template declares tools (Hermes / Qwen format): a
 named or required ``tool_choice`` holds the answer to a call whose arguments
 follow the function's schema, parsed into ``tool_calls`` (``arguments`` a
 JSON string, ``"{}"`` when empty) with ``finish_reason`` ``tool_calls``,
-streamed and not; the call and its result go back in the next turn; the
+streamed (content as it comes, a call's name once read, its arguments
+as they are written) and not, the two alike; the call and its result go back in the next turn; the
 model's own ``<tool_call>`` text is parsed under ``auto`` and left as text
 under ``none``; bad tools and choices are a 400 naming the field."""
 
@@ -129,26 +130,87 @@ def test_a_call_round_trips_into_the_next_turn(client: Any) -> None:
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and result went in
 
 
-def test_a_streamed_call_arrives_as_one_tool_calls_delta(client: Any) -> None:
-    whole = client.chat.completions.create(
-        model="tiny", messages=ASK, tools=[WEATHER], tool_choice=_named("w"), max_tokens=NEW
+def _streamed(client: Any, **fields: Any) -> tuple[list[Any], str | None, list[Any], str]:
+    """A streamed answer's chunks, and its content, ``(id, name, arguments)``
+    of each call and finish reason as a client joins them."""
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, stream=True, **fields))
+    deltas = [ch.choices[0].delta for ch in chunks]
+    calls: dict[int, list[str]] = {}
+    for call in (c for d in deltas for c in d.tool_calls or []):
+        entry = calls.setdefault(call.index, ["", "", ""])
+        if call.id is not None:
+            assert not entry[0], "a call's id came twice"
+            entry[0] = call.id
+        entry[1] += call.function.name or ""
+        entry[2] += call.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    content = "".join(d.content or "" for d in deltas) or None
+    return chunks, content, [tuple(c) for c in calls.values()], chunks[-1].choices[0].finish_reason
+
+
+def _forced(text: str) -> dict[str, Any]:
+    """Fields that hold the answer to ``text`` under ``tool_choice`` auto."""
+    return {"tools": [WEATHER, NOW], "extra_body": {"structured_outputs": {"choice": [text]}}}
+
+
+CALL_W = '<tool_call>{"name": "w", "arguments": {"c": "y"}}</tool_call>'
+TWO_CALLS = '<tool_call>{"name":"t"}</tool_call><tool_call>{"name":"t","arguments":{}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [WEATHER, NOW], "tool_choice": _named("w")},
+        {"tools": [WEATHER, NOW], "tool_choice": "required"},
+        {"tools": [WEATHER, NOW], "tool_choice": "auto"},
+        _forced(f"ok {CALL_W}"),
+        _forced(TWO_CALLS),
+        _forced("no <tool_call>{bad}</tool_call>"),
+    ],
+    ids=["named", "required", "auto", "auto-content-then-call", "auto-two-calls", "auto-bad"],
+)
+def test_streamed_deltas_join_into_the_whole_answer(client: Any, fields: dict[str, Any]) -> None:
+    fields = {"max_tokens": NEW, "temperature": 0, "seed": 7, **fields}
+    whole = client.chat.completions.create(model="tiny", messages=ASK, **fields).choices[0]
+    chunks, content, calls, finish = _streamed(client, **fields)
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert content == whole.message.content
+    assert [(name, arguments) for _, name, arguments in calls] == expected
+    assert all(id_.startswith("call_") for id_, _, _ in calls)
+    assert finish == whole.finish_reason and (finish == "tool_calls") == bool(calls)
+    tokens = [t for ch in chunks for t in getattr(ch.choices[0], "token_ids", None) or []]
+    assert tokens == whole.token_ids  # vLLM's extension: every token once, in order
+
+
+def test_a_calls_arguments_stream_in_pieces_after_its_name(client: Any) -> None:
+    chunks, _, calls, finish = _streamed(
+        client, tools=[WEATHER], tool_choice=_named("w"), max_tokens=NEW, temperature=0
     )
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=ASK,
-        tools=[WEATHER],
-        tool_choice=_named("w"),
-        max_tokens=NEW,
-        stream=True,
-    )
-    chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "w")]
-    expected = whole.choices[0].message.tool_calls[0].function.arguments
-    assert calls[0].function.arguments == expected
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    deltas = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.function.name, first.function.arguments) == (0, "w", "")
+    assert len(rest) > 1 and all(d.function.arguments and d.id is None for d in rest)
+    assert json.loads(calls[0][2]) in ({"c": "x"}, {"c": "y"}) and finish == "tool_calls"
     assert not any(ch.choices[0].delta.content for ch in chunks)
+
+
+def test_content_before_a_call_streams_before_it(client: Any) -> None:
+    chunks, content, calls, _ = _streamed(client, max_tokens=NEW, **_forced(f"ok {CALL_W}"))
+    said = [k for k, ch in enumerate(chunks) if ch.choices[0].delta.content]
+    called = [k for k, ch in enumerate(chunks) if ch.choices[0].delta.tool_calls]
+    assert content == "ok" and [(n, a) for _, n, a in calls] == [("w", '{"c": "y"}')]
+    assert said and called and said[-1] < called[0]
+    # ... before the call's first tokens were made, not with it at its end
+    assert any(getattr(ch.choices[0], "token_ids", None) for ch in chunks[said[-1] + 1 : called[0]])
+    assert not any("<" in (ch.choices[0].delta.content or "") for ch in chunks)
+
+
+def test_two_calls_stream_with_indexes_0_and_1(client: Any) -> None:
+    chunks, content, calls, finish = _streamed(client, max_tokens=NEW, **_forced(TWO_CALLS))
+    assert content is None and finish == "tool_calls"
+    assert [(n, a) for _, n, a in calls] == [("t", "{}"), ("t", "{}")]
+    assert calls[0][0] != calls[1][0]
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError, error_body
 from graphrunner_ref.serve.online import DEADLINE, SHUTDOWN, Delta, OnlineEngine, Ticket
 from graphrunner_ref.serve.protocol import Job, usage
-from graphrunner_ref.serve.tools import parse_tool_calls
+from graphrunner_ref.serve.tools import ToolCallParser, parse_tool_calls
 
 __all__ = ["Answer", "Choice", "TextStream", "merged_deltas", "status_of"]
 
@@ -153,6 +153,8 @@ class Choice:
             stop_tokens=job.stop_token_ids,
         )
         self.end: Delta | None = None  # its last delta, once it came
+        parsed = chat and job.tools is not None and job.tools.parsed
+        self.calls = ToolCallParser() if parsed else None  # its streamed tool calls
         self._role_pending = chat  # the chat role leaves with the first token
 
     def whole(self, deltas: list[Delta]) -> dict[str, Any]:
@@ -193,33 +195,59 @@ class Choice:
             # With the first token, as vLLM's: a client's time to first chunk
             # is its time to first token.
             self._role_pending = False
-            out.append(self._entry({"role": "assistant", "content": ""}, None, None, []))
-        if self.job.tools is not None and self.job.tools.parsed:
-            return out + self._held_back(delta)
+            out.append(self._entry({"role": "assistant", "content": ""}, None))
+        if self.calls is not None:
+            return out + self._with_calls(delta)
         text = self.stream.add(delta.tokens, last=delta.last)
         if text or delta.tokens or delta.last:
             content = {"content": text} if self.chat and (text or not delta.last) else {}
             logprobs = self.logprobs(delta.tokens, delta.logprobs)
-            out.append(self._entry(content if self.chat else text, delta.finish, delta, logprobs))
+            out.append(
+                self._entry(
+                    content if self.chat else text,
+                    logprobs,
+                    finish=delta.finish,
+                    stop=delta.stop,
+                    tokens=delta.tokens,
+                )
+            )
         return out
 
-    def _held_back(self, delta: Delta) -> list[dict[str, Any]]:
-        """A choice that may call tools sends its answer at its end, in one
-        chunk: its content, or its calls as ``tool_calls`` deltas (each with
-        its ``index``), so a client never sees a call's text as content."""
-        self.stream.add(delta.tokens, last=delta.last)
-        if not delta.last:
-            return []
-        content, calls = parse_tool_calls(self.stream.text())
-        body: dict[str, Any] = {} if content is None else {"content": content}
-        if calls:
-            body["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-        finish = "tool_calls" if calls else delta.finish
-        whole = Delta(self.stream.tokens, finish=finish, stop=delta.stop)
-        return [self._entry(body, finish, whole, None)]
+    def _with_calls(self, delta: Delta) -> list[dict[str, Any]]:
+        """The chunks of a choice that may call tools: its content as it
+        comes, and its calls as ``tool_calls`` deltas, the name as soon as it
+        is read and the arguments as they are written
+        (:class:`~graphrunner_ref.serve.tools.ToolCallParser`: no tag's text
+        ever reaches the content). The delta's tokens and log-probabilities
+        go with its first chunk, its end with its last (``tool_calls`` once
+        a call was made)."""
+        assert self.calls is not None
+        text = self.stream.add(delta.tokens, last=delta.last)
+        bodies = self.calls.feed(text) + (self.calls.finish() if delta.last else [])
+        if not bodies and (delta.tokens or delta.last):
+            bodies = [{} if delta.last else {"content": ""}]
+        finish = "tool_calls" if delta.last and self.calls.calls else delta.finish
+        logprobs = self.logprobs(delta.tokens, delta.logprobs)
+        last = len(bodies) - 1
+        return [
+            self._entry(
+                body,
+                logprobs if k == 0 else None,
+                finish=finish if k == last else None,
+                stop=delta.stop,
+                tokens=delta.tokens if k == 0 else [],
+            )
+            for k, body in enumerate(bodies)
+        ]
 
     def _entry(
-        self, content: Any, finish: str | None, delta: Delta | None, logprobs: Any
+        self,
+        content: Any,
+        logprobs: Any,
+        *,
+        finish: str | None = None,
+        stop: str | int | None = None,
+        tokens: Sequence[int] = (),
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
@@ -228,10 +256,10 @@ class Choice:
             choice["text"] = content
         choice["logprobs"] = logprobs or None
         choice["finish_reason"] = finish
-        if finish is not None and delta is not None:
-            choice["stop_reason"] = delta.stop
-        if delta is not None and delta.tokens:
-            choice["token_ids"] = delta.tokens
+        if finish is not None:
+            choice["stop_reason"] = stop
+        if tokens:
+            choice["token_ids"] = list(tokens)
         return choice
 
     def logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> Any:
