@@ -65,8 +65,7 @@ class EagleDraftModel(_DraftFacts, Protocol):
 
 
 class MtpDraftModel(_DraftFacts, Protocol):
-    """A frozen-KV MTP head that :func:`~graphrunner.phases.frozen_kv_mtp_phase`
-    captures."""
+    """A frozen-KV MTP head that :func:`~graphrunner.phases.frozen_kv_mtp_phase` captures."""
 
     @property
     def forward_draft(self) -> ForwardFn:

@@ -1,5 +1,4 @@
-"""Pools of request rows, KV token slots (shared by prefix with
-:class:`CachedKVAllocator`) and Mamba state; slot 0 of each is padding."""
+"""Pools of request rows, KV slots (prefix-shared; int8), Mamba state; slot 0 of each pads."""
 
 from __future__ import annotations
 
@@ -14,12 +13,13 @@ from graphrunner.pools.req_to_token import DecodeReqToTokenPool, ReqToTokenPool
 from graphrunner.pools.slots import SlotAllocator
 
 if TYPE_CHECKING:
+    from graphrunner.pools.kv_int8 import Int8KVCache
     from graphrunner.pools.prefix_cache import CachedKVAllocator, PrefixCacheStats, PrefixMatch
     from graphrunner.pools.prefix_index import CacheScope, PrefixIndex
 
-#: The prefix cache's names load on first use: a pool that never shares pages
-#: never imports them.
+#: Names loaded on first use (a pool that never shares pages never imports them).
 _LAZY = {
+    "graphrunner.pools.kv_int8": ("Int8KVCache",),
     "graphrunner.pools.prefix_cache": ("CachedKVAllocator", "PrefixCacheStats", "PrefixMatch"),
     "graphrunner.pools.prefix_index": ("CacheScope", "PrefixIndex"),
 }
@@ -31,6 +31,7 @@ __all__ = [
     "DecodeReqToTokenPool",
     "DoubleFree",
     "HybridReqToTokenPool",
+    "Int8KVCache",
     "InvalidSlot",
     "KVCache",
     "MambaStatePool",

@@ -26,6 +26,7 @@ from graphrunner_ref.cli.sizes import MAX_GRAPHS
 from graphrunner_ref.engine.config import (
     DEFAULT_BATCHED_TOKENS,
     DTYPES,
+    KV_DTYPES,
     MAX_BATCHED_TOKENS,
     EngineConfig,
 )
@@ -323,11 +324,13 @@ def _model(g: Groups) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=list(DTYPES),
+        choices=list(KV_DTYPES),
         default=None,
         help="the KV cache's dtype (default: --dtype's). float16 under --dtype float32, on "
         "the CPU: half the KV bytes a step reads (the C++ attention widens them exactly; "
-        "each key and value rounded to float16 once, as llama.cpp's cache holds them)",
+        "each key and value rounded to float16 once, as llama.cpp's cache holds them); "
+        "int8: each head vector of a token as int8 with a float32 scale, max|x|/127 "
+        "(llama.cpp's q8_0 cache), about a quarter of float32's bytes",
     )
     p.add_argument(
         "--quantize",

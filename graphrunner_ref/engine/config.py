@@ -23,6 +23,7 @@ from graphrunner_ref.model.parallel import SINGLE, TensorParallel
 __all__ = [
     "DEFAULT_BATCHED_TOKENS",
     "DTYPES",
+    "KV_DTYPES",
     "MAX_BATCHED_TOKENS",
     "TOKEN_BATCHES_ENV",
     "EngineConfig",
@@ -44,9 +45,13 @@ def _token_batches() -> bool:
 
 #: ``dtype`` names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``kv_dtype`` names: a dtype's, or int8 (:class:`graphrunner.pools.Int8KVCache`).
+KV_DTYPES = {**DTYPES, "int8": torch.int8}
 #: Logit / KV tolerance of ``check`` per dtype: a 16-bit model's graph and
-#: eager forwards round differently (fused vs separate ops) by far more than 1e-4.
-_CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+#: eager forwards round differently (fused vs separate ops) by far more than 1e-4;
+#: an int8 cache's value one float32 rounding off eager's may take the next
+#: integer, 1/254 of its vector's largest value away.
+_CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05, torch.int8: 0.05}
 
 
 class UsageError(Exception):
@@ -137,9 +142,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Ranges are the command line's to check, by flag, before any work.
-        for name, value in (("dtype", self.dtype), ("kv_dtype", self.kv_dtype)):
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"{name}={value!r}; expected one of {list(DTYPES)}")
+        for name, value, names in (
+            ("dtype", self.dtype, DTYPES),
+            ("kv_dtype", self.kv_dtype, KV_DTYPES),
+        ):
+            if value is not None and value not in names:
+                raise ValueError(f"{name}={value!r}; expected one of {list(names)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -148,7 +156,7 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype | None:
         """The KV cache's dtype (None: the model's)."""
-        return None if self.kv_dtype is None else DTYPES[self.kv_dtype]
+        return None if self.kv_dtype is None else KV_DTYPES[self.kv_dtype]
 
     @property
     def atol(self) -> float:

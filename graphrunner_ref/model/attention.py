@@ -28,9 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrunner_ref.model.attention_cpu import cpp_rope_store, cpp_rope_store_runs
-from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend
+from graphrunner_ref.model.attention_cpu import (
+    cpp_q8_runs,
+    cpp_rope_store,
+    cpp_rope_store_q8,
+    cpp_rope_store_runs,
+)
+from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend, kv_scales
 from graphrunner_ref.model.attention_tokens import token_batch_attention
+from graphrunner_ref.model.attention_torch import Scales, read_kv
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.fused import register_stack
 from graphrunner_ref.model.layers import RotaryEmbedding
@@ -122,8 +128,16 @@ class PagedAttention(nn.Module):
         to the heads' outputs ``[n, H D]``, before ``o_proj``. On the CPU in
         float32 the rotary and the KV write are one C++ call
         (:func:`~graphrunner_ref.model.attention_cpu.cpp_rope_store`, the same
-        values bit for bit)."""
+        values bit for bit; into an int8 cache, its ``_q8`` twin, which
+        quantizes as ``set_kv`` does)."""
         k_buf, v_buf = kv.get_kv(self.layer_id)
+        scales = kv_scales(kv, self.layer_id)
+        if rotary.table_rotation and scales is not None and cpp_q8_runs(qkv, k_buf):
+            q = cpp_rope_store_q8(
+                qkv, positions, out_loc, rotary.cos, rotary.sin, (k_buf, v_buf, *scales),
+                self.num_heads,
+            )  # fmt: skip
+            return self.attend_rotated(q, kv, meta)
         if rotary.table_rotation and cpp_rope_store_runs(qkv, k_buf):
             q = cpp_rope_store(
                 qkv, positions, out_loc, rotary.cos, rotary.sin, k_buf, v_buf, self.num_heads
@@ -144,19 +158,25 @@ class PagedAttention(nn.Module):
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k_buf, v_buf = kv.get_kv(self.layer_id)
+        scales = kv_scales(kv, self.layer_id)  # an int8 cache's; None for a float one
         if meta.tokens is not None:  # a token batch: each request's own range
-            return token_batch_attention(q, k_buf, v_buf, meta.tokens, self.scale)
+            return token_batch_attention(q, k_buf, v_buf, meta.tokens, self.scale, scales)
         # A prompt takes torch's fused attention, whose softmax is float32 for
         # float32 and half inputs; a float64 model keeps the float32 softmax of
         # transformers' eager attention (and of decode), which it would widen.
         fused = q.dtype != torch.float64 and meta.paged is None and meta.live is None
         if fused and not meta.decode:
-            return self._prompt(q, k_buf, v_buf, meta)
-        out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale)
+            return self._prompt(q, k_buf, v_buf, meta, scales)
+        out = attend(self._rows(q, meta.slots.shape[0]), k_buf, v_buf, meta, self.scale, scales)
         return self._unrows(out, n)
 
     def _prompt(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        meta: AttnMetadata,
+        scales: Scales | None,
     ) -> torch.Tensor:
         """A prompt's attention, ``q [n, H, D]`` over its row's slots: torch's
         fused attention, heads sharing their KV head (``enable_gqa``), causal
@@ -164,8 +184,9 @@ class PagedAttention(nn.Module):
         lets the fused kernel skip the masked half; a chunk after a prefix
         reads its mask. Returns ``[n, H D]``."""
         n, group = q.shape[0], self.num_heads // self.num_kv_heads
-        k = k_buf[meta.slots].to(q.dtype).transpose(1, 2)  # [1, H_kv, T, D]
-        v = v_buf[meta.slots].to(q.dtype).transpose(1, 2)
+        k_scale, v_scale = (None, None) if scales is None else scales
+        k = read_kv(k_buf, meta.slots, q.dtype, k_scale).transpose(1, 2)  # [1, H_kv, T, D]
+        v = read_kv(v_buf, meta.slots, q.dtype, v_scale).transpose(1, 2)
         whole = k.shape[2] == n
         mask = None if whole else meta.mask.view(1, 1, n, group, -1)[:, :, :, 0]
         out = F.scaled_dot_product_attention(

@@ -56,10 +56,11 @@ def device_attention(
     1,024 columns (``bench/results/context-embedded-cpp-attention-cpu.md``;
     SmolLM2 at batch 1 with 104 columns: 51.1 against 45.7 tok/s); over another
     dtype (the torch reference) from :data:`LIVE_FROM_CAPACITY` columns up,
-    the full-width torch gather below."""
+    the full-width torch gather below. Over an int8 cache (CPU only) the
+    live-width attention too: its C++ kernel, or its torch reference."""
     if device.type == "cuda":
         return "triton"
-    if kv_dtype in KV_DTYPES or capacity >= LIVE_FROM_CAPACITY:
+    if kv_dtype in (*KV_DTYPES, torch.int8) or capacity >= LIVE_FROM_CAPACITY:
         return "live"
     return "torch"
 

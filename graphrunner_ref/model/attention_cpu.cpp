@@ -5,7 +5,10 @@
 //   between the stacked q/k/v product and the attention (the torch reference
 //   it must equal bit for bit: kernels/rope_store.py's `reference`);
 // * graphrunner_attention::decode, decode attention over each row's live KV
-//   slots (the torch reference it must equal: attention_live.py):
+//   slots (the torch reference it must equal: attention_live.py);
+// * rope_store_q8 and decode_q8: the same over an int8 cache, each head
+//   vector of a slot with a float32 scale (llama.cpp's q8_0 cache; the torch
+//   reference: graphrunner.pools.Int8KVCache.quantize / dequantize):
 //
 //   out[b, h, r] = sum_t softmax_t(scale * q[b, h, r] . k[s_t, h]) * v[s_t, h],
 //   s_t = req_to_token[req_pool_indices[b], t],  t < seq_lens[b]
@@ -41,6 +44,11 @@ namespace {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// 8 int8 widened to float32 (exactly; the scale is applied by the caller).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(at::Half* p, __m256 v) {
@@ -92,20 +100,10 @@ inline void copy_row(const float* x, int64_t n, T* dst) {
   for (; i < n; ++i) dst[i] = static_cast<T>(x[i]);
 }
 
-void check_rope_store(const at::Tensor& qkv, const at::Tensor& positions,
+// qkv, the tables and the indices of a rope_store into a cache of kv_heads x dim.
+void check_rope_store(const char* op, const at::Tensor& qkv, const at::Tensor& positions,
                       const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads) {
-  const char* op = "graphrunner_attention::rope_store";
-  const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 3 && (kv_type == at::kFloat || kv_type == at::kHalf) &&
-                  k_cache.is_cpu() && k_cache.is_contiguous() && k_cache.size(2) % 2 == 0,
-              op, ": k_cache must be a contiguous float32 or float16 CPU tensor [slots, H_kv, D] "
-              "with D even, got ", k_cache.sizes(), " ", kv_type);
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv_type &&
-                  v_cache.is_cpu() && v_cache.is_contiguous(),
-              op, ": v_cache must be contiguous ", kv_type, " ", k_cache.sizes(),
-              " as k_cache, got ", v_cache.sizes(), " ", v_cache.scalar_type());
-  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2);
+                      int64_t kv_heads, int64_t dim, int64_t heads) {
   TORCH_CHECK(heads >= 1, op, ": heads = ", heads, ", expected at least 1");
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_cpu() &&
                   qkv.size(1) == (heads + 2 * kv_heads) * dim,
@@ -160,8 +158,18 @@ void rope_store_rows(const float* xp, const int64_t* pos, const int64_t* loc, co
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
                       const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads) {
-  check_rope_store(qkv, positions, out_loc, cos, sin, k_cache, v_cache, heads);
+  const char* op = "graphrunner_attention::rope_store";
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && (kv_type == at::kFloat || kv_type == at::kHalf) &&
+                  k_cache.is_cpu() && k_cache.is_contiguous() && k_cache.size(2) % 2 == 0,
+              op, ": k_cache must be a contiguous float32 or float16 CPU tensor [slots, H_kv, D] "
+              "with D even, got ", k_cache.sizes(), " ", kv_type);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv_type &&
+                  v_cache.is_cpu() && v_cache.is_contiguous(),
+              op, ": v_cache must be contiguous ", kv_type, " ", k_cache.sizes(),
+              " as k_cache, got ", v_cache.sizes(), " ", v_cache.scalar_type());
   const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  check_rope_store(op, qkv, positions, out_loc, cos, sin, kv_heads, dim, heads);
   const at::Tensor x = qkv.contiguous(), pos_t = positions.contiguous(),
                    loc_t = out_loc.contiguous(), c_t = cos.contiguous(), s_t = sin.contiguous();
   const int64_t* pos = pos_t.data_ptr<int64_t>();
@@ -177,6 +185,75 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
   else
     rope_store_rows(xp, pos, loc, cp, sp, rows, heads, kv_heads, dim, q.data_ptr<float>(),
                     k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  return q;
+}
+
+// ---- int8 KV write ---------------------------------------------------------
+//
+// A head vector x of D floats is held as D int8 and one float32 scale:
+// d = max|x| / 127, q = round(x * (1 / d)) (half to even; 0 where d is 0),
+// Int8KVCache.quantize's float32 ops in its order, so equal to it bit for bit.
+
+void quantize_head(const float* x, int64_t dim, int8_t* q, float* d) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.0f;
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t i = 0; i < dim; ++i)
+    q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] * inv))));
+  *d = scale;
+}
+
+at::Tensor rope_store_q8(const at::Tensor& qkv, const at::Tensor& positions,
+                         const at::Tensor& out_loc, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_scale,
+                         at::Tensor& v_scale, int64_t heads) {
+  const char* op = "graphrunner_attention::rope_store_q8";
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kChar && k_cache.is_cpu() &&
+                  k_cache.is_contiguous() && k_cache.size(2) % 2 == 0 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kChar &&
+                  v_cache.is_cpu() && v_cache.is_contiguous(),
+              op, ": k_cache and v_cache must be contiguous int8 CPU tensors [slots, H_kv, D] "
+              "alike with D even, got ", k_cache.sizes(), " ", k_cache.scalar_type(), " and ",
+              v_cache.sizes(), " ", v_cache.scalar_type());
+  for (const at::Tensor* sc : {&k_scale, &v_scale})
+    TORCH_CHECK(sc->dim() == 2 && sc->scalar_type() == at::kFloat && sc->is_cpu() &&
+                    sc->is_contiguous() && sc->size(0) == k_cache.size(0) &&
+                    sc->size(1) == k_cache.size(1),
+                op, ": k_scale and v_scale must be contiguous float32 CPU [", k_cache.size(0),
+                ", ", k_cache.size(1), "], got ", k_scale.sizes(), " and ", v_scale.sizes());
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  check_rope_store(op, qkv, positions, out_loc, cos, sin, kv_heads, dim, heads);
+  const at::Tensor x = qkv.contiguous(), pos_t = positions.contiguous(),
+                   loc_t = out_loc.contiguous(), c_t = cos.contiguous(), s_t = sin.contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const int64_t* loc = loc_t.data_ptr<int64_t>();
+  check_rows(pos, loc, rows, cos.size(0), k_cache.size(0));
+  at::Tensor q = at::empty({rows, heads * dim}, qkv.options());
+  const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c_t.data_ptr<float>();
+  const float* sp = s_t.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  int8_t* kp = k_cache.data_ptr<int8_t>();
+  int8_t* vp = v_cache.data_ptr<int8_t>();
+  float* ksp = k_scale.data_ptr<float>();
+  float* vsp = v_scale.data_ptr<float>();
+  std::vector<float> rotated(static_cast<size_t>(dim));
+  // Rows in order, one thread: padded rows all write slot 0 (the sink).
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = xp + m * width;
+    const float* c = cp + pos[m] * dim;
+    const float* s = sp + pos[m] * dim;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_head(row + h * dim, c, s, half, qp + (m * heads + h) * dim);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = loc[m] * kv_heads + h;
+      rotate_head(row + (heads + h) * dim, c, s, half, rotated.data());
+      quantize_head(rotated.data(), dim, kp + at * dim, ksp + at);
+      quantize_head(row + (heads + kv_heads + h) * dim, dim, vp + at * dim, vsp + at);
+    }
+  }
   return q;
 }
 
@@ -308,22 +385,35 @@ struct Shapes {
 template <typename T>
 struct Scratch {
   std::vector<const T*> keys, values;
-  std::vector<float> scores;
+  std::vector<float> scores, k_scale, v_scale, weights;
 };
 
 // One (row, KV head): its R query heads against the row's `len` live slots.
+// With scales (an int8 cache; nullptr otherwise, the float path unchanged):
+// each score times its key's scale, each probability times its value's.
 template <typename T>
-void attend_head(const float* q, const T* k, const T* v, const int32_t* slot_row, int64_t len,
-                 int64_t h, const Shapes& s, float scale, float* out, Scratch<T>& scratch) {
-  scratch.keys.resize(static_cast<size_t>(len));
-  scratch.values.resize(static_cast<size_t>(len));
-  scratch.scores.resize(static_cast<size_t>(s.group * len));
+void attend_head(const float* q, const T* k, const T* v, const float* ks, const float* vs,
+                 const int32_t* slot_row, int64_t len, int64_t h, const Shapes& s, float scale,
+                 float* out, Scratch<T>& scratch) {
+  const auto n_len = static_cast<size_t>(len);
+  scratch.keys.resize(n_len);
+  scratch.values.resize(n_len);
+  scratch.scores.resize(static_cast<size_t>(s.group) * n_len);
+  if (ks != nullptr) {
+    scratch.k_scale.resize(n_len);
+    scratch.v_scale.resize(n_len);
+    scratch.weights.resize(n_len);
+  }
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = slot_row[t];
     TORCH_CHECK(slot >= 0 && slot < s.slots, "graphrunner_attention::decode: KV slot ", slot,
                 " out of range [0, ", s.slots, ")");
     scratch.keys[t] = k + (slot * s.heads + h) * s.dim;
     scratch.values[t] = v + (slot * s.heads + h) * s.dim;
+    if (ks != nullptr) {
+      scratch.k_scale[t] = ks[slot * s.heads + h];
+      scratch.v_scale[t] = vs[slot * s.heads + h];
+    }
   }
   for (int64_t r = 0; r < s.group; ++r) {
     float* scores = scratch.scores.data() + r * len;
@@ -333,26 +423,46 @@ void attend_head(const float* q, const T* k, const T* v, const int32_t* slot_row
       for (int i = 0; i < 8; ++i) keys[i] = scratch.keys[t0 + std::min(i, n - 1)];
       scores8(q + r * s.dim, keys, n, s.dim, scale, scores + t0);
     }
-    softmax(scores, len);
-    weigh(scratch.values.data(), scores, len, s.dim, out + r * s.dim);
+    const float* p = scores;
+    if (ks != nullptr) {
+      for (int64_t t = 0; t < len; ++t) scores[t] *= scratch.k_scale[t];
+      softmax(scores, len);
+      for (int64_t t = 0; t < len; ++t) scratch.weights[t] = scores[t] * scratch.v_scale[t];
+      p = scratch.weights.data();
+    } else {
+      softmax(scores, len);
+    }
+    weigh(scratch.values.data(), p, len, s.dim, out + r * s.dim);
   }
 }
 
-at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                  const at::Tensor& seq_lens, double scale) {
-  const char* op = "graphrunner_attention::decode";
+// The checks and the loop of decode and decode_q8 (scales: undefined tensors
+// for a float cache).
+at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
+                       const at::Tensor& v_buf, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale, const at::Tensor& req_to_token,
+                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                       double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), op,
               ": q must be a float32 CPU tensor [B, H_kv, R, D], got ", q.sizes());
   const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
   const auto kv_type = k_buf.scalar_type();
+  const bool q8 = k_scale.defined();
+  const bool type_ok = q8 ? kv_type == at::kChar : (kv_type == at::kFloat || kv_type == at::kHalf);
   for (const at::Tensor* buf : {&k_buf, &v_buf})
-    TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type &&
-                    (kv_type == at::kFloat || kv_type == at::kHalf) && buf->is_contiguous() &&
-                    buf->size(1) == heads && buf->size(2) == dim,
-                op, ": k_buf and v_buf must be contiguous float32 or float16 alike [slots, ",
-                heads, ", ", dim, "], got ", k_buf.sizes(), " ", kv_type, " and ",
-                v_buf.sizes(), " ", v_buf.scalar_type());
+    TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type && type_ok &&
+                    buf->is_cpu() && buf->is_contiguous() && buf->size(1) == heads &&
+                    buf->size(2) == dim,
+                op, ": k_buf and v_buf must be contiguous ", (q8 ? "int8" : "float32 or float16"),
+                " alike [slots, ", heads, ", ", dim, "], got ", k_buf.sizes(), " ",
+                kv_type, " and ", v_buf.sizes(), " ", v_buf.scalar_type());
+  if (q8)
+    for (const at::Tensor* sc : {&k_scale, &v_scale})
+      TORCH_CHECK(sc->dim() == 2 && sc->scalar_type() == at::kFloat && sc->is_cpu() &&
+                      sc->is_contiguous() && sc->size(0) == k_buf.size(0) &&
+                      sc->size(1) == heads,
+                  op, ": k_scale and v_scale must be contiguous float32 CPU [", k_buf.size(0),
+                  ", ", heads, "], got ", k_scale.sizes(), " and ", v_scale.sizes());
   TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kInt &&
                   req_to_token.is_contiguous(),
               op, ": req_to_token must be contiguous int32 [requests, capacity]");
@@ -375,22 +485,43 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
     TORCH_CHECK(len[b] >= 1 && len[b] <= s.capacity, op, ": seq_lens[", b, "] = ", len[b],
                 ", expected 1..", s.capacity);
   }
+  const float* ksp = q8 ? k_scale.data_ptr<float>() : nullptr;
+  const float* vsp = q8 ? v_scale.data_ptr<float>() : nullptr;
   const auto attend_all = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
       Scratch<T> scratch;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / heads, h = i % heads, at = i * group * dim;
-        attend_head(qp + at, kp, vp, table + pool[b] * s.capacity, len[b], h, s,
+        attend_head(qp + at, kp, vp, ksp, vsp, table + pool[b] * s.capacity, len[b], h, s,
                     static_cast<float>(scale), op_out + at, scratch);
       }
     });
   };
-  if (kv_type == at::kHalf)
+  if (kv_type == at::kChar)
+    attend_all(k_buf.data_ptr<int8_t>(), v_buf.data_ptr<int8_t>());
+  else if (kv_type == at::kHalf)
     attend_all(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
   else
     attend_all(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
   return out;
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                  const at::Tensor& seq_lens, double scale) {
+  return decode_rows("graphrunner_attention::decode", q, k_buf, v_buf, at::Tensor(),
+                     at::Tensor(), req_to_token, req_pool_indices, seq_lens, scale);
+}
+
+at::Tensor decode_q8(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                     const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(k_scale.defined() && v_scale.defined(), "graphrunner_attention::decode_q8: ",
+              "k_scale and v_scale must be tensors");
+  return decode_rows("graphrunner_attention::decode_q8", q, k_buf, v_buf, k_scale, v_scale,
+                     req_to_token, req_pool_indices, seq_lens, scale);
 }
 
 }  // namespace
@@ -402,9 +533,18 @@ TORCH_LIBRARY(graphrunner_attention, m) {
   m.def(
       "rope_store(Tensor qkv, Tensor positions, Tensor out_loc, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads) -> Tensor");
+  m.def(
+      "decode_q8(Tensor q, Tensor k_buf, Tensor v_buf, Tensor k_scale, Tensor v_scale, "
+      "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "rope_store_q8(Tensor qkv, Tensor positions, Tensor out_loc, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, "
+      "int heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrunner_attention, CPU, m) {
   m.impl("decode", &decode);
   m.impl("rope_store", &rope_store);
+  m.impl("decode_q8", &decode_q8);
+  m.impl("rope_store_q8", &rope_store_q8);
 }

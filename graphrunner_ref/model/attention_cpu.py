@@ -1,7 +1,9 @@
 """The CPU attention step in C++ (``attention_cpu.cpp`` beside this file),
 float32, AVX2/FMA: ``graphrunner_attention::decode``, the decode attention,
 and ``graphrunner_attention::rope_store``, the rotary embedding and KV write
-before it; the KV cache float32 or float16 (:data:`KV_DTYPES`).
+before it; the KV cache float32 or float16 (:data:`KV_DTYPES`). Their ``_q8``
+twins read and write an int8 cache with a scale per slot and KV head
+(:class:`graphrunner.pools.Int8KVCache`).
 
 It computes what :func:`~graphrunner_ref.model.attention_live.live_decode_attention`
 does (the torch reference: a masked gather, softmax and matmul over the
@@ -37,7 +39,10 @@ __all__ = [
     "cpp_attention_runs",
     "cpp_attention_status",
     "cpp_decode_attention",
+    "cpp_decode_attention_q8",
+    "cpp_q8_runs",
     "cpp_rope_store",
+    "cpp_rope_store_q8",
     "cpp_rope_store_runs",
     "decode_attention_fake",
 ]
@@ -46,7 +51,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v5"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v6"
 
 
 @functools.cache
@@ -57,6 +62,8 @@ def cpp_attention_status() -> str | None:
     if why is None:
         torch.library.register_fake("graphrunner_attention::decode", decode_attention_fake)
         torch.library.register_fake("graphrunner_attention::rope_store", rope_store_fake)
+        torch.library.register_fake("graphrunner_attention::decode_q8", _decode_q8_fake)
+        torch.library.register_fake("graphrunner_attention::rope_store_q8", _rope_store_q8_fake)
     return why
 
 
@@ -73,6 +80,21 @@ def decode_attention_fake(
     ``[B, H_kv, R, D]``, contiguous, no data (this op's and the torch
     reference's alike)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _decode_q8_fake(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, *rows: torch.Tensor | float,
+) -> torch.Tensor:  # fmt: skip
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _rope_store_q8_fake(
+    qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, heads: int,
+) -> torch.Tensor:  # fmt: skip
+    return qkv.new_empty(qkv.shape[0], heads * k_cache.shape[2])
 
 
 @torch.compiler.assume_constant_result
@@ -145,4 +167,50 @@ def cpp_rope_store(
     """
     return torch.ops.graphrunner_attention.rope_store(
         qkv, positions, out_loc, cos, sin, k_cache, v_cache, heads
+    )
+
+
+def cpp_q8_runs(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    """Whether the ``_q8`` ops run for float32 ``q`` (queries, or the stacked
+    projection) over the int8 cache ``k_buf``: CPU tensors, on a machine where
+    the kernels build."""
+    cpu = q.device.type == "cpu" and k_buf.device.type == "cpu"
+    return cpu and q.dtype == torch.float32 and k_buf.dtype == torch.int8 and _built()
+
+
+def cpp_decode_attention_q8(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`cpp_decode_attention` over an int8 cache ``k_buf`` / ``v_buf
+    [slots, H_kv, D]`` whose head vectors are ``k_scale`` / ``v_scale``
+    (float32 ``[slots, H_kv]``) times their values: each score times its key's
+    scale, each probability times its value's (only where :func:`cpp_q8_runs`)."""
+    return torch.ops.graphrunner_attention.decode_q8(
+        q, k_buf, v_buf, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens, scale
+    )
+
+
+def cpp_rope_store_q8(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    heads: int,
+) -> torch.Tensor:
+    """:func:`cpp_rope_store` into an int8 cache ``kv = (k_cache, v_cache,
+    k_scale, v_scale)``: each rotated key head and each value head quantized
+    as :meth:`graphrunner.pools.Int8KVCache.quantize` does, bit for bit (only
+    where :func:`cpp_q8_runs`); returns the rotated ``q [M, H D]``."""
+    return torch.ops.graphrunner_attention.rope_store_q8(
+        qkv, positions, out_loc, cos, sin, *kv, heads
     )

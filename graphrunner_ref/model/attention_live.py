@@ -15,7 +15,9 @@ with its width chosen per step (a CUDA graph could not: there, the Triton
 kernel plays this part, reading each row's live tokens on the device).
 Where it builds, the C++ kernel of :mod:`~graphrunner_ref.model.attention_cpu`
 runs in its place (float32): each row its own live tokens, no gather, no
-per-op dispatch; this op stays the reference it must equal.
+per-op dispatch; this op stays the reference it must equal. Over an int8
+cache (:class:`graphrunner.pools.Int8KVCache`) the ``_q8`` op and kernel run,
+the reference dequantizing the gathered columns.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ import torch
 from graphrunner_ref.model.attention_cpu import (
     cpp_attention_runs,
     cpp_decode_attention,
+    cpp_decode_attention_q8,
+    cpp_q8_runs,
     decode_attention_fake,
 )
-from graphrunner_ref.model.attention_torch import decode_columns, gathered_attention
+from graphrunner_ref.model.attention_torch import Scales, decode_columns, gathered_attention
 
-__all__ = ["COLUMN_STEP", "LiveRows", "live_attention", "live_decode_attention"]
+__all__ = [
+    "COLUMN_STEP",
+    "LiveRows",
+    "live_attention",
+    "live_decode_attention",
+    "live_decode_attention_q8",
+]
 
 #: The gather's width is a multiple of this many columns (at most the capacity),
 #: so batches whose longest rows are close take the same shapes.
@@ -64,6 +74,55 @@ def live_decode_attention(
 ) -> torch.Tensor:
     """Decode attention of ``q [B, H_kv, R, D]`` over each row's first
     ``seq_lens`` KV slots; a new ``[B, H_kv, R, D]``."""
+    return _live(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, None)
+
+
+live_decode_attention.register_fake(decode_attention_fake)
+
+
+@torch.library.custom_op("graphrunner::live_decode_attention_q8", mutates_args=())
+def live_decode_attention_q8(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`live_decode_attention` over an int8 cache, its values times
+    ``k_scale`` / ``v_scale`` (float32 ``[slots, H_kv]``) as read."""
+    scales = (k_scale, v_scale)
+    return _live(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale, scales)
+
+
+@live_decode_attention_q8.register_fake
+def _(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _live(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    scales: Scales | None,
+) -> torch.Tensor:
     capacity = req_to_token.shape[1]
     longest = int(seq_lens.max()) if seq_lens.numel() else 1
     width = min(capacity, -(-max(longest, 1) // COLUMN_STEP) * COLUMN_STEP)
@@ -74,16 +133,23 @@ def live_decode_attention(
     # Run eagerly inside the op, the scores take the matmul (decode=False): the
     # broadcast product pays only where inductor fuses it, and here it would
     # write out [B, H_kv, R, T, D] per layer.
-    return gathered_attention(q, k_buf, v_buf, slots, mask, keys, False, scale).contiguous()
-
-
-live_decode_attention.register_fake(decode_attention_fake)
+    return gathered_attention(q, k_buf, v_buf, slots, mask, keys, False, scale, scales).contiguous()
 
 
 def live_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: LiveRows, scale: float
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    rows: LiveRows,
+    scale: float,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """:func:`live_decode_attention` of ``q [B, H_kv, R, D]`` over ``rows``:
-    the C++ kernel where it runs (float32 on the CPU), else this reference."""
+    the C++ kernel where it runs (float32 on the CPU), else this reference;
+    over an int8 cache with its ``scales``, their ``_q8`` twins."""
+    table, pools, lens = rows.req_to_token, rows.req_pool_indices, rows.seq_lens
+    if scales is not None:
+        q8 = cpp_decode_attention_q8 if cpp_q8_runs(q, k_buf) else live_decode_attention_q8
+        return q8(q, k_buf, v_buf, scales[0], scales[1], table, pools, lens, scale)
     attend = cpp_decode_attention if cpp_attention_runs(q, k_buf) else live_decode_attention
-    return attend(q, k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, scale)
+    return attend(q, k_buf, v_buf, table, pools, lens, scale)

@@ -12,9 +12,9 @@ import torch
 from graphrunner_ref.model.attention_live import LiveRows, live_attention
 from graphrunner_ref.model.attention_op import PagedRows, paged_attention
 from graphrunner_ref.model.attention_tokens import TokenLayout
-from graphrunner_ref.model.attention_torch import gathered_attention
+from graphrunner_ref.model.attention_torch import Scales, gathered_attention
 
-__all__ = ["AttnMetadata", "KVStore", "attend"]
+__all__ = ["AttnMetadata", "KVStore", "attend", "kv_scales"]
 
 
 class KVStore(Protocol):
@@ -28,6 +28,13 @@ class KVStore(Protocol):
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def kv_scales(kv: KVStore, layer: int) -> Scales | None:
+    """The ``(k, v)`` scales of ``layer`` where ``kv`` is an int8 cache
+    (:class:`graphrunner.pools.Int8KVCache`, ``get_scales``); None otherwise."""
+    get_scales = getattr(kv, "get_scales", None)
+    return None if get_scales is None else get_scales(layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +66,26 @@ class AttnMetadata:
 
 
 def attend(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata, scale: float
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention over gathered KV slots.
 
     q: ``[B, H_kv, R, D]``, the query rows that share each KV head.
     k_buf, v_buf: the layer's KV pool, ``[num_slots + page_size, H_kv, D]``.
+    scales: an int8 pool's ``(k, v)`` scales (:func:`kv_scales`); None for a float one.
     Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32 as in transformers.
     """
     if meta.paged is not None:
+        if scales is not None:  # the CUDA kernel; an int8 cache is refused before
+            raise ValueError("an int8 KV cache under the Triton attention: expected the CPU")
         return paged_attention(q, k_buf, v_buf, meta.paged, scale)
     if meta.live is not None:
-        return live_attention(q, k_buf, v_buf, meta.live, scale)
-    return gathered_attention(q, k_buf, v_buf, meta.slots, meta.mask, meta.keys, meta.decode, scale)
+        return live_attention(q, k_buf, v_buf, meta.live, scale, scales)
+    return gathered_attention(
+        q, k_buf, v_buf, meta.slots, meta.mask, meta.keys, meta.decode, scale, scales
+    )

@@ -14,6 +14,7 @@ token-batch step keeps one program with a symbolic token axis and calls the
 op between its pieces. Where the step must be one device graph (CUDA), the
 backend runs the batch as decode rows instead, one per token, reading the
 layout from device tensors (``TorchPagedBackend.token_batch_metadata``).
+Over an int8 cache a twin op reads each request's KV dequantized.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from graphrunner_ref.model.attention_torch import Scales, read_kv
 
 __all__ = ["TokenLayout", "token_batch_attention"]
 
@@ -53,20 +56,51 @@ def _attention(
     extend_lens_cpu: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    layout = TokenLayout(req_to_token, req_pool_indices, seq_lens_cpu, extend_lens_cpu)
+    return _per_request(q, k_buf, v_buf, layout, scale, None)
+
+
+@torch.library.custom_op("graphrunner_ref::token_batch_attention_q8", mutates_args=())
+def _attention_q8(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    extend_lens_cpu: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    layout = TokenLayout(req_to_token, req_pool_indices, seq_lens_cpu, extend_lens_cpu)
+    return _per_request(q, k_buf, v_buf, layout, scale, (k_scale, v_scale))
+
+
+def _per_request(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    layout: TokenLayout,
+    scale: float,
+    scales: Scales | None,
+) -> torch.Tensor:
+    req_to_token, req_pool_indices = layout.req_to_token, layout.req_pool_indices
+    k_scale, v_scale = (None, None) if scales is None else scales
     tokens, heads, dim = q.shape
     out = q.new_zeros(tokens, heads * dim)
     columns = torch.arange(req_to_token.shape[1], device=q.device)
     start = 0
     rows = req_pool_indices.tolist() if req_pool_indices.device.type == "cpu" else None
     for i, (n, length) in enumerate(
-        zip(extend_lens_cpu.tolist(), seq_lens_cpu.tolist(), strict=True)
+        zip(layout.extend_lens_cpu.tolist(), layout.seq_lens_cpu.tolist(), strict=True)
     ):
         if n == 0:  # a padded request owns no token
             continue
         row = rows[i] if rows is not None else req_pool_indices[i]
         slots = req_to_token[row, :length].long()
-        k = k_buf[slots].to(q.dtype).transpose(0, 1)[None]  # [1, H_kv, L, D]
-        v = v_buf[slots].to(q.dtype).transpose(0, 1)[None]
+        k = read_kv(k_buf, slots, q.dtype, k_scale).transpose(0, 1)[None]  # [1, H_kv, L, D]
+        v = read_kv(v_buf, slots, q.dtype, v_scale).transpose(0, 1)[None]
         whole = length == n  # no cached prefix: plainly causal
         mask = None if whole else columns[None, :length] <= (length - n + columns[:n, None])
         chunk = F.scaled_dot_product_attention(
@@ -97,19 +131,40 @@ def _(
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+@_attention_q8.register_fake
+def _(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    extend_lens_cpu: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
 def token_batch_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layout: TokenLayout, scale: float
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    layout: TokenLayout,
+    scale: float,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Rotated queries ``q [T, H, D]`` of a token batch over its requests' KV
-    (the step's K/V already written): the heads' outputs ``[T, H D]``, zero
-    on padded tokens."""
-    return _attention(
-        q,
-        k_buf,
-        v_buf,
+    (the step's K/V already written; an int8 cache with its ``scales``): the
+    heads' outputs ``[T, H D]``, zero on padded tokens."""
+    where = (
         layout.req_to_token,
         layout.req_pool_indices,
         layout.seq_lens_cpu,
         layout.extend_lens_cpu,
         scale,
     )
+    if scales is not None:
+        return _attention_q8(q, k_buf, v_buf, *scales, *where)
+    return _attention(q, k_buf, v_buf, *where)

@@ -1,13 +1,36 @@
 """The torch attention over gathered KV slots: the reference every other
 decode attention must equal (:func:`gathered_attention`), and the decode
 rows' slots and masks it reads over a given set of columns
-(:func:`decode_columns`)."""
+(:func:`decode_columns`), and the read of a cache's slots in the queries'
+dtype every attention shares (:func:`read_kv`; an int8 cache dequantized)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_columns", "gathered_attention"]
+from graphrunner.pools import Int8KVCache
+
+__all__ = ["Scales", "decode_columns", "gathered_attention", "read_kv"]
+
+#: An int8 cache's ``(k, v)`` scales of one layer, float32 ``[slots, H_kv]`` each
+#: (:class:`graphrunner.pools.Int8KVCache`).
+Scales = tuple[torch.Tensor, torch.Tensor]
+
+
+def read_kv(
+    buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``buf [slots, H_kv, D]`` at ``slots`` (any shape ``[...]``), ``[..., H_kv, D]``
+    in ``dtype``: a float cache widened (or narrowed), an int8 cache's values
+    times their ``scale [slots, H_kv]`` (:meth:`Int8KVCache.dequantize`)."""
+    if scale is not None:
+        return Int8KVCache.dequantize(buf[slots], scale[slots], dtype)
+    if buf.dtype == torch.int8:
+        raise ValueError(
+            "an int8 KV cache read without its scales: expected the (k, v) scales of "
+            "graphrunner.pools.Int8KVCache.get_scales with it"
+        )
+    return buf[slots].to(dtype)
 
 
 def decode_columns(
@@ -39,17 +62,19 @@ def gathered_attention(
     keys: torch.Tensor | None,
     decode: bool,
     scale: float,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of ``q [B, H_kv, R, D]`` over the KV slots
     ``slots`` int64 ``[B, T]`` of ``k_buf`` / ``v_buf`` (``[slots, H_kv, D]``,
-    read in q's dtype),
+    read in q's dtype; int8 with ``scales``: dequantized, :func:`read_kv`),
     query row ``r`` of ``B`` reading column ``t`` where ``mask [B, 1, R, T]``
     holds. ``keys [B, T, 1, 1]`` (decode): the live columns, the others' values
     zeroed. Returns ``[B, H_kv, R, D]`` in q's dtype; softmax runs in float32
     as in transformers."""
-    # A cache of another dtype (float16 under float32 queries) widened as read.
-    k = k_buf[slots].to(q.dtype).transpose(1, 2)  # [B, H_kv, T, D]
-    v = v_buf[slots].to(q.dtype)
+    # A cache of another dtype (float16 or int8 under float32 queries) widened as read.
+    k_scale, v_scale = (None, None) if scales is None else scales
+    k = read_kv(k_buf, slots, q.dtype, k_scale).transpose(1, 2)  # [B, H_kv, T, D]
+    v = read_kv(v_buf, slots, q.dtype, v_scale)
     if keys is not None:
         # Masked columns read slot 0, the padding sink: a zero probability times
         # a non-finite value there would be NaN, so their values are zeroed.

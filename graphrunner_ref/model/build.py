@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from graphrunner.pools import CachedKVAllocator, whole_pages
+from graphrunner.pools import CachedKVAllocator, Int8KVCache, whole_pages
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.llama import LlamaDecoder
 from graphrunner_ref.model.parallel import SINGLE, TensorParallel, local_config
@@ -57,10 +57,13 @@ class ModelBundle(PooledBundle):
         return self.model.config
 
 
-#: The KV cache dtypes a model of each dtype may take besides its own: a
-#: float32 model's float16 cache, read by the CPU's C++ attention widened
-#: exactly, written rounded to nearest even (the CPU only).
-OTHER_KV_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {torch.float32: (torch.float16,)}
+#: The KV cache dtypes a model of each dtype may take besides its own (the
+#: CPU only), under a float32 model: float16, read by the CPU's C++ attention
+#: widened exactly, written rounded to nearest even; int8, a scale per token
+#: per KV head (:class:`graphrunner.pools.Int8KVCache`, llama.cpp's q8_0 cache).
+OTHER_KV_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float32: (torch.float16, torch.int8)
+}
 
 
 def check_kv_dtype(
@@ -111,7 +114,8 @@ def build_model(
     the model is rank ``tp.rank``'s shard and the KV cache holds its KV heads
     only (see :mod:`graphrunner_ref.model.parallel`). ``kv_dtype`` (default:
     ``dtype``) is the KV cache's: float16 under a float32 model on the CPU
-    halves the bytes the attention reads (:func:`check_kv_dtype`).
+    halves the bytes the attention reads, int8 (an :class:`Int8KVCache`)
+    about quarters them (:func:`check_kv_dtype`).
     """
     kv_dtype = check_kv_dtype(kv_dtype, dtype, device)
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -132,14 +136,13 @@ def build_model(
     # Shares full prompt pages between requests once the engine indexes them
     # (prefix caching); the plain allocator until then.
     kv_alloc = CachedKVAllocator(slots, device, page_size=page_size)
-    kv_cache = KVCache(
-        slots,
-        config.num_layers,
-        local_config(config, tp).num_kv_heads,
-        config.head_dim,
-        kv_dtype,
-        device,
-        page_size=page_size,
+    kv_heads = local_config(config, tp).num_kv_heads
+    kv_cache = (
+        Int8KVCache(slots, config.num_layers, kv_heads, config.head_dim, device, page_size)
+        if kv_dtype == torch.int8
+        else KVCache(
+            slots, config.num_layers, kv_heads, config.head_dim, kv_dtype, device, page_size
+        )
     )
     model = LlamaDecoder(config, req_pool, kv_cache, dtype=dtype, tp=tp)
     return ModelBundle(model, req_pool, kv_alloc, kv_cache)
