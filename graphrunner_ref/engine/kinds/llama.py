@@ -79,6 +79,11 @@ def _check(config: EngineConfig) -> None:
         check_kv_dtype(config.torch_kv_dtype, config.torch_dtype, config.device, flag)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if config.kv_dtype == "int8" and config.speculative:
+        raise UsageError(
+            f"--kv-dtype int8: not supported with --speculative {config.speculative} (its "
+            "draft reads the cache unquantized); expected --kv-dtype float16 or float32"
+        )
 
 
 def _shape(config: EngineConfig) -> ModelConfig:
