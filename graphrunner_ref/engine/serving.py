@@ -126,13 +126,6 @@ def serve(
     hooks = hooks or Hooks()
     if config.speculative:
         check_penalties(trace, None, bundle.config.vocab_size)  # refused by name
-        for r in trace:
-            if r.grammar is not None:
-                raise ValueError(
-                    f"request {r.rid}: a grammar (structured output) with --speculative "
-                    f"{config.speculative}: draft tokens are not checked against a grammar; "
-                    "expected no speculative decoding"
-                )
         return Outcome(_speculative(config, bundle, trace, hooks, progress))
     engine = open_engine(
         config, bundle, hooks=hooks, progress=progress, on_capture=on_capture, trace=trace

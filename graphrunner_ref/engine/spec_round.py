@@ -28,6 +28,7 @@ class SpecRequest:
     feature: torch.Tensor | None = None  # [hidden]: the draft's feature for the next round
     seed: torch.Tensor | None = None  # 0-d: EAGLE's first draft token for the next round
     sampling_seed: int = 0  # the request's random stream (its own seed or the run's)
+    matcher: Any = None  # its grammar's state after its emitted tokens (structured output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,12 @@ class RoundState:
     request samples, else None (every draft greedy, as always). A drafter
     that draws its drafts sets ``draft_probs`` float32 ``[bs, K, V]``, the
     ``q`` each was drawn from; None means deterministic drafts.
+
+    ``bitmask``: when a request has a grammar, int32 ``[bs * W,
+    ceil(V / 32)]`` on the device, row ``i * W + j`` the tokens request
+    ``i``'s grammar allows at position ``L + j`` after the bonus token and
+    drafts ``0 .. j - 1`` (every token for a request without one, and past a
+    draft its grammar refuses); the verify masks its targets with it.
     """
 
     live: list[SpecRequest]
@@ -62,6 +69,7 @@ class RoundState:
     device: torch.device
     sampling: dict[str, torch.Tensor] | None = None
     draft_probs: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
 
     @property
     def lens(self) -> list[int]:

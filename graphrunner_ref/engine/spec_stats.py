@@ -18,6 +18,7 @@ class SpeculativeStats:
     decode_tokens: int = 0  # tokens emitted by rounds (prefill's first tokens excluded)
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    grammar_refused: int = 0  # drafts a request's grammar did not allow (never accepted)
     decode_seconds: float = 0.0  # drafting, verify and accept
     batch_sizes: dict[int, int] = field(default_factory=dict)  # rounds per live bs
 

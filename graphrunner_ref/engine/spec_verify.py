@@ -6,7 +6,10 @@ of the tokens a round emits, when asked.
 A round that samples runs the verify that samples
 (``verify_phase(..., sampling=True)``: the accept test and the residual draw
 inside its captured step), built once on the first such round; without one
-the same rule runs on the plain verify's logits after its replay.
+the same rule runs on the plain verify's logits after its replay. A round
+with a grammar (``RoundState.bitmask``) takes that path too, on the logits
+masked with it: a draft its grammar refuses has no probability, so it is
+never accepted, and each target is one the grammar allows.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from graphrunner.sampling import (
     rejection_sample,
     sampling_tensors,
 )
+from graphrunner.sampling.bitmask import apply_token_bitmask
 from graphrunner_ref.engine.drafters import RoundState, SpecRequest, Verified, replay_named
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import host_logprobs
@@ -67,18 +71,21 @@ class RoundVerifier:
         """The verify of ``drafts`` int64 ``[bs, K]`` after each request's bonus token."""
         bonus = state.tensor([r.bonus for r in state.live])
         ids = torch.cat([bonus[:, None], drafts], 1).reshape(-1)
-        if state.sampling is not None and self._build is not None:
+        if state.sampling is not None and self._build is not None and state.bitmask is None:
             out = self._replay_sampled(state, drafts, ids)
             targets, accepted = out["targets"], out["accepted"]
         else:
             out = replay_named(self.verify, state.tokens_step(ids))
             bs, w = drafts.shape[0], drafts.shape[1] + 1
+            logits = out["logits"]
+            if state.bitmask is not None:
+                logits = apply_token_bitmask(logits, state.bitmask)
             if state.sampling is None:
-                targets = out["logits"].argmax(-1).view(bs, w)
+                targets = logits.argmax(-1).view(bs, w)
                 accepted = (drafts == targets[:, :-1]).long().cumprod(1).sum(1)
             else:
                 targets, accepted = rejection_sample(
-                    out["logits"].view(bs, w, -1),
+                    logits.view(bs, w, -1),
                     drafts,
                     state.draft_probs,
                     state.sampling,

@@ -14,6 +14,16 @@ Every round allocates ``K + 1`` fresh KV slots per request (positions
 ``L .. L + K``) and frees the rejected ones as soon as the verify is read, so
 no slot leaks; a run frees everything it allocated, also when it raises.
 KV pages of one slot only (``page_size == 1``).
+
+A request with a grammar (structured output) has its drafts checked against
+it: before the verify, its matcher walks the bonus token and the drafts,
+filling the bitmask of each position (``RoundState.bitmask``) until a draft
+it refuses, then rolls back; the verify masks its targets with those rows, so
+a refused draft is rejected at its position and every emitted token is one
+the grammar allows; the emitted tokens then advance the matcher, and its
+completion finishes the request. This reads the drafts back to the host
+once a round with a grammar, and needs a matcher that can ``rollback``
+(xgrammar's can).
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from graphrunner import GraphRunner
 from graphrunner.sampling import check_seed, sample_rows
+from graphrunner.sampling.bitmask import ALLOW_ALL, apply_token_bitmask, bitmask_words
 from graphrunner_ref.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner_ref.engine.loop import AdmissionError
 from graphrunner_ref.engine.ranks import refuse_sharded
@@ -174,11 +186,17 @@ class SpeculativeEngine:
             request, b.req_pool.alloc(1)[0], sampling_seed=seed_of(request, self.seed)
         )
         run.live.append(live)
+        if request.grammar is not None:
+            live.matcher = _matcher(request)
         live.slots = b.kv_alloc.alloc(len(request.prompt))
         prompt = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
         slots = torch.tensor(live.slots, dtype=torch.int64, device=self.device)
         hidden = b.model.extend_hidden(live.req_index, prompt, slots)
         logits = b.model.logits(hidden[-1]).view(1, -1)
+        if live.matcher is not None:
+            mask = self._bitmask(1)
+            live.matcher.fill_next_token_bitmask(mask, 0)
+            logits = apply_token_bitmask(logits, mask.to(self.device))
         if request.samples:  # drawn as the plain engine draws it: position len(prompt), draw 0
             rows = self.verifier.rows([live])
             at = torch.tensor([len(request.prompt)], device=self.device)
@@ -202,7 +220,10 @@ class SpeculativeEngine:
         try:  # the fresh slots are no request's until the verify is read: freed here
             for req, fresh in zip(state.live, slots, strict=True):
                 b.req_pool.write(req.req_index, len(req.slots), fresh)
-            verified = self.verifier(state, self.drafter.propose(state))
+            drafts = self.drafter.propose(state)
+            if any(r.matcher is not None for r in state.live):
+                state.bitmask = self._grammar_rows(state, drafts, run.stats)
+            verified = self.verifier(state, drafts)
             self.drafter.accept(state, verified)  # queued before the round's one read back
             host = torch.cat(
                 [verified.targets.reshape(-1), verified.accepted, verified.drafts.reshape(-1)]
@@ -213,6 +234,37 @@ class SpeculativeEngine:
             raise
         self._commit(run, state, host, entries)
         self._count(run.stats, len(state.live), time.perf_counter() - start)
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        """Host bitmask rows that allow every token."""
+        words = bitmask_words(self.bundle.config.vocab_size)
+        return torch.full((rows, words), ALLOW_ALL, dtype=torch.int32)
+
+    def _grammar_rows(
+        self, state: RoundState, drafts: torch.Tensor, stats: SpeculativeStats
+    ) -> torch.Tensor:
+        """The round's ``RoundState.bitmask``: each matcher walks its request's
+        drafts (``[bs, K]``), a row per position, up to the first it refuses,
+        and is rolled back to where it was."""
+        w = self.k + 1
+        mask = self._bitmask(len(state.live) * w)
+        for i, (req, row) in enumerate(zip(state.live, drafts.tolist(), strict=True)):
+            matcher = req.matcher
+            if matcher is None:
+                continue
+            walked = 0
+            for j in range(w):
+                matcher.fill_next_token_bitmask(mask, i * w + j)
+                if j == self.k:
+                    break
+                if not matcher.accept_token(row[j]):
+                    stats.grammar_refused += 1
+                    break
+                walked += 1
+                if matcher.is_terminated():  # a complete grammar has no next row
+                    break
+            matcher.rollback(walked)
+        return mask.to(self.device, non_blocking=True)
 
     def _commit(
         self,
@@ -248,12 +300,18 @@ class SpeculativeEngine:
     ) -> bool:
         """Append ``tokens`` (and their ``entries``) up to the budget or the
         end token; retire the request when done. Returns whether it still runs."""
-        budget = req.request.max_new_tokens
+        budget, matcher = req.request.max_new_tokens, req.matcher
         for i, token in enumerate(tokens):
             req.tokens.append(token)
             if entries is not None:
                 req.logprobs.append(entries[i])
-            if len(req.tokens) >= budget or token == self.end_token:
+            if matcher is not None and not matcher.accept_token(token):
+                raise RuntimeError(
+                    f"request {req.request.rid}: token {token} emitted outside its grammar; "
+                    "the verify's bitmask should have masked it"
+                )
+            ended = token == self.end_token or (matcher is not None and matcher.is_terminated())
+            if len(req.tokens) >= budget or ended:
                 run.outputs[req.request.rid] = req.tokens
                 if entries is not None:
                     run.logprobs[req.request.rid] = req.logprobs
@@ -273,3 +331,16 @@ class SpeculativeEngine:
         stats.steps += 1
         stats.decode_seconds += seconds
         stats.batch_sizes[bs] = stats.batch_sizes.get(bs, 0) + 1
+
+
+def _matcher(request: Request) -> Any:
+    """A fresh matcher of ``request``'s grammar, one that can roll back."""
+    assert request.grammar is not None
+    matcher = request.grammar()
+    if not callable(getattr(matcher, "rollback", None)):
+        raise ValueError(
+            f"request {request.rid}: its grammar's matcher ({type(matcher).__name__}) has no "
+            "rollback(n); speculative decoding walks the drafts and rolls back: expected "
+            "a matcher that can (xgrammar's GrammarMatcher)"
+        )
+    return matcher
