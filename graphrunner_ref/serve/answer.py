@@ -154,7 +154,7 @@ class Choice:
         )
         self.end: Delta | None = None  # its last delta, once it came
         parsed = chat and job.tools is not None and job.tools.parsed
-        self.calls = ToolCallParser() if parsed else None  # its streamed tool calls
+        self.parser = ToolCallParser() if parsed else None  # its streamed tool calls
         self._role_pending = chat  # the chat role leaves with the first token
 
     def whole(self, deltas: list[Delta]) -> dict[str, Any]:
@@ -196,7 +196,7 @@ class Choice:
             # is its time to first token.
             self._role_pending = False
             out.append(self._entry({"role": "assistant", "content": ""}, None))
-        if self.calls is not None:
+        if self.parser is not None:
             return out + self._with_calls(delta)
         text = self.stream.add(delta.tokens, last=delta.last)
         if text or delta.tokens or delta.last:
@@ -221,12 +221,12 @@ class Choice:
         ever reaches the content). The delta's tokens and log-probabilities
         go with its first chunk, its end with its last (``tool_calls`` once
         a call was made)."""
-        assert self.calls is not None
+        assert self.parser is not None
         text = self.stream.add(delta.tokens, last=delta.last)
-        bodies = self.calls.feed(text) + (self.calls.finish() if delta.last else [])
+        bodies = self.parser.feed(text) + (self.parser.finish() if delta.last else [])
         if not bodies and (delta.tokens or delta.last):
             bodies = [{} if delta.last else {"content": ""}]
-        finish = "tool_calls" if delta.last and self.calls.calls else delta.finish
+        finish = "tool_calls" if delta.last and self.parser.calls else delta.finish
         logprobs = self.logprobs(delta.tokens, delta.logprobs)
         last = len(bodies) - 1
         return [
