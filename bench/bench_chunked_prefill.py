@@ -85,14 +85,14 @@ def run(bundle: Any, trace: list[Request], budget: int | None) -> dict[str, Any]
         bundle, runner, on_token=on_token, max_num_batched_tokens=budget, token_runner=tokens
     )
     arrival = [0.0]
-    step = engine.schedule.step
+    step = engine.schedule.run
 
-    def timed_step(engine_: Any, run_: Any) -> int:
+    def timed_step(run_: Any, plan: Any) -> Any:
         if run_.clock == ARRIVAL and not arrival[0]:
             arrival[0] = time.perf_counter()
-        return step(engine_, run_)
+        return step(run_, plan)
 
-    engine.schedule.step = timed_step  # type: ignore[method-assign]
+    engine.schedule.run = timed_step  # type: ignore[method-assign]
     start = time.perf_counter()
     result = engine.run(trace)
     wall = time.perf_counter() - start

@@ -107,13 +107,13 @@ def test_running_requests_decode_every_step_while_a_long_prompt_prefills(
         steps[rid].append(clock[0])
 
     engine = Engine(bundle, runner, on_token=on_token, max_num_batched_tokens=6)
-    original = engine.schedule.step
+    original = engine.schedule.run
 
-    def counted(engine_: Any, run: Any) -> int:
+    def counted(run: Any, plan: Any) -> Any:
         clock[0] = run.clock
-        return original(engine_, run)
+        return original(run, plan)
 
-    engine.schedule.step = counted  # type: ignore[method-assign]
+    engine.schedule.run = counted  # type: ignore[method-assign]
     result = engine.run([*short, long])
     first_long = steps[2][0]
     assert first_long - long.arrival_step >= 9  # 40 tokens, 4 a step

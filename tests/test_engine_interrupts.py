@@ -43,12 +43,12 @@ def test_a_raising_callback_leaks_no_row_and_no_kv_slot(
     )
     runner.capture()
     engine = Engine(bundle, runner, overlap=overlap, steps_per_launch=steps)
-    setattr(engine, hook, _raising(exc))
+    setattr(engine.post, hook, _raising(exc))
     with pytest.raises(exc, match="from a callback"):
         engine.run(TRACE)
     assert bundle.kv_alloc.available_size() == bundle.kv_alloc.size
     assert bundle.req_pool.available_size() == 4
-    setattr(engine, hook, None)  # the engine serves the next run whole
+    setattr(engine.post, hook, None)  # the engine serves the next run whole
     assert set(engine.run(TRACE).outputs) == {0, 1, 2}
 
 

@@ -20,6 +20,7 @@ import graphrunner_ref.cli.options as cli_options
 from gguf_world import tiny_text_checkpoint
 from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
+from graphrunner_ref.engine.postprocess import Postprocess
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.io.text import StreamPrinter, TextCodec
 from graphrunner_ref.model import default_model
@@ -138,17 +139,18 @@ def test_text_streams_token_by_token_before_the_request_finishes(
 ) -> None:
     events: list[tuple[str, Any]] = []
 
-    class Recorded(Engine):
-        def record_token(self, run: Any, req: Any, token: int) -> bool:
-            events.append(("token", req.request.rid))
-            return super().record_token(run, req, token)
+    record_token = Postprocess.record_token
+
+    def recorded(self: Postprocess, run: Any, req: Any, token: int) -> bool:
+        events.append(("token", req.request.rid))
+        return record_token(self, run, req, token)
 
     class Out(io.StringIO):
         def write(self, s: str) -> int:
             events.append(("write", s))
             return super().write(s)
 
-    monkeypatch.setattr(serving, "Engine", Recorded)
+    monkeypatch.setattr(Postprocess, "record_token", recorded)
     texts = ["hello world, hello graphs", "what is the capital of france?"]
     argv = _text_argv(ckpt, "--ignore-eos", "--prompt", texts[0], "--prompt", texts[1])
     outputs = {}

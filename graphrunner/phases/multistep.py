@@ -1,48 +1,43 @@
 """Several decode steps in one captured step: the host leaves the per-token loop.
 
-:func:`multistep_phase` unrolls ``N`` consecutive decode steps of a model's
-decode forward into one step (one graph per batch size). Between steps,
-everything happens on the device: each row's token is picked (greedy
-``argmax``, or :func:`~graphrunner.sampling.sample` at ``positions + 1``
-exactly as :mod:`graphrunner.phases.sampled` does, so the tokens equal ``N``
-single steps bit for bit), fed to the row's next step, ``positions`` and
-``seq_lens`` advance by one, and the row takes its next reserved KV slot.
+:func:`multistep_phase` unrolls ``N`` consecutive decode steps of a model's decode forward into one
+step (one graph per batch size). Between steps, everything happens on the device: each row's token
+is picked (greedy ``argmax``, or :func:`~graphrunner.sampling.sample` at ``positions + 1`` exactly
+as :mod:`graphrunner.phases.sampled` does, so the tokens equal ``N`` single steps bit for bit), fed
+to the row's next step, ``positions`` and ``seq_lens`` advance by one, and the row takes its next
+reserved KV slot.
 
-Inputs per request: the first step's decode fields (``input_ids``,
-``positions``, ``seq_lens``, ``req_pool_indices``, int64 ``[bs]``),
-``out_cache_loc`` int64 ``[bs * N]`` (the ``N`` slots the engine reserved for
-the launch, already recorded in ``req_to_token``; 0 for a step the row will
-not take), ``steps_left`` int64 ``[bs]`` (how many of the ``N`` steps the row
-may take: its budget; padded rows 0) and, with ``sampling=True``, the
-sampling rows (:data:`~graphrunner.sampling.SAMPLING_FIELDS`).
+Inputs per request: the first step's decode fields (``input_ids``, ``positions``, ``seq_lens``,
+``req_pool_indices``, int64 ``[bs]``), ``out_cache_loc`` int64 ``[bs * N]`` (the ``N`` slots the
+engine reserved for the launch, already recorded in ``req_to_token``; 0 for a step the row will not
+take), ``steps_left`` int64 ``[bs]`` (how many of the ``N`` steps the row may take: its budget;
+padded rows 0) and, with ``sampling=True``, the sampling rows
+(:data:`~graphrunner.sampling.SAMPLING_FIELDS`).
 
-A row stops at the first step that emits ``end_token`` (the token is kept) or
-when it has taken ``steps_left`` steps; from the next step on it is exactly a
-padded row: ``req_pool_indices`` 0, ``seq_lens`` the backend's fill value,
-``positions`` 0, ``out_cache_loc`` 0, its tokens -1. So no KV slot outside a
-live row's reserved slots changes (the padding sanitizer checks the launch).
+A row stops at the first step that emits ``end_token`` (the token is kept) or when it has taken
+``steps_left`` steps; from the next step on it is exactly a padded row: ``req_pool_indices`` 0,
+``seq_lens`` the backend's fill value, ``positions`` 0, ``out_cache_loc`` 0, its tokens -1. So no
+KV slot outside a live row's reserved slots changes (the padding sanitizer checks the launch).
 
-Outputs: ``tokens`` int64 ``[bs, N]`` (-1 where the row took no step),
-``count`` int64 ``[bs]`` (its valid tokens, a prefix of the row) and
-``logits`` float32 ``[bs, vocab]`` of each row's last step taken. With
-``logprobs=n`` (n >= 1) also each step's chosen-token log-probability
-``logprob`` float32 ``[bs, N]`` and its top ``n`` ``top_logprobs`` /
-``top_ids`` ``[bs, N, n]`` (:func:`~graphrunner.sampling.logprobs` of the
-step's logits and token, as :func:`~graphrunner.phases.sampled.sampled_forward`
-computes them; a step the row did not take holds a padding row's values).
+Outputs: ``tokens`` int64 ``[bs, N]`` (-1 where the row took no step), ``count`` int64 ``[bs]``
+(its valid tokens, a prefix of the row) and ``logits`` float32 ``[bs, vocab]`` of each row's last
+step taken. With ``logprobs=n`` (n >= 1) also each step's chosen-token log-probability ``logprob``
+float32 ``[bs, N]`` and its top ``n`` ``top_logprobs`` / ``top_ids`` ``[bs, N, n]``
+(:func:`~graphrunner.sampling.logprobs` of the step's logits and token, as
+:func:`~graphrunner.phases.sampled.sampled_forward` computes them; a step the row did not take
+holds a padding row's values).
 
-With overlap scheduling (a future map), ``input_ids`` may hold future
-references and the launch stores each row's last valid token
-(``tokens[row, count - 1]``) in the map at its request-pool row, on the
-device: the next launch, prepared before this one's read back, reads it.
+With overlap scheduling (a future map), ``input_ids`` may hold future references and the launch
+stores each row's last valid token (``tokens[row, count - 1]``) in the map at its request-pool row,
+on the device: the next launch, prepared before this one's read back, reads it.
 
-With ``penalties`` (a :class:`~graphrunner.sampling.TokenCounts`) each
-step's pick is penalized and counts its token before the next step reads the
-counts (a stopped row, at row 0, counts nothing): ``N`` single steps' tokens.
+With ``penalties`` (a :class:`~graphrunner.sampling.TokenCounts`) each step's pick is penalized and
+counts its token before the next step reads the counts (a stopped row, at row 0, counts nothing):
+``N`` single steps' tokens.
 
 The backend must compute its decode metadata from the step's device tensors
-(``metadata_on_device``): a backend that plans on the host per step would see
-only the first step's plan, so it is refused.
+(``metadata_on_device``): a backend that plans on the host per step would see only the first step's
+plan, so it is refused.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""The token-batch phase: a step of any mix of prompt chunks and decode
-rows, padded on two axes, tokens and requests.
+"""The token-batch phase: a step of any mix of prompt chunks and decode rows, padded on two axes,
+tokens and requests.
 
-Uniform decode pads one axis (requests). A token batch holds ``T`` tokens
-belonging to ``R`` requests (a decode row is a request of one token, a
-prompt chunk a request of many), and pads both: tokens up to the captured
-token count, requests up to ``min(T, max_requests)``. Its buffers are
-declared once on their axis (:class:`~graphrunner.declare.buffers.Axis`)
-with the pad rule of each, and the one populate writes both:
+Uniform decode pads one axis (requests). A token batch holds ``T`` tokens belonging to ``R``
+requests (a decode row is a request of one token, a prompt chunk a request of many), and pads both:
+tokens up to the captured token count, requests up to ``min(T, max_requests)``. Its buffers are
+declared once on their axis (:class:`~graphrunner.declare.buffers.Axis`) with the pad rule of each,
+and the one populate writes both:
 
 =========  =========================  ===========  ==============================
 axis       buffer                     live         padded
@@ -23,19 +22,16 @@ request    ``seq_lens_cpu`` (host)    copied       the same fill
 request    ``extend_lens_cpu`` (host) copied       0
 =========  =========================  ===========  ==============================
 
-A request's tokens are consecutive on the token axis, in request order
-(``extend_lens`` of them, at positions ``seq_lens - extend_lens ..
-seq_lens - 1``, their slots already recorded in ``req_to_token``). Padded
-tokens belong to the reserved request row 0, sit at position 0 and write
-only KV slot 0; padded requests own no token. Outputs are declared per
-request (each request's last token, e.g. its logits; a chunk that does not
-finish its prompt is simply not sampled by its engine) or, with
-``OutputSpec(axis=Axis.TOKEN)``, per token.
+A request's tokens are consecutive on the token axis, in request order (``extend_lens`` of them, at
+positions ``seq_lens - extend_lens .. seq_lens - 1``, their slots already recorded in
+``req_to_token``). Padded tokens belong to the reserved request row 0, sit at position 0 and write
+only KV slot 0; padded requests own no token. Outputs are declared per request (each request's last
+token, e.g. its logits; a chunk that does not finish its prompt is simply not sampled by its
+engine) or, with ``OutputSpec(axis=Axis.TOKEN)``, per token.
 
-The runner's sizes count tokens (``capture_sizes`` are token counts, as
-the defaults of :func:`~graphrunner.sizing.default_token_sizes`); a step
-above the largest, or of more than ``max_requests`` requests, runs eagerly
-and is counted.
+The runner's sizes count tokens (``capture_sizes`` are token counts, as the defaults of
+:func:`~graphrunner.sizing.default_token_sizes`); a step above the largest, or of more than
+``max_requests`` requests, runs eagerly and is counted.
 """
 
 from __future__ import annotations

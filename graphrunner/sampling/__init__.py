@@ -27,7 +27,12 @@ from graphrunner.sampling.sample import (
 from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 if TYPE_CHECKING:
-    from graphrunner.sampling.bitmask import TOKEN_BITMASK, apply_token_bitmask
+    from graphrunner.sampling.bitmask import (
+        ALLOW_ALL,
+        TOKEN_BITMASK,
+        apply_token_bitmask,
+        bitmask_words,
+    )
     from graphrunner.sampling.min_tokens import MAX_HOLD_TOKENS, hold_end_tokens
     from graphrunner.sampling.penalties import (
         PENALTY_FIELD_NAMES,
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "ALLOW_ALL",
     "MAX_HOLD_TOKENS",
     "MAX_LOGIT_BIAS",
     "MAX_SEED",
@@ -50,6 +56,7 @@ __all__ = [
     "TOKEN_BITMASK",
     "TokenCounts",
     "apply_token_bitmask",
+    "bitmask_words",
     "check_seed",
     "deterministic_probs",
     "draft_sample",
@@ -69,7 +76,9 @@ __all__ = [
 
 #: Loaded on first use (a step without them never imports them): name -> module.
 _LAZY = dict.fromkeys(("MAX_HOLD_TOKENS", "hold_end_tokens"), "min_tokens")
-_LAZY |= dict.fromkeys(("TOKEN_BITMASK", "apply_token_bitmask"), "bitmask")
+_LAZY |= dict.fromkeys(
+    ("ALLOW_ALL", "TOKEN_BITMASK", "apply_token_bitmask", "bitmask_words"), "bitmask"
+)
 _LAZY |= dict.fromkeys(("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts"), "penalties")
 _LAZY |= dict.fromkeys(("penalize", "penalty_tensors"), "penalties")
 

@@ -1,10 +1,10 @@
-"""Small utilities an engine built on graphrunner may share: optional extras
-named when missing, single-owner guards, files written whole or not at all,
-warnings that point at the application's line, calls kept off a stack
-chunk's end (:class:`ChunkSafeCall`, loaded on first use)."""
+"""Utilities an engine built on graphrunner may share: optional extras named when missing,
+single-owner guards, files written whole or not at all, warnings at the application's line;
+loaded on first use, calls kept off a stack chunk's end and Ctrl-C held to a step boundary."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from graphrunner.util.atomic import write_atomically
@@ -14,6 +14,7 @@ from graphrunner.util.temp import remove_stale_temps, temp_path
 from graphrunner.util.warn import warn_at_caller
 
 if TYPE_CHECKING:
+    from graphrunner.util.interrupts import deferred_interrupts
     from graphrunner.util.stack_chunks import ChunkSafeCall
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ConcurrentUseError",
     "Exclusive",
     "MissingExtraError",
+    "deferred_interrupts",
     "needs_extra",
     "remove_stale_temps",
     "temp_path",
@@ -30,8 +32,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    if name == "ChunkSafeCall":
-        from graphrunner.util import stack_chunks
-
-        return stack_chunks.ChunkSafeCall
+    module = {"ChunkSafeCall": "stack_chunks", "deferred_interrupts": "interrupts"}.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(f"graphrunner.util.{module}"), name)
     raise AttributeError(f"module 'graphrunner.util' has no attribute {name!r}")

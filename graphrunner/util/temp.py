@@ -1,14 +1,13 @@
 """Temporary names beside an output, and the removal of those a killed writer left.
 
-A write that must be whole or absent goes to a temporary file (or directory)
-beside its destination, renamed into place at the end, removed on any
-exception or on SIGTERM. SIGKILL runs no handler: the temporary stays. So
-its name says who made it, ``.<dest name>.<host tag>-<pid>-<random>.tmp``,
-and the next write to the same destination removes every such name whose
-writer is provably gone: made on this host (the tag: a hash of the host
-name, since a pid means nothing on another machine sharing the folder) by a
-process that no longer exists. A name that proves nothing (another host,
-another naming, a live or unknowable pid) is left alone.
+A write that must be whole or absent goes to a temporary file (or directory) beside its
+destination, renamed into place at the end, removed on any exception or on SIGTERM. SIGKILL
+runs no handler: the temporary stays. So its name says who made it,
+``.<dest name>.<host tag>-<pid>-<random>.tmp``, and the next write to the same destination
+removes every such name whose writer is provably gone: made on this host (the tag: a hash of
+the host name, since a pid means nothing on another machine sharing the folder) by a process
+that no longer exists. A name that proves nothing (another host, another naming, a live or
+unknowable pid) is left alone.
 """
 
 from __future__ import annotations

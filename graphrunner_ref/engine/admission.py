@@ -1,218 +1,28 @@
-"""Admission: prefill the requests the scheduling policy admits
-(:func:`~graphrunner_ref.engine.policy.admit_count`), whole or in chunks
-under a per-step token budget, each with its first token once its prompt is
-in the KV cache, and the trace's checks before a run."""
+"""What may enter the engine: a trace's requests checked before they are
+queued (:func:`validate_trace`), and the engine options that depend on the
+model: the token budget of chunked prefill (:func:`check_token_budget`) and
+the prefix cache (:func:`prefix_cache_of`). Which requests join a step is
+the scheduler's (:mod:`~graphrunner_ref.engine.scheduler`)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from collections.abc import Sequence
 
-import torch
+from graphrunner.pools import CachedKVAllocator
+from graphrunner.sampling import MAX_HOLD_TOKENS, TokenCounts
+from graphrunner_ref.engine.model_runner import ModelRunner
+from graphrunner_ref.engine.workload import Request
 
-from graphrunner import GraphRunner
-from graphrunner.phases import token_batch_inputs
-from graphrunner.pools import CachedKVAllocator, whole_pages
-from graphrunner_ref.engine.policy import admit_count
-from graphrunner_ref.engine.results import LiveRequest, Run
-from graphrunner_ref.engine.sampling import check_greedy, check_penalties, seed_of
-from graphrunner_ref.engine.steps import EngineSteps
-from graphrunner_ref.engine.workload import Request, check_trace
-
-__all__ = ["Admission", "check_token_budget", "extends_prefix", "prefix_cache_of"]
-
-
-class Admission:
-    """The engine's admission: which arrived requests join, and their prefill.
-
-    Args:
-        engine: the step operations and facts it reads (the engine).
-        agree: turns the count that fits into the count admitted (a sharded
-            model's ranks admit rank 0's,
-            :func:`~graphrunner_ref.engine.ranks.rank0_admits`), or None.
-        token_budget: the tokens one engine step may process (vLLM's
-            ``max_num_batched_tokens``): the running requests' decode tokens
-            first, then prompt chunks, so a long prompt is split over steps
-            and never stalls the running requests for its whole prefill
-            (each step prefills at least one token). None: every admitted
-            prompt is prefilled whole in the step it is admitted.
-        token_runner: a runner of the token-batch phase
-            (:func:`~graphrunner.phases.token_batch_phase` of the model's
-            ``forward_token_batch``) that runs each step's chunks as one
-            padded, captured step; None: each chunk eagerly, alone.
-    """
-
-    def __init__(
-        self,
-        engine: EngineSteps,
-        agree: Callable[[int], int] | None = None,
-        token_budget: int | None = None,
-        token_runner: GraphRunner | None = None,
-    ) -> None:
-        self.engine = engine
-        self.agree = agree
-        self.token_budget = token_budget
-        self.token_runner = token_runner
-
-    def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
-        """Prefill ``run``'s arrived requests in order while they fit, within
-        the step's token budget; returns those whose prompt is now whole in
-        the KV cache, each with its last prompt token's logits (float
-        ``[vocab]``, on device), from which the engine draws its first token.
-        The step's chunks (those of every prompt it advances) run as one
-        token batch through the engine's token runner where it has one.
-        Raises :class:`AdmissionError` when nothing runs and the next one can
-        never fit."""
-        # Decode rows first, then prompt tokens; a prompt always moves on.
-        total = self.token_budget
-        budget = None if total is None else max(total - len(run.live), 1)
-        chunks, budget = _plan_chunks(run, 0, budget)
-        if budget is None or budget > 0:
-            count = admit_count(self.engine, run)
-            if self.agree is not None:
-                count = self.agree(count)
-            for _ in range(count):
-                run.prefilling.append(_start(self.engine, run, run.pending.popleft()))
-            chunks += _plan_chunks(run, len(chunks), budget)[0]
-        return _prefill(self.engine, run, chunks, self.token_runner)
-
-    def validate(self, trace: Sequence[Request]) -> None:
-        """``trace`` checked before a run: valid requests, each fitting the
-        context and the KV pool, greedy unless the engine samples."""
-        _validate_trace(self.engine, trace)
-
-
-def _start(engine: EngineSteps, run: Run, req: Request) -> LiveRequest:
-    """``req`` admitted: its request row and the KV pages of its prompt (decode
-    continues in the last page), held by the run until freed. With a prefix
-    cache, the prompt's cached full pages come first, mapped into its row,
-    and its prefill starts at the first uncached token."""
-    b = engine.bundle
-    live = LiveRequest(req, b.req_pool.alloc(1)[0], seed=seed_of(req, engine.seed))
-    live.matcher = req.grammar() if req.grammar is not None else None
-    run.held[req.rid] = live
-    need = whole_pages(len(req.prompt), b.page_size)
-    cache = engine.prefix_cache
-    if cache is None:
-        live.pages = b.kv_alloc.alloc(need)
-    else:
-        live.pages = _cached_pages(cache, live, need)
-        run.stats.cached_tokens += live.cached
-        if live.cached:
-            b.req_pool.write(live.req_index, 0, live.pages[: live.cached])
-    live.slots = live.pages[: len(req.prompt)]
-    return live
-
-
-def _cached_pages(cache: CachedKVAllocator, live: LiveRequest, need: int) -> list[int]:
-    """``need`` KV slots for ``live``'s prompt: its cached prefix's pages held
-    (``live.cached`` and ``live.prefilled`` set to their tokens), then fresh
-    ones; on a failure nothing stays held."""
-    hit = cache.match(live.request.prompt)
-    shared = cache.acquire(hit.pages)
-    try:
-        own = cache.alloc(need - hit.cached_tokens)
-    except BaseException:
-        cache.release(hit.pages)
-        raise
-    live.cached = live.prefilled = hit.cached_tokens
-    return shared + own
-
-
-#: One prompt chunk of a step: the request, and its prompt tokens ``start:end``.
-Chunk = tuple[LiveRequest, int, int]
-
-
-def _plan_chunks(run: Run, first: int, budget: int | None) -> tuple[list[Chunk], int | None]:
-    """The chunks of ``run.prefilling[first:]``, in order, ``budget`` prompt
-    tokens at most (None: every prompt whole); the budget left."""
-    chunks: list[Chunk] = []
-    for live in run.prefilling[first:]:
-        if budget is not None and budget <= 0:
-            break
-        start, prompt = live.prefilled, len(live.request.prompt)
-        end = prompt if budget is None else min(prompt, start + budget)
-        chunks.append((live, start, end))
-        if budget is not None:
-            budget -= end - start
-    return chunks, budget
-
-
-def _prefill(
-    engine: EngineSteps, run: Run, chunks: list[Chunk], runner: GraphRunner | None
-) -> list[tuple[LiveRequest, torch.Tensor]]:
-    """Run the step's ``chunks`` (each attends to the KV its earlier chunks
-    wrote): one token batch through ``runner``, or each eagerly. Returns the
-    requests whose prompt is now whole, with their last logits ``[vocab]``."""
-    if not chunks:
-        return []
-    if runner is not None:
-        logits = _token_batch(engine, runner, chunks)
-        last = [logits[i] for i in range(len(chunks))]
-    else:
-        last = [_extend(engine, live, start, end) for live, start, end in chunks]
-    joining: list[tuple[LiveRequest, torch.Tensor]] = []
-    for (live, start, end), row in zip(chunks, last, strict=True):
-        live.prefilled = end
-        run.stats.prefill_tokens += end - start
-        run.stats.prefill_chunks += 1
-        if engine.prefix_cache is not None:  # its full pages written so far serve later prompts
-            engine.prefix_cache.insert(live.request.prompt[:end], live.slots[:end])
-        if end < len(live.request.prompt):
-            continue  # the budget is spent inside this prompt
-        run.prefilling.remove(live)
-        joining.append((live, row))
-        run.stats.prefills += 1
-    return joining
-
-
-def _token_batch(engine: EngineSteps, runner: GraphRunner, chunks: list[Chunk]) -> torch.Tensor:
-    """The chunks as one token batch (their slots recorded in ``req_to_token``
-    first) through ``runner``: each chunk's last-token logits ``[chunks, vocab]``."""
-    pool = engine.bundle.req_pool
-    ids: list[int] = []
-    slots: list[int] = []
-    for live, start, end in chunks:
-        pool.write(live.req_index, start, live.slots[start:end])
-        ids += live.request.prompt[start:end]
-        slots += live.slots[start:end]
-    inputs = token_batch_inputs(
-        input_ids=ids,
-        out_cache_loc=slots,
-        req_pool_indices=[live.req_index for live, _, _ in chunks],
-        seq_lens=[end for _, _, end in chunks],
-        extend_lens=[end - start for _, start, end in chunks],
-        device=engine.device,
-    )
-    return cast(torch.Tensor, runner.replay(inputs))
-
-
-def _extend(engine: EngineSteps, live: LiveRequest, start: int, end: int) -> torch.Tensor:
-    """Prompt tokens ``start:end`` of ``live`` into the KV cache; the logits
-    of the last (float32 ``[vocab]``)."""
-    device = engine.device
-    ids = torch.tensor(live.request.prompt[start:end], dtype=torch.int64).to(
-        device, non_blocking=True
-    )
-    slots = torch.tensor(live.slots[start:end], dtype=torch.int64).to(device, non_blocking=True)
-    model = engine.bundle.model
-    if start == 0:  # a whole prompt, or its first chunk: every model kind
-        return model.forward_extend(live.req_index, ids, slots)
-    return cast(_ChunkedModel, model).forward_extend(live.req_index, ids, slots, prefix_len=start)
-
-
-class _ChunkedModel(Protocol):
-    """A model whose prefill extends a cached prefix (native Llama, the bridge)."""
-
-    def forward_extend(
-        self,
-        req_pool_index: int,
-        token_ids: torch.Tensor,
-        kv_slots: torch.Tensor,
-        *,
-        prefix_len: int,
-    ) -> torch.Tensor: ...
+__all__ = [
+    "check_greedy",
+    "check_penalties",
+    "check_token_budget",
+    "check_trace",
+    "extends_prefix",
+    "prefix_cache_of",
+    "validate_trace",
+]
 
 
 def extends_prefix(bundle: object) -> bool:
@@ -240,7 +50,10 @@ def check_token_budget(bundle: object, token_budget: int | None) -> int | None:
     return token_budget
 
 
-def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
+def validate_trace(engine: ModelRunner, trace: Sequence[Request]) -> None:
+    """``trace`` checked before a run: valid requests, each fitting the
+    context and the KV pool, greedy unless the engine samples; a
+    ``ValueError`` or ``TypeError`` naming the request and the field."""
     ctx, kv_room = engine.bundle.max_context_len, engine.bundle.kv_alloc.size
     check_trace(trace, engine.bundle.config.vocab_size)
     if not engine.sampling:
@@ -262,7 +75,7 @@ def _validate_trace(engine: EngineSteps, trace: Sequence[Request]) -> None:
             )
 
 
-def _check_ignore_eos(engine: EngineSteps, r: Request) -> None:
+def _check_ignore_eos(engine: ModelRunner, r: Request) -> None:
     """``r``'s ``ignore_eos`` refused where the runner stops rows itself:
     several steps a launch end a row inside the launch at the engine's end
     token, for every request alike."""
@@ -294,3 +107,61 @@ def prefix_cache_of(bundle: object, prefix_caching: bool) -> CachedKVAllocator |
             "expected a graphrunner.pools.CachedKVAllocator"
         )
     return cache
+
+
+def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
+    """Request ids unique and every prompt and stop token in ``0..vocab_size
+    - 1`` (ValueError naming the request and the token)."""
+    if len({r.rid for r in trace}) != len(trace):
+        raise ValueError("request ids must be unique")
+    for r in trace:
+        for what, ids in (("token id", r.prompt), ("stop_token_ids has", r.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {r.rid}: {what} {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
+                )
+
+
+def check_greedy(trace: Sequence[Request]) -> None:
+    """Every request of ``trace`` greedy (for a runner that does not sample),
+    or a ValueError naming the first that is not."""
+    for r in trace:
+        if r.sampling is not None and not r.sampling.greedy:
+            raise ValueError(
+                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
+                "samples; build it with create_decode_runner(..., sampling=True)"
+            )
+
+
+def check_penalties(trace: Sequence[Request], counts: TokenCounts | None, vocab: int) -> None:
+    """Every penalized request's logit bias within ``vocab`` and a runner that
+    applies penalties (``counts``, its token counts), and every request with
+    ``min_tokens`` on such a runner with at most ``MAX_HOLD_TOKENS`` end tokens
+    (the end token and ``stop_token_ids``), or a ValueError naming the first
+    request that fails."""
+    for r in trace:
+        if r.min_tokens and counts is None:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} needs a runner that holds end "
+                "tokens back in its step; build it with create_decode_runner(..., "
+                "sampling=True, penalties=True), or expected min_tokens=0"
+            )
+        if r.min_tokens and len(set(r.stop_token_ids)) >= MAX_HOLD_TOKENS:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} with {len(set(r.stop_token_ids))} "
+                f"stop_token_ids; expected at most {MAX_HOLD_TOKENS - 1} (the end token "
+                "besides)"
+            )
+        if r.sampling is None or not r.sampling.penalized:
+            continue
+        if counts is None:
+            raise ValueError(
+                f"request {r.rid}: repetition_penalty, presence_penalty, frequency_penalty or "
+                "logit_bias needs a runner that applies them; build it with "
+                "create_decode_runner(..., sampling=True, penalties=True)"
+            )
+        try:
+            r.sampling.check_vocab(vocab)
+        except ValueError as e:
+            raise ValueError(f"request {r.rid}: {e}") from None

@@ -13,9 +13,9 @@ import torch
 from graphrunner import DecodeBatch, KVCache
 from graphrunner.phases import SpecBatch
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample_rows
+from graphrunner_ref.engine.model_runner import ModelRunner, logits_of
 from graphrunner_ref.engine.results import EngineStats, LiveRequest
-from graphrunner_ref.engine.sampling import StepOut, logits_of
-from graphrunner_ref.engine.steps import EngineSteps
+from graphrunner_ref.engine.sampling import StepOut
 
 __all__ = ["CheckMode"]
 
@@ -26,10 +26,10 @@ class CheckMode:
     :class:`~graphrunner_ref.engine.results.EngineStats`.
 
     Args:
-        engine: the step operations and facts it reads (the engine).
+        engine: the model runner whose steps it checks.
     """
 
-    def __init__(self, engine: EngineSteps) -> None:
+    def __init__(self, engine: ModelRunner) -> None:
         if engine.sampling_rows.counts is not None:  # an eager rerun would count twice
             raise ValueError(
                 "check=True with a runner that applies penalties (penalties=True): the eager "
@@ -55,7 +55,7 @@ class CheckMode:
 
 
 def checked_replay(
-    engine: EngineSteps, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
+    engine: ModelRunner, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
 ) -> StepOut:
     """Eager reference first, then the runner, on the same prepared batch
     (``live[i]`` its row ``i``); returns the runner's output (its logits
@@ -72,7 +72,7 @@ def checked_replay(
     kv = _kv_of(engine)
     decoder = engine.decoder
     with torch.no_grad():
-        ref, eager_seconds = engine.timed(lambda: decoder.forward(decoder.inputs(batch)))
+        ref, eager_seconds = engine.timed(lambda: decoder.forward(engine.step_inputs(batch)))
     before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
     step, seconds = engine.timed(lambda: engine.replay(batch, live))
     out = logits_of(step)
@@ -86,7 +86,7 @@ def checked_replay(
 
 
 def checked_launch(
-    engine: EngineSteps,
+    engine: ModelRunner,
     inputs: Any,
     budgets: list[int],
     stats: EngineStats,
@@ -124,7 +124,7 @@ def checked_launch(
 
 
 def _eager_steps(
-    engine: EngineSteps, inputs: Any, budgets: list[int]
+    engine: ModelRunner, inputs: Any, budgets: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's tokens ``[bs, N]`` (-1 where it takes no step) and the
     logits ``[bs, vocab]`` of its last step, from single eager decode steps."""
@@ -166,7 +166,7 @@ def _eager_steps(
     return tokens, last
 
 
-def _kv_of(engine: EngineSteps) -> KVCache:
+def _kv_of(engine: ModelRunner) -> KVCache:
     kv = engine.bundle.kv_cache
     if kv is None:
         raise ValueError("check=True: the bundle has no KV cache to compare; expected check=False")
@@ -182,7 +182,7 @@ def _kv_diff(kv: KVCache, before: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _record(
-    engine: EngineSteps,
+    engine: ModelRunner,
     stats: EngineStats,
     steps: int,
     logit_diff: torch.Tensor,

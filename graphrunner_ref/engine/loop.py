@@ -9,15 +9,17 @@ API is vLLM's ``LLMEngine`` and nano-vllm's: :meth:`Engine.add_request`,
 and the benches drive it through :meth:`Engine.run` (a whole trace, stepped);
 ``graphrunner serve``'s engine thread calls it directly.
 
-Per engine step (the plain schedule): admit the requests that have arrived
-(while rows, request slots and KV room last), prefill each eagerly; run one
-decode step of the running batch through the runner; sample greedily on the
-device; read the step's tokens (and new KV slots) back to the host in ONE
-``.tolist()``; retire finished requests (token budget or end token) via
-``filter``, freeing their pool rows and KV pages; merge the prefilled ones in
-for the next step. ``Engine(overlap=True)`` schedules step N+1 while step N
-runs instead (:mod:`graphrunner_ref.engine.overlap_schedule`): the scheduling is a strategy
-of the one engine, and the model kind is data of it (its registered
+Per engine step, three stages, each one module: the scheduler plans it as
+data (:meth:`Scheduler.plan <graphrunner_ref.engine.scheduler.Scheduler.plan>`:
+the running rows it decodes, the requests admitted, the prompt chunks it
+prefills); the schedule runs the plan through the runners
+(:meth:`ModelRunner.run <graphrunner_ref.engine.model_runner.ModelRunner.run>`:
+chunks, first tokens, one decode step, ONE read back of tokens and new KV
+slots), or one of its variants chosen at build (overlap, several decode
+steps a launch: :mod:`~graphrunner_ref.engine.schedule`); the postprocess
+records what it gave (:meth:`Postprocess.process
+<graphrunner_ref.engine.postprocess.Postprocess.process>`: tokens, ends,
+frees, joins). The model kind is data of the engine (its registered
 :class:`~graphrunner_ref.engine.registry.DecodeStep`).
 
 KV is allocated in whole pages of ``bundle.page_size`` slots (1: one slot per
@@ -31,54 +33,36 @@ and frees them whole.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
-import torch
 from tqdm.auto import tqdm
 
 from graphrunner import DecodeBatch, GraphRunner
-from graphrunner.declare import StepInputs
-from graphrunner.phases import with_sampling
-from graphrunner.pools import starts_page
 from graphrunner.sampling import TOKEN_BITMASK, SamplingParams, check_seed
-from graphrunner.util import ChunkSafeCall, Exclusive
-from graphrunner_ref.engine.admission import Admission, check_token_budget, prefix_cache_of
+from graphrunner.util import ChunkSafeCall, Exclusive, deferred_interrupts
+from graphrunner_ref.engine.admission import check_token_budget, prefix_cache_of, validate_trace
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.grammar import GrammarFactory
-from graphrunner_ref.engine.interrupts import deferred_interrupts
+from graphrunner_ref.engine.model_runner import ModelRunner
 from graphrunner_ref.engine.multistep import check_multistep
-from graphrunner_ref.engine.policy import schedule_for
+from graphrunner_ref.engine.postprocess import Outputs, Postprocess
 from graphrunner_ref.engine.ranks import rank0_admits, replay_size_check
 from graphrunner_ref.engine.results import (
     AdmissionError,
     EngineResult,
     EngineStats,
-    FinishReason,
-    LiveRequest,
     RequestOutput,
     Run,
     TokenLogprobs,
 )
 from graphrunner_ref.engine.run_counts import RunnerCounts
-from graphrunner_ref.engine.sampling import (
-    SampledRows,
-    StepOut,
-    check_logprobs,
-    check_step_out,
-    first_logprobs,
-    record_logprobs,
-    step_logprobs,
-    tokens_of,
-)
-from graphrunner_ref.engine.schedule import Schedule, SyncSchedule
+from graphrunner_ref.engine.sampling import SampledRows, check_logprobs
+from graphrunner_ref.engine.schedule import Schedule, schedule_for
+from graphrunner_ref.engine.scheduler import Scheduler
 from graphrunner_ref.engine.workload import Request
-
-T = TypeVar("T")
 
 __all__ = [
     "AdmissionError",
@@ -87,7 +71,6 @@ __all__ = [
     "EngineStats",
     "RequestOutput",
     "Schedule",
-    "SyncSchedule",
     "create_decode_runner",
 ]
 
@@ -148,9 +131,11 @@ class Engine:
             each step's prompt chunks run through it as one padded step;
             None: each chunk eagerly, alone.
 
-    ``decoder`` is the bundle's :class:`~graphrunner_ref.engine.bundle.DecodeStep`;
-    ``admit``, ``decode``, ``replay``, ``advance``, ``record_token``, ``free``
-    and ``join`` are the step operations a :class:`Schedule` composes.
+    The engine's parts, built once: ``scheduler`` (plans each step),
+    ``model`` (the :class:`~graphrunner_ref.engine.model_runner.ModelRunner`),
+    ``schedule`` (how a plan runs: the model runner's own, or a variant),
+    ``post`` (the :class:`~graphrunner_ref.engine.postprocess.Postprocess`)
+    and ``check_mode``.
     """
 
     def __init__(
@@ -175,13 +160,13 @@ class Engine:
         self.seed = check_seed("seed", seed)
         steps = check_multistep(runner, steps_per_launch, end_token, overlap, check, logprobs)
         self.steps_per_launch = steps
-        self.decoder = decode_step(bundle)
-        if check and self.decoder.rerun_reason is not None:
+        decoder = decode_step(bundle)
+        if check and decoder.rerun_reason is not None:
             raise ValueError(
-                f"check=True: {self.decoder.rerun_reason}; expected check=False for a model "
+                f"check=True: {decoder.rerun_reason}; expected check=False for a model "
                 "with Mamba layers"
             )
-        if self.decoder.state_ops is not None and runner.state_ops is not self.decoder.state_ops:
+        if decoder.state_ops is not None and runner.state_ops is not decoder.state_ops:
             raise ValueError(
                 "runner.state_ops is not the bundle's request pool: its recorded state ops "
                 "would never run; build it with create_decode_runner"
@@ -189,45 +174,65 @@ class Engine:
         if overlap and check:
             raise ValueError("check=True with overlap=True: expected one of them")
         self.bundle: ServingBundle = bundle
-        self.runner = runner
-        self.check, self.end_token, self.atol = check, end_token, atol
-        self.on_finish, self.on_token, self.stop = on_finish, on_token, stop
-        # A step's callbacks, called after its bookkeeping (_fire_callbacks).
-        self._callbacks: list[Callable[[], object]] = []
+        self.token_runner = token_runner
+        self.check, self.end_token = check, end_token
+        self.device = bundle.device
         # The open run (None: no request in flight) and the request API's books.
         self._run: Run | None = None
         self._counts = RunnerCounts.of(runner)  # the runner's counters when it opened
-        self._out: dict[int, RequestOutput] = {}  # owed by step(), in the order of their events
-        self._owner: dict[int, LiveRequest] = {}  # the request each owed output is of
+        self._books = Outputs()
         self._rids: set[int] = set()  # every request added and not yet finished
-        self._aborted: set[int] = set()  # running requests to cut after their next token
         self._next_rid = 0
-        self.device = bundle.device
         # Two threads in one run would interleave on the same pools and batch.
         self._exclusive = Exclusive(f"{type(self).__name__}.run")
         self.sampling = SampledRows.declared_by(runner)
-        self.sampling_rows = SampledRows(
-            self.device,
-            runner.phase.token_counts,
-            end_token,
-            words=_bitmask_words(runner),
+        rows = SampledRows(
+            self.device, runner.phase.token_counts, end_token, words=_bitmask_words(runner)
         )
         self.logprobs = check_logprobs(logprobs, self.sampling)
-        self._rank_check = replay_size_check(bundle, runner)
-        #: The engine's parts: admission, check mode (check=True) and schedule.
         budget = check_token_budget(bundle, max_num_batched_tokens)
-        self.token_runner = token_runner
         self.prefix_cache = prefix_cache_of(bundle, prefix_caching)
-        self.admitter = Admission(self, rank0_admits(bundle), budget, token_runner)
-        self.check_mode = CheckMode(self) if check else None
-        self.schedule: Schedule = schedule_for(runner, steps, overlap, self.check_mode)
-        # A step's own frames (scheduler, populate) make many small calls too:
-        # kept off a stack chunk's end as the programs' are, learnt across runs
-        # (the schedule's step looked up at each call: it may be replaced).
-        self._step = ChunkSafeCall(lambda run: self.schedule.step(self, run))
-        self._sync: Callable[[], None] = (
-            torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
+        self.scheduler = Scheduler(
+            bundle, runner.max_bs, self.seed, budget, self.prefix_cache, rank0_admits(bundle)
         )
+        self.model = ModelRunner(
+            bundle,
+            runner,
+            decoder,
+            rows,
+            sampling=self.sampling,
+            logprobs=self.logprobs,
+            token_runner=token_runner,
+            prefix_cache=self.prefix_cache,
+            rank_check=replay_size_check(bundle, runner),
+            end_token=end_token,
+            atol=atol,
+            seed=self.seed,
+        )
+        self.check_mode = self.model.check_mode = CheckMode(self.model) if check else None
+        self.post = Postprocess(
+            bundle,
+            self._books,
+            end_token=end_token,
+            prefix_cache=self.prefix_cache,
+            on_token=on_token,
+            on_finish=on_finish,
+            stop=stop,
+        )
+        self.schedule: Schedule = schedule_for(self.model, self.post, runner, steps, overlap)
+        # A step's own frames (scheduler, populate) make many small calls too:
+        # kept off a stack chunk's end as the programs' are, learnt across runs.
+        self._step = ChunkSafeCall(self._step_once)
+
+    @property
+    def runner(self) -> GraphRunner:
+        """The captured decode runner the model runner replays (replaceable
+        between runs: a wrapper that injects faults, say)."""
+        return self.model.runner
+
+    @runner.setter
+    def runner(self, runner: GraphRunner) -> None:
+        self.model.runner = runner
 
     # -- the request API: add, abort, step ---------------------------------------
 
@@ -242,6 +247,7 @@ class Engine:
         stop_token_ids: Sequence[int] = (),
         min_tokens: int = 0,
         grammar: GrammarFactory | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
     ) -> int:
         """Queue a request for the next :meth:`step`; its id (``rid``, or the
         next free one). ``ignore_eos``: the end token does not finish it;
@@ -250,9 +256,10 @@ class Engine:
         tokens, inside the step (all three vLLM's); ``grammar``: a factory of
         its grammar's matchers (structured output: only the tokens the
         grammar allows, masked inside the step; the grammar's end finishes
-        it; a runner built ``structured=True``). Checked
-        here as a run checks its trace: ``ValueError`` or ``TypeError``
-        naming the field, nothing queued."""
+        it; a runner built ``structured=True``); ``stop``: called with its
+        tokens after each one, True finishes it (a served request's stop
+        strings). Checked here as a run checks its trace: ``ValueError`` or
+        ``TypeError`` naming the field, nothing queued."""
         with self._exclusive.held():
             run = self._open()
             rid = self._next_rid if rid is None else rid
@@ -270,8 +277,9 @@ class Engine:
                 stop_token_ids=tuple(stop_token_ids),
                 min_tokens=min_tokens,
                 grammar=grammar,
+                stop=stop,
             )
-            self.admitter.validate([request])
+            validate_trace(self.model, [request])
             run.pending.append(request)
             self._rids.add(rid)
             self._next_rid = max(self._next_rid, rid + 1)
@@ -284,14 +292,14 @@ class Engine:
         finished id is ignored (it may have finished meanwhile)."""
         with self._exclusive.held():
             run = self._run
-            if run is None or rid not in self._rids or rid in self._aborted:
+            if run is None or rid not in self._rids or rid in self._books.aborted:
                 return
             waiting = [r for r in run.pending if r.rid == rid]
             if not waiting:
-                self._aborted.add(rid)
+                self._books.aborted.add(rid)
                 return
             run.pending.remove(waiting[0])
-            self._out[rid] = RequestOutput(rid, finish_reason="abort")
+            self._books.owed[rid] = RequestOutput(rid, finish_reason="abort")
 
     def step(self) -> list[RequestOutput]:
         """One engine step (admission, prompt chunks, a decode step or launch,
@@ -311,7 +319,7 @@ class Engine:
         """Whether a request is waiting, prefilling or running, or an output
         is still owed by :meth:`step`."""
         run = self._run
-        return run is not None and (_busy(run) or bool(self._out))
+        return run is not None and (_busy(run) or bool(self._books.owed))
 
     def running(self) -> int:
         """Requests admitted and not finished: prefilling or decoding."""
@@ -351,15 +359,15 @@ class Engine:
         (held outside this run): waiting would never end. A Ctrl-C raises its
         ``KeyboardInterrupt`` at the next step boundary (twice: at once), and
         the run frees every row and page it held
-        (:mod:`~graphrunner_ref.engine.interrupts`).
+        (:func:`graphrunner.util.deferred_interrupts`).
         """
         with self._exclusive.held(), deferred_interrupts() as interrupted:
-            if self._rids or self._out:
+            if self._rids or self._books.owed:
                 raise RuntimeError(
                     f"Engine.run: {len(self._rids)} requests added by add_request are open; "
                     "expected them finished, or close() first"
                 )
-            self.admitter.validate(trace)
+            validate_trace(self.model, trace)
             self._close()  # a fresh run: its own stats
             return self._run_trace(trace, max_steps, progress, interrupted)
 
@@ -384,7 +392,7 @@ class Engine:
                         outputs[out.rid].extend(out.tokens)
                         if self.logprobs:
                             logprobs.setdefault(out.rid, []).extend(out.logprobs)
-                        if out.finished:
+                        if out.finish_reason is not None:
                             finished.add(out.rid)
                     interrupted()  # a Ctrl-C held since the step began raises here
             for req in run.live:  # cut by max_steps
@@ -402,20 +410,21 @@ class Engine:
         if self._run is None:
             self._run = Run(deque(), DecodeBatch.empty(self.device, self.bundle.max_context_len))
             self._counts = RunnerCounts.of(self.runner)
-            self.schedule.begin(self, max_steps)
+            self.schedule.begin(max_steps)
         return self._run
 
     def _close(self) -> None:
         run, self._run = self._run, None
-        self._callbacks, self._out, self._owner = [], {}, {}
-        self._rids, self._aborted = set(), set()
+        self.post.callbacks = []
+        self._books.clear()
+        self._rids = set()
         if run is None:
             return
         try:
             for req in list(run.held.values()):
-                self.free(run, req)
+                self.post.free(run, req)
         finally:
-            self.schedule.end(self)
+            self.schedule.end()
 
     def _advance(self, run: Run) -> int:
         """One engine step of ``run`` and its callbacks; the decode steps it ran."""
@@ -424,14 +433,23 @@ class Engine:
         begin = time.perf_counter()
         steps = self._step(run)
         run.stats.step_seconds += time.perf_counter() - begin
-        self._fire_callbacks()
+        if self.post.callbacks:  # on_token / on_finish, outside the step's time
+            self.post.fire_callbacks()
         run.clock += 1
         return steps
 
+    def _step_once(self, run: Run) -> int:
+        """One engine step: plan, run, postprocess; the decode steps it ran."""
+        plan = self.scheduler.plan(run)
+        result = self.schedule.run(run, plan)
+        self.post.process(run, result)
+        return result.steps
+
     def _drain(self, run: Run) -> list[RequestOutput]:
         """The outputs the last steps owe, in order; finished requests leave."""
-        outs, self._out = list(self._out.values()), {}
-        owners, self._owner = self._owner, {}
+        books = self._books
+        outs, books.owed = list(books.owed.values()), {}
+        owners, books.owner = books.owner, {}
         for out in outs:
             req = owners.get(out.rid)
             if req is not None:
@@ -439,9 +457,9 @@ class Engine:
             if self.logprobs and req is not None:  # the new tokens' own, at the list's end
                 total = len(req.tokens)
                 out.logprobs = req.logprobs[total - len(out.tokens) : total]
-            if out.finished:
+            if out.finish_reason is not None:
                 self._rids.discard(out.rid)
-                self._aborted.discard(out.rid)
+                books.aborted.discard(out.rid)
                 run.finished.discard(out.rid)
         return outs
 
@@ -449,177 +467,11 @@ class Engine:
     def admission(self) -> Callable[[int], int] | None:
         """The hook turning the count of arrived requests that fit into the
         count admitted (a sharded model's ranks admit rank 0's), or None."""
-        return self.admitter.agree
+        return self.scheduler.agree
 
     @admission.setter
     def admission(self, agree: Callable[[int], int] | None) -> None:
-        self.admitter.agree = agree
-
-    def empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
-
-    def admit(self, run: Run) -> list[tuple[LiveRequest, torch.Tensor]]:
-        """Prefill arrived requests in order while they fit; returns each with
-        its first token (a 0-d device tensor); see
-        :class:`~graphrunner_ref.engine.admission.Admission`."""
-        # Host time, no device sync (an overlapped schedule admits while the
-        # last step runs): on a GPU, prefill's device work may be waited for
-        # in the step's read back instead.
-        begin = time.perf_counter()
-        try:
-            prefilled = self.admitter.admit(run)
-            return [(live, self.first_token(live, logits)) for live, logits in prefilled]
-        finally:
-            run.stats.prefill_seconds += time.perf_counter() - begin
-
-    def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
-        """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
-        token = self.sampling_rows.first_token(live, logits) if self.sampling else logits.argmax()
-        if self.logprobs:
-            live.logprobs.append(first_logprobs(logits, token, self.logprobs))
-        return token
-
-    def decode(
-        self, batch: DecodeBatch, stats: EngineStats, live: Sequence[LiveRequest] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of ``live`` (row ``i`` is ``live[i]``); returns each
-        row's token and new KV slot, on device."""
-        batch.prepare_decode(self.bundle.req_pool, self.bundle.kv_alloc)
-        try:
-            if self.check_mode is not None:
-                out = self.check_mode.replay(batch, stats, live)
-            else:
-                out, seconds = self.timed(lambda: self.replay(batch, live))
-                stats.decode_seconds += seconds
-            if self.logprobs:  # a read back of its own: only when asked
-                record_logprobs(live, step_logprobs(out, self.logprobs))
-        except BaseException:  # the step's fresh pages are no request's yet: free them here
-            self._free_fresh_pages(batch)
-            raise
-        stats.steps += 1
-        stats.launches += 1
-        stats.decode_tokens += batch.batch_size
-        stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
-        return tokens_of(out), batch.out_cache_loc
-
-    def _free_fresh_pages(self, batch: DecodeBatch) -> None:
-        """Free the pages :meth:`DecodeBatch.prepare_decode` just handed out: those of
-        the rows that started a page (the others wrote inside a page they own)."""
-        page = self.bundle.page_size
-        first_slots = batch.out_cache_loc.tolist()  # a failure path: a read back is fine
-        lens = (batch.seq_lens_cpu - 1).tolist()  # lengths before the step
-        fresh = [
-            s + o
-            for s, n in zip(first_slots, lens, strict=True)
-            if starts_page(n, page)
-            for o in range(page)
-        ]
-        self.bundle.kv_alloc.free(fresh)
-
-    def replay(self, batch: DecodeBatch, live: Sequence[LiveRequest] = ()) -> StepOut:
-        """The runner's step on ``batch`` (``live[i]`` its row ``i``, whose
-        sampling rows go with it when the runner samples)."""
-        if self._rank_check is not None:
-            self._rank_check(batch.batch_size)
-        inputs = self.decoder.inputs(batch)
-        if self.sampling:
-            inputs = with_sampling(inputs, self.sampling_rows.of(live))
-        return check_step_out(self.runner.replay(inputs))
-
-    def launch(self, inputs: StepInputs) -> StepOut:
-        """The runner's step on inputs a schedule built itself (a multi-step
-        launch), its outputs checked."""
-        return check_step_out(self.runner.replay(inputs))
-
-    def timed(self, fn: Callable[[], T]) -> tuple[T, float]:
-        self._sync()
-        start = time.perf_counter()
-        out = fn()
-        self._sync()
-        return out, time.perf_counter() - start
-
-    def advance(self, run: Run, req: LiveRequest, token: int) -> bool:
-        """Record ``token``; retire the request if it is done. Returns whether it was."""
-        done = self.record_token(run, req, token)
-        if done:
-            self.free(run, req)
-        return done
-
-    def record_token(self, run: Run, req: LiveRequest, token: int) -> bool:
-        """Append ``token``; when the budget, the end token, the ``stop`` hook
-        or an abort ends the request, record it as finished. Returns whether
-        it is done."""
-        rid = req.request.rid
-        req.tokens.append(token)
-        out = self._out.get(rid)
-        if out is None:
-            out = self._out[rid] = RequestOutput(rid)
-            self._owner[rid] = req
-        out.tokens.append(token)
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            raise RuntimeError(
-                f"request {rid}: token {token} drawn outside its grammar; the step's "
-                "token_bitmask should have masked it"
-            )
-        if self.on_token is not None:
-            self._callbacks.append(functools.partial(self.on_token, rid, token))
-        reason = self._finish_reason(req, token)
-        if reason is None:
-            return False
-        out.finish_reason = reason
-        run.finished.add(rid)
-        if self.on_finish is not None:
-            self._callbacks.append(functools.partial(self.on_finish, rid, req.tokens))
-        return True
-
-    def _finish_reason(self, req: LiveRequest, token: int) -> FinishReason | None:
-        """Why ``req`` finishes at its last token ``token``, or None (the
-        ``stop`` hook is asked only when nothing else ends it)."""
-        request = req.request
-        rid = request.rid
-        if rid in self._aborted:
-            return "abort"
-        if req.matcher is not None and req.matcher.is_terminated():
-            return "stop"
-        if token == self.end_token and not request.ignore_eos:
-            return "stop"
-        if token in request.stop_token_ids:
-            return "stop"
-        if len(req.tokens) >= req.request.max_new_tokens:
-            return "length"
-        if self.stop is not None and self.stop(rid, req.tokens):
-            return "stop"
-        return None
-
-    def _fire_callbacks(self) -> None:
-        """The step's ``on_token`` / ``on_finish`` calls, in order, once its
-        bookkeeping is done: one that raises (or a Ctrl-C inside it) leaves
-        every request's rows and KV pages recorded, so the run frees them all."""
-        callbacks, self._callbacks = self._callbacks, []
-        for call in callbacks:
-            call()
-
-    def free(self, run: Run, req: LiveRequest) -> None:
-        """Free ``req``'s request row and KV pages; a finished one's full
-        pages (its prompt's and its output's) stay cached for later prompts."""
-        del run.held[req.request.rid]
-        self.bundle.req_pool.free([req.req_index])
-        cache = self.prefix_cache
-        if cache is not None and req.request.rid in run.finished:
-            written = (*req.request.prompt, *req.tokens)[: len(req.slots)]
-            cache.insert(written, req.slots)
-        self.bundle.kv_alloc.free(req.pages)
-
-    def join(self, run: Run, joining: list[LiveRequest], first_ids: torch.Tensor) -> None:
-        new = DecodeBatch.from_requests(
-            [r.req_index for r in joining],
-            [len(r.request.prompt) for r in joining],
-            first_ids,
-            device=self.device,
-            max_context_len=self.bundle.max_context_len,
-        )
-        run.batch.merge(new)
-        run.live.extend(joining)
+        self.scheduler.agree = agree
 
 
 def _bitmask_words(runner: GraphRunner) -> int:

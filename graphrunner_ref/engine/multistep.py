@@ -30,11 +30,11 @@ from graphrunner import GraphRunner
 from graphrunner.declare import StepInputs
 from graphrunner.phases import STEPS_LEFT, SpecBatch, check_steps_per_launch, with_sampling
 from graphrunner.pools import PoolExhausted
-from graphrunner_ref.engine.check import CheckMode
+from graphrunner_ref.engine.model_runner import ModelRunner
 from graphrunner_ref.engine.multistep_runner import multistep_of
-from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run
+from graphrunner_ref.engine.registry import ServingBundle
+from graphrunner_ref.engine.results import EngineStats, LiveRequest, Run, StepPlan, StepResult
 from graphrunner_ref.engine.sampling import StepOut
-from graphrunner_ref.engine.steps import EngineSteps
 
 __all__ = ["MultiStepSchedule", "Reservation", "check_multistep", "keep_used"]
 
@@ -82,56 +82,62 @@ class Reservation:
 
 
 class MultiStepSchedule:
-    """Admit, reserve, launch ``N`` decode steps, read back once, retire, merge."""
+    """Reserve, launch ``N`` decode steps, read back once (the plan's chunks
+    prefilled first): the several-steps-per-launch variant of a step's run."""
 
-    def __init__(self, steps: int, check: CheckMode | None = None) -> None:
+    def __init__(self, model: ModelRunner, steps: int) -> None:
+        self.model = model
         self.steps = steps
-        self.check = check
 
-    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
+    def begin(self, max_steps: int | None) -> None:
         pass
 
-    def end(self, engine: EngineSteps) -> None:
+    def end(self) -> None:
         pass
 
-    def step(self, engine: EngineSteps, run: Run) -> int:
-        joining = engine.admit(run)
-        first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
-        bs, n = len(run.live), self.steps
+    def run(self, run: Run, plan: StepPlan) -> StepResult:
+        """``plan``'s chunks, then one launch of its rows, one read back; each
+        row keeps the KV its steps used (the rest freed)."""
+        model = self.model
+        completed = model.prefill(run, plan.chunks)
+        first_ids = torch.stack([ids for _, ids in completed]) if completed else model.empty()
+        live, n = list(plan.decode), self.steps
+        bs = len(live)
+        decoded: list[tuple[LiveRequest, list[int]]] = []
         if not bs:
             host = first_ids.tolist()
         else:
-            plan = self.reserve(engine, run.live)
+            reservations = self.reserve(live)
             try:
-                out = self.launch(engine, run, plan)
+                out = self.launch(run, reservations)
             except BaseException:  # the fresh pages are no request's yet
-                engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])
+                model.bundle.kv_alloc.free([s for r in reservations for p in r.fresh for s in p])
                 raise
             tokens, count = out["tokens"], out["count"]
             host = torch.cat([tokens.flatten(), count, first_ids]).tolist()  # the one sync
             run.stats.syncs += 1
-            if engine.logprobs:  # a read back of its own: only when asked
-                self.record_logprobs(engine, run.live, out, host[bs * n : bs * n + bs])
+            counts = host[bs * n : bs * n + bs]
+            if model.logprobs:  # a read back of its own: only when asked
+                self.record_logprobs(live, out, counts)
             batch = run.batch  # a row that continues took every step: it feeds its last
             batch.input_ids = tokens[:, -1]
             batch.seq_lens, batch.seq_lens_cpu = batch.seq_lens + n, batch.seq_lens_cpu + n
-            self.retire(engine, run, plan, host[: bs * n], host[bs * n : bs * n + bs])
-        stay = [
-            j
-            for j, (req, _) in enumerate(joining)
-            if not engine.advance(run, req, host[-len(joining) + j])
-        ]
-        if stay:
-            engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
-        return n if bs else 0
+            for i, (req, r) in enumerate(zip(live, reservations, strict=True)):
+                keep_used(model.bundle, req, r, counts[i])
+                decoded.append((req, host[i * n : i * n + counts[i]]))
+            run.stats.decode_tokens += sum(counts)
+        firsts = host[len(host) - len(completed) :]
+        joining = [(req, t) for (req, _), t in zip(completed, firsts, strict=True)]
+        return StepResult(decoded, joining, first_ids, n if bs else 0)
 
     def reserve(
-        self, engine: EngineSteps, live: list[LiveRequest], ahead: Sequence[int] | None = None
+        self, live: list[LiveRequest], ahead: Sequence[int] | None = None
     ) -> list[Reservation]:
         """Each row's slots for the launch, recorded in ``req_to_token``;
         ``ahead[i]``: tokens ``live[i]`` emits before it that are not in its
         ``tokens`` yet (overlap: not read back; its ``slots`` already hold them)."""
-        b, page = engine.bundle, engine.bundle.page_size
+        b = self.model.bundle
+        page = b.page_size
         needs = []
         for i, req in enumerate(live):
             left = req.request.max_new_tokens - len(req.tokens) - (ahead[i] if ahead else 0)
@@ -158,7 +164,7 @@ class MultiStepSchedule:
         return plan
 
     def launch(
-        self, engine: EngineSteps, run: Run, plan: list[Reservation], *, timed: bool = True
+        self, run: Run, plan: list[Reservation], *, timed: bool = True
     ) -> dict[str, torch.Tensor]:
         """The runner's launch; returns its outputs: ``tokens`` int64 ``[bs, N]``,
         ``count`` ``[bs]`` (and the log-probabilities when the runner has them).
@@ -176,23 +182,24 @@ class MultiStepSchedule:
             out_cache_loc=torch.tensor([s for row in slots for s in row], dtype=torch.int64),
             **{STEPS_LEFT: torch.tensor([r.budget for r in plan], dtype=torch.int64)},
         )
-        if engine.sampling:
-            inputs = with_sampling(inputs, engine.sampling_rows.of(run.live))
+        model = self.model
+        if model.sampling:
+            inputs = with_sampling(inputs, model.sampling_rows.of(run.live))
         stats: EngineStats = run.stats
 
         def replay() -> StepOut:
-            return engine.launch(inputs)
+            return model.launch(inputs)
 
-        if self.check is not None:
-            out = self.check.launch(inputs, [r.budget for r in plan], stats, replay)
+        if model.check_mode is not None:
+            out = model.check_mode.launch(inputs, [r.budget for r in plan], stats, replay)
         elif not timed:
             out = replay()
         else:
-            out, seconds = engine.timed(replay)
+            out, seconds = model.timed(replay)
             stats.decode_seconds += seconds
         if not isinstance(out, dict):
             raise TypeError("a multi-step runner returns a dict of outputs; got a tensor")
-        lp = engine.logprobs
+        lp = model.logprobs
         if lp and ("logprob" not in out or out["top_ids"].shape[-1] != lp):
             raise ValueError(
                 f"logprobs={lp}: the runner's launch does not return {lp} top log-probabilities; "
@@ -204,16 +211,12 @@ class MultiStepSchedule:
         return out
 
     def record_logprobs(
-        self,
-        engine: EngineSteps,
-        live: list[LiveRequest],
-        out: dict[str, torch.Tensor],
-        count: list[int],
+        self, live: list[LiveRequest], out: dict[str, torch.Tensor], count: list[int]
     ) -> None:
         """Append each row's entries of the steps it took (``count[i]`` of
         ``live[i]``), in order, from the launch's ``[bs, N]`` / ``[bs, N, n]``
         log-probability outputs."""
-        n = engine.logprobs
+        n = self.model.logprobs
         steps = self.steps
         parts = [out[k].flatten().double() for k in ("logprob", "top_logprobs", "top_ids")]
         host = torch.cat(parts).tolist()  # float64 holds float32 values and ids exactly
@@ -224,59 +227,15 @@ class MultiStepSchedule:
                 pairs = zip(ids[k * n : (k + 1) * n], top[k * n : (k + 1) * n], strict=True)
                 req.logprobs.append((chosen[k], [(int(t), v) for t, v in pairs]))
 
-    def retire(
-        self,
-        engine: EngineSteps,
-        run: Run,
-        plan: list[Reservation],
-        tokens: list[int],
-        count: list[int],
-    ) -> None:
-        """Record each row's tokens, keep the KV it used, free the rest, retire the finished."""
-        n, keep = self.steps, []
-        for i, (req, r) in enumerate(zip(list(run.live), plan, strict=True)):
-            keep_used(engine, req, r, count[i])
-            if self.record(engine, run, req, tokens[i * n : (i + 1) * n], count[i]):
-                engine.free(run, req)
-            else:
-                keep.append(i)
-        if len(keep) < len(run.live):
-            run.batch.filter(keep)
-            run.live[:] = [run.live[i] for i in keep]
 
-    def record(
-        self, engine: EngineSteps, run: Run, req: LiveRequest, tokens: list[int], c: int
-    ) -> bool:
-        """Record the ``c`` tokens ``req`` took of its row ``tokens`` (``N``);
-        returns whether it finished (a row that did not took all ``N``). The
-        engine's ``stop`` hook (a stop string, a cancelled request) may end it
-        inside the launch: its later tokens are dropped, their KV freed with it."""
-        run.stats.decode_tokens += c
-        done = False
-        for k, token in enumerate(tokens[:c]):
-            done = engine.record_token(run, req, token)
-            if done and k != c - 1:
-                if token != engine.end_token:
-                    return True  # the stop hook ended it here
-                raise RuntimeError(
-                    f"request {req.request.rid} finished at step {k} of the launch but the "
-                    f"runner kept it for {c}: its end token differs from the engine's"
-                )
-        if not done and c != self.steps:
-            raise RuntimeError(
-                f"request {req.request.rid} took {c} of {self.steps} steps and did not finish"
-            )
-        return done
-
-
-def keep_used(engine: EngineSteps, req: LiveRequest, r: Reservation, c: int) -> None:
+def keep_used(bundle: ServingBundle, req: LiveRequest, r: Reservation, c: int) -> None:
     """``req`` took ``c`` steps of its reservation ``r``: it keeps the fresh
     pages its KV reaches and those steps' slots; the other pages are freed."""
-    page = engine.bundle.page_size
+    page = bundle.page_size
     length = len(req.slots) + c  # its KV length after the launch
     # fresh page k starts at position len(req.pages) + k * page
     used = sum(1 for k in range(len(r.fresh)) if len(req.pages) + k * page < length)
     for p in r.fresh[:used]:
         req.pages.extend(p)
-    engine.bundle.kv_alloc.free([s for p in r.fresh[used:] for s in p])
+    bundle.kv_alloc.free([s for p in r.fresh[used:] for s in p])
     req.slots.extend(r.slots[:c])

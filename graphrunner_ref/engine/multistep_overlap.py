@@ -24,10 +24,11 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.core import future_refs
+from graphrunner_ref.engine.model_runner import ModelRunner
 from graphrunner_ref.engine.multistep import MultiStepSchedule, Reservation, keep_used
 from graphrunner_ref.engine.overlap_schedule import HostCopy, device_ints, future_map_of
-from graphrunner_ref.engine.results import LiveRequest, Run
-from graphrunner_ref.engine.steps import EngineSteps
+from graphrunner_ref.engine.postprocess import Postprocess
+from graphrunner_ref.engine.results import LiveRequest, Run, StepPlan, StepResult
 
 __all__ = ["MultiStepOverlapSchedule"]
 
@@ -37,69 +38,76 @@ class MultiStepOverlapSchedule:
     the module). ``runner`` is built with ``steps_per_launch=steps`` and a
     future map (``create_decode_runner(..., future_map=FutureMap(...))``)."""
 
-    def __init__(self, runner: GraphRunner, steps: int) -> None:
+    def __init__(
+        self, model: ModelRunner, post: Postprocess, runner: GraphRunner, steps: int
+    ) -> None:
+        self.model, self.post = model, post
         self.future = future_map_of(runner)
-        self.base = MultiStepSchedule(steps)
+        self.base = MultiStepSchedule(model, steps)
         self.steps = steps
         # The prepared launch's reservations, one per row of run.live.
         self._plan: list[Reservation] | None = None
         self._max_steps: int | None = None
 
-    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
+    def begin(self, max_steps: int | None) -> None:
         self._max_steps = max_steps
 
-    def end(self, engine: EngineSteps) -> None:
+    def end(self) -> None:
         """A launch prepared but never run: its fresh pages are nobody's."""
         if self._plan is not None:
-            self._free(engine, self._plan)
+            self._free(self._plan)
             self._plan = None
 
-    def step(self, engine: EngineSteps, run: Run) -> int:
+    def run(self, run: Run, step: StepPlan) -> StepResult:
+        """Launch i, ``step``'s chunks prefilled and launch i+1 prepared before
+        the one wait; the tokens recorded here (nothing left for the
+        postprocess but its callbacks)."""
         # Wall time of the whole step, host work included (no sync to time the launch).
         start = time.perf_counter()
-        stepped, n = list(run.live), self.steps
+        model, post = self.model, self.post
+        stepped, n = list(step.decode), self.steps
         plan: list[Reservation] = []
         parts: list[torch.Tensor] = []
         out: dict[str, torch.Tensor] = {}
         if stepped:
-            plan = self._plan if self._plan is not None else self.base.reserve(engine, stepped)
+            plan = self._plan if self._plan is not None else self.base.reserve(stepped)
             self._plan = None
             try:
-                out = self.base.launch(engine, run, plan, timed=False)
+                out = self.base.launch(run, plan, timed=False)
             except BaseException:  # the fresh pages are no request's yet
-                self._free(engine, plan)
+                self._free(plan)
                 raise
             parts = [out["tokens"].flatten(), out["count"]]
             for req, r in zip(stepped, plan, strict=True):  # as if it took every step
-                keep_used(engine, req, r, r.budget)
-        pairs = engine.admit(run)
+                keep_used(model.bundle, req, r, r.budget)
+        pairs = model.prefill(run, step.chunks)
         joining = [r for r, _ in pairs]
-        first = torch.stack([ids for _, ids in pairs]) if pairs else engine.empty()
+        first = torch.stack([ids for _, ids in pairs]) if pairs else model.empty()
         if joining:
-            self.future.store(device_ints(engine, [r.req_index for r in joining]), first)
+            self.future.store(device_ints(model.device, [r.req_index for r in joining]), first)
         copy = HostCopy(torch.cat([*parts, first]))
-        self._prepare(engine, run, stepped, plan, joining)
+        self._prepare(run, stepped, plan, joining)
         host = copy.wait()  # the launch's one read back
         bs = len(stepped)
         count = host[bs * n : bs * n + bs]
-        if stepped and engine.logprobs:  # its outputs still: no launch ran since
-            self.base.record_logprobs(engine, stepped, out, count)
+        if stepped and model.logprobs:  # its outputs still: no launch ran since
+            self.base.record_logprobs(stepped, out, count)
+        run.stats.decode_tokens += sum(count)
         done = [
             req
             for i, req in enumerate(stepped)
-            if self.base.record(engine, run, req, host[i * n : (i + 1) * n], count[i])
+            if post.record_row(run, req, host[i * n : i * n + count[i]], n)
         ]
         firsts = host[bs * n + bs :]
-        done += [r for r, t in zip(joining, firsts, strict=True) if engine.record_token(run, r, t)]
-        self._retire(engine, run, done)
+        done += [r for r, t in zip(joining, firsts, strict=True) if post.record_token(run, r, t)]
+        self._retire(run, done)
         if stepped:
             run.stats.decode_seconds += time.perf_counter() - start
             run.stats.syncs += 1
-        return n if stepped else 0
+        return StepResult(steps=n if stepped else 0)
 
     def _prepare(
         self,
-        engine: EngineSteps,
         run: Run,
         stepped: list[LiveRequest],
         plan: list[Reservation],
@@ -122,15 +130,15 @@ class MultiStepOverlapSchedule:
         ahead = [n] * len(run.live)  # each kept row took all N steps, not read yet
         going = [r for r in joining if r.request.max_new_tokens > 1]
         if going:
-            rows = device_ints(engine, [r.req_index for r in going])
-            engine.join(run, going, future_refs(rows))
+            rows = device_ints(self.model.device, [r.req_index for r in going])
+            self.post.join(run, going, future_refs(rows))
             ahead += [1] * len(going)  # its first token, not read yet
         steps_left = self._max_steps is None or run.stats.steps < self._max_steps
         if run.live and steps_left:
             run.batch.input_ids = future_refs(run.batch.req_pool_indices)
-            self._plan = self.base.reserve(engine, run.live, ahead)
+            self._plan = self.base.reserve(run.live, ahead)
 
-    def _retire(self, engine: EngineSteps, run: Run, done: list[LiveRequest]) -> None:
+    def _retire(self, run: Run, done: list[LiveRequest]) -> None:
         """Free the finished requests; one in the prepared launch leaves it,
         with its reservation's fresh pages."""
         gone = {id(r) for r in done}
@@ -138,13 +146,12 @@ class MultiStepOverlapSchedule:
         if len(keep) < len(run.live):
             if self._plan is not None:
                 dropped = set(range(len(run.live))) - set(keep)
-                self._free(engine, [self._plan[i] for i in sorted(dropped)])
+                self._free([self._plan[i] for i in sorted(dropped)])
                 self._plan = [self._plan[i] for i in keep] if keep else None
             run.batch.filter(keep)
             run.live[:] = [run.live[i] for i in keep]
         for r in done:
-            engine.free(run, r)
+            self.post.free(run, r)
 
-    @staticmethod
-    def _free(engine: EngineSteps, plan: list[Reservation]) -> None:
-        engine.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])
+    def _free(self, plan: list[Reservation]) -> None:
+        self.model.bundle.kv_alloc.free([s for r in plan for p in r.fresh for s in p])

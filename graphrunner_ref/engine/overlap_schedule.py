@@ -25,14 +25,10 @@ import torch
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.core import future_refs
 from graphrunner.pools import starts_page
-from graphrunner_ref.engine.results import LiveRequest, Run
-from graphrunner_ref.engine.sampling import (
-    host_logprobs,
-    logprob_outputs,
-    record_logprobs,
-    tokens_of,
-)
-from graphrunner_ref.engine.steps import EngineSteps
+from graphrunner_ref.engine.model_runner import ModelRunner, tokens_of
+from graphrunner_ref.engine.postprocess import Postprocess
+from graphrunner_ref.engine.results import LiveRequest, Run, StepPlan, StepResult
+from graphrunner_ref.engine.sampling import host_logprobs, logprob_outputs, record_logprobs
 
 __all__ = ["OverlapSchedule", "device_ints", "future_map_of"]
 
@@ -48,10 +44,10 @@ def future_map_of(runner: GraphRunner) -> FutureMap:
     return future
 
 
-def device_ints(engine: EngineSteps, values: list[int]) -> torch.Tensor:
-    """``values`` as int64 on the engine's device, without a sync (non_blocking
-    from host memory: ``torch.tensor(..., device=)`` would sync)."""
-    return torch.tensor(values, dtype=torch.int64).to(engine.device, non_blocking=True)
+def device_ints(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as int64 on ``device``, without a sync (non_blocking from
+    host memory: ``torch.tensor(..., device=)`` would sync)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 class HostCopy:
@@ -78,7 +74,8 @@ class OverlapSchedule:
     doc): ``Engine(bundle, runner, overlap=True)``. ``runner`` must be built with
     a future map (``create_decode_runner(..., future_map=FutureMap(...))``)."""
 
-    def __init__(self, runner: GraphRunner) -> None:
+    def __init__(self, model: ModelRunner, post: Postprocess, runner: GraphRunner) -> None:
+        self.model, self.post = model, post
         self.future = future_map_of(runner)
         # The next step, prepared before this one's tokens were read: the fresh
         # page (first slot) each starting request took there, by request id.
@@ -87,44 +84,48 @@ class OverlapSchedule:
         # Step N's log-probability outputs, read after the wait.
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
+    def begin(self, max_steps: int | None) -> None:
         self._max_steps = max_steps
 
-    def end(self, engine: EngineSteps) -> None:
+    def end(self) -> None:
         """A step prepared but never launched: its fresh pages are nobody's."""
         if self._prepared is not None:
-            page = engine.bundle.page_size
+            page = self.model.bundle.page_size
             slots = [s + o for s in self._prepared.values() for o in range(page)]
-            engine.bundle.kv_alloc.free(slots)
+            self.model.bundle.kv_alloc.free(slots)
             self._prepared = None
 
-    def step(self, engine: EngineSteps, run: Run) -> int:
+    def run(self, run: Run, plan: StepPlan) -> StepResult:
+        """Step N launched, ``plan``'s chunks prefilled and step N+1 prepared
+        before the one wait; the tokens recorded here (nothing left for the
+        postprocess but its callbacks)."""
         # Wall time of the whole step, host work included: timing the replay
         # alone would need a device sync, which overlap exists to avoid.
         start = time.perf_counter()
-        stepped = list(run.live)
-        launched = self._launch(engine, run) if stepped else (engine.empty(), engine.empty())
-        joining = engine.admit(run)
-        first = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
+        model = self.model
+        stepped = list(plan.decode)
+        launched = self._launch(run) if stepped else (model.empty(), model.empty())
+        joining = model.prefill(run, plan.chunks)
+        first = torch.stack([ids for _, ids in joining]) if joining else model.empty()
         if joining:
             rows = [r.req_index for r, _ in joining]
-            self.future.store(device_ints(engine, rows), first)
+            self.future.store(device_ints(model.device, rows), first)
         copy = HostCopy(torch.cat([*launched, first]))
-        self._schedule(engine, run, stepped, [r for r, _ in joining])
-        self._record(engine, run, stepped, [r for r, _ in joining], copy.wait())
+        self._schedule(run, stepped, [r for r, _ in joining])
+        self._record(run, stepped, [r for r, _ in joining], copy.wait())
         if stepped:
             run.stats.decode_seconds += time.perf_counter() - start
             run.stats.syncs += 1
-        return 1 if stepped else 0
+        return StepResult(steps=1 if stepped else 0)
 
-    def _launch(self, engine: EngineSteps, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(self, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
         """Step N on the prepared batch; its tokens go to the future map."""
         batch = run.batch
         self._prepared = None  # its fresh pages are recorded by this step's read
-        out = engine.replay(batch, run.live)
+        out = self.model.replay(batch, run.live)
         next_ids = tokens_of(out)
-        if engine.logprobs:
-            self._logprobs = logprob_outputs(out, engine.logprobs)
+        if self.model.logprobs:
+            self._logprobs = logprob_outputs(out, self.model.logprobs)
         self.future.store(batch.req_pool_indices, next_ids)
         stats = run.stats
         stats.steps += 1
@@ -133,9 +134,7 @@ class OverlapSchedule:
         stats.batch_sizes[batch.batch_size] = stats.batch_sizes.get(batch.batch_size, 0) + 1
         return next_ids, batch.out_cache_loc
 
-    def _schedule(
-        self, engine: EngineSteps, run: Run, stepped: list[LiveRequest], joining: list[LiveRequest]
-    ) -> None:
+    def _schedule(self, run: Run, stepped: list[LiveRequest], joining: list[LiveRequest]) -> None:
         """Step N+1 while step N runs: keep the requests whose budget goes on,
         merge the arrivals, prepare it with future references as input ids."""
         keep = [i for i, r in enumerate(stepped) if len(r.tokens) + 1 < r.request.max_new_tokens]
@@ -144,24 +143,24 @@ class OverlapSchedule:
             run.live[:] = [stepped[i] for i in keep]
         going = [r for r in joining if r.request.max_new_tokens > 1]
         if going:
-            rows = device_ints(engine, [r.req_index for r in going])
-            engine.join(run, going, future_refs(rows))
+            rows = device_ints(self.model.device, [r.req_index for r in going])
+            self.post.join(run, going, future_refs(rows))
         steps_left = self._max_steps is None or run.stats.steps < self._max_steps
         if run.live and steps_left:
             refs = future_refs(run.batch.req_pool_indices)
-            fresh = run.batch.prepare_decode(engine.bundle.req_pool, engine.bundle.kv_alloc, refs)
+            bundle = self.model.bundle
+            fresh = run.batch.prepare_decode(bundle.req_pool, bundle.kv_alloc, refs)
             self._prepared = {run.live[i].request.rid: s for i, s in fresh.items()}
 
     def _record(
         self,
-        engine: EngineSteps,
         run: Run,
         stepped: list[LiveRequest],
         joining: list[LiveRequest],
         host: list[int],
     ) -> None:
         """After the one wait: slots and tokens of step N, first tokens of the arrivals."""
-        bs, page = len(stepped), engine.bundle.page_size
+        bs, page, post = len(stepped), self.model.bundle.page_size, self.post
         if stepped and self._logprobs is not None:
             record_logprobs(stepped, host_logprobs(self._logprobs))
             self._logprobs = None
@@ -171,12 +170,12 @@ class OverlapSchedule:
             if starts_page(len(req.slots), page):
                 req.pages.extend(range(slot, slot + page))
             req.slots.append(slot)
-            done += [req] if engine.record_token(run, req, host[i]) else []
+            done += [req] if post.record_token(run, req, host[i]) else []
         firsts = host[2 * bs :]
-        done += [r for r, t in zip(joining, firsts, strict=True) if engine.record_token(run, r, t)]
-        self._retire(engine, run, done)
+        done += [r for r, t in zip(joining, firsts, strict=True) if post.record_token(run, r, t)]
+        self._retire(run, done)
 
-    def _retire(self, engine: EngineSteps, run: Run, done: list[LiveRequest]) -> None:
+    def _retire(self, run: Run, done: list[LiveRequest]) -> None:
         """Free finished requests; one already in the prepared step leaves it,
         with the fresh page it took there."""
         scheduled = {id(r) for r in run.live}
@@ -187,12 +186,12 @@ class OverlapSchedule:
             run.batch.filter(keep)
             run.live[:] = [run.live[i] for i in keep]
             if self._prepared is not None:
-                page = engine.bundle.page_size
+                page = self.model.bundle.page_size
                 for r in drop:
                     first = self._prepared.pop(r.request.rid, None)
                     if first is not None:
-                        engine.bundle.kv_alloc.free(list(range(first, first + page)))
+                        self.model.bundle.kv_alloc.free(list(range(first, first + page)))
             if not run.live:
                 self._prepared = None
         for r in done:
-            engine.free(run, r)
+            self.post.free(run, r)

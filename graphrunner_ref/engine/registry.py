@@ -91,7 +91,8 @@ class DecodeStep:
 
     forward: the model's decode forward, ``inputs -> logits [bs, vocab]``.
     backend: the attention hooks runners call (a no-op without attention).
-    inputs: a prepared :class:`DecodeBatch` -> what ``forward`` reads.
+    inputs: a prepared :class:`DecodeBatch` -> what ``forward`` reads; None:
+        the batch itself.
     sanitizer: the bundle's pools -> a padding sanitizer (``check_padding``).
     state_ops: the pool whose recorded state ops run before each launch.
     mamba: the step's fields include each row's Mamba slot.
@@ -103,7 +104,7 @@ class DecodeStep:
 
     forward: Callable[[Any], torch.Tensor]
     backend: GraphBackend
-    inputs: Callable[[DecodeBatch], StepInputs]
+    inputs: Callable[[DecodeBatch], StepInputs] | None
     sanitizer: Callable[[], PaddingSanitizer]
     state_ops: HybridReqToTokenPool | None = None
     mamba: bool = False

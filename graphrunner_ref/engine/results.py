@@ -1,5 +1,6 @@
 """What an engine run keeps and returns: its statistics and result, the
-per-request and per-run state the scheduling strategies share, and the
+per-request and per-run state the step's stages share, a step's plan and
+what running it gave (:class:`StepPlan`, :class:`StepResult`), and the
 admission error."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
+import torch
+
 from graphrunner import DecodeBatch
 from graphrunner.sizing import BatchSizeHistogram, PaddingWaste
 from graphrunner_ref.engine.grammar import GrammarMatcher
@@ -15,12 +18,15 @@ from graphrunner_ref.engine.workload import Request
 
 __all__ = [
     "AdmissionError",
+    "Chunk",
     "EngineResult",
     "EngineStats",
     "FinishReason",
     "LiveRequest",
     "RequestOutput",
     "Run",
+    "StepPlan",
+    "StepResult",
     "TokenLogprobs",
 ]
 
@@ -192,3 +198,50 @@ class Run:
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
     clock: int = 0  # engine steps, idle ones included: what arrival_step counts
+
+
+#: One prompt chunk of a step: the request, and its prompt tokens ``start:end``.
+Chunk: TypeAlias = tuple[LiveRequest, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One engine step as the scheduler decided it
+    (:meth:`~graphrunner_ref.engine.scheduler.Scheduler.plan`), before any of
+    it runs.
+
+    decode: the running requests this step decodes, row ``i`` of the batch
+        ``decode[i]`` (the run's ``live`` when planned).
+    chunks: the prompt chunks it prefills, in order, each attending to the
+        KV its earlier chunks wrote; a chunk that ends its prompt gives its
+        request's first token.
+    admitted: the requests that took a request row and their prompt's KV
+        pages this step (their first chunk is among ``chunks``, unless the
+        token budget ran out before it).
+    """
+
+    decode: tuple[LiveRequest, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
+    admitted: tuple[LiveRequest, ...] = ()
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What running a :class:`StepPlan` gave, read back to the host, for the
+    postprocess (:class:`~graphrunner_ref.engine.postprocess.Postprocess`) to
+    record: new tokens, ends, frees, joins.
+
+    decoded: each decoded row's request and the tokens it took this step
+        (host ints; a launch of several steps may give fewer than ``steps``
+        to a row that ended inside it), in row order.
+    completed: the requests whose prefill completed, each with its first
+        token (host int), in order.
+    first_ids: those first tokens on the device ``[len(completed)]``: what
+        a completed request feeds its first decode step.
+    steps: the decode steps the launch ran (0: no decode this step).
+    """
+
+    decoded: list[tuple[LiveRequest, list[int]]] = field(default_factory=list)
+    completed: list[tuple[LiveRequest, int]] = field(default_factory=list)
+    first_ids: torch.Tensor | None = None
+    steps: int = 0

@@ -1,6 +1,6 @@
 """The engine's side of in-graph sampling: each running request's sampling
-row, made once per batch composition, and the step's tokens read from a
-sampled step's outputs (or the argmax of a plain step's logits)."""
+row, made once per batch composition, prefill's first token drawn as the
+step draws, and the log-probabilities read from a step's outputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from graphrunner import GraphRunner
 from graphrunner.sampling import (
-    MAX_HOLD_TOKENS,
     SAMPLING_FIELD_NAMES,
     TOKEN_BITMASK,
     SamplingParams,
@@ -21,7 +20,6 @@ from graphrunner.sampling import (
     logprobs,
     penalize,
     penalty_tensors,
-    request_seed,
     sample_rows,
     sampling_tensors,
 )
@@ -31,18 +29,12 @@ from graphrunner_ref.engine.workload import Request
 __all__ = [
     "SampledRows",
     "StepOut",
-    "check_greedy",
     "check_logprobs",
-    "check_penalties",
-    "check_step_out",
     "first_logprobs",
     "host_logprobs",
     "logprob_outputs",
-    "logits_of",
     "record_logprobs",
-    "seed_of",
     "step_logprobs",
-    "tokens_of",
 ]
 
 #: What a decode runner returns: logits ``[bs, vocab]``, or a sampled step's
@@ -50,77 +42,6 @@ __all__ = [
 StepOut: TypeAlias = torch.Tensor | dict[str, torch.Tensor]
 
 _GREEDY = SamplingParams()
-
-
-def check_greedy(trace: Sequence[Request]) -> None:
-    """Every request of ``trace`` greedy (for a runner that does not sample),
-    or a ValueError naming the first that is not."""
-    for r in trace:
-        if r.samples and r.sampling is not None:
-            raise ValueError(
-                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
-                "samples; build it with create_decode_runner(..., sampling=True)"
-            )
-
-
-def check_penalties(trace: Sequence[Request], counts: TokenCounts | None, vocab: int) -> None:
-    """Every penalized request's logit bias within ``vocab`` and a runner that
-    applies penalties (``counts``, its token counts), and every request with
-    ``min_tokens`` on such a runner with at most ``MAX_HOLD_TOKENS`` end tokens
-    (the end token and ``stop_token_ids``), or a ValueError naming the first
-    request that fails."""
-    for r in trace:
-        if r.min_tokens and counts is None:
-            raise ValueError(
-                f"request {r.rid}: min_tokens={r.min_tokens} needs a runner that holds end "
-                "tokens back in its step; build it with create_decode_runner(..., "
-                "sampling=True, penalties=True), or expected min_tokens=0"
-            )
-        if r.min_tokens and len(set(r.stop_token_ids)) >= MAX_HOLD_TOKENS:
-            raise ValueError(
-                f"request {r.rid}: min_tokens={r.min_tokens} with {len(set(r.stop_token_ids))} "
-                f"stop_token_ids; expected at most {MAX_HOLD_TOKENS - 1} (the end token "
-                "besides)"
-            )
-        if r.sampling is None or not r.sampling.penalized:
-            continue
-        if counts is None:
-            raise ValueError(
-                f"request {r.rid}: repetition_penalty, presence_penalty, frequency_penalty or "
-                "logit_bias needs a runner that applies them; build it with "
-                "create_decode_runner(..., sampling=True, penalties=True)"
-            )
-        try:
-            r.sampling.check_vocab(vocab)
-        except ValueError as e:
-            raise ValueError(f"request {r.rid}: {e}") from None
-
-
-def seed_of(request: Request, run_seed: int) -> int:
-    """The request's own seed, or the one derived from the run seed and its id."""
-    own = request.sampling.seed if request.sampling is not None else None
-    return own if own is not None else request_seed(run_seed, request.rid)
-
-
-def check_step_out(out: object) -> StepOut:
-    """``out`` if it is a decode step's output, else a TypeError saying what was expected."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) and {"logits", "tokens"} <= set(out):
-        return out
-    raise TypeError(
-        f"runner.replay returned {type(out).__name__}; expected the logits tensor "
-        '[bs, vocab] of forward_decode, or a sampled step\'s {"logits", "tokens"}'
-    )
-
-
-def logits_of(out: StepOut) -> torch.Tensor:
-    return out["logits"] if isinstance(out, dict) else out
-
-
-def tokens_of(out: StepOut) -> torch.Tensor:
-    """Each row's token ``[bs]``: the sampled step's, or the logits' argmax."""
-    return out["tokens"] if isinstance(out, dict) else out.argmax(-1)
 
 
 class SampledRows:

@@ -1,72 +1,65 @@
-"""How the engine orders a step's host and device work: the :class:`Schedule`
-strategy of :class:`~graphrunner_ref.engine.loop.Engine` and its plain
-:class:`SyncSchedule` (which schedule a run takes is the scheduling policy's
-choice: :func:`~graphrunner_ref.engine.policy.schedule_for`)."""
+"""How a step's plan runs: the :class:`Schedule` of a run, chosen once when
+the engine is built (:func:`schedule_for`), one row each in :data:`SCHEDULES`.
+
+The plain one is the model runner's own
+(:meth:`ModelRunner.run <graphrunner_ref.engine.model_runner.ModelRunner.run>`):
+prefill, decode, one read back. The others compose the model runner's
+operations differently: overlap prepares step N+1 while step N runs
+(:class:`~graphrunner_ref.engine.overlap_schedule.OverlapSchedule`),
+several decode steps a launch
+(:class:`~graphrunner_ref.engine.multistep.MultiStepSchedule`), and both
+(:class:`~graphrunner_ref.engine.multistep_overlap.MultiStepOverlapSchedule`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-import torch
+from graphrunner import GraphRunner
+from graphrunner_ref.engine.model_runner import ModelRunner
+from graphrunner_ref.engine.multistep import MultiStepSchedule
+from graphrunner_ref.engine.multistep_overlap import MultiStepOverlapSchedule
+from graphrunner_ref.engine.overlap_schedule import OverlapSchedule
+from graphrunner_ref.engine.postprocess import Postprocess
+from graphrunner_ref.engine.results import Run, StepPlan, StepResult
 
-from graphrunner.pools import starts_page
-from graphrunner_ref.engine.results import Run
-from graphrunner_ref.engine.steps import EngineSteps
-
-__all__ = ["Schedule", "SyncSchedule"]
+__all__ = ["SCHEDULES", "Schedule", "schedule_for"]
 
 
 class Schedule(Protocol):
-    """How the engine orders a step's host and device work (a strategy of :class:`Engine`)."""
+    """How a step's plan runs on the device (a variant of the engine's run)."""
 
-    def begin(self, engine: EngineSteps, max_steps: int | None) -> None: ...
-
-    def step(self, engine: EngineSteps, run: Run) -> int:
-        """Run one engine step; returns the decode steps it ran (0 or 1)."""
+    def begin(self, max_steps: int | None) -> None:
+        """A run opens (``max_steps``: the decode steps it may take, or None)."""
         ...
 
-    def end(self, engine: EngineSteps) -> None:
+    def run(self, run: Run, plan: StepPlan) -> StepResult:
+        """Run ``plan``; what it gave, for the postprocess to record."""
+        ...
+
+    def end(self) -> None:
         """Release what a step prepared but never launched (also after an error)."""
         ...
 
 
-class SyncSchedule:
-    """The plain schedule: admit, decode the running batch, read back (the
-    step's one sync), retire, merge."""
+#: Builds a schedule from the model runner, the postprocess, the decode runner
+#: and its decode steps per launch.
+MakeSchedule = Callable[[ModelRunner, Postprocess, GraphRunner, int], Schedule]
 
-    def begin(self, engine: EngineSteps, max_steps: int | None) -> None:
-        pass
+#: The schedule of each (several steps per launch, overlap) pair.
+SCHEDULES: dict[tuple[bool, bool], MakeSchedule] = {
+    (False, False): lambda model, post, runner, steps: model,
+    (False, True): lambda model, post, runner, steps: OverlapSchedule(model, post, runner),
+    (True, False): lambda model, post, runner, steps: MultiStepSchedule(model, steps),
+    (True, True): lambda model, post, runner, steps: MultiStepOverlapSchedule(
+        model, post, runner, steps
+    ),
+}
 
-    def end(self, engine: EngineSteps) -> None:
-        pass
 
-    def step(self, engine: EngineSteps, run: Run) -> int:
-        joining = engine.admit(run)
-        bs = len(run.live)
-        first_ids = torch.stack([ids for _, ids in joining]) if joining else engine.empty()
-        next_ids, new_slots = (
-            engine.decode(run.batch, run.stats, run.live) if bs else (engine.empty(),) * 2
-        )
-        host = torch.cat([next_ids, new_slots, first_ids]).tolist()  # the step's one sync
-        run.stats.syncs += 1 if bs else 0
-        page = engine.bundle.page_size
-        keep = []
-        for i, req in enumerate(run.live):
-            slot = host[bs + i]
-            if starts_page(len(req.slots), page):  # a fresh page: slot is its first
-                req.pages.extend(range(slot, slot + page))
-            req.slots.append(slot)
-            if not engine.advance(run, req, host[i]):
-                keep.append(i)
-        run.batch.input_ids = next_ids  # what each row feeds next step
-        if len(keep) < bs:
-            run.batch.filter(keep)
-            run.live[:] = [run.live[i] for i in keep]
-        stay = [
-            j
-            for j, (req, _) in enumerate(joining)
-            if not engine.advance(run, req, host[2 * bs + j])
-        ]
-        if stay:
-            engine.join(run, [joining[j][0] for j in stay], first_ids[stay])
-        return 1 if bs else 0
+def schedule_for(
+    model: ModelRunner, post: Postprocess, runner: GraphRunner, steps: int, overlap: bool
+) -> Schedule:
+    """The schedule of ``steps`` decode steps per launch, with or without overlap."""
+    return SCHEDULES[steps > 1, overlap](model, post, runner, steps)

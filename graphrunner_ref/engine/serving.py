@@ -24,7 +24,7 @@ import torch
 
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.sizing import CaptureReport
-from graphrunner_ref.engine.admission import extends_prefix
+from graphrunner_ref.engine.admission import check_penalties, extends_prefix
 from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
     create_decode_runner,
     create_token_runner,
@@ -33,7 +33,6 @@ from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
-from graphrunner_ref.engine.sampling import check_penalties
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
 from graphrunner_ref.engine.workload import Request

@@ -22,12 +22,12 @@ from graphrunner import GraphRunner
 from graphrunner.phases import with_sampling
 from graphrunner.sampling import (
     SamplingParams,
+    apply_token_bitmask,
     deterministic_probs,
     logprobs,
     rejection_sample,
     sampling_tensors,
 )
-from graphrunner.sampling.bitmask import apply_token_bitmask
 from graphrunner_ref.engine.drafters import RoundState, SpecRequest, Verified, replay_named
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import host_logprobs

@@ -38,16 +38,23 @@ import torch
 from tqdm.auto import tqdm
 
 from graphrunner import GraphRunner
-from graphrunner.sampling import check_seed, sample_rows
-from graphrunner.sampling.bitmask import ALLOW_ALL, apply_token_bitmask, bitmask_words
+from graphrunner.sampling import (
+    ALLOW_ALL,
+    apply_token_bitmask,
+    bitmask_words,
+    check_seed,
+    sample_rows,
+)
+from graphrunner_ref.engine.admission import check_trace
 from graphrunner_ref.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner_ref.engine.loop import AdmissionError
 from graphrunner_ref.engine.ranks import refuse_sharded
 from graphrunner_ref.engine.results import TokenLogprobs
-from graphrunner_ref.engine.sampling import check_logprobs, first_logprobs, seed_of
+from graphrunner_ref.engine.sampling import check_logprobs, first_logprobs
+from graphrunner_ref.engine.scheduler import seed_of
 from graphrunner_ref.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner_ref.engine.spec_verify import RoundVerifier, round_logprobs
-from graphrunner_ref.engine.workload import Request, check_trace
+from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model.build import ModelBundle
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,9 @@ class Request:
     (:mod:`~graphrunner_ref.engine.grammar`); only the tokens the grammar
     allows are drawn, and its completion finishes the request. Needs a
     runner built with ``structured=True``.
+    stop: called with its tokens after each recorded token; True finishes
+    it there (a served request's stop strings), before the engine's own
+    ``stop`` hook is asked.
     """
 
     rid: int
@@ -45,6 +48,10 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     grammar: GrammarFactory | None = None
+    stop: Callable[[list[int]], bool] | None = None
+    #: Tokens it can hold in the KV cache (the last generated token is never
+    #: fed back): ``len(prompt) + max_new_tokens - 1``, set at construction.
+    max_len: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("rid", "max_new_tokens", "arrival_step", "min_tokens"):
@@ -71,6 +78,11 @@ class Request:
                 f"request {self.rid}: grammar is a {type(self.grammar).__name__}; expected a "
                 "factory of grammar matchers (callable) or None"
             )
+        if self.stop is not None and not callable(self.stop):
+            raise TypeError(
+                f"request {self.rid}: stop is a {type(self.stop).__name__}; expected a "
+                "callable of its tokens, or None"
+            )
         if self.grammar is not None and self.min_tokens:
             # A completed grammar allows only its end token, which min_tokens holds back:
             # no token would be left to draw.
@@ -83,16 +95,12 @@ class Request:
                 f"request {self.rid}: sampling is a {type(self.sampling).__name__}; expected "
                 "a graphrunner.SamplingParams or None"
             )
+        object.__setattr__(self, "max_len", len(self.prompt) + self.max_new_tokens - 1)
 
     @property
     def samples(self) -> bool:
         """True when it draws its tokens (temperature > 0) rather than taking the argmax."""
         return self.sampling is not None and not self.sampling.greedy
-
-    @property
-    def max_len(self) -> int:
-        """Tokens it can hold in the KV cache: the last generated token is never fed back."""
-        return len(self.prompt) + self.max_new_tokens - 1
 
 
 def _check_token_ids(what: str, ids: object) -> None:
@@ -108,20 +116,6 @@ def _check_int(what: str, value: object) -> None:
     # a request carries plain ints only.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what}={value!r} ({type(value).__name__}); expected an int")
-
-
-def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
-    """Request ids unique and every prompt and stop token in ``0..vocab_size
-    - 1`` (ValueError naming the request and the token)."""
-    if len({r.rid for r in trace}) != len(trace):
-        raise ValueError("request ids must be unique")
-    for r in trace:
-        for what, ids in (("token id", r.prompt), ("stop_token_ids has", r.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {r.rid}: {what} {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
-                )
 
 
 def requests_from_prompts(

@@ -215,7 +215,7 @@ def pooled_step(bundle: Any, *, fullgraph: bool = False) -> DecodeStep:
     return DecodeStep(
         forward=bundle.model.forward_decode,
         backend=bundle.model.attn_backend,
-        inputs=lambda batch: batch,
+        inputs=None,
         sanitizer=lambda: PaddingSanitizer.for_pools(
             bundle.req_pool,
             bundle.kv_cache,
