@@ -30,14 +30,12 @@ from graphrunner import __version__
 from graphrunner_ref.serve.answer import Answer, TextStream, merged_deltas
 from graphrunner_ref.serve.errors import APIError, install_handlers, validation_error
 from graphrunner_ref.serve.metrics import CONTENT_TYPE, Metrics
-from graphrunner_ref.serve.online import Delta, OnlineEngine, Ticket
+from graphrunner_ref.serve.online import Delta, OnlineEngine
 from graphrunner_ref.serve.protocol import (
     Body,
     ChatRequest,
     CompletionRequest,
-    Job,
     Limits,
-    choice_jobs,
     job_of,
 )
 from graphrunner_ref.serve.structured import with_grammar
@@ -195,7 +193,7 @@ async def _answer(
     _check_model(state, body.model)
     job = await with_grammar(state.engine.grammars, body, job_of(body, state.limits))
     answer = Answer(
-        state.engine, state.model_name, state.limits.codec, _submit(state.engine, job), chat
+        state.engine, state.model_name, state.limits.codec, state.engine.submit(job), chat
     )
     if job.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
@@ -203,22 +201,6 @@ async def _answer(
     if deltas is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(answer.whole(deltas))
-
-
-def _submit(engine: OnlineEngine, job: Job) -> list[Ticket]:
-    """One engine request per choice (``job.n``; with a seed, choice ``i``
-    draws with ``seed + i``, as vLLM seeds them); all or none queued. The
-    choices share the prompt: the first prefills it, the others wait for its
-    pages and find them in the prefix cache."""
-    tickets: list[Ticket] = []
-    try:
-        for job_i in choice_jobs(job):
-            tickets.append(engine.submit(job_i))
-    except BaseException:
-        for ticket in tickets:
-            engine.abort(ticket)
-        raise
-    return tickets
 
 
 async def _collect(request: Request, answer: Answer) -> list[list[Delta]] | None:

@@ -4,15 +4,17 @@ Requests running and waiting, KV slots and request rows used and total,
 prompt and generated token totals, time to first token and inter-token
 latency histograms, requests finished and aborted, the runner's graph
 replays, eager fallbacks, live and padded rows, and the prefix cache's
-lookups, hits (tokens), hit rate, indexed pages and evictions. The engine thread writes
-its state at every step boundary (:meth:`Metrics.engine_state`); the event
-loop records the latencies as tokens reach it. Each server has a registry of
-its own (two in one process never mix).
+lookups, hits (tokens), hit rate, indexed pages and evictions. The engine's
+state is read when ``/metrics`` is asked (:attr:`Metrics.state`: counts
+only, nothing the engine thread does per step); the event loop records the
+latencies as tokens reach it (:meth:`Metrics.delivered`). Each server has a
+registry of its own (two in one process never mix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -22,7 +24,7 @@ from graphrunner import GraphRunner
 from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.registry import ServingBundle
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Delivery", "EngineState", "Metrics"]
 
 #: The ``/metrics`` content type (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,6 +33,32 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: token behind a queue can be seconds.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _PREFIX = "graphrunner"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What ``/metrics`` reads of the engine: its pools and runner (None
+    before the capture), the requests it runs (admitted: prefilling or
+    decoding) and those waiting for their first token."""
+
+    bundle: ServingBundle
+    runner: GraphRunner | None
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delta reaching the event loop: its ``tokens``; the request's time
+    to first token (its first) or the gap since its previous tokens, in
+    seconds; its prompt's tokens (with its first); how it ``ended``
+    (``"finished"``, ``"aborted"``, or None while it runs)."""
+
+    tokens: int
+    ttft: float | None = None
+    gap: float | None = None
+    prompt_tokens: int = 0
+    ended: str | None = None
 
 
 class _RunnerCounts(Collector):
@@ -112,17 +140,21 @@ class Metrics:
             "prefix_cache_hit_rate", "share of looked-up prompt tokens the prefix cache held"
         )
         self.cache_pages = gauge("prefix_cache_pages", "KV pages indexed by the prefix cache")
+        #: Where :meth:`text` reads the engine's state (None: nothing to read).
+        self.state: Callable[[], EngineState] | None = None
 
     def text(self) -> bytes:
-        """The exposition (:data:`CONTENT_TYPE`)."""
+        """The exposition (:data:`CONTENT_TYPE`), the engine's state read now."""
+        if self.state is not None:
+            self._engine_state(self.state())
         return bytes(generate_latest(self.registry))
 
-    # The engine thread.
-    def engine_state(self, bundle: ServingBundle, runner: GraphRunner | None, running: int) -> None:
-        """The pools' and the runner's state, and the ``running`` requests
-        (admitted: prefilling or decoding), at a step boundary."""
+    def _engine_state(self, state: EngineState) -> None:
+        """The pools' and the runner's state, the requests running and waiting."""
+        bundle, runner = state.bundle, state.runner
         kv, rows = bundle.kv_alloc, bundle.req_pool
-        self.running.set(running)
+        self.running.set(state.running)
+        self.waiting.set(state.waiting)
         self.kv_total.set(kv.size)
         self.kv_used.set(kv.size - kv.available_size())
         self.rows_total.set(rows.size)
@@ -146,20 +178,16 @@ class Metrics:
             }
 
     # The event loop.
-    def waiting_http(self, count: int) -> None:
-        self.waiting.set(count)
-
-    def first_token(self, seconds: float, prompt_tokens: int) -> None:
-        self.ttft.observe(seconds)
-        self.prompt_tokens.inc(prompt_tokens)
-
-    def next_tokens(self, seconds: float, count: int) -> None:
-        """``count`` tokens that came ``seconds`` after the request's previous ones."""
-        for _ in range(count):
-            self.itl.observe(seconds / count)
-
-    def generated(self, count: int) -> None:
-        self.generation_tokens.inc(count)
-
-    def finished(self, aborted: bool) -> None:
-        self.requests.labels(outcome="aborted" if aborted else "finished").inc()
+    def delivered(self, deliveries: Sequence[Delivery]) -> None:
+        """Deltas that reached the event loop: tokens, latencies, endings."""
+        for d in deliveries:
+            if d.ttft is not None:
+                self.ttft.observe(d.ttft)
+                self.prompt_tokens.inc(d.prompt_tokens)
+            if d.gap is not None:
+                for _ in range(d.tokens):
+                    self.itl.observe(d.gap / d.tokens)
+            if d.tokens:
+                self.generation_tokens.inc(d.tokens)
+            if d.ended is not None:
+                self.requests.labels(outcome=d.ended).inc()

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from graphrunner import GraphRunner
+from graphrunner.sampling import MAX_SEED
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine import serving
 from graphrunner_ref.engine.config import EngineConfig
@@ -38,11 +40,11 @@ from graphrunner_ref.engine.results import RequestOutput, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings
 from graphrunner_ref.io.text import TextCodec
 from graphrunner_ref.serve.errors import APIError
-from graphrunner_ref.serve.metrics import Metrics
+from graphrunner_ref.serve.metrics import Delivery, EngineState, Metrics
 from graphrunner_ref.serve.protocol import Job
 from graphrunner_ref.serve.structured import Grammars
 
-__all__ = ["Delta", "OnlineEngine", "Ticket"]
+__all__ = ["Delta", "OnlineEngine", "Ticket", "choice_jobs"]
 
 log = logging.getLogger("graphrunner.serve")
 
@@ -141,6 +143,8 @@ class OnlineEngine:
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.metrics, self.on_capture = metrics, on_capture
         self.runner: GraphRunner | None = None
+        self._engine: Engine | None = None  # read by /metrics (counts only)
+        metrics.state = self._state
         self.ready = threading.Event()  # set once captured (or failed)
         self.stopped = threading.Event()
         self.failure: BaseException | None = None
@@ -172,11 +176,39 @@ class OnlineEngine:
     def healthy(self) -> bool:
         return self.ready.is_set() and self.failure is None and not self.stopped.is_set()
 
-    def submit(self, job: Job) -> Ticket:
-        """Queue ``job``; its :class:`Ticket`. :class:`APIError` 503 (with
-        ``Retry-After``) when the server shuts down, has stopped, or
-        ``max_waiting`` requests already wait; 400 for ``min_tokens`` with
-        a grammar (the engine refuses it, see :class:`~graphrunner_ref.engine.workload.Request`)."""
+    def submit(self, job: Job) -> list[Ticket]:
+        """Queue ``job``: one engine request per choice (``job.n``; with a
+        seed, choice ``i`` draws with ``seed + i``, as vLLM seeds them), all
+        or none; their :class:`Ticket` each. The choices share the prompt:
+        the first prefills it, the others wait for its pages and find them
+        in the prefix cache. :class:`APIError` 503 (with ``Retry-After``)
+        when the server shuts down, has stopped, or ``max_waiting`` requests
+        already wait; 400 for ``min_tokens`` with a grammar (the engine
+        refuses it, see :class:`~graphrunner_ref.engine.workload.Request`)."""
+        self._check_admits(job)
+        if self.waiting + job.n > self.max_waiting:
+            raise APIError(
+                503,
+                f"{self.waiting} requests wait for the engine, the most --max-waiting "
+                f"{self.max_waiting} allows; expected a retry after {RETRY_AFTER} s",
+                code="queue_full",
+                headers={"Retry-After": RETRY_AFTER},
+            )
+        stops = StopStrings(self.codec, job.stops) if job.stops and self.codec else None
+        timeout = self.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tickets = []
+        for job_i in choice_jobs(job):
+            tickets.append(Ticket(self._next_rid, job_i, deadline, stops))
+            self._next_rid += 1
+        self.waiting += len(tickets)
+        with self._cond:
+            self._inbox.extend(tickets)
+            self._cond.notify()
+        return tickets
+
+    def _check_admits(self, job: Job) -> None:
+        """``job`` refused with the :class:`APIError` it meets, if any."""
         if job.grammar is not None and job.min_tokens:
             raise APIError(
                 400,
@@ -188,25 +220,6 @@ class OnlineEngine:
         if self.closing or not self.healthy:
             why = "is shutting down" if self.closing else "is not serving"
             raise APIError(503, f"the server {why}; expected a retry elsewhere", headers=retry)
-        if self.waiting >= self.max_waiting:
-            raise APIError(
-                503,
-                f"{self.waiting} requests wait for the engine, the most --max-waiting "
-                f"{self.max_waiting} allows; expected a retry after {RETRY_AFTER} s",
-                code="queue_full",
-                headers=retry,
-            )
-        stops = StopStrings(self.codec, job.stops) if job.stops and self.codec else None
-        timeout = self.request_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ticket = Ticket(self._next_rid, job, deadline, stops)
-        self._next_rid += 1
-        self.waiting += 1
-        self.metrics.waiting_http(self.waiting)
-        with self._cond:
-            self._inbox.append(ticket)
-            self._cond.notify()
-        return ticket
 
     def abort(self, ticket: Ticket, why: str = GONE) -> None:
         """End ``ticket`` at the next step boundary (any thread)."""
@@ -230,32 +243,46 @@ class OnlineEngine:
         return not self._thread.is_alive()
 
     def _deliver(self, out: list[tuple[Ticket, Delta]]) -> None:
-        """On the event loop: each step's deltas into their tickets' queues."""
+        """On the event loop: each step's deltas into their tickets' queues,
+        their latencies into the metrics (one call)."""
         now = time.perf_counter()
+        seen: list[Delivery] = []
         for ticket, delta in out:
-            if delta.tokens:
-                if ticket.first is None:
-                    ticket.first = now
-                    self.metrics.first_token(now - ticket.submitted, len(ticket.job.prompt))
-                else:
-                    assert ticket.last is not None
-                    self.metrics.next_tokens(now - ticket.last, len(delta.tokens))
-                ticket.last = now
-                self.metrics.generated(len(delta.tokens))
+            seen.append(self._timed(ticket, delta, now))
             if (delta.tokens or delta.last) and not ticket.started:
                 ticket.started = True
                 self.waiting -= 1
-                self.metrics.waiting_http(self.waiting)
-            if delta.last:
-                self.metrics.finished(delta.error is not None)
             ticket.events.put_nowait(delta)
+        self.metrics.delivered(seen)
+
+    @staticmethod
+    def _timed(ticket: Ticket, delta: Delta, now: float) -> Delivery:
+        """What ``delta`` reaching the event loop at ``now`` says about latency."""
+        first = gap = None
+        if delta.tokens:
+            if ticket.first is None:
+                ticket.first = first = now
+            else:
+                assert ticket.last is not None
+                gap = now - ticket.last
+            ticket.last = now
+        ended = None if not delta.last else ("aborted" if delta.error is not None else "finished")
+        prompt = len(ticket.job.prompt) if first is not None else 0
+        ttft = None if first is None else first - ticket.submitted
+        return Delivery(len(delta.tokens), ttft, gap, prompt, ended)
+
+    def _state(self) -> EngineState:
+        """The engine's state for ``/metrics`` (read on the event loop: counts only)."""
+        engine = self._engine
+        running = 0 if engine is None else engine.running()
+        return EngineState(self.bundle, self.runner, running, self.waiting)
 
     # -- the engine thread -----------------------------------------------------------
 
     def _main(self) -> None:
         engine: Engine | None = None
         try:
-            hooks = serving.Hooks(end_token=self.end_token, stop=self._stop)
+            hooks = serving.Hooks(end_token=self.end_token)
             try:
                 engine = serving.open_engine(
                     self.config,
@@ -268,6 +295,7 @@ class OnlineEngine:
                 log.exception("graphrunner serve: the engine failed to start")
                 self.failure = e
                 return
+            self._engine = engine
             while self._take(engine):
                 if not self._step(engine):
                     return
@@ -293,7 +321,6 @@ class OnlineEngine:
                 return False
             return True
         self._publish(outputs)
-        self.metrics.engine_state(self.bundle, self.runner, engine.running())
         return True
 
     def _captured(self, runner: GraphRunner, report: CaptureReport) -> None:
@@ -301,10 +328,6 @@ class OnlineEngine:
         if self.on_capture is not None and not self.ready.is_set():
             self.on_capture(runner, report)
         self.ready.set()
-
-    def _stop(self, rid: int, tokens: list[int]) -> bool:
-        ticket = self._tickets.get(rid)
-        return ticket is not None and ticket.stops is not None and ticket.stops(rid, tokens)
 
     def _take(self, engine: Engine) -> bool:
         """At a step boundary: submitted requests into the engine, aborts and
@@ -318,7 +341,6 @@ class OnlineEngine:
                     return True
                 if self._close_at is not None:
                     return False
-                self.metrics.engine_state(self.bundle, self.runner, 0)
                 self._cond.wait(IDLE_WAIT)
 
     def _admit(self, engine: Engine) -> None:
@@ -337,6 +359,9 @@ class OnlineEngine:
                     stop_token_ids=job.stop_token_ids,
                     min_tokens=job.min_tokens,
                     grammar=job.grammar,
+                    stop=None
+                    if ticket.stops is None
+                    else functools.partial(ticket.stops, ticket.rid),
                 )
             except (TypeError, ValueError) as e:
                 refused.append((ticket, Delta([], error=f"the engine refused the request: {e}")))
@@ -408,3 +433,16 @@ class OnlineEngine:
         tickets = [*self._tickets.values(), *inbox]
         self._tickets, self._cut = {}, {}
         self._post([(t, Delta([], error=why)) for t in tickets])
+
+
+def choice_jobs(job: Job) -> list[Job]:
+    """The engine request of each of ``job``'s ``n`` choices: choice ``i``
+    draws with ``seed + i`` where a seed is given (vLLM's way: reproducible,
+    and the choices differ), else with the seed the engine derives for it."""
+    seed = job.sampling.seed
+    if job.n == 1 or seed is None:
+        return [job] * job.n
+    return [
+        replace(job, sampling=replace(job.sampling, seed=(seed + i) % MAX_SEED))
+        for i in range(job.n)
+    ]

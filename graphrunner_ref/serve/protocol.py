@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from graphrunner.sampling import MAX_HOLD_TOKENS, MAX_SEED, SamplingParams
+from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
 from graphrunner_ref.engine.grammar import GrammarFactory
 from graphrunner_ref.io.text import NoTokenizerError, TextCodec
 from graphrunner_ref.serve.errors import APIError
@@ -36,7 +36,6 @@ __all__ = [
     "Limits",
     "StreamOptions",
     "chat_prompt",
-    "choice_jobs",
     "job_of",
     "usage",
 ]
@@ -307,21 +306,6 @@ def _choices(n: int | None) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise APIError(400, f"n={n!r}: expected an int in 1..{MAX_CHOICES}", param="n")
     return n
-
-
-def choice_jobs(job: Job) -> list[Job]:
-    """The engine request of each of ``job``'s ``n`` choices: choice ``i``
-    draws with ``seed + i`` where a seed is given (vLLM's way: reproducible,
-    and the choices differ), else with the seed the engine derives for it."""
-    seed = job.sampling.seed
-    if job.n == 1:
-        return [job]
-    return [
-        job
-        if seed is None
-        else replace(job, sampling=replace(job.sampling, seed=(seed + i) % MAX_SEED))
-        for i in range(job.n)
-    ]
 
 
 def _check_min_tokens(
