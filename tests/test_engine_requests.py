@@ -159,6 +159,30 @@ def test_the_end_token_ends_a_request_with_stop(bundle: ModelBundle, solo: Model
     assert outputs[-1].finish_reason == "stop"
 
 
+def test_a_requests_own_stop_check_ends_it_and_no_other(
+    bundle: ModelBundle, solo: ModelBundle
+) -> None:
+    prompts = _prompts(2, seed=5)
+    alone = [_alone(solo, p, NEW) for p in prompts]
+    seen: list[list[int]] = []
+
+    def third(tokens: list[int]) -> bool:
+        seen.append(list(tokens))
+        return len(tokens) == 3
+
+    engine = open_engine(CONFIG, bundle)
+    stopped = engine.add_request(prompts[0], NEW, stop=third)
+    free = engine.add_request(prompts[1], NEW)
+    outputs = _drain(engine)
+    tokens = _tokens_by_rid(outputs)
+    assert tokens[stopped] == alone[0][:3] and tokens[free] == alone[1]
+    ends = {o.rid: o.finish_reason for o in outputs if o.finished}
+    assert ends == {stopped: "stop", free: "length"}
+    assert seen == [alone[0][:k] for k in (1, 2, 3)]  # asked after each of its tokens
+    with pytest.raises(TypeError, match="stop is a str"):
+        engine.add_request(prompts[0], NEW, stop="\n")  # type: ignore[arg-type]
+
+
 def test_aborts_end_waiting_and_running_requests_and_free_their_pages(
     bundle: ModelBundle,
 ) -> None:
