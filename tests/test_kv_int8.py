@@ -258,6 +258,26 @@ def test_padded_rows_write_only_slot_0_values_and_scales(kernel: None) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_the_sanitizer_guards_the_scales() -> None:
+    """``--check-padding``'s sanitizer watches an int8 cache's scales as it
+    watches its values: a step that writes a live request's cached slot's
+    scale (and no value) is caught by name."""
+    from graphrunner import PaddingViolation
+    from graphrunner_ref.engine.kinds.llama import pooled_step
+
+    bundle, batch, _ = _prefilled(torch.int8)
+    cache = bundle.kv_cache
+    assert isinstance(cache, Int8KVCache)
+    sanitizer = pooled_step(bundle).sanitizer()
+    names = {g.name for g in sanitizer.guarded}
+    assert {"k_scale[0]", "v_scale[1]"} <= names
+    check = sanitizer.snapshot(batch)
+    cached = int(bundle.req_pool.req_to_token[int(batch.req_pool_indices_cpu[0]), 0])
+    cache.k_scales[1][cached] += 1  # the planted bug
+    with pytest.raises(PaddingViolation, match=r"k_scale\[1\]"):
+        check.after_launch(torch.zeros(3, 4))
+
+
 @pytest.fixture
 def prompts_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.jsonl"

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from graphrunner import PaddingSanitizer
+from graphrunner import GuardedTensor, PaddingSanitizer
+from graphrunner.pools import Int8KVCache
 from graphrunner_ref.engine.config import EngineConfig, UsageError
 from graphrunner_ref.engine.registry import DecodeStep, ModelKind
 from graphrunner_ref.io import load_any, read_config
@@ -37,6 +38,7 @@ __all__ = [
     "native_refusal",
     "note_quantization",
     "pooled_step",
+    "scale_guards",
     "with_attention",
     "with_quantization",
 ]
@@ -221,9 +223,23 @@ def pooled_step(bundle: Any, *, fullgraph: bool = False) -> DecodeStep:
             bundle.kv_cache,
             kv_allocator=bundle.kv_alloc,
             vocab_size=bundle.config.vocab_size,
+            guard=scale_guards(bundle.kv_cache),
         ),
         fullgraph=fullgraph,
     )
+
+
+def scale_guards(kv_cache: object) -> list[GuardedTensor]:
+    """An int8 cache's scales (:class:`~graphrunner.pools.Int8KVCache`),
+    guarded as its values are: a step writes only its live rows'
+    ``out_cache_loc`` slots, padded rows slot 0; none for a float cache."""
+    if not isinstance(kv_cache, Int8KVCache):
+        return []
+    return [
+        GuardedTensor(f"{side}_scale[{layer}]", scales, "out_cache_loc", sink_rows=1)
+        for layer in range(kv_cache.num_layers)
+        for side, scales in zip("kv", kv_cache.get_scales(layer), strict=True)
+    ]
 
 
 KIND = ModelKind(
