@@ -10,6 +10,7 @@ and every model, dtype or device that cannot read it refuses it by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -318,13 +319,27 @@ def test_shared_prefix_pages_carry_their_scales(
     assert answers[0] == answers[1]
 
 
-def test_serve_and_the_engine_config_take_it() -> None:
+def test_serve_builds_its_engine_over_an_int8_cache(kernel: None) -> None:
+    """``graphrunner serve --kv-dtype int8``'s config, through the engine path
+    serve drives (build, open_engine, add_request, step): an Int8KVCache, and
+    a request's greedy tokens those of the eager runner over one."""
+    from graphrunner_ref.engine.serving import build, open_engine
+
     args = parser().parse_args(["serve", "--kv-dtype", "int8"])
-    config = config_of(args)
+    config = dataclasses.replace(config_of(args, "eager", (1, 2)), quiet=True)
     assert config.kv_dtype == "int8" and config.torch_kv_dtype == torch.int8
     assert EngineConfig(kv_dtype="int8").atol == 0.05
-    bundle = default_model(max_requests=1, max_context_len=8, kv_dtype=torch.int8)
+    bundle = build(config, max_requests=2, context=32)
+    assert isinstance(bundle, ModelBundle) and isinstance(bundle.kv_cache, Int8KVCache)
     assert aot_key(bundle)["kv dtype"] == "int8"
+    engine = open_engine(config, bundle)
+    rid = engine.add_request(PROMPTS[0], 8)
+    tokens: list[int] = []
+    for _ in range(50):
+        if not engine.has_unfinished():
+            break
+        tokens += [t for out in engine.step() if out.rid == rid for t in out.tokens]
+    assert tokens == _serve("eager")[0][0]
 
 
 @pytest.mark.parametrize(
