@@ -298,6 +298,22 @@ def test_generate_runs_it_checked_against_eager(
     assert "mismatches: 0" in captured.err
 
 
+def test_check_compares_an_int8_cache_dequantized() -> None:
+    """A graph's value one float32 rounding off eager's may take the next
+    integer: ``--check`` measures that change dequantized (its scale, about
+    0.01 on the embedded model, under the 0.05 tolerance), not as 1."""
+    from graphrunner_ref.engine import check
+
+    cache = Int8KVCache(4, 1, 2, 8, "cpu")
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(0))
+    cache.set_kv(0, torch.arange(1, 5), x, x)
+    before = [t.clone() for t in check._kv_values(cache)]
+    cache.k_buffers[0][2, 1, 3] += 1
+    diff = check._kv_diff(cache, before)
+    torch.testing.assert_close(diff, cache.k_scales[0][2, 1], rtol=1e-6, atol=0)
+    assert 0 < diff < 0.05
+
+
 def test_shared_prefix_pages_carry_their_scales(
     kernel: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

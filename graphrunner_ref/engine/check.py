@@ -12,6 +12,7 @@ import torch
 
 from graphrunner import DecodeBatch, KVCache
 from graphrunner.phases import SpecBatch
+from graphrunner.pools import Int8KVCache
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, sample_rows
 from graphrunner_ref.engine.model_runner import ModelRunner, logits_of
 from graphrunner_ref.engine.results import EngineStats, LiveRequest
@@ -73,7 +74,7 @@ def checked_replay(
     decoder = engine.decoder
     with torch.no_grad():
         ref, eager_seconds = engine.timed(lambda: decoder.forward(engine.step_inputs(batch)))
-    before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
+    before = [t.clone() for t in _kv_values(kv)]
     step, seconds = engine.timed(lambda: engine.replay(batch, live))
     out = logits_of(step)
     stats.eager_seconds += eager_seconds
@@ -110,7 +111,7 @@ def checked_launch(
         (ref_tokens, ref_logits), eager_seconds = engine.timed(
             lambda: _eager_steps(engine, inputs, budgets)
         )
-    before = [t.clone() for t in (*kv.k_buffers, *kv.v_buffers)]
+    before = [t.clone() for t in _kv_values(kv)]
     out, seconds = engine.timed(replay)
     stats.eager_seconds += eager_seconds
     stats.decode_seconds += seconds
@@ -173,9 +174,21 @@ def _kv_of(engine: ModelRunner) -> KVCache:
     return kv
 
 
+def _kv_values(kv: KVCache) -> list[torch.Tensor]:
+    """The cache's K and V buffers, an int8 cache's dequantized (a value one
+    float32 rounding off may take the next integer: a scale apart, not 1)."""
+    if not isinstance(kv, Int8KVCache):
+        return [*kv.k_buffers, *kv.v_buffers]
+    scales = (*kv.k_scales, *kv.v_scales)
+    values = (*kv.k_buffers, *kv.v_buffers)
+    return [
+        Int8KVCache.dequantize(q, d, torch.float32) for q, d in zip(values, scales, strict=True)
+    ]
+
+
 def _kv_diff(kv: KVCache, before: list[torch.Tensor]) -> torch.Tensor:
     """The largest change of the KV cache since ``before``, slot 0 (the padding sink) excepted."""
-    after = (*kv.k_buffers, *kv.v_buffers)
+    after = _kv_values(kv)
     return torch.stack(
         [(a[1:] - b[1:]).abs().max() for a, b in zip(after, before, strict=True)]
     ).max()
