@@ -24,7 +24,7 @@ from graphrunner.pools import Int8KVCache
 from graphrunner_ref import Engine, create_decode_runner
 from graphrunner_ref.cli.options import config_of, parser
 from graphrunner_ref.engine.bundle import aot_key
-from graphrunner_ref.engine.config import EngineConfig, UsageError
+from graphrunner_ref.engine.config import TOKEN_BATCHES_ENV, EngineConfig, UsageError
 from graphrunner_ref.engine.workload import requests_from_prompts
 from graphrunner_ref.model import ModelBundle, default_model
 from graphrunner_ref.model.attention_cpu import (
@@ -287,15 +287,26 @@ def prompts_file(tmp_path: Path) -> Path:
 
 
 def test_generate_runs_it_checked_against_eager(
-    kernel: None, prompts_file: Path, capsys: pytest.CaptureFixture[str]
+    kernel: None,
+    prompts_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """``generate --kv-dtype int8`` on the CPU runner, every step checked
+    against eager: prompts eagerly (the tests' default) and as a captured
+    token batch (``token_batch_attention_q8``), the same tokens both ways."""
     argv = ["generate", "--prompts", str(prompts_file), "--max-new-tokens", "6", "--runner"]
     argv += ["cpu", "--kv-dtype", "int8", "--check", "--max-bs", "4", "--aot-cache", "none"]
-    assert cli.main(argv) == 0
-    captured = capsys.readouterr()
-    rows = [json.loads(line) for line in captured.out.splitlines()]
-    assert [len(r["token_ids"]) for r in rows] == [6] * len(PROMPTS)
-    assert "mismatches: 0" in captured.err
+    answers = []
+    for token_batches in ("0", "1"):
+        monkeypatch.setenv(TOKEN_BATCHES_ENV, token_batches)
+        assert cli.main(argv) == 0
+        captured = capsys.readouterr()
+        rows = [json.loads(line)["token_ids"] for line in captured.out.splitlines()]
+        assert [len(r) for r in rows] == [6] * len(PROMPTS)
+        assert "mismatches: 0" in captured.err
+        answers.append(rows)
+    assert answers[0] == answers[1]
 
 
 def test_check_compares_an_int8_cache_dequantized() -> None:
