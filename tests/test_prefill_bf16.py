@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -90,6 +92,35 @@ def test_a_llama_prefill_is_close_to_its_4bit_one_and_every_projection_widened()
     torch.testing.assert_close(logits[1], logits[0], rtol=0.1, atol=0.1)
     with pytest.raises(ValueError, match="widened already"):
         widen_prompts(widened.model)  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not bf16_matmul_units(), reason="needs AMX-BF16 or AVX-512 BF16")
+def test_a_prompt_chunk_attends_in_bfloat16_and_a_decode_step_does_not() -> None:
+    widened = _llama(True)
+    model: Any = widened.model  # type: ignore[attr-defined]
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert {a.prompt_bf16_rows for a in attentions} == {PROMPT_ROWS}
+    ids = torch.randint(3, 256, (60,))
+
+    def prefill() -> torch.Tensor:
+        row = widened.req_pool.alloc(1)[0]  # type: ignore[attr-defined]
+        slots = torch.tensor(widened.kv_alloc.alloc(60))  # type: ignore[attr-defined]
+        return model.forward_extend(row, ids, slots)
+
+    bf16 = prefill()
+    for a in attentions:
+        a.prompt_bf16_rows = None  # the projections alone in bfloat16
+    fp32 = prefill()
+    assert not torch.equal(bf16, fp32)  # the attention really took the other path
+    torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.05)
+    for a in attentions:
+        a.prompt_bf16_rows = 1  # even a one-row call: a decode step stays float32
+    q = torch.randn(4, attentions[0].num_heads * attentions[0].head_dim)
+    meta = SimpleNamespace(decode=True)
+    seen: list[torch.dtype] = []
+    attentions[0]._attend = lambda q, kv, meta: seen.append(q.dtype) or q  # type: ignore[method-assign]
+    attentions[0].attend_rotated(q, None, meta)
+    assert seen == [torch.float32]
 
 
 def _generate(*flags: str, prompts: Path) -> subprocess.CompletedProcess[str]:

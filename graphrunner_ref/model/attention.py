@@ -69,6 +69,10 @@ class PagedAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        #: Calls of this many query rows or more attend in bfloat16, float32
+        #: in and out (``--prefill-bf16``: a prompt chunk's attention on the
+        #: CPU's bfloat16 units, as its projections); None: in ``q``'s dtype.
+        self.prompt_bf16_rows: int | None = None
         bias = c.attention_bias
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=bias, dtype=dtype)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias, dtype=dtype)
@@ -154,7 +158,15 @@ class PagedAttention(nn.Module):
 
     def attend_rotated(self, q: torch.Tensor, kv: KVStore, meta: AttnMetadata) -> torch.Tensor:
         """The attention of rotated queries ``q [n, H D]`` (or ``[n, H, D]``) whose
-        step's K/V are in ``kv`` already: the heads' outputs ``[n, H D]``."""
+        step's K/V are in ``kv`` already: the heads' outputs ``[n, H D]``, in
+        ``q``'s dtype (computed in bfloat16 for a prompt chunk of at least
+        :attr:`prompt_bf16_rows` rows)."""
+        rows = self.prompt_bf16_rows
+        if rows is None or meta.decode or q.shape[0] < rows or q.dtype != torch.float32:
+            return self._attend(q, kv, meta)
+        return self._attend(q.to(torch.bfloat16), kv, meta).to(q.dtype)
+
+    def _attend(self, q: torch.Tensor, kv: KVStore, meta: AttnMetadata) -> torch.Tensor:
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k_buf, v_buf = kv.get_kv(self.layer_id)

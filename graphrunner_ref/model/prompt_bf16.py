@@ -12,7 +12,10 @@ GOP/s for int4-q8 on AMX-INT8, ``bench/results/gemm-peak-*.md``).
 (the 4-bit codes dequantized: decode and prefill multiply the same weights;
 2 bytes a weight more in memory). Calls of :data:`PROMPT_ROWS` rows or more
 (prompt chunks) multiply in bfloat16 with float32 results; fewer (decode
-steps) go to the 4-bit linear as before, so a decode step is unchanged.
+steps) go to the 4-bit linear as before, so a decode step is unchanged. Such
+a chunk's attention runs in bfloat16 too (torch's fused attention on the
+same units, the K/V read from the cache in bfloat16): at 4,096 prompt
+tokens the float32 attention took most of the prefill.
 """
 
 from __future__ import annotations
@@ -94,4 +97,5 @@ def widen_prompts(model: nn.Module, rows: int = PROMPT_ROWS) -> nn.Module:
             if isinstance(linear, PromptBf16Linear):
                 raise ValueError("prefill_bf16: the model's prompt chunks are widened already")
             setattr(module, linear_name, PromptBf16Linear(linear, rows))
+        layer.self_attn.prompt_bf16_rows = rows
     return model
