@@ -182,12 +182,14 @@ def int4_q8_rows(min_seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _prefill_bundle(checkpoint: Any, mode: str) -> Any:
+def prefill_bundle(checkpoint: Any, mode: str, context: int = PREFILL_TOKENS) -> Any:
+    """SmolLM2 from ``checkpoint`` in ``mode`` (a key of :data:`PREFILL_MODES`,
+    or :data:`PREFILL_BF16`), one request row of ``context`` tokens."""
     from graphrunner_ref.io import load_model
     from graphrunner_ref.model.quantize import quantize_model
 
     dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
-    bundle = load_model(checkpoint, max_requests=1, max_context_len=PREFILL_TOKENS, dtype=dtype)
+    bundle = load_model(checkpoint, max_requests=1, max_context_len=context, dtype=dtype)
     if mode.startswith("int4-q8"):
         quantize_model(bundle.model, "int4-q8")
     if mode == PREFILL_BF16:
@@ -209,10 +211,10 @@ def prefill_rows(repeats: int) -> list[dict[str, Any]]:
 
     if bf16_matmul_units():
         modes[PREFILL_BF16], paths[PREFILL_BF16] = "bfloat16", "oneDNN bfloat16"
-    bundles = {mode: _prefill_bundle(checkpoint, mode) for mode in modes}
+    bundles = {mode: prefill_bundle(checkpoint, mode) for mode in modes}
     if paths["int4-q8"] == "amx-int8-tiles":
         with features_hidden(HIDE_AMX):
-            bundles[TILES_ONLY] = _prefill_bundle(checkpoint, TILES_ONLY)
+            bundles[TILES_ONLY] = prefill_bundle(checkpoint, TILES_ONLY)
             modes[TILES_ONLY], paths[TILES_ONLY] = "int8", q8_path_name()
     runs = {}
     for mode, bundle in bundles.items():

@@ -139,10 +139,19 @@ class VllmDecoder:
     """vLLM's engine in a child process over the prompts, ``bs`` at a time,
     ``new`` greedy tokens each, weights and activations in ``dtype``
     (``bfloat16`` or ``float32``): loaded and warmed once, then a round per
-    :meth:`decode` (a ``bench_real_cpu`` contender)."""
+    :meth:`decode` (a ``bench_real_cpu`` contender) or :meth:`prefill`.
+    ``batched_tokens``: vLLM's ``max_num_batched_tokens`` (None: its default),
+    as large as the longest prompt for a prefill in one step."""
 
     def __init__(
-        self, checkpoint: Path, prompts: list[list[int]], bs: int, new: int, dtype: str
+        self,
+        checkpoint: Path,
+        prompts: list[list[int]],
+        bs: int,
+        new: int,
+        dtype: str,
+        *,
+        batched_tokens: int | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -157,6 +166,7 @@ class VllmDecoder:
             "bs": bs,
             "new": new,
             "dtype": dtype,
+            **({} if batched_tokens is None else {"batched_tokens": batched_tokens}),
         }
         with self._log.open("w") as log:
             self._child: subprocess.Popen[str] | None = subprocess.Popen(
@@ -181,6 +191,11 @@ class VllmDecoder:
         """One round: decode tokens/s (prefill excluded) and each prompt's new tokens."""
         answer = self._ask("decode", ROUND_S)
         return answer["tokens_per_s"], answer["tokens"]
+
+    def prefill(self) -> list[float]:
+        """One round: the seconds of ``generate(prompt, max_tokens=1)`` for
+        each prompt alone (its prefill and one token: vLLM's prefill time)."""
+        return list(self._ask("prefill", ROUND_S)["seconds"])
 
     def _ask(self, line: str, timeout_s: float) -> dict[str, Any]:
         """Send ``line`` to the child; its JSON answer, within ``timeout_s``."""
@@ -258,6 +273,11 @@ def _serve(answers: Any) -> None:
         max_num_seqs=bs,
         max_model_len=max(len(p) for p in prompts) + new,
         enable_prefix_caching=False,
+        **(
+            {"max_num_batched_tokens": request["batched_tokens"]}
+            if "batched_tokens" in request
+            else {}
+        ),
         distributed_executor_backend="uni",
         seed=0,
     )
@@ -269,6 +289,9 @@ def _serve(answers: Any) -> None:
         out = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.perf_counter() - begin
         return [list(o.outputs[0].token_ids) for o in out], seconds
+
+    def prefill_round() -> dict[str, Any]:
+        return {"seconds": [generate([p], 1)[1] for p in prompts]}
 
     def one_round() -> dict[str, Any]:
         outputs: list[list[int]] = []
@@ -287,10 +310,11 @@ def _serve(answers: Any) -> None:
 
     generate(prompts[:bs], 2)
     answer({"ready": True})
+    rounds = {"decode": one_round, "prefill": prefill_round}
     for line in iter(sys.stdin.readline, ""):
-        if line.strip() != "decode":
-            raise SystemExit(f"vllm_cpu_run: expected 'decode', got {line.strip()!r}")
-        answer(one_round())
+        if line.strip() not in rounds:
+            raise SystemExit(f"vllm_cpu_run: expected 'decode' or 'prefill', got {line.strip()!r}")
+        answer(rounds[line.strip()]())
 
 
 if __name__ == "__main__":
