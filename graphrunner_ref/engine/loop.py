@@ -408,9 +408,9 @@ class Engine:
     def _open(self, max_steps: int | None = None) -> Run:
         """The open run (requests in flight), begun when none is."""
         if self._run is None:
-            self._run = Run(deque(), DecodeBatch.empty(self.device, self.bundle.max_context_len))
+            batch = DecodeBatch.empty(self.device, self.bundle.max_context_len)
+            self._run = Run(deque(), batch, max_steps=max_steps)
             self._counts = RunnerCounts.of(self.runner)
-            self.schedule.begin(max_steps)
         return self._run
 
     def _close(self) -> None:

@@ -108,9 +108,6 @@ class ModelRunner:
 
     # -- the plain variant of a step's run ------------------------------------------
 
-    def begin(self, max_steps: int | None) -> None:
-        pass
-
     def end(self) -> None:
         pass
 

@@ -89,9 +89,6 @@ class MultiStepSchedule:
         self.model = model
         self.steps = steps
 
-    def begin(self, max_steps: int | None) -> None:
-        pass
-
     def end(self) -> None:
         pass
 

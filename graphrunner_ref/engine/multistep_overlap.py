@@ -47,10 +47,6 @@ class MultiStepOverlapSchedule:
         self.steps = steps
         # The prepared launch's reservations, one per row of run.live.
         self._plan: list[Reservation] | None = None
-        self._max_steps: int | None = None
-
-    def begin(self, max_steps: int | None) -> None:
-        self._max_steps = max_steps
 
     def end(self) -> None:
         """A launch prepared but never run: its fresh pages are nobody's."""
@@ -133,7 +129,7 @@ class MultiStepOverlapSchedule:
             rows = device_ints(self.model.device, [r.req_index for r in going])
             self.post.join(run, going, future_refs(rows))
             ahead += [1] * len(going)  # its first token, not read yet
-        steps_left = self._max_steps is None or run.stats.steps < self._max_steps
+        steps_left = run.max_steps is None or run.stats.steps < run.max_steps
         if run.live and steps_left:
             run.batch.input_ids = future_refs(run.batch.req_pool_indices)
             self._plan = self.base.reserve(run.live, ahead)

@@ -80,12 +80,8 @@ class OverlapSchedule:
         # The next step, prepared before this one's tokens were read: the fresh
         # page (first slot) each starting request took there, by request id.
         self._prepared: dict[int, int] | None = None
-        self._max_steps: int | None = None
         # Step N's log-probability outputs, read after the wait.
         self._logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def begin(self, max_steps: int | None) -> None:
-        self._max_steps = max_steps
 
     def end(self) -> None:
         """A step prepared but never launched: its fresh pages are nobody's."""
@@ -145,7 +141,7 @@ class OverlapSchedule:
         if going:
             rows = device_ints(self.model.device, [r.req_index for r in going])
             self.post.join(run, going, future_refs(rows))
-        steps_left = self._max_steps is None or run.stats.steps < self._max_steps
+        steps_left = run.max_steps is None or run.stats.steps < run.max_steps
         if run.live and steps_left:
             refs = future_refs(run.batch.req_pool_indices)
             bundle = self.model.bundle

@@ -198,6 +198,7 @@ class Run:
     finished: set[int] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
     clock: int = 0  # engine steps, idle ones included: what arrival_step counts
+    max_steps: int | None = None  # the decode steps it may take (None: no bound)
 
 
 #: One prompt chunk of a step: the request, and its prompt tokens ``start:end``.

@@ -30,10 +30,6 @@ __all__ = ["SCHEDULES", "Schedule", "schedule_for"]
 class Schedule(Protocol):
     """How a step's plan runs on the device (a variant of the engine's run)."""
 
-    def begin(self, max_steps: int | None) -> None:
-        """A run opens (``max_steps``: the decode steps it may take, or None)."""
-        ...
-
     def run(self, run: Run, plan: StepPlan) -> StepResult:
         """Run ``plan``; what it gave, for the postprocess to record."""
         ...
