@@ -193,7 +193,13 @@ class Engine:
         budget = check_token_budget(bundle, max_num_batched_tokens)
         self.prefix_cache = prefix_cache_of(bundle, prefix_caching)
         self.scheduler = Scheduler(
-            bundle, runner.max_bs, self.seed, budget, self.prefix_cache, rank0_admits(bundle)
+            bundle,
+            runner.max_bs,
+            self.seed,
+            budget,
+            self.prefix_cache,
+            rank0_admits(bundle),
+            token_sizes=() if token_runner is None else token_runner.capture_sizes,
         )
         self.model = ModelRunner(
             bundle,

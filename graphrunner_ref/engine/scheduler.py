@@ -18,11 +18,16 @@ and its prefill starts at the first uncached token). Under a token budget
 (vLLM's ``max_num_batched_tokens``) the running rows' decode tokens come
 first, then prompt chunks in order, so a long prompt is split over steps
 and never stalls the running requests for its whole prefill (each step
-prefills at least one token).
+prefills at least one token). Where the chunks run as one captured token
+batch, a step whose chunk tokens fall just above a captured size is trimmed
+to that size (:func:`fit_captured`): padding a 1,056-token step to the next
+size, 2,048, would compute twice its tokens; 1,024 now and 32 next step
+compute what they need.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 from graphrunner.pools import CachedKVAllocator, whole_pages
@@ -31,7 +36,7 @@ from graphrunner_ref.engine.registry import ServingBundle
 from graphrunner_ref.engine.results import AdmissionError, Chunk, LiveRequest, Run, StepPlan
 from graphrunner_ref.engine.workload import Request
 
-__all__ = ["Scheduler", "admit_count", "seed_of", "waits_for_shared_prefill"]
+__all__ = ["Scheduler", "admit_count", "fit_captured", "seed_of", "waits_for_shared_prefill"]
 
 
 class Scheduler:
@@ -48,6 +53,9 @@ class Scheduler:
         agree: turns the count of requests that fit into the count admitted
             (a sharded model's ranks admit rank 0's,
             :func:`~graphrunner_ref.engine.ranks.rank0_admits`), or None.
+        token_sizes: the token counts the token runner captured, ascending
+            (a step's chunks are trimmed to fit them, :func:`fit_captured`);
+            empty: chunks run as planned.
     """
 
     def __init__(
@@ -58,9 +66,11 @@ class Scheduler:
         token_budget: int | None = None,
         prefix_cache: CachedKVAllocator | None = None,
         agree: Callable[[int], int] | None = None,
+        token_sizes: Sequence[int] = (),
     ) -> None:
         self.bundle, self.max_bs, self.seed = bundle, max_bs, seed
         self.token_budget, self.prefix_cache, self.agree = token_budget, prefix_cache, agree
+        self.token_sizes = tuple(token_sizes)
 
     def plan(self, run: Run) -> StepPlan:
         """The next step of ``run``: its running rows, the arrived requests
@@ -80,6 +90,8 @@ class Scheduler:
                 admitted.append(self._start(run, run.pending.popleft()))
             run.prefilling.extend(admitted)
             chunks += _plan_chunks(run, len(run.prefilling) - len(admitted), budget)[0]
+        if self.token_sizes:
+            chunks = fit_captured(chunks, self.token_sizes)
         return StepPlan(tuple(run.live), tuple(chunks), tuple(admitted))
 
     def _start(self, run: Run, req: Request) -> LiveRequest:
@@ -138,6 +150,31 @@ def _plan_chunks(run: Run, first: int, budget: int | None) -> tuple[list[Chunk],
         if budget is not None:
             budget -= end - start
     return chunks, budget
+
+
+def fit_captured(chunks: list[Chunk], sizes: Sequence[int]) -> list[Chunk]:
+    """``chunks`` (``T`` tokens) trimmed from the end to the largest captured
+    size ``S <= T`` when padding ``T`` up to the next size ``P`` would cost
+    more than it defers (``P - T > T - S``); the trimmed tokens come in a
+    later step (a chunk's prefill resumes where it stopped). Unchanged when
+    ``T`` is a size, above the largest (run eagerly, unpadded), or below the
+    smallest."""
+    total = sum(end - start for _, start, end in chunks)
+    at = bisect.bisect_left(sizes, total)
+    if at == 0 or at == len(sizes) or sizes[at] == total:
+        return chunks
+    below, above = sizes[at - 1], sizes[at]
+    if above - total <= total - below:
+        return chunks
+    fitted: list[Chunk] = []
+    left = below
+    for live, start, end in chunks:
+        if left == 0:
+            break
+        take = min(end - start, left)
+        fitted.append((live, start, start + take))
+        left -= take
+    return fitted
 
 
 def admit_count(
