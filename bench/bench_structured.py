@@ -38,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -83,8 +84,8 @@ SCHEMA: dict[str, Any] = {
 
 
 def valid(value: Any, schema: dict[str, Any]) -> bool:
-    """``value`` against the keywords of JSON Schema that :data:`SCHEMA` uses
-    (``jsonschema`` is not a dependency of the bench)."""
+    """``value`` against the keywords of JSON Schema that :data:`SCHEMA` and
+    the serve tests' schemas use (``jsonschema`` is not a dependency)."""
     if "enum" in schema and value not in schema["enum"]:
         return False
     kind = schema.get("type")
@@ -99,14 +100,19 @@ def valid(value: Any, schema: dict[str, Any]) -> bool:
     if kind == "array":
         return (
             isinstance(value, list)
-            and len(value) <= schema.get("maxItems", len(value))
+            and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
             and all(valid(v, schema["items"]) for v in value)
         )
-    if kind == "integer":
+    if kind in ("integer", "number"):
+        types = int if kind == "integer" else (int, float)
         return (
-            isinstance(value, int)
+            isinstance(value, types)
             and not isinstance(value, bool)
             and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+        )
+    if kind == "string":
+        return (
+            isinstance(value, str) and re.fullmatch(schema.get("pattern", ".*"), value) is not None
         )
     if kind == "boolean":
         return isinstance(value, bool)

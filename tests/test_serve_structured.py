@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bench.bench_structured import valid
 from gguf_world import tiny_text_checkpoint
 from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.serve.errors import APIError
@@ -84,41 +85,6 @@ SCHEMAS: list[dict[str, Any]] = [
         "maxItems": 2,
     },
 ]
-
-
-def valid(value: Any, schema: dict[str, Any]) -> bool:
-    """``value`` against the subset of JSON Schema the schemas above use."""
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    kind = schema.get("type")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (
-            isinstance(value, dict)
-            and all(k in value for k in schema.get("required", ()))
-            and (schema.get("additionalProperties", True) or set(value) <= set(props))
-            and all(valid(v, props[k]) for k, v in value.items() if k in props)
-        )
-    if kind == "array":
-        return (
-            isinstance(value, list)
-            and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
-            and all(valid(v, schema["items"]) for v in value)
-        )
-    if kind in ("integer", "number"):
-        types = int if kind == "integer" else (int, float)
-        return (
-            isinstance(value, types)
-            and not isinstance(value, bool)
-            and schema.get("minimum", value) <= value <= schema.get("maximum", value)
-        )
-    if kind == "string":
-        return (
-            isinstance(value, str) and re.fullmatch(schema.get("pattern", ".*"), value) is not None
-        )
-    if kind == "boolean":
-        return isinstance(value, bool)
-    return kind is None
 
 
 def _format(schema: dict[str, Any]) -> dict[str, Any]:
