@@ -90,9 +90,7 @@ def _overlapped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     built: list[int] = []
     init = MultiStepOverlapSchedule.__init__
 
-    def spy(
-        self: MultiStepOverlapSchedule, model: Any, post: Any, runner: Any, steps: int
-    ) -> None:
+    def spy(self: MultiStepOverlapSchedule, model: Any, post: Any, runner: Any, steps: int) -> None:
         built.append(steps)
         init(self, model, post, runner, steps)
 
