@@ -31,6 +31,7 @@ def _total(chunks: list[Any]) -> int:
         ([1024], [(0, 1024)]),  # a captured size
         ([3000], [(0, 3000)]),  # above the largest: eager, unpadded
         ([3], [(0, 3)]),  # below the smallest
+        ([10], [(0, 10)]),  # 6 padded tokens: not worth a step
         ([600, 300, 200], [(0, 600), (0, 300), (0, 124)]),  # 1,100 to 1,024: the last cut
         ([1000, 30, 20], [(0, 1000), (0, 24)]),  # 1,050 to 1,024: the last dropped
     ],
@@ -47,6 +48,8 @@ def test_a_step_just_above_a_size_is_trimmed_to_it(
 def test_chunks_resume_where_a_trimmed_one_stopped() -> None:
     chunks: list[Any] = [("a", 100, 1156)]  # a prompt's second chunk
     assert fit_captured(chunks, SIZES) == [("a", 100, 1124)]
+    assert fit_captured([("a", 0, 300)], SIZES) == [("a", 0, 256)]  # 212 saved
+    assert fit_captured([("a", 0, 300)], SIZES, min_saving=300) == [("a", 0, 300)]
     assert _total(fit_captured([("a", 1124, 1156)], SIZES)) == 32
 
 
@@ -60,6 +63,7 @@ def _run(trace: list[Request], tokens: bool, trim: bool) -> tuple[dict[int, list
         token_runner = create_token_runner(bundle, "eager", 48, capture_sizes=[16, 32, 64])
         token_runner.capture()
     engine = Engine(bundle, runner, max_num_batched_tokens=48, token_runner=token_runner)
+    engine.scheduler.min_trim = 1  # any saving, at these small sizes
     if not trim:
         engine.scheduler.token_sizes = ()
     result = engine.run(trace)

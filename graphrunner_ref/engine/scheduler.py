@@ -22,7 +22,8 @@ prefills at least one token). Where the chunks run as one captured token
 batch, a step whose chunk tokens fall just above a captured size is trimmed
 to that size (:func:`fit_captured`): padding a 1,056-token step to the next
 size, 2,048, would compute twice its tokens; 1,024 now and 32 next step
-compute what they need.
+compute what they need. A small saving is not worth the step it costs the
+trimmed prompt (:data:`MIN_TRIM_TOKENS`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,20 @@ from graphrunner_ref.engine.registry import ServingBundle
 from graphrunner_ref.engine.results import AdmissionError, Chunk, LiveRequest, Run, StepPlan
 from graphrunner_ref.engine.workload import Request
 
-__all__ = ["Scheduler", "admit_count", "fit_captured", "seed_of", "waits_for_shared_prefill"]
+__all__ = [
+    "MIN_TRIM_TOKENS",
+    "Scheduler",
+    "admit_count",
+    "fit_captured",
+    "seed_of",
+    "waits_for_shared_prefill",
+]
+
+#: The padded tokens a trim must save (:func:`fit_captured`): fewer cost less
+#: than the step it adds to the trimmed prompt's first token (a step's fixed
+#: cost, its decode rows and the host's work, is that of ~100 prompt tokens
+#: on one CPU core).
+MIN_TRIM_TOKENS = 128
 
 
 class Scheduler:
@@ -54,8 +68,9 @@ class Scheduler:
             (a sharded model's ranks admit rank 0's,
             :func:`~graphrunner_ref.engine.ranks.rank0_admits`), or None.
         token_sizes: the token counts the token runner captured, ascending
-            (a step's chunks are trimmed to fit them, :func:`fit_captured`);
-            empty: chunks run as planned.
+            (a step's chunks are trimmed to fit them, :func:`fit_captured`,
+            when that saves ``min_trim`` padded tokens or more); empty:
+            chunks run as planned.
     """
 
     def __init__(
@@ -71,6 +86,7 @@ class Scheduler:
         self.bundle, self.max_bs, self.seed = bundle, max_bs, seed
         self.token_budget, self.prefix_cache, self.agree = token_budget, prefix_cache, agree
         self.token_sizes = tuple(token_sizes)
+        self.min_trim = MIN_TRIM_TOKENS
 
     def plan(self, run: Run) -> StepPlan:
         """The next step of ``run``: its running rows, the arrived requests
@@ -91,7 +107,7 @@ class Scheduler:
             run.prefilling.extend(admitted)
             chunks += _plan_chunks(run, len(run.prefilling) - len(admitted), budget)[0]
         if self.token_sizes:
-            chunks = fit_captured(chunks, self.token_sizes)
+            chunks = fit_captured(chunks, self.token_sizes, self.min_trim)
         return StepPlan(tuple(run.live), tuple(chunks), tuple(admitted))
 
     def _start(self, run: Run, req: Request) -> LiveRequest:
@@ -152,19 +168,21 @@ def _plan_chunks(run: Run, first: int, budget: int | None) -> tuple[list[Chunk],
     return chunks, budget
 
 
-def fit_captured(chunks: list[Chunk], sizes: Sequence[int]) -> list[Chunk]:
+def fit_captured(
+    chunks: list[Chunk], sizes: Sequence[int], min_saving: int = MIN_TRIM_TOKENS
+) -> list[Chunk]:
     """``chunks`` (``T`` tokens) trimmed from the end to the largest captured
     size ``S <= T`` when padding ``T`` up to the next size ``P`` would cost
-    more than it defers (``P - T > T - S``); the trimmed tokens come in a
-    later step (a chunk's prefill resumes where it stopped). Unchanged when
-    ``T`` is a size, above the largest (run eagerly, unpadded), or below the
-    smallest."""
+    more than it defers (``P - T > T - S``) and at least ``min_saving``
+    tokens; the trimmed tokens come in a later step (a chunk's prefill
+    resumes where it stopped). Unchanged when ``T`` is a size, above the
+    largest (run eagerly, unpadded), or below the smallest."""
     total = sum(end - start for _, start, end in chunks)
     at = bisect.bisect_left(sizes, total)
     if at == 0 or at == len(sizes) or sizes[at] == total:
         return chunks
     below, above = sizes[at - 1], sizes[at]
-    if above - total <= total - below:
+    if above - total <= max(total - below, min_saving - 1):
         return chunks
     fitted: list[Chunk] = []
     left = below
