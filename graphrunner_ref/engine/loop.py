@@ -213,7 +213,6 @@ class Engine:
             rank_check=replay_size_check(bundle, runner),
             end_token=end_token,
             atol=atol,
-            seed=self.seed,
         )
         self.check_mode = self.model.check_mode = CheckMode(self.model) if check else None
         self.post = Postprocess(

@@ -75,7 +75,6 @@ class ModelRunner:
         rank_check: checks a replay's batch size against the other ranks', or None.
         end_token: the engine's end token (read by the check mode and the variants).
         atol: the check mode's tolerance on logits and KV values.
-        seed: the run seed.
     """
 
     def __init__(
@@ -92,12 +91,11 @@ class ModelRunner:
         rank_check: Callable[[int], None] | None,
         end_token: int | None,
         atol: float,
-        seed: int,
     ) -> None:
         self.bundle, self.runner, self.decoder = bundle, runner, decoder
         self.sampling_rows, self.sampling, self.logprobs = sampling_rows, sampling, logprobs
         self.token_runner, self.prefix_cache = token_runner, prefix_cache
-        self.end_token, self.atol, self.seed = end_token, atol, seed
+        self.end_token, self.atol = end_token, atol
         self.device = bundle.device
         self._rank_check = rank_check
         #: Set by the engine with check=True: each decode step also run eagerly.
