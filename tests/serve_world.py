@@ -135,6 +135,14 @@ class Server:
         """Signal the server and wait; its exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """Wait for the server to exit by itself (killed past ``timeout``); its status.
+
+        After a test has signalled the server, it waits here: a second signal
+        while the server drains is a forced quit (status 143), not a drain.
+        """
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -101,7 +101,7 @@ def test_sigterm_during_a_load_answers_every_request_and_exits_0(
         server.proc.send_signal(sig)
         for t in threads:
             t.join(60)
-        assert server.stop() == 0, "".join(server.log)
+        assert server.wait() == 0, "".join(server.log)
     finished = aborted = 0
     for events in results:
         assert events and events[-1] == "[DONE]", events[-3:]
