@@ -97,7 +97,12 @@ def pick(
         from graphrunner.sampling.processors import process_logits
 
         logits = process_logits(logits, b, req_pool_indices, position, counts, mask)
-    token = sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position)
+    # Padded rows (request row 0, the reserved one) never sample: a batch of
+    # greedy requests skips the draw on the CPU, however it is padded.
+    live = req_pool_indices != 0
+    token = sample(
+        logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position, live=live
+    )
     if counts is not None:
         counts.record(req_pool_indices, token)
     return token

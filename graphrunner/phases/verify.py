@@ -22,7 +22,7 @@ from graphrunner.declare.outputs import OutputSpec
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import Phase
 from graphrunner.phases.models import VerifyModel
-from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, rejection_sample
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS
 
 __all__ = [
     "DRAFT_PROBS",
@@ -58,6 +58,7 @@ def rejection_forward(forward: ForwardFn, width: int) -> ForwardFn:
     ``positions`` of column 1. Adds ``targets`` int64 ``[bs, W]`` (column
     ``j``: the token emitted when ``j`` drafts hold) and ``accepted`` int64
     ``[bs]`` to the forward's outputs."""
+    from graphrunner.sampling.speculative import rejection_sample  # speculative runs only
 
     def step(b: Any) -> dict[str, torch.Tensor]:
         out = forward(b)

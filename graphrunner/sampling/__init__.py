@@ -24,7 +24,6 @@ from graphrunner.sampling.sample import (
     sample,
     sample_rows,
 )
-from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 if TYPE_CHECKING:
     from graphrunner.sampling.bitmask import (
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
         penalize,
         penalty_tensors,
     )
+    from graphrunner.sampling.speculative import deterministic_probs, draft_sample, rejection_sample
 
 __all__ = [
     "ALLOW_ALL",
@@ -81,6 +81,7 @@ _LAZY |= dict.fromkeys(
 )
 _LAZY |= dict.fromkeys(("PENALTY_FIELDS", "PENALTY_FIELD_NAMES", "TokenCounts"), "penalties")
 _LAZY |= dict.fromkeys(("penalize", "penalty_tensors"), "penalties")
+_LAZY |= dict.fromkeys(("deterministic_probs", "draft_sample", "rejection_sample"), "speculative")
 
 
 def __getattr__(name: str) -> object:

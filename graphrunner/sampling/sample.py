@@ -26,12 +26,18 @@ may never be drawn at a given (seed, position)).
 
 Rows with ``temperature == 0`` take ``logits.argmax(-1)``, bit for bit (first
 index among ties); their other parameters still compute finite numbers and
-are discarded through ``torch.where``. Nothing here branches on data, syncs
-or allocates state: :func:`sample` captures in a CUDA graph and compiles.
+are discarded through ``torch.where``. On a CUDA device nothing here branches
+on data, syncs or allocates state: :func:`sample` captures in a CUDA graph.
+
+On the CPU a step is a compiled program, not a device graph: when no live row
+samples, :func:`sample` computes only the argmax (``torch.cond`` compiled, an ``if``
+eagerly), the same tokens. The draw sorts every row's vocabulary: SmolLM2 at batch 8
+took 48 ms for it against the argmax's 0.5 ms, on every served greedy step.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -111,6 +117,7 @@ def sample(
     position: torch.Tensor,
     *,
     draw: int = 0,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row, drawn from :func:`filtered_probs`'s distribution.
 
@@ -124,10 +131,34 @@ def sample(
         position: int64 ``[n]``, the position of the token being drawn.
         draw: the draw index of the random stream (0 unless a caller needs
             several independent numbers for one position).
+        live: bool ``[n]``, the rows whose tokens are used (None: all). On the CPU,
+            none at ``temperature > 0``: every row takes its argmax (the module doc).
 
-    Returns: int64 ``[n]``, the token ids. A row's token depends only on its
-    own logits, parameters, seed, position and ``draw``.
+    Returns: int64 ``[n]``, the token ids. A live row's token depends only on
+    its own logits, parameters, seed, position and ``draw``.
     """
+    operands = (logits, temperature, top_k, top_p, min_p, seed, position)
+    drawn = functools.partial(_drawn, draw=draw)
+    if logits.device.type != "cpu":  # a device graph: branch-free
+        return drawn(*operands)
+    sampling = temperature > 0
+    any_samples = (sampling if live is None else sampling & live).any()
+    if torch.compiler.is_compiling():
+        # torch.cond refuses operands that alias one another, as a step's
+        # sampling rows may (views of one buffer): the rows, [n] each, copied.
+        rows = tuple(t.clone() for t in operands[1:])
+        return torch.cond(any_samples, drawn, _argmax, (logits, *rows))
+    return drawn(*operands) if bool(any_samples) else _argmax(*operands)
+
+
+def _argmax(logits: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    """Every row's greedy token: a batch in which no live row samples."""
+    return logits.argmax(-1)
+
+
+def _drawn(*operands: torch.Tensor, draw: int) -> torch.Tensor:
+    """:func:`sample`'s draw of every row (greedy rows: the argmax)."""
+    logits, temperature, top_k, top_p, min_p, seed, position = operands
     probs, ids = _sorted_filtered(logits, temperature, top_k, top_p, min_p)
     cdf = probs.cumsum(-1)
     u = uniform(seed, position, draw).unsqueeze(-1) * cdf[..., -1:]
