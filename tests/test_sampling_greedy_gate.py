@@ -64,3 +64,59 @@ def test_rows_not_live_do_not_make_a_greedy_batch_draw() -> None:
     sorts, tokens = _sorts(lambda: sample(*args))  # every row live: the last one draws
     assert sorts == 1
     assert torch.equal(tokens[:2], logits[:2].argmax(-1))  # type: ignore[index]
+
+
+@pytest.mark.parametrize("needs", ["none", "penalty", "bias", "hold", "bitmask"])
+def test_each_logits_pass_runs_only_for_a_live_row_that_needs_it(
+    monkeypatch: pytest.MonkeyPatch, needs: str
+) -> None:
+    """Rows 1 and 2 live, the third padded (request row 0) and given every
+    processor's work: only a live row's need runs a pass, and the live rows'
+    logits equal every pass run unconditionally."""
+    from types import SimpleNamespace
+
+    import graphrunner.sampling.processors as processors
+    from graphrunner.sampling import TokenCounts, penalty_tensors
+
+    vocab = 40
+    counts = TokenCounts(4, vocab, "cpu")
+    counts.reset(1, [3, 4])
+    counts.reset(2, [5])
+    hot = SamplingParams(presence_penalty=1.5, logit_bias={7: 2.0})
+    live_params = {
+        "penalty": SamplingParams(presence_penalty=1.5),
+        "bias": SamplingParams(logit_bias={7: 2.0}),
+    }.get(needs, SamplingParams())
+    params = [SamplingParams(), live_params, hot]
+    held = (9, [9])  # the end token 9 held until position 9
+    holds = [(0, []), held if needs == "hold" else (0, []), held]
+    b = SimpleNamespace(**penalty_tensors(params, "cpu", holds))
+    bitmask = torch.full((3, 2), -1, dtype=torch.int32)
+    bitmask[2, 0] = 0  # the padded row's grammar forbids tokens 0-31
+    if needs == "bitmask":
+        bitmask[1, 1] = 0
+    rows, position = torch.tensor([1, 2, 0]), torch.tensor([5, 6, 5])
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+
+    calls: list[str] = []
+    for name in ("penalize", "hold_end_tokens", "apply_token_bitmask"):
+        real = getattr(processors, name)
+        monkeypatch.setattr(processors, name, _counted(real, name, calls))
+    out = processors.process_logits(logits, b, rows, position, counts, bitmask)
+    expected = {"none": [], "penalty": ["penalize"], "bias": ["penalize"]}
+    expected |= {"hold": ["hold_end_tokens"], "bitmask": ["apply_token_bitmask"]}
+    assert calls == expected[needs]
+    from graphrunner.sampling import apply_token_bitmask, hold_end_tokens, penalize
+
+    full = apply_token_bitmask(
+        hold_end_tokens(penalize(logits, counts, rows, b), position, b), bitmask
+    )
+    assert torch.equal(out[:2], full[:2])
+
+
+def _counted(real: object, name: str, calls: list[str]) -> object:
+    def call(*args: object) -> object:
+        calls.append(name)
+        return real(*args)  # type: ignore[operator]
+
+    return call

@@ -499,6 +499,7 @@ def _trace(
     output leaf sits among the graph's outputs, the outputs' tree spec."""
     from graphrunner.mechanisms.compile import mark_batch_dynamic, named_step, size_oblivious
     from graphrunner.mechanisms.shape_guards import TraceGuards, without_shape_guards
+    from graphrunner.sampling.gate import branch_free
 
     seen: dict[str, Any] = {}
 
@@ -526,7 +527,7 @@ def _trace(
     )
     mark_batch_dynamic(view)
     try:
-        with size_oblivious():
+        with size_oblivious(), branch_free():
             result = step(forward, view)
     except torch._dynamo.exc.Unsupported as e:
         raise AotRefused(f"graph break: {str(e).strip().splitlines()[0]}") from None

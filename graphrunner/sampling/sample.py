@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from graphrunner.sampling.gate import unless
 from graphrunner.sampling.random import uniform
 
 __all__ = ["Logprobs", "filtered_probs", "logprobs", "rows_probs", "sample", "sample_rows"]
@@ -137,18 +138,12 @@ def sample(
     Returns: int64 ``[n]``, the token ids. A live row's token depends only on
     its own logits, parameters, seed, position and ``draw``.
     """
-    operands = (logits, temperature, top_k, top_p, min_p, seed, position)
-    drawn = functools.partial(_drawn, draw=draw)
-    if logits.device.type != "cpu":  # a device graph: branch-free
-        return drawn(*operands)
     sampling = temperature > 0
     any_samples = (sampling if live is None else sampling & live).any()
-    if torch.compiler.is_compiling():
-        # torch.cond refuses operands that alias one another, as a step's
-        # sampling rows may (views of one buffer): the rows, [n] each, copied.
-        rows = tuple(t.clone() for t in operands[1:])
-        return torch.cond(any_samples, drawn, _argmax, (logits, *rows))
-    return drawn(*operands) if bool(any_samples) else _argmax(*operands)
+    drawn = functools.partial(_drawn, draw=draw)
+    return unless(
+        any_samples, drawn, _argmax, (logits, temperature, top_k, top_p, min_p, seed, position)
+    )
 
 
 def _argmax(logits: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
