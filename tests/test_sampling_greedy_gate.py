@@ -102,7 +102,8 @@ def test_each_logits_pass_runs_only_for_a_live_row_that_needs_it(
     for name in ("penalize", "hold_end_tokens", "apply_token_bitmask"):
         real = getattr(processors, name)
         monkeypatch.setattr(processors, name, _counted(real, name, calls))
-    out = processors.process_logits(logits, b, rows, position, counts, bitmask)
+    live = torch.tensor([True, True, False])
+    out = processors.process_logits(logits, b, rows, position, counts, bitmask, live=live)
     expected = {"none": [], "penalty": ["penalize"], "bias": ["penalize"]}
     expected |= {"hold": ["hold_end_tokens"], "bitmask": ["apply_token_bitmask"]}
     assert calls == expected[needs]

@@ -92,14 +92,15 @@ def pick(
     """Each row's token (int64 ``[n]``) from ``logits [n, V]`` by ``b``'s
     sampling buffers at ``position``, processed first with ``counts`` (then
     counted) or ``b.token_bitmask`` (:mod:`graphrunner.sampling.processors`)."""
+    # Padded rows (request row 0, the reserved one) never sample nor need a
+    # logits pass: a batch of greedy requests skips them on the CPU, however
+    # it is padded.
+    live = req_pool_indices != 0
     mask = getattr(b, "token_bitmask", None)  # declared by a step that masks
     if counts is not None or mask is not None:
         from graphrunner.sampling.processors import process_logits
 
-        logits = process_logits(logits, b, req_pool_indices, position, counts, mask)
-    # Padded rows (request row 0, the reserved one) never sample: a batch of
-    # greedy requests skips the draw on the CPU, however it is padded.
-    live = req_pool_indices != 0
+        logits = process_logits(logits, b, req_pool_indices, position, counts, mask, live=live)
     token = sample(
         logits, b.temperature, b.top_k, b.top_p, b.min_p, b.sampling_seed, position, live=live
     )

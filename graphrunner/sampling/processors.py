@@ -28,6 +28,8 @@ def process_logits(
     position: torch.Tensor,
     counts: TokenCounts | None,
     bitmask: torch.Tensor | None,
+    *,
+    live: torch.Tensor,
 ) -> torch.Tensor:
     """``logits`` (float ``[n, V]``) as the sampler reads them: with
     ``counts``, penalized and biased (``b``'s penalty buffers, the counts of
@@ -36,11 +38,10 @@ def process_logits(
     ``bitmask`` (a grammar's, int32 ``[n, ceil(V / 32)]``), only the tokens
     it allows. Float32 ``[n, V]``; graph-safe.
 
-    Each pass over the vocabulary runs only when a live row (request row not
-    0) needs it (:func:`~graphrunner.sampling.gate.unless`: on the CPU; a
-    device graph runs all three): rows not live may keep their logits."""
+    Each pass over the vocabulary runs only when a ``live`` row (bool
+    ``[n]``) needs it (:func:`~graphrunner.sampling.gate.unless`: on the CPU;
+    a device graph runs all three): rows not live may keep their logits."""
     x = logits.to(torch.float32)
-    live = req_pool_indices != 0
     if counts is not None:
         fields = {name: getattr(b, name) for name in PENALTY_FIELD_NAMES}
         x = _penalized(x, counts, req_pool_indices, fields, live)
