@@ -180,8 +180,9 @@ def report(
         ]
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     lines += ["", "Each mode against vLLM at the same GEMM dtype (bfloat16 modes against "
-              "vLLM bfloat16, float32 against float32; goal >= 1.2x), and its linear "
-              "layers' share of the peak product of that dtype:", "",
+              "vLLM bfloat16, float32 against float32; goal >= 1.2x), and the linear "
+              "layers' GEMM work over the whole prefill's time, as a share of the peak "
+              "product of that dtype (attention and the rest count against it):", "",
               "| prompt tokens | mode | vs vLLM | GFLOP/s | share of peak |", "|---|---|---|---|---|"]  # fmt: skip
     for i, n in enumerate(lengths):
         for m, dtype in ((m, MODES[m]) for m in mine):
