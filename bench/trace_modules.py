@@ -14,7 +14,7 @@ the trace had already left.
   its engine thread as ``graphrunner serve`` runs it), from the HTTP handler
   to the first chunk that carries a token: the event loop's moves, and the
   engine thread's from the request's arrival to its hand-over of the first
-  tokens (``OnlineEngine._post``), each thread's counted on its own and summed.
+  tokens (``EngineThread._post``), each thread's counted on its own and summed.
 
 ``PYTHONPATH=. .venv/bin/python -m bench.trace_modules`` prints both.
 """

@@ -179,7 +179,10 @@ class Engine:
         self.device = bundle.device
         # The open run (None: no request in flight) and the request API's books.
         self._run: Run | None = None
-        self._counts = RunnerCounts.of(runner)  # the runner's counters when it opened
+        # The runner's counters when the engine was built or last closed (a
+        # run's stats count from there; taken here, not as a request opens a
+        # run, so that adding one reads nothing of the runner).
+        self._counts = RunnerCounts.of(runner)
         self._books = Outputs()
         self._rids: set[int] = set()  # every request added and not yet finished
         self._next_rid = 0
@@ -238,6 +241,7 @@ class Engine:
     @runner.setter
     def runner(self, runner: GraphRunner) -> None:
         self.model.runner = runner
+        self._counts = RunnerCounts.of(runner)
 
     # -- the request API: add, abort, step ---------------------------------------
 
@@ -333,7 +337,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """What the engine did since the first request was added (or the
-        last :meth:`close`)."""
+        last :meth:`close`); the runner's rows and sanitizer checks since
+        the engine was built or last closed."""
         run = self._run
         if run is None:
             return EngineStats()
@@ -415,12 +420,12 @@ class Engine:
         if self._run is None:
             batch = DecodeBatch.empty(self.device, self.bundle.max_context_len)
             self._run = Run(deque(), batch, max_steps=max_steps)
-            self._counts = RunnerCounts.of(self.runner)
         return self._run
 
     def _close(self) -> None:
         run, self._run = self._run, None
         self.post.callbacks = []
+        self._counts = RunnerCounts.of(self.runner)
         self._books.clear()
         self._rids = set()
         if run is None:

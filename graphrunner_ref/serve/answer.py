@@ -13,6 +13,7 @@ choice's role chunk leaves with its first token), then the usage chunk and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -27,7 +28,7 @@ from graphrunner_ref.serve.online import DEADLINE, SHUTDOWN, Delta, OnlineEngine
 from graphrunner_ref.serve.protocol import Job, usage
 from graphrunner_ref.serve.tools import ToolCallParser, parse_tool_calls
 
-__all__ = ["Answer", "Choice", "TextStream", "merged_deltas", "status_of"]
+__all__ = ["Answer", "Choice", "TextStream", "merged_deltas", "status_of", "streamed"]
 
 
 def status_of(error: str) -> int:
@@ -351,7 +352,7 @@ class Answer:
         choices = [c.whole(ds) for c, ds in zip(self.choices, deltas, strict=True)]
         return {**self._head(False), "choices": choices, "usage": self._usage()}
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncGenerator[str, None]:
         """The server-sent events of a streamed answer; every choice still
         running is aborted if the client goes away before the end."""
         failed = False
@@ -377,3 +378,20 @@ class Answer:
         if self.job.include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
+
+
+async def streamed(
+    engine: OnlineEngine,
+    model_name: str,
+    codec: TextCodec | None,
+    tickets: Sequence[Ticket],
+    chat: bool,
+) -> AsyncIterator[str]:
+    """The server-sent events of the :class:`Answer` over ``tickets`` (the
+    arguments are its own), the answer made when the stream starts. Closed
+    early (the client went), it closes the answer's events at once, which
+    aborts every choice still running."""
+    answer = Answer(engine, model_name, codec, tickets, chat)
+    async with contextlib.aclosing(answer.events()) as events:
+        async for event in events:
+            yield event

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphrunner import __version__
-from graphrunner_ref.serve.answer import Answer, TextStream, merged_deltas
+from graphrunner_ref.serve.answer import Answer, TextStream, merged_deltas, streamed
 from graphrunner_ref.serve.errors import APIError, install_handlers, validation_error
 from graphrunner_ref.serve.metrics import CONTENT_TYPE, Metrics
 from graphrunner_ref.serve.online import Delta, OnlineEngine
@@ -38,7 +38,7 @@ from graphrunner_ref.serve.protocol import (
     Limits,
     job_of,
 )
-from graphrunner_ref.serve.structured import with_grammar
+from graphrunner_ref.serve.structured import GRAMMAR_FIELDS, with_grammar
 from graphrunner_ref.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 __all__ = ["ServeState", "TextStream", "create_app"]
@@ -191,12 +191,15 @@ async def _answer(
     state: ServeState, request: Request, body: CompletionRequest | ChatRequest, *, chat: bool
 ) -> Response:
     _check_model(state, body.model)
-    job = await with_grammar(state.engine.grammars, body, job_of(body, state.limits))
-    answer = Answer(
-        state.engine, state.model_name, state.limits.codec, state.engine.submit(job), chat
-    )
+    job = job_of(body, state.limits)
+    if job.tools is not None or not GRAMMAR_FIELDS.isdisjoint(body.model_fields_set):
+        job = await with_grammar(state.engine.grammars, body, job)
+    engine, name, codec = state.engine, state.model_name, state.limits.codec
+    tickets = engine.submit(job)
     if job.stream:
-        return StreamingResponse(answer.events(), media_type="text/event-stream")
+        events = streamed(engine, name, codec, tickets, chat)
+        return StreamingResponse(events, media_type="text/event-stream")
+    answer = Answer(engine, name, codec, tickets, chat)
     deltas = await _collect(request, answer)
     if deltas is None:
         return Response(status_code=499)  # nobody is listening

@@ -7,13 +7,14 @@ replays, eager fallbacks, live and padded rows, and the prefix cache's
 lookups, hits (tokens), hit rate, indexed pages and evictions. The engine's
 state is read when ``/metrics`` is asked (:attr:`Metrics.state`: counts
 only, nothing the engine thread does per step); the event loop records the
-latencies as tokens reach it (:meth:`Metrics.delivered`). Each server has a
+latencies as tokens reach it (:attr:`Metrics.pending`, folded into the
+histograms when ``/metrics`` is read: nothing per step). Each server has a
 registry of its own (two in one process never mix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,7 +25,7 @@ from graphrunner import GraphRunner
 from graphrunner.pools import CachedKVAllocator
 from graphrunner_ref.engine.registry import ServingBundle
 
-__all__ = ["CONTENT_TYPE", "Delivery", "EngineState", "Metrics"]
+__all__ = ["CONTENT_TYPE", "FOLD_EVERY", "Delivery", "EngineState", "Metrics"]
 
 #: The ``/metrics`` content type (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -33,6 +34,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: token behind a queue can be seconds.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _PREFIX = "graphrunner"
+#: Deliveries queued in :attr:`Metrics.pending` before they are folded
+#: without a ``/metrics`` read (bounds the queue of a server nobody scrapes).
+FOLD_EVERY = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +146,14 @@ class Metrics:
         self.cache_pages = gauge("prefix_cache_pages", "KV pages indexed by the prefix cache")
         #: Where :meth:`text` reads the engine's state (None: nothing to read).
         self.state: Callable[[], EngineState] | None = None
+        #: Deliveries the event loop queued, not yet in the histograms.
+        self.pending: list[Delivery] = []
 
     def text(self) -> bytes:
         """The exposition (:data:`CONTENT_TYPE`), the engine's state read now."""
         if self.state is not None:
             self._engine_state(self.state())
+        self.fold()
         return bytes(generate_latest(self.registry))
 
     def _engine_state(self, state: EngineState) -> None:
@@ -178,8 +185,10 @@ class Metrics:
             }
 
     # The event loop.
-    def delivered(self, deliveries: Sequence[Delivery]) -> None:
-        """Deltas that reached the event loop: tokens, latencies, endings."""
+    def fold(self) -> None:
+        """The :attr:`pending` deliveries into the counters and histograms:
+        tokens, latencies, endings."""
+        deliveries, self.pending = self.pending, []
         for d in deliveries:
             if d.ttft is not None:
                 self.ttft.observe(d.ttft)

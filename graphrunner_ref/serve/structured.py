@@ -64,6 +64,10 @@ class GrammarSpec:
     param: str
 
 
+#: The body fields that may ask for a grammar (besides a forced tool call).
+GRAMMAR_FIELDS = frozenset({"response_format", "structured_outputs"})
+
+
 def grammar_spec(fields: dict[str, Any]) -> GrammarSpec | None:
     """The grammar a request body's ``response_format`` or
     ``structured_outputs`` asks for (``fields``: the body's fields set),
