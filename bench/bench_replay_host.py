@@ -36,11 +36,16 @@ On a CPU, ``--cpu``: ``runner.replay()`` with a trivial forward (eager
 mechanism, the decode buffers, 7 live rows padded to 8) against the
 per-field populate alone (one copy and one fill per field), in the same run,
 checked to write the same bytes (:mod:`bench.replay_host_cpu`); writes
-``bench/results/replay-host-cpu.*``.
+``bench/results/replay-host-cpu.*``. Then the token batch
+(:func:`measure_token_cpu`): ``runner.replay()`` of a
+:class:`~graphrunner.phases.SpecBatch` as ``token_batch_inputs`` builds it,
+and of the same tensors in a plain ``SpecBatch`` (never sealed), against the
+checked ``populate()``; writes ``bench/results/replay-host-cpu-token-batch.*``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -50,15 +55,18 @@ from typing import Any
 import pytest
 import torch
 
-from bench.conftest import RESULTS_DIR
+from bench.conftest import RESULTS_DIR, machine
 from bench.cuda_host_timing import cuda_host_times, sleep_cycles_per_us
-from bench.host_timing import HostTimes
+from bench.host_timing import HostTimes, summarize, time_idle
 from bench.replay_host_report import gpu_info, write_results
-from graphrunner import GraphRunner
+from graphrunner import GraphRunner, create_runner
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.declare.buffers import StepSize
 from graphrunner.declare.decode import DECODE_FIELD_NAMES
+from graphrunner.phases import token_batch_phase
 from graphrunner.phases.base import SpecBatch
-from graphrunner.writers.base import check_sources, write_sources
+from graphrunner.testing import ToyWorld, torch_threads
+from graphrunner.writers.base import check_sources, populate, write_sources
 from graphrunner.writers.fused import FusedPopulate
 from graphrunner.writers.staging import DEPTH
 from graphrunner_ref.engine.loop import create_decode_runner
@@ -245,11 +253,103 @@ def bench_replay_host() -> None:
     print(write(measure()))
 
 
+#: The token batch's step: 7 tokens of 3 requests (a chunk, two decode rows),
+#: padded to the 8-token graph (4 requests), with a trivial forward.
+TOKEN_CHUNKS = [(0, 5), (9, 1), (4, 1)]
+TOKEN_CMD = "PYTHONPATH=. .venv/bin/python -m bench.bench_replay_host --cpu"
+
+
+def _plain(batch: SpecBatch) -> SpecBatch:
+    """The same tensors in a new :class:`SpecBatch` that nobody sealed (a
+    hand-built step, as engines build one)."""
+    tensors = batch.tensors()
+    mirrors = {n: tensors.pop(n) for n in ("req_pool_indices_cpu", "seq_lens_cpu")}
+    return SpecBatch(**mirrors, **tensors)
+
+
+def _alternating(runner: GraphRunner, batches: list[SpecBatch]) -> Callable[[], Any]:
+    """Replays of two batches in turn: each replay sees other tensors than the
+    last, so no check is skipped by identity (a new step every time)."""
+    state = [0]
+
+    def step() -> Any:
+        state[0] ^= 1
+        return runner.replay(batches[state[0]])
+
+    return step
+
+
+def measure_token_cpu(rounds: int = 40, calls: int = 500) -> dict[str, Any]:
+    """On the CPU, one thread, under ``no_grad``: a token batch's replay
+    (eager mechanism, the token-batch buffers, a trivial forward) of
+    :data:`TOKEN_CHUNKS`, two steps alternating, as ``token_batch_inputs``
+    builds them and as plain ``SpecBatch`` copies, against the checked
+    ``populate()`` of one step; interleaved blocks of ``calls`` timed calls."""
+    world = ToyWorld()
+    phase = token_batch_phase(lambda b: b.seq_lens, max_requests=4)
+    runner = create_runner(phase, kind="eager", capture_sizes=[8], show_progress=False)
+    runner.capture()
+    built = [world.make_token_batch(TOKEN_CHUNKS, seed=s) for s in (0, 1)]
+    raw, bs = StepSize(7, 3), runner.buffers.size_of(8)
+    variants = {
+        "token batch: populate() (checked)": lambda: populate(runner.buffers, built[0], raw, bs),
+        "token batch: replay, token_batch_inputs' SpecBatch": _alternating(runner, built),
+        "token batch: replay, plain SpecBatch": _alternating(runner, [_plain(b) for b in built]),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    with torch_threads(1), torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                block = time_idle(fn, sync=lambda: None, blocks=1, calls_per_block=calls, warmup=0)
+                samples[name].extend(block.samples_us)
+    times: dict[str, HostTimes] = {name: summarize(t, "idle") for name, t in samples.items()}
+    base = times["token batch: populate() (checked)"].median_us
+    return {
+        "medians_us": {k: round(t.median_us, 2) for k, t in times.items()},
+        "spreads_us": {k: t.spread() for k, t in times.items()},
+        "per_checked_populate": {k: round(t.median_us / base, 3) for k, t in times.items()},
+        "full_checks": runner.input_gate.full_checks,
+        "calls": rounds * calls,
+        "threads": 1,
+    }
+
+
+def write_token_cpu(result: dict[str, Any], results_dir: Path = RESULTS_DIR) -> str:
+    """Write ``replay-host-cpu-token-batch.md`` and ``.json``; return the text."""
+    info = {**machine(), "command": TOKEN_CMD}
+    rows = [
+        f"| {k} | {v:.2f} | {result['spreads_us'][k]} | {result['per_checked_populate'][k]:.2f} |"
+        for k, v in result["medians_us"].items()
+    ]
+    text = "\n".join(
+        [
+            "# Replay host time, token batch: CPU",
+            "",
+            *(f"- {k}: {v}" for k, v in info.items()),
+            "",
+            f"{TOKEN_CHUNKS} (7 tokens, 3 requests) padded to 8 tokens x 4 requests, eager "
+            f"mechanism, trivial forward, one thread, no_grad; two steps replayed in turn; "
+            f"medians and p10-p90 of {result['calls']} calls each, interleaved. Full input "
+            f"checks run by the runner in all: {result['full_checks']}.",
+            "",
+            "| variant | median µs | p10-p90 µs | / checked populate |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+    results_dir.mkdir(exist_ok=True)
+    (results_dir / "replay-host-cpu-token-batch.md").write_text(text + "\n")
+    payload = json.dumps({"machine": info, **result}, indent=1)
+    (results_dir / "replay-host-cpu-token-batch.json").write_text(payload + "\n")
+    return text + "\n"
+
+
 def main() -> int:
     if "--cpu" in sys.argv[1:]:
         from bench.replay_host_cpu import measure_cpu, write_cpu
 
         print(write_cpu(measure_cpu()))
+        print(write_token_cpu(measure_token_cpu()))
         return 0
     if not torch.cuda.is_available():
         print("bench_replay_host: no CUDA device; nothing measured (run it on a GPU, or --cpu)")

@@ -14,7 +14,6 @@ from graphrunner.batch.host import (
     host_min_max,
     host_tensor,
     mirror_ranges,
-    version_of,
 )
 from graphrunner.batch.paging import next_slots
 from graphrunner.declare.decode import (
@@ -24,6 +23,7 @@ from graphrunner.declare.decode import (
     REQ_POOL_INDICES,
     SEQ_LENS,
 )
+from graphrunner.declare.sealed import HostRanges, cached_range, known_ranges
 from graphrunner.pools.checks import DeviceLike, bad_arg, check_each, same_device
 from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
@@ -76,9 +76,8 @@ class DecodeBatch:
     sealed: bool
     #: Live requests: the host mirror's length, kept with it (never a sync).
     batch_size: int
-    #: What the batch knows of its host mirrors' ranges: name -> (the mirror,
-    #: its version counter then, min, max); valid while both still hold.
-    host_ranges: dict[str, tuple[torch.Tensor, int, int, int]]
+    #: What the batch knows of its host mirrors' ranges (see HostRanges).
+    host_ranges: HostRanges
     # A static mirror of the declared fields and mirrors, for type checkers
     # (the runtime slots and every assignment come from graphrunner.declare.decode;
     # tests/test_structure.py keeps the two equal).
@@ -108,11 +107,7 @@ class DecodeBatch:
     def _seal(self, ranges: dict[str, tuple[int, int]] | None = None) -> None:
         """Seal the fields as this operation made them; ``ranges`` gives the
         host mirrors' (min, max) where the operation knew them from its host ints."""
-        known: dict[str, tuple[torch.Tensor, int, int, int]] = {}
-        for name, (low, high) in (ranges or {}).items():
-            mirror = getattr(self, name)
-            known[name] = (mirror, version_of(mirror), low, high)
-        object.__setattr__(self, "host_ranges", known)
+        object.__setattr__(self, "host_ranges", known_ranges(self, ranges or {}))
         object.__setattr__(self, "sealed", True)
 
     def host_range(self, name: str) -> tuple[int, int] | None:
@@ -122,14 +117,7 @@ class DecodeBatch:
         in place (its version counter), so a runner's per-step range checks
         cost a lookup; known without computing after :meth:`prepare_decode`
         and :meth:`from_requests`, which hold the host ints already."""
-        mirror = getattr(self, name)
-        entry = self.host_ranges.get(name)
-        if entry is not None and entry[0] is mirror and entry[1] == version_of(mirror):
-            return entry[2], entry[3]
-        bounds = host_min_max(mirror)
-        if bounds is not None:
-            self.host_ranges[name] = (mirror, version_of(mirror), *bounds)
-        return bounds
+        return cached_range(self.host_ranges, name, getattr(self, name))
 
     def __init__(self, device: DeviceLike, max_context_len: int) -> None:
         """An empty (idle) batch; see :meth:`empty`."""

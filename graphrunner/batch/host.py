@@ -1,12 +1,13 @@
-"""Host-side helpers of the decode batch: host ints, mirror ranges, version
-counters, the batch's geometry and its argument error."""
+"""Host-side helpers of the decode batch: host ints, mirror ranges, the
+batch's geometry and its argument error (version counters and cached ranges:
+:mod:`graphrunner.declare.sealed`)."""
 
 from __future__ import annotations
 
 import torch
 
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS, REQ_POOL_INDICES, SEQ_LENS
-from graphrunner.declare.sealed import VERSION
+from graphrunner.declare.sealed import host_min_max
 from graphrunner.pools.checks import as_index_list, check_count, check_device
 
 __all__ = [
@@ -16,7 +17,6 @@ __all__ = [
     "host_min_max",
     "host_tensor",
     "mirror_ranges",
-    "version_of",
 ]
 
 
@@ -28,19 +28,6 @@ class BatchError(ValueError):
 def host_tensor(values: list[int]) -> torch.Tensor:
     """Host ints as a CPU int64 ``[n]`` tensor."""
     return torch.tensor(values, dtype=torch.int64)
-
-
-def version_of(tensor: torch.Tensor) -> int:
-    """The tensor's version counter, bumped by every in-place change."""
-    return int(VERSION.__get__(tensor))
-
-
-def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:
-    """``(min, max)`` of a host int tensor (no device sync), None when empty."""
-    if not values.numel():
-        return None
-    low, high = values.aminmax()
-    return int(low), int(high)
 
 
 def mirror_ranges(reqs: list[int], lens: list[int]) -> dict[str, tuple[int, int]]:

@@ -3,7 +3,9 @@ fully on their first replay, and only cheaply after.
 
 * Inputs that satisfy :class:`~graphrunner.declare.sealed.SealedInputs` (the
   decode batch, which validates its tensors when it builds them) and are
-  *sealed*, on the buffers' device, skip the per-field checks.
+  *sealed*, on the buffers' device, skip the per-field checks; a sealed batch
+  naming what it was checked against (a ``SpecBatch``'s ``seal_key``), where
+  that covers these buffers (decided once per key).
 * Any other object (a foreign ``DecodeInputs``) is checked in full on its
   first replay; the tensors it held then are remembered (weakly), and a later
   replay whose fields are those very tensors, at the same batch size, skips
@@ -28,13 +30,22 @@ from graphrunner.declare.buffers import Axis, BufferSpec, Size, StaticBuffers, u
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import StepInputs
-from graphrunner.declare.sealed import VERSION, host_min_max, is_sealed_inputs, is_sealed_type
+from graphrunner.declare.sealed import (
+    VERSION,
+    SealKey,
+    host_min_max,
+    is_keyed_type,
+    is_sealed_inputs,
+    is_sealed_type,
+    layout,
+)
 from graphrunner.sampling import SAMPLING_FIELDS
 from graphrunner.writers.base import PopulateError, check_sources
 
 __all__ = ["InputGate", "check_host_mirrors", "host_range"]
 
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
+_KEYED = "keyed"  # a type whose seal names its key (InputGate._seal_kind)
 
 
 def check_host_mirrors(inputs: object, size: Size) -> None:
@@ -93,8 +104,10 @@ class InputGate:
         self._batch_made = all(_batch_made(s) for s in buffers.specs)
         self._seen: list[weakref.ref[torch.Tensor] | None] = []
         self._seen_bs: Size = -1
-        # Whether an inputs type is a sealed batch of exactly these buffers, per type.
-        self._sealed_types: dict[type, bool] = {}
+        # Per type: True (a sealed batch making exactly these buffers), _KEYED, or False.
+        self._sealed_types: dict[type, bool | str] = {}
+        self._layout = frozenset(layout(s) for s in buffers.specs)
+        self._covers: dict[SealKey | None, bool] = {}  # per seal key: whether it covers ours
         self.device = buffers.device
         #: Full checks run (a test and the bench read it).
         self.full_checks = 0
@@ -110,8 +123,10 @@ class InputGate:
             kind = type(inputs)
             sealed = self._sealed_types.get(kind)
             if sealed is None:
-                sealed = self._sealed_types[kind] = self._batch_made and is_sealed_type(kind)
-            if sealed and _is_sealed_now(inputs) and inputs.device == self.device:  # type: ignore[attr-defined]
+                sealed = self._sealed_types[kind] = self._seal_kind(kind)
+            if (
+                sealed is True and _is_sealed_now(inputs) and inputs.device == self.device  # type: ignore[attr-defined]
+            ) or (sealed is _KEYED and inputs.sealed and self._covered(inputs.seal_key)):  # type: ignore[attr-defined]
                 if validates:
                     backend.validate_inputs(raw_bs, inputs)
                 return self._fields(inputs)
@@ -126,6 +141,20 @@ class InputGate:
         if not full:
             self._remember(inputs, raw_bs)
         return sources
+
+    def _seal_kind(self, kind: type) -> bool | str:
+        """How a sealed ``kind`` is trusted: for its key (_KEYED), as making
+        every one of these buffers itself (True), or not (False)."""
+        return _KEYED if is_keyed_type(kind) else self._batch_made and is_sealed_type(kind)
+
+    def _covered(self, key: SealKey | None) -> bool:
+        """Whether a seal of ``key`` checked every one of these buffers'
+        layouts on their device (decided once per key)."""
+        known = self._covers.get(key)
+        if known is None:
+            fits = key is not None and key.device == self.device and self._layout <= key.fields
+            known = self._covers[key] = fits
+        return known
 
     def _same(self, inputs: object) -> bool:
         for name, ref in zip(self._watched, self._seen, strict=True):

@@ -40,6 +40,7 @@ __all__ = [
     "check_width",
     "fits",
     "has_rows",
+    "place",
     "units",
 ]
 
@@ -276,6 +277,11 @@ def _check_exact(name: str, field: str, dtype: torch.dtype, value: int | float) 
         )
 
 
+def place(spec: BufferSpec, device: torch.device) -> torch.device:
+    """Where ``spec``'s buffer lives on a runner of ``device``: the host for ``host`` buffers."""
+    return torch.device("cpu") if spec.host else device
+
+
 def _check_future(specs: Sequence[BufferSpec], tokens: torch.Tensor | None) -> torch.Tensor | None:
     futures = [s.name for s in specs if s.future]
     if bool(futures) != (tokens is not None):
@@ -371,7 +377,7 @@ class StaticBuffers:
 
     def device_of(self, spec: BufferSpec) -> torch.device:
         """Where ``spec``'s buffer lives: the host for ``host`` buffers."""
-        return torch.device("cpu") if spec.host else self.device
+        return place(spec, self.device)
 
     def size_of(self, size: int | StepSize) -> int | StepSize:
         """``size`` as these buffers count it: an int for one axis; for a

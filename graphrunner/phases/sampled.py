@@ -31,7 +31,7 @@ import torch
 
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputSpec
-from graphrunner.declare.sealed import host_min_max, is_sealed_inputs
+from graphrunner.declare.sealed import host_min_max, is_keyed_type, is_sealed_inputs
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
 
@@ -155,8 +155,10 @@ class _WithSampling:
         return device
 
     def is_sealed(self) -> bool:
+        # A keyed seal (a SpecBatch's) vouches for its key's layouts only,
+        # not for the decode fields the gate trusts a sealed wrapper with.
         base = self._base
-        return is_sealed_inputs(base) and base.is_sealed()
+        return is_sealed_inputs(base) and not is_keyed_type(type(base)) and base.is_sealed()
 
     @property
     def sealed(self) -> bool:

@@ -37,6 +37,7 @@ The runner's sizes count tokens (``capture_sizes`` are token counts, as the defa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -52,6 +53,7 @@ from graphrunner.declare.decode import (
 )
 from graphrunner.declare.hooks import BaseGraphBackend
 from graphrunner.declare.outputs import OutputsDecl
+from graphrunner.declare.sealed import SealKey, seal_key
 from graphrunner.mechanisms.base import ForwardFn
 from graphrunner.phases.base import SpecBatch
 
@@ -162,8 +164,10 @@ def token_batch_inputs(
     its tokens sit at positions ``seq_lens[i] - extend_lens[i] ..
     seq_lens[i] - 1``. Derives ``positions``, ``token_req_pool_indices``
     and ``last_token_index``, and returns them with the rest and the host
-    mirrors as a :class:`~graphrunner.phases.SpecBatch` on ``device``.
-    Raises ValueError naming the argument whose values disagree.
+    mirrors as a :class:`~graphrunner.phases.SpecBatch` on ``device``,
+    sealed: checked here, once, so a token-batch runner skips its per-field
+    checks (as for a decode batch). Raises ValueError naming the argument
+    whose values disagree.
     """
     host = {
         name: torch.as_tensor(value, dtype=_I64).reshape(-1).cpu()
@@ -186,12 +190,21 @@ def token_batch_inputs(
         LAST_TOKEN_INDEX: starts + lens - 1,
     }
     tensors = {k: v.to(device) for k, v in {**host, **derived}.items()}
-    return SpecBatch(
+    batch = SpecBatch(
         req_pool_indices_cpu=rows,
         seq_lens_cpu=seqs,
         extend_lens_cpu=lens,
         **tensors,
     )
+    # Every field is int64, 1-D, of the rows _check_layout proved, on one
+    # device: the layouts of token_batch_specs() by construction (checked once).
+    batch.made(_made_key(tensors[INPUT_IDS].device))
+    return batch
+
+
+@cache
+def _made_key(device: torch.device) -> SealKey:
+    return seal_key(token_batch_specs(), device)
 
 
 def _check_layout(

@@ -21,12 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
-from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers, has_rows
+from graphrunner.declare.buffers import BufferSpec, Size, StaticBuffers, has_rows, place
 from graphrunner.writers.plan import CopyGroup, Plan, PopulateError, plan_for
 
 __all__ = [
     "PopulateError",
     "TorchWriter",
+    "check_fields",
     "check_inputs",
     "check_sources",
     "populate",
@@ -69,9 +70,15 @@ def check_sources(buffers: StaticBuffers, inputs: object, raw_bs: Size) -> list[
     *extra_shape]``), in the order of ``buffers.specs``. The device is the
     buffer's, or the host for a buffer that
     :attr:`~graphrunner.declare.buffers.BufferSpec.takes_host_source`."""
-    return [
-        _source(spec, inputs, spec.rows(raw_bs), buffers.device_of(spec)) for spec in buffers.specs
-    ]
+    return check_fields(buffers.specs, buffers.device, inputs, raw_bs)
+
+
+def check_fields(
+    specs: Sequence[BufferSpec], device: torch.device, inputs: object, raw_bs: Size
+) -> list[torch.Tensor]:
+    """:func:`check_sources` against ``specs`` on ``device`` (no buffers
+    needed: a batch sealing itself checks this way)."""
+    return [_source(spec, inputs, spec.rows(raw_bs), place(spec, device)) for spec in specs]
 
 
 def populate(buffers: StaticBuffers, inputs: object | None, raw_bs: Size, bs: Size) -> int:
