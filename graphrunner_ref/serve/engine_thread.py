@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from graphrunner import GraphRunner
 from graphrunner.sizing import CaptureReport
@@ -39,11 +38,10 @@ from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.loop import Engine
 from graphrunner_ref.engine.registry import ServingBundle
 from graphrunner_ref.engine.results import RequestOutput, TokenLogprobs
+from graphrunner_ref.io.stop import StopStrings
+from graphrunner_ref.serve.protocol import Job
 
-if TYPE_CHECKING:
-    from graphrunner_ref.serve.online import Ticket
-
-__all__ = ["DEADLINE", "GONE", "SHUTDOWN", "Delta", "EngineThread", "Inbox"]
+__all__ = ["DEADLINE", "GONE", "SHUTDOWN", "Delta", "EngineThread", "Inbox", "Ticket"]
 
 log = logging.getLogger("graphrunner.serve")
 
@@ -81,7 +79,28 @@ class Delta:
         return cls([], error=error, last=True)
 
 
-Deliveries = list[tuple["Ticket", Delta]]
+@dataclass(eq=False)
+class Ticket:
+    """One request in flight, shared by both sides: its
+    :class:`~graphrunner_ref.serve.protocol.Job`, the engine's request id
+    ``rid``, the ``deadline`` (``time.monotonic()``) past which it is aborted
+    (None: never), its ``stops`` strings' hook (None: none), and the queue of
+    :class:`Delta` its HTTP handler reads (``events``); the rest is the event
+    loop's: when it was submitted, when its first and last tokens reached
+    the event loop, and whether it still waits for the first."""
+
+    rid: int
+    job: Job
+    deadline: float | None
+    stops: StopStrings | None
+    events: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    started: bool = False  # no longer waiting (a token, or the end, came)
+
+
+Deliveries = list[tuple[Ticket, Delta]]
 
 
 @dataclass

@@ -34,6 +34,7 @@ from graphrunner_ref.serve.engine_thread import (
     Delta,
     EngineThread,
     Inbox,
+    Ticket,
 )
 from graphrunner_ref.serve.errors import APIError
 from graphrunner_ref.serve.metrics import FOLD_EVERY, Delivery, EngineState, Metrics
@@ -54,29 +55,6 @@ __all__ = [
 
 #: What a client told to retry waits, in seconds.
 RETRY_AFTER = "1"
-
-
-class Ticket:
-    """One request in flight: its :class:`~graphrunner_ref.serve.protocol.Job`,
-    the engine's request id, and the queue of :class:`Delta` its HTTP handler
-    reads (filled on the event loop only).
-
-    Args:
-        rid: the engine's request id.
-        job: the validated request.
-        deadline: ``time.monotonic()`` past which it is aborted (None: never).
-        stops: its stop strings' hook (None: none).
-    """
-
-    def __init__(
-        self, rid: int, job: Job, deadline: float | None, stops: StopStrings | None
-    ) -> None:
-        self.rid, self.job, self.deadline, self.stops = rid, job, deadline, stops
-        self.events: asyncio.Queue[Delta] = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self.first: float | None = None  # when the first token reached the event loop
-        self.last: float | None = None
-        self.started = False  # event loop: no longer waiting (a token, or the end, came)
 
 
 OnCapture = Callable[[GraphRunner, CaptureReport], None]
