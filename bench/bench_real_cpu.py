@@ -698,6 +698,15 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, 
     return {"agree": equal, "prefix": sum(prefixes) / len(prefixes)}
 
 
+def attention_path() -> str:
+    """Which CPU decode attention ran: the C++ kernel (its instruction path)
+    where it builds, else the torch reference and why."""
+    from graphrunner_ref.model.attention_cpu import cpp_attention_status
+
+    why = cpp_attention_status()
+    return "C++ kernel, AVX2 + FMA + F16C" if why is None else f"torch reference ({why})"
+
+
 def run_record(
     command: str,
     extra: dict[str, str],
@@ -710,7 +719,12 @@ def run_record(
     protocol, the load before and now, and the rows."""
     return {
         "command": command.strip(),
-        "machine": {**machine(), "cpu flags": cpu_flags(), **extra},
+        "machine": {
+            **machine(),
+            "cpu flags": cpu_flags(),
+            "decode attention": attention_path(),
+            **extra,
+        },
         "new_tokens": new,
         "load": [load, os.getloadavg()[0]],
         "prompt_lengths": [len(q) for q in prompts],

@@ -16,10 +16,13 @@ layer asks for is honoured: ``scaling`` (``query_pre_attn_scalar`` models),
 attention sinks (``s_aux``: a logit per head that joins every row's softmax
 and attends to nothing, as GPT-OSS's).
 
-On the CPU a step reads each row's columns only up to the batch's longest
-live row (:func:`live_rows_attention`, as the native model's live attention),
-so its cost follows the live context, not the pool's capacity; the width is
-read from host tensors, never the device. Elsewhere (a CUDA graph replays
+On the CPU plain attention (no window, softcap or sinks) runs as the native
+model's decode attention does, each token row over its own live slots (the
+C++ kernel of :mod:`~graphrunner_ref.model.attention_cpu` where it runs);
+with a window, softcap or sinks a step reads each row's columns only up to
+the batch's longest live row (:func:`live_rows_attention`). Either way its
+cost follows the live context, not the pool's capacity; the width is read
+from host tensors, never the device. Elsewhere (a CUDA graph replays
 fixed shapes) every row reads its whole capacity (:func:`rows_attention`):
 device tensor operations only, the step never syncs.
 """
@@ -34,7 +37,7 @@ from torch import nn
 
 from graphrunner import KVCache
 from graphrunner.util import needs_extra
-from graphrunner_ref.model.attention_live import COLUMN_STEP
+from graphrunner_ref.model.attention_live import COLUMN_STEP, LiveRows, live_attention
 
 __all__ = [
     "ATTENTION",
@@ -123,6 +126,9 @@ def paged_attention(
     step.kv.set_kv(binding.layer, step.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_all, v_all = step.kv.get_kv(binding.layer)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    plain = sliding_window is None and softcap is None and s_aux is None
+    if plain and q.device.type == "cpu":
+        return _native_live(q, k_all, v_all, step, scale).to(query.dtype)[None], None
     # On the CPU the live width is a host read of host tensors; a CUDA graph
     # cannot replay one, so there every row reads its whole capacity.
     attend = live_rows_attention if q.device.type == "cpu" else rows_attention
@@ -139,6 +145,20 @@ def paged_attention(
         s_aux,
     )
     return out.to(query.dtype)[None], None
+
+
+def _native_live(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, step: StepKV, scale: float
+) -> torch.Tensor:
+    """Plain attention (no window, softcap or sinks) of ``q [T, H, D]`` on
+    the CPU through the native model's live attention, each token row one
+    decode row over its own ``lens`` slots: the C++ kernel where it runs
+    (float32 queries over a float32 or float16 cache), no gather of the
+    step's columns; its torch reference elsewhere. ``[T, H, D]``."""
+    t, heads, dim = q.shape
+    grouped = q.reshape(t, k_all.shape[1], heads // k_all.shape[1], dim)
+    rows = LiveRows(step.req_to_token, step.rows, step.lens)
+    return live_attention(grouped, k_all, v_all, rows, scale).reshape(t, heads, dim)
 
 
 def rows_attention(
