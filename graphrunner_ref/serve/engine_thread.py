@@ -146,8 +146,8 @@ class EngineThread:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.deliver: Callable[[Deliveries], None] | None = None
         self.engine: Engine | None = None  # read by /metrics (counts only)
-        self.runner: GraphRunner | None = None  # the captured runner, once it is
-        self.ready = threading.Event()  # set once captured (or failed)
+        self.runner: GraphRunner | None = None  # the decode runner, once captured
+        self.ready = threading.Event()  # set once every runner is captured (or it failed)
         self.stopped = threading.Event()
         self.failure: BaseException | None = None
         self.failures = 0
@@ -179,6 +179,10 @@ class EngineThread:
                 self.failure = e
                 return
             self.engine = engine
+            # Ready once every runner is captured (the token-batch runner's
+            # programs after the decode one's), not at the first capture: a
+            # request that came between would wait for the compiler.
+            self.ready.set()
             while self._take(engine):
                 if not self._step(engine):
                     return
@@ -189,10 +193,12 @@ class EngineThread:
             self.ready.set()  # nobody waits for a capture that will not come
 
     def _captured(self, runner: GraphRunner, report: CaptureReport) -> None:
-        self.runner = runner
-        if self.on_capture is not None and not self.ready.is_set():
-            self.on_capture(runner, report)
-        self.ready.set()
+        """Each runner as it is captured: the first (the decode runner) is
+        the one ``/metrics`` reads and ``on_capture`` is told of."""
+        if self.runner is None:
+            self.runner = runner
+            if self.on_capture is not None:
+                self.on_capture(runner, report)
 
     def _take(self, engine: Engine) -> bool:
         """At a step boundary: submitted requests into the engine, aborts and
