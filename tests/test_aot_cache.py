@@ -327,3 +327,46 @@ def test_a_program_whose_outputs_differ_from_eager_is_refused(
         "built (refused: the loaded program's outputs differ from the eager forward's)"
     )
     assert rebuilt == [1]
+
+
+@pytest.mark.parametrize(("largest_doubled", "saved"), [(8, True), (2, False)])
+def test_a_decision_on_the_batch_is_saved_where_every_size_decides_alike(
+    tmp_path: Path, largest_doubled: int, saved: bool
+) -> None:
+    """A forward that branches on its batch in Python (``--prefill-bf16``'s
+    row threshold): traced at the largest size, the program serves every
+    size up to it, so it is saved and loaded where each captured size takes
+    the traced branch, refused (naming the guard) where one does not, and
+    every size replays what eager gives either way."""
+    cache = tmp_path / "cache"
+    statuses = ["built (none saved)", "loaded"] if saved else ["refused"]
+    for status in statuses:
+        world = ToyWorld("cpu")
+        runner = create_runner(
+            _Branching(world.model, largest_doubled), decode_buffer_specs(), device="cpu",
+            kind="cpu", capture_sizes=SIZES, show_progress=False, aot_cache=cache, aot_key=KEY,
+        )  # fmt: skip
+        runner.capture()
+        assert runner.mechanism.aot_status.startswith(status), runner.mechanism.aot_status
+        if not saved:
+            assert "shape guards: " in runner.mechanism.aot_status
+        for raw_bs in (1, 2, 3, 4):
+            batch = world.make_batch(raw_bs, seed=raw_bs)
+            expected, _ = world.eager_reference(batch)
+            doubled = runner.graph_size_for(raw_bs) <= largest_doubled
+            torch.testing.assert_close(
+                runner.replay(batch), expected * 2 if doubled else expected - 1
+            )
+
+
+class _Branching(torch.nn.Module):
+    """The toy model's logits doubled up to a batch of ``largest_doubled``
+    rows, less 1 above (a Python branch on the batch)."""
+
+    def __init__(self, model: torch.nn.Module, largest_doubled: int) -> None:
+        super().__init__()
+        self.model, self.largest_doubled = model, largest_doubled
+
+    def forward(self, b: Any) -> torch.Tensor:
+        logits = self.model(b)
+        return logits * 2 if b.input_ids.shape[0] <= self.largest_doubled else logits - 1

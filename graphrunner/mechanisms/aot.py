@@ -17,9 +17,11 @@ each argument by its path from the two roots the step is called with
 (``forward`` and ``view``: attributes, items, closure cells), found at build
 time by walking the objects the forward holds; a load resolves the paths again
 and checks every tensor's dtype, device, shape and strides. A forward that
-reads a tensor no path reaches, a graph break, or a size the forward branches
-on cannot be saved: the mechanism says why (:attr:`AotPrograms.status`) and
-compiles as without a cache.
+reads a tensor no path reaches, a graph break, or a branch on the batch that
+some size up to the traced (largest) one would take otherwise cannot be
+saved: the mechanism says why, naming the guard (:attr:`AotPrograms.status`),
+and compiles as without a cache. A branch every such size takes alike (a
+decode runner's sizes all under ``--prefill-bf16``'s row threshold) is saved.
 
 **The key** (:func:`key_fields`): torch's and graphrunner's versions, Python,
 the machine and torch's CPU kernel level, the largest captured size (the one
@@ -533,8 +535,14 @@ def _trace(
         raise AotRefused(f"graph break: {str(e).strip().splitlines()[0]}") from None
     if "args" not in seen:
         raise AotRefused("the forward compiled to no graph")
-    if seen["guards"].guards:
-        raise AotRefused("the forward decides on the batch size (shape guards)")
+    # Traced at the runner's largest size, the program serves every size up
+    # to it (the export's range): decisions on the batch that come out the
+    # same at each of those sizes are no reason to refuse it.
+    trace_guards = seen["guards"]
+    if not trace_guards.hold_up_to(seen["args"]):
+        guards = trace_guards.guards
+        shown = ", ".join(str(g) for g in guards[:3]) + (", ..." if len(guards) > 3 else "")
+        raise AotRefused(f"the forward decides on the batch size (shape guards: {shown})")
     leaves, spec = pytree.tree_flatten(result)
     raw = seen["raw"]
     order = []

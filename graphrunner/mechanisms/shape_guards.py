@@ -19,7 +19,10 @@ from typing import Any
 import sympy
 import torch
 
-__all__ = ["TraceGuards", "without_shape_guards"]
+__all__ = ["MAX_ENUMERATED", "TraceGuards", "without_shape_guards"]
+
+#: The most batch sizes :meth:`TraceGuards.hold_up_to` checks one by one.
+MAX_ENUMERATED = 1 << 14
 
 
 def without_shape_guards(guards: Sequence[Any]) -> list[bool]:
@@ -83,3 +86,24 @@ class TraceGuards:
             if not bool(guard.xreplace({s: sympy.Integer(v) for s, v in values.items()})):
                 return False
         return True
+
+    def hold_up_to(self, args: Sequence[object], most: int = MAX_ENUMERATED) -> bool:
+        """Whether every guard holds for every batch from 1 to the one of
+        ``args``: a program traced at a runner's largest size then serves all
+        of its sizes, whatever the forward decided on its batch. Checked size
+        by size for a trace whose guards name one symbol, up to ``most``
+        sizes (False past that, or for guards over several symbols)."""
+        if not self.guards:
+            return True
+        values = self._values(args)
+        symbols = set().union(*(g.free_symbols for g in self.guards))
+        if len(symbols) != 1 or not symbols <= values.keys():
+            return False
+        (symbol,) = symbols
+        if values[symbol] > most:
+            return False
+        return all(
+            bool(g.xreplace({symbol: sympy.Integer(n)}))
+            for n in range(1, values[symbol] + 1)
+            for g in self.guards
+        )
