@@ -227,6 +227,7 @@ def test_a_failed_build_leaves_nothing_half_written(
         return stage / aot.PACKAGE
 
     monkeypatch.setattr(aot.AotPrograms, "_compile", dies)
+    monkeypatch.setattr(aot.AotPrograms, "_measure", lambda *args: 0.0)  # "half" never runs
     real_dump = json.dump
 
     def dump(*args: Any, **kwargs: Any) -> None:
@@ -320,7 +321,7 @@ def test_a_program_whose_outputs_differ_from_eager_is_refused(
     (here: every comparison said false) is refused and rebuilt."""
     cache = _copy(built, tmp_path)
     rebuilt = _fake_rebuild(built, monkeypatch)
-    monkeypatch.setattr(aot, "_close", lambda a, b: False)
+    monkeypatch.setattr(aot, "_close", lambda *args: False)
     runner = _runner(ToyWorld("cpu"), cache)
     runner.capture()
     assert runner.mechanism.aot_status == (
@@ -370,3 +371,39 @@ class _Branching(torch.nn.Module):
     def forward(self, b: Any) -> torch.Tensor:
         logits = self.model(b)
         return logits * 2 if b.input_ids.shape[0] <= self.largest_doubled else logits - 1
+
+
+def test_a_load_may_differ_from_eager_by_twice_what_the_build_measured(
+    built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build records how far its program is from the eager forward (a
+    step quantizing its activations rounds otherwise compiled); a load
+    compares with twice that, no more."""
+    cache = _copy(built, tmp_path)
+    manifest_path = _artifact(cache) / aot.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    assert 0.0 <= manifest["eager deviation"] < 1e-4  # the toy's float32 program
+    manifest["eager deviation"] = 0.01
+    manifest_path.write_text(json.dumps(manifest))
+    slacks: list[float] = []
+    real = aot._close
+
+    def spy(a: torch.Tensor, b: torch.Tensor, slack: float = 0.0) -> bool:
+        slacks.append(slack)
+        return real(a, b, slack)
+
+    monkeypatch.setattr(aot, "_close", spy)
+    runner = _runner(ToyWorld("cpu"), cache)
+    runner.capture()
+    assert runner.mechanism.aot_status == "loaded"
+    assert slacks and set(slacks) == {0.02}
+
+
+def test_close_allows_the_slack_and_no_more() -> None:
+    b = torch.linspace(-3, 3, 64)
+    a = b + 0.01 * (1 + 3)  # off by 0.01 in units of one plus the largest magnitude
+    assert not aot._close(a, b)
+    assert not aot._close(a, b, 0.005)
+    assert aot._close(a, b, 0.011)
+    assert aot._deviation([a], [b]) == pytest.approx(0.01, rel=1e-4)
+    assert not aot._close(torch.tensor([1, 2]), torch.tensor([1, 3]), 1.0)  # ints: exact
