@@ -46,6 +46,18 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
     )
 
 
+def _answers_as_transformers(path: Path, reference: Any, kind: str) -> None:
+    """The trace served through the bridge on runner ``kind`` (padded, under
+    the sanitizer) gives transformers' greedy tokens."""
+    bundle = load_transformers(path, max_requests=4, max_context_len=CAPACITY)
+    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4], check_padding=True)
+    runner.capture()
+    result = Engine(bundle, runner).run(TRACE)
+    assert result.outputs == hf_greedy(reference, TRACE)
+    assert runner.stats.padded_rows > 0
+    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+
+
 @pytest.fixture
 def widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The column widths the bridge's attention read, call by call."""
@@ -78,13 +90,7 @@ def test_plain_attention_answers_as_transformers_through_the_native_live_attenti
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(attention, "live_attention", spy)
-    bundle = load_transformers(path, max_requests=4, max_context_len=CAPACITY)
-    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4], check_padding=True)
-    runner.capture()
-    result = Engine(bundle, runner).run(TRACE)
-    assert result.outputs == hf_greedy(reference, TRACE)
-    assert runner.stats.padded_rows > 0
-    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+    _answers_as_transformers(path, reference, kind)
     assert not widths  # never the gathered columns
     assert native, "the eager prompts never took the native live attention"
 
@@ -112,13 +118,7 @@ def test_a_wide_pool_answers_as_transformers_reading_only_live_columns(
     kind: str, arch: str, saved: dict[str, tuple[Path, Any]], widths: list[int]
 ) -> None:
     path, reference = saved[arch]
-    bundle = load_transformers(path, max_requests=4, max_context_len=CAPACITY)
-    runner = create_decode_runner(bundle, kind, capture_sizes=[1, 2, 4], check_padding=True)
-    runner.capture()
-    result = Engine(bundle, runner).run(TRACE)
-    assert result.outputs == hf_greedy(reference, TRACE)
-    assert runner.stats.padded_rows > 0
-    assert runner.sanitizer is not None and runner.sanitizer.stats.replays_checked > 0
+    _answers_as_transformers(path, reference, kind)
     # Every step and prompt of the trace fits in the first column step.
     assert widths and set(widths) == {COLUMN_STEP}
 
