@@ -85,9 +85,14 @@ def test_an_empty_aot_cache_is_refused_by_name(tmp_path: Path, prompts: Path) ->
     assert "--aot-cache: '' is empty; expected a folder, auto or none" in proc.stderr
 
 
-def test_a_restarted_server_loads_its_saved_program(
+def test_a_restarted_server_compiles_its_sampled_step_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A served step samples, and skips the sort where no live row draws
+    (torch.cond, which a saved program cannot hold): saved, it would sort
+    every step (2.7x a served SmolLM2 int4-q8 token). Each start compiles
+    it in process and its capture line says why nothing was saved; the
+    answers do not change between starts."""
     monkeypatch.delenv(AOT_ENV, raising=False)  # the server's environment is ours plus env
     env = _user_env(tmp_path / "cache")
     starts = []
@@ -97,7 +102,7 @@ def test_a_restarted_server_loads_its_saved_program(
             assert status == 200, answer
             starts.append(("".join(s.log), answer["choices"][0]["token_ids"]))
             assert s.stop() == 0
-    (cold, cold_tokens), (warm, warm_tokens) = starts
-    assert f"program saved in {tmp_path / 'cache' / 'aot'}" in cold and "cold start" in cold
-    assert "its saved program loaded from" in warm and "warm start" in warm
-    assert warm_tokens == cold_tokens
+    (first, first_tokens), (second, second_tokens) = starts
+    for log in (first, second):
+        assert "not saved (refused (the step skips work no live row needs" in log, log
+    assert second_tokens == first_tokens

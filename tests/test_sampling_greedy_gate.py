@@ -10,6 +10,8 @@ and the tokens are the eager forward's either way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_padded_sampling import batch_of, eager_rows
@@ -121,3 +123,20 @@ def _counted(real: object, name: str, calls: list[str]) -> object:
         return real(*args)  # type: ignore[operator]
 
     return call
+
+
+def test_a_sampled_step_is_not_saved_to_sort_every_step(tmp_path: Path) -> None:
+    """A saved program cannot branch (torch 2.13's export of ``torch.cond``):
+    the sampled step's trace for ``aot_cache`` is refused, naming the gates,
+    and the step compiled in process still skips the sort for greedy rows."""
+    bundle = default_model(max_requests=8, max_context_len=64)
+    runner = create_decode_runner(
+        bundle, "cpu", capture_sizes=[3], sampling=True, aot_cache=tmp_path / "aot"
+    )
+    with pytest.warns(RuntimeWarning, match=r"skips work no live row needs at \d+ gate"):
+        runner.capture()
+    assert runner.mechanism.aot_status.startswith("refused (the step skips work")
+    batch, _ = batch_of(bundle, 2, seed=3)
+    rows = sampling_tensors([GREEDY, GREEDY], [11, 12], "cpu")
+    sorts, _ = _sorts(lambda: runner.replay(with_sampling(batch, rows)))
+    assert sorts == 0

@@ -19,9 +19,11 @@ time by walking the objects the forward holds; a load resolves the paths again
 and checks every tensor's dtype, device, shape and strides. A forward that
 reads a tensor no path reaches, a graph break, or a branch on the batch that
 some size up to the traced (largest) one would take otherwise cannot be
-saved: the mechanism says why, naming the guard (:attr:`AotPrograms.status`),
-and compiles as without a cache. A branch every such size takes alike (a
-decode runner's sizes all under ``--prefill-bf16``'s row threshold) is saved.
+saved, nor a step that skips work through ``torch.cond`` (the sampled
+step's gates: saved, it would do that work every step): the mechanism says
+why, naming the guard or the gates (:attr:`AotPrograms.status`), and
+compiles as without a cache. A branch every such size takes alike (a decode
+runner's sizes all under ``--prefill-bf16``'s row threshold) is saved.
 
 **The key** (:func:`key_fields`): torch's and graphrunner's versions, Python,
 the machine and torch's CPU kernel level, the largest captured size (the one
@@ -575,12 +577,22 @@ def _trace(
     )
     mark_batch_dynamic(view)
     try:
-        with size_oblivious(), branch_free():
+        with size_oblivious(), branch_free() as gated:
             result = step(forward, view)
     except torch._dynamo.exc.Unsupported as e:
         raise AotRefused(f"graph break: {str(e).strip().splitlines()[0]}") from None
     if "args" not in seen:
         raise AotRefused("the forward compiled to no graph")
+    if gated.gates:
+        # Compiled in process, the step skips the sampler's sort, the
+        # penalties, the min_tokens hold and the grammar mask where no live
+        # row needs them (torch.cond); a saved one would run them every step:
+        # SmolLM2 int4-q8 served at 8 streams, 71.2 ms a token against 26.3.
+        raise AotRefused(
+            f"the step skips work no live row needs at {gated.gates} gate(s) (torch.cond), "
+            "which a saved program cannot (torch 2.13's export): it would do that work "
+            "every step"
+        )
     # Traced at the runner's largest size, the program serves every size up
     # to it (the export's range): decisions on the batch that come out the
     # same at each of those sizes are no reason to refuse it.

@@ -13,26 +13,38 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["branch_free", "unless"]
+__all__ = ["BranchFreeTrace", "branch_free", "unless"]
 
-#: Set while a step is traced for a saved program (:func:`branch_free`).
-_BRANCH_FREE = False
+
+@dataclass
+class BranchFreeTrace:
+    """What a :func:`branch_free` trace met: ``gates``, the :func:`unless`
+    calls that ran their full operation only because of it."""
+
+    gates: int = 0
+
+
+#: The open :func:`branch_free` trace (None: none).
+_TRACE: BranchFreeTrace | None = None
 
 
 @contextlib.contextmanager
-def branch_free() -> Iterator[None]:
-    """Every :func:`unless` runs its full operation: for a step traced to be
-    saved (``aot_cache``), whose export of ``torch.cond`` under a symbolic
-    batch fails (a duplicate size argument, torch 2.13)."""
-    global _BRANCH_FREE
-    before, _BRANCH_FREE = _BRANCH_FREE, True
+def branch_free() -> Iterator[BranchFreeTrace]:
+    """Every :func:`unless` runs its full operation, counted: for a step
+    traced to be saved (``aot_cache``), whose export of ``torch.cond`` under
+    a symbolic batch fails (a duplicate size argument, torch 2.13). A trace
+    that met a gate is one whose saved program would do, every step, the
+    work the gate skips: the caller refuses to save it."""
+    global _TRACE
+    before, _TRACE = _TRACE, BranchFreeTrace()
     try:
-        yield
+        yield _TRACE
     finally:
-        _BRANCH_FREE = before
+        _TRACE = before
 
 
 def unless(
@@ -53,7 +65,10 @@ def unless(
     passed as they are (a branch that closed over them failed to export).
     """
     first, *rest = operands
-    if first.device.type != "cpu" or _BRANCH_FREE:
+    if first.device.type != "cpu":
+        return full(*operands, *tables)
+    if _TRACE is not None:
+        _TRACE.gates += 1
         return full(*operands, *tables)
     if torch.compiler.is_compiling():
         copied = (first, *(t.clone() for t in rest), *tables)
