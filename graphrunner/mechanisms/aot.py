@@ -378,16 +378,7 @@ class AotPrograms:
         if size != manifest.get("package bytes") or sha != manifest.get("package sha256"):
             raise AotRefused("package damaged (its length or SHA-256 differs from the manifest)")
         self._manifest = manifest
-        self._open(package)
-        try:
-            args = self._arguments(forward, view)
-        except (KeyError, AttributeError, IndexError, TypeError) as e:
-            raise AotRefused(f"an argument's path does not resolve here ({e!r})") from None
-        expected = pytree.tree_flatten(forward(view))[0]
-        try:
-            got = self._pick(self._loader.run(args), manifest["outputs"])
-        except (RuntimeError, IndexError) as e:
-            raise AotRefused(f"the loaded program fails ({str(e).splitlines()[0]})") from None
+        got, expected = self._beside_eager(package, forward, view)
         # As far from eager as the program was when built, with a margin: a
         # model whose activations are quantized inside the step (int4-q8)
         # rounds differently compiled than eager, where a wrong program
@@ -511,14 +502,27 @@ class AotPrograms:
         except (OSError, RuntimeError) as e:
             raise AotRefused(f"cannot save in {folder.parent} ({e})") from None
 
+    def _beside_eager(
+        self, package: Path, forward: ForwardFn, view: BufferView
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``package`` opened and run once on ``view``'s arguments (as the
+        manifest names them), and the eager forward's outputs, both flat."""
+        self._open(package)
+        try:
+            args = self._arguments(forward, view)
+        except (KeyError, AttributeError, IndexError, TypeError) as e:
+            raise AotRefused(f"an argument's path does not resolve here ({e!r})") from None
+        expected = pytree.tree_flatten(forward(view))[0]
+        try:
+            got = self._pick(self._loader.run(args), self._manifest["outputs"])
+        except (RuntimeError, IndexError) as e:
+            raise AotRefused(f"the loaded program fails ({str(e).splitlines()[0]})") from None
+        return got, expected
+
     def _measure(self, package: Path, forward: ForwardFn, view: BufferView) -> float:
         """How far the built ``package`` is from the eager forward at this
         size (:func:`_deviation`): what a later load may differ by, twice."""
-        self._open(package)
-        args = self._arguments(forward, view)
-        expected = pytree.tree_flatten(forward(view))[0]
-        assert self._loader is not None
-        got = self._pick(self._loader.run(args), self._manifest["outputs"])
+        got, expected = self._beside_eager(package, forward, view)
         exact = [(a, b) for a, b in zip(got, expected, strict=True) if not a.is_floating_point()]
         if not all(_close(a, b) for a, b in exact):  # tokens drawn otherwise than eager
             raise AotRefused("the built program's integer outputs differ from the eager forward's")
