@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_real_cpu import cpu_flags, round_order, save_results
+from bench.bench_real_cpu import cpu_flags, decode_path_note, round_order, save_results
 from bench.conftest import command, machine
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.pools import Int8KVCache
@@ -44,9 +44,6 @@ from graphrunner_ref.model.attention_cpu import (
 )
 
 BATCH = 8
-#: The attention kernel's one path (``attention_cpu.cpp``, built ``-mavx2 -mfma
-#: -mf16c``; no AVX-512 or VNNI path).
-KERNEL_PATH = "AVX2 + FMA + F16C"
 CACHES = {"float16": torch.float16, "int8": torch.int8}
 
 
@@ -238,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "command": command("bench_kv_int8", argv),
         "machine": {**machine(), "cpu flags": cpu_flags(), "load average at start": f"{load:.2f}"},
-        "kernel path": KERNEL_PATH,
+        "kernel path": decode_path_note(),
         "stream_gbs": stream,
         "layers": args.layers,
         "steps": args.steps,

@@ -704,7 +704,16 @@ def attention_path() -> str:
     from graphrunner_ref.model.attention_cpu import cpp_attention_status
 
     why = cpp_attention_status()
-    return "C++ kernel, AVX2 + FMA + F16C" if why is None else f"torch reference ({why})"
+    return f"C++ kernel, {decode_path_note()}" if why is None else f"torch reference ({why})"
+
+
+def decode_path_note() -> str:
+    """``avx512 (how)``: the C++ decode attention's path on this CPU
+    (``cpu_features.KERNEL_PATHS``), for results files."""
+    from graphrunner_ref.model.cpu_features import kernel_path
+
+    path = kernel_path("attention")
+    return "none" if path is None else f"{path.name} ({path.how})"
 
 
 def run_record(

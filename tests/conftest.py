@@ -136,6 +136,24 @@ def fresh_features(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
     clear_kernel_choice()
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU decode attention run on each of its paths in turn (one this
+    CPU lacks skipped), the path chosen for this CPU restored after."""
+    from graphrunner_ref.model.attention_cpu import cpp_attention_status, runnable_paths, use_path
+    from graphrunner_ref.model.cpu_features import kernel_path
+
+    why = cpp_attention_status()
+    if why is not None:
+        pytest.skip(f"the C++ attention cannot run here: {why}")
+    if request.param not in runnable_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} attention path")
+    chosen = kernel_path("attention")
+    use_path(request.param)
+    yield request.param
+    use_path("avx2" if chosen is None else chosen.name)
+
+
 def eager_greedy(bundle: Any) -> dict[int, list[int]]:
     """``bundle``'s greedy tokens for three short prompts (6 new each) through
     its engine over an eager runner captured at size 4: request id -> tokens."""

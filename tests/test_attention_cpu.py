@@ -4,12 +4,15 @@ lengths, groups, head sizes, pages and padded rows, over a float32 or a
 float16 cache (read as its exact float32 widening), reads no slot outside a
 row's live tokens (every other slot holds NaN), gives a row the same output
 bit for bit alone or in a batch, refuses out-of-range rows by name, and is
-what the live attention runs in a float32 CPU model."""
+what the live attention runs in a float32 CPU model. Each of its paths
+(AVX2; AVX-512 where the CPU has it) is held to the reference, the two to
+each other, and hiding AVX-512 runs the AVX2 one."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +21,16 @@ import pytest
 import torch
 from test_decode_attention import CASES, World, make_world
 
+from graphrunner.testing import torch_threads
 from graphrunner_ref.model.attention_cpu import (
     cpp_attention_runs,
     cpp_attention_status,
     cpp_decode_attention,
+    runnable_paths,
+    use_path,
 )
 from graphrunner_ref.model.attention_live import LiveRows, live_attention, live_decode_attention
+from graphrunner_ref.model.cpu_features import kernel_path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,6 +50,7 @@ def _grouped(world: World) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("pad", [0, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_it_equals_the_torch_reference_and_reads_only_live_slots(
+    attention_path: str,
     lens: list[int],
     kv_heads: int,
     group: int,
@@ -76,15 +84,88 @@ def test_a_cache_of_another_dtype_is_refused_by_name() -> None:
         cpp_decode_attention(q, k.half(), v, table, req, lens, 1.0)
 
 
-def test_a_rows_output_is_the_same_alone_and_in_a_batch() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_output_is_the_same_alone_and_in_a_batch(attention_path: str, threads: int) -> None:
+    # Two threads: a row alone is split by KV head over them, a batch by row.
     world = make_world([7, 90, 33, 1], kv_heads=3, group=3, head_dim=64, ctx=128)
     q, k, v, table, req, lens = _grouped(world)
-    batch = cpp_decode_attention(q, k, v, table, req, lens, 0.125)
-    for b in range(q.shape[0]):
-        alone = cpp_decode_attention(
-            q[b : b + 1], k, v, table, req[b : b + 1], lens[b : b + 1], 0.125
-        )
-        assert torch.equal(alone[0], batch[b]), b
+    with torch_threads(threads):
+        batch = cpp_decode_attention(q, k, v, table, req, lens, 0.125)
+        for b in range(q.shape[0]):
+            alone = cpp_decode_attention(
+                q[b : b + 1], k, v, table, req[b : b + 1], lens[b : b + 1], 0.125
+            )
+            assert torch.equal(alone[0], batch[b]), b
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_paths_agree_within_float32_rounding_at_long_contexts(kv_dtype: torch.dtype) -> None:
+    # Lengths off every block size (8 keys, 32 values, 16 ahead), 5 query
+    # heads a KV head (a block of 4 and one of 1), pages scattered.
+    paths = runnable_paths()
+    if len(paths) < 2:
+        pytest.skip(f"this CPU runs one attention path ({paths[0]})")
+    world = make_world([1000, 257, 31, 1], kv_heads=3, group=5, head_dim=64, ctx=1024, pad=1)
+    q, k, v, table, req, lens = _grouped(world)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    ref = live_decode_attention(q, k, v, table, req, lens, 0.125)
+    chosen = kernel_path("attention")
+    try:
+        outs = {}
+        for name in paths:
+            use_path(name)
+            outs[name] = cpp_decode_attention(q, k, v, table, req, lens, 0.125)
+    finally:
+        use_path("avx2" if chosen is None else chosen.name)
+    for name, out in outs.items():
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(outs["avx512"], outs["avx2"], rtol=1e-5, atol=1e-6)
+
+
+def test_use_path_refuses_a_name_it_does_not_know_or_this_cpu_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"use_path: name = 'neon', expected one of"):
+        use_path("neon")
+    if "avx512" not in runnable_paths():
+        with pytest.raises(ValueError, match=r"name = 'avx512', which this CPU cannot run"):
+            use_path("avx512")
+    with pytest.raises(RuntimeError, match=r"use_path: code = 7, expected 0 \(AVX2\)"):
+        torch.ops.graphrunner_attention.use_path(7)
+
+
+_HIDDEN_AVX512 = """
+import sys, torch
+from graphrunner_ref.model.attention_cpu import cpp_attention_status, cpp_decode_attention
+from graphrunner_ref.model.cpu_features import kernel_path
+assert cpp_attention_status() is None
+args = torch.load(sys.argv[1])
+out = cpp_decode_attention(*args, 0.125)
+torch.save(out, sys.argv[2])
+print(kernel_path("attention").name)
+"""
+
+
+def test_hiding_avx512_runs_the_avx2_path(tmp_path: Path) -> None:
+    world = make_world([300, 41], kv_heads=3, group=3, head_dim=64, ctx=320)
+    args = _grouped(world)
+    torch.save(args, tmp_path / "args.pt")
+    env = {**os.environ, "GRAPHRUNNER_CPU_DISABLE": "avx512f"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HIDDEN_AVX512, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "avx2"
+    chosen = kernel_path("attention")
+    try:
+        use_path("avx2")
+        want = cpp_decode_attention(*args, 0.125)
+    finally:
+        use_path("avx2" if chosen is None else chosen.name)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), want)
 
 
 @pytest.mark.parametrize(

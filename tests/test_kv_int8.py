@@ -133,7 +133,7 @@ def _decode_world(kv_heads: int, group: int, dim: int) -> dict[str, torch.Tensor
 
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (8, 4, 64), (2, 2, 20)])
 def test_the_decode_kernel_equals_the_torch_reference(
-    kernel: None, kv_heads: int, group: int, dim: int
+    kernel: None, attention_path: str, kv_heads: int, group: int, dim: int
 ) -> None:
     """The kernel scales each score by its key's scale and each probability
     by its value's; the reference dequantizes first: float32 sums apart."""

@@ -1,5 +1,5 @@
-// The CPU attention step's two ops, float32, AVX2/FMA (attention_cpu.py
-// builds this file):
+// The CPU attention step's ops, float32, AVX2/FMA, decode also AVX-512
+// (attention_cpu.py builds this file):
 //
 // * graphrunner_attention::rope_store, the rotary embedding and the KV write
 //   between the stacked q/k/v product and the attention (the torch reference
@@ -377,6 +377,204 @@ inline void weigh(const T* const* values, const float* p, int64_t n, int64_t dim
   }
 }
 
+// ---- decode attention, AVX-512 ---------------------------------------------
+//
+// The same attention with 16 floats a register, taken where the CPU has
+// AVX-512 (F, BW, VL) and the head size is a multiple of 16 (the path is
+// chosen once a process: use_path). A row's KV heads are computed together
+// (attend_row_avx512): a slot's heads lie side by side in the cache, so
+// reading a block of slots for all heads uses every cache line it fetches,
+// and the next block is prefetched while this one is multiplied. Within a KV
+// head, its R query heads go 4 at a time: each key and each value is loaded
+// and widened once for all of them (the AVX2 path above reads each R times).
+// The softmax's exponentials are summed 16 at a time and the division by
+// their sum is applied to a head's output (dim divisions, not len). So the
+// two paths agree within float32 rounding, not bit for bit; on the AVX-512
+// path too a row's output never depends on the rows beside it.
+
+#define GR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+// How many keys (or values) ahead of the one being multiplied are prefetched.
+constexpr int64_t kPrefetchAhead = 16;
+
+GR_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+GR_AVX512 inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+GR_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Ask for the cache lines of `n` elements at p.
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t at = 0; at < n * static_cast<int64_t>(sizeof(T)); at += 64)
+    _mm_prefetch(bytes + at, _MM_HINT_T0);
+}
+
+// A 16-float register's two halves added: 8 floats.
+GR_AVX512 inline __m256 fold16(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// exp8 on 16 lanes (the same steps, so the same values).
+GR_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+
+// p[0..n) = e^(p - max p) in place, 16 at a time (the tail masked); returns
+// their sum. The division by it is left to the caller: dividing the n
+// probabilities costs n divisions, dividing a head's output dim.
+GR_AVX512 inline float exp_shifted(float* p, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p + t));
+  }
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + t), mv)));
+    _mm512_mask_storeu_ps(p + t, live, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// scores[r * stride + i] = scale * (q[r] . keys[i][at ..]) for RB query heads
+// q [RB, dim] and the n <= 8 keys given (their rows' head at `at`; keys[n..8)
+// repeat the last one, their sums dropped): each key's chunks loaded once and
+// multiplied into all RB heads' accumulators, each head's 8 sums reduced
+// together (sum8x8).
+template <int RB, typename T>
+GR_AVX512 void scores8_heads(const float* q, const T* const* keys, int n, int64_t at,
+                             int64_t dim, float scale, float* scores, int64_t stride) {
+  __m256 folded[RB][8];
+  for (int i = 0; i < 8; ++i) {
+    const T* key = keys[std::min(i, n - 1)] + at;
+    __m512 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+      const __m512 kv = load16(key + c);
+      for (int r = 0; r < RB; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * dim + c), kv, acc[r]);
+    }
+    for (int r = 0; r < RB; ++r) folded[r][i] = fold16(acc[r]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, sum8x8(folded[r]));
+    for (int i = 0; i < n; ++i) scores[r * stride + i] = sums[i] * scale;
+  }
+}
+
+// out[r][c .. c + 16 NV) += sum_{t < n} p[r * stride + t] * values[t][at + c ..]
+// for RB heads: each value's NV registers loaded once for all RB heads, the
+// RB x NV sums carried in registers over the n values (t in order, one FMA
+// each) and through `out` from one block of values to the next.
+template <int RB, int NV, typename T>
+GR_AVX512 void weigh_heads_tile(const T* const* values, int64_t at, const float* p,
+                                int64_t stride, int64_t n, int64_t dim, int64_t c, float* out) {
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_loadu_ps(out + r * dim + c + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load16(values[t] + at + c + 16 * j);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * stride + t]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(pr, v[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + r * dim + c + 16 * j, acc[r][j]);
+}
+
+// All of dim for RB heads, 64 floats (4 registers a head) at a time.
+template <int RB, typename T>
+GR_AVX512 void weigh_heads(const T* const* values, int64_t at, const float* p, int64_t stride,
+                           int64_t n, int64_t dim, float* out) {
+  for (int64_t c = 0; c < dim; c += 64) {
+    switch (std::min<int64_t>(4, (dim - c) / 16)) {
+      case 1: weigh_heads_tile<RB, 1>(values, at, p, stride, n, dim, c, out); break;
+      case 2: weigh_heads_tile<RB, 2>(values, at, p, stride, n, dim, c, out); break;
+      case 3: weigh_heads_tile<RB, 3>(values, at, p, stride, n, dim, c, out); break;
+      default: weigh_heads_tile<RB, 4>(values, at, p, stride, n, dim, c, out); break;
+    }
+  }
+}
+
+// scores8_heads and weigh_heads for a runtime block of rb (1 to 4) heads.
+template <typename T>
+GR_AVX512 void scores8_block(int rb, const float* q, const T* const* keys, int n, int64_t at,
+                             int64_t dim, float scale, float* scores, int64_t stride) {
+  switch (rb) {
+    case 1: scores8_heads<1>(q, keys, n, at, dim, scale, scores, stride); break;
+    case 2: scores8_heads<2>(q, keys, n, at, dim, scale, scores, stride); break;
+    case 3: scores8_heads<3>(q, keys, n, at, dim, scale, scores, stride); break;
+    default: scores8_heads<4>(q, keys, n, at, dim, scale, scores, stride); break;
+  }
+}
+
+template <typename T>
+GR_AVX512 void weigh_block(int rb, const T* const* values, int64_t at, const float* p,
+                           int64_t stride, int64_t n, int64_t dim, float* out) {
+  switch (rb) {
+    case 1: weigh_heads<1>(values, at, p, stride, n, dim, out); break;
+    case 2: weigh_heads<2>(values, at, p, stride, n, dim, out); break;
+    case 3: weigh_heads<3>(values, at, p, stride, n, dim, out); break;
+    default: weigh_heads<4>(values, at, p, stride, n, dim, out); break;
+  }
+}
+
+// Whether this CPU runs the AVX-512 path (asked of the CPU itself, so a
+// saved program never reaches an instruction the machine lacks).
+bool avx512_supported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return supported;
+}
+
+// The path decode and decode_q8 take: 0 AVX2, 1 AVX-512 (set by use_path;
+// the best this CPU has until then).
+int& attention_path() {
+  static int path = avx512_supported() ? 1 : 0;
+  return path;
+}
+
+// The paths this build runs on this CPU, a bit each (bit 0 AVX2, bit 1 AVX-512).
+int64_t paths() { return 1 | (avx512_supported() ? 2 : 0); }
+
+void use_path(int64_t code) {
+  TORCH_CHECK(code == 0 || (code == 1 && avx512_supported()),
+              "graphrunner_attention::use_path: code = ", code, ", expected 0 (AVX2)",
+              avx512_supported() ? " or 1 (AVX-512)" : " (this CPU has no AVX-512)");
+  attention_path() = static_cast<int>(code);
+}
+
 struct Shapes {
   int64_t heads, group, dim, slots, capacity;
 };
@@ -385,7 +583,7 @@ struct Shapes {
 template <typename T>
 struct Scratch {
   std::vector<const T*> keys, values;
-  std::vector<float> scores, k_scale, v_scale, weights;
+  std::vector<float> scores, k_scale, v_scale, weights, totals;
 };
 
 // One (row, KV head): its R query heads against the row's `len` live slots.
@@ -433,6 +631,81 @@ void attend_head(const float* q, const T* k, const T* v, const float* ks, const 
       softmax(scores, len);
     }
     weigh(scratch.values.data(), p, len, s.dim, out + r * s.dim);
+  }
+}
+
+// One row's KV heads [h0, h1) on the AVX-512 path (q and out: the row's [H_kv,
+// R, D]): its slots' rows read a block at a time for all those heads, so
+// every cache line fetched is used (a slot's heads lie side by side) and the
+// next block is prefetched while this one is multiplied. Keys 8 at a time
+// into every query head's scores, the softmaxes (an int8 cache's scales as
+// attend_head applies them), then values 32 at a time into every output.
+constexpr int64_t kValueBlock = 32;
+
+template <typename T>
+void attend_row_avx512(const float* q, const T* k, const T* v, const float* ks, const float* vs,
+                       const int32_t* slot_row, int64_t len, int64_t h0, int64_t h1,
+                       const Shapes& s, float scale, float* out, Scratch<T>& scratch) {
+  const int64_t row_width = s.heads * s.dim, span = (h1 - h0) * s.dim;
+  const int64_t queries = (h1 - h0) * s.group, n_len = len;
+  scratch.keys.resize(static_cast<size_t>(len));
+  scratch.values.resize(static_cast<size_t>(len));
+  scratch.scores.resize(static_cast<size_t>(queries * len));
+  if (ks != nullptr) {
+    scratch.k_scale.resize(static_cast<size_t>((h1 - h0) * len));
+    scratch.v_scale.resize(static_cast<size_t>((h1 - h0) * len));
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = slot_row[t];
+    TORCH_CHECK(slot >= 0 && slot < s.slots, "graphrunner_attention::decode: KV slot ", slot,
+                " out of range [0, ", s.slots, ")");
+    scratch.keys[t] = k + slot * row_width;
+    scratch.values[t] = v + slot * row_width;
+    for (int64_t h = h0; ks != nullptr && h < h1; ++h) {
+      scratch.k_scale[(h - h0) * len + t] = ks[slot * s.heads + h];
+      scratch.v_scale[(h - h0) * len + t] = vs[slot * s.heads + h];
+    }
+  }
+  const T* const* keys = scratch.keys.data();
+  const T* const* values = scratch.values.data();
+  float* scores = scratch.scores.data();
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    for (int64_t t = t0 + kPrefetchAhead; t < std::min(len, t0 + kPrefetchAhead + 8); ++t)
+      prefetch(keys[t] + h0 * s.dim, span);
+    const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t r0 = 0; r0 < s.group; r0 += 4)
+        scores8_block(static_cast<int>(std::min<int64_t>(4, s.group - r0)),
+                      q + (h * s.group + r0) * s.dim, keys + t0, n, h * s.dim, s.dim, scale,
+                      scores + ((h - h0) * s.group + r0) * n_len + t0, n_len);
+  }
+  scratch.totals.resize(static_cast<size_t>(queries));
+  for (int64_t i = 0; i < queries; ++i) {
+    float* p = scores + i * len;
+    if (ks != nullptr) {
+      const float* k_scale = scratch.k_scale.data() + (i / s.group) * len;
+      for (int64_t t = 0; t < len; ++t) p[t] *= k_scale[t];
+    }
+    scratch.totals[i] = exp_shifted(p, len);
+    if (ks != nullptr) {
+      const float* v_scale = scratch.v_scale.data() + (i / s.group) * len;
+      for (int64_t t = 0; t < len; ++t) p[t] *= v_scale[t];
+    }
+  }
+  std::fill(out + h0 * s.group * s.dim, out + h1 * s.group * s.dim, 0.0f);
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
+    for (int64_t t = t0 + kValueBlock; t < std::min(len, t0 + 2 * kValueBlock); ++t)
+      prefetch(values[t] + h0 * s.dim, span);
+    const int64_t n = std::min<int64_t>(kValueBlock, len - t0);
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t r0 = 0; r0 < s.group; r0 += 4)
+        weigh_block(static_cast<int>(std::min<int64_t>(4, s.group - r0)), values + t0,
+                    h * s.dim, scores + ((h - h0) * s.group + r0) * n_len + t0, n_len, n,
+                    s.dim, out + (h * s.group + r0) * s.dim);
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    float* o = out + h0 * s.group * s.dim + i * s.dim;
+    for (int64_t e = 0; e < s.dim; ++e) o[e] /= scratch.totals[i];
   }
 }
 
@@ -489,6 +762,21 @@ at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
   const float* vsp = q8 ? v_scale.data_ptr<float>() : nullptr;
   const auto attend_all = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    if (attention_path() == 1 && dim % 16 == 0) {
+      // A row's heads together; split by head where rows are too few to
+      // give every thread one.
+      const int64_t split = rows >= at::get_num_threads() ? 1 : heads;
+      at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+        Scratch<T> scratch;
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / split, part = i % split, at = b * heads * group * dim;
+          attend_row_avx512(qp + at, kp, vp, ksp, vsp, table + pool[b] * s.capacity, len[b],
+                            part * heads / split, (part + 1) * heads / split, s,
+                            static_cast<float>(scale), op_out + at, scratch);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
       Scratch<T> scratch;
       for (int64_t i = begin; i < end; ++i) {
@@ -536,6 +824,8 @@ TORCH_LIBRARY(graphrunner_attention, m) {
   m.def(
       "decode_q8(Tensor q, Tensor k_buf, Tensor v_buf, Tensor k_scale, Tensor v_scale, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paths() -> int", &paths);
+  m.def("use_path(int code) -> ()", &use_path);
   m.def(
       "rope_store_q8(Tensor qkv, Tensor positions, Tensor out_loc, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, "

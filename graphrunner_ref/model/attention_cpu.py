@@ -1,5 +1,6 @@
 """The CPU attention step in C++ (``attention_cpu.cpp`` beside this file),
-float32, AVX2/FMA: ``graphrunner_attention::decode``, the decode attention,
+float32, AVX2/FMA: ``graphrunner_attention::decode``, the decode attention
+(AVX-512 where the CPU has it: :func:`use_path`),
 and ``graphrunner_attention::rope_store``, the rotary embedding and KV write
 before it; the KV cache float32 or float16 (:data:`KV_DTYPES`). Their ``_q8``
 twins read and write an int8 cache with a scale per slot and KV head
@@ -34,6 +35,7 @@ from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
 __all__ = [
     "ATTENTION_BUILD",
+    "ATTENTION_PATHS",
     "KV_DTYPES",
     "ATTENTION_SOURCE",
     "cpp_attention_runs",
@@ -45,13 +47,15 @@ __all__ = [
     "cpp_rope_store_q8",
     "cpp_rope_store_runs",
     "decode_attention_fake",
+    "runnable_paths",
+    "use_path",
 ]
 
 #: The kernel's C++ source.
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v6"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v7"
 
 
 @functools.cache
@@ -64,7 +68,43 @@ def cpp_attention_status() -> str | None:
         torch.library.register_fake("graphrunner_attention::rope_store", rope_store_fake)
         torch.library.register_fake("graphrunner_attention::decode_q8", _decode_q8_fake)
         torch.library.register_fake("graphrunner_attention::rope_store_q8", _rope_store_q8_fake)
+        use_path(_table_path())
     return why
+
+
+def _table_path() -> str:
+    """The decode path ``cpu_features.KERNEL_PATHS`` names for this CPU (its
+    features less those ``GRAPHRUNNER_CPU_DISABLE`` hides)."""
+    from graphrunner_ref.model.cpu_features import best_path
+
+    path = best_path("attention")
+    return "avx2" if path is None else path.name
+
+
+#: The decode attention's paths by name, as the C++ op numbers them.
+ATTENTION_PATHS = {"avx2": 0, "avx512": 1}
+
+
+def runnable_paths() -> list[str]:
+    """The names of :data:`ATTENTION_PATHS` this CPU runs, AVX2 first (only
+    where :func:`cpp_attention_status` is None)."""
+    runnable = int(torch.ops.graphrunner_attention.paths())
+    return [name for name, code in ATTENTION_PATHS.items() if runnable >> code & 1]
+
+
+def use_path(name: str) -> None:
+    """Run the decode attention (``decode`` and ``decode_q8``) on path ``name``
+    (:data:`ATTENTION_PATHS`) from now on in this process: the build picks
+    the best this CPU has; tests and benchmarks set another to compare them.
+    ValueError for a name not in the table or a path this CPU cannot run."""
+    if name not in ATTENTION_PATHS:
+        raise ValueError(f"use_path: name = {name!r}, expected one of {sorted(ATTENTION_PATHS)}")
+    if name not in runnable_paths():
+        raise ValueError(
+            f"use_path: name = {name!r}, which this CPU cannot run (it runs "
+            f"{', '.join(runnable_paths())})"
+        )
+    torch.ops.graphrunner_attention.use_path(ATTENTION_PATHS[name])
 
 
 def decode_attention_fake(

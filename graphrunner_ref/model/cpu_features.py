@@ -40,6 +40,7 @@ __all__ = [
     "KERNEL_PATHS",
     "CpuFeatures",
     "KernelPath",
+    "best_path",
     "cpu_features",
     "half_precision_note",
     "half_precision_units",
@@ -190,6 +191,9 @@ class KernelPath:
 #: 512-row chunk of SmolLM2's projections, 1.00x at decode's 1 and 8 rows).
 #: int4-bf16 has one path, AVX-512 BF16; without
 #: it the mode runs its torch emulation (:mod:`~graphrunner_ref.model.int4_bf16`).
+#: ``attention`` is the CPU decode attention (``attention_cpu.cpp``, every
+#: mode): at 4,096 tokens of context, batch 8, its AVX-512 path ran 2.0-2.5x
+#: the AVX2 one on a Xeon (``bench/results/decode-attention-avx512-xeon-cpu.md``).
 KERNEL_PATHS = (
     KernelPath(
         "int4-q8",
@@ -240,10 +244,27 @@ KERNEL_PATHS = (
     ),
     KernelPath("int8", "avx2", ("avx2", "fma"), 0, "codes widened to float32, FMA"),
     KernelPath("fp16", "avx2", ("avx2", "fma", "f16c"), 0, "F16C widening, FMA"),
+    KernelPath(
+        "attention",
+        "avx512",
+        ("avx512f", "avx512bw", "avx512vl"),
+        1,
+        "a row's KV heads read together, a block of slots at a time, the next prefetched; "
+        "each key and value widened once for the 4 query heads beside it, 16 floats a register",
+    ),
+    KernelPath(
+        "attention",
+        "avx2",
+        ("avx2", "fma", "f16c"),
+        0,
+        "each query head over its keys and then its values, 8 floats a register",
+    ),
 )
 
 
 def _compiled(path: KernelPath) -> bool:
+    if path.product == "attention":
+        return bool(int(torch.ops.graphrunner_attention.paths()) >> path.code & 1)
     if path.product == "int4-q8":
         return bool(int(torch.ops.graphrunner_int4.q8_paths()) >> path.code & 1)
     if path.product == "int4-bf16":
@@ -260,10 +281,26 @@ def kernel_path(product: str) -> KernelPath | None:
     if not rows:
         products = sorted({p.product for p in KERNEL_PATHS})
         raise ValueError(f"kernel_path({product!r}): expected one of {', '.join(products)}")
-    if kernel_status() is not None:
+    if _build_status(product) is not None:
         return None
+    return best_path(product)
+
+
+def best_path(product: str) -> KernelPath | None:
+    """:func:`kernel_path` once ``product``'s kernels are built: the first
+    of its rows whose features this CPU has and the build compiled."""
     features = cpu_features()
+    rows = (p for p in KERNEL_PATHS if p.product == product)
     return next((p for p in rows if features.has(*p.needs) and _compiled(p)), None)
+
+
+def _build_status(product: str) -> str | None:
+    """Why ``product``'s kernels do not run here (None where they do)."""
+    if product == "attention":
+        from graphrunner_ref.model.attention_cpu import cpp_attention_status
+
+        return cpp_attention_status()
+    return kernel_status()
 
 
 def kernel_summary(products: Iterable[str | None]) -> str:
@@ -285,7 +322,7 @@ def kernel_note(product: str) -> str:
     how = (
         f"the C++ {path.name} kernel ({path.how})"
         if path is not None
-        else f"the torch fallback ({kernel_status() or 'no path for these features'})"
+        else f"the torch fallback ({_build_status(product) or 'no path for these features'})"
     )
     return f"kernel: {how}; CPU {cpu_features().describe()}"
 
