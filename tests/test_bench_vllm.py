@@ -70,10 +70,18 @@ class LLM:
         time.sleep(float(os.environ.get("FAKE_VLLM_LOAD_S", "0")))
         LLM.loads += 1
 
+    def reset_prefix_cache(self):
+        self.cached = set()
+        return True
+
     def generate(self, inputs, params, use_tqdm=False):
         # A prompt's tokens: its sum, then each next one, plus the loads so far
-        # (a reload between rounds would change them).
-        time.sleep(0.002 * params.max_tokens)  # a longer call takes longer
+        # (a reload between rounds would change them). A prompt not in the
+        # prefix cache takes longer: a round's timed calls must both find it.
+        cached = getattr(self, "cached", set())
+        fresh = [tuple(p["prompt_token_ids"]) not in cached for p in inputs]
+        self.cached = cached | {tuple(p["prompt_token_ids"]) for p in inputs}
+        time.sleep(0.002 * params.max_tokens + 0.05 * any(fresh))
         start = [sum(p["prompt_token_ids"]) + 100 * LLM.loads for p in inputs]
         return [_Output(list(range(s, s + params.max_tokens))) for s in start]
 """
@@ -103,7 +111,8 @@ def test_the_child_loads_once_and_decodes_a_round_each_time_asked(fake_vllm: Pat
     finally:
         decoder.close()
     for tps, tokens in rounds:
-        assert tps > 0
+        # 2 steps of 2 ms a group, timed without the 50 ms of a fresh prefill
+        assert 2 * 2 / 0.05 < tps, tps
         assert tokens == [[103, 104, 105], [103, 104, 105], [108, 109, 110]]  # loaded once
     decoder.close()  # a second close does nothing
 
