@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.bench_context import long_prompts, smollm2_chats
 from bench.bench_real_cpu import (
-    KV_FLOAT16,
+    KV_DTYPES,
     VARIANTS,
     GraphrunnerDecoder,
     ab_rounds_table,
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=at_least(2), default=4, help="alternating rounds (4)")
     p.add_argument(
         "--variant",
-        choices=sorted(v for v in VARIANTS if f"{v}-kv16" in KV_FLOAT16),
+        choices=sorted(v for v in VARIANTS if f"{v}-kv16" in KV_DTYPES),
         default="int4-q8",
         help="the float32-cache variant, against its -kv16 twin (int4-q8)",
     )

@@ -154,12 +154,22 @@ VARIANTS = {
         "int4-q8",
         "graphrunner cpu runner, --quantize int4-q8 --kv-dtype float16 --aot-cache",
     ),
+    "int4-q8-kv8": (
+        "cpu",
+        torch.float32,
+        "int4-q8",
+        "graphrunner cpu runner, --quantize int4-q8 --kv-dtype int8",
+    ),
 }
 #: Variants whose program is saved and run as an AOTInductor package
 #: (``--aot-cache DIR``: its C++ wrapper calls the kernels, no Python between them).
 AOT_VARIANTS = ("int4-aot", "int4-q8-aot", "int4-bf16-aot", "int4-q8-kv16-aot")
-#: Variants whose KV cache is float16 (``--kv-dtype float16``); the others' is their dtype.
-KV_FLOAT16 = ("int4-q8-kv16", "int4-q8-kv16-aot")
+#: Variants whose KV cache is not the model's dtype, and its dtype.
+KV_DTYPES = {
+    "int4-q8-kv16": torch.float16,
+    "int4-q8-kv16-aot": torch.float16,
+    "int4-q8-kv8": torch.int8,
+}
 #: The ``--variants`` name of llama.cpp on the same model's GGUF file.
 LLAMA_CPP = "llama.cpp"
 #: The ``--variants`` names of vLLM's CPU engine on the same checkpoint: its dtype.
@@ -276,7 +286,7 @@ class GraphrunnerDecoder(EngineDecoder):
     ) -> None:
         kind, dtype, quantize, who = VARIANTS[variant]
         context = max(len(p) for p in prompts) + new
-        kv_dtype = torch.float16 if variant in KV_FLOAT16 else None
+        kv_dtype = KV_DTYPES.get(variant)
         bundle = load_model(
             checkpoint, max_requests=bs, max_context_len=context, dtype=dtype, kv_dtype=kv_dtype
         )
