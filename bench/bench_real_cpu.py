@@ -720,9 +720,9 @@ def attention_path() -> str:
 def decode_path_note() -> str:
     """``avx512 (how)``: the C++ decode attention's path on this CPU
     (``cpu_features.KERNEL_PATHS``), for results files."""
-    from graphrunner_ref.model.cpu_features import kernel_path
+    from graphrunner_ref.model.attention_cpu import decode_path
 
-    path = kernel_path("attention")
+    path = decode_path()
     return "none" if path is None else f"{path.name} ({path.how})"
 
 

@@ -140,15 +140,19 @@ def fresh_features(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
 def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """The CPU decode attention run on each of its paths in turn (one this
     CPU lacks skipped), the path chosen for this CPU restored after."""
-    from graphrunner_ref.model.attention_cpu import cpp_attention_status, runnable_paths, use_path
-    from graphrunner_ref.model.cpu_features import kernel_path
+    from graphrunner_ref.model.attention_cpu import (
+        cpp_attention_status,
+        decode_path,
+        runnable_paths,
+        use_path,
+    )
 
     why = cpp_attention_status()
     if why is not None:
         pytest.skip(f"the C++ attention cannot run here: {why}")
     if request.param not in runnable_paths():
         pytest.skip(f"this CPU cannot run the {request.param} attention path")
-    chosen = kernel_path("attention")
+    chosen = decode_path()
     use_path(request.param)
     yield request.param
     use_path("avx2" if chosen is None else chosen.name)

@@ -26,6 +26,7 @@ from graphrunner_ref.model.attention_cpu import (
     cpp_attention_runs,
     cpp_attention_status,
     cpp_decode_attention,
+    decode_path,
     runnable_paths,
     use_path,
 )
@@ -109,7 +110,7 @@ def test_the_paths_agree_within_float32_rounding_at_long_contexts(kv_dtype: torc
     q, k, v, table, req, lens = _grouped(world)
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     ref = live_decode_attention(q, k, v, table, req, lens, 0.125)
-    chosen = kernel_path("attention")
+    chosen = decode_path()
     try:
         outs = {}
         for name in paths:
@@ -134,13 +135,12 @@ def test_use_path_refuses_a_name_it_does_not_know_or_this_cpu_cannot_run() -> No
 
 _HIDDEN_AVX512 = """
 import sys, torch
-from graphrunner_ref.model.attention_cpu import cpp_attention_status, cpp_decode_attention
-from graphrunner_ref.model.cpu_features import kernel_path
+from graphrunner_ref.model.attention_cpu import cpp_attention_status, cpp_decode_attention, decode_path
 assert cpp_attention_status() is None
 args = torch.load(sys.argv[1])
 out = cpp_decode_attention(*args, 0.125)
 torch.save(out, sys.argv[2])
-print(kernel_path("attention").name)
+print(decode_path().name)
 """
 
 
@@ -159,7 +159,7 @@ def test_hiding_avx512_runs_the_avx2_path(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "avx2"
-    chosen = kernel_path("attention")
+    chosen = decode_path()
     try:
         use_path("avx2")
         want = cpp_decode_attention(*args, 0.125)
@@ -241,3 +241,10 @@ def test_a_saved_program_calling_it_loads_in_a_fresh_process(tmp_path: Path) -> 
 
     assert run() == ["live", 0]  # built and saved
     assert run() == ["live", 1]  # loaded, not rebuilt
+
+
+def test_the_compact_kernels_table_sends_the_attention_to_its_own_path() -> None:
+    path = decode_path()
+    assert path is not None and path.name in runnable_paths()
+    with pytest.raises(ValueError, match=r"kernel_path\('attention'\).*decode_path\(\)"):
+        kernel_path("attention")

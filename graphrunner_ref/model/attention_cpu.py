@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from graphrunner_ref.model.cpu_features import KernelPath, best_path
 from graphrunner_ref.model.cpu_kernels import build_extension
 from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
@@ -47,6 +48,7 @@ __all__ = [
     "cpp_rope_store_q8",
     "cpp_rope_store_runs",
     "decode_attention_fake",
+    "decode_path",
     "runnable_paths",
     "use_path",
 ]
@@ -75,10 +77,16 @@ def cpp_attention_status() -> str | None:
 def _table_path() -> str:
     """The decode path ``cpu_features.KERNEL_PATHS`` names for this CPU (its
     features less those ``GRAPHRUNNER_CPU_DISABLE`` hides)."""
-    from graphrunner_ref.model.cpu_features import best_path
-
     path = best_path("attention")
     return "avx2" if path is None else path.name
+
+
+def decode_path() -> KernelPath | None:
+    """The decode attention's row of ``cpu_features.KERNEL_PATHS`` chosen on
+    this CPU at the build (None where the C++ attention does not run here)."""
+    if cpp_attention_status() is not None:
+        return None
+    return best_path("attention")
 
 
 #: The decode attention's paths by name, as the C++ op numbers them.

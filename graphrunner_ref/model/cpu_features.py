@@ -281,7 +281,12 @@ def kernel_path(product: str) -> KernelPath | None:
     if not rows:
         products = sorted({p.product for p in KERNEL_PATHS})
         raise ValueError(f"kernel_path({product!r}): expected one of {', '.join(products)}")
-    if _build_status(product) is not None:
+    if product == "attention":
+        raise ValueError(
+            "kernel_path('attention'): the decode attention is built apart; its path is "
+            "graphrunner_ref.model.attention_cpu.decode_path()"
+        )
+    if kernel_status() is not None:
         return None
     return best_path(product)
 
@@ -292,15 +297,6 @@ def best_path(product: str) -> KernelPath | None:
     features = cpu_features()
     rows = (p for p in KERNEL_PATHS if p.product == product)
     return next((p for p in rows if features.has(*p.needs) and _compiled(p)), None)
-
-
-def _build_status(product: str) -> str | None:
-    """Why ``product``'s kernels do not run here (None where they do)."""
-    if product == "attention":
-        from graphrunner_ref.model.attention_cpu import cpp_attention_status
-
-        return cpp_attention_status()
-    return kernel_status()
 
 
 def kernel_summary(products: Iterable[str | None]) -> str:
@@ -322,7 +318,7 @@ def kernel_note(product: str) -> str:
     how = (
         f"the C++ {path.name} kernel ({path.how})"
         if path is not None
-        else f"the torch fallback ({_build_status(product) or 'no path for these features'})"
+        else f"the torch fallback ({kernel_status() or 'no path for these features'})"
     )
     return f"kernel: {how}; CPU {cpu_features().describe()}"
 
