@@ -32,7 +32,7 @@ from bench.bench_kv_int8 import LAYOUTS, attention_operands, stream_gbs
 from bench.bench_real_cpu import cpu_flags, decode_path_note, round_order, save_results
 from bench.conftest import command, machine
 from graphrunner.testing import torch_threads
-from graphrunner_ref.model.attention_cpu import cpp_attention_status, runnable_paths, use_path
+from graphrunner_ref.model.attention_cpu import cpp_attention_status, runnable_paths, using_path
 
 #: The caches timed, by name.
 CACHES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
@@ -44,10 +44,10 @@ def on_path(path: str, fn: Callable[[], object]) -> Callable[[], float]:
     """One timed call of ``fn`` (a step's attention) on ``path``, in seconds."""
 
     def run() -> float:
-        use_path(path)
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
+        with using_path(path):
+            begin = time.perf_counter()
+            fn()
+            return time.perf_counter() - begin
 
     return run
 
@@ -91,30 +91,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = runnable_paths()
     load = os.getloadavg()[0]
     rows = []
-    try:
-        with torch_threads(1):
-            stream = stream_gbs()
-            print(f"stream: {stream:.1f} GB/s (one thread); paths: {', '.join(paths)}", flush=True)
-            for context in contexts:
-                for layout in LAYOUTS:
-                    for name, dtype in CACHES.items():
-                        fn, nbytes = attention_operands(dtype, context, LAYERS, layout)
-                        row = compare(paths, fn, args.rounds)
-                        row |= {"context": context, "layout": layout, "cache": name}
-                        row["gbs"] = {q: nbytes / (ms / 1e3) / 1e9 for q, ms in row["ms"].items()}
-                        rows.append(row)
-                        del fn
-                        print(
-                            f"context {context}, {layout}, {name}: "
-                            + ", ".join(
-                                f"{q} {row['ms'][q]:.1f} ms ({row['gbs'][q]:.1f} GB/s)"
-                                for q in paths
-                            )
-                            + f", {row['ratio']:.2f}x",
-                            flush=True,
+    with torch_threads(1):
+        stream = stream_gbs()
+        print(f"stream: {stream:.1f} GB/s (one thread); paths: {', '.join(paths)}", flush=True)
+        for context in contexts:
+            for layout in LAYOUTS:
+                for name, dtype in CACHES.items():
+                    fn, nbytes = attention_operands(dtype, context, LAYERS, layout)
+                    row = compare(paths, fn, args.rounds)
+                    row |= {"context": context, "layout": layout, "cache": name}
+                    row["gbs"] = {q: nbytes / (ms / 1e3) / 1e9 for q, ms in row["ms"].items()}
+                    rows.append(row)
+                    del fn
+                    print(
+                        f"context {context}, {layout}, {name}: "
+                        + ", ".join(
+                            f"{q} {row['ms'][q]:.1f} ms ({row['gbs'][q]:.1f} GB/s)" for q in paths
                         )
-    finally:
-        use_path(chosen.split(" ")[0])
+                        + f", {row['ratio']:.2f}x",
+                        flush=True,
+                    )
     result = {
         "command": command("bench_cpu_attention_paths", argv),
         "machine": {**machine(), "cpu flags": cpu_flags(), "load average at start": f"{load:.2f}"},

@@ -142,9 +142,8 @@ def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
     CPU lacks skipped), the path chosen for this CPU restored after."""
     from graphrunner_ref.model.attention_cpu import (
         cpp_attention_status,
-        decode_path,
         runnable_paths,
-        use_path,
+        using_path,
     )
 
     why = cpp_attention_status()
@@ -152,10 +151,8 @@ def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip(f"the C++ attention cannot run here: {why}")
     if request.param not in runnable_paths():
         pytest.skip(f"this CPU cannot run the {request.param} attention path")
-    chosen = decode_path()
-    use_path(request.param)
-    yield request.param
-    use_path("avx2" if chosen is None else chosen.name)
+    with using_path(request.param):
+        yield request.param
 
 
 def eager_greedy(bundle: Any) -> dict[int, list[int]]:

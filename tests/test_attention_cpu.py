@@ -29,6 +29,7 @@ from graphrunner_ref.model.attention_cpu import (
     decode_path,
     runnable_paths,
     use_path,
+    using_path,
 )
 from graphrunner_ref.model.attention_live import LiveRows, live_attention, live_decode_attention
 from graphrunner_ref.model.cpu_features import kernel_path
@@ -110,14 +111,10 @@ def test_the_paths_agree_within_float32_rounding_at_long_contexts(kv_dtype: torc
     q, k, v, table, req, lens = _grouped(world)
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     ref = live_decode_attention(q, k, v, table, req, lens, 0.125)
-    chosen = decode_path()
-    try:
-        outs = {}
-        for name in paths:
-            use_path(name)
+    outs = {}
+    for name in paths:
+        with using_path(name):
             outs[name] = cpp_decode_attention(q, k, v, table, req, lens, 0.125)
-    finally:
-        use_path("avx2" if chosen is None else chosen.name)
     for name, out in outs.items():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(outs["avx512"], outs["avx2"], rtol=1e-5, atol=1e-6)
@@ -159,12 +156,8 @@ def test_hiding_avx512_runs_the_avx2_path(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "avx2"
-    chosen = decode_path()
-    try:
-        use_path("avx2")
+    with using_path("avx2"):
         want = cpp_decode_attention(*args, 0.125)
-    finally:
-        use_path("avx2" if chosen is None else chosen.name)
     assert torch.equal(torch.load(tmp_path / "out.pt"), want)
 
 

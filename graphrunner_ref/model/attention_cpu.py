@@ -25,12 +25,14 @@ the program's wrapper.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from graphrunner_ref.model.cpu_features import KernelPath, best_path
+from graphrunner_ref.model.cpu_features import KERNEL_PATHS, KernelPath, best_path
 from graphrunner_ref.model.cpu_kernels import build_extension
 from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
@@ -51,6 +53,7 @@ __all__ = [
     "decode_path",
     "runnable_paths",
     "use_path",
+    "using_path",
 ]
 
 #: The kernel's C++ source.
@@ -89,8 +92,11 @@ def decode_path() -> KernelPath | None:
     return best_path("attention")
 
 
-#: The decode attention's paths by name, as the C++ op numbers them.
-ATTENTION_PATHS = {"avx2": 0, "avx512": 1}
+#: The decode attention's paths by name, as the C++ op numbers them (the
+#: ``attention`` rows of ``cpu_features.KERNEL_PATHS``).
+ATTENTION_PATHS = dict(
+    sorted(((p.name, p.code) for p in KERNEL_PATHS if p.product == "attention"), key=lambda r: r[1])
+)
 
 
 def runnable_paths() -> list[str]:
@@ -98,6 +104,17 @@ def runnable_paths() -> list[str]:
     where :func:`cpp_attention_status` is None)."""
     runnable = int(torch.ops.graphrunner_attention.paths())
     return [name for name, code in ATTENTION_PATHS.items() if runnable >> code & 1]
+
+
+@contextlib.contextmanager
+def using_path(name: str) -> Iterator[None]:
+    """:func:`use_path` ``name`` within the block, the path the build chose
+    for this CPU again after it."""
+    use_path(name)
+    try:
+        yield
+    finally:
+        use_path(_table_path())
 
 
 def use_path(name: str) -> None:
