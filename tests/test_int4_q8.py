@@ -281,14 +281,21 @@ def test_the_table_picks_the_best_path_the_cpu_has(fresh_features: pytest.Monkey
     compiled = int(torch.ops.graphrunner_int4.q8_paths())
     everything = {f for p in KERNEL_PATHS for f in p.needs}
 
-    def pretend(flags: set[str]) -> None:
+    def pretend(flags: set[str], amx_granted: bool = True) -> None:
+        # The OS's grant of AMX tiles is pretended too: this machine's own
+        # answer (no AMX, or AMX refused) must not decide the pretend CPU's path.
         fresh_features.setattr(features_module, "_cpuinfo", lambda: ("Test CPU", flags))
+        fresh_features.setattr(features_module, "amx_permitted", lambda: amx_granted)
         cpu_features.cache_clear()
         kernel_path.cache_clear()
 
     pretend(everything)
     best = next(p for p in Q8_PATHS if compiled >> p.code & 1)
     assert kernel_path("int4-q8") == best
+    pretend(everything, amx_granted=False)
+    assert cpu_features().amx_permitted is False and not cpu_features().has("amx_tile")
+    tiles = next(p for p in Q8_PATHS if compiled >> p.code & 1 and "amx_tile" not in p.needs)
+    assert kernel_path("int4-q8") == tiles
     pretend(everything - {"avx512_vnni"})
     assert _name("int4-q8") == ("avx-vnni" if compiled & 2 else "avx2")
     pretend({"avx2", "fma", "f16c"})
