@@ -16,8 +16,8 @@ the modes timed in turn, round after round.
 
     PYTHONPATH=. .venv/bin/python -m bench.bench_gemm_peak
 
-Writes ``bench/results/gemm-peak-<cpu>.md`` (and ``.json``), naming the CPU,
-its features and int4-q8's kernel path.
+Writes ``bench/results/gemm-peak-<cpu>-<unit>.md`` (and ``.json``;
+:func:`cpu_slug`), naming the CPU, its features and int4-q8's kernel path.
 """
 
 from __future__ import annotations
@@ -251,6 +251,14 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def cpu_slug(features: Any) -> str:
+    """A results file's machine: the CPU's name and its widest matrix unit
+    (``amx``, ``avx512`` or ``avx2``), so that two machines of one name (a
+    Xeon with AMX, and one whose hypervisor hides it) write apart."""
+    unit = "amx" if features.has("amx_tile") else "avx512" if features.has("avx512f") else "avx2"
+    return f"{_slug(features.model)}-{unit}"
+
+
 def report(
     gemms: list[dict[str, Any]],
     q8: list[dict[str, Any]],
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "int4-q8": kernel_note("int4-q8"),
             "command": command("bench_gemm_peak", argv)}  # fmt: skip
     text = report(gemms, q8, prefills, info)
-    out = RESULTS_DIR / f"gemm-peak-{_slug(features.model)}"
+    out = RESULTS_DIR / f"gemm-peak-{cpu_slug(features)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out.with_suffix(".md"), text)
     write_atomically(

@@ -23,8 +23,9 @@ each side, prefix caching off:
 
     GRAPHRUNNER_VLLM_PYTHON=... PYTHONPATH=. .venv/bin/python -m bench.bench_prefill_vllm
 
-Writes ``bench/results/prefill-vllm-<cpu>.md`` (and ``.json``), naming the
-CPU, its features and int4-q8's kernel path. Without vLLM, its columns say
+Writes ``bench/results/prefill-vllm-<cpu>-<unit>.md`` (and ``.json``;
+:func:`~bench.bench_gemm_peak.cpu_slug`), naming the CPU, its features and
+int4-q8's kernel path. Without vLLM, its columns say
 so and graphrunner's rows are still measured.
 """
 
@@ -39,7 +40,7 @@ import torch
 
 from bench.bench_gemm_peak import (
     PREFILL_BF16,
-    _slug,
+    cpu_slug,
     gemm_rows,
     prefill_bundle,
     prefill_flops,
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             "vLLM": vllm_system() if theirs else "not available (GRAPHRUNNER_VLLM_PYTHON unset)",
             "command": command("bench_prefill_vllm", argv)}  # fmt: skip
     text = report(lengths, mine, theirs, peak, flops, info)
-    out = RESULTS_DIR / f"prefill-vllm-{_slug(features.model)}"
+    out = RESULTS_DIR / f"prefill-vllm-{cpu_slug(features)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out.with_suffix(".md"), text)
     data = {**info, "lengths": lengths, "graphrunner_s": mine, "vllm_s": theirs, "peak": peak}

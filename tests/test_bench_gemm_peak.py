@@ -3,8 +3,9 @@ model's own weights, and the report's shares and ratios computed from its rows."
 
 from __future__ import annotations
 
-from bench.bench_gemm_peak import SHAPES, TILES_ONLY, prefill_flops, report
+from bench.bench_gemm_peak import SHAPES, TILES_ONLY, cpu_slug, prefill_flops, report
 from graphrunner_ref import default_model
+from graphrunner_ref.model.cpu_features import CpuFeatures
 
 
 def test_prefill_work_is_the_layers_weights_per_token_and_the_head_once() -> None:
@@ -42,3 +43,16 @@ def test_the_report_holds_each_mode_to_the_peak_of_its_gemm_dtype() -> None:
     assert "| gate/up | 512 x 576 x 1536 | 200.0 | 320.0 | 1.60x | 20% |" in text
     assert "AMX against AMX hidden: 1.25x" in text
     assert "int4-q8's product" not in report(gemms, [], prefills[:2], {})
+
+
+def test_two_machines_of_one_name_write_apart() -> None:
+    """One model name, AMX shown or hidden by the hypervisor: two results files."""
+
+    def slug(*flags: str) -> str:
+        return cpu_slug(
+            CpuFeatures("Intel(R) Xeon(R) Processor", frozenset(flags), None, frozenset())
+        )
+
+    assert slug("avx2", "avx512f", "amx_tile") == "intel-r-xeon-r-processor-amx"
+    assert slug("avx2", "avx512f") == "intel-r-xeon-r-processor-avx512"
+    assert slug("avx2") == "intel-r-xeon-r-processor-avx2"

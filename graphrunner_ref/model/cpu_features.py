@@ -187,7 +187,7 @@ class KernelPath:
 #: float order (equal bit for bit), with AMX for prompt chunks of 16 rows or
 #: more; hiding ``amx_int8`` (:data:`DISABLE_ENV`) runs the tiles path alone
 #: (``bench/bench_gemm_peak.py`` times one against the other in one run:
-#: ``bench/results/gemm-peak-intel-r-xeon-r-processor.md``, 1.2-1.5x at a
+#: ``bench/results/gemm-peak-intel-r-xeon-r-processor-amx.md``, 1.2-1.5x at a
 #: 512-row chunk of SmolLM2's projections, 1.00x at decode's 1 and 8 rows).
 #: int4-bf16 has one path, AVX-512 BF16; without
 #: it the mode runs its torch emulation (:mod:`~graphrunner_ref.model.int4_bf16`).
