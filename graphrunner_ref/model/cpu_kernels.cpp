@@ -883,6 +883,20 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void rows_q8_avx512vnni(
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileGroupBytes = 256;
 
+// dot += w . the 4 int8 activations at p, broadcast to every lane, in place.
+// The broadcast rides in the instruction ({1to16}) and the dot stays in its
+// register: the intrinsics' version broadcast each quad with an instruction
+// of its own, and, the j loop rolled, GCC 12 copied each dot out and back
+// around its vpdpbusd (16 moves a pass). A 512-row chunk of SmolLM2's
+// shapes ran 1.16-1.18x faster (1.44-1.47x with the other hyperthread
+// busy), outputs equal: a harness of both in one process, best of 8
+// interleaved rounds, on a Xeon without AMX.
+GRAPHRUNNER_ZMM inline void dpbusd_broadcast(__m512i& dot, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(dot)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
 template <int R>
 GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const float* xd,
                                                      const float* sx, int64_t groups,
@@ -900,15 +914,12 @@ GRAPHRUNNER_ZMM __attribute__((flatten)) void tile_q8(const int8_t* xq, const fl
     const uint8_t* codes = tile + g * kTileGroupBytes;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i both = _mm512_broadcast_i64x4(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * j)));
       const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), low4);
-      for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, xq + r * kp + g * kGroup + 4 * j, sizeof(quad));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(quad));
-      }
+      for (int r = 0; r < R; ++r) dpbusd_broadcast(dot[r], w, xq + r * kp + g * kGroup + 4 * j);
     }
     const __m512 scale = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kTileRows)));
