@@ -30,7 +30,8 @@ def test_each_row_is_held_against_vllms_of_its_workload(
     row |= {"median_itl_ms": 1.0, "p99_itl_ms": 1.0}
     rows = {
         "w1": {
-            "vLLM CPU, bfloat16": {**row, "output_throughput": 80.0},
+            "vLLM CPU, bfloat16": {**row, "output_throughput": 60.0},
+            "vLLM CPU, float32": {**row, "output_throughput": 80.0},
             "graphrunner a": {**row, "output_throughput": 40.0},
         },
         "w2": {"graphrunner a": {**row, "output_throughput": 10.0}},
@@ -38,7 +39,8 @@ def test_each_row_is_held_against_vllms_of_its_workload(
     args = argparse.Namespace(name="t", model="m", num_prompts=4, concurrency=2)
     b.write_results(args, rows)
     text = (tmp_path / "vllm-bench-serve-t.md").read_text()
-    assert "| w1 | vLLM CPU, bfloat16 | 80.0 | 1.00x |" in text
+    assert "| w1 | vLLM CPU, float32 | 80.0 | 1.00x |" in text  # vLLM's fastest
+    assert "| w1 | vLLM CPU, bfloat16 | 60.0 | 0.75x |" in text
     assert "| w1 | graphrunner a | 40.0 | 0.50x |" in text
     assert "| w2 | graphrunner a | 10.0 | — |" in text  # no vLLM row: no ratio
 

@@ -22,12 +22,14 @@ import torch.nn.functional as F
 
 from graphrunner_ref.engine.config import EngineConfig
 from graphrunner_ref.engine.serving import build
+from graphrunner_ref.model import cpu_features as features_module
 from graphrunner_ref.model.int4_linear import quantize_int4
 from graphrunner_ref.model.int4_q8 import Int4Q8Linear
 from graphrunner_ref.model.prompt_bf16 import (
     PROMPT_ROWS,
     PromptBf16Linear,
     bf16_matmul_units,
+    slow_bf16_note,
     widen_prompts,
 )
 
@@ -155,3 +157,34 @@ def test_prefill_bf16_without_a_4bit_mode_is_refused_by_name(
     done = _generate("--runner", "eager", "--prefill-bf16", *flags, prompts=prompts)
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "expected --quantize one of int4" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "noted"),
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, True),  # AVX-512 BF16 alone: said
+        ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, False),  # AMX-BF16
+        ({"avx2", "avx512f"}, False),  # no bfloat16 units: refused, not noted
+    ],
+)
+def test_prefill_bf16_says_where_the_cpu_has_no_amx(
+    fresh_features: pytest.MonkeyPatch, flags: set[str], noted: bool
+) -> None:
+    fresh_features.setattr(features_module, "_cpuinfo", lambda: ("Test Xeon", flags))
+    fresh_features.setattr(features_module, "amx_permitted", lambda: True)
+    features_module.cpu_features.cache_clear()
+    note = slow_bf16_note()
+    assert (note is not None) == noted
+    if note is not None:
+        assert "without AMX" in note and "prefill-vllm-" in note
+        assert (ROOT / note.rsplit("(", 1)[1].rstrip(")")).is_file()  # the file it cites
+
+
+@pytest.mark.skipif(not bf16_matmul_units(), reason="needs AMX-BF16 or AVX-512 BF16")
+def test_a_build_with_prefill_bf16_prints_the_note_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = EngineConfig(runner="eager", quantize="int4-q8", prefill_bf16=True)
+    build(config, max_requests=1, context=32)
+    note, err = slow_bf16_note(), capsys.readouterr().err
+    assert note in err if note is not None else "without AMX" not in err

@@ -29,7 +29,13 @@ from torch import nn
 from graphrunner_ref.model.cpu_features import cpu_features
 from graphrunner_ref.model.quantize import INT4_MODES, STACKS
 
-__all__ = ["PROMPT_ROWS", "PromptBf16Linear", "bf16_matmul_units", "widen_prompts"]
+__all__ = [
+    "PROMPT_ROWS",
+    "PromptBf16Linear",
+    "bf16_matmul_units",
+    "slow_bf16_note",
+    "widen_prompts",
+]
 
 #: Rows from which a call multiplies in bfloat16: above any decode batch the
 #: engine captures by default (16), a short prompt chunk's size.
@@ -77,6 +83,23 @@ def bf16_matmul_units() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX-BF16 or AVX-512 BF16)."""
     features = cpu_features()
     return features.has("amx_bf16") or features.has("avx512_bf16")
+
+
+def slow_bf16_note() -> str | None:
+    """What to tell a user of ``--prefill-bf16`` whose CPU multiplies
+    bfloat16 with AVX-512 BF16 but not AMX (None where AMX-BF16 runs, or no
+    bfloat16 units at all: refused elsewhere). A Xeon whose hypervisor hides
+    AMX ran oneDNN's bfloat16 products at half its float32 rate, and int4-q8's
+    prompt chunks faster without the flag than with it."""
+    features = cpu_features()
+    if features.has("amx_bf16") or not features.has("avx512_bf16"):
+        return None
+    return (
+        "--prefill-bf16: this CPU multiplies bfloat16 on AVX-512 BF16, without AMX; "
+        "on such a Xeon oneDNN's bfloat16 products ran at half its float32 rate and "
+        "int4-q8 prefilled faster without the flag "
+        "(bench/results/prefill-vllm-intel-r-xeon-r-processor-avx512.md)"
+    )
 
 
 def widen_prompts(model: nn.Module, rows: int = PROMPT_ROWS) -> nn.Module:

@@ -27,7 +27,7 @@ from graphrunner_ref.model.build import check_kv_dtype
 from graphrunner_ref.model.cpu_features import kernel_path
 from graphrunner_ref.model.cpu_kernels import kernel_status
 from graphrunner_ref.model.int4_linear import Int4Weight
-from graphrunner_ref.model.prompt_bf16 import bf16_matmul_units, widen_prompts
+from graphrunner_ref.model.prompt_bf16 import bf16_matmul_units, slow_bf16_note, widen_prompts
 from graphrunner_ref.model.quantize import INT4_MODES, quantize_model
 from graphrunner_ref.model.shapes import projection_shapes
 
@@ -158,6 +158,9 @@ def with_quantization(config: EngineConfig, bundle: ModelBundle) -> ModelBundle:
     note_quantization(config, source)
     if config.prefill_bf16:
         widen_prompts(bundle.model)
+        note = slow_bf16_note()
+        if note is not None and not config.quiet:
+            print(f"graphrunner: {note}", file=sys.stderr)
     return bundle
 
 
