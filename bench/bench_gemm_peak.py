@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench.conftest import RESULTS_DIR, command, machine
+from bench.conftest import RESULTS_DIR, command, machine, slug
 from graphrunner.testing import torch_threads
 from graphrunner.util.atomic import write_atomically
 
@@ -247,16 +246,12 @@ def prefill_rows(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def cpu_slug(features: Any) -> str:
     """A results file's machine: the CPU's name and its widest matrix unit
     (``amx``, ``avx512`` or ``avx2``), so that two machines of one name (a
     Xeon with AMX, and one whose hypervisor hides it) write apart."""
     unit = "amx" if features.has("amx_tile") else "avx512" if features.has("avx512f") else "avx2"
-    return f"{_slug(features.model)}-{unit}"
+    return f"{slug(features.model)}-{unit}"
 
 
 def report(

@@ -77,11 +77,7 @@ def ours(checkpoint: Any, prompts: list[list[int]], rounds: int) -> dict[str, li
     """Each mode's best seconds per prompt (``forward_extend`` of it whole)."""
     from graphrunner_ref.model.prompt_bf16 import bf16_matmul_units
 
-    modes = [
-        m
-        for m in ("float32", "bfloat16", "int4-q8", PREFILL_BF16)
-        if m != PREFILL_BF16 or bf16_matmul_units()
-    ]
+    modes = [m for m in MODES if m not in SERVED and (m != PREFILL_BF16 or bf16_matmul_units())]
     context = max(len(p) for p in prompts)
     bundles = {m: prefill_bundle(checkpoint, m, context) for m in modes}
     best = {m: [float("inf")] * len(prompts) for m in modes}
@@ -220,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = tuple(args.lengths)
     with torch_threads(1):
         gemms = gemm_rows(args.min_seconds)
-        peak = {
-            d: max(r["gflops"] for r in gemms if r["dtype"] == d)
-            for d in ("float32", "bfloat16", "int8")
-        }
+        peak = {d: max(r["gflops"] for r in gemms if r["dtype"] == d) for d in set(MODES.values())}
         bundle = prefill_bundle(checkpoint, "float32", max(lengths))
         flops = {n: prefill_flops(bundle.model, n) for n in lengths}
         prompts = _prompts(bundle.config.vocab_size, lengths)

@@ -102,7 +102,8 @@ def table(groups: list[str]) -> list[str]:
     return lines
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """``text`` as a results file's name: lower case, runs of anything else one dash."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
@@ -117,7 +118,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         lines = table([group])
         for line in lines:
             terminalreporter.write_line(line)
-        out = RESULTS_DIR / f"{_slug(group)}.md"
+        out = RESULTS_DIR / f"{slug(group)}.md"
         header = [f"# {group}", "", *(f"- {k}: {v}" for k, v in info.items()), ""]
         out.write_text("\n".join(header + lines) + "\n")
         raw = {
@@ -140,6 +141,6 @@ def _write_inputs() -> None:
     from graphrunner.sizing.report_file import write_capture_report
 
     for label, report in CAPTURES.items():
-        write_capture_report(report, RESULTS_DIR / f"capture-{_slug(label)}.json", mechanism=label)
+        write_capture_report(report, RESULTS_DIR / f"capture-{slug(label)}.json", mechanism=label)
     for name, panel in PADDING.items():
-        panel.write(RESULTS_DIR / f"padding-{_slug(name)}.json")
+        panel.write(RESULTS_DIR / f"padding-{slug(name)}.json")
