@@ -112,6 +112,21 @@ def test_neutral_rows_match_the_runner_without_penalties() -> None:
     assert run_penalized(_trace(neutral)) == run_penalized(_trace(neutral), penalties=False)
 
 
+def test_a_row_passed_between_penalized_and_plain_requests_keeps_each_ones_tokens() -> None:
+    """One request row, reused: a plain greedy request's first token is the
+    argmax, its row's counts (the penalized request's before it) left as
+    they were, and the penalized request after it starts its counts afresh."""
+    prompt = tuple(range(3, 11))
+    params = [SamplingParams(repetition_penalty=1.9, frequency_penalty=2.0), None]
+    trace = [Request(i, prompt, NEW, i, sampling=params[i % 2]) for i in range(3)]
+    bundle = default_model(max_requests=1, max_context_len=CTX)
+    runner = create_decode_runner(bundle, "eager", capture_sizes=[1], sampling=True, penalties=True)
+    runner.capture()
+    got = Engine(bundle, runner).run(trace).outputs
+    assert got == {r.rid: alone_tokens(r) for r in trace}
+    assert got[0] != got[1]  # the penalty bites: a stale count would show
+
+
 def test_a_runner_without_penalties_refuses_them_by_name() -> None:
     with pytest.raises(ValueError, match="repetition_penalty"):
         run_penalized(_trace(PARAMS[:1]), penalties=False)

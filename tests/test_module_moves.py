@@ -25,7 +25,7 @@ def test_a_chunked_prefill_step_is_plan_run_postprocess() -> None:
 
 
 def test_the_scheduler_and_the_admission_call_nothing_on_the_engine() -> None:
-    for name in ("scheduler.py", "admission.py"):
+    for name in ("scheduler.py", "admission.py", "workload.py"):
         source = (ENGINE / name).read_text()
         assert not re.search(r"\bengine\.[a-z_]+\(", source), name
         assert "graphrunner_ref.engine.loop" not in source, name
@@ -35,7 +35,9 @@ def test_a_streamed_completion_crosses_few_modules() -> None:
     """From the HTTP handler to the first token chunk: the HTTP side enters
     ``serve/online.py`` to submit and to take the step's deltas only (the
     engine thread's loop is ``serve/engine_thread.py``'s), and the moves of
-    both threads stay at what they were measured (23, from 62)."""
+    both threads stay within the goal of 20 (19 measured, from 62): an
+    added request is built and checked in one call, a plain greedy
+    request's first token is its argmax."""
     trace = streamed_completion()
     assert trace.entries("serve/online.py") <= 3, trace.summary()
-    assert trace.moves <= 23, trace.summary()
+    assert trace.moves <= 20, trace.summary()

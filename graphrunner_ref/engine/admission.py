@@ -1,28 +1,20 @@
-"""What may enter the engine: a trace's requests checked before they are
-queued (:func:`validate_trace`), and the engine options that depend on the
-model: the token budget of chunked prefill (:func:`check_token_budget`) and
-the prefix cache (:func:`prefix_cache_of`). Which requests join a step is
-the scheduler's (:mod:`~graphrunner_ref.engine.scheduler`)."""
+"""What may enter the engine: what its runner and pools admit, as data
+(:func:`admits_of`; each request is checked against it as it is built,
+:meth:`~graphrunner_ref.engine.workload.Admits.request`), and the engine options
+that depend on the model: the token budget of chunked prefill
+(:func:`check_token_budget`) and the prefix cache (:func:`prefix_cache_of`).
+Which requests join a step is the scheduler's
+(:mod:`~graphrunner_ref.engine.scheduler`)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 
 from graphrunner.pools import CachedKVAllocator
-from graphrunner.sampling import MAX_HOLD_TOKENS, TokenCounts
 from graphrunner_ref.engine.model_runner import ModelRunner
-from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.engine.workload import Admits
 
-__all__ = [
-    "check_greedy",
-    "check_penalties",
-    "check_token_budget",
-    "check_trace",
-    "extends_prefix",
-    "prefix_cache_of",
-    "validate_trace",
-]
+__all__ = ["admits_of", "check_token_budget", "extends_prefix", "prefix_cache_of"]
 
 
 def extends_prefix(bundle: object) -> bool:
@@ -50,41 +42,21 @@ def check_token_budget(bundle: object, token_budget: int | None) -> int | None:
     return token_budget
 
 
-def validate_trace(engine: ModelRunner, trace: Sequence[Request]) -> None:
-    """``trace`` checked before a run: valid requests, each fitting the
-    context and the KV pool, greedy unless the engine samples; a
-    ``ValueError`` or ``TypeError`` naming the request and the field."""
-    ctx, kv_room = engine.bundle.max_context_len, engine.bundle.kv_alloc.size
-    check_trace(trace, engine.bundle.config.vocab_size)
-    if not engine.sampling:
-        check_greedy(trace)
-    check_penalties(trace, engine.sampling_rows.counts, engine.bundle.config.vocab_size)
-    for r in trace:
-        _check_ignore_eos(engine, r)
-        if r.grammar is not None and not engine.sampling_rows.words:
-            raise ValueError(
-                f"request {r.rid}: a grammar (structured output) needs a runner whose step "
-                "masks the grammar's tokens; build it with create_decode_runner(..., "
-                "sampling=True, structured=True)"
-            )
-        if r.max_len > min(ctx, kv_room):
-            raise ValueError(
-                f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
-                f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
-                f"max_context_len {ctx} and <= KV slots {kv_room}"
-            )
-
-
-def _check_ignore_eos(engine: ModelRunner, r: Request) -> None:
-    """``r``'s ``ignore_eos`` refused where the runner stops rows itself:
-    several steps a launch end a row inside the launch at the engine's end
-    token, for every request alike."""
-    if r.ignore_eos and engine.end_token is not None and engine.runner.phase.steps > 1:
-        raise ValueError(
-            f"request {r.rid}: ignore_eos=True with {engine.runner.phase.steps} steps per "
-            f"launch: the runner ends every row at token {engine.end_token} inside a launch; "
-            "expected ignore_eos=False, or one step a launch"
-        )
+def admits_of(engine: ModelRunner) -> Admits:
+    """What ``engine``'s runner and pools admit, as data (read again when
+    its runner is replaced): the requests' checks read it and call nothing
+    on the engine."""
+    steps = engine.runner.phase.steps
+    return Admits(
+        vocab_size=engine.bundle.config.vocab_size,
+        max_context_len=engine.bundle.max_context_len,
+        kv_slots=engine.bundle.kv_alloc.size,
+        samples=engine.sampling,
+        penalties=engine.sampling_rows.counts is not None,
+        structured=bool(engine.sampling_rows.words),
+        launch_end=engine.end_token if steps > 1 else None,
+        steps=steps,
+    )
 
 
 def prefix_cache_of(bundle: object, prefix_caching: bool) -> CachedKVAllocator | None:
@@ -107,61 +79,3 @@ def prefix_cache_of(bundle: object, prefix_caching: bool) -> CachedKVAllocator |
             "expected a graphrunner.pools.CachedKVAllocator"
         )
     return cache
-
-
-def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
-    """Request ids unique and every prompt and stop token in ``0..vocab_size
-    - 1`` (ValueError naming the request and the token)."""
-    if len({r.rid for r in trace}) != len(trace):
-        raise ValueError("request ids must be unique")
-    for r in trace:
-        for what, ids in (("token id", r.prompt), ("stop_token_ids has", r.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {r.rid}: {what} {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
-                )
-
-
-def check_greedy(trace: Sequence[Request]) -> None:
-    """Every request of ``trace`` greedy (for a runner that does not sample),
-    or a ValueError naming the first that is not."""
-    for r in trace:
-        if r.sampling is not None and not r.sampling.greedy:
-            raise ValueError(
-                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
-                "samples; build it with create_decode_runner(..., sampling=True)"
-            )
-
-
-def check_penalties(trace: Sequence[Request], counts: TokenCounts | None, vocab: int) -> None:
-    """Every penalized request's logit bias within ``vocab`` and a runner that
-    applies penalties (``counts``, its token counts), and every request with
-    ``min_tokens`` on such a runner with at most ``MAX_HOLD_TOKENS`` end tokens
-    (the end token and ``stop_token_ids``), or a ValueError naming the first
-    request that fails."""
-    for r in trace:
-        if r.min_tokens and counts is None:
-            raise ValueError(
-                f"request {r.rid}: min_tokens={r.min_tokens} needs a runner that holds end "
-                "tokens back in its step; build it with create_decode_runner(..., "
-                "sampling=True, penalties=True), or expected min_tokens=0"
-            )
-        if r.min_tokens and len(set(r.stop_token_ids)) >= MAX_HOLD_TOKENS:
-            raise ValueError(
-                f"request {r.rid}: min_tokens={r.min_tokens} with {len(set(r.stop_token_ids))} "
-                f"stop_token_ids; expected at most {MAX_HOLD_TOKENS - 1} (the end token "
-                "besides)"
-            )
-        if r.sampling is None or not r.sampling.penalized:
-            continue
-        if counts is None:
-            raise ValueError(
-                f"request {r.rid}: repetition_penalty, presence_penalty, frequency_penalty or "
-                "logit_bias needs a runner that applies them; build it with "
-                "create_decode_runner(..., sampling=True, penalties=True)"
-            )
-        try:
-            r.sampling.check_vocab(vocab)
-        except ValueError as e:
-            raise ValueError(f"request {r.rid}: {e}") from None

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.sampling import TOKEN_BITMASK, SamplingParams, check_seed
 from graphrunner.util import ChunkSafeCall, Exclusive, deferred_interrupts
-from graphrunner_ref.engine.admission import check_token_budget, prefix_cache_of, validate_trace
+from graphrunner_ref.engine.admission import admits_of, check_token_budget, prefix_cache_of
 from graphrunner_ref.engine.bundle import ServingBundle, create_decode_runner, decode_step
 from graphrunner_ref.engine.check import CheckMode
 from graphrunner_ref.engine.grammar import GrammarFactory
@@ -218,6 +218,7 @@ class Engine:
             atol=atol,
         )
         self.check_mode = self.model.check_mode = CheckMode(self.model) if check else None
+        self.admits = admits_of(self.model)
         self.post = Postprocess(
             bundle,
             self._books,
@@ -241,6 +242,7 @@ class Engine:
     @runner.setter
     def runner(self, runner: GraphRunner) -> None:
         self.model.runner = runner
+        self.admits = admits_of(self.model)
         self._counts = RunnerCounts.of(runner)
 
     # -- the request API: add, abort, step ---------------------------------------
@@ -276,9 +278,9 @@ class Engine:
                 raise ValueError(
                     f"add_request: rid={rid} is still in the engine; expected a new id"
                 )
-            request = Request(
+            request = self.admits.request(
                 rid,
-                tuple(prompt),
+                prompt,
                 max_new_tokens,
                 run.clock,
                 sampling,
@@ -288,7 +290,6 @@ class Engine:
                 grammar=grammar,
                 stop=stop,
             )
-            validate_trace(self.model, [request])
             run.pending.append(request)
             self._rids.add(rid)
             self._next_rid = max(self._next_rid, rid + 1)
@@ -377,7 +378,7 @@ class Engine:
                     f"Engine.run: {len(self._rids)} requests added by add_request are open; "
                     "expected them finished, or close() first"
                 )
-            validate_trace(self.model, trace)
+            self.admits.check(trace)
             self._close()  # a fresh run: its own stats
             return self._run_trace(trace, max_steps, progress, interrupted)
 

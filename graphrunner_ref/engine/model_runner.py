@@ -206,8 +206,21 @@ class ModelRunner:
         return chunked.forward_extend(live.req_index, ids, slots, prefix_len=start)
 
     def first_token(self, live: LiveRequest, logits: torch.Tensor) -> torch.Tensor:
-        """Prefill's token from its last logits ``[vocab]`` (0-d, on device)."""
-        token = self.sampling_rows.first_token(live, logits) if self.sampling else logits.argmax()
+        """Prefill's token from its last logits ``[vocab]`` (0-d, on device):
+        the argmax for a plain greedy request (temperature 0, no penalty,
+        logit bias, ``min_tokens`` or grammar: what the sampled draw takes
+        for it, its token counts never read), else drawn by the sampling rows."""
+        request = live.request
+        params = request.sampling
+        plain = (
+            (params is None or (params.greedy and not params.penalized))
+            and not request.min_tokens
+            and live.matcher is None
+        )
+        if plain or not self.sampling:
+            token = logits.argmax()
+        else:
+            token = self.sampling_rows.first_token(live, logits)
         if self.logprobs:
             live.logprobs.append(first_logprobs(logits, token, self.logprobs))
         return token

@@ -24,7 +24,7 @@ import torch
 
 from graphrunner import FutureMap, GraphRunner
 from graphrunner.sizing import CaptureReport
-from graphrunner_ref.engine.admission import check_penalties, extends_prefix
+from graphrunner_ref.engine.admission import extends_prefix
 from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
     create_decode_runner,
     create_token_runner,
@@ -35,7 +35,7 @@ from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
 from graphrunner_ref.engine.spec_factory import speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
-from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.engine.workload import Request, check_penalties
 from graphrunner_ref.model.build import ModelBundle
 
 __all__ = [
@@ -124,7 +124,7 @@ def serve(
     (and the run's, unless ``run_progress`` says otherwise)."""
     hooks = hooks or Hooks()
     if config.speculative:
-        check_penalties(trace, None, bundle.config.vocab_size)  # refused by name
+        check_penalties(trace, False, bundle.config.vocab_size)  # refused by name
         return Outcome(_speculative(config, bundle, trace, hooks, progress))
     engine = open_engine(
         config, bundle, hooks=hooks, progress=progress, on_capture=on_capture, trace=trace

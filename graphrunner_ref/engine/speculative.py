@@ -45,7 +45,6 @@ from graphrunner.sampling import (
     check_seed,
     sample_rows,
 )
-from graphrunner_ref.engine.admission import check_trace
 from graphrunner_ref.engine.drafters import Drafter, RoundState, SpecRequest
 from graphrunner_ref.engine.loop import AdmissionError
 from graphrunner_ref.engine.ranks import refuse_sharded
@@ -54,7 +53,7 @@ from graphrunner_ref.engine.sampling import check_logprobs, first_logprobs
 from graphrunner_ref.engine.scheduler import seed_of
 from graphrunner_ref.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner_ref.engine.spec_verify import RoundVerifier, round_logprobs
-from graphrunner_ref.engine.workload import Request
+from graphrunner_ref.engine.workload import Request, check_trace
 from graphrunner_ref.model.build import ModelBundle
 
 __all__ = ["SpeculativeEngine", "SpeculativeResult", "SpeculativeStats"]

@@ -1,14 +1,16 @@
-"""Request traces: which prompts arrive at which engine step, and how much each may generate."""
+"""Request traces: which prompts arrive at which engine step, and how much
+each may generate; what an engine admits (:class:`Admits`), each request
+checked against it as it is built."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphrunner.sampling import SamplingParams
+from graphrunner.sampling import MAX_HOLD_TOKENS, SamplingParams
 
 if TYPE_CHECKING:
     from graphrunner_ref.engine.grammar import GrammarFactory
@@ -101,6 +103,138 @@ class Request:
     def samples(self) -> bool:
         """True when it draws its tokens (temperature > 0) rather than taking the argmax."""
         return self.sampling is not None and not self.sampling.greedy
+
+
+@dataclass(frozen=True, slots=True)
+class Admits:
+    """What an engine admits, as data (read from its runner and pools by
+    :func:`~graphrunner_ref.engine.admission.admits_of`): token ids below
+    ``vocab_size``; requests of at most ``max_context_len`` tokens and
+    ``kv_slots`` KV slots; and what its step does: ``samples`` (temperature
+    > 0), ``penalties`` (penalties, a logit bias and ``min_tokens``' hold),
+    ``structured`` (a grammar's mask), and, with ``steps`` > 1 steps a
+    launch, the end token at which the launch stops every row
+    (``launch_end``; None: none), which ``ignore_eos`` cannot lift."""
+
+    vocab_size: int
+    max_context_len: int
+    kv_slots: int
+    samples: bool = True
+    penalties: bool = True
+    structured: bool = True
+    launch_end: int | None = None
+    steps: int = 1
+
+    def request(
+        self,
+        rid: int,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        arrival_step: int = 0,
+        sampling: SamplingParams | None = None,
+        **options: Any,
+    ) -> Request:
+        """A :class:`Request` of these fields (``options``: its keyword
+        fields), built and checked against what is admitted at once: a
+        ``ValueError`` or ``TypeError`` naming the field, or the request."""
+        request = Request(rid, tuple(prompt), max_new_tokens, arrival_step, sampling, **options)
+        self.check([request])
+        return request
+
+    def check(self, trace: Sequence[Request]) -> None:
+        """``trace`` checked before a run: unique ids, token ids in the
+        vocabulary, each request fitting the context and the KV pool,
+        greedy unless the step samples, penalties, holds and grammars only
+        where the step applies them; a ``ValueError`` naming the request and
+        the field."""
+        check_trace(trace, self.vocab_size)
+        if not self.samples:
+            check_greedy(trace)
+        check_penalties(trace, self.penalties, self.vocab_size)
+        room = min(self.max_context_len, self.kv_slots)
+        for r in trace:
+            self._check_ignore_eos(r)
+            if r.grammar is not None and not self.structured:
+                raise ValueError(
+                    f"request {r.rid}: a grammar (structured output) needs a runner whose step "
+                    "masks the grammar's tokens; build it with create_decode_runner(..., "
+                    "sampling=True, structured=True)"
+                )
+            if r.max_len > room:
+                raise ValueError(
+                    f"request {r.rid}: prompt {len(r.prompt)} + max_new_tokens "
+                    f"{r.max_new_tokens} - 1 = {r.max_len} tokens; expected <= "
+                    f"max_context_len {self.max_context_len} and <= KV slots {self.kv_slots}"
+                )
+
+    def _check_ignore_eos(self, r: Request) -> None:
+        """``r``'s ``ignore_eos`` refused where the runner stops rows itself:
+        several steps a launch end a row inside the launch at the engine's
+        end token, for every request alike."""
+        if r.ignore_eos and self.launch_end is not None:
+            raise ValueError(
+                f"request {r.rid}: ignore_eos=True with {self.steps} steps per "
+                f"launch: the runner ends every row at token {self.launch_end} inside a launch; "
+                "expected ignore_eos=False, or one step a launch"
+            )
+
+
+def check_trace(trace: Sequence[Request], vocab_size: int) -> None:
+    """Request ids unique and every prompt and stop token in ``0..vocab_size
+    - 1`` (ValueError naming the request and the token)."""
+    if len({r.rid for r in trace}) != len(trace):
+        raise ValueError("request ids must be unique")
+    for r in trace:
+        for what, ids in (("token id", r.prompt), ("stop_token_ids has", r.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {r.rid}: {what} {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
+                )
+
+
+def check_greedy(trace: Sequence[Request]) -> None:
+    """Every request of ``trace`` greedy (for a runner that does not sample),
+    or a ValueError naming the first that is not."""
+    for r in trace:
+        if r.sampling is not None and not r.sampling.greedy:
+            raise ValueError(
+                f"request {r.rid}: temperature {r.sampling.temperature} needs a runner that "
+                "samples; build it with create_decode_runner(..., sampling=True)"
+            )
+
+
+def check_penalties(trace: Sequence[Request], penalties: bool, vocab: int) -> None:
+    """Every penalized request's logit bias within ``vocab`` and a runner that
+    applies penalties (``penalties``), and every request with
+    ``min_tokens`` on such a runner with at most ``MAX_HOLD_TOKENS`` end tokens
+    (the end token and ``stop_token_ids``), or a ValueError naming the first
+    request that fails."""
+    for r in trace:
+        if r.min_tokens and not penalties:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} needs a runner that holds end "
+                "tokens back in its step; build it with create_decode_runner(..., "
+                "sampling=True, penalties=True), or expected min_tokens=0"
+            )
+        if r.min_tokens and len(set(r.stop_token_ids)) >= MAX_HOLD_TOKENS:
+            raise ValueError(
+                f"request {r.rid}: min_tokens={r.min_tokens} with {len(set(r.stop_token_ids))} "
+                f"stop_token_ids; expected at most {MAX_HOLD_TOKENS - 1} (the end token "
+                "besides)"
+            )
+        if r.sampling is None or not r.sampling.penalized:
+            continue
+        if not penalties:
+            raise ValueError(
+                f"request {r.rid}: repetition_penalty, presence_penalty, frequency_penalty or "
+                "logit_bias needs a runner that applies them; build it with "
+                "create_decode_runner(..., sampling=True, penalties=True)"
+            )
+        try:
+            r.sampling.check_vocab(vocab)
+        except ValueError as e:
+            raise ValueError(f"request {r.rid}: {e}") from None
 
 
 def _check_token_ids(what: str, ids: object) -> None:
