@@ -24,13 +24,22 @@ def read_kv(
     in ``dtype``: a float cache widened (or narrowed), an int8 cache's values
     times their ``scale [slots, H_kv]`` (:meth:`Int8KVCache.dequantize`)."""
     if scale is not None:
-        return Int8KVCache.dequantize(buf[slots], scale[slots], dtype)
+        return Int8KVCache.dequantize(_rows(buf, slots), _rows(scale, slots), dtype)
     if buf.dtype == torch.int8:
         raise ValueError(
             "an int8 KV cache read without its scales: expected the (k, v) scales of "
             "graphrunner.pools.Int8KVCache.get_scales with it"
         )
-    return buf[slots].to(dtype)
+    return _rows(buf, slots).to(dtype)
+
+
+def _rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buf[slots]`` by ``index_select`` over the flat slots: the same rows,
+    copied whole (on the CPU about 3x faster than advanced indexing, which
+    copies element by element; a prefix-cache hit's prompt reads a whole
+    cached prefix this way every layer)."""
+    rows = buf.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *buf.shape[1:])
 
 
 def decode_columns(
