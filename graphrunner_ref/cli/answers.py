@@ -25,7 +25,6 @@ from typing import Any
 from graphrunner.sizing import CaptureReport
 from graphrunner_ref.cli import sampling as cli_sampling
 from graphrunner_ref.cli.common import write_atomically
-from graphrunner_ref.cli.report import prefix_cache_part
 from graphrunner_ref.cli.text import Inputs
 from graphrunner_ref.engine.results import EngineStats, TokenLogprobs
 from graphrunner_ref.io.stop import StopStrings, cut_at_stop
@@ -104,11 +103,13 @@ def summary(
     padded_fraction: float | None,
     capture: CaptureReport | None,
     stats: EngineStats | None = None,
+    prefix_cache: str | None = None,
 ) -> str:
     """The run's summary line: requests, prompt and generated tokens, decode
     tokens/s (the replays alone; with ``stats``, also each decode step
     whole, as another engine's loop is timed), the padded-row fraction, the
-    prefix cache's hit rate, the
+    prefix cache's hit rate (``prefix_cache``, the engine's or the
+    speculative engine's :func:`prefix_cache_part`), the
     capture time (with its start: cold where something compiled afresh, warm
     where the compile caches answered) and the graph launches and
     device-to-host reads per decode token (the last three when known)."""
@@ -122,8 +123,8 @@ def summary(
         parts[-1] += f" ({stats.wall_tokens_per_second:,.1f} timing whole steps)"
     if padded_fraction is not None:
         parts.append(f"padded rows {padded_fraction:.1%}")
-    if stats is not None:
-        parts.append(prefix_cache_part(stats))
+    if prefix_cache is not None:
+        parts.append(prefix_cache)
     if capture is not None:
         start = "" if capture.start == "none" else f" ({capture.start} start)"
         parts.append(f"capture {capture.total_seconds:.1f} s{start}")
@@ -148,6 +149,7 @@ class Served:
     padded_fraction: float | None = None
     capture: CaptureReport | None = None
     stats: EngineStats | None = None
+    prefix_cache: str | None = None
 
 
 def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
@@ -180,6 +182,7 @@ def emit(args: argparse.Namespace, inputs: Inputs, served: Served) -> int:
             padded_fraction=served.padded_fraction,
             capture=served.capture,
             stats=served.stats,
+            prefix_cache=served.prefix_cache,
         )
         print(line, file=sys.stderr)
     return 0

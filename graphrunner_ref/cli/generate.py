@@ -120,4 +120,5 @@ def _serve(
         engine_stats.padded_fraction if engine_stats and not config.overlap else None,
         outcome.capture if not config.overlap else None,
         engine_stats,
+        cli_report.prefix_cache_part(stats),
     )

@@ -483,7 +483,7 @@ def _scheduling(p: _Options) -> None:
         action="store_false",
         help="compute every prompt from its first token (default: a prompt's full pages "
         "already in the KV cache, from an earlier prompt or answer, are shared and not "
-        "computed again; off by itself for a Mamba/Jamba checkpoint or --speculative)",
+        "computed again; off by itself for a Mamba/Jamba checkpoint or --speculative eagle)",
     )
     p.add_argument(
         "--token-capture-sizes",

@@ -14,7 +14,7 @@ from graphrunner.sizing import CaptureReport
 from graphrunner_ref.engine.loop import EngineResult
 from graphrunner_ref.engine.results import EngineStats
 from graphrunner_ref.engine.serving import samples
-from graphrunner_ref.engine.spec_stats import SpeculativeResult
+from graphrunner_ref.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.model import ModelConfig
 
@@ -99,9 +99,9 @@ def report(result: EngineResult) -> None:
     print(f"mismatches: {s.mismatches}")
 
 
-def prefix_cache_part(stats: EngineStats) -> str:
+def prefix_cache_part(stats: EngineStats | SpeculativeStats) -> str:
     """The prefix cache's share of the admitted prompt tokens."""
-    hit, prompt = stats.cached_tokens, stats.admitted_prompt_tokens
+    hit, prompt = stats.cached_tokens, stats.cached_tokens + stats.prefill_tokens
     return f"prefix cache hit rate {stats.prefix_hit_rate:.1%} ({hit}/{prompt})"
 
 
@@ -158,7 +158,7 @@ def speculative_report(
     print(
         f"speculative: {args.speculative} ({args.draft} draft), K={args.draft_tokens}: "
         f"{s.steps} rounds, {s.decode_tokens} tokens; prefill: {s.prefills} requests; "
-        f"finished {len(result.finished)} requests"
+        f"finished {len(result.finished)} requests; {prefix_cache_part(s)}"
     )
     print(
         f"acceptance: {s.acceptance_rate:.1%} ({s.accepted} of {s.proposed} drafts), "

@@ -35,13 +35,20 @@ __all__ = [
 
 
 class Drafter(Protocol):
-    """Proposes ``K`` tokens per request and keeps its state across rounds."""
+    """Proposes ``K`` tokens per request and keeps its state across rounds.
+
+    ``reads_cached_prefix``: True when what it keeps of a prompt is the
+    target's KV and the last position's feature only, so a prompt whose
+    prefix the prefix cache holds is prefilled from its first uncached
+    token (``prefill`` then sees that token onwards)."""
 
     k: int
+    reads_cached_prefix: bool
 
     def prefill(self, req: SpecRequest, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
         """After the target's prefill: ``prompt`` int64 ``[n]`` (cached at
-        ``req.slots``), ``hidden`` ``[n, hidden]`` the target's features."""
+        ``req.slots``; a cached prefix's tokens left out), ``hidden``
+        ``[n, hidden]`` the target's features."""
 
     def propose(self, state: RoundState) -> torch.Tensor:
         """Draft tokens int64 ``[bs, K]`` on the device."""
@@ -74,6 +81,8 @@ def _stack_bonus(state: RoundState) -> torch.Tensor:
 class TargetDrafter:
     """The target proposes its own greedy tokens with ``K`` decode steps
     (``shift=1``: each shifted by one token, so none is ever accepted)."""
+
+    reads_cached_prefix = True  # it keeps nothing of the prompt
 
     def __init__(self, model: LlamaDecoder, decode: GraphRunner, k: int, *, shift: int = 0):
         self.model, self.decode, self.k, self.shift = model, decode, k, shift
@@ -113,6 +122,8 @@ class MtpDrafter:
     captured loop that draws its tokens (``FrozenKvMtpRunner(sampling=True)``);
     without it a sampling round takes the greedy loop's deterministic drafts.
     """
+
+    reads_cached_prefix = True  # the target's KV (frozen) and the last feature
 
     def __init__(
         self, runner: GraphRunner, k: int, sampled: Callable[[], GraphRunner] | None = None
@@ -156,7 +167,13 @@ class EagleDrafter:
     writing the head's KV in the round's fresh slots; the draft extend over
     the verified tokens then rewrites those slots' draft KV with the target's
     features and proposes the next round's seed.
+
+    Not through the prefix cache: the head's KV at position ``p`` holds the
+    token at ``p + 1`` too, which a cached page of tokens ``..p`` does not
+    key (two prompts sharing it may differ there).
     """
+
+    reads_cached_prefix = False
 
     def __init__(
         self, head: EagleHead, extend: GraphRunner, decode: GraphRunner | None, k: int

@@ -33,7 +33,7 @@ from graphrunner_ref.engine.bundle import (  # registers the built-in kinds
 from graphrunner_ref.engine.config import DEFAULT_BATCHED_TOKENS, EngineConfig, UsageError
 from graphrunner_ref.engine.loop import Engine, EngineResult
 from graphrunner_ref.engine.registry import ModelKind, ServingBundle, kind_for
-from graphrunner_ref.engine.spec_factory import speculative_engine
+from graphrunner_ref.engine.spec_factory import caches_prefix, speculative_engine
 from graphrunner_ref.engine.spec_stats import SpeculativeResult
 from graphrunner_ref.engine.workload import Request, check_penalties
 from graphrunner_ref.model.build import ModelBundle
@@ -309,10 +309,11 @@ def _speculative(
 ) -> SpeculativeResult:
     if not isinstance(bundle, ModelBundle):  # the draft heads read the native decoder
         raise UsageError(f"--speculative {config.speculative}: expected the native model")
+    method = config.speculative or ""
     engine = speculative_engine(
         bundle,
         config.runner,
-        method=config.speculative or "",
+        method=method,
         draft=config.draft,
         k=config.draft_tokens,
         capture_sizes=list(config.capture_sizes) or None,
@@ -322,6 +323,7 @@ def _speculative(
         show_progress=progress,
         end_token=hooks.end_token,
         logprobs=config.logprobs,
+        prefix_caching=config.prefix_caching and caches_prefix(method, config.draft),
         **config.mechanism_options,
     )
     return engine.run(trace, max_steps=config.max_steps, progress=progress)

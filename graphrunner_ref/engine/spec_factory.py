@@ -4,7 +4,7 @@ draft head and its runners, each captured on the chosen mechanism."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 from graphrunner import (
     GraphRunner,
@@ -20,6 +20,7 @@ from graphrunner.phases import (
     frozen_kv_sanitizer,
     verify_phase,
 )
+from graphrunner_ref.engine.admission import prefix_cache_of
 from graphrunner_ref.engine.drafters import Drafter, EagleDrafter, MtpDrafter, TargetDrafter
 from graphrunner_ref.engine.loop import create_decode_runner
 from graphrunner_ref.engine.ranks import refuse_sharded
@@ -80,6 +81,7 @@ def speculative_engine(
     end_token: int | None = None,
     run_seed: int = 0,
     logprobs: int = 0,
+    prefix_caching: bool = False,
     **mechanism_options: Any,
 ) -> SpeculativeEngine:
     """A :class:`SpeculativeEngine` over ``bundle`` with every runner captured.
@@ -96,6 +98,9 @@ def speculative_engine(
         run_seed: the run seed sampling requests without a seed of their own
             derive theirs from (:class:`SpeculativeEngine`'s ``seed``).
         logprobs: N >= 1 collects each token's log-probability and top N.
+        prefix_caching: share the KV of prompts' cached prefixes (the
+            bundle's ``kv_alloc`` a ``CachedKVAllocator``); refused for an
+            EAGLE head (:func:`caches_prefix` says which drafts take it).
     """
     refuse_sharded(bundle, "speculative decoding (draft heads are not sharded)")
     if method not in METHODS:
@@ -131,7 +136,18 @@ def speculative_engine(
         seed=run_seed,
         sampled_verify=sampled_verify,
         logprobs=logprobs,
+        prefix_cache=prefix_cache_of(bundle, prefix_caching),
     )
+
+
+def caches_prefix(method: str, draft: str) -> bool:
+    """Whether the drafter of ``method`` and ``draft`` reads a cached prefix
+    (``Drafter.reads_cached_prefix``): the target's own drafts and MTP do,
+    an EAGLE head does not."""
+    if draft in _TARGET_SHIFT:
+        return TargetDrafter.reads_cached_prefix
+    drafter = get_type_hints(DRAFT_HEADS[method])["return"]
+    return bool(drafter.reads_cached_prefix)
 
 
 def _drafter(cap: _Capture, method: str, draft: str, k: int, seed: int) -> Drafter:
@@ -155,7 +171,7 @@ def _target(cap: _Capture, k: int, shift: int) -> Drafter:
     return TargetDrafter(b.model, _captured(target_decode), k, shift=shift)
 
 
-def _mtp(cap: _Capture, k: int, seed: int) -> Drafter:
+def _mtp(cap: _Capture, k: int, seed: int) -> MtpDrafter:
     b = cap.bundle
     head = FrozenKvMtpHead(b.model, steps=k, topk=1)
     init_draft_weights(head, seed)
@@ -170,7 +186,7 @@ def _mtp(cap: _Capture, k: int, seed: int) -> Drafter:
     return MtpDrafter(runner, k, sampled)
 
 
-def _eagle(cap: _Capture, k: int, seed: int) -> Drafter:
+def _eagle(cap: _Capture, k: int, seed: int) -> EagleDrafter:
     b = cap.bundle
     cfg = b.config
     draft_kv = KVCache(

@@ -14,13 +14,20 @@ class SpeculativeStats:
 
     steps: int = 0  # rounds (one verify each)
     prefills: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (a cached prefix's not)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
     decode_tokens: int = 0  # tokens emitted by rounds (prefill's first tokens excluded)
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     grammar_refused: int = 0  # drafts a request's grammar did not allow (never accepted)
     decode_seconds: float = 0.0  # drafting, verify and accept
     batch_sizes: dict[int, int] = field(default_factory=dict)  # rounds per live bs
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The admitted prompt tokens' share that the prefix cache held."""
+        prompt = self.cached_tokens + self.prefill_tokens
+        return self.cached_tokens / prompt if prompt else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -15,6 +15,11 @@ Every round allocates ``K + 1`` fresh KV slots per request (positions
 no slot leaks; a run frees everything it allocated, also when it raises.
 KV pages of one slot only (``page_size == 1``).
 
+With a prefix cache (a drafter that ``reads_cached_prefix``: MTP, the
+target's own drafts), a prompt's cached prefix is mapped into its row and
+its prefill starts at the first uncached token; its prompt is indexed once
+prefilled, and freeing it drops its references (the pages stay cached).
+
 A request with a grammar (structured output) has its drafts checked against
 it: before the verify, its matcher walks the bonus token and the drafts,
 filling the bitmask of each position (``RoundState.bitmask``) until a draft
@@ -38,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphrunner import GraphRunner
+from graphrunner.pools import CachedKVAllocator
 from graphrunner.sampling import (
     ALLOW_ALL,
     apply_token_bitmask,
@@ -100,6 +106,7 @@ class SpeculativeEngine:
         seed: int = 0,
         sampled_verify: Callable[[], GraphRunner] | None = None,
         logprobs: int = 0,
+        prefix_cache: CachedKVAllocator | None = None,
     ) -> None:
         if bundle.page_size != 1:
             raise ValueError(
@@ -112,7 +119,16 @@ class SpeculativeEngine:
             raise ValueError(
                 f"verify runner width {width}: expected drafter.k + 1 = {drafter.k + 1}"
             )
+        if prefix_cache is not None and not drafter.reads_cached_prefix:
+            raise ValueError(
+                f"prefix_cache with a {type(drafter).__name__}: its draft KV at a position "
+                "holds the next token too, which a cached prefix's page does not key; "
+                "expected prefix_cache=None (--no-prefix-caching)"
+            )
+        if prefix_cache is not None and prefix_cache is not bundle.kv_alloc:
+            raise ValueError("prefix_cache: expected the bundle's kv_alloc (a CachedKVAllocator)")
         self.bundle, self.verify, self.drafter = bundle, verify, drafter
+        self.prefix_cache = prefix_cache
         self.k, self.end_token = drafter.k, end_token
         self.device = bundle.device
         self.seed = check_seed("seed", seed)
@@ -194,10 +210,13 @@ class SpeculativeEngine:
         run.live.append(live)
         if request.grammar is not None:
             live.matcher = _matcher(request)
-        live.slots = b.kv_alloc.alloc(len(request.prompt))
-        prompt = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
-        slots = torch.tensor(live.slots, dtype=torch.int64, device=self.device)
-        hidden = b.model.extend_hidden(live.req_index, prompt, slots)
+        cached = self._prompt_slots(live)
+        run.stats.cached_tokens += cached
+        prompt = torch.tensor(request.prompt[cached:], dtype=torch.int64, device=self.device)
+        slots = torch.tensor(live.slots[cached:], dtype=torch.int64, device=self.device)
+        hidden = b.model.extend_hidden(live.req_index, prompt, slots, prefix_len=cached)
+        if self.prefix_cache is not None:  # its full pages serve later prompts
+            self.prefix_cache.insert(request.prompt, live.slots)
         logits = b.model.logits(hidden[-1]).view(1, -1)
         if live.matcher is not None:
             mask = self._bitmask(1)
@@ -211,10 +230,30 @@ class SpeculativeEngine:
             token = logits.argmax()
         live.bonus = int(token)
         run.stats.prefills += 1
-        run.stats.prefill_tokens += len(request.prompt)
+        run.stats.prefill_tokens += len(request.prompt) - cached
         entries = [first_logprobs(logits[0], token, self.logprobs)] if self.logprobs else None
         if self._emit(run, live, [live.bonus], entries):
             self.drafter.prefill(live, prompt, hidden)
+
+    def _prompt_slots(self, live: SpecRequest) -> int:
+        """``live``'s prompt slots (``live.slots``): with a prefix cache, its
+        cached prefix's first, held and mapped into its row. Returns how many
+        tokens were cached (its prefill starts there)."""
+        prompt, b, cache = live.request.prompt, self.bundle, self.prefix_cache
+        if cache is None:
+            live.slots = b.kv_alloc.alloc(len(prompt))
+            return 0
+        hit = cache.match(prompt)
+        shared = cache.acquire(hit.pages)
+        try:
+            own = cache.alloc(len(prompt) - hit.cached_tokens)
+        except BaseException:
+            cache.release(hit.pages)
+            raise
+        live.slots = shared + own
+        if shared:
+            b.req_pool.write(live.req_index, 0, shared)
+        return hit.cached_tokens
 
     def _round(self, run: _SpecRun) -> None:
         b, k, start = self.bundle, self.k, time.perf_counter()
