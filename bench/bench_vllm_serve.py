@@ -199,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--only", default="", help="comma-separated: run only contenders whose label has one"
     )
+    p.add_argument(
+        "--skip", default="", help="comma-separated: skip the contenders whose label has one"
+    )
     args = p.parse_args(argv)
     python = vllm_python()
     if python is None:
@@ -208,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for contender in _contenders(args, python):
-            if args.only and not any(part in contender.label for part in args.only.split(",")):
+            if not _chosen(contender.label, args.only, args.skip):
                 continue
             port = free_port()
             print(f"{contender.label}: starting", file=sys.stderr, flush=True)
@@ -226,6 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _chosen(label: str, only: str, skip: str) -> bool:
+    """Whether ``label`` runs: it has a part of ``only`` (or ``only`` is
+    empty) and none of ``skip`` (comma-separated parts)."""
+    parts = [p for p in skip.split(",") if p]
+    if any(part in label for part in parts):
+        return False
+    return not only or any(part in label for part in only.split(","))
+
+
 def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, float]]]) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"vllm-bench-serve-{args.name}"
@@ -239,6 +251,7 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, 
         f"--model {args.model} --num-prompts {args.num_prompts} --concurrency "
         f"{args.concurrency} --name {args.name}"
         + (f" --only '{args.only}'" if getattr(args, "only", "") else "")
+        + (f" --skip '{args.skip}'" if getattr(args, "skip", "") else "")
         + "`",
         f"- {args.num_prompts} prompts a workload, concurrency {args.concurrency}; vLLM "
         "in bfloat16 and float32, its prefix cache on (its default); the ratio is against "

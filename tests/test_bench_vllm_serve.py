@@ -1,7 +1,8 @@
 """``bench.bench_vllm_serve`` without vLLM and over a stand-in load
 generator: it refuses to run without ``GRAPHRUNNER_VLLM_PYTHON``, every row is
 held against vLLM's of the same workload, and a server that exits at once is
-reported with its log instead of being waited for."""
+reported with its log instead of being waited for; `--only` and `--skip`
+pick the contenders by label."""
 
 from __future__ import annotations
 
@@ -52,3 +53,13 @@ def test_a_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
     refused = pytest.raises(RuntimeError, match=r"exited \(3\)[\s\S]*no model here")
     with refused, b.serving(quits, b.free_port(), tmp_path):
         pass
+
+
+def test_only_and_skip_pick_the_contenders_by_label() -> None:
+    chosen = b._chosen
+    label = "graphrunner int4-q8 kv16, --prefill-bf16"
+    assert chosen(label, "", "")
+    assert chosen(label, "vLLM,kv16", "")
+    assert not chosen(label, "vLLM", "")
+    assert not chosen(label, "kv16", "prefill-bf16")
+    assert chosen("graphrunner int4-q8 kv16", "kv16", "prefill-bf16,")
