@@ -31,7 +31,6 @@ from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, 
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.sealed import (
-    VERSION,
     SealKey,
     host_min_max,
     is_keyed_type,
@@ -176,13 +175,6 @@ def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, in
     empty: :class:`~graphrunner.declare.sealed.SealedInputs` answer from what
     they knew when they made the mirror (a lookup); any other inputs object
     pays one host ``aminmax``."""
-    # A DecodeBatch's known ranges, checked here rather than through its
-    # host_range(): this runs in every replay's backend check, and a call into
-    # the batch module would put that module on the replay's path.
-    known = getattr(inputs, "host_ranges", None)
-    entry = None if known is None else known.get(name)
-    if entry is not None and entry[0] is values and entry[1] == VERSION.__get__(values):
-        return entry[2], entry[3]
     if is_sealed_inputs(inputs):
         return inputs.host_range(name)
     return host_min_max(values)
