@@ -197,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument(
+        "--workloads",
+        default="random,prefix",
+        help="comma-separated: the workloads to run (random, prefix)",
+    )
+    p.add_argument(
         "--only", default="", help="comma-separated: run only contenders whose label has one"
     )
     p.add_argument(
@@ -207,7 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if python is None:
         print(f"{VLLM_PYTHON} names no python with vLLM; nothing to compare with", file=sys.stderr)
         return 2
-    workloads = _workloads(args)
+    wanted = [w for w in args.workloads.split(",") if w]
+    workloads = {n: w for n, w in _workloads(args).items() if n.split()[0] in wanted}
+    if not workloads:
+        print(f"--workloads {args.workloads!r}: expected random, prefix or both", file=sys.stderr)
+        return 2
     rows: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for contender in _contenders(args, python):
@@ -252,6 +261,15 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, 
         f"{args.concurrency} --name {args.name}"
         + (f" --only '{args.only}'" if getattr(args, "only", "") else "")
         + (f" --skip '{args.skip}'" if getattr(args, "skip", "") else "")
+        + "".join(
+            f" --{flag} {getattr(args, flag.replace('-', '_'))}"
+            for flag, default in (
+                ("random-input-len", 256),
+                ("context", 2048),
+                ("workloads", "random,prefix"),
+            )
+            if getattr(args, flag.replace("-", "_"), default) != default
+        )
         + "`",
         f"- {args.num_prompts} prompts a workload, concurrency {args.concurrency}; vLLM "
         "in bfloat16 and float32, its prefix cache on (its default); the ratio is against "
