@@ -44,16 +44,8 @@ def _run(
     method: str, draft: str, cached: bool, trace: list[Request], **options: object
 ) -> SpeculativeResult:
     bundle = default_model(max_requests=4, max_context_len=48, dtype=torch.float64)
-    engine = speculative_engine(
-        bundle,
-        "eager",
-        method=method,
-        draft=draft,
-        k=2,
-        capture_sizes=SIZES,
-        prefix_caching=cached,
-        **options,
-    )
+    options |= {"k": 2, "capture_sizes": SIZES, "prefix_caching": cached}
+    engine = speculative_engine(bundle, "eager", method=method, draft=draft, **options)
     result = engine.run(trace)
     alloc = bundle.kv_alloc
     assert alloc.allocated() == frozenset()  # every page free or cached, none held
