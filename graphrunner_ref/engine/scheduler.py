@@ -124,7 +124,8 @@ class Scheduler:
         if cache is None:
             live.pages = b.kv_alloc.alloc(need)
         else:
-            live.pages = _cached_pages(cache, live, need)
+            live.pages, live.cached = prefix_then_fresh(cache, req.prompt, need)
+            live.prefilled = live.cached
             run.stats.cached_tokens += live.cached
             if live.cached:
                 b.req_pool.write(live.req_index, 0, live.pages[: live.cached])
@@ -138,19 +139,21 @@ def seed_of(request: Request, run_seed: int) -> int:
     return own if own is not None else request_seed(run_seed, request.rid)
 
 
-def _cached_pages(cache: CachedKVAllocator, live: LiveRequest, need: int) -> list[int]:
-    """``need`` KV slots for ``live``'s prompt: its cached prefix's pages held
-    (``live.cached`` and ``live.prefilled`` set to their tokens), then fresh
-    ones; on a failure nothing stays held."""
-    hit = cache.match(live.request.prompt)
+def prefix_then_fresh(
+    cache: CachedKVAllocator, prompt: Sequence[int], need: int
+) -> tuple[list[int], int]:
+    """``need`` KV slots for ``prompt``: its cached prefix's pages held, then
+    fresh ones; and how many of its tokens were cached (its prefill starts
+    there). On a failure nothing stays held. The engine's scheduler and the
+    speculative engine admit a prompt through it."""
+    hit = cache.match(prompt)
     shared = cache.acquire(hit.pages)
     try:
         own = cache.alloc(need - hit.cached_tokens)
     except BaseException:
         cache.release(hit.pages)
         raise
-    live.cached = live.prefilled = hit.cached_tokens
-    return shared + own
+    return shared + own, hit.cached_tokens
 
 
 def _plan_chunks(run: Run, first: int, budget: int | None) -> tuple[list[Chunk], int | None]:

@@ -56,7 +56,7 @@ from graphrunner_ref.engine.loop import AdmissionError
 from graphrunner_ref.engine.ranks import refuse_sharded
 from graphrunner_ref.engine.results import TokenLogprobs
 from graphrunner_ref.engine.sampling import check_logprobs, first_logprobs
-from graphrunner_ref.engine.scheduler import seed_of
+from graphrunner_ref.engine.scheduler import prefix_then_fresh, seed_of
 from graphrunner_ref.engine.spec_stats import SpeculativeResult, SpeculativeStats
 from graphrunner_ref.engine.spec_verify import RoundVerifier, round_logprobs
 from graphrunner_ref.engine.workload import Request, check_trace
@@ -243,17 +243,10 @@ class SpeculativeEngine:
         if cache is None:
             live.slots = b.kv_alloc.alloc(len(prompt))
             return 0
-        hit = cache.match(prompt)
-        shared = cache.acquire(hit.pages)
-        try:
-            own = cache.alloc(len(prompt) - hit.cached_tokens)
-        except BaseException:
-            cache.release(hit.pages)
-            raise
-        live.slots = shared + own
-        if shared:
-            b.req_pool.write(live.req_index, 0, shared)
-        return hit.cached_tokens
+        live.slots, cached = prefix_then_fresh(cache, prompt, len(prompt))
+        if cached:
+            b.req_pool.write(live.req_index, 0, live.slots[:cached])
+        return cached
 
     def _round(self, run: _SpecRun) -> None:
         b, k, start = self.bundle, self.k, time.perf_counter()
