@@ -185,20 +185,29 @@ def _row(result: dict[str, Any]) -> dict[str, float]:
     return {k: float(result.get(k, float("nan"))) for k in keys}
 
 
+#: Options the results file's command names only where a run changed them,
+#: by flag, with their defaults.
+NAMED_IF_CHANGED: dict[str, int | str] = {
+    "random-input-len": 256,
+    "context": 2048,
+    "workloads": "random,prefix",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a checkpoint directory both servers load")
     p.add_argument("--name", default="smollm2")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-input-len", type=int, default=NAMED_IF_CHANGED["random-input-len"])
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--context", type=int, default=NAMED_IF_CHANGED["context"])
     p.add_argument(
         "--workloads",
-        default="random,prefix",
+        default=NAMED_IF_CHANGED["workloads"],
         help="comma-separated: the workloads to run (random, prefix)",
     )
     p.add_argument(
@@ -263,11 +272,7 @@ def write_results(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, 
         + (f" --skip '{args.skip}'" if getattr(args, "skip", "") else "")
         + "".join(
             f" --{flag} {getattr(args, flag.replace('-', '_'))}"
-            for flag, default in (
-                ("random-input-len", 256),
-                ("context", 2048),
-                ("workloads", "random,prefix"),
-            )
+            for flag, default in NAMED_IF_CHANGED.items()
             if getattr(args, flag.replace("-", "_"), default) != default
         )
         + "`",
