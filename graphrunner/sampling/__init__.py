@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from graphrunner.sampling.argmax import row_argmax
 from graphrunner.sampling.params import (
     MAX_LOGIT_BIAS,
     MAX_SEED,
@@ -67,6 +68,7 @@ __all__ = [
     "penalty_tensors",
     "rejection_sample",
     "request_seed",
+    "row_argmax",
     "rows_probs",
     "sample",
     "sample_rows",

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from graphrunner.sampling.argmax import row_argmax
 from graphrunner.sampling.gate import unless
 from graphrunner.sampling.random import uniform
 
@@ -148,7 +149,7 @@ def sample(
 
 def _argmax(logits: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     """Every row's greedy token: a batch in which no live row samples."""
-    return logits.argmax(-1)
+    return row_argmax(logits)
 
 
 def _drawn(*operands: torch.Tensor, draw: int) -> torch.Tensor:
@@ -164,7 +165,7 @@ def _drawn(*operands: torch.Tensor, draw: int) -> torch.Tensor:
     # a number) picks its first sorted token instead of indexing out of range.
     index = torch.minimum((cdf <= u).sum(-1, keepdim=True), last).clamp_(min=0)
     token = ids.gather(-1, index).squeeze(-1)
-    return torch.where(temperature == 0, logits.argmax(-1), token)
+    return torch.where(temperature == 0, row_argmax(logits), token)
 
 
 def rows_probs(logits: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:

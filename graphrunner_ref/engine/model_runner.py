@@ -23,6 +23,7 @@ from graphrunner import DecodeBatch, GraphRunner
 from graphrunner.declare import StepInputs
 from graphrunner.phases import token_batch_inputs, with_sampling
 from graphrunner.pools import CachedKVAllocator, starts_page
+from graphrunner.sampling import row_argmax
 from graphrunner_ref.engine.registry import DecodeStep, ServingBundle
 from graphrunner_ref.engine.results import (
     Chunk,
@@ -218,7 +219,7 @@ class ModelRunner:
             and live.matcher is None
         )
         if plain or not self.sampling:
-            token = logits.argmax()
+            token = row_argmax(logits.unsqueeze(0))[0]
         else:
             token = self.sampling_rows.first_token(live, logits)
         if self.logprobs:
@@ -327,4 +328,4 @@ def logits_of(out: StepOut) -> torch.Tensor:
 
 def tokens_of(out: StepOut) -> torch.Tensor:
     """Each row's token ``[bs]``: the sampled step's, or the logits' argmax."""
-    return out["tokens"] if isinstance(out, dict) else out.argmax(-1)
+    return out["tokens"] if isinstance(out, dict) else row_argmax(out)
