@@ -85,14 +85,14 @@ def test_an_empty_aot_cache_is_refused_by_name(tmp_path: Path, prompts: Path) ->
     assert "--aot-cache: '' is empty; expected a folder, auto or none" in proc.stderr
 
 
-def test_a_restarted_server_compiles_its_sampled_step_and_says_why(
+def test_a_restarted_server_loads_its_sampled_steps_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A served step samples, and skips the sort where no live row draws
-    (torch.cond, which a saved program cannot hold): saved, it would sort
-    every step (2.7x a served SmolLM2 int4-q8 token). Each start compiles
-    it in process and its capture line says why nothing was saved; the
-    answers do not change between starts."""
+    (torch.cond, which a saved program cannot hold): saved whole, it would
+    sort every step (2.7x a served SmolLM2 int4-q8 token). Its model is
+    saved at the first start and loaded at the next, the sampler run after
+    it in process, as the capture lines say; the answers do not change."""
     monkeypatch.delenv(AOT_ENV, raising=False)  # the server's environment is ours plus env
     env = _user_env(tmp_path / "cache")
     starts = []
@@ -103,6 +103,8 @@ def test_a_restarted_server_compiles_its_sampled_step_and_says_why(
             starts.append(("".join(s.log), answer["choices"][0]["token_ids"]))
             assert s.stop() == 0
     (first, first_tokens), (second, second_tokens) = starts
-    for log in (first, second):
-        assert "not saved (refused (the step skips work no live row needs" in log, log
+    model = "(the model's; the sampler after it)"
+    assert f"program {model} saved in " in first, first
+    assert f"its saved program {model} loaded from " in second, second
+    assert "not saved" not in first + second
     assert second_tokens == first_tokens

@@ -232,13 +232,13 @@ def test_step_picks_the_reference_token_and_counts_only_its_own_rows(
     assert any(p.penalized for p in params)
 
 
-def test_a_penalized_step_is_compiled_in_process_and_counts(tmp_path) -> None:
+def test_a_saved_penalized_step_applies_penalties_in_process_and_counts(tmp_path) -> None:
     """A penalized step skips the penalties' pass where no live row needs
-    it (torch.cond), which a saved program cannot hold: ``aot_cache``
-    refuses it by name, and the step compiled in process counts into the
-    table and draws the same token at every start."""
+    it (torch.cond), which a saved program cannot hold: ``aot_cache`` saves
+    its model (then loads it), the sampler with its penalties runs after it
+    in process, counts into the table and draws the same token at every start."""
     outs = []
-    for _ in range(2):
+    for status in ("built (none saved)", "loaded"):
         bundle = default_model(max_requests=4, max_context_len=CTX)
         runner = create_decode_runner(
             bundle, "cpu", capture_sizes=[2], sampling=True, penalties=True, aot_cache=tmp_path
@@ -247,7 +247,8 @@ def test_a_penalized_step_is_compiled_in_process_and_counts(tmp_path) -> None:
             warnings.simplefilter("always")
             runner.capture()
         refused = [str(w.message) for w in said if "aot_cache" in str(w.message)]
-        assert len(refused) == 1 and "skips work no live row needs" in refused[0], refused
+        assert not refused, refused
+        assert runner.mechanism.aot_status == f"{status}; the tail in process"
         counts = runner.phase.token_counts
         row = bundle.req_pool.alloc(1)[0]
         counts.reset(row, [5, 5])

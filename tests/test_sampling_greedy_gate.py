@@ -125,18 +125,27 @@ def _counted(real: object, name: str, calls: list[str]) -> object:
     return call
 
 
-def test_a_sampled_step_is_not_saved_to_sort_every_step(tmp_path: Path) -> None:
-    """A saved program cannot branch (torch 2.13's export of ``torch.cond``):
-    the sampled step's trace for ``aot_cache`` is refused, naming the gates,
-    and the step compiled in process still skips the sort for greedy rows."""
+@pytest.mark.parametrize("params", [(GREEDY, GREEDY), (GREEDY, HOT)], ids=["greedy", "one-samples"])
+def test_a_saved_sampled_step_saves_the_model_and_samples_after_it(
+    tmp_path: Path, params: tuple[SamplingParams, ...]
+) -> None:
+    """A saved program cannot branch (torch 2.13's export of ``torch.cond``),
+    and saved whole the sampled step would sort every row every step: its
+    model is saved and loaded, its sampler runs after it in process. Built,
+    then loaded as a restart would: the sort runs exactly when a live row
+    samples, and the tokens are the eager forward's."""
     bundle = default_model(max_requests=8, max_context_len=64)
-    runner = create_decode_runner(
-        bundle, "cpu", capture_sizes=[3], sampling=True, aot_cache=tmp_path / "aot"
-    )
-    with pytest.warns(RuntimeWarning, match=r"skips work no live row needs at \d+ gate"):
+    batch, _ = batch_of(bundle, len(params), seed=3)  # 2 live rows, 1 padded
+    rows = sampling_tensors(list(params), [11, 12], "cpu")
+    expected = eager_rows(bundle, batch, rows)
+    for status in ("built (none saved)", "loaded"):
+        runner = create_decode_runner(
+            bundle, "cpu", capture_sizes=[3], sampling=True, aot_cache=tmp_path / "aot"
+        )
         runner.capture()
-    assert runner.mechanism.aot_status.startswith("refused (the step skips work")
-    batch, _ = batch_of(bundle, 2, seed=3)
-    rows = sampling_tensors([GREEDY, GREEDY], [11, 12], "cpu")
-    sorts, _ = _sorts(lambda: runner.replay(with_sampling(batch, rows)))
-    assert sorts == 0
+        assert runner.mechanism.aot_status == f"{status}; the tail in process"
+        sorts, out = _sorts(lambda r=runner: r.replay(with_sampling(batch, rows)))
+        assert (sorts > 0) == (HOT in params), f"{status}: {sorts} sorts for {params}"
+        assert isinstance(out, dict)
+        for i, want in enumerate(expected):
+            assert int(out["tokens"][i]) == int(want["tokens"][0]), f"{status}: row {i}"

@@ -307,14 +307,18 @@ class AotPrograms:
 
     # -- capture ----------------------------------------------------------
 
-    def capture(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher | None:
+    def capture(
+        self, bs: int, forward: ForwardFn, view: BufferView, *, part: str | None = None
+    ) -> Launcher | None:
         """Size ``bs``'s launcher; at the first size, loads (or builds) the
-        program. None where the forward cannot be saved (``status`` says why)."""
+        program. None where the forward cannot be saved (``status`` says why).
+        ``part``: which part of a split step ``forward`` is (``head``), a key field."""
         if not self.active:
             return None
         if self._loader is None:
             self.first = bs
-            key = key_fields(view, bs, self.extra)
+            extra = self.extra if part is None else {**self.extra, "part": part}
+            key = key_fields(view, bs, extra)
             try:
                 self._prepare(key, forward, view)
             except AotRefused as e:

@@ -13,7 +13,7 @@ import torch
 from graphrunner.declare.buffers import BufferView, Size, StaticBuffers
 from graphrunner.declare.outputs import Outputs
 
-__all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
+__all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter", "SplitForward"]
 
 #: The model's step: called with one argument, a
 #: :class:`~graphrunner.declare.buffers.BufferView` of the phase's declared
@@ -22,6 +22,28 @@ __all__ = ["CaptureMechanism", "ForwardFn", "Launcher", "PopulateWriter"]
 ForwardFn = Callable[..., Outputs]
 #: Runs a captured size on the static buffers; returns its static outputs.
 Launcher = Callable[[], Outputs]
+
+
+class SplitForward:
+    """A step in two parts: ``head(view)``, the model (its outputs), then
+    ``tail(head_outputs, view)``, what reads them (a sampler). Called, it is
+    the whole step, and a mechanism compiles it whole.
+
+    The split is for a program saved ahead of time (the CPU mechanism's
+    ``aot_cache``): the tail's work depends on the live rows (the sampler's
+    sort runs only where a row samples, ``torch.cond``), which a saved
+    program cannot branch on. The head is saved and loaded; the tail runs
+    after it in process, eagerly, where such a branch reads a host flag.
+    """
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: ForwardFn, tail: Callable[[Outputs, BufferView], Outputs]) -> None:
+        self.head = head
+        self.tail = tail
+
+    def __call__(self, view: BufferView) -> Outputs:
+        return self.tail(self.head(view), view)
 
 
 class PopulateWriter(Protocol):

@@ -29,7 +29,7 @@ from typing import Any
 
 from graphrunner.declare.buffers import BufferView
 from graphrunner.declare.outputs import Outputs
-from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher
+from graphrunner.mechanisms.base import CaptureMechanism, ForwardFn, Launcher, SplitForward
 
 __all__ = ["CPP_WRAPPER", "DIRECT_CALL_OPTIONS", "InductorCapture"]
 
@@ -87,7 +87,9 @@ class InductorCapture(CaptureMechanism):
         )
         self.compiler = SizeCompiler(patches, dynamic=dynamic_batch, fullgraph=fullgraph)
         self._pending: dict[int, tuple[ForwardFn, BufferView]] = {}
-        self._aot_recorded = False
+        self._saved_outputs: Outputs | None = None
+        #: True once a split step's head was saved: its tail runs in process.
+        self.tail_in_process = False
         self.aot: Any = None  # an AotPrograms, imported only when asked for
         if aot_cache is not None or aot_key is not None:
             from graphrunner.mechanisms.aot import AotPrograms
@@ -96,8 +98,12 @@ class InductorCapture(CaptureMechanism):
 
     @property
     def aot_status(self) -> str | None:
-        """With ``aot_cache``: ``loaded``, ``built (why)`` or ``refused (why)``."""
-        return None if self.aot is None else self.aot.status
+        """With ``aot_cache``: ``loaded``, ``built (why)`` or ``refused (why)``;
+        of a split step's head, followed by ``; the tail in process``."""
+        if self.aot is None:
+            return None
+        status: str = self.aot.status
+        return f"{status}; the tail in process" if self.tail_in_process else status
 
     @property
     def wrapper(self) -> str:
@@ -124,18 +130,34 @@ class InductorCapture(CaptureMechanism):
         return lambda: forward(view)
 
     def capture(self, bs: int, fn: Launcher) -> Launcher:
-        self._aot_recorded = False
+        self._saved_outputs = None
         if bs in self._pending:
             forward, view = self._pending.pop(bs)
-            launcher = self.aot.capture(bs, forward, view)
+            launcher = self._saved(bs, forward, view)
             if launcher is not None:
-                self._aot_recorded = True
                 return launcher
             fn = self.compiler.step_fn(bs, forward, view)
         return self.compiler.launcher(bs, fn)
 
+    def _saved(self, bs: int, forward: ForwardFn, view: BufferView) -> Launcher | None:
+        """Size ``bs``'s launcher of the saved program, None where it cannot
+        be saved. Of a :class:`SplitForward` the head is saved, and its tail
+        runs after it eagerly (a sampler that sorts only where a row samples)."""
+        if not isinstance(forward, SplitForward):
+            launcher = self.aot.capture(bs, forward, view)
+            if launcher is not None:
+                self._saved_outputs = self.aot.recorded
+            return launcher
+        head = self.aot.capture(bs, forward.head, view, part="head")
+        if head is None:
+            return None
+        tail = forward.tail
+        self.tail_in_process = True
+        self._saved_outputs = tail(self.aot.recorded, view)
+        return lambda: tail(head(), view)
+
     def captured_outputs(self) -> Outputs | None:
-        return self.aot.recorded if self._aot_recorded else self.compiler.recorded
+        return self.compiler.recorded if self._saved_outputs is None else self._saved_outputs
 
     def drop(self) -> None:
         self.compiler.drop()

@@ -32,7 +32,7 @@ import torch
 from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputSpec
 from graphrunner.declare.sealed import host_min_max, is_keyed_type, is_sealed_inputs
-from graphrunner.mechanisms.base import ForwardFn
+from graphrunner.mechanisms.base import ForwardFn, SplitForward
 from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
 
 if TYPE_CHECKING:
@@ -60,8 +60,7 @@ def sampled_forward(
     if isinstance(logprobs_n, bool) or not isinstance(logprobs_n, int) or logprobs_n < 0:
         raise ValueError(f"logprobs={logprobs_n!r}; expected an int >= 0 (0: none)")
 
-    def step(b: Any) -> dict[str, torch.Tensor]:
-        logits = forward(b)
+    def tail(logits: Any, b: Any) -> dict[str, torch.Tensor]:
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
                 f"a sampled step needs the forward's logits tensor [bs, vocab]; got "
@@ -79,7 +78,9 @@ def sampled_forward(
             "top_ids": lp.top_ids,
         }
 
-    return step
+    # The model and the sampler apart: a saved program holds the model, and
+    # the sampler, whose work depends on the live rows, runs after it.
+    return SplitForward(forward, tail)
 
 
 def pick(

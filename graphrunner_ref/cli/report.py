@@ -66,15 +66,21 @@ def capture_line(
 
 def saved_program_note(runner: GraphRunner) -> str:
     """What became of the CPU step's saved program (``--aot-cache``): loaded,
-    built and saved for the next start, or not saved and why; "" without one."""
+    built and saved for the next start (of a sampled step, its model's), or
+    not saved and why; "" without one."""
     aot = getattr(runner.mechanism, "aot", None)
     status = getattr(runner.mechanism, "aot_status", None)
     if aot is None or status is None:
         return ""
-    if status == "loaded":
-        return f"; its saved program loaded from {aot.root}"
+    # A sampled step saves its model; its sampler runs after it, in process.
+    tail = getattr(runner.mechanism, "tail_in_process", False)
+    part = " (the model's; the sampler after it)" if tail else ""
+    if status.startswith("loaded"):
+        return f"; its saved program{part} loaded from {aot.root}"
     if status.startswith("built"):
-        return f"; program saved in {aot.root}: later starts load it (--aot-cache none: never)"
+        return (
+            f"; program{part} saved in {aot.root}: later starts load it (--aot-cache none: never)"
+        )
     return f"; not saved ({status})"
 
 
