@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import types
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ __all__ = ["FORMAT", "AotPrograms", "AotRefused", "key_fields"]
 FORMAT = 1
 MANIFEST = "manifest.json"
 PACKAGE = "step.pt2"
+#: The message of a FutureWarning torch's export raises from its own code.
+_TORCH_OWN_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 #: How far the walk for the forward's tensors goes (objects visited).
 _WALK_LIMIT = 200_000
 _ROOTS = ("forward", "view")
@@ -537,8 +540,11 @@ class AotPrograms:
 
         stage = Path(tempfile.mkdtemp(prefix="graphrunner-aot-"))
         try:
-            ep = torch.export.export(flat, args, dynamic_shapes=(dynamic,), strict=False)
-            with contextlib.redirect_stdout(sys.stderr):
+            with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+                # torch 2.13's export calls its own deprecated pytree check: a
+                # FutureWarning a user of graphrunner can do nothing about.
+                warnings.filterwarnings("ignore", _TORCH_OWN_DEPRECATION, FutureWarning)
+                ep = torch.export.export(flat, args, dynamic_shapes=(dynamic,), strict=False)
                 out = aoti_compile_and_package(
                     ep, package_path=str(stage / PACKAGE), inductor_configs=self.patches
                 )
