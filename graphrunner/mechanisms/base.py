@@ -27,7 +27,10 @@ Launcher = Callable[[], Outputs]
 class SplitForward:
     """A step in two parts: ``head(view)``, the model (its outputs), then
     ``tail(head_outputs, view)``, what reads them (a sampler). Called, it is
-    the whole step, and a mechanism compiles it whole.
+    the whole step, and a mechanism compiles it whole. The sampled decode
+    step (:func:`~graphrunner.phases.sampled.sampled_forward`): the head
+    returns logits float32 ``[bs, vocab]``, the tail ``{"logits": [bs,
+    vocab], "tokens": int64 [bs]}`` and, with log-probabilities, their rows.
 
     The split is for a program saved ahead of time (the CPU mechanism's
     ``aot_cache``): the tail's work depends on the live rows (the sampler's

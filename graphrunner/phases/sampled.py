@@ -10,7 +10,9 @@ and the position the drawn token takes (``positions + 1``). A greedy row
 the step also returns the chosen tokens' log-probabilities ``"logprob"``
 ``[bs]`` and the top-N ``"top_logprobs"`` ``[bs, N]`` (descending) with
 their ids ``"top_ids"`` ``[bs, N]``, from the unfiltered softmax
-(:func:`~graphrunner.sampling.logprobs`).
+(:func:`~graphrunner.sampling.logprobs`). The step is a
+:class:`~graphrunner.mechanisms.base.SplitForward`: the forward, then the
+sampler over its logits, which a saved program runs after the model.
 
 With ``counts`` (a :class:`~graphrunner.sampling.TokenCounts`) the sampler
 draws from :mod:`~graphrunner.sampling.processors`' logits (penalties,
