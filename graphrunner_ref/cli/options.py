@@ -274,7 +274,8 @@ def _runner(p: _Options) -> None:
         "load it at the next run without tracing the forward; a program saved for another "
         "model, size, dtype, torch or CPU is refused and rebuilt. generate and serve save "
         "by default in $GRAPHRUNNER_AOT_CACHE or <cache>/aot (~/.cache/graphrunner/aot), so "
-        "only the first start compiles; none: compile at every start",
+        "only the first start compiles (a sampled step: its model, the sampler running after "
+        "it); none: compile at every start",
     )
 
 

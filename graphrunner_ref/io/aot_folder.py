@@ -4,7 +4,8 @@
 ``$GRAPHRUNNER_AOT_CACHE`` when set, else ``<cache root>/aot`` (the cache
 root of :mod:`~graphrunner_ref.io.gguf_cache`), so a restarted run loads
 its program instead of compiling it again, as vLLM keeps its compile cache
-(a sampled step, a server's, is not saved: :mod:`graphrunner.mechanisms.aot`).
+(of a sampled step, a server's, the model is saved and the sampler runs
+after it: :class:`graphrunner.mechanisms.base.SplitForward`).
 ``none`` (flag or variable) turns saving off. The key of each program
 (:mod:`graphrunner.mechanisms.aot`) tells the models, sizes, dtypes, torch
 versions and CPUs apart, so one folder serves them all.
