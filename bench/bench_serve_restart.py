@@ -55,7 +55,7 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def one_start(model: str, args: list[str], aot: str, prompt: list[int], tokens: int) -> Any:
-    """Seconds to listen, the answer's tokens and what the capture said of the cache."""
+    """Seconds to listen, and the tokens of one greedy answer."""
     began = time.perf_counter()
     proc, url = start_server(model, [*args, "--aot-cache", aot, "--served-model-name", "m"])
     seconds = time.perf_counter() - began

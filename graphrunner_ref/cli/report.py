@@ -69,13 +69,13 @@ def saved_program_note(runner: GraphRunner) -> str:
     built and saved for the next start (of a sampled step, its model's), or
     not saved and why; "" without one."""
     aot = getattr(runner.mechanism, "aot", None)
-    status = getattr(runner.mechanism, "aot_status", None)
-    if aot is None or status is None:
+    if aot is None or aot.status is None:
         return ""
+    status: str = aot.status  # the program's own, unsuffixed
     # A sampled step saves its model; its sampler runs after it, in process.
     tail = getattr(runner.mechanism, "tail_in_process", False)
     part = " (the model's; the sampler after it)" if tail else ""
-    if status.startswith("loaded"):
+    if status == "loaded":
         return f"; its saved program{part} loaded from {aot.root}"
     if status.startswith("built"):
         return (
