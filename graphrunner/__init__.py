@@ -6,9 +6,9 @@ subpackages ``graphrunner.pools``, ``.declare``, ``.batch``, ``.writers``,
 ``.phases`` and ``.util`` each list their advanced names in their own
 ``__all__``; every other module is internal. Four contracts plug a model in:
 declare the buffers and their pad rules (:class:`BufferSpec`,
-:class:`PadRule`, :func:`decode_buffer_specs`), hand the runner a batch with
-the declared fields and host mirrors (:class:`StepInputs`, or
-:class:`DecodeBatch`), implement the attention backend's hooks
+:class:`PadRule`, :func:`decode_buffer_specs`), hand the runner a step, validated
+where it is made (:class:`DecodeBatch`, the decode scheduler's batch with
+host mirrors; :class:`SpecBatch`, any phase's fields), implement the attention backend's hooks
 (:class:`GraphBackend`), keep slot 0 of every pool for the padded rows
 (:class:`ReqToTokenPool`, :class:`TokenToKVPoolAllocator`, :class:`KVCache`).
 ``examples/own_model.py`` is a complete example; the reference engine built on
@@ -35,10 +35,15 @@ from graphrunner.declare import (
     OutputSpec,
     PadRule,
     StateOps,
-    StepInputs,
     decode_buffer_specs,
 )
-from graphrunner.phases import EagleDraftExtendRunner, FrozenKvMtpRunner, Phase, decode_phase
+from graphrunner.phases import (
+    EagleDraftExtendRunner,
+    FrozenKvMtpRunner,
+    Phase,
+    SpecBatch,
+    decode_phase,
+)
 from graphrunner.pools import (
     KVCache,
     MambaStatePool,
@@ -61,7 +66,7 @@ __all__ = [
     "PoolError",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
-    # declarations: buffers, pad rules, outputs, the step's inputs, the backend
+    # declarations: buffers, pad rules, outputs, what a forward reads, the backend
     "BufferSpec",
     "BufferView",
     "GraphBackend",
@@ -69,10 +74,10 @@ __all__ = [
     "OutputSpec",
     "PadRule",
     "StateOps",
-    "StepInputs",
     "decode_buffer_specs",
-    # a batch with host mirrors
+    # a step: validated where it is made, with host mirrors
     "DecodeBatch",
+    "SpecBatch",
     # runners: a phase on a mechanism
     "CpuGraphRunner",
     "CudaGraphRunner",
@@ -94,9 +99,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The first release's name of StepInputs, kept as a deprecated alias.
-    if name == "DecodeInputs":
-        message = "graphrunner.DecodeInputs is deprecated; use graphrunner.StepInputs"
+    # The protocol a replay's inputs once had to be named by (DecodeInputs,
+    # then StepInputs): a step is a DecodeBatch or a SpecBatch now; any other
+    # object with their attributes is still taken, checked in full each replay.
+    if name in ("DecodeInputs", "StepInputs"):
+        message = (
+            f"graphrunner.{name} is deprecated: a replay takes a graphrunner.DecodeBatch "
+            "or a graphrunner.SpecBatch (any object with their attributes is checked in full)"
+        )
         warn_at_caller(message, DeprecationWarning)
+        from graphrunner.declare.inputs import StepInputs
+
         return StepInputs
     raise AttributeError(f"module 'graphrunner' has no attribute {name!r}")

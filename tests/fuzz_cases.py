@@ -35,7 +35,7 @@ from graphrunner.phases import (
 )
 from graphrunner.phases.sampled import with_sampling
 from graphrunner.sanitizer.padding import PaddingSanitizer
-from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner_ref.engine.mamba_step import MambaSanitizer, state_space_inputs
 from graphrunner_ref.io.mamba_checkpoint import build_state_space_model
 from graphrunner_ref.model.mamba import MambaConfig
 from graphrunner_ref.model.mamba_mixer import MixerShape
@@ -279,7 +279,7 @@ class MambaCase(FuzzCase):
             max_context_len=CONTEXT,
         )
         batch.prepare_decode(b.req_pool, b.kv_alloc)
-        return StateSpaceInputs(batch, b.req_pool)
+        return state_space_inputs(batch, b.req_pool)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         b = self.bundle

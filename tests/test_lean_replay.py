@@ -1,7 +1,8 @@
 """The lean replay path: every buffer poisoned before every replay still ends
 with exactly its live rows and pad values (nothing stale read), outputs equal
-the eager model's; inputs that declare themselves sealed skip the per-field
-checks whatever their type; a backend of the older protocol still runs, an
+the eager model's; only a step sealed by its own checks (a DecodeBatch, a
+SpecBatch) skips the per-field checks, an object that merely says it is
+sealed is checked in full every time; a backend of the older protocol still runs, an
 incomplete one is refused at construction; the seq_lens fill is spec data."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import graphrunner
 from graphrunner import BufferSpec, GraphRunner, PadRule, create_runner, decode_buffer_specs
 from graphrunner.batch.decode_batch import DecodeBatch
-from graphrunner.declare.sealed import is_sealed_inputs, is_sealed_type
+from graphrunner.phases import SpecBatch
 from graphrunner.testing import ToyWorld
 
 POISON = -5
@@ -64,36 +65,35 @@ def test_poisoned_buffers_hold_exactly_live_rows_and_pad_values_after_each_repla
 
 
 class _OwnBatch:
-    """Not a DecodeBatch: an engine's own batch that seals itself."""
+    """Not a DecodeBatch: an engine's own batch that says it is sealed."""
 
-    def __init__(self, batch: DecodeBatch, sealed: bool) -> None:
+    def __init__(self, batch: DecodeBatch) -> None:
         self.batch_size = batch.batch_size
         self.device = batch.device
-        self._sealed = sealed
-        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
-            setattr(self, name, getattr(batch, name))
-        self.req_pool_indices_cpu = batch.req_pool_indices_cpu
-        self.seq_lens_cpu = batch.seq_lens_cpu
-        self._ranges = {n: batch.host_range(n) for n in ("req_pool_indices_cpu", "seq_lens_cpu")}
+        self.sealed = True  # its word alone: no seal key, nothing checked
+        for name, tensor in batch.tensors().items():
+            setattr(self, name, tensor)
 
     def is_sealed(self) -> bool:
-        return self._sealed
-
-    def host_range(self, name: str) -> tuple[int, int] | None:
-        return self._ranges[name]
+        return self.sealed
 
 
-def test_any_type_with_the_sealed_protocol_skips_the_checks_while_sealed():
+def test_an_object_that_says_it_is_sealed_is_checked_and_a_sealed_step_is_not():
     world = ToyWorld()
     runner = _runner(world)
     batch = world.make_batch(3, seed=1)
     expected, _ = world.eager_reference(batch)
-    assert is_sealed_type(DecodeBatch) and is_sealed_inputs(batch)
-    assert not is_sealed_inputs(object())
-    torch.testing.assert_close(runner.replay(_OwnBatch(batch, sealed=True)), expected)
-    assert runner.input_gate.full_checks == 0
-    torch.testing.assert_close(runner.replay(_OwnBatch(batch, sealed=False)), expected)
-    assert runner.input_gate.full_checks == 1  # unsealed: checked in full
+    for count in (1, 2):  # every replay: nothing it says is taken on trust
+        torch.testing.assert_close(runner.replay(_OwnBatch(batch)), expected)
+        assert runner.input_gate.full_checks == count
+    step = SpecBatch(**batch.tensors()).seal(runner.buffers.specs, "cpu")
+    for _ in range(2):
+        torch.testing.assert_close(runner.replay(step), expected)
+    assert runner.input_gate.full_checks == 2  # the seal: checked once, where it was made
+    bad = _OwnBatch(batch)
+    bad.positions = bad.positions.float()
+    with pytest.raises(graphrunner.writers.PopulateError, match=r"'positions' has dtype"):
+        runner.replay(bad)
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -25,7 +25,7 @@ from conftest import MECHANISMS, RUNNER_PARAMS, runner_device
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.sanitizer.padding import PaddingViolation
 from graphrunner_ref.engine.loop import Engine, create_decode_runner
-from graphrunner_ref.engine.mamba_step import StateSpaceInputs
+from graphrunner_ref.engine.mamba_step import state_space_inputs
 from graphrunner_ref.engine.workload import Request
 from graphrunner_ref.io.checkpoint import load_any_model
 from graphrunner_ref.io.mamba_checkpoint import StateSpaceBundle
@@ -187,7 +187,7 @@ def _decode(
     tokens: list[list[int]] = [[] for _ in range(batch.batch_size)]
     for _ in range(steps):
         batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
-        ids = runner.replay(StateSpaceInputs(batch, bundle.req_pool)).argmax(-1)
+        ids = runner.replay(state_space_inputs(batch, bundle.req_pool)).argmax(-1)
         for row, t in zip(tokens, ids.tolist(), strict=True):
             row.append(t)
         batch.input_ids = ids
@@ -291,7 +291,7 @@ def test_padded_replay_at_every_size_touches_only_the_live_slots(
             rows[:bs], lens[:bs], torch.tensor(first[:bs]), device="cpu", max_context_len=CONTEXT
         )
         batch.prepare_decode(req, bundle.kv_alloc)
-        inputs = StateSpaceInputs(batch, req)
+        inputs = state_space_inputs(batch, req)
         before = (pool.conv_state.clone(), pool.ssm_state.clone())
         ref = bundle.model.forward_decode(inputs)  # unpadded, eager
         ref_state = (pool.conv_state.clone(), pool.ssm_state.clone())
@@ -331,7 +331,7 @@ def test_the_sanitizer_refuses_a_live_row_reading_another_requests_slot(
         rows, lens, torch.tensor([1, 2]), device="cpu", max_context_len=CONTEXT
     )
     batch.prepare_decode(bundle.req_pool, bundle.kv_alloc)
-    inputs = StateSpaceInputs(batch, bundle.req_pool)
+    inputs = state_space_inputs(batch, bundle.req_pool)
     inputs.mamba_track_indices = inputs.mamba_track_indices.flip(0)
     before = bundle.mamba_pool.ssm_state.clone()
     with pytest.raises(PaddingViolation, match="mamba_track_indices batch row 0"):
@@ -368,7 +368,7 @@ def test_a_cuda_graph_step_with_state_ops_never_syncs(
         [row, *kids], [n] * 3, first.argmax().repeat(3), device="cuda", max_context_len=CONTEXT
     )
     batch.prepare_decode(req, bundle.kv_alloc)
-    inputs = StateSpaceInputs(batch, req)
+    inputs = state_space_inputs(batch, req)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -86,6 +86,17 @@ def test_all_is_small_resolves_and_keeps_no_alias():
             assert obj.__name__ == name, f"{name} is an alias of {obj.__name__}"
 
 
+@pytest.mark.parametrize("old", ["StepInputs", "DecodeInputs"])
+def test_the_old_protocol_names_still_resolve_with_a_warning_naming_the_steps(old: str):
+    assert old not in graphrunner.__all__
+    with pytest.warns(
+        DeprecationWarning, match=r"takes a graphrunner.DecodeBatch or a graphrunner.SpecBatch"
+    ):
+        protocol = getattr(graphrunner, old)
+    batch = graphrunner.DecodeBatch.empty("cpu", 8)
+    assert isinstance(batch, protocol)  # what a replay reads: both steps have it
+
+
 @pytest.mark.parametrize("name", PUBLIC_SUBPACKAGES)
 def test_each_public_subpackage_lists_what_it_exports(name: str):
     module = importlib.import_module(f"graphrunner.{name}")

@@ -49,7 +49,7 @@ PUBLIC_MODULES = (
 )
 CONTRACTS = (
     "### 1. Declare your buffers and their pad rules",
-    "### 2. Your batch exposes the declared fields and host mirrors",
+    "### 2. Your step is checked once, where it is made",
     "### 3. Your attention backend implements the `GraphBackend` hooks",
     "### 4. Your pools reserve slot 0",
 )
@@ -99,7 +99,7 @@ def test_readme_usage_example_runs(
 def test_readme_has_python_blocks_for_the_contracts() -> None:
     """Each contract's excerpt is a block that runs (the test above runs it)."""
     blocks = [b for _, b in _python_blocks([README])]
-    for needle in ("decode_buffer_specs", "StepInputs", "GraphBackend", "ReqToTokenPool"):
+    for needle in ("decode_buffer_specs", "SpecBatch", "GraphBackend", "ReqToTokenPool"):
         assert any(needle in b for b in blocks), needle
 
 

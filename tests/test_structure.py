@@ -15,10 +15,10 @@ import torch
 
 import graphrunner
 import graphrunner_ref
-from graphrunner import StepInputs
 from graphrunner.batch.decode_batch import DecodeBatch
 from graphrunner.declare import DECODE_FIELDS, DECODE_HOST_MIRRORS
 from graphrunner.declare.decode import DECODE_FIELD_NAMES, decode_buffer_specs
+from graphrunner.declare.inputs import StepInputs
 from graphrunner.testing import ToyWorld
 from poison import stale_values
 
@@ -37,7 +37,7 @@ def test_the_decode_field_list_drives_protocols_batch_buffers_and_poison():
     mirrors = set(DECODE_HOST_MIRRORS.values())
     assert set(DECODE_HOST_MIRRORS) <= fields
     assert _protocol_attributes(StepInputs) == mirrors | {"batch_size"}
-    derived = {"sealed", "batch_size", "host_ranges"}
+    derived = {"sealed", "seal_key", "batch_size", "host_ranges"}
     assert set(DecodeBatch.__slots__) == fields | mirrors | derived | {"device", "max_context_len"}
     assert set(typing.get_type_hints(DecodeBatch)) == fields | mirrors | derived
     assert [s.name for s in decode_buffer_specs()] == [s.name for s in DECODE_FIELDS]
@@ -291,9 +291,9 @@ def test_the_decode_field_names_are_written_in_one_place():
 
 #: The runners known by name: each is ``create_runner`` with one thing fixed.
 CARD_RUNNERS = {"CudaGraphRunner", "CpuGraphRunner", "EagleDraftExtendRunner", "FrozenKvMtpRunner"}
-#: The public types that describe a step's inputs: what replay takes, what a
-#: forward reads, and the two ready-made batches.
-INPUT_TYPES = {"StepInputs", "BufferView", "DecodeBatch", "SpecBatch"}
+#: The public types that describe a step's inputs: the two steps a replay
+#: takes (each validated where it is made), and what a forward reads.
+INPUT_TYPES = {"BufferView", "DecodeBatch", "SpecBatch"}
 
 
 def _library_trees() -> list[tuple[Path, ast.Module]]:
@@ -357,7 +357,7 @@ def _public_names() -> list[tuple[str, object]]:
     return [(n, getattr(m, n)) for m in modules for n in getattr(m, "__all__", [])]
 
 
-def test_at_most_four_public_types_describe_a_steps_inputs():
+def test_two_public_steps_and_a_view_describe_a_steps_inputs():
     found = {
         name
         for name, value in _public_names()

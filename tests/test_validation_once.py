@@ -1,6 +1,6 @@
 """Validation once: a DecodeBatch is checked where it is made, a foreign
-input object in full on first sight and by identity after, everything on
-every replay under a sanitizer; every bad input still raises a named error
+input object in full on every replay, everything on every replay under a
+sanitizer; every bad input still raises a named error
 before anything is written."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrunner import GraphRunner, create_runner, decode_buffer_specs
+from graphrunner import GraphRunner, create_runner, decode_buffer_specs, decode_phase
 from graphrunner.batch.decode_batch import DecodeBatch
+from graphrunner.phases import with_sampling
+from graphrunner.sampling import SamplingParams, sampling_tensors
 from graphrunner.sanitizer.padding import PaddingSanitizer
 from graphrunner.testing import ToyWorld
 from graphrunner.writers import PopulateError
@@ -79,17 +81,14 @@ def test_a_sealed_batch_skips_the_per_field_checks_and_an_unsealed_one_is_checke
     assert gate.full_checks == 0  # it failed: nothing remembered
 
 
-def test_a_foreign_object_is_checked_in_full_once_then_by_identity():
+def test_a_foreign_object_is_checked_in_full_on_every_replay():
     world = ToyWorld()
     runner = _runner(world)
     gate = runner.input_gate
     inputs = _foreign(world.make_batch(3, seed=0))
-    for _ in range(3):
+    for count in (1, 2, 3):  # the same tensors: no tier of trust by identity
         runner.replay(inputs)
-    assert gate.full_checks == 1
-    inputs.positions = inputs.positions.clone()  # a new tensor: checked again
-    runner.replay(inputs)
-    assert gate.full_checks == 2
+        assert gate.full_checks == count
 
 
 @pytest.mark.parametrize(
@@ -189,3 +188,29 @@ def test_the_model_backend_refuses_a_mirror_changed_in_place_in_a_sealed_batch()
     with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=17: expected 1..16"):
         runner.replay(batch)
     assert all(torch.equal(a, b) for a, b in zip(kv_before, bundle.kv_cache.k_buffers, strict=True))
+
+
+def _sampled_runner(world: ToyWorld) -> GraphRunner:
+    phase = decode_phase(world.model, sampling=True)  # its logits, then the sampler
+    runner = create_runner(phase, device="cpu", kind="eager", capture_sizes=[4])
+    runner.capture()
+    return runner
+
+
+def test_sampling_rows_beside_a_sealed_batch_are_checked_once_where_the_step_is_made():
+    world = ToyWorld()
+    runner = _sampled_runner(world)
+    batch = world.make_batch(3, seed=0)
+    rows = sampling_tensors([SamplingParams(temperature=1.0, seed=7)] * 3, [1, 2, 3], "cpu")
+    step = with_sampling(batch, rows)
+    assert step.sealed and step.host_range("seq_lens_cpu") == batch.host_range("seq_lens_cpu")
+    unsealed = with_sampling(_foreign(batch), rows)  # the same tensors, never sealed
+    assert not unsealed.sealed
+    assert torch.equal(runner.replay(step)["tokens"], runner.replay(unsealed)["tokens"])
+    assert runner.input_gate.full_checks == 1  # the unsealed step's
+    bad = with_sampling(batch, {**rows, "top_k": rows["top_k"].float()})
+    assert not bad.sealed  # rows that do not fit: the replay names the field
+    before = {n: t.clone() for n, t in runner.buffers.tensors.items()}
+    with pytest.raises(PopulateError, match=r"'top_k' has dtype torch.float32"):
+        runner.replay(bad)
+    _assert_unchanged(runner, before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -16,14 +17,16 @@ from graphrunner.batch.host import (
     mirror_ranges,
 )
 from graphrunner.batch.paging import next_slots
+from graphrunner.declare.buffers import BufferSpec, PadRule
 from graphrunner.declare.decode import (
     DECODE_FIELD_NAMES,
+    DECODE_FIELDS,
     DECODE_HOST_MIRRORS,
     INPUT_IDS,
     REQ_POOL_INDICES,
     SEQ_LENS,
 )
-from graphrunner.declare.sealed import HostRanges, cached_range, known_ranges
+from graphrunner.declare.sealed import HostRanges, SealKey, cached_range, known_ranges, seal_key
 from graphrunner.pools.checks import DeviceLike, bad_arg, check_each, same_device
 from graphrunner.pools.errors import PoolExhausted
 from graphrunner.pools.kv import TokenToKVPoolAllocator, starts_page
@@ -35,10 +38,18 @@ __all__ = ["BatchError", "DecodeBatch", "host_min_max"]
 _SEALED_FIELDS = frozenset((*DECODE_FIELD_NAMES, *DECODE_HOST_MIRRORS.values()))
 #: The mirror whose length is the batch size.
 _ROWS_MIRROR = DECODE_HOST_MIRRORS[REQ_POOL_INDICES]
+#: What a batch's own operations check: the decode fields on its device, and
+#: the mirrors as host buffers (CPU int64 ``[bs]``, as a phase may declare them).
+_MADE = (
+    *DECODE_FIELDS,
+    *(BufferSpec(m, torch.int64, PadRule.ZERO, host=True) for m in DECODE_HOST_MIRRORS.values()),
+)
 
 
 class DecodeBatch:
-    """``bs`` live requests decoding one token each; satisfies :class:`~graphrunner.StepInputs`.
+    """``bs`` live requests decoding one token each: the decode scheduler's
+    step value, sealed by its own operations (what a replay takes, with
+    :class:`~graphrunner.phases.SpecBatch` for any other phase).
 
     Device tensors (int64 ``[bs]`` on ``device``):
         input_ids: the token each request feeds this step.
@@ -65,6 +76,7 @@ class DecodeBatch:
         "device",
         "max_context_len",
         "sealed",
+        "seal_key",
         "batch_size",
         "host_ranges",
         *DECODE_FIELD_NAMES,
@@ -74,6 +86,9 @@ class DecodeBatch:
     #: made and validated (see :meth:`is_sealed`); a plain attribute, read by
     #: a runner's input gate without a call.
     sealed: bool
+    #: What the seal vouches for: the decode fields on ``device`` and the host
+    #: mirrors (:mod:`graphrunner.declare.sealed`).
+    seal_key: SealKey
     #: Live requests: the host mirror's length, kept with it (never a sync).
     batch_size: int
     #: What the batch knows of its host mirrors' ranges (see HostRanges).
@@ -108,7 +123,12 @@ class DecodeBatch:
         """Seal the fields as this operation made them; ``ranges`` gives the
         host mirrors' (min, max) where the operation knew them from its host ints."""
         object.__setattr__(self, "host_ranges", known_ranges(self, ranges or {}))
+        object.__setattr__(self, "seal_key", _made_key(self.device))
         object.__setattr__(self, "sealed", True)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The declared decode fields and the host mirrors, by name."""
+        return {n: getattr(self, n) for n in _SEALED_FIELDS}
 
     def host_range(self, name: str) -> tuple[int, int] | None:
         """``(min, max)`` of host mirror ``name`` (``seq_lens_cpu`` or
@@ -291,3 +311,8 @@ class DecodeBatch:
 
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int64, device=self.device)
+
+
+@cache
+def _made_key(device: torch.device) -> SealKey:
+    return seal_key(_MADE, device)

@@ -1,50 +1,37 @@
-"""Validation once: a replay's inputs are checked where they are made, or
-fully on their first replay, and only cheaply after.
+"""Validation once: a replay's inputs are checked where they are made, and
+only cheaply after.
 
-* Inputs that satisfy :class:`~graphrunner.declare.sealed.SealedInputs` (the
-  decode batch, which validates its tensors when it builds them) and are
-  *sealed*, on the buffers' device, skip the per-field checks; a sealed batch
-  naming what it was checked against (a ``SpecBatch``'s ``seal_key``), where
-  that covers these buffers (decided once per key).
-* Any other object (a foreign ``DecodeInputs``) is checked in full on its
-  first replay; the tensors it held then are remembered (weakly), and a later
-  replay whose fields are those very tensors, at the same batch size, skips
-  the checks. A field replaced by another tensor is checked in full again.
+* A sealed step (:mod:`graphrunner.declare.sealed`: a ``DecodeBatch`` or a
+  ``SpecBatch``, unchanged since its own last operation checked it) whose
+  ``seal_key`` covers these buffers on their device costs one attribute read
+  and one dict lookup (each key decided once).
+* Anything else (an unsealed batch, an engine's own object with the fields as
+  attributes) is checked in full, on every replay.
 * A runner with a sanitizer checks everything on every replay.
 
 The backend's own validation (:meth:`GraphBackend.validate_inputs`, host
 values that change every step) runs on every replay. What the cheap path
-cannot see is an in-place change of a remembered tensor's values (a host
-mirror's row set to 0): that is what the sanitizer is for.
+cannot see is an in-place change of a sealed step's values (a host mirror's
+row set to 0): that is what the sanitizer is for.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 import torch
 
-from graphrunner.declare.buffers import Axis, BufferSpec, Size, StaticBuffers, units
-from graphrunner.declare.decode import DECODE_FIELD_NAMES, DECODE_HOST_MIRRORS, REQ_POOL_INDICES
+from graphrunner.declare.buffers import Axis, Size, StaticBuffers, units
+from graphrunner.declare.decode import DECODE_HOST_MIRRORS, REQ_POOL_INDICES
 from graphrunner.declare.hooks import GraphBackend, NullBackend
 from graphrunner.declare.inputs import StepInputs
-from graphrunner.declare.sealed import (
-    SealKey,
-    host_min_max,
-    is_keyed_type,
-    is_sealed_inputs,
-    is_sealed_type,
-    layout,
-)
-from graphrunner.sampling import SAMPLING_FIELDS
+from graphrunner.declare.sealed import SealKey, cached_range, host_min_max, layout
 from graphrunner.writers.base import PopulateError, check_sources
 
 __all__ = ["InputGate", "check_host_mirrors", "host_range"]
 
 _MIRRORS = tuple(DECODE_HOST_MIRRORS.values())
-_KEYED = "keyed"  # a type whose seal names its key (InputGate._seal_kind)
 
 
 def check_host_mirrors(inputs: object, size: Size) -> None:
@@ -75,17 +62,6 @@ def check_host_mirrors(inputs: object, size: Size) -> None:
         )
 
 
-def _batch_made(spec: BufferSpec) -> bool:
-    """A sealed decode batch builds this buffer's input itself: an int64 ``[bs]``
-    device field, or a host mirror declared as a host buffer; or it is a
-    sampling row, made and checked by ``sampling_tensors`` as declared."""
-    if spec in SAMPLING_FIELDS:
-        return True
-    plain = spec.dtype == torch.int64 and spec.rows_per_request == 1 and not spec.extra_shape
-    placed = spec.name in DECODE_FIELD_NAMES if not spec.host else spec.name in _MIRRORS
-    return plain and placed
-
-
 class InputGate:
     """Checks one runner's replay inputs (see the module docstring); each
     :class:`~graphrunner.GraphRunner` owns one (``runner.input_gate``).
@@ -96,17 +72,10 @@ class InputGate:
 
     def __init__(self, buffers: StaticBuffers) -> None:
         self.buffers = buffers
-        self._names = tuple(s.name for s in buffers.specs)
         # The declared fields of an inputs object, in order, in one call.
-        self._fields = _fields_getter(self._names)
-        self._watched = (*self._names, *(m for m in _MIRRORS if m not in self._names))
-        self._batch_made = all(_batch_made(s) for s in buffers.specs)
-        self._seen: list[weakref.ref[torch.Tensor] | None] = []
-        self._seen_bs: Size = -1
-        # Per type: True (a sealed batch making exactly these buffers), _KEYED, or False.
-        self._sealed_types: dict[type, bool | str] = {}
+        self._fields = _fields_getter(tuple(s.name for s in buffers.specs))
         self._layout = frozenset(layout(s) for s in buffers.specs)
-        self._covers: dict[SealKey | None, bool] = {}  # per seal key: whether it covers ours
+        self._covers: dict[SealKey, bool] = {}  # per seal key: whether it covers ours
         self.device = buffers.device
         #: Full checks run (a test and the bench read it).
         self.full_checks = 0
@@ -114,69 +83,38 @@ class InputGate:
     def sources(
         self, inputs: StepInputs, raw_bs: Size, backend: GraphBackend, *, full: bool = False
     ) -> Sequence[torch.Tensor]:
-        """The inputs' tensors, one per declared buffer, validated: in full on
-        ``full`` or first sight, else by identity. Raises before anything is
-        written; the backend's own check runs every time."""
-        validates = type(backend) is not NullBackend  # the no-op one is not called
-        if not full:
-            kind = type(inputs)
-            sealed = self._sealed_types.get(kind)
-            if sealed is None:
-                sealed = self._sealed_types[kind] = self._seal_kind(kind)
-            if (
-                sealed is True and _is_sealed_now(inputs) and inputs.device == self.device  # type: ignore[attr-defined]
-            ) or (sealed is _KEYED and inputs.sealed and self._covered(inputs.seal_key)):  # type: ignore[attr-defined]
-                if validates:
-                    backend.validate_inputs(raw_bs, inputs)
-                return self._fields(inputs)
-            if raw_bs == self._seen_bs and self._same(inputs):
-                if validates:
-                    backend.validate_inputs(raw_bs, inputs)
-                return self._fields(inputs)
+        """The inputs' tensors, one per declared buffer, validated: by their
+        seal, or in full (``full``, or no seal covering these buffers). Raises
+        before anything is written; the backend's own check runs every time."""
+        key = getattr(inputs, "seal_key", None)  # a step sealed by its own checks has one
+        if not full and key is not None and getattr(inputs, "sealed", False) and self._covered(key):
+            if type(backend) is not NullBackend:  # the no-op one is not called
+                backend.validate_inputs(raw_bs, inputs)
+            return self._fields(inputs)
         check_host_mirrors(inputs, raw_bs)
         backend.validate_inputs(raw_bs, inputs)
         sources = check_sources(self.buffers, inputs, raw_bs)
         self.full_checks += 1
-        if not full:
-            self._remember(inputs, raw_bs)
         return sources
 
-    def _seal_kind(self, kind: type) -> bool | str:
-        """How a sealed ``kind`` is trusted: for its key (_KEYED), as making
-        every one of these buffers itself (True), or not (False)."""
-        return _KEYED if is_keyed_type(kind) else self._batch_made and is_sealed_type(kind)
-
-    def _covered(self, key: SealKey | None) -> bool:
+    def _covered(self, key: SealKey) -> bool:
         """Whether a seal of ``key`` checked every one of these buffers'
         layouts on their device (decided once per key)."""
         known = self._covers.get(key)
         if known is None:
-            fits = key is not None and key.device == self.device and self._layout <= key.fields
-            known = self._covers[key] = fits
+            known = key.device == self.device and self._layout <= key.fields
+            self._covers[key] = known
         return known
-
-    def _same(self, inputs: object) -> bool:
-        for name, ref in zip(self._watched, self._seen, strict=True):
-            value = getattr(inputs, name, None)
-            if (None if ref is None else ref()) is not value:
-                return False
-        return True
-
-    def _remember(self, inputs: object, raw_bs: Size) -> None:
-        seen: list[weakref.ref[torch.Tensor] | None] = []
-        for name in self._watched:
-            value = getattr(inputs, name, None)
-            seen.append(weakref.ref(value) if isinstance(value, torch.Tensor) else None)
-        self._seen, self._seen_bs = seen, raw_bs
 
 
 def host_range(inputs: object, name: str, values: torch.Tensor) -> tuple[int, int] | None:
     """``(min, max)`` of host mirror ``values`` (``inputs.<name>``), None when
-    empty: :class:`~graphrunner.declare.sealed.SealedInputs` answer from what
-    they knew when they made the mirror (a lookup); any other inputs object
-    pays one host ``aminmax``."""
-    if is_sealed_inputs(inputs):
-        return inputs.host_range(name)
+    empty: a sealed step answers from what it knew when it made the mirror
+    (its ``host_ranges``, a lookup); any other inputs object pays one host
+    ``aminmax``."""
+    known = getattr(inputs, "host_ranges", None)
+    if known is not None:
+        return cached_range(known, name, values)
     return host_min_max(values)
 
 
@@ -185,9 +123,3 @@ def _fields_getter(names: tuple[str, ...]) -> Callable[[object], Sequence[torch.
         only = names[0]
         return lambda inputs: (getattr(inputs, only),)
     return attrgetter(*names)
-
-
-def _is_sealed_now(inputs: object) -> bool:
-    # The attribute where the batch keeps one (no call), else the protocol's method.
-    sealed = getattr(inputs, "sealed", None)
-    return inputs.is_sealed() if sealed is None else sealed  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """Declarations: the static buffers and their pad rules, the decode field list
-and its host mirrors, the step-input protocols, declared outputs, the
+and its host mirrors, declared outputs, the
 attention backend's hooks and the state operations a step records."""
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from graphrunner.declare.decode import (
 )
 from graphrunner.declare.hooks import BaseGraphBackend, GraphBackend, NullBackend
 from graphrunner.declare.indexes import Index
-from graphrunner.declare.inputs import StepInputs
 from graphrunner.declare.outputs import OutputDeclarationError, OutputSpec
 from graphrunner.declare.state_ops import StateOps, run_state_ops
 
@@ -56,7 +55,6 @@ __all__ = [
     "OutputSpec",
     "PadRule",
     "Size",
-    "StepInputs",
     "StepSize",
     "StateOps",
     "StaticBuffers",

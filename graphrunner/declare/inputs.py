@@ -1,11 +1,13 @@
-"""What a runner's replay takes: one protocol, :class:`StepInputs`.
+"""What a runner's replay reads of its inputs: :class:`StepInputs`, the
+attributes of a step (internal: the type the replay path is annotated with).
 
-The runner never depends on a batch class: :class:`~graphrunner.DecodeBatch`
-and :class:`~graphrunner.phases.SpecBatch` are ready-made ones, and an
-engine's own object serves as long as it has an attribute per buffer its
-phase declares (the phase's specs say which), the host mirrors and an int
-``batch_size``. What the forward reads is one view of the declared buffers
-by name, :class:`~graphrunner.declare.buffers.BufferView`.
+A step is a :class:`~graphrunner.DecodeBatch` or a
+:class:`~graphrunner.SpecBatch`, each validated where it is made (its seal,
+:mod:`graphrunner.declare.sealed`). The runner depends on no batch class:
+any other object with an attribute per buffer its phase declares, the host
+mirrors and an int ``batch_size`` is taken too, checked in full on every
+replay. What the forward reads is one view of the declared buffers by name,
+:class:`~graphrunner.declare.buffers.BufferView`.
 """
 
 from __future__ import annotations

@@ -1,78 +1,38 @@
-"""Inputs that were validated where they were made: the sealed-inputs protocol.
+"""A step validated where it was made: its seal.
 
-A batch that builds and checks its own tensors (the decode batch, at
-construction, ``prepare_decode``, ``filter`` and ``merge``) can say so: while
-:meth:`SealedInputs.is_sealed` is True, every field is the tensor its own last
-operation made and validated, and :meth:`SealedInputs.host_range` answers a
-host mirror's ``(min, max)`` from what it already knew. The replay path then
-skips its per-field checks; it never asks which phase the batch belongs to.
+A step value that builds and checks its own tensors (a
+:class:`~graphrunner.DecodeBatch` at construction, ``prepare_decode``,
+``filter`` and ``merge``; a :class:`~graphrunner.phases.SpecBatch` at
+:meth:`~graphrunner.phases.SpecBatch.seal` or as a builder makes it) carries
+three plain attributes, read by a replay without a call:
 
-Whether a type satisfies the protocol is decided once per type
-(:func:`is_sealed_type`): an ``isinstance`` on a runtime-checkable protocol
-costs microseconds a call, the cached lookup a dict access. A batch whose
-fields are not the decode batch's own (a ``SpecBatch``) names what it was
-checked against: its ``seal_key`` (:func:`seal_key`), compared by a runner
-with its buffers once per key.
+* ``sealed``: True while every field is the tensor its own last operation
+  made and checked (any assignment from outside clears it);
+* ``seal_key``: what it was checked against (:func:`seal_key`: the layouts of
+  the buffers it vouches for, and the device), compared by a runner with its
+  own buffers once per key;
+* ``host_ranges``: what it knows of its host mirrors' ``(min, max)``
+  (:func:`cached_range`), so a backend's range check is a lookup.
+
+Anything else handed to a replay is checked in full, every time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeGuard
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from graphrunner.declare.buffers import BufferSpec
 
-__all__ = ["VERSION", "SealKey", "SealedInputs", "cached_range", "host_min_max", "seal_key"]
-__all__ += ["is_keyed_type", "is_sealed_inputs", "is_sealed_type", "known_ranges", "layout"]
-
-
-class SealedInputs(Protocol):
-    """Step inputs that know their own validity.
-
-    Attributes:
-        device: where its device tensors live (a sealed batch on another
-            device than the runner's buffers is checked in full).
-    """
-
-    device: torch.device
-    #: :meth:`is_sealed` as a plain attribute, which a replay reads without a call.
-    sealed: bool
-
-    def is_sealed(self) -> bool:
-        """True while no field was assigned from outside since the batch's
-        own last operation validated it."""
-        ...
-
-    def host_range(self, name: str) -> tuple[int, int] | None:
-        """``(min, max)`` of host mirror ``name`` (a CPU int64 ``[bs]``
-        tensor), None when it is empty; no device sync."""
-        ...
-
+__all__ = ["VERSION", "HostRanges", "SealKey", "cached_range", "host_min_max", "known_ranges"]
+__all__ += ["layout", "seal_key", "widened"]
 
 #: torch's version-counter descriptor: ``VERSION.__get__(t)`` reads ``t``'s
 #: counter in C (no Python frame on a replay's path).
 VERSION = vars(torch._C.TensorBase)["_version"]
-
-_METHODS = ("is_sealed", "host_range")
-_decided: dict[type, bool] = {}
-
-
-def is_sealed_type(cls: type) -> bool:
-    """Whether instances of ``cls`` satisfy :class:`SealedInputs` (callable
-    ``is_sealed`` and ``host_range``); decided once per type. Their
-    ``device`` is read per call, where it is compared."""
-    known = _decided.get(cls)
-    if known is None:
-        known = _decided[cls] = all(callable(getattr(cls, m, None)) for m in _METHODS)
-    return known
-
-
-def is_sealed_inputs(inputs: object) -> TypeGuard[SealedInputs]:
-    """Whether ``inputs``'s type satisfies :class:`SealedInputs` (cached per type)."""
-    return is_sealed_type(type(inputs))
 
 
 def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:
@@ -83,7 +43,7 @@ def host_min_max(values: torch.Tensor) -> tuple[int, int] | None:
     return int(low), int(high)
 
 
-#: A batch's known mirror ranges: name -> (mirror, its version then, min, max).
+#: A step's known mirror ranges: name -> (mirror, its version then, min, max).
 HostRanges = dict[str, tuple[torch.Tensor, int, int, int]]
 
 
@@ -110,7 +70,7 @@ def layout(spec: BufferSpec) -> tuple[object, ...]:
 
 
 class SealKey(NamedTuple):
-    """What a keyed seal vouches for: fields of these :func:`layout` s on ``device``."""
+    """What a seal vouches for: fields of these :func:`layout` s on ``device``."""
 
     fields: frozenset[tuple[object, ...]]
     device: torch.device
@@ -119,12 +79,16 @@ class SealKey(NamedTuple):
 _keys: dict[SealKey, SealKey] = {}
 
 
-def seal_key(specs: Sequence[BufferSpec], device: torch.device) -> SealKey:
-    """The key of ``specs`` checked on ``device``, interned (equal keys are one object)."""
-    key = SealKey(frozenset(layout(s) for s in specs), device)
+def _interned(key: SealKey) -> SealKey:
+    # Equal keys are one object, so a runner decides each once (a dict by identity-hash).
     return _keys.setdefault(key, key)
 
 
-def is_keyed_type(cls: type) -> bool:
-    """Whether ``cls``'s seal names its key (``seal_key``): trusted for that key only."""
-    return hasattr(cls, "seal_key")
+def seal_key(specs: Iterable[BufferSpec], device: torch.device) -> SealKey:
+    """The key of ``specs`` checked on ``device``, interned (equal keys are one object)."""
+    return _interned(SealKey(frozenset(layout(s) for s in specs), device))
+
+
+def widened(key: SealKey, specs: Iterable[BufferSpec]) -> SealKey:
+    """``key`` vouching for ``specs`` too (a step grown by fields checked on its device)."""
+    return _interned(SealKey(key.fields | {layout(s) for s in specs}, key.device))

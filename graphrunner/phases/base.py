@@ -4,6 +4,7 @@ itself is :class:`graphrunner.core.phase.Phase`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -12,8 +13,14 @@ from graphrunner.core.phase import Phase
 from graphrunner.core.runner_setup import token_count, token_field
 from graphrunner.declare.buffers import Axis, BufferSpec, BufferView, Size, StepSize, check_width
 from graphrunner.declare.decode import DECODE_HOST_MIRRORS
-from graphrunner.declare.sealed import HostRanges, SealKey, cached_range, known_ranges, seal_key
-from graphrunner.writers.base import check_fields
+from graphrunner.declare.sealed import (
+    HostRanges,
+    SealKey,
+    cached_range,
+    seal_key,
+    widened,
+)
+from graphrunner.writers.base import PopulateError, check_fields
 
 __all__ = ["Phase", "SpecBatch", "check_width"]
 
@@ -90,12 +97,47 @@ class SpecBatch(BufferView):
         self.made(seal_key(specs, where))
         return self
 
-    def made(self, key: SealKey) -> None:
+    @classmethod
+    def extending(
+        cls, base: Any, specs: Sequence[BufferSpec] = (), **tensors: torch.Tensor
+    ) -> SpecBatch:
+        """``base``'s step (a :class:`~graphrunner.DecodeBatch`, a
+        ``SpecBatch``, or any inputs object with its tensors as attributes)
+        with ``tensors`` added, as one ``SpecBatch``: the fields a phase reads
+        beyond the batch (a Mamba slot per row, sampling rows).
+
+        A sealed ``base`` gives a sealed step: ``tensors`` are checked here,
+        once, against ``specs`` (their declarations, one per tensor) on
+        ``base``'s device, and the seal widened to them. Tensors that do not
+        fit leave the step unsealed, for the replay's full check to refuse
+        naming the field. ``base``'s known mirror ranges carry over.
+        """
+        step = cls(**_tensors_of(base), **tensors)
+        key = getattr(base, "seal_key", None)
+        if getattr(base, "sealed", False) and key is not None:
+            try:
+                check_fields(specs, key.device, step, step.batch_size)
+            except PopulateError:
+                return step  # unsealed: the replay's full check names the field
+            step.made(widened(key, specs), known=getattr(base, "host_ranges", None))
+        return step
+
+    def made(self, key: SealKey, *, known: HostRanges | None = None) -> None:
         """Seal for ``key`` unchecked: for a builder whose construction makes
-        every field of ``key``. Records the mirrors' ranges (host tensors, no sync)."""
-        ranges = {m: self.host_range(m) for m in _MIRRORS if m in self.__dict__}
-        known = {m: r for m, r in ranges.items() if r is not None}
-        object.__setattr__(self, "host_ranges", known_ranges(self, known))
+        every field of ``key``. Records the mirrors' ranges (host tensors, no
+        sync), starting from ``known`` (a sealed batch's, whose mirrors these are)."""
+        held = dict(known or {})
+        mine = {m: getattr(self, m) for m in _MIRRORS if m in self.__dict__}
+        for name, mirror in mine.items():
+            cached_range(held, name, mirror)  # a lookup where ``known`` has it
+        ranges = {n: entry for n, entry in held.items() if mine.get(n) is entry[0]}
+        object.__setattr__(self, "host_ranges", ranges)
         object.__setattr__(self, "seal_key", key)
         object.__setattr__(self, "device", key.device)
         object.__setattr__(self, "sealed", True)
+
+
+def _tensors_of(base: Any) -> dict[str, torch.Tensor]:
+    """``base``'s tensors by name: a batch's own ``tensors()``, else its attributes."""
+    tensors = base.tensors() if callable(getattr(base, "tensors", None)) else vars(base)
+    return {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}

@@ -20,22 +20,23 @@ draws from :mod:`~graphrunner.sampling.processors`' logits (penalties,
 ``logits`` and log-probabilities stay the model's), counting each token.
 
 :func:`with_sampling` hands a step its sampling rows beside any decode
-inputs (a :class:`~graphrunner.DecodeBatch`): a sealed batch stays sealed, so
-the replay path checks it in O(1).
+inputs (a :class:`~graphrunner.DecodeBatch`), as one
+:class:`~graphrunner.phases.SpecBatch`: a sealed batch's step is sealed too
+(the rows checked once, there), so the replay path checks it in O(1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphrunner.declare.inputs import StepInputs
+from graphrunner.declare.buffers import BufferSpec
 from graphrunner.declare.outputs import OutputSpec
-from graphrunner.declare.sealed import host_min_max, is_keyed_type, is_sealed_inputs
 from graphrunner.mechanisms.base import ForwardFn, SplitForward
-from graphrunner.sampling import SAMPLING_FIELD_NAMES, logprobs, sample
+from graphrunner.phases.base import SpecBatch
+from graphrunner.sampling import SAMPLING_FIELD_NAMES, SAMPLING_FIELDS, logprobs, sample
 
 if TYPE_CHECKING:
     from graphrunner.sampling.penalties import TokenCounts
@@ -112,63 +113,56 @@ def pick(
     return token
 
 
-def with_sampling(base: object, rows: Mapping[str, torch.Tensor]) -> StepInputs:
-    """``base`` (any step inputs, e.g. a :class:`~graphrunner.DecodeBatch`)
-    with the sampling rows of its requests, as one step's inputs.
+def with_sampling(base: Any, rows: Mapping[str, torch.Tensor]) -> SpecBatch:
+    """``base`` (a :class:`~graphrunner.DecodeBatch`, a
+    :class:`~graphrunner.phases.SpecBatch`, or any step inputs with its
+    tensors as attributes) with the sampling rows of its requests, as one
+    :class:`~graphrunner.phases.SpecBatch`.
+
+    A sealed ``base`` gives a sealed step (:meth:`SpecBatch.extending`): the
+    rows are checked here, once, against their declarations, and rows that do
+    not fit leave the step unsealed, for the replay to refuse naming the field.
 
     Args:
-        base: the step's other inputs; every attribute not a sampling field
-            is read from it (``batch_size``, the decode fields, host mirrors).
+        base: the step's other inputs: its tensors (the decode fields, the
+            host mirrors) are the step's; ``batch_size`` is the mirrors' length.
         rows: :func:`~graphrunner.sampling.sampling_tensors` of the batch's
             requests in row order: ``temperature``, ``top_p``, ``min_p``
             float32 ``[bs]``; ``top_k``, ``sampling_seed`` int64 ``[bs]``;
             and, for a step with penalties, all of
             :func:`~graphrunner.sampling.penalty_tensors`'s rows; and
-            ``token_bitmask`` for a step that masks.
+            ``token_bitmask`` (int32 ``[bs, ceil(V / 32)]``) for a step that masks.
+
+    Raises:
+        ValueError: a sampling field is missing, or some penalty fields are
+            given without the others.
     """
-    return cast(StepInputs, _WithSampling(base, rows))
+    chosen, specs = _sampling_rows(rows)
+    return SpecBatch.extending(base, specs, **chosen)
 
 
-class _WithSampling:
-    """``base`` with sampling rows (see :func:`with_sampling`)."""
+def _sampling_rows(
+    rows: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], list[BufferSpec]]:
+    """The rows a step takes (sampling, every penalty field or none, a
+    bitmask), and their declarations."""
+    missing = [n for n in SAMPLING_FIELD_NAMES if n not in rows]
+    if missing:
+        raise ValueError(f"rows: missing sampling fields {missing}")
+    from graphrunner.sampling.penalties import PENALTY_FIELDS
 
-    def __init__(self, base: object, rows: Mapping[str, torch.Tensor]) -> None:
-        missing = [n for n in SAMPLING_FIELD_NAMES if n not in rows]
-        if missing:
-            raise ValueError(f"rows: missing sampling fields {missing}")
-        from graphrunner.sampling.penalties import PENALTY_FIELD_NAMES as penalty
+    specs = list(SAMPLING_FIELDS)
+    given = [s for s in PENALTY_FIELDS if s.name in rows]
+    if given and len(given) != len(PENALTY_FIELDS):
+        names = [s.name for s in PENALTY_FIELDS]
+        raise ValueError(
+            f"rows: penalty fields {[s.name for s in given]}; expected all of {names} or none"
+        )
+    specs += given
+    mask = rows.get("token_bitmask")
+    if mask is not None:  # its words per row, as the step declares them
+        from graphrunner.sampling.bitmask import bitmask_spec
 
-        if (given := [n for n in penalty if n in rows]) and len(given) != len(penalty):
-            raise ValueError(f"rows: penalty fields {given}; expected all of {penalty} or none")
-        self._base = base
-        mask = ("token_bitmask",) if "token_bitmask" in rows else ()
-        self._rows = {n: rows[n] for n in (*SAMPLING_FIELD_NAMES, *given, *mask)}
-
-    def __getattr__(self, name: str) -> Any:
-        rows = self.__dict__.get("_rows")
-        if rows is not None and name in rows:
-            return rows[name]
-        return getattr(self.__dict__["_base"], name)
-
-    # The sealed-inputs protocol (graphrunner.declare.sealed), when the base
-    # speaks it: the sampling rows are made and checked by sampling_tensors.
-    @property
-    def device(self) -> torch.device:
-        device: torch.device = getattr(self._base, "device")  # noqa: B009
-        return device
-
-    def is_sealed(self) -> bool:
-        # A keyed seal (a SpecBatch's) vouches for its key's layouts only,
-        # not for the decode fields the gate trusts a sealed wrapper with.
-        base = self._base
-        return is_sealed_inputs(base) and not is_keyed_type(type(base)) and base.is_sealed()
-
-    @property
-    def sealed(self) -> bool:
-        return self.is_sealed()
-
-    def host_range(self, name: str) -> tuple[int, int] | None:
-        base = self._base
-        if is_sealed_inputs(base):
-            return base.host_range(name)
-        return host_min_max(getattr(base, name))
+        words = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.dim() else 1
+        specs.append(bitmask_spec(32 * words))
+    return {s.name: rows[s.name] for s in specs}, specs

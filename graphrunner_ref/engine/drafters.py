@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.declare import StepInputs
 from graphrunner.phases import SpecBatch, with_sampling
 from graphrunner.sampling import draft_sample
 from graphrunner_ref.engine.spec_round import RoundState, SpecRequest, Verified
@@ -58,7 +57,7 @@ class Drafter(Protocol):
         """After the verify (its outputs, valid until the next replay)."""
 
 
-def replay_named(runner: GraphRunner, inputs: StepInputs) -> dict[str, torch.Tensor]:
+def replay_named(runner: GraphRunner, inputs: SpecBatch) -> dict[str, torch.Tensor]:
     """``runner.replay(inputs)`` for a phase whose outputs are a dict."""
     out = runner.replay(inputs)
     if not isinstance(out, dict):

@@ -1,43 +1,36 @@
 """What a decode step of a model with Mamba layers adds to the plain one: each
-row's Mamba slot in the step inputs (:class:`StateSpaceInputs`) and the
+row's Mamba slot in the step inputs (:func:`state_space_inputs`) and the
 sanitizer that checks it (:class:`MambaSanitizer`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from graphrunner import DecodeBatch, PaddingSanitizer, PaddingViolation
-from graphrunner.declare import Size
+from graphrunner.declare import MAMBA_DECODE_FIELDS, Size
+from graphrunner.phases import SpecBatch
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner.sanitizer import live_ints
 
-__all__ = ["MambaSanitizer", "StateSpaceInputs"]
+__all__ = ["MambaSanitizer", "state_space_inputs"]
 
 
-class StateSpaceInputs:
-    """A :class:`DecodeBatch` plus each row's Mamba slot (the decode fields of
-    ``decode_buffer_specs(mamba=True)``): every other attribute is the batch's.
+def state_space_inputs(batch: DecodeBatch, req_pool: HybridReqToTokenPool) -> SpecBatch:
+    """``batch`` plus each row's Mamba slot (the decode fields of
+    ``decode_buffer_specs(mamba=True)``), as one step, sealed with the batch:
 
     mamba_track_indices: int64 ``[bs]``, ``req_pool.mamba_slots`` of the rows
         (from the pool's host mapping: no device read).
     mamba_track_mask: bool ``[bs]``, all True (every live row advances).
     """
-
-    def __init__(self, batch: DecodeBatch, req_pool: HybridReqToTokenPool) -> None:
-        self._batch = batch
-        slots = req_pool.mamba_slots(batch.req_pool_indices_cpu)
-        host = torch.tensor(slots, dtype=torch.int64)
-        self.mamba_track_indices = host.to(batch.device, non_blocking=True)
-        self.mamba_track_mask = torch.ones(len(slots), dtype=torch.bool, device=batch.device)
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch.batch_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._batch, name)
+    slots = req_pool.mamba_slots(batch.req_pool_indices_cpu)
+    host = torch.tensor(slots, dtype=torch.int64)
+    return SpecBatch.extending(
+        batch,
+        MAMBA_DECODE_FIELDS,
+        mamba_track_indices=host.to(batch.device, non_blocking=True),
+        mamba_track_mask=torch.ones(len(slots), dtype=torch.bool, device=batch.device),
+    )
 
 
 class MambaSanitizer(PaddingSanitizer):

@@ -20,8 +20,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 
 from graphrunner import DecodeBatch, GraphRunner
-from graphrunner.declare import StepInputs
-from graphrunner.phases import token_batch_inputs, with_sampling
+from graphrunner.phases import SpecBatch, token_batch_inputs, with_sampling
 from graphrunner.pools import CachedKVAllocator, starts_page
 from graphrunner.sampling import row_argmax
 from graphrunner_ref.engine.registry import DecodeStep, ServingBundle
@@ -263,7 +262,7 @@ class ModelRunner:
         ]
         self.bundle.kv_alloc.free(fresh)
 
-    def step_inputs(self, batch: DecodeBatch) -> StepInputs:
+    def step_inputs(self, batch: DecodeBatch) -> DecodeBatch | SpecBatch:
         """What the decode forward reads for ``batch`` (the kind's own inputs, or the batch)."""
         inputs = self.decoder.inputs
         return batch if inputs is None else inputs(batch)
@@ -278,7 +277,7 @@ class ModelRunner:
             inputs = with_sampling(inputs, self.sampling_rows.of(live))
         return check_step_out(self.runner.replay(inputs))
 
-    def launch(self, inputs: StepInputs) -> StepOut:
+    def launch(self, inputs: SpecBatch) -> StepOut:
         """The runner's step on inputs a variant built itself (a multi-step
         launch), its outputs checked."""
         return check_step_out(self.runner.replay(inputs))

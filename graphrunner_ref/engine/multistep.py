@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from graphrunner import GraphRunner
-from graphrunner.declare import StepInputs
 from graphrunner.phases import STEPS_LEFT, SpecBatch, check_steps_per_launch, with_sampling
 from graphrunner.pools import PoolExhausted
 from graphrunner_ref.engine.model_runner import ModelRunner
@@ -169,7 +168,7 @@ class MultiStepSchedule:
         batch, n = run.batch, self.steps
         lens = batch.seq_lens_cpu
         slots = [r.slots + [0] * (n - r.budget) for r in plan]
-        inputs: StepInputs = SpecBatch(
+        inputs = SpecBatch(
             req_pool_indices_cpu=batch.req_pool_indices_cpu,
             seq_lens_cpu=lens + 1,
             req_pool_indices=batch.req_pool_indices,

@@ -28,7 +28,7 @@ from graphrunner import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from graphrunner.declare import StepInputs
+from graphrunner.phases import SpecBatch
 from graphrunner.pools import HybridReqToTokenPool
 from graphrunner_ref.engine.config import EngineConfig, UsageError
 from graphrunner_ref.model.config import ModelConfig
@@ -104,7 +104,7 @@ class DecodeStep:
 
     forward: Callable[[Any], torch.Tensor]
     backend: GraphBackend
-    inputs: Callable[[DecodeBatch], StepInputs] | None
+    inputs: Callable[[DecodeBatch], SpecBatch] | None
     sanitizer: Callable[[], PaddingSanitizer]
     state_ops: HybridReqToTokenPool | None = None
     mamba: bool = False

@@ -9,7 +9,7 @@ from pathlib import Path
 from graphrunner import GraphBackend
 from graphrunner.declare import NullBackend
 from graphrunner_ref.engine.config import EngineConfig, UsageError
-from graphrunner_ref.engine.mamba_step import MambaSanitizer, StateSpaceInputs
+from graphrunner_ref.engine.mamba_step import MambaSanitizer, state_space_inputs
 from graphrunner_ref.engine.registry import DecodeStep, ModelKind
 from graphrunner_ref.io.checkpoint import load_any, read_any_config, state_space_kind
 from graphrunner_ref.io.mamba_checkpoint import DEFAULT_CONTEXT, StateSpaceBundle
@@ -116,7 +116,7 @@ def _step(bundle: StateSpaceBundle) -> DecodeStep:
     return DecodeStep(
         forward=model.forward_decode,
         backend=backend,
-        inputs=lambda batch: StateSpaceInputs(batch, bundle.req_pool),
+        inputs=lambda batch: state_space_inputs(batch, bundle.req_pool),
         sanitizer=lambda: MambaSanitizer.for_pools(
             bundle.req_pool,
             bundle.kv_cache,
