@@ -214,3 +214,9 @@ def test_sampling_rows_beside_a_sealed_batch_are_checked_once_where_the_step_is_
     with pytest.raises(PopulateError, match=r"'top_k' has dtype torch.float32"):
         runner.replay(bad)
     _assert_unchanged(runner, before)
+
+
+def test_a_base_without_its_fields_as_attributes_is_refused_by_name():
+    rows = sampling_tensors([SamplingParams()], [1], "cpu")
+    with pytest.raises(TypeError, match=r"base: a int has no tensors\(\)"):
+        with_sampling(3, rows)

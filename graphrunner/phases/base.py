@@ -139,5 +139,13 @@ class SpecBatch(BufferView):
 
 def _tensors_of(base: Any) -> dict[str, torch.Tensor]:
     """``base``'s tensors by name: a batch's own ``tensors()``, else its attributes."""
-    tensors = base.tensors() if callable(getattr(base, "tensors", None)) else vars(base)
+    if callable(getattr(base, "tensors", None)):
+        tensors = base.tensors()
+    elif hasattr(base, "__dict__"):
+        tensors = vars(base)
+    else:
+        raise TypeError(
+            f"base: a {type(base).__name__} has no tensors() and no attributes of its own; "
+            "expected a DecodeBatch, a SpecBatch or an object holding its fields as attributes"
+        )
     return {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
