@@ -220,3 +220,26 @@ def test_a_base_without_its_fields_as_attributes_is_refused_by_name():
     rows = sampling_tensors([SamplingParams()], [1], "cpu")
     with pytest.raises(TypeError, match=r"base: a int has no tensors\(\)"):
         with_sampling(3, rows)
+
+
+class _Wrapper:
+    """A batch's attributes handed through, one field its own: its seal is the batch's."""
+
+    def __init__(self, batch: DecodeBatch, positions: torch.Tensor) -> None:
+        self._batch, self.positions = batch, positions
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._batch, name)
+
+
+def test_a_wrapper_handing_a_sealed_batch_through_is_checked_in_full():
+    world = ToyWorld()
+    runner = _runner(world)
+    batch = world.make_batch(3, seed=0)
+    assert batch.sealed and _Wrapper(batch, batch.positions).sealed  # the batch's word
+    runner.replay(_Wrapper(batch, batch.positions))
+    assert runner.input_gate.full_checks == 1
+    before = {n: t.clone() for n, t in runner.buffers.tensors.items()}
+    with pytest.raises(PopulateError, match=r"'positions' has dtype torch.float32"):
+        runner.replay(_Wrapper(batch, batch.positions.float()))
+    _assert_unchanged(runner, before)

@@ -3,8 +3,10 @@ only cheaply after.
 
 * A sealed step (:mod:`graphrunner.declare.sealed`: a ``DecodeBatch`` or a
   ``SpecBatch``, unchanged since its own last operation checked it) whose
-  ``seal_key`` covers these buffers on their device costs one attribute read
-  and one dict lookup (each key decided once).
+  ``seal_key`` covers these buffers on their device costs two dict lookups
+  (each type and key decided once). The seal must be the type's own: a
+  wrapper that hands a batch's attributes through (``__getattr__``) may
+  hold fields the seal never saw, and is checked in full.
 * Anything else (an unsealed batch, an engine's own object with the fields as
   attributes) is checked in full, on every replay.
 * A runner with a sanitizer checks everything on every replay.
@@ -75,7 +77,8 @@ class InputGate:
         # The declared fields of an inputs object, in order, in one call.
         self._fields = _fields_getter(tuple(s.name for s in buffers.specs))
         self._layout = frozenset(layout(s) for s in buffers.specs)
-        self._covers: dict[SealKey, bool] = {}  # per seal key: whether it covers ours
+        self._covers: dict[SealKey | None, bool] = {}  # per seal key: whether it covers ours
+        self._keyed: dict[type, bool] = {}  # per type: whether it carries a seal of its own
         self.device = buffers.device
         #: Full checks run (a test and the bench read it).
         self.full_checks = 0
@@ -86,24 +89,30 @@ class InputGate:
         """The inputs' tensors, one per declared buffer, validated: by their
         seal, or in full (``full``, or no seal covering these buffers). Raises
         before anything is written; the backend's own check runs every time."""
-        key = getattr(inputs, "seal_key", None)  # a step sealed by its own checks has one
-        if not full and key is not None and getattr(inputs, "sealed", False) and self._covered(key):
-            if type(backend) is not NullBackend:  # the no-op one is not called
-                backend.validate_inputs(raw_bs, inputs)
-            return self._fields(inputs)
+        kind = type(inputs)
+        keyed = self._keyed.get(kind)
+        if keyed is None:  # a seal of the type's own, not one a wrapper delegates to its base
+            keyed = self._keyed[kind] = hasattr(kind, "seal_key")
+        if not full and keyed and inputs.sealed:  # type: ignore[attr-defined]
+            key = inputs.seal_key  # type: ignore[attr-defined]
+            covered = self._covers.get(key)  # the method only on a key's first sight
+            if covered or (covered is None and self._covered(key)):
+                if type(backend) is not NullBackend:  # the no-op one is not called
+                    backend.validate_inputs(raw_bs, inputs)
+                return self._fields(inputs)
         check_host_mirrors(inputs, raw_bs)
         backend.validate_inputs(raw_bs, inputs)
         sources = check_sources(self.buffers, inputs, raw_bs)
         self.full_checks += 1
         return sources
 
-    def _covered(self, key: SealKey) -> bool:
+    def _covered(self, key: SealKey | None) -> bool:
         """Whether a seal of ``key`` checked every one of these buffers'
         layouts on their device (decided once per key)."""
         known = self._covers.get(key)
         if known is None:
-            known = key.device == self.device and self._layout <= key.fields
-            self._covers[key] = known
+            fits = key is not None and key.device == self.device and self._layout <= key.fields
+            known = self._covers[key] = fits
         return known
 
 
