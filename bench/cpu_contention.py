@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -88,13 +89,10 @@ def decode_steps(
 ) -> dict[str, float]:
     """Median ms of a decode step (the runner's replay) on ``cpus[0]`` alone
     and beside a busy loop on ``cpus[1]``."""
-    import argparse as _argparse
-    import random
-
     from bench.serve_load import offline
 
     os.sched_setaffinity(0, {cpus[0]})
-    args = _argparse.Namespace(
+    args = argparse.Namespace(
         model=model, runner="cpu", threads=1, max_context_len=512, max_tokens=64,
         serve_args=serve_args,
     )  # fmt: skip
