@@ -27,8 +27,17 @@ from graphrunner_ref.model.int4_bf16 import (
 from graphrunner_ref.model.int4_linear import Int4Linear
 from graphrunner_ref.model.quantize import QUANTIZATIONS, check_quantization, quantize_model
 
-#: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a tile.
-SHAPES = [(96, 64, 1), (1536, 576, 8), (40, 70, 5), (33, 7, 3), (17, 100, 9), (24, 96, 19)]
+#: (out, in, rows): in a multiple of 32, not one (padded), below one group; rows over a
+#: tile (a prompt chunk's path: outputs unpacked 64 at a time, passes of 4 rows by 4).
+SHAPES = [
+    (96, 64, 1),
+    (1536, 576, 8),
+    (40, 70, 5),
+    (33, 7, 3),
+    (17, 100, 9),
+    (24, 96, 19),
+    (130, 96, 23),
+]
 
 
 def _kernel_runs() -> bool:

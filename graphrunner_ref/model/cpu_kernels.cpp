@@ -1538,6 +1538,85 @@ constexpr Int8gBf16Fn int8g_bf16_table[kTile + 1] = {
     rows_int8g_bf16<4>, rows_int8g_bf16<5>, rows_int8g_bf16<6>, rows_int8g_bf16<7>,
     rows_int8g_bf16<8>};
 
+// A prompt chunk's rows (more than a tile's): the table lookups above made
+// once per (output, group) for the whole chunk, where block_bf16 makes them
+// again for every tile of 8 rows. kBf16Unpacked outputs at a time have their
+// bfloat16 weights written out (64 bytes a group: the same vpermw of the same
+// table, so the same values), then every row of the chunk runs against them
+// kBf16PassRows rows by kBf16PassOuts outputs a pass: 16 accumulators, each
+// group's 4 weights loaded once for 4 rows. Each (row, output) still takes
+// one vdpbf16ps a group, groups in order, and hsum16: the same sums in the
+// same order as block_bf16's, bit for bit, whatever the rows beside it.
+// SmolLM2's q/k/v projection (int4-q8's wide one) over a 512-row chunk, on
+// a Xeon with AVX-512 BF16 and no AMX: see bench/bench_bf16_prompt.py.
+constexpr int64_t kBf16Unpacked = 64;
+constexpr int kBf16PassRows = 4;
+constexpr int kBf16PassOuts = 4;
+
+// Outputs [o0, o1)'s bfloat16 weights into wb [o1 - o0, kp], row by row.
+GRAPHRUNNER_BF16_TARGET void unpack_bf16(const uint8_t* blocked, const float* scales,
+                                         const float* mins, int64_t groups, int64_t o0,
+                                         int64_t o1, uint16_t* wb) {
+  const int64_t kp = groups * kGroup;
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wq = row_codes(blocked, groups, o);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(scales[o * groups + g])),
+                                     _mm512_set1_ps(mins[o * groups + g]));
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
+      _mm512_storeu_si512(wb + (o - o0) * kp + g * kGroup,
+                          _mm512_permutexvar_epi16(code_indices(wq + g * kCodeStride), table));
+    }
+  }
+}
+
+// R rows (xb: [R, kp]) against the kBf16PassOuts unpacked weight rows at
+// w[0], w[1], ... (wb rows; a short pass repeats its last).
+template <int R>
+GRAPHRUNNER_BF16_TARGET inline void pass_bf16(const uint16_t* xb, int64_t groups,
+                                              const uint16_t* const (&w)[kBf16PassOuts],
+                                              float* y, int64_t out,
+                                              const int64_t (&os)[kBf16PassOuts]) {
+  constexpr int P = kBf16PassOuts;
+  const int64_t kp = groups * kGroup;
+  __m512 acc[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512bh xv[R];
+    for (int r = 0; r < R; ++r)
+      xv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + r * kp + g * kGroup));
+    for (int p = 0; p < P; ++p) {
+      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w[p] + g * kGroup));
+      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wv, xv[r]);
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) y[r * out + os[p]] = hsum16(acc[p][r]);
+}
+
+template <int R>
+GRAPHRUNNER_BF16_TARGET __attribute__((flatten)) void passes_bf16(
+    const uint16_t* xb, int64_t groups, const uint16_t* wb, float* y, int64_t out, int64_t o0,
+    int64_t o1) {
+  const int64_t kp = groups * kGroup;
+  for (int64_t o = o0; o < o1; o += kBf16PassOuts) {
+    const uint16_t* w[kBf16PassOuts];
+    int64_t os[kBf16PassOuts];
+    for (int p = 0; p < kBf16PassOuts; ++p) {
+      os[p] = std::min(o + p, o1 - 1);
+      w[p] = wb + (os[p] - o0) * kp;
+    }
+    pass_bf16<R>(xb, groups, w, y, out, os);
+  }
+}
+
+using Bf16PassFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t,
+                            int64_t);
+constexpr Bf16PassFn bf16_pass_table[kBf16PassRows + 1] = {
+    nullptr, passes_bf16<1>, passes_bf16<2>, passes_bf16<3>, passes_bf16<4>};
+
 using Bf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, const float*,
                         float*, int64_t, int64_t, int64_t);
 constexpr Bf16Fn bf16_table[kTile + 1] = {nullptr,      rows_bf16<1>, rows_bf16<2>,
@@ -1618,6 +1697,31 @@ void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
 }
 #endif
 
+#ifdef GRAPHRUNNER_BF16
+// linear_bf16 over more rows than a tile (unpack_bf16 above): x's rows rounded
+// to bfloat16 once; each thread's outputs kBf16Unpacked at a time unpacked,
+// then every row against them.
+void bf16_prompt(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
+                 const at::Tensor& mins, int64_t groups, float* y) {
+  const int64_t rows = x.size(0), out = scales.size(0), kp = groups * kGroup;
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint16_t> xb(rows * kp);
+  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  at::parallel_for(0, out, kBf16Unpacked, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> wb(kBf16Unpacked * kp);
+    for (int64_t o0 = t0; o0 < t1; o0 += kBf16Unpacked) {
+      const int64_t o1 = std::min(o0 + kBf16Unpacked, t1);
+      unpack_bf16(blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                  groups, o0, o1, wb.data());
+      for (int64_t r0 = 0; r0 < rows; r0 += kBf16PassRows) {
+        const int nr = static_cast<int>(std::min<int64_t>(kBf16PassRows, rows - r0));
+        bf16_pass_table[nr](xb.data() + r0 * kp, groups, wb.data(), y + r0 * out, out, o0, o1);
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                        const at::Tensor& mins) {
   const int64_t groups = check_int4("graphrunner_int4::linear_bf16", x, blocked, scales, mins);
@@ -1626,6 +1730,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& blocked, const at:
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
 #ifdef GRAPHRUNNER_BF16
+  if (rows > kTile) {
+    bf16_prompt(x, blocked, scales, mins, groups, y.data_ptr<float>());
+    return y;
+  }
   over_bf16_tiles(x, groups, out, y.data_ptr<float>(),
                   [&](const uint16_t* xb, int nr, float* yt, int64_t o0, int64_t o1) {
                     bf16_table[nr](xb, groups, blocked.data_ptr<uint8_t>(),
