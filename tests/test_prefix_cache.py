@@ -7,6 +7,7 @@ counter, and no held page is ever evicted."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -416,3 +417,18 @@ def test_the_index_alone_matches_inserts_and_removes_subtrees() -> None:
     assert index.inconsistencies() == []
     assert index.insert([1, 2, 3, 4, 9, 9], [7, 2, 3], "s") == [2, 3]  # indexed whole again
     assert index.match([1, 2, 3, 4, 9, 9, 0], "s", max_pages=9) == [7, 2, 3]
+
+
+def test_indexing_a_long_fresh_prompt_costs_its_pages_not_their_square() -> None:
+    """20,000 fresh pages of one token, indexed in one insert: each page once
+    (0.3 s on a 2-vCPU Xeon); a scan of the pages planned so far for each
+    page, as once, took 200 million steps (7.7 s there)."""
+    n = 20_000
+    cache = CachedKVAllocator(n + 1, "cpu", 1)
+    tokens = [random.Random(1).randrange(1, 50_000) for _ in range(n)]
+    slots = cache.alloc(n)
+    start = time.perf_counter()
+    assert cache.insert(tokens, slots) == n
+    took = time.perf_counter() - start
+    assert took < 2.0, f"indexing {n} pages took {took:.1f} s"
+    assert cache.match(tokens + [7]).cached_tokens == n

@@ -221,10 +221,10 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
         Call it right after :meth:`match`, before anything else allocates."""
         name = "acquire: pages"
         checked = self._page_list(pages, name)
-        for i, page in enumerate(checked):
-            if page not in self._index:
-                expected = "an indexed page (evicted since the match, or never inserted)"
-                raise bad_arg(f"{name}[{i}]", page, expected, InvalidSlot)
+        i = self._index.first_unindexed(checked)
+        if i >= 0:
+            expected = "an indexed page (evicted since the match, or never inserted)"
+            raise bad_arg(f"{name}[{i}]", checked[i], expected, InvalidSlot)
         for page in checked:
             self._refs[page] = self._refs.get(page, 0) + 1
             self._unheld.pop(page, None)
@@ -277,6 +277,8 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
     def slots_of(self, pages: Iterable[int]) -> list[int]:
         """The token slots of ``pages``, in order."""
         ps = self.page_size
+        if ps == 1:
+            return list(pages)
         return [p * ps + o for p in pages for o in range(ps)]
 
     def inconsistencies(self) -> list[str]:
@@ -320,9 +322,10 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
     def _page_list(self, pages: Sequence[int], name: str) -> list[int]:
         """``pages`` as host ints, each a page in ``1..num_pages``, listed once."""
         checked = as_index_list(pages, name)
-        for i, page in enumerate(checked):
-            self._pages.check_in_range(page, f"{name}[{i}]")
-        i = first_repeat(checked)
+        if checked and (min(checked) < 1 or max(checked) > self._pages.size):
+            for i, page in enumerate(checked):
+                self._pages.check_in_range(page, f"{name}[{i}]")
+        i = -1 if len(set(checked)) == len(checked) else first_repeat(checked)
         if i >= 0:
             raise bad_arg(f"{name}[{i}]", checked[i], "each page listed once", DoubleFree)
         return checked
@@ -348,12 +351,15 @@ class CachedKVAllocator(TokenToKVPoolAllocator):
         if len(slots) < full * ps:
             expected = f"at least {full * ps} slots (one per token of the full pages)"
             raise bad_arg("insert: slots", slots, expected, PoolError)
-        pages = [slots[i * ps] // ps for i in range(full)]
-        for i, page in enumerate(pages):
-            if page < 1 or slots[i * ps : (i + 1) * ps] != self.slots_of([page]):
-                expected = f"slots {i * ps}..{(i + 1) * ps - 1} one whole KV page >= 1, in order"
-                raise bad_arg(f"insert: slots[{i * ps}]", slots[i * ps], expected, InvalidSlot)
-        self._check_held(slots[: full * ps], "insert: slots")
+        pages = [slot // ps for slot in slots[: full * ps : ps]]
+        if (pages and min(pages) < 1) or slots[: full * ps] != self.slots_of(pages):
+            for i, page in enumerate(pages):  # name the first page that is not whole
+                if page < 1 or slots[i * ps : (i + 1) * ps] != self.slots_of([page]):
+                    span = f"{i * ps}..{(i + 1) * ps - 1}"
+                    expected = f"slots {span} one whole KV page >= 1, in order"
+                    raise bad_arg(f"insert: slots[{i * ps}]", slots[i * ps], expected, InvalidSlot)
+        if not self._refs.keys() >= set(pages):
+            self._check_held(slots[: full * ps], "insert: slots")
         return pages
 
     def _check_held(self, slots: list[int], name: str) -> None:

@@ -87,6 +87,13 @@ class PrefixIndex:
     def __contains__(self, page: object) -> bool:
         return page in self._by_page
 
+    def first_unindexed(self, pages: Sequence[int]) -> int:
+        """The position of the first of ``pages`` not indexed (-1: all are)."""
+        for i, page in enumerate(pages):
+            if page not in self._by_page:
+                return i
+        return -1
+
     def pages(self) -> frozenset[int]:
         return frozenset(self._by_page)
 
@@ -143,22 +150,32 @@ class PrefixIndex:
             expected = f"a page for each of the {len(chunks)} full pages of token_ids"
             raise bad_arg("insert: pages", list(pages), expected, PoolError)
         planned: dict[int, _Entry] = {}  # by key: a key may repeat within one prompt
+        planned_pages: set[int] = set()  # a set, not a scan of planned: O(pages) in all
         parent, key = _ROOT, hash(scope)
-        for i, tokens in enumerate(chunks):
+        checked = self._checked_pages(pages, len(chunks))
+        for i, (tokens, page) in enumerate(zip(chunks, checked, strict=True)):
             key = hash((key, tokens))
-            page = self._check_page(f"insert: pages[{i}]", pages[i])
             entry = planned.get(key) or self._by_key.get(key)
             if entry is not None and not entry.holds(parent, tokens, scope):
                 break  # a collision: this prefix cannot be indexed past here
             if entry is None:
-                if page in self._by_page or any(e.page == page for e in planned.values()):
+                if page in self._by_page or page in planned_pages:
                     expected = "a page not indexed as another prefix (it holds other tokens)"
                     raise bad_arg(f"insert: pages[{i}]", page, expected, PoolError)
                 self._serials += 1
                 entry = _Entry(page, key, self._serials, parent, tokens, scope)
                 planned[key] = entry
+                planned_pages.add(page)
             parent = entry.serial
         return list(planned.values())
+
+    def _checked_pages(self, pages: Sequence[int], n: int) -> list[int]:
+        """The first ``n`` of ``pages``, each a KV page >= 1: plain ints checked
+        at once, anything else one by one, naming the first bad one."""
+        first = list(pages[:n])
+        if all(type(p) is int for p in first) and (not first or min(first) >= 1):
+            return first
+        return [self._check_page(f"insert: pages[{i}]", p) for i, p in enumerate(first)]
 
     def _check_page(self, name: str, page: object) -> int:
         what = "a KV page >= 1 (page 0 is the reserved padding page)"
