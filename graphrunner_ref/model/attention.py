@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner_ref.model.attention_cpu import (
+    cpp_prompt_attention,
+    cpp_prompt_runs,
     cpp_q8_runs,
     cpp_rope_store,
     cpp_rope_store_q8,
@@ -190,11 +192,14 @@ class PagedAttention(nn.Module):
         meta: AttnMetadata,
         scales: Scales | None,
     ) -> torch.Tensor:
-        """A prompt's attention, ``q [n, H, D]`` over its row's slots: torch's
+        """A prompt's attention, ``q [n, H, D]`` over its row's slots: the C++
+        prompt attention where it runs (:func:`cpp_prompt_runs`), else torch's
         fused attention, heads sharing their KV head (``enable_gqa``), causal
         by position. A whole prompt (no cached prefix) is plainly causal, which
         lets the fused kernel skip the masked half; a chunk after a prefix
         reads its mask. Returns ``[n, H D]``."""
+        if cpp_prompt_runs(q, k_buf, scales):
+            return cpp_prompt_attention(q, k_buf, v_buf, meta.slots[0], self.scale, scales)
         n, group = q.shape[0], self.num_heads // self.num_kv_heads
         k_scale, v_scale = (None, None) if scales is None else scales
         k = read_kv(k_buf, meta.slots, q.dtype, k_scale).transpose(1, 2)  # [1, H_kv, T, D]

@@ -45,6 +45,8 @@ __all__ = [
     "cpp_attention_status",
     "cpp_decode_attention",
     "cpp_decode_attention_q8",
+    "cpp_prompt_attention",
+    "cpp_prompt_runs",
     "cpp_q8_runs",
     "cpp_rope_store",
     "cpp_rope_store_q8",
@@ -60,7 +62,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v8"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v15"
 
 
 @functools.cache
@@ -73,6 +75,8 @@ def cpp_attention_status() -> str | None:
         torch.library.register_fake("graphrunner_attention::rope_store", rope_store_fake)
         torch.library.register_fake("graphrunner_attention::decode_q8", _decode_q8_fake)
         torch.library.register_fake("graphrunner_attention::rope_store_q8", _rope_store_q8_fake)
+        torch.library.register_fake("graphrunner_attention::prompt", _prompt_fake)
+        torch.library.register_fake("graphrunner_attention::prompt_q8", _prompt_q8_fake)
         use_path(_table_path())
     return why
 
@@ -279,3 +283,60 @@ def cpp_rope_store_q8(
     return torch.ops.graphrunner_attention.rope_store_q8(
         qkv, positions, out_loc, cos, sin, *kv, heads
     )
+
+
+def _prompt_fake(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def _prompt_q8_fake(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, slots: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.compiler.assume_constant_result
+def _prompt_built() -> bool:
+    """Whether the prompt attention runs here: the kernels built and the
+    attention's ``avx512`` path this CPU's best (its features less those
+    ``GRAPHRUNNER_CPU_DISABLE`` hides), a constant to a traced forward."""
+    path = decode_path()
+    return path is not None and path.name == "avx512"
+
+
+def cpp_prompt_runs(q: torch.Tensor, k_buf: torch.Tensor, scales: object = None) -> bool:
+    """Whether :func:`cpp_prompt_attention` runs for queries ``q [n, H, D]``
+    over ``k_buf``: CPU tensors, float32 queries of a head size a multiple of
+    16, over a float32 or float16 cache (or int8 with its ``scales``), on a
+    CPU with AVX-512 where the kernels build."""
+    cpu = q.device.type == "cpu" and k_buf.device.type == "cpu"
+    cache = k_buf.dtype == torch.int8 if scales is not None else k_buf.dtype in KV_DTYPES
+    shaped = q.dim() == 3 and q.shape[-1] % 16 == 0
+    return cpu and cache and shaped and q.dtype == torch.float32 and _prompt_built()
+
+
+def cpp_prompt_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One request's prompt chunk over its slots: returns ``[n, H D]``.
+
+    q: float32 ``[n, H, D]``, the chunk's rotated queries (``D`` a multiple of 16).
+    k_buf, v_buf: ``[slots, H_kv, D]``, float32 or float16, or int8 with
+        ``scales`` (float32 ``[slots, H_kv]`` each, :class:`graphrunner.pools.Int8KVCache`).
+    slots: int64 ``[L]``, ``L >= n``: the request's slots in order, the
+        chunk's own tokens the last ``n`` (their K/V written already).
+
+    Token ``i`` reads slots ``0 .. L - n + i``, query head ``h`` its KV head
+    ``h // (H // H_kv)``: torch's fused attention with that causal mask, within
+    float32 rounding (only where :func:`cpp_prompt_runs`)."""
+    if scales is not None:
+        return torch.ops.graphrunner_attention.prompt_q8(q, k_buf, v_buf, *scales, slots, scale)
+    return torch.ops.graphrunner_attention.prompt(q, k_buf, v_buf, slots, scale)

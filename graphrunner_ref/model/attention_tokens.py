@@ -3,8 +3,10 @@
 A token batch (:mod:`graphrunner.phases.token_batch`) holds any mix of
 prompt chunks and decode rows: request ``i`` owns the next ``extend_lens[i]``
 tokens and reads ``req_to_token[req_pool_indices[i], :seq_lens[i]]``, its
-tokens causal by position. Each request is one call of torch's fused
-attention (the prompt path of :class:`~graphrunner_ref.model.attention.PagedAttention`),
+tokens causal by position. Each request is one call of the C++ prompt
+attention where it runs (:func:`~graphrunner_ref.model.attention_cpu.cpp_prompt_attention`),
+else of torch's fused attention (the prompt path of
+:class:`~graphrunner_ref.model.attention.PagedAttention` either way),
 its ranges read from the step's host buffers (``extend_lens_cpu``,
 ``seq_lens_cpu``): no device read, and no work for padded requests (they own
 no token; padded tokens' rows stay zero).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
 from graphrunner_ref.model.attention_torch import Scales, read_kv
 
 __all__ = ["TokenLayout", "token_batch_attention"]
@@ -99,6 +102,12 @@ def _per_request(
             continue
         row = rows[i] if rows is not None else req_pool_indices[i]
         slots = req_to_token[row, :length].long()
+        if cpp_prompt_runs(q, k_buf, scales):
+            out[start : start + n] = cpp_prompt_attention(
+                q[start : start + n], k_buf, v_buf, slots, scale, scales
+            )
+            start += n
+            continue
         k = read_kv(k_buf, slots, q.dtype, k_scale).transpose(0, 1)[None]  # [1, H_kv, L, D]
         v = read_kv(v_buf, slots, q.dtype, v_scale).transpose(0, 1)[None]
         whole = length == n  # no cached prefix: plainly causal
