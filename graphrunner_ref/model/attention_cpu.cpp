@@ -434,16 +434,19 @@ GR_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
 }
 
-// p[0..n) = e^(p - max p) in place, 16 at a time (the tail masked); returns
-// their sum. The division by it is left to the caller: dividing the n
-// probabilities costs n divisions, dividing a head's output dim.
-GR_AVX512 inline float exp_shifted(float* p, int64_t n) {
+// The largest of p[0..n), 16 at a time (the tail masked).
+GR_AVX512 inline float row_max(const float* p, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
     m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p + t));
   }
-  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  return _mm512_reduce_max_ps(m);
+}
+
+// p[0..n) = e^(p - m) in place; returns their sum.
+GR_AVX512 inline float exp_sum(float* p, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
@@ -454,6 +457,11 @@ GR_AVX512 inline float exp_shifted(float* p, int64_t n) {
   }
   return _mm512_reduce_add_ps(acc);
 }
+
+// p[0..n) = e^(p - max p) in place, 16 at a time (the tail masked); returns
+// their sum. The division by it is left to the caller: dividing the n
+// probabilities costs n divisions, dividing a head's output dim.
+GR_AVX512 inline float exp_shifted(float* p, int64_t n) { return exp_sum(p, n, row_max(p, n)); }
 
 // scores[r * stride + i] = scale * (q[r] . keys[i][at ..]) for RB query heads
 // q [RB, dim] and the n <= 8 keys given (their rows' head at `at`; keys[n..8)
@@ -1000,34 +1008,11 @@ constexpr PromptValuesFn kPromptValues[kPromptRows + 1] = {
     nullptr, prompt_pass_values<1>, prompt_pass_values<2>, prompt_pass_values<3>,
     prompt_pass_values<4>, prompt_pass_values<5>, prompt_pass_values<6>};
 
-// The largest of p[0..n), 16 at a time (the tail masked).
-GR_AVX512 inline float row_max(const float* p, int64_t n) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p + t));
-  }
-  return _mm512_reduce_max_ps(m);
-}
-
-// p[0..n) = e^(p - m) in place; returns their sum.
-GR_AVX512 inline float exp_sum(float* p, int64_t n, float m) {
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(
-        live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + t), mv)));
-    _mm512_mask_storeu_ps(p + t, live, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 // out[0..dim) *= by.
 GR_AVX512 inline void scale_row(float* out, int64_t dim, float by) {
   const __m512 b = _mm512_set1_ps(by);
-  for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), b));
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), b));
 }
 
 // Running softmax state of a block's rows: each row's largest score so far
