@@ -711,23 +711,19 @@ void attend_row_avx512(const float* q, const T* k, const T* v, const float* ks, 
   }
 }
 
-// The checks and the loop of decode and decode_q8 (scales: undefined tensors
-// for a float cache).
-at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
-                       const at::Tensor& v_buf, const at::Tensor& k_scale,
-                       const at::Tensor& v_scale, const at::Tensor& req_to_token,
-                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                       double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), op,
-              ": q must be a float32 CPU tensor [B, H_kv, R, D], got ", q.sizes());
-  const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+// The KV cache of an op: k_buf and v_buf contiguous CPU [slots, heads, dim]
+// alike, float32 or float16, or int8 with k_scale and v_scale (float32
+// [slots, heads]; undefined tensors for a float cache).
+void check_cache(const char* op, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                 const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t heads,
+                 int64_t dim) {
   const auto kv_type = k_buf.scalar_type();
   const bool q8 = k_scale.defined();
   const bool type_ok = q8 ? kv_type == at::kChar : (kv_type == at::kFloat || kv_type == at::kHalf);
   for (const at::Tensor* buf : {&k_buf, &v_buf})
     TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type && type_ok &&
-                    buf->is_cpu() && buf->is_contiguous() && buf->size(1) == heads &&
-                    buf->size(2) == dim,
+                    buf->is_cpu() && buf->is_contiguous() && buf->size(0) == k_buf.size(0) &&
+                    buf->size(1) == heads && buf->size(2) == dim,
                 op, ": k_buf and v_buf must be contiguous ", (q8 ? "int8" : "float32 or float16"),
                 " alike [slots, ", heads, ", ", dim, "], got ", k_buf.sizes(), " ",
                 kv_type, " and ", v_buf.sizes(), " ", v_buf.scalar_type());
@@ -738,6 +734,31 @@ at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
                       sc->size(1) == heads,
                   op, ": k_scale and v_scale must be contiguous float32 CPU [", k_buf.size(0),
                   ", ", heads, "], got ", k_scale.sizes(), " and ", v_scale.sizes());
+}
+
+// fn(k data, v data) in the cache's element type (int8, at::Half or float).
+template <class Fn>
+void on_cache(const at::Tensor& k_buf, const at::Tensor& v_buf, const Fn& fn) {
+  if (k_buf.scalar_type() == at::kChar)
+    fn(k_buf.data_ptr<int8_t>(), v_buf.data_ptr<int8_t>());
+  else if (k_buf.scalar_type() == at::kHalf)
+    fn(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
+  else
+    fn(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
+}
+
+// The checks and the loop of decode and decode_q8 (scales: undefined tensors
+// for a float cache).
+at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
+                       const at::Tensor& v_buf, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale, const at::Tensor& req_to_token,
+                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), op,
+              ": q must be a float32 CPU tensor [B, H_kv, R, D], got ", q.sizes());
+  const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  check_cache(op, k_buf, v_buf, k_scale, v_scale, heads, dim);
+  const bool q8 = k_scale.defined();
   TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kInt &&
                   req_to_token.is_contiguous(),
               op, ": req_to_token must be contiguous int32 [requests, capacity]");
@@ -788,12 +809,7 @@ at::Tensor decode_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
       }
     });
   };
-  if (kv_type == at::kChar)
-    attend_all(k_buf.data_ptr<int8_t>(), v_buf.data_ptr<int8_t>());
-  else if (kv_type == at::kHalf)
-    attend_all(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
-  else
-    attend_all(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
+  on_cache(k_buf, v_buf, attend_all);
   return out;
 }
 
@@ -1111,22 +1127,8 @@ at::Tensor prompt_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(heads > 0 && all_heads % heads == 0 && dim % 16 == 0 && k_buf.size(2) == dim, op,
               ": q [n, H, D] = ", q.sizes(), " against k_buf ", k_buf.sizes(),
               ": expected H a multiple of H_kv and D a multiple of 16, alike");
-  const auto kv_type = k_buf.scalar_type();
+  check_cache(op, k_buf, v_buf, k_scale, v_scale, heads, dim);
   const bool q8 = k_scale.defined();
-  const bool type_ok = q8 ? kv_type == at::kChar : (kv_type == at::kFloat || kv_type == at::kHalf);
-  for (const at::Tensor* buf : {&k_buf, &v_buf})
-    TORCH_CHECK(buf->sizes() == k_buf.sizes() && buf->scalar_type() == kv_type && type_ok &&
-                    buf->is_cpu() && buf->is_contiguous(),
-                op, ": k_buf and v_buf must be contiguous ", (q8 ? "int8" : "float32 or float16"),
-                " alike, got ", k_buf.sizes(), " ", kv_type, " and ", v_buf.sizes(), " ",
-                v_buf.scalar_type());
-  if (q8)
-    for (const at::Tensor* sc : {&k_scale, &v_scale})
-      TORCH_CHECK(sc->dim() == 2 && sc->scalar_type() == at::kFloat && sc->is_cpu() &&
-                      sc->is_contiguous() && sc->size(0) == k_buf.size(0) &&
-                      sc->size(1) == heads,
-                  op, ": k_scale and v_scale must be contiguous float32 CPU [", k_buf.size(0),
-                  ", ", heads, "], got ", k_scale.sizes(), " and ", v_scale.sizes());
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_cpu(), op,
               ": slots must be int64 CPU [L], got ", slots.sizes(), " ", slots.scalar_type());
   const int64_t len = slots.size(0);
@@ -1149,12 +1151,7 @@ at::Tensor prompt_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
                     scratch);
     });
   };
-  if (kv_type == at::kChar)
-    run(k_buf.data_ptr<int8_t>(), v_buf.data_ptr<int8_t>());
-  else if (kv_type == at::kHalf)
-    run(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
-  else
-    run(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
+  on_cache(k_buf, v_buf, run);
   return out;
 }
 
