@@ -18,7 +18,6 @@ thread, interleaved rounds, medians, and prints the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from bench.bench_gemm_peak import cpu_slug
-from bench.conftest import RESULTS_DIR, command, machine
+from bench.conftest import RESULTS_DIR, command, machine, write_results
 from graphrunner_ref.model.cpu_features import cpu_features, kernel_note, kernel_path
 from graphrunner_ref.model.int4_bf16 import Int4Bf16Linear
 
@@ -112,10 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "tiles_ms": ms["tiles"], "chunk_ms": ms["chunk"],
                             "chunk_gflops": gflops, "ratio": ratio})  # fmt: skip
     name = args.out or f"bf16-prompt-{cpu_slug(cpu_features())}"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{name}.md").write_text(report(results, argv))
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {RESULTS_DIR / name}.md")
+    write_results(RESULTS_DIR, name, report(results, argv), results)
     return 0
 
 

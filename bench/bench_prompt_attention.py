@@ -20,7 +20,6 @@ medians, the ratio, and GFLOP/s counting the causal half only.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_gemm_peak import cpu_slug
-from bench.conftest import RESULTS_DIR, command, machine
+from bench.conftest import RESULTS_DIR, command, machine, write_results
 from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
 from graphrunner_ref.model.attention_torch import read_kv
 from graphrunner_ref.model.cpu_features import cpu_features
@@ -153,10 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{ms['kernel']:.3f} ms: {row['ratio']:.2f}x", flush=True)  # fmt: skip
             rows.append(row)
     name = args.out or f"prompt-attention-{cpu_slug(cpu_features())}"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{name}.md").write_text(report(rows, argv))
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {RESULTS_DIR / name}.md")
+    write_results(RESULTS_DIR, name, report(rows, argv), rows)
     return 0
 
 

@@ -102,6 +102,16 @@ def table(groups: list[str]) -> list[str]:
     return lines
 
 
+def write_results(folder: Path, name: str, text: str, data: object) -> Path:
+    """A bench's results: ``folder/name.md`` (``text``) and ``folder/name.json``
+    (``data``); returns the markdown file's path, said on stdout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.md").write_text(text)
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {folder / name}.md")
+    return folder / f"{name}.md"
+
+
 def slug(text: str) -> str:
     """``text`` as a results file's name: lower case, runs of anything else one dash."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
