@@ -7,9 +7,10 @@ thread, a float16 cache by default, one request's chunk of ``n`` tokens over
 i``): a prefix-cache hit's 32 new tokens after 1,024 cached, whole prompts
 of 256 to 4,096 tokens, and a 512-token chunk after 3,584. Each case times
 the kernel (:func:`~graphrunner_ref.model.attention_cpu.cpp_prompt_attention`)
-and the torch path the token batch ran before it: the slots read
-(``read_kv``), then ``scaled_dot_product_attention`` with ``enable_gqa``,
-causal for a whole prompt and with the prefix's mask after one. Outputs are
+and its torch twin, the path the token batch ran before it and runs where
+the kernel does not (:func:`~graphrunner_ref.model.attention_torch.torch_prompt_attention`:
+the slots read, then ``scaled_dot_product_attention`` with ``enable_gqa``,
+causal for a whole prompt and with the prefix's mask after one). Outputs are
 checked equal within float32 rounding first; then interleaved rounds,
 medians, the ratio, and GFLOP/s counting the causal half only.
 
@@ -25,12 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from bench.bench_gemm_peak import cpu_slug
 from bench.conftest import RESULTS_DIR, command, machine, write_results
 from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
-from graphrunner_ref.model.attention_torch import read_kv
+from graphrunner_ref.model.attention_torch import torch_prompt_attention
 from graphrunner_ref.model.cpu_features import cpu_features
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -43,23 +43,6 @@ CASES = [
     ("chunk after 3,584", 512, 4096),
 ]
 CACHES = {"float32": torch.float32, "float16": torch.float16}
-
-
-def torch_path(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """What the token batch ran for one request before the kernel."""
-    n, length = q.shape[0], slots.shape[0]
-    k = read_kv(k_buf, slots, q.dtype, None).transpose(0, 1)[None]
-    v = read_kv(v_buf, slots, q.dtype, None).transpose(0, 1)[None]
-    whole = n == length
-    columns = torch.arange(length)
-    mask = None if whole else columns[None, :] <= (length - n + columns[:n, None])
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=whole, scale=scale,
-        enable_gqa=True,
-    )  # fmt: skip
-    return out[0].transpose(0, 1).reshape(n, -1)
 
 
 def _time(fn: Callable[[], object], into: list[float]) -> None:
@@ -83,7 +66,7 @@ def measure(n: int, length: int, cache: torch.dtype, rounds: int) -> dict[str, f
         return cpp_prompt_attention(q, k, v, slots, scale)
 
     def reference() -> torch.Tensor:
-        return torch_path(q, k, v, slots, scale)
+        return torch_prompt_attention(q, k, v, slots, scale)
 
     torch.testing.assert_close(kernel(), reference(), atol=1e-5, rtol=1e-4)
     times: dict[str, list[float]] = {"kernel": [], "torch": []}

@@ -5,7 +5,9 @@ request's prompt chunk over its slots, token ``i`` of ``n`` reading slots
 
 The oracle is the same attention in float64 over the same slots read by
 :func:`~graphrunner_ref.model.attention_torch.read_kv` (an int8 cache
-dequantized), which the kernel must meet within float32 rounding, at every
+dequantized), which the kernel and its torch twin
+(:func:`~graphrunner_ref.model.attention_torch.torch_prompt_attention`) must
+meet within float32 rounding, at every
 pass remainder (6 query rows a pass), key tail (64 keys a score pass, 16 a
 transposed block) and head size; a token's output must not move when the
 keys after its own are poisoned; bad inputs are refused by name.
@@ -20,7 +22,7 @@ import torch
 
 from graphrunner.pools import Int8KVCache
 from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
-from graphrunner_ref.model.attention_torch import read_kv
+from graphrunner_ref.model.attention_torch import read_kv, torch_prompt_attention
 
 SLOTS = 300
 
@@ -78,10 +80,13 @@ def _oracle(
 
 @pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "dim"), CASES)
 @pytest.mark.parametrize("cache", [torch.float32, torch.float16, torch.int8])
-def test_the_kernel_meets_the_float64_attention(
-    n: int, length: int, heads: int, kv_heads: int, dim: int, cache: torch.dtype
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_each_path_meets_the_float64_attention(
+    n: int, length: int, heads: int, kv_heads: int, dim: int, cache: torch.dtype, path: str
 ) -> None:
-    _skip_without_kernel()
+    """The kernel, and its torch twin (what runs where the kernel does not)."""
+    if path == "kernel":
+        _skip_without_kernel()
     q, k, v, slots = _case(n, length, heads, kv_heads, dim, seed=n * 31 + length)
     scale = dim**-0.5
     scales = None
@@ -90,8 +95,9 @@ def test_the_kernel_meets_the_float64_attention(
         scales = (k_scale, v_scale)
     else:
         k, v = k.to(cache), v.to(cache)
-    assert cpp_prompt_runs(q, k, scales)
-    got = cpp_prompt_attention(q, k, v, slots, scale, scales)
+    attend = cpp_prompt_attention if path == "kernel" else torch_prompt_attention
+    assert cpp_prompt_runs(q, k, scales) or path == "torch"
+    got = attend(q, k, v, slots, scale, scales)
     want = _oracle(q, k, v, slots, scale, scales)
     assert got.shape == (n, heads * dim) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)

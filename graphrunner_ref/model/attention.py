@@ -29,16 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrunner_ref.model.attention_cpu import (
-    cpp_prompt_attention,
-    cpp_prompt_runs,
     cpp_q8_runs,
     cpp_rope_store,
     cpp_rope_store_q8,
     cpp_rope_store_runs,
 )
 from graphrunner_ref.model.attention_meta import AttnMetadata, KVStore, attend, kv_scales
-from graphrunner_ref.model.attention_tokens import token_batch_attention
-from graphrunner_ref.model.attention_torch import Scales, read_kv
+from graphrunner_ref.model.attention_tokens import prompt_attention, token_batch_attention
+from graphrunner_ref.model.attention_torch import Scales
 from graphrunner_ref.model.config import ModelConfig
 from graphrunner_ref.model.fused import register_stack
 from graphrunner_ref.model.layers import RotaryEmbedding
@@ -192,30 +190,12 @@ class PagedAttention(nn.Module):
         meta: AttnMetadata,
         scales: Scales | None,
     ) -> torch.Tensor:
-        """A prompt's attention, ``q [n, H, D]`` over its row's slots: the C++
-        prompt attention where it runs (:func:`cpp_prompt_runs`), else torch's
-        fused attention, heads sharing their KV head (``enable_gqa``), causal
-        by position. A whole prompt (no cached prefix) is plainly causal, which
-        lets the fused kernel skip the masked half; a chunk after a prefix
-        reads its mask. Returns ``[n, H D]``."""
-        if cpp_prompt_runs(q, k_buf, scales):
-            return cpp_prompt_attention(q, k_buf, v_buf, meta.slots[0], self.scale, scales)
-        n, group = q.shape[0], self.num_heads // self.num_kv_heads
-        k_scale, v_scale = (None, None) if scales is None else scales
-        k = read_kv(k_buf, meta.slots, q.dtype, k_scale).transpose(1, 2)  # [1, H_kv, T, D]
-        v = read_kv(v_buf, meta.slots, q.dtype, v_scale).transpose(1, 2)
-        whole = k.shape[2] == n
-        mask = None if whole else meta.mask.view(1, 1, n, group, -1)[:, :, :, 0]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=whole,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).reshape(n, -1)
+        """A prompt's attention, ``q [n, H, D]`` over its row's slots (its
+        tokens the last, at consecutive positions): the C++ prompt attention
+        where it runs, else its torch twin (:func:`prompt_attention`).
+        Returns ``[n, H D]``."""
+        attend = prompt_attention(q, k_buf, scales)
+        return attend(q, k_buf, v_buf, meta.slots[0], self.scale, scales)
 
     def _rows(self, q: torch.Tensor, b: int) -> torch.Tensor:
         """``[n, H, D]`` to ``[b, H_kv, R, D]``: in decode (b == n) the rows of a KV

@@ -933,9 +933,9 @@ GR_AVX512 void widen_head(const T* k, const T* v, const float* ks, const float* 
 // dst[r * stride + j] = scale * q[r] . key t0 + j for R query rows and the 64
 // keys from t0 (kt's columns).
 template <int R>
-GR_AVX512 inline void prompt_scores(const float* const* q, const float* kt, int64_t lpad,
-                                    int64_t t0, int64_t dim, float scale, float* dst,
-                                    int64_t stride) {
+GR_AVX512 __attribute__((flatten)) void prompt_scores(const float* const* q, const float* kt,
+                                                      int64_t lpad, int64_t t0, int64_t dim,
+                                                      float scale, float* dst, int64_t stride) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -988,14 +988,6 @@ GR_AVX512 inline void prompt_values(const float* p, int64_t stride, const float*
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[r] + d0 + 16 * j, acc[r][j]);
 }
 
-template <int R>
-GR_AVX512 __attribute__((flatten)) void prompt_pass_scores(const float* const* q,
-                                                           const float* kt, int64_t lpad,
-                                                           int64_t t0, int64_t dim, float scale,
-                                                           float* dst, int64_t stride) {
-  prompt_scores<R>(q, kt, lpad, t0, dim, scale, dst, stride);
-}
-
 // One pass of R rows: the values of keys [t0, t1) weighed into out, every head column.
 template <int R>
 GR_AVX512 __attribute__((flatten)) void prompt_pass_values(const float* p, int64_t stride,
@@ -1018,8 +1010,8 @@ using PromptScoresFn = void (*)(const float* const*, const float*, int64_t, int6
 using PromptValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
                                 const int64_t*, float* const*);
 constexpr PromptScoresFn kPromptScores[kPromptRows + 1] = {
-    nullptr, prompt_pass_scores<1>, prompt_pass_scores<2>, prompt_pass_scores<3>,
-    prompt_pass_scores<4>, prompt_pass_scores<5>, prompt_pass_scores<6>};
+    nullptr,          prompt_scores<1>, prompt_scores<2>, prompt_scores<3>,
+    prompt_scores<4>, prompt_scores<5>, prompt_scores<6>};
 constexpr PromptValuesFn kPromptValues[kPromptRows + 1] = {
     nullptr, prompt_pass_values<1>, prompt_pass_values<2>, prompt_pass_values<3>,
     prompt_pass_values<4>, prompt_pass_values<5>, prompt_pass_values<6>};

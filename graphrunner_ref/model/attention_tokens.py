@@ -21,15 +21,30 @@ Over an int8 cache a twin op reads each request's KV dequantized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
-from graphrunner_ref.model.attention_torch import Scales, read_kv
+from graphrunner_ref.model.attention_torch import Scales, torch_prompt_attention
 
-__all__ = ["TokenLayout", "token_batch_attention"]
+__all__ = ["TokenLayout", "prompt_attention", "token_batch_attention"]
+
+#: One request's prompt chunk ``q [n, H, D]`` over its ``slots [L]``:
+#: ``(q, k_buf, v_buf, slots, scale, scales) -> [n, H D]``.
+PromptAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, Scales | None], torch.Tensor
+]
+
+
+def prompt_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, scales: Scales | None
+) -> PromptAttention:
+    """The attention a prompt chunk of queries like ``q`` over ``k_buf`` takes:
+    the C++ kernel where it runs (:func:`cpp_prompt_runs`), else its torch
+    twin (:func:`torch_prompt_attention`); the same for every request of a step."""
+    return cpp_prompt_attention if cpp_prompt_runs(q, k_buf, scales) else torch_prompt_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +104,9 @@ def _per_request(
     scales: Scales | None,
 ) -> torch.Tensor:
     req_to_token, req_pool_indices = layout.req_to_token, layout.req_pool_indices
-    k_scale, v_scale = (None, None) if scales is None else scales
+    attend = prompt_attention(q, k_buf, scales)  # one choice for every request
     tokens, heads, dim = q.shape
     out = q.new_zeros(tokens, heads * dim)
-    columns = torch.arange(req_to_token.shape[1], device=q.device)
     start = 0
     rows = req_pool_indices.tolist() if req_pool_indices.device.type == "cpu" else None
     for i, (n, length) in enumerate(
@@ -102,26 +116,7 @@ def _per_request(
             continue
         row = rows[i] if rows is not None else req_pool_indices[i]
         slots = req_to_token[row, :length].long()
-        if cpp_prompt_runs(q, k_buf, scales):
-            out[start : start + n] = cpp_prompt_attention(
-                q[start : start + n], k_buf, v_buf, slots, scale, scales
-            )
-            start += n
-            continue
-        k = read_kv(k_buf, slots, q.dtype, k_scale).transpose(0, 1)[None]  # [1, H_kv, L, D]
-        v = read_kv(v_buf, slots, q.dtype, v_scale).transpose(0, 1)[None]
-        whole = length == n  # no cached prefix: plainly causal
-        mask = None if whole else columns[None, :length] <= (length - n + columns[:n, None])
-        chunk = F.scaled_dot_product_attention(
-            q[start : start + n].transpose(0, 1)[None],
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=whole,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + n] = chunk[0].transpose(0, 1).reshape(n, -1)
+        out[start : start + n] = attend(q[start : start + n], k_buf, v_buf, slots, scale, scales)
         start += n
     return out
 

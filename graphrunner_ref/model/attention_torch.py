@@ -7,10 +7,11 @@ dtype every attention shares (:func:`read_kv`; an int8 cache dequantized)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from graphrunner.pools import Int8KVCache
 
-__all__ = ["Scales", "decode_columns", "gathered_attention", "read_kv"]
+__all__ = ["Scales", "decode_columns", "gathered_attention", "read_kv", "torch_prompt_attention"]
 
 #: An int8 cache's ``(k, v)`` scales of one layer, float32 ``[slots, H_kv]`` each
 #: (:class:`graphrunner.pools.Int8KVCache`).
@@ -40,6 +41,36 @@ def _rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     cached prefix this way every layer)."""
     rows = buf.index_select(0, slots.reshape(-1))
     return rows.view(*slots.shape, *buf.shape[1:])
+
+
+def torch_prompt_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    scales: Scales | None = None,
+) -> torch.Tensor:
+    """One request's prompt chunk ``q [n, H, D]`` over its ``slots`` (int64
+    ``[L]``, ``L >= n``, the chunk's own tokens the last ``n``), token ``i``
+    reading slots ``0 .. L - n + i``: torch's fused attention, heads sharing
+    their KV head (``enable_gqa``). A whole prompt (``L == n``) is plainly
+    causal, which lets the fused kernel skip the masked half; a chunk after a
+    prefix reads its mask. Returns ``[n, H D]`` in ``q``'s dtype: the twin of
+    :func:`~graphrunner_ref.model.attention_cpu.cpp_prompt_attention`, where
+    that kernel does not run."""
+    n, length = q.shape[0], slots.shape[0]
+    k_scale, v_scale = (None, None) if scales is None else scales
+    k = read_kv(k_buf, slots, q.dtype, k_scale).transpose(0, 1)[None]  # [1, H_kv, L, D]
+    v = read_kv(v_buf, slots, q.dtype, v_scale).transpose(0, 1)[None]
+    whole = length == n
+    columns = torch.arange(length, device=q.device)
+    mask = None if whole else columns[None, :] <= (length - n + columns[:n, None])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=whole, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1).reshape(n, -1)
 
 
 def decode_columns(
