@@ -3,10 +3,10 @@
 ``graphrunner_int4::linear_bf16`` (int4-q8's q/k/v projection where the CPU
 has AVX-512 BF16, and ``--quantize int4-bf16``'s every projection) takes a
 chunk of more than 8 rows down its chunk path: each output's bfloat16
-weights made once for the whole chunk, every row run against them 4 rows by
-4 outputs a pass. At 8 rows or fewer it takes the tile path, which makes a
-weight's table again for every tile of 8 rows, as the op ran every chunk
-before. Both give the same bits (checked here, and in
+weights made once for every 96 rows and, with the rows, widened to float32,
+the same sums run as FMAs 4 rows by 4 outputs a pass. At 8 rows or fewer
+it takes the tile path, which makes a weight's table again for every tile
+of 8 rows and sums with ``vdpbf16ps``. Both give the same bits (checked here, and in
 ``tests/test_int4_bf16.py``); this bench times one call over all ``rows``
 against the same rows fed 8 at a time, at SmolLM2-135M's shapes, one
 thread, interleaved rounds, medians, and prints the ratio.

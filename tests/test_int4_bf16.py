@@ -111,6 +111,23 @@ def test_a_row_never_depends_on_the_rows_beside_it(kernel: bool | None) -> None:
         assert torch.equal(alone(x[:2])[:, 0], together[:2, o]), o
 
 
+def test_a_chunk_flushes_tiny_products_as_vdpbf16ps_does() -> None:
+    """A chunk's rows (more than a tile's) run vdpbf16ps' sums as float32
+    FMAs; the instruction reads subnormal inputs as zero and writes a
+    subnormal result as zero, so activations near float32's smallest normal
+    times weights below 1 must give, row by row, what the tile path gives."""
+    _skip_without_kernel()
+    gen = torch.Generator().manual_seed(11)
+    w = torch.rand(20, 64, generator=gen) * 0.5 + 0.5
+    x = (torch.rand(12, 64, generator=gen) + 1.0) * 1.2e-38  # products mostly subnormal
+    x[:, ::5] = 1e-39  # subnormal activations
+    linear = Int4Bf16Linear(w, kernel=True)
+    chunk = linear(x)
+    tiles = torch.cat([linear(x[j : j + 1]) for j in range(12)])
+    assert torch.equal(chunk, tiles)
+    assert float(chunk.abs().max()) > 0  # not every sum flushed: some products stay normal
+
+
 def test_the_kernels_run_under_torch_compile() -> None:
     _skip_without_kernel()
     gen = torch.Generator().manual_seed(3)

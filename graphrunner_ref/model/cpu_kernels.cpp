@@ -1539,24 +1539,45 @@ constexpr Int8gBf16Fn int8g_bf16_table[kTile + 1] = {
     rows_int8g_bf16<8>};
 
 // A prompt chunk's rows (more than a tile's): the table lookups above made
-// once per (output, group) for the whole chunk, where block_bf16 makes them
-// again for every tile of 8 rows. kBf16Unpacked outputs at a time have their
-// bfloat16 weights written out (64 bytes a group: the same vpermw of the same
-// table, so the same values), then every row of the chunk runs against them
-// kBf16PassRows rows by kBf16PassOuts outputs a pass: 16 accumulators, each
-// group's 4 weights loaded once for 4 rows. Each (row, output) still takes
-// one vdpbf16ps a group, groups in order, and hsum16: the same sums in the
-// same order as block_bf16's, bit for bit, whatever the rows beside it.
-// SmolLM2's q/k/v projection (int4-q8's wide one) over a 512-row chunk, on
-// a Xeon with AVX-512 BF16 and no AMX: see bench/bench_bf16_prompt.py.
+// once per (output, group) for kBf16SpanRows rows, where block_bf16 makes
+// them again for every tile of 8 rows, and block_bf16's sums run as float32
+// FMAs. vdpbf16ps is, lane by lane, two FMAs of exact products (two
+// bfloat16s' product fits float32's mantissa): the lane's odd word's first,
+// then its even word's, rounded to nearest even, denormal inputs and results
+// read and written as zero (checked against the instruction on random
+// operands). This core retires float32 FMAs at twice its rate (~215 against
+// ~105 GFLOP/s in a loop of independent ones), so widened to float32 the
+// same sums run about twice as fast: a group's 32 bfloat16 words become 16
+// floats of its odd words, then 16 of its even words (widen_words), rows
+// once a chunk, weights kBf16Unpacked outputs at a time (the same vpermw of
+// the same table, so the same values). Then blocks of rows that stay in L1
+// run against them kBf16PassRows rows by kBf16PassOuts outputs a pass,
+// under MXCSR's flush-to-zero and denormals-are-zero (WithBf16Rounding).
+// Each (row, output) takes its groups in order, odd then even, then hsum16's
+// additions: block_bf16's sums in its order, bit for bit whatever the rows
+// beside it, save a hsum16 whose exact sum of normal lanes is subnormal
+// (below 1.2e-38), which reads zero here.
+// SmolLM2's projections over 16 to 512 rows, on a Xeon with AVX-512 BF16
+// and no AMX: see bench/bench_bf16_prompt.py.
 constexpr int64_t kBf16Unpacked = 64;
 constexpr int kBf16PassRows = 4;
 constexpr int kBf16PassOuts = 4;
+constexpr int64_t kBf16BlockBytes = 32 << 10;  // of widened rows a block (L1: 48 KB)
+// Rows a weight unpack serves: over more, x's rows left L2 between passes of
+// the same weights (512 rows: ~110 GFLOP/s against ~150 in spans of 96).
+constexpr int64_t kBf16SpanRows = 96;
 
-// Outputs [o0, o1)'s bfloat16 weights into wb [o1 - o0, kp], row by row.
-GRAPHRUNNER_BF16_TARGET void unpack_bf16(const uint8_t* blocked, const float* scales,
-                                         const float* mins, int64_t groups, int64_t o0,
-                                         int64_t o1, uint16_t* wb) {
+// 32 bfloat16 words (16 lanes of two) as 16 floats of the odd words (a lane's
+// high half), then 16 of the even words (its low half, shifted up), at to.
+GRAPHRUNNER_BF16_TARGET inline void widen_words(__m512i words, float* to) {
+  _mm512_storeu_si512(to, _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  _mm512_storeu_si512(to + 16, _mm512_slli_epi32(words, 16));
+}
+
+// Outputs [o0, o1)'s bfloat16 weights, widened, into wf [o1 - o0, kp].
+GRAPHRUNNER_BF16_TARGET void unpack_widened(const uint8_t* blocked, const float* scales,
+                                            const float* mins, int64_t groups, int64_t o0,
+                                            int64_t o1, float* wf) {
   const int64_t kp = groups * kGroup;
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t o = o0; o < o1; ++o) {
@@ -1565,57 +1586,100 @@ GRAPHRUNNER_BF16_TARGET void unpack_bf16(const uint8_t* blocked, const float* sc
       const __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(scales[o * groups + g])),
                                      _mm512_set1_ps(mins[o * groups + g]));
       const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
-      _mm512_storeu_si512(wb + (o - o0) * kp + g * kGroup,
-                          _mm512_permutexvar_epi16(code_indices(wq + g * kCodeStride), table));
+      widen_words(_mm512_permutexvar_epi16(code_indices(wq + g * kCodeStride), table),
+                  wf + (o - o0) * kp + g * kGroup);
     }
   }
 }
 
-// R rows (xb: [R, kp]) against the kBf16PassOuts unpacked weight rows at
-// w[0], w[1], ... (wb rows; a short pass repeats its last).
-template <int R>
-GRAPHRUNNER_BF16_TARGET inline void pass_bf16(const uint16_t* xb, int64_t groups,
-                                              const uint16_t* const (&w)[kBf16PassOuts],
-                                              float* y, int64_t out,
-                                              const int64_t (&os)[kBf16PassOuts]) {
-  constexpr int P = kBf16PassOuts;
-  const int64_t kp = groups * kGroup;
-  __m512 acc[P][R];
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512bh xv[R];
-    for (int r = 0; r < R; ++r)
-      xv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + r * kp + g * kGroup));
-    for (int p = 0; p < P; ++p) {
-      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w[p] + g * kGroup));
-      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wv, xv[r]);
-    }
-  }
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r) y[r * out + os[p]] = hsum16(acc[p][r]);
+// bfloat16 rows xb [rows, kp], widened, into xf [rows, kp].
+GRAPHRUNNER_BF16_TARGET void widen_rows(const uint16_t* xb, int64_t rows, int64_t kp, float* xf) {
+  for (int64_t k = 0; k < rows * kp; k += kGroup)
+    widen_words(_mm512_loadu_si512(xb + k), xf + k);
 }
 
-template <int R>
-GRAPHRUNNER_BF16_TARGET __attribute__((flatten)) void passes_bf16(
-    const uint16_t* xb, int64_t groups, const uint16_t* wb, float* y, int64_t out, int64_t o0,
-    int64_t o1) {
-  const int64_t kp = groups * kGroup;
-  for (int64_t o = o0; o < o1; o += kBf16PassOuts) {
-    const uint16_t* w[kBf16PassOuts];
-    int64_t os[kBf16PassOuts];
-    for (int p = 0; p < kBf16PassOuts; ++p) {
-      os[p] = std::min(o + p, o1 - 1);
-      w[p] = wb + (os[p] - o0) * kp;
-    }
-    pass_bf16<R>(xb, groups, w, y, out, os);
+// Zeroed floats from a 64-byte line's start: every row of kp floats (whole
+// groups, 128 bytes each) then starts a line, and no 64-byte load splits two
+// (split loads ran the pass at 144 against 185 GFLOP/s).
+class LineAligned {
+ public:
+  explicit LineAligned(int64_t n) : data_(n + 16) {}
+  float* data() {
+    const auto at = reinterpret_cast<std::uintptr_t>(data_.data());
+    return data_.data() + ((64 - at % 64) % 64) / sizeof(float);
   }
+
+ private:
+  std::vector<float> data_;
+};
+
+// vdpbf16ps' rounding for this thread while alive: flush-to-zero and
+// denormals-are-zero, to nearest even; the caller's MXCSR back after.
+class WithBf16Rounding {
+ public:
+  WithBf16Rounding() : saved_(_mm_getcsr()) {
+    _mm_setcsr((saved_ & ~_MM_ROUND_MASK) | _MM_ROUND_NEAREST | _MM_FLUSH_ZERO_ON | 0x0040u);
+  }
+  ~WithBf16Rounding() { _mm_setcsr(saved_); }
+  WithBf16Rounding(const WithBf16Rounding&) = delete;
+  WithBf16Rounding& operator=(const WithBf16Rounding&) = delete;
+
+ private:
+  unsigned int saved_;  // 0x0040 above: MXCSR's denormals-are-zero bit
+};
+
+// hsum16 of 16 accumulators at once, the same additions: hsum16 adds lane i
+// to lane i + 8, then i + 4, i + 2 and i + 1; here each level pairs the same
+// lanes of two accumulators side by side in one register. Lane 4q + t of the
+// result is v[4t + q]'s sum.
+GRAPHRUNNER_BF16_TARGET inline __m512 hsum16_of_16(const __m512 (&v)[16]) {
+  __m512 u[8], w[4], z[2];
+  for (int k = 0; k < 8; ++k)  // i + 8: lanes 0-7 of v[2k], then of v[2k + 1]
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int m = 0; m < 4; ++m)  // i + 4: quarter q of w[m] holds v[4m + q]'s
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0xDD));
+  for (int n = 0; n < 2; ++n)  // i + 2, within each quarter
+    z[n] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0x44),
+                         _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),  // i + 1
+                       _mm512_shuffle_ps(z[0], z[1], 0xDD));
 }
 
-using Bf16PassFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t,
-                            int64_t);
-constexpr Bf16PassFn bf16_pass_table[kBf16PassRows + 1] = {
-    nullptr, passes_bf16<1>, passes_bf16<2>, passes_bf16<3>, passes_bf16<4>};
+// kBf16PassRows widened rows (xf: [4, kp]) against 4 widened weight rows (wf:
+// [4, kp]); outputs [o, o + live_outs) of rows [0, live_rows) written to y
+// (rows out apart).
+GRAPHRUNNER_BF16_TARGET inline void pass_widened(const float* xf, const float* wf, int64_t kp,
+                                                 float* y, int64_t out, int64_t o,
+                                                 int live_rows, int live_outs) {
+  constexpr int R = kBf16PassRows, P = kBf16PassOuts;
+  static_assert(R * P == 16, "one hsum16_of_16 a pass");
+  __m512 acc[R * P];  // acc[4p + r]: output p of row r
+  for (int j = 0; j < R * P; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; k += kGroup) {
+    for (int64_t half = 0; half < kGroup; half += 16) {  // odd words, then even
+      __m512 xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(xf + r * kp + k + half);
+      for (int p = 0; p < P; ++p) {
+        const __m512 wv = _mm512_loadu_ps(wf + p * kp + k + half);
+        for (int r = 0; r < R; ++r) acc[4 * p + r] = _mm512_fmadd_ps(wv, xv[r], acc[4 * p + r]);
+      }
+    }
+  }
+  const __m512 sums = hsum16_of_16(acc);  // lane 4r + p: output p of row r
+  const __mmask8 outs = static_cast<__mmask8>((1u << live_outs) - 1);
+  for (int r = 0; r < live_rows; ++r) {
+    __m128 row;
+    switch (r) {  // the extract's lane is an immediate
+      case 0: row = _mm512_extractf32x4_ps(sums, 0); break;
+      case 1: row = _mm512_extractf32x4_ps(sums, 1); break;
+      case 2: row = _mm512_extractf32x4_ps(sums, 2); break;
+      default: row = _mm512_extractf32x4_ps(sums, 3); break;
+    }
+    _mm_mask_storeu_ps(y + r * out + o, outs, row);
+  }
+}
 
 using Bf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, const float*,
                         float*, int64_t, int64_t, int64_t);
@@ -1698,24 +1762,43 @@ void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
 #endif
 
 #ifdef GRAPHRUNNER_BF16
-// linear_bf16 over more rows than a tile (unpack_bf16 above): x's rows rounded
-// to bfloat16 once; each thread's outputs kBf16Unpacked at a time unpacked,
-// then every row against them.
+// linear_bf16 over more rows than a tile (unpack_widened above): x's rows
+// rounded to bfloat16 and widened once; each thread's outputs kBf16Unpacked
+// at a time unpacked, then every row against them.
 void bf16_prompt(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t groups, float* y) {
   const int64_t rows = x.size(0), out = scales.size(0), kp = groups * kGroup;
   const at::Tensor xc = x.contiguous();
-  std::vector<uint16_t> xb(rows * kp);
-  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  // Whole passes of rows: the last pass's rows past the chunk read zeros.
+  LineAligned xf((rows + kBf16PassRows - 1) / kBf16PassRows * kBf16PassRows * kp);
+  {
+    std::vector<uint16_t> xb(rows * kp);
+    rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+    widen_rows(xb.data(), rows, kp, xf.data());
+  }
+  const int64_t block_rows =
+      std::max<int64_t>(1, kBf16BlockBytes / (kp * 4 * kBf16PassRows)) * kBf16PassRows;
   at::parallel_for(0, out, kBf16Unpacked, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> wb(kBf16Unpacked * kp);
-    for (int64_t o0 = t0; o0 < t1; o0 += kBf16Unpacked) {
-      const int64_t o1 = std::min(o0 + kBf16Unpacked, t1);
-      unpack_bf16(blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
-                  groups, o0, o1, wb.data());
-      for (int64_t r0 = 0; r0 < rows; r0 += kBf16PassRows) {
-        const int nr = static_cast<int>(std::min<int64_t>(kBf16PassRows, rows - r0));
-        bf16_pass_table[nr](xb.data() + r0 * kp, groups, wb.data(), y + r0 * out, out, o0, o1);
+    LineAligned wf(kBf16Unpacked * kp);
+    for (int64_t s0 = 0; s0 < rows; s0 += kBf16SpanRows) {
+      const int64_t s1 = std::min(s0 + kBf16SpanRows, rows);
+      for (int64_t o0 = t0; o0 < t1; o0 += kBf16Unpacked) {
+        const int64_t o1 = std::min(o0 + kBf16Unpacked, t1);
+        unpack_widened(blocked.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       mins.data_ptr<float>(), groups, o0, o1, wf.data());
+        const WithBf16Rounding rounding;
+        // A block of rows stays in L1 while each 4 outputs' weights pass over it.
+        for (int64_t b0 = s0; b0 < s1; b0 += block_rows) {
+          const int64_t b1 = std::min(b0 + block_rows, s1);
+          for (int64_t o = o0; o < o1; o += kBf16PassOuts) {
+            const int outs = static_cast<int>(std::min<int64_t>(kBf16PassOuts, o1 - o));
+            for (int64_t r0 = b0; r0 < b1; r0 += kBf16PassRows) {
+              const int live = static_cast<int>(std::min<int64_t>(kBf16PassRows, rows - r0));
+              pass_widened(xf.data() + r0 * kp, wf.data() + (o - o0) * kp, kp, y + r0 * out,
+                           out, o, live, outs);
+            }
+          }
+        }
       }
     }
   });
