@@ -1436,6 +1436,17 @@ GRAPHRUNNER_BF16_TARGET inline __m512i code_indices(const uint8_t* bytes) {
   return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shifts);
 }
 
+// One group's 32 weights as bfloat16 words in column order (word j: column
+// j): the group's 16 possible weights, code * scale + min rounded twice as
+// int4's dequantize (no FMA: the build's -ffp-contract=off keeps the
+// multiply and the add apart), then to bfloat16, looked up by code (vpermw).
+GRAPHRUNNER_BF16_TARGET inline __m512i group_words(const uint8_t* codes, float scale, float min) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 v = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(min));
+  const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
+  return _mm512_permutexvar_epi16(code_indices(codes), table);
+}
+
 // Lanes 0..7 + 8..15, then hsum: a fixed order of the 16 lanes.
 GRAPHRUNNER_BF16_TARGET inline float hsum16(__m512 v) {
   return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
@@ -1450,7 +1461,6 @@ GRAPHRUNNER_BF16_TARGET inline void block_bf16(const uint16_t* xb, int64_t group
                                                const int64_t (&os)[P],
                                                const BlockPrefetch& ahead) {
   const int64_t kp = groups * kGroup;
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* wq[P];
   const float* sc[P];
   const float* mn[P];
@@ -1464,13 +1474,8 @@ GRAPHRUNNER_BF16_TARGET inline void block_bf16(const uint16_t* xb, int64_t group
   for (int64_t g = 0; g < groups; ++g) {
     ahead.group(g);
     for (int p = 0; p < P; ++p) {
-      // code * scale + min, rounded twice as int4's dequantize (no FMA: the
-      // build's -ffp-contract=off keeps the multiply and the add apart).
-      const __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(sc[p][g])),
-                                     _mm512_set1_ps(mn[p][g]));
-      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
-      const __m512bh w = reinterpret_cast<__m512bh>(
-          _mm512_permutexvar_epi16(code_indices(wq[p] + g * kCodeStride), table));
+      const __m512bh w =
+          reinterpret_cast<__m512bh>(group_words(wq[p] + g * kCodeStride, sc[p][g], mn[p][g]));
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xb + r * kp + g * kGroup));
         acc[p][r] = _mm512_dpbf16_ps(acc[p][r], w, xv);
@@ -1579,14 +1584,10 @@ GRAPHRUNNER_BF16_TARGET void unpack_widened(const uint8_t* blocked, const float*
                                             const float* mins, int64_t groups, int64_t o0,
                                             int64_t o1, float* wf) {
   const int64_t kp = groups * kGroup;
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* wq = row_codes(blocked, groups, o);
     for (int64_t g = 0; g < groups; ++g) {
-      const __m512 v = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(scales[o * groups + g])),
-                                     _mm512_set1_ps(mins[o * groups + g]));
-      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, v));
-      widen_words(_mm512_permutexvar_epi16(code_indices(wq + g * kCodeStride), table),
+      widen_words(group_words(wq + g * kCodeStride, scales[o * groups + g], mins[o * groups + g]),
                   wf + (o - o0) * kp + g * kGroup);
     }
   }
@@ -1742,6 +1743,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_to_bf16(
   }
 }
 
+// x [rows, in]'s rows rounded to bfloat16 (rows_to_bf16): [rows, kp].
+inline std::vector<uint16_t> bf16_rows(const at::Tensor& x, int64_t kp) {
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint16_t> xb(x.size(0) * kp);
+  rows_to_bf16(xc.data_ptr<float>(), x.size(0), x.size(1), kp, xb.data());
+  return xb;
+}
+
 // x's rows rounded to bfloat16 once, then body(their bfloat16 rows, the count
 // nr, the tile's output rows, o0, o1) for each tile of up to kTile rows, its
 // outputs [o0, o1) split over threads.
@@ -1749,9 +1758,7 @@ template <class Body>
 void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
                      const Body& body) {
   const int64_t rows = x.size(0), kp = groups * kGroup;
-  const at::Tensor xc = x.contiguous();
-  std::vector<uint16_t> xb(rows * kp);
-  rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
+  const std::vector<uint16_t> xb = bf16_rows(x, kp);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int nr = static_cast<int>(std::min<int64_t>(kTile, rows - r0));
     at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
@@ -1768,14 +1775,9 @@ void over_bf16_tiles(const at::Tensor& x, int64_t groups, int64_t out, float* y,
 void bf16_prompt(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t groups, float* y) {
   const int64_t rows = x.size(0), out = scales.size(0), kp = groups * kGroup;
-  const at::Tensor xc = x.contiguous();
   // Whole passes of rows: the last pass's rows past the chunk read zeros.
   LineAligned xf((rows + kBf16PassRows - 1) / kBf16PassRows * kBf16PassRows * kp);
-  {
-    std::vector<uint16_t> xb(rows * kp);
-    rows_to_bf16(xc.data_ptr<float>(), rows, x.size(1), kp, xb.data());
-    widen_rows(xb.data(), rows, kp, xf.data());
-  }
+  widen_rows(bf16_rows(x, kp).data(), rows, kp, xf.data());
   const int64_t block_rows =
       std::max<int64_t>(1, kBf16BlockBytes / (kp * 4 * kBf16PassRows)) * kBf16PassRows;
   at::parallel_for(0, out, kBf16Unpacked, [&](int64_t t0, int64_t t1) {
