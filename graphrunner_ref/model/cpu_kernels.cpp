@@ -1619,14 +1619,15 @@ class LineAligned {
 class WithBf16Rounding {
  public:
   WithBf16Rounding() : saved_(_mm_getcsr()) {
-    _mm_setcsr((saved_ & ~_MM_ROUND_MASK) | _MM_ROUND_NEAREST | _MM_FLUSH_ZERO_ON | 0x0040u);
+    _mm_setcsr((saved_ & ~_MM_ROUND_MASK) | _MM_ROUND_NEAREST | _MM_FLUSH_ZERO_ON |
+               _MM_DENORMALS_ZERO_ON);
   }
   ~WithBf16Rounding() { _mm_setcsr(saved_); }
   WithBf16Rounding(const WithBf16Rounding&) = delete;
   WithBf16Rounding& operator=(const WithBf16Rounding&) = delete;
 
  private:
-  unsigned int saved_;  // 0x0040 above: MXCSR's denormals-are-zero bit
+  unsigned int saved_;
 };
 
 // hsum16 of 16 accumulators at once, the same additions: hsum16 adds lane i

@@ -52,7 +52,7 @@ DISABLE_ENV = "GRAPHRUNNER_CPU_DISABLE"
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 #: Bump with any change to the source (a layout included): it names the
 #: cached build and keys saved programs (``engine.bundle.aot_key``).
-KERNEL_BUILD = "graphrunner_cpu_kernels_v35"
+KERNEL_BUILD = "graphrunner_cpu_kernels_v36"
 
 
 def _build() -> str | None:
