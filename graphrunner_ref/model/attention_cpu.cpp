@@ -27,11 +27,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -308,7 +313,7 @@ constexpr float kExpTaylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5
 
 inline __m256 exp8(__m256 x) {
   const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(kExpFloor), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  x = _mm256_max_ps(_mm256_set1_ps(kExpFloor), x);  // a NaN x stays NaN (maxps returns its second)
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
@@ -422,7 +427,7 @@ GR_AVX512 inline __m256 fold16(__m512 a) {
 // exp8 on 16 lanes (its constants and steps).
 GR_AVX512 inline __m512 exp16(__m512 x) {
   const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  x = _mm512_max_ps(_mm512_set1_ps(kExpFloor), x);  // a NaN x stays NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
@@ -1160,6 +1165,478 @@ at::Tensor prompt_q8(const at::Tensor& q, const at::Tensor& k_buf, const at::Ten
                      slots, scale);
 }
 
+
+// ---- prompt attention, AMX-BF16 --------------------------------------------
+//
+// graphrunner_attention::prompt_bf16: prompt's attention (above) for
+// bfloat16 queries q [n, H, D] (D a multiple of 64) over a bfloat16, float16
+// or float32 cache, on the CPU's AMX tiles, out [n, H D] bfloat16, as torch's
+// fused bfloat16 attention computes it: bfloat16 products summed in float32,
+// the online softmax in float32, its probabilities rounded to bfloat16 for
+// the value product. A float16 or float32 cache is rounded to bfloat16 on the
+// way in (the path torch took read it as bfloat16 too).
+//
+// Everything runs transposed, a block of 16 query tokens in the 16 lanes of
+// a register, so the softmax needs no horizontal sum or maximum: each KV
+// head's keys are bfloat16 rows (the A tiles of the scores), its values
+// transposed, vt [D, keys] (the A tiles of the output); each query head of
+// its group then takes 16 tokens a block, their queries' dim pairs as one B
+// tile per 32 dims, over 64 keys a span:
+//
+//   scores^T [64 keys, 16 tokens] = keys . q^T        4 x (D / 32) tdpbf16ps
+//   p^T = e^(scale scores^T - max), masked            16 lanes a key, exp16
+//   out^T [D, 16 tokens] += vt . p^T                  (D / 16) x 2 tdpbf16ps
+//
+// each token's output divided by its sum and transposed back last. A
+// token's maximum is a reference raised only when a score passes it by more
+// than kLazyRescale (its output and sum then rescaled, FlashAttention-3's
+// lazy rescaling): the softmax is the same whatever the reference, and e^8
+// keeps every probability finite in bfloat16. A key past a token's own last
+// has probability 0; a 32-key chunk whose values are not all finite (a zero
+// times a later token's NaN would be NaN) is weighed token by token, each to
+// its own last key, so a token's output depends on its own row's keys only,
+// as on the float32 path.
+
+#define GR_AMX_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")))
+// GCC's tile loads are asm without a memory clobber: this tells the compiler
+// that what ordinary code stored before is read.
+#define GR_TILE_READS() __asm__ volatile("" ::: "memory")
+
+constexpr int kTileRows = 16;        // query tokens a block (a B tile's 16 columns)
+constexpr int64_t kTileKeys = 16;    // keys a score tile (an A tile's rows)
+constexpr int64_t kChunkKeys = 32;   // keys a value product (an A tile's columns)
+constexpr int64_t kSpanKeys = 64;    // keys a span: 4 score tiles, 2 value products
+constexpr int64_t kTileWords = 256;  // 16 rows x 64 bytes, in 32-bit words
+constexpr float kLazyRescale = 8.0f; // a reference maximum raised past this margin
+
+// Whether this CPU has AMX-BF16 (CPUID leaf 7: EDX bits 22 bf16, 24 tile) and
+// Linux grants this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, 18, asked once). The guard against a fault; the choice
+// is cpu_features' (which hides amx_bf16 where GRAPHRUNNER_CPU_DISABLE asks).
+bool amx_bf16_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!avx512_supported() || !__builtin_cpu_supports("avx512bf16") ||
+        !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1))
+      return false;
+#ifdef __linux__
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
+// The 64-byte tile configuration (palette 1): every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+GR_AMX_BF16 void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTileRows;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// 32 of a row's elements from p as bfloat16 (rounded to nearest even where
+// the cache is wider), one 512-bit register.
+GR_AMX_BF16 inline __m512i bf16x32(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
+GR_AMX_BF16 inline __m512i bf16x32(const at::Half* p) {
+  const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+GR_AMX_BF16 inline __m512i bf16x32(const float* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+
+// 16 bfloat16 rounded from x, stored at p.
+GR_AMX_BF16 inline void store_bf16x16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+// One bfloat16 widened to float32 (exactly).
+inline float widen_bf16(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Words of two 16-element halves (0-15, 16-31) paired by element: word 2i
+// from the low half, 2i + 1 from the high half.
+alignas(64) constexpr uint16_t kInterleave[32] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// n elements of T at a 64-byte boundary (whole tile rows a cache line),
+// valid until the next get.
+template <typename T>
+struct AlignedBuffer {
+  std::vector<uint8_t> bytes;
+  T* get(int64_t n) {
+    bytes.resize(static_cast<size_t>(n) * sizeof(T) + 64);
+    const auto at = reinterpret_cast<uintptr_t>(bytes.data());
+    return reinterpret_cast<T*>((at + 63) & ~static_cast<uintptr_t>(63));
+  }
+};
+
+// A KV head laid out for the tiles: keys [lpad, dim] and values transposed
+// vt [dim, lpad] (rows vstride apart), bfloat16, zero from len to lpad;
+// finite[c]: whether the values of key chunk c (32 keys) are all finite.
+struct HeadTiles {
+  const uint16_t* keys;
+  const uint16_t* vt;
+  const uint8_t* finite;
+  int64_t lpad, vstride, dim;
+};
+
+// One thread's scratch: a KV head's layout, and a block's queries (B tiles),
+// scores, probabilities (B tiles) and transposed float32 output.
+struct AmxScratch {
+  AlignedBuffer<uint16_t> keys, vt, value_rows, queries, probs;
+  AlignedBuffer<float> scores, out;
+  std::vector<uint8_t> finite;
+};
+
+// Head h of the slots' keys and values in HeadTiles' layout. The values go
+// through rows (32 keys at a time): each pair of keys interleaved by dim
+// (a 32-bit word per dim), then 16 x 16 words transposed: row d of vt.
+template <typename T>
+GR_AMX_BF16 HeadTiles head_tiles(const T* k, const T* v, const int64_t* slots, int64_t len,
+                                 int64_t h, int64_t heads, int64_t dim, AmxScratch& scratch) {
+  const int64_t lpad = (len + kSpanKeys - 1) / kSpanKeys * kSpanKeys;
+  // vt's rows a cache line more than lpad apart: at 2,048 keys and their
+  // multiples a tile's 16 rows would otherwise share one set of the L1's.
+  const int64_t vstride = lpad + 32;
+  uint16_t* keys = scratch.keys.get(lpad * dim);
+  uint16_t* vt = scratch.vt.get(vstride * dim);
+  uint16_t* rows = scratch.value_rows.get(kChunkKeys * dim);
+  scratch.finite.assign(static_cast<size_t>(lpad / kChunkKeys), 1);
+  const __m512i exponent = _mm512_set1_epi16(0x7F80), order = _mm512_load_si512(kInterleave);
+  for (int64_t t0 = 0; t0 < lpad; t0 += kChunkKeys) {
+    __mmask32 odd = 0;  // lanes whose exponent is all ones: an infinity or NaN
+    for (int64_t t = t0; t < t0 + kChunkKeys; ++t)
+      for (int64_t d = 0; d < dim; d += 32) {
+        const bool live = t < len;
+        const int64_t at = (slots[live ? t : 0] * heads + h) * dim + d;
+        const __m512i kx = live ? bf16x32(k + at) : _mm512_setzero_si512();
+        const __m512i vx = live ? bf16x32(v + at) : _mm512_setzero_si512();
+        _mm512_storeu_si512(keys + t * dim + d, kx);
+        _mm512_storeu_si512(rows + (t - t0) * dim + d, vx);
+        odd |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(vx, exponent), exponent);
+      }
+    scratch.finite[t0 / kChunkKeys] = odd == 0;
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      __m512 pairs[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* even = rows + 2 * i * dim + d0;
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + dim)), 1);
+        pairs[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(order, both));
+      }
+      transpose16(pairs);  // pairs[d]: dim d0 + d of the chunk's 32 keys
+      for (int d = 0; d < 16; ++d) _mm512_storeu_ps(reinterpret_cast<float*>(vt + (d0 + d) * vstride + t0), pairs[d]);
+    }
+  }
+  return HeadTiles{keys, vt, scratch.finite.data(), lpad, vstride, dim};
+}
+
+// A block's 16 queries (rows of dim bfloat16 at q, the row stride `width`;
+// rows from `live` on zero) as B tiles: qb[c * 256 + i * 16 + r] is the pair
+// (dims 32c + 2i, 32c + 2i + 1) of query r.
+GR_AMX_BF16 void query_tiles(const uint16_t* q, int64_t width, int64_t live, int64_t dim,
+                             uint16_t* qb) {
+  for (int64_t c = 0; c < dim / 32; ++c) {
+    __m512 words[16];
+    for (int r = 0; r < 16; ++r)
+      words[r] = r < live ? _mm512_castsi512_ps(_mm512_loadu_si512(q + r * width + 32 * c))
+                          : _mm512_setzero_ps();
+    transpose16(words);
+    for (int i = 0; i < 16; ++i)
+      _mm512_storeu_ps(reinterpret_cast<float*>(qb + c * 2 * kTileWords + 32 * i), words[i]);
+  }
+}
+
+// st[16 j + i][r] = key t0 + 16 j + i . query r for the span's first `tiles`
+// score tiles, float32 [64 keys, 16 tokens].
+GR_AMX_BF16 void span_scores(const uint16_t* qb, const HeadTiles& head, int64_t t0, int tiles,
+                             float* st) {
+  const int64_t chunks = head.dim / 32, stride = head.dim * 2;
+  const uint16_t* k = head.keys + t0 * head.dim;
+  GR_TILE_READS();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, qb + c * 2 * kTileWords, 64);
+    _tile_loadd(6, k + 32 * c, stride);
+    _tile_dpbf16ps(0, 6, 4);
+    if (tiles > 1) {
+      _tile_loadd(7, k + 16 * head.dim + 32 * c, stride);
+      _tile_dpbf16ps(1, 7, 4);
+    }
+    if (tiles > 2) {
+      _tile_loadd(6, k + 32 * head.dim + 32 * c, stride);
+      _tile_dpbf16ps(2, 6, 4);
+    }
+    if (tiles > 3) {
+      _tile_loadd(7, k + 48 * head.dim + 32 * c, stride);
+      _tile_dpbf16ps(3, 7, 4);
+    }
+  }
+  _tile_stored(0, st, 64);
+  if (tiles > 1) _tile_stored(1, st + 256, 64);
+  if (tiles > 2) _tile_stored(2, st + 512, 64);
+  if (tiles > 3) _tile_stored(3, st + 768, 64);
+}
+
+// A block's running softmax, a token a lane: its limit (last key + 1), the
+// reference maximum, the sum of exponentials against it.
+struct BlockLanes {
+  __m512i lim;
+  __m512 ref, sum;
+  int64_t first, last;  // the smallest and largest limit
+};
+
+// The span's probabilities from st (keys t0 .. t0 + 64, those from `last`
+// on none of the block's): each key's 16 scores scaled and masked past each
+// token's limit, the reference raised where a score passes it by more than
+// kLazyRescale (out^T [dim, 16] and the sums rescaled), e^(x - ref) summed
+// and written as bfloat16 B tiles: pb[kp * 16 + r] pairs keys 2 kp, 2 kp + 1
+// of token r. pf keeps them in float32 [64, 16] for a chunk weighed token
+// by token.
+GR_AMX_BF16 void span_softmax(const float* st, int64_t t0, float scale, int64_t dim,
+                              BlockLanes& lanes, uint16_t* pb, float* pf, float* out) {
+  const int64_t keys = std::min(kSpanKeys, lanes.last - t0);
+  const __m512 sc = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
+  __m512 top = none;
+  for (int64_t t = 0; t < keys; ++t) {
+    __m512 x = _mm512_mul_ps(_mm512_load_ps(st + 16 * t), sc);
+    if (t0 + t >= lanes.first)
+      x = _mm512_mask_mov_ps(none, _mm512_cmpgt_epi32_mask(lanes.lim, _mm512_set1_epi32(static_cast<int>(t0 + t))), x);
+    _mm512_store_ps(pf + 16 * t, x);
+    top = _mm512_max_ps(top, x);
+  }
+  const __mmask16 raise = _mm512_cmp_ps_mask(top, _mm512_add_ps(lanes.ref, _mm512_set1_ps(kLazyRescale)), _CMP_GT_OQ);
+  if (raise != 0) {
+    const __m512 ref = _mm512_mask_max_ps(lanes.ref, raise, lanes.ref, top);
+    const __m512 by = exp16(_mm512_sub_ps(lanes.ref, ref));  // 1 where not raised, 0 at first
+    lanes.sum = _mm512_mul_ps(lanes.sum, by);
+    for (int64_t d = 0; d < dim; ++d)
+      _mm512_store_ps(out + 16 * d, _mm512_mul_ps(_mm512_load_ps(out + 16 * d), by));
+    lanes.ref = ref;
+  }
+  const __m512i order = _mm512_load_si512(kInterleave);
+  __m512 total = lanes.sum;
+  for (int64_t t = 0; t < kSpanKeys; t += 2) {
+    __m512 e[2];
+    for (int j = 0; j < 2; ++j) {
+      e[j] = t + j < keys ? exp16(_mm512_sub_ps(_mm512_load_ps(pf + 16 * (t + j)), lanes.ref))
+                          : _mm512_setzero_ps();
+      _mm512_store_ps(pf + 16 * (t + j), e[j]);
+      total = _mm512_add_ps(total, e[j]);
+    }
+    _mm512_store_si512(pb + 16 * t, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0])));
+  }
+  lanes.sum = total;
+}
+
+// out^T [dim, 16] += vt . p^T over the span's chunks [first, first + count)
+// (32 keys each, all their values finite), 64 dims at a time.
+GR_AMX_BF16 void chunks_values(const uint16_t* pb, int first, int count, const HeadTiles& head,
+                               int64_t t0, float* out) {
+  const int64_t stride = head.vstride * 2;
+  for (int64_t g = 0; g < head.dim; g += 64) {
+    float* o = out + 16 * g;
+    GR_TILE_READS();
+    _tile_loadd(0, o, 64);
+    _tile_loadd(1, o + 256, 64);
+    _tile_loadd(2, o + 512, 64);
+    _tile_loadd(3, o + 768, 64);
+    for (int pc = first; pc < first + count; ++pc) {
+      const uint16_t* vt = head.vt + g * head.vstride + t0 + kChunkKeys * pc;
+      _tile_loadd(4, pb + kChunkKeys * 16 * pc, 64);
+      _tile_loadd(6, vt, stride);
+      _tile_dpbf16ps(0, 6, 4);
+      _tile_loadd(7, vt + 16 * head.vstride, stride);
+      _tile_dpbf16ps(1, 7, 4);
+      _tile_loadd(6, vt + 32 * head.vstride, stride);
+      _tile_dpbf16ps(2, 6, 4);
+      _tile_loadd(7, vt + 48 * head.vstride, stride);
+      _tile_dpbf16ps(3, 7, 4);
+    }
+    _tile_stored(0, o, 64);
+    _tile_stored(1, o + 256, 64);
+    _tile_stored(2, o + 512, 64);
+    _tile_stored(3, o + 768, 64);
+  }
+}
+
+// out^T += the values of keys [k0, k0 + 32) weighed token by token, each
+// lane only to its own limit (a chunk with a value not finite), in float32
+// FMAs of the bfloat16 probabilities and values.
+GR_AMX_BF16 void chunk_values_lanes(const float* pf, int64_t t0, int64_t k0, const HeadTiles& head,
+                                    const BlockLanes& lanes, float* out) {
+  for (int64_t t = k0; t < std::min(k0 + kChunkKeys, lanes.last); ++t) {
+    const __mmask16 reads = _mm512_cmpgt_epi32_mask(lanes.lim, _mm512_set1_epi32(static_cast<int>(t)));
+    const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(pf + 16 * (t - t0)))), 16));
+    for (int64_t d = 0; d < head.dim; ++d) {
+      const __m512 v = _mm512_set1_ps(widen_bf16(head.vt[d * head.vstride + t]));
+      _mm512_store_ps(out + 16 * d, _mm512_mask3_fmadd_ps(p, v, _mm512_load_ps(out + 16 * d), reads));
+    }
+  }
+}
+
+// One block of 16 query tokens (qb, their limits in lanes) over the head:
+// out^T [dim, 16] their unnormalized outputs, lanes.sum their sums.
+GR_AMX_BF16 void amx_block(const uint16_t* qb, const HeadTiles& head, float scale,
+                           BlockLanes& lanes, float* st, uint16_t* pb, float* pf, float* out) {
+  std::fill(out, out + 16 * head.dim, 0.0f);
+  lanes.ref = _mm512_set1_ps(-INFINITY);
+  lanes.sum = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < lanes.last; t0 += kSpanKeys) {
+    const int tiles = static_cast<int>((std::min(kSpanKeys, lanes.last - t0) + kTileKeys - 1) / kTileKeys);
+    span_scores(qb, head, t0, tiles, st);
+    span_softmax(st, t0, scale, head.dim, lanes, pb, pf, out);
+    const int chunks = static_cast<int>(std::min<int64_t>(2, (lanes.last - t0 + kChunkKeys - 1) / kChunkKeys));
+    for (int pc = 0; pc < chunks;) {
+      int run = 0;  // finite chunks from pc on
+      while (pc + run < chunks && head.finite[t0 / kChunkKeys + pc + run]) ++run;
+      if (run > 0) {
+        chunks_values(pb, pc, run, head, t0, out);
+        pc += run;
+      } else {
+        chunk_values_lanes(pf, t0, t0 + kChunkKeys * pc, head, lanes, out);
+        ++pc;
+      }
+    }
+  }
+}
+
+// out rows (16 tokens from `live` on dropped, row stride `width`) = out^T
+// [dim, 16] divided by each token's sum, transposed back 16 x 16 at a time,
+// rounded to bfloat16.
+GR_AMX_BF16 void store_block(const float* out_t, __m512 sum, int64_t dim, int64_t live,
+                             int64_t width, uint16_t* dst) {
+  const __m512 by = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+  for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    __m512 rows[16];
+    for (int d = 0; d < 16; ++d) rows[d] = _mm512_mul_ps(_mm512_load_ps(out_t + 16 * (d0 + d)), by);
+    transpose16(rows);
+    for (int64_t r = 0; r < live; ++r) store_bf16x16(dst + r * width + d0, rows[r]);
+  }
+}
+
+// KV head h of the chunk: its layout once, then each of its group's query
+// heads 16 tokens a block.
+template <typename T>
+GR_AMX_BF16 void amx_head(const uint16_t* q, const T* k, const T* v, const int64_t* slots,
+                          int64_t n, int64_t len, int64_t h, int64_t heads, int64_t group,
+                          int64_t dim, float scale, uint16_t* out, AmxScratch& scratch) {
+  const HeadTiles head = head_tiles(k, v, slots, len, h, heads, dim, scratch);
+  uint16_t* qb = scratch.queries.get(kTileRows * dim);
+  uint16_t* pb = scratch.probs.get(kTileRows * kSpanKeys);
+  float* st = scratch.scores.get(2 * kTileRows * kSpanKeys);  // scores, then float32 probabilities
+  float* o = scratch.out.get(kTileRows * dim);
+  const int64_t width = heads * group * dim;
+  BlockLanes lanes;
+  alignas(64) int32_t lim[kTileRows];
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t col = (h * group + g) * dim;
+    for (int64_t i0 = 0; i0 < n; i0 += kTileRows) {
+      const int64_t live = std::min<int64_t>(kTileRows, n - i0);
+      for (int r = 0; r < kTileRows; ++r)  // a lane past the chunk repeats its last token
+        lim[r] = static_cast<int32_t>(len - n + i0 + std::min<int64_t>(r, live - 1) + 1);
+      lanes.lim = _mm512_load_si512(lim);
+      lanes.first = lim[0];
+      lanes.last = lim[kTileRows - 1];
+      query_tiles(q + i0 * width + col, width, live, dim, qb);
+      amx_block(qb, head, scale, lanes, st, pb, st + kTileRows * kSpanKeys, o);
+      store_block(o, lanes.sum, dim, live, width, out + i0 * width + col);
+    }
+  }
+}
+
+// A thread's heads [begin, end): its tiles configured, then released.
+template <typename T>
+GR_AMX_BF16 void amx_heads(int64_t begin, int64_t end, const uint16_t* q, const T* k,
+                           const T* v, const int64_t* slots, int64_t n, int64_t len,
+                           int64_t heads, int64_t group, int64_t dim, float scale,
+                           uint16_t* out) {
+  configure_tiles();
+  AmxScratch scratch;
+  for (int64_t h = begin; h < end; ++h)
+    amx_head(q, k, v, slots, n, len, h, heads, group, dim, scale, out, scratch);
+  _tile_release();
+}
+
+at::Tensor prompt_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                       const at::Tensor& slots, double scale) {
+  const char* op = "graphrunner_attention::prompt_bf16";
+  TORCH_CHECK(amx_bf16_granted(), op,
+              ": needs AMX-BF16 (and the OS's grant of its tiles), which this process lacks");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.device().is_cpu(), op,
+              ": q must be a bfloat16 CPU tensor [n, H, D], got ", q.sizes(), " ",
+              q.scalar_type());
+  const int64_t n = q.size(0), all_heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(k_buf.dim() == 3, op, ": k_buf must be [slots, H_kv, D], got ", k_buf.sizes());
+  const int64_t heads = k_buf.size(1);
+  TORCH_CHECK(heads > 0 && all_heads % heads == 0 && dim % 64 == 0 && k_buf.size(2) == dim, op,
+              ": q [n, H, D] = ", q.sizes(), " against k_buf ", k_buf.sizes(),
+              ": expected H a multiple of H_kv and D a multiple of 64, alike");
+  const auto kv_type = k_buf.scalar_type();
+  for (const at::Tensor* buf : {&k_buf, &v_buf})
+    TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type &&
+                    (kv_type == at::kBFloat16 || kv_type == at::kHalf || kv_type == at::kFloat) &&
+                    buf->is_cpu() && buf->is_contiguous() && buf->sizes() == k_buf.sizes(),
+                op, ": k_buf and v_buf must be contiguous bfloat16, float16 or float32 alike [slots, ",
+                heads, ", ", dim, "], got ", k_buf.sizes(), " ", kv_type, " and ", v_buf.sizes(),
+                " ", v_buf.scalar_type());
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_cpu(), op,
+              ": slots must be int64 CPU [L], got ", slots.sizes(), " ", slots.scalar_type());
+  const int64_t len = slots.size(0);
+  TORCH_CHECK(n >= 1 && n <= len, op, ": ", n, " query tokens over ", len,
+              " slots, expected 1 <= n <= L (the chunk's own tokens the slots' last)");
+  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < len; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buf.size(0), op, ": slots[", t, "] = ", sp[t],
+                " out of range [0, ", k_buf.size(0), ")");
+  at::Tensor out = at::empty({n, all_heads * dim}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  auto* op_out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto run = [&](const auto* kp, const auto* vp) {
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      amx_heads(begin, end, qp, kp, vp, sp, n, len, heads, all_heads / heads, dim,
+                static_cast<float>(scale), op_out);
+    });
+  };
+  if (kv_type == at::kBFloat16)
+    run(k_buf.data_ptr<at::BFloat16>(), v_buf.data_ptr<at::BFloat16>());
+  else if (kv_type == at::kHalf)
+    run(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
+  else
+    run(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
+  return out;
+}
+
+// Whether prompt_bf16 runs in this process (AMX-BF16 present and granted).
+bool prompt_bf16_runs() { return amx_bf16_granted(); }
+
 }  // namespace
 
 TORCH_LIBRARY(graphrunner_attention, m) {
@@ -1176,6 +1653,9 @@ TORCH_LIBRARY(graphrunner_attention, m) {
   m.def(
       "prompt_q8(Tensor q, Tensor k_buf, Tensor v_buf, Tensor k_scale, Tensor v_scale, "
       "Tensor slots, float scale) -> Tensor");
+  m.def(
+      "prompt_bf16(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, float scale) -> Tensor");
+  m.def("prompt_bf16_runs() -> bool", &prompt_bf16_runs);
   m.def("paths() -> int", &paths);
   m.def("use_path(int code) -> ()", &use_path);
   m.def(
@@ -1191,4 +1671,5 @@ TORCH_LIBRARY_IMPL(graphrunner_attention, CPU, m) {
   m.impl("rope_store_q8", &rope_store_q8);
   m.impl("prompt", &prompt);
   m.impl("prompt_q8", &prompt_q8);
+  m.impl("prompt_bf16", &prompt_bf16);
 }

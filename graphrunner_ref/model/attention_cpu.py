@@ -16,6 +16,12 @@ extension cache; where it cannot be built (no compiler, no AVX2,
 ``GRAPHRUNNER_INT4_KERNEL=torch``) or the model is not float32, the torch
 reference runs.
 
+A prompt chunk's attention (:func:`cpp_prompt_attention`) runs here too:
+float32 queries on AVX-512 (``prompt``, ``prompt_q8``), bfloat16 queries on
+the AMX-BF16 tiles (``prompt_bf16``, over a bfloat16, float16 or float32
+cache; where the CPU has it, ``GRAPHRUNNER_CPU_DISABLE`` does not hide it and
+the OS grants the tiles).
+
 The rotary + KV write (:func:`cpp_rope_store`) is the Triton kernel's
 (:mod:`~graphrunner_ref.model.kernels.rope_store`) on the CPU, equal to the
 model's torch ops bit for bit: one call a layer where inductor compiled a
@@ -32,12 +38,13 @@ from pathlib import Path
 
 import torch
 
-from graphrunner_ref.model.cpu_features import KERNEL_PATHS, KernelPath, best_path
+from graphrunner_ref.model.cpu_features import KERNEL_PATHS, KernelPath, best_path, cpu_features
 from graphrunner_ref.model.cpu_kernels import build_extension
 from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
 __all__ = [
     "ATTENTION_BUILD",
+    "BF16_PROMPT_KV_DTYPES",
     "ATTENTION_PATHS",
     "KV_DTYPES",
     "ATTENTION_SOURCE",
@@ -62,7 +69,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v18"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v24"
 
 
 @functools.cache
@@ -77,6 +84,7 @@ def cpp_attention_status() -> str | None:
         torch.library.register_fake("graphrunner_attention::rope_store_q8", _rope_store_q8_fake)
         torch.library.register_fake("graphrunner_attention::prompt", _prompt_fake)
         torch.library.register_fake("graphrunner_attention::prompt_q8", _prompt_q8_fake)
+        torch.library.register_fake("graphrunner_attention::prompt_bf16", _prompt_fake)
         use_path(_table_path())
     return why
 
@@ -307,15 +315,37 @@ def _prompt_built() -> bool:
     return path is not None and path.name == "avx512"
 
 
+@torch.compiler.assume_constant_result
+def _prompt_bf16_built() -> bool:
+    """Whether the bfloat16 prompt attention runs here: the kernels built, the
+    CPU's ``amx_tile`` and ``amx_bf16`` not hidden (``GRAPHRUNNER_CPU_DISABLE``)
+    and the OS's grant of the tiles, a constant to a traced forward."""
+    features = cpu_features()
+    return (
+        features.has("amx_tile", "amx_bf16")
+        and cpp_attention_status() is None
+        and bool(torch.ops.graphrunner_attention.prompt_bf16_runs())
+    )
+
+
+#: The caches the bfloat16 prompt attention reads (a wider one rounded to bfloat16).
+BF16_PROMPT_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def cpp_prompt_runs(q: torch.Tensor, k_buf: torch.Tensor, scales: object = None) -> bool:
     """Whether :func:`cpp_prompt_attention` runs for queries ``q [n, H, D]``
-    over ``k_buf``: CPU tensors, float32 queries of a head size a multiple of
-    16, over a float32 or float16 cache (or int8 with its ``scales``), on a
-    CPU with AVX-512 where the kernels build."""
-    cpu = q.device.type == "cpu" and k_buf.device.type == "cpu"
+    over ``k_buf``: CPU tensors; float32 queries of a head size a multiple of
+    16 over a float32 or float16 cache (or int8 with its ``scales``), on a CPU
+    with AVX-512 where the kernels build; or bfloat16 queries of a head size
+    a multiple of 64 over a bfloat16, float16 or float32 cache, on a CPU with
+    AMX-BF16."""
+    if q.device.type != "cpu" or k_buf.device.type != "cpu" or q.dim() != 3:
+        return False
+    if q.dtype == torch.bfloat16:
+        cache = scales is None and k_buf.dtype in BF16_PROMPT_KV_DTYPES
+        return cache and q.shape[-1] % 64 == 0 and _prompt_bf16_built()
     cache = k_buf.dtype == torch.int8 if scales is not None else k_buf.dtype in KV_DTYPES
-    shaped = q.dim() == 3 and q.shape[-1] % 16 == 0
-    return cpu and cache and shaped and q.dtype == torch.float32 and _prompt_built()
+    return cache and q.shape[-1] % 16 == 0 and q.dtype == torch.float32 and _prompt_built()
 
 
 def cpp_prompt_attention(
@@ -326,17 +356,22 @@ def cpp_prompt_attention(
     scale: float,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One request's prompt chunk over its slots: returns ``[n, H D]``.
+    """One request's prompt chunk over its slots: returns ``[n, H D]`` in ``q``'s dtype.
 
-    q: float32 ``[n, H, D]``, the chunk's rotated queries (``D`` a multiple of 16).
+    q: ``[n, H, D]``, the chunk's rotated queries: float32 (``D`` a multiple
+        of 16), or bfloat16 (``D`` a multiple of 64: AMX-BF16 tiles).
     k_buf, v_buf: ``[slots, H_kv, D]``, float32 or float16, or int8 with
-        ``scales`` (float32 ``[slots, H_kv]`` each, :class:`graphrunner.pools.Int8KVCache`).
+        ``scales`` (float32 ``[slots, H_kv]`` each, :class:`graphrunner.pools.Int8KVCache`);
+        under bfloat16 queries bfloat16, float16 or float32 (rounded to bfloat16).
     slots: int64 ``[L]``, ``L >= n``: the request's slots in order, the
         chunk's own tokens the last ``n`` (their K/V written already).
 
     Token ``i`` reads slots ``0 .. L - n + i``, query head ``h`` its KV head
     ``h // (H // H_kv)``: torch's fused attention with that causal mask, within
-    float32 rounding (only where :func:`cpp_prompt_runs`)."""
+    float32 rounding, or bfloat16's for bfloat16 queries (only where
+    :func:`cpp_prompt_runs`)."""
+    if q.dtype == torch.bfloat16:
+        return torch.ops.graphrunner_attention.prompt_bf16(q, k_buf, v_buf, slots, scale)
     if scales is not None:
         return torch.ops.graphrunner_attention.prompt_q8(q, k_buf, v_buf, *scales, slots, scale)
     return torch.ops.graphrunner_attention.prompt(q, k_buf, v_buf, slots, scale)

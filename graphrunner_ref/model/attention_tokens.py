@@ -4,7 +4,8 @@ A token batch (:mod:`graphrunner.phases.token_batch`) holds any mix of
 prompt chunks and decode rows: request ``i`` owns the next ``extend_lens[i]``
 tokens and reads ``req_to_token[req_pool_indices[i], :seq_lens[i]]``, its
 tokens causal by position. Each request is one call of the C++ prompt
-attention where it runs (:func:`~graphrunner_ref.model.attention_cpu.cpp_prompt_attention`),
+attention where it runs (:func:`~graphrunner_ref.model.attention_cpu.cpp_prompt_attention`:
+float32 on AVX-512, bfloat16 on AMX-BF16),
 else of torch's fused attention (the prompt path of
 :class:`~graphrunner_ref.model.attention.PagedAttention` either way),
 its ranges read from the step's host buffers (``extend_lens_cpu``,

@@ -13,9 +13,9 @@ GOP/s for int4-q8 on AMX-INT8, ``bench/results/gemm-peak-*.md``).
 2 bytes a weight more in memory). Calls of :data:`PROMPT_ROWS` rows or more
 (prompt chunks) multiply in bfloat16 with float32 results; fewer (decode
 steps) go to the 4-bit linear as before, so a decode step is unchanged. Such
-a chunk's attention runs in bfloat16 too (torch's fused attention on the
-same units, the K/V read from the cache in bfloat16): at 4,096 prompt
-tokens the float32 attention took most of the prefill.
+a chunk's attention runs in bfloat16 too (the K/V read from the cache in
+bfloat16; on AMX-BF16 the C++ tile kernel, else torch's fused attention):
+at 4,096 prompt tokens the float32 attention took most of the prefill.
 """
 
 from __future__ import annotations
