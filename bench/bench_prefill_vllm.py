@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=0.3, help="timed per product")
     args = parser.parse_args(argv)
     from bench.bench_context import smollm2_chats
+    from graphrunner_ref.model.attention_cpu import prompt_paths
     from graphrunner_ref.model.cpu_features import cpu_features, kernel_note
 
     checkpoint, _ = smollm2_chats()
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     features = cpu_features()
     info = {**machine(), "features": features.describe(), "threads": "1 each side",
             "int4-q8": f"{kernel_note('int4-q8')} ({q8_path_name()})",
+            "prompt attention": prompt_paths(),
             "vLLM": vllm_system() if theirs else "not available (GRAPHRUNNER_VLLM_PYTHON unset)",
             "command": command("bench_prefill_vllm", argv)}  # fmt: skip
     text = report(lengths, mine, theirs, peak, flops, info)

@@ -21,7 +21,11 @@ import re
 import pytest
 import torch
 
-from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
+from graphrunner_ref.model.attention_cpu import (
+    cpp_prompt_attention,
+    cpp_prompt_runs,
+    prompt_paths,
+)
 from graphrunner_ref.model.attention_torch import torch_prompt_attention
 
 SLOTS = 400
@@ -158,3 +162,6 @@ def test_it_runs_only_where_it_can() -> None:
     assert not cpp_prompt_runs(torch.zeros(2, 4, 64, dtype=torch.float16), torch.zeros(1, 2, 64))
     int8 = torch.zeros(1, 2, 64, dtype=torch.int8)
     assert not cpp_prompt_runs(torch.zeros(2, 4, 64, dtype=bf16), int8, (torch.ones(1, 2),) * 2)
+    # The results files' line says which ran.
+    runs = cpp_prompt_runs(torch.zeros(2, 4, 64, dtype=bf16), torch.zeros(1, 2, 64, dtype=bf16))
+    assert ("bfloat16 queries: C++ amx-bf16 tiles" in prompt_paths()) == runs

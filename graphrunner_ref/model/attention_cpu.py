@@ -60,6 +60,7 @@ __all__ = [
     "cpp_rope_store_runs",
     "decode_attention_fake",
     "decode_path",
+    "prompt_paths",
     "runnable_paths",
     "use_path",
     "using_path",
@@ -346,6 +347,14 @@ def cpp_prompt_runs(q: torch.Tensor, k_buf: torch.Tensor, scales: object = None)
         return cache and q.shape[-1] % 64 == 0 and _prompt_bf16_built()
     cache = k_buf.dtype == torch.int8 if scales is not None else k_buf.dtype in KV_DTYPES
     return cache and q.shape[-1] % 16 == 0 and q.dtype == torch.float32 and _prompt_built()
+
+
+def prompt_paths() -> str:
+    """One line for results files: what a prompt chunk's attention runs here,
+    for float32 and for bfloat16 queries."""
+    f32 = "C++ avx512" if _prompt_built() else "torch's fused attention"
+    bf16 = "C++ amx-bf16 tiles" if _prompt_bf16_built() else "torch's fused attention"
+    return f"float32 queries: {f32}; bfloat16 queries: {bf16}"
 
 
 def cpp_prompt_attention(
