@@ -98,6 +98,22 @@ def test_it_meets_the_float64_attention_within_bfloat16(
     assert (got.double() - want).abs().max().item() <= 2 * worst + 2e-3
 
 
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
+def test_a_score_far_above_the_first_spans_rescales_the_output(cache: torch.dtype) -> None:
+    """Keys whose scores rise far past a token's first 64 (the reference the
+    kernel keeps until a score passes it by e^8) still meet the oracle: the
+    reference raised, the output so far and the sum rescaled, the span taken
+    again."""
+    _skip_without_kernel()
+    n, length = 40, 300
+    q, k, v, slots = _case(n, length, 6, 2, 64, seed=9, cache=cache)
+    for i, boost in ((70, 6.0), (150, 12.0), (260, 25.0)):  # each later one higher still
+        k[slots[i]] = (q[-1, 0].float() * boost / q[-1, 0].float().norm()).to(cache)
+    got = cpp_prompt_attention(q, k, v, slots, 0.5)
+    want = _oracle(q, k, v, slots, 0.5)
+    torch.testing.assert_close(got.double(), want, atol=3e-3, rtol=8e-3)
+
+
 def test_a_token_never_reads_the_keys_after_its_own() -> None:
     """NaN keys after token i's last leave token i's output the same bit for
     bit (a masked score is -inf whatever the key)."""

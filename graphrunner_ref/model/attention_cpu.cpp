@@ -1184,14 +1184,16 @@ at::Tensor prompt_q8(const at::Tensor& q, const at::Tensor& k_buf, const at::Ten
 // tile per 32 dims, over 64 keys a span:
 //
 //   scores^T [64 keys, 16 tokens] = keys . q^T        4 x (D / 32) tdpbf16ps
-//   p^T = e^(scale scores^T - max), masked            16 lanes a key, exp16
+//   p^T = e^(scale scores^T - ref), masked            16 lanes a key, in log2 units
 //   out^T [D, 16 tokens] += vt . p^T                  (D / 16) x 2 tdpbf16ps
 //
 // each token's output divided by its sum and transposed back last. A
-// token's maximum is a reference raised only when a score passes it by more
-// than kLazyRescale (its output and sum then rescaled, FlashAttention-3's
-// lazy rescaling): the softmax is the same whatever the reference, and e^8
-// keeps every probability finite in bfloat16. A key past a token's own last
+// token's reference is its maximum over its first span, raised only when a
+// later score passes it by more than kLazyRescale (that span's probabilities
+// taken again, its output and sum rescaled: FlashAttention-3's lazy
+// rescaling), so most spans take their probabilities in one pass: the
+// softmax is the same whatever the reference, and e^8 keeps every
+// probability finite in bfloat16. A key past a token's own last
 // has probability 0; a 32-key chunk whose values are not all finite (a zero
 // times a later token's NaN would be NaN) is weighed token by token, each to
 // its own last key, so a token's output depends on its own row's keys only,
@@ -1407,49 +1409,90 @@ GR_AMX_BF16 void span_scores(const uint16_t* qb, const HeadTiles& head, int64_t 
 // reference maximum, the sum of exponentials against it.
 struct BlockLanes {
   __m512i lim;
-  __m512 ref, sum;
+  __m512 ref, sum;  // ref in log2 units: a score's scale * log2(e) times it
   int64_t first, last;  // the smallest and largest limit
 };
 
-// The span's probabilities from st (keys t0 .. t0 + 64, those from `last`
-// on none of the block's): each key's 16 scores scaled and masked past each
-// token's limit, the reference raised where a score passes it by more than
-// kLazyRescale (out^T [dim, 16] and the sums rescaled), e^(x - ref) summed
-// and written as bfloat16 B tiles: pb[kp * 16 + r] pairs keys 2 kp, 2 kp + 1
-// of token r. pf keeps them in float32 [64, 16] for a chunk weighed token
-// by token.
-GR_AMX_BF16 void span_softmax(const float* st, int64_t t0, float scale, int64_t dim,
-                              BlockLanes& lanes, uint16_t* pb, float* pf, float* out) {
-  const int64_t keys = std::min(kSpanKeys, lanes.last - t0);
-  const __m512 sc = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
-  __m512 top = none;
-  for (int64_t t = 0; t < keys; ++t) {
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(st + 16 * t), sc);
-    if (t0 + t >= lanes.first)
-      x = _mm512_mask_mov_ps(none, _mm512_cmpgt_epi32_mask(lanes.lim, _mm512_set1_epi32(static_cast<int>(t0 + t))), x);
-    _mm512_store_ps(pf + 16 * t, x);
-    top = _mm512_max_ps(top, x);
-  }
-  const __mmask16 raise = _mm512_cmp_ps_mask(top, _mm512_add_ps(lanes.ref, _mm512_set1_ps(kLazyRescale)), _CMP_GT_OQ);
-  if (raise != 0) {
-    const __m512 ref = _mm512_mask_max_ps(lanes.ref, raise, lanes.ref, top);
-    const __m512 by = exp16(_mm512_sub_ps(lanes.ref, ref));  // 1 where not raised, 0 at first
-    lanes.sum = _mm512_mul_ps(lanes.sum, by);
-    for (int64_t d = 0; d < dim; ++d)
-      _mm512_store_ps(out + 16 * d, _mm512_mul_ps(_mm512_load_ps(out + 16 * d), by));
-    lanes.ref = ref;
-  }
+// 2^y (y = n + f, |f| <= 1/2: 2^f by the degree-5 Taylor polynomial of
+// e^(f ln 2), then times 2^n by vscalefps): within 3e-6 relative, ample for
+// probabilities rounded to bfloat16; a NaN y stays NaN, a y far below -126
+// gives 0 (a -inf y gives NaN: masked lanes are zeroed by the caller).
+constexpr float kExp2Taylor[] = {1.3333558146e-3f, 9.6181291076e-3f, 5.5504108665e-2f,
+                                 2.4022650696e-1f, 6.9314718056e-1f, 1.0f};
+GR_AMX_BF16 inline __m512 exp2_16(__m512 y) {
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The lanes (tokens) that read key t: those whose limit is past it.
+GR_AMX_BF16 inline __mmask16 reading(const BlockLanes& lanes, int64_t t) {
+  return t < lanes.first ? static_cast<__mmask16>(0xFFFF)
+                         : _mm512_cmpgt_epi32_mask(lanes.lim, _mm512_set1_epi32(static_cast<int>(t)));
+}
+
+// Each lane's largest scaled score (log2 units) over the span's keys it reads.
+GR_AMX_BF16 __m512 span_top(const float* st, int64_t t0, int64_t keys, float scale2,
+                            const BlockLanes& lanes) {
+  const __m512 sc = _mm512_set1_ps(scale2);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < keys; ++t)
+    top = _mm512_mask_max_ps(top, reading(lanes, t0 + t), top, _mm512_mul_ps(_mm512_load_ps(st + 16 * t), sc));
+  return top;
+}
+
+// The span's probabilities 2^(scale2 s - ref), zero past each lane's limit,
+// as bfloat16 B tiles (pb[kp * 16 + r] pairs keys 2 kp, 2 kp + 1 of token
+// r) and, with pf, float32 [64, 16]; their sums added to total. Returns each
+// lane's largest exponent (scale2 s - ref, -inf where it reads none).
+GR_AMX_BF16 __m512 span_probs(const float* st, int64_t t0, int64_t keys, float scale2,
+                              const BlockLanes& lanes, uint16_t* pb, float* pf, __m512& total) {
+  const __m512 sc = _mm512_set1_ps(scale2);
   const __m512i order = _mm512_load_si512(kInterleave);
-  __m512 total = lanes.sum;
+  __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < kSpanKeys; t += 2) {
     __m512 e[2];
     for (int j = 0; j < 2; ++j) {
-      e[j] = t + j < keys ? exp16(_mm512_sub_ps(_mm512_load_ps(pf + 16 * (t + j)), lanes.ref))
-                          : _mm512_setzero_ps();
-      _mm512_store_ps(pf + 16 * (t + j), e[j]);
-      total = _mm512_add_ps(total, e[j]);
+      e[j] = _mm512_setzero_ps();
+      if (t + j < keys) {
+        const __mmask16 live = reading(lanes, t0 + t + j);
+        const __m512 y = _mm512_fmsub_ps(_mm512_load_ps(st + 16 * (t + j)), sc, lanes.ref);
+        top = _mm512_mask_max_ps(top, live, top, y);
+        e[j] = _mm512_maskz_mov_ps(live, exp2_16(y));
+      }
+      if (pf != nullptr) _mm512_store_ps(pf + 16 * (t + j), e[j]);
+      sum = _mm512_add_ps(sum, e[j]);
     }
     _mm512_store_si512(pb + 16 * t, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0])));
+  }
+  total = _mm512_add_ps(total, sum);
+  return top;
+}
+
+// The span's softmax step from st (keys t0 .. t0 + 64, those from `last` on
+// none of the block's): at a block's first span each lane's reference is
+// its maximum; after, the probabilities are taken against the reference in
+// one pass, and taken again where a lane's score passed it by more than
+// kLazyRescale (its reference raised, its output out^T [dim, 16] and sum
+// rescaled). pf (or nullptr) as span_probs.
+GR_AMX_BF16 void span_softmax(const float* st, int64_t t0, float scale, int64_t dim,
+                              BlockLanes& lanes, uint16_t* pb, float* pf, float* out) {
+  const int64_t keys = std::min(kSpanKeys, lanes.last - t0);
+  const float scale2 = scale * kLog2e;
+  if (t0 == 0) lanes.ref = span_top(st, t0, keys, scale2, lanes);
+  __m512 total = lanes.sum;
+  const __m512 top = span_probs(st, t0, keys, scale2, lanes, pb, pf, total);
+  const __mmask16 raise = _mm512_cmp_ps_mask(top, _mm512_set1_ps(kLazyRescale * kLog2e), _CMP_GT_OQ);
+  if (raise != 0) {
+    const __m512 ref = _mm512_mask_add_ps(lanes.ref, raise, lanes.ref, top);
+    const __m512 by = exp2_16(_mm512_sub_ps(lanes.ref, ref));  // 1 where not raised
+    for (int64_t d = 0; d < dim; ++d)
+      _mm512_store_ps(out + 16 * d, _mm512_mul_ps(_mm512_load_ps(out + 16 * d), by));
+    lanes.ref = ref;
+    total = _mm512_mul_ps(lanes.sum, by);
+    span_probs(st, t0, keys, scale2, lanes, pb, pf, total);
   }
   lanes.sum = total;
 }
@@ -1511,8 +1554,10 @@ GR_AMX_BF16 void amx_block(const uint16_t* qb, const HeadTiles& head, float scal
   for (int64_t t0 = 0; t0 < lanes.last; t0 += kSpanKeys) {
     const int tiles = static_cast<int>((std::min(kSpanKeys, lanes.last - t0) + kTileKeys - 1) / kTileKeys);
     span_scores(qb, head, t0, tiles, st);
-    span_softmax(st, t0, scale, head.dim, lanes, pb, pf, out);
     const int chunks = static_cast<int>(std::min<int64_t>(2, (lanes.last - t0 + kChunkKeys - 1) / kChunkKeys));
+    bool all_finite = true;  // else the float32 probabilities are kept for chunk_values_lanes
+    for (int pc = 0; pc < chunks; ++pc) all_finite = all_finite && head.finite[t0 / kChunkKeys + pc];
+    span_softmax(st, t0, scale, head.dim, lanes, pb, all_finite ? nullptr : pf, out);
     for (int pc = 0; pc < chunks;) {
       int run = 0;  // finite chunks from pc on
       while (pc + run < chunks && head.finite[t0 / kChunkKeys + pc + run]) ++run;
