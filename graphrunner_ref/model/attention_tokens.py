@@ -107,18 +107,30 @@ def _per_request(
     req_to_token, req_pool_indices = layout.req_to_token, layout.req_pool_indices
     attend = prompt_attention(q, k_buf, scales)  # one choice for every request
     tokens, heads, dim = q.shape
-    out = q.new_zeros(tokens, heads * dim)
-    start = 0
     rows = req_pool_indices.tolist() if req_pool_indices.device.type == "cpu" else None
-    for i, (n, length) in enumerate(
-        zip(layout.extend_lens_cpu.tolist(), layout.seq_lens_cpu.tolist(), strict=True)
-    ):
-        if n == 0:  # a padded request owns no token
-            continue
+    spans = [  # (request, its tokens, its length), padded requests (no token) left out
+        (i, n, length)
+        for i, (n, length) in enumerate(
+            zip(layout.extend_lens_cpu.tolist(), layout.seq_lens_cpu.tolist(), strict=True)
+        )
+        if n > 0
+    ]
+
+    def slots(i: int, length: int) -> torch.Tensor:
         row = rows[i] if rows is not None else req_pool_indices[i]
-        slots = req_to_token[row, :length].long()
-        out[start : start + n] = attend(q[start : start + n], k_buf, v_buf, slots, scale, scales)
+        return req_to_token[row, :length].long()
+
+    if len(spans) == 1 and spans[0][1] == tokens:  # one request owns every token (a prompt)
+        i, _, length = spans[0]
+        return attend(q, k_buf, v_buf, slots(i, length), scale, scales)
+    out = q.new_empty(tokens, heads * dim)
+    start = 0
+    for i, n, length in spans:
+        out[start : start + n] = attend(
+            q[start : start + n], k_buf, v_buf, slots(i, length), scale, scales
+        )
         start += n
+    out[start:] = 0  # padded tokens
     return out
 
 
