@@ -292,15 +292,19 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _kernel(args: argparse.Namespace) -> str:
-    """The kernel note of the run's quantized product, or why there is none."""
+    """The kernel note of the run's quantized product, or why there is none,
+    and the prompt attention's paths."""
+    from graphrunner_ref.model.attention_cpu import prompt_paths
     from graphrunner_ref.model.cpu_features import KERNEL_PATHS, cpu_features, kernel_note
 
+    attention = f"; prompt attention: {prompt_paths()}"
     if args.quantize in {p.product for p in KERNEL_PATHS}:
         note = kernel_note(args.quantize)
         if args.prefill_bf16:
             note += "; prompt chunks widened to bfloat16 (torch's bfloat16 matmuls)"
-        return note
-    return f"kernel: torch's own matmuls (no quantized product); CPU {cpu_features().describe()}"
+        return note + attention
+    features = cpu_features().describe()
+    return f"kernel: torch's own matmuls (no quantized product); CPU {features}{attention}"
 
 
 def _default_name(args: argparse.Namespace) -> str:
