@@ -22,7 +22,8 @@ import torch
 
 from graphrunner.pools import Int8KVCache
 from graphrunner_ref.model.attention_cpu import cpp_prompt_attention, cpp_prompt_runs
-from graphrunner_ref.model.attention_torch import read_kv, torch_prompt_attention
+from graphrunner_ref.model.attention_torch import torch_prompt_attention
+from tests.attention_oracle import prompt_oracle
 
 SLOTS = 300
 
@@ -56,28 +57,6 @@ def _case(
     return q, k, v, slots
 
 
-def _oracle(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    n, heads, dim = q.shape
-    k_scale, v_scale = (None, None) if scales is None else scales
-    k = read_kv(k_buf, slots, torch.float64, k_scale)  # [L, H_kv, D]
-    v = read_kv(v_buf, slots, torch.float64, v_scale)
-    group = heads // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    length = slots.shape[0]
-    keys = torch.arange(length)
-    mask = keys[None, :] <= (length - n + torch.arange(n)[:, None])
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("hnl,lhd->nhd", probs, v).reshape(n, heads * dim)
-
-
 @pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "dim"), CASES)
 @pytest.mark.parametrize("cache", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
@@ -98,7 +77,7 @@ def test_each_path_meets_the_float64_attention(
     attend = cpp_prompt_attention if path == "kernel" else torch_prompt_attention
     assert cpp_prompt_runs(q, k, scales) or path == "torch"
     got = attend(q, k, v, slots, scale, scales)
-    want = _oracle(q, k, v, slots, scale, scales)
+    want = prompt_oracle(q, k, v, slots, scale, scales)
     assert got.shape == (n, heads * dim) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 

@@ -27,6 +27,7 @@ from graphrunner_ref.model.attention_cpu import (
     prompt_paths,
 )
 from graphrunner_ref.model.attention_torch import torch_prompt_attention
+from tests.attention_oracle import prompt_oracle
 
 SLOTS = 400
 
@@ -62,22 +63,6 @@ def _case(
     return q, k, v, slots
 
 
-def _oracle(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, scale: float
-) -> torch.Tensor:
-    n, heads, dim = q.shape
-    k = k_buf[slots].bfloat16().double()  # [L, H_kv, D], as bfloat16 holds it
-    v = v_buf[slots].bfloat16().double()
-    group = heads // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    length = slots.shape[0]
-    keys = torch.arange(length)
-    mask = keys[None, :] <= (length - n + torch.arange(n)[:, None])
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("hnl,lhd->nhd", probs, v).reshape(n, heads * dim)
-
-
 @pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "dim"), CASES)
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16, torch.float32])
 def test_it_meets_the_float64_attention_within_bfloat16(
@@ -87,7 +72,7 @@ def test_it_meets_the_float64_attention_within_bfloat16(
     q, k, v, slots = _case(n, length, heads, kv_heads, dim, seed=n * 31 + length, cache=cache)
     scale = dim**-0.5
     got = cpp_prompt_attention(q, k, v, slots, scale)
-    want = _oracle(q, k, v, slots, scale)
+    want = prompt_oracle(q, k.bfloat16(), v.bfloat16(), slots, scale)
     assert got.shape == (n, heads * dim) and got.dtype == torch.bfloat16
     # bfloat16's output rounding (2^-8 relative) and its probabilities' (a
     # sum of many, each off by at most 2^-9 relative).
@@ -110,7 +95,7 @@ def test_a_score_far_above_the_first_spans_rescales_the_output(cache: torch.dtyp
     for i, boost in ((70, 6.0), (150, 12.0), (260, 25.0)):  # each later one higher still
         k[slots[i]] = (q[-1, 0].float() * boost / q[-1, 0].float().norm()).to(cache)
     got = cpp_prompt_attention(q, k, v, slots, 0.5)
-    want = _oracle(q, k, v, slots, 0.5)
+    want = prompt_oracle(q, k.bfloat16(), v.bfloat16(), slots, 0.5)
     torch.testing.assert_close(got.double(), want, atol=3e-3, rtol=8e-3)
 
 

@@ -1110,6 +1110,34 @@ void prompt_head(const float* q, const T* k, const T* v, const float* ks, const 
   }
 }
 
+// The KV heads of k_buf [slots, H_kv, D] for queries q [n, H, D]: H a
+// multiple of H_kv, D one of `multiple`; refused by name otherwise.
+int64_t checked_heads(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
+                      int64_t multiple) {
+  TORCH_CHECK(k_buf.dim() == 3, op, ": k_buf must be [slots, H_kv, D], got ", k_buf.sizes());
+  const int64_t heads = k_buf.size(1), dim = q.size(2);
+  TORCH_CHECK(heads > 0 && q.size(1) % heads == 0 && dim % multiple == 0 && k_buf.size(2) == dim,
+              op, ": q [n, H, D] = ", q.sizes(), " against k_buf ", k_buf.sizes(),
+              ": expected H a multiple of H_kv and D a multiple of ", multiple, ", alike");
+  return heads;
+}
+
+// A prompt chunk's slots [L] (int64, each in [0, capacity)) for its n query
+// tokens (1 <= n <= L), contiguous; refused by name otherwise.
+at::Tensor checked_slots(const char* op, const at::Tensor& slots, int64_t n, int64_t capacity) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_cpu(), op,
+              ": slots must be int64 CPU [L], got ", slots.sizes(), " ", slots.scalar_type());
+  const int64_t len = slots.size(0);
+  TORCH_CHECK(n >= 1 && n <= len, op, ": ", n, " query tokens over ", len,
+              " slots, expected 1 <= n <= L (the chunk's own tokens the slots' last)");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < len; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, op, ": slots[", t, "] = ", sp[t],
+                " out of range [0, ", capacity, ")");
+  return sl;
+}
+
 // The checks and the loop of prompt and prompt_q8 (scales: undefined tensors
 // for a float cache).
 at::Tensor prompt_rows(const char* op, const at::Tensor& q, const at::Tensor& k_buf,
@@ -1119,23 +1147,12 @@ at::Tensor prompt_rows(const char* op, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(), op,
               ": q must be a float32 CPU tensor [n, H, D], got ", q.sizes(), " ", q.scalar_type());
   const int64_t n = q.size(0), all_heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(k_buf.dim() == 3, op, ": k_buf must be [slots, H_kv, D], got ", k_buf.sizes());
-  const int64_t heads = k_buf.size(1);
-  TORCH_CHECK(heads > 0 && all_heads % heads == 0 && dim % 16 == 0 && k_buf.size(2) == dim, op,
-              ": q [n, H, D] = ", q.sizes(), " against k_buf ", k_buf.sizes(),
-              ": expected H a multiple of H_kv and D a multiple of 16, alike");
+  const int64_t heads = checked_heads(op, q, k_buf, 16);
   check_cache(op, k_buf, v_buf, k_scale, v_scale, heads, dim);
   const bool q8 = k_scale.defined();
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_cpu(), op,
-              ": slots must be int64 CPU [L], got ", slots.sizes(), " ", slots.scalar_type());
-  const int64_t len = slots.size(0);
-  TORCH_CHECK(n >= 1 && n <= len, op, ": ", n, " query tokens over ", len,
-              " slots, expected 1 <= n <= L (the chunk's own tokens the slots' last)");
-  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
+  const at::Tensor qc = q.contiguous(), sl = checked_slots(op, slots, n, k_buf.size(0));
+  const int64_t len = sl.size(0);
   const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < len; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buf.size(0), op, ": slots[", t, "] = ", sp[t],
-                " out of range [0, ", k_buf.size(0), ")");
   at::Tensor out = at::empty({n, all_heads * dim}, q.options());
   const float* ksp = q8 ? k_scale.data_ptr<float>() : nullptr;
   const float* vsp = q8 ? v_scale.data_ptr<float>() : nullptr;
@@ -1638,11 +1655,7 @@ at::Tensor prompt_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::T
               ": q must be a bfloat16 CPU tensor [n, H, D], got ", q.sizes(), " ",
               q.scalar_type());
   const int64_t n = q.size(0), all_heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(k_buf.dim() == 3, op, ": k_buf must be [slots, H_kv, D], got ", k_buf.sizes());
-  const int64_t heads = k_buf.size(1);
-  TORCH_CHECK(heads > 0 && all_heads % heads == 0 && dim % 64 == 0 && k_buf.size(2) == dim, op,
-              ": q [n, H, D] = ", q.sizes(), " against k_buf ", k_buf.sizes(),
-              ": expected H a multiple of H_kv and D a multiple of 64, alike");
+  const int64_t heads = checked_heads(op, q, k_buf, 64);
   const auto kv_type = k_buf.scalar_type();
   for (const at::Tensor* buf : {&k_buf, &v_buf})
     TORCH_CHECK(buf->dim() == 3 && buf->scalar_type() == kv_type &&
@@ -1651,16 +1664,9 @@ at::Tensor prompt_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::T
                 op, ": k_buf and v_buf must be contiguous bfloat16, float16 or float32 alike [slots, ",
                 heads, ", ", dim, "], got ", k_buf.sizes(), " ", kv_type, " and ", v_buf.sizes(),
                 " ", v_buf.scalar_type());
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_cpu(), op,
-              ": slots must be int64 CPU [L], got ", slots.sizes(), " ", slots.scalar_type());
-  const int64_t len = slots.size(0);
-  TORCH_CHECK(n >= 1 && n <= len, op, ": ", n, " query tokens over ", len,
-              " slots, expected 1 <= n <= L (the chunk's own tokens the slots' last)");
-  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
+  const at::Tensor qc = q.contiguous(), sl = checked_slots(op, slots, n, k_buf.size(0));
+  const int64_t len = sl.size(0);
   const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < len; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buf.size(0), op, ": slots[", t, "] = ", sp[t],
-                " out of range [0, ", k_buf.size(0), ")");
   at::Tensor out = at::empty({n, all_heads * dim}, q.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   auto* op_out = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());

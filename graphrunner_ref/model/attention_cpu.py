@@ -70,7 +70,7 @@ __all__ = [
 ATTENTION_SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 #: Bump with any change to the source: it names the cached build (and keys
 #: saved programs, ``engine.bundle.aot_key``).
-ATTENTION_BUILD = "graphrunner_cpu_attention_v27"
+ATTENTION_BUILD = "graphrunner_cpu_attention_v31"
 
 
 @functools.cache
