@@ -22,11 +22,13 @@ import pytest
 import torch
 
 from graphrunner_ref.model.attention_cpu import (
+    BF16_PROMPT_FEATURES,
     cpp_prompt_attention,
     cpp_prompt_runs,
     prompt_paths,
 )
 from graphrunner_ref.model.attention_torch import torch_prompt_attention
+from graphrunner_ref.model.cpu_features import cpu_features
 from tests.attention_oracle import prompt_oracle
 
 SLOTS = 400
@@ -166,3 +168,18 @@ def test_it_runs_only_where_it_can() -> None:
     # The results files' line says which ran.
     runs = cpp_prompt_runs(torch.zeros(2, 4, 64, dtype=bf16), torch.zeros(1, 2, 64, dtype=bf16))
     assert ("bfloat16 queries: C++ amx-bf16 tiles" in prompt_paths()) == runs
+
+
+@pytest.mark.parametrize("hidden", BF16_PROMPT_FEATURES)
+def test_hiding_a_feature_it_uses_leaves_it_to_torch(
+    hidden: str, fresh_features: pytest.MonkeyPatch
+) -> None:
+    """``GRAPHRUNNER_CPU_DISABLE`` naming any feature the kernel's code uses
+    (the AVX-512 ones as much as AMX's) turns it off: bfloat16 queries go to
+    torch's fused attention, and the results files say so."""
+    _skip_without_kernel()
+    fresh_features.setenv("GRAPHRUNNER_CPU_DISABLE", hidden)
+    cpu_features.cache_clear()  # read again under the hidden feature
+    bf16 = torch.bfloat16
+    assert not cpp_prompt_runs(torch.zeros(2, 4, 64, dtype=bf16), torch.zeros(1, 2, 64, dtype=bf16))
+    assert "bfloat16 queries: torch's fused attention" in prompt_paths()

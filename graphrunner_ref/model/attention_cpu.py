@@ -19,8 +19,8 @@ reference runs.
 A prompt chunk's attention (:func:`cpp_prompt_attention`) runs here too:
 float32 queries on AVX-512 (``prompt``, ``prompt_q8``), bfloat16 queries on
 the AMX-BF16 tiles (``prompt_bf16``, over a bfloat16, float16 or float32
-cache; where the CPU has it, ``GRAPHRUNNER_CPU_DISABLE`` does not hide it and
-the OS grants the tiles).
+cache; where the CPU has every feature it uses, ``GRAPHRUNNER_CPU_DISABLE``
+hides none of them and the OS grants the tiles).
 
 The rotary + KV write (:func:`cpp_rope_store`) is the Triton kernel's
 (:mod:`~graphrunner_ref.model.kernels.rope_store`) on the CPU, equal to the
@@ -44,6 +44,7 @@ from graphrunner_ref.model.kernels.rope_store import rope_store_fake
 
 __all__ = [
     "ATTENTION_BUILD",
+    "BF16_PROMPT_FEATURES",
     "BF16_PROMPT_KV_DTYPES",
     "ATTENTION_PATHS",
     "KV_DTYPES",
@@ -316,14 +317,18 @@ def _prompt_built() -> bool:
     return path is not None and path.name == "avx512"
 
 
+#: The CPU features the bfloat16 prompt attention's code uses: hiding any of
+#: them (``GRAPHRUNNER_CPU_DISABLE``) leaves bfloat16 queries to torch.
+BF16_PROMPT_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
 @torch.compiler.assume_constant_result
 def _prompt_bf16_built() -> bool:
-    """Whether the bfloat16 prompt attention runs here: the kernels built, the
-    CPU's ``amx_tile`` and ``amx_bf16`` not hidden (``GRAPHRUNNER_CPU_DISABLE``)
-    and the OS's grant of the tiles, a constant to a traced forward."""
-    features = cpu_features()
+    """Whether the bfloat16 prompt attention runs here: the kernels built,
+    every one of :data:`BF16_PROMPT_FEATURES` present and not hidden, and the
+    OS's grant of the tiles, a constant to a traced forward."""
     return (
-        features.has("amx_tile", "amx_bf16")
+        cpu_features().has(*BF16_PROMPT_FEATURES)
         and cpp_attention_status() is None
         and bool(torch.ops.graphrunner_attention.prompt_bf16_runs())
     )
